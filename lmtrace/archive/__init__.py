@@ -1,0 +1,1 @@
+"""The run archive: layout (names, dims), writer (streaming), reader (typed access)."""

@@ -1,0 +1,178 @@
+"""Every name, dimension and dtype of the run archive, in one place (documented in docs/archive.md).
+
+Array names follow one scheme and are used unchanged by probes, writer, reader and docs:
+
+  per step, leading dims (sequence, step):
+    attn           [sequence, step, layer, head, key]        post-softmax query row, key = token position
+    attn_topk_idx  [sequence, step, layer, head, k_attn]     (attention.top_k set) key positions, -1 = none
+    attn_topk_prob [sequence, step, layer, head, k_attn]
+    q              [sequence, step, layer, head, head_dim]   post-rotary query of the query position
+    k, v           [sequence, step, layer, kv_head, head_dim] post-rotary key / value of the query position
+    ffn_idx        [sequence, step, layer, k_ffn]            top-|a| neurons of the MLP intermediate activation
+    ffn_val        [sequence, step, layer, k_ffn]            their signed values
+    resid          [sequence, step, resid_layer, d_model]    residual stream after the layer (full vectors)
+    lens_ids       [sequence, step, layer, k_lens]           logit-lens top-k token ids
+    lens_probs     [sequence, step, layer, k_lens]           and their probabilities
+  prompt time:
+    prefill_attn   [sequence, layer, head, query_pos, key_pos]
+    prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
+  coordinates and per-sequence:
+    layer [layer], resid_layer [resid_layer], head [head], kv_head [kv_head],
+    kv_head_of_head [head], prompt_len [sequence], generated_len [sequence]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+SPEC = "spec.yaml"
+TENSORS = "tensors.zarr"
+LOG = "log.jsonl"
+PROGRESS = "progress.json"
+TABLES = ("tokens", "steps", "sequences")
+
+
+def table_file(name: str) -> str:
+    return f"{name}.parquet"
+
+
+def table_parts_dir(name: str) -> str:
+    """Where a table's part files live while a run is being written (compacted at completion)."""
+    return f"{name}.parts"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    per_step: bool  # leading dims (sequence, step) and written in step blocks
+    layered: bool = False  # has a `layer` dim at position 2 (per step) or 1 (prefill): sharded by layer
+
+    @property
+    def fill(self):
+        return np.nan if np.dtype(self.dtype).kind == "f" else -1
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The sizes that fix every array's shape for one run."""
+
+    n_sequences: int
+    n_steps: int  # max_new_tokens: step 0 is the prefill
+    max_prompt: int
+    layers: tuple[int, ...]  # captured layer indices
+    resid_layers: tuple[int, ...]
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_model: int
+    d_ffn: int
+    kv_head_of_head: tuple[int, ...]
+    k_attn: int | None = None  # None = full rows
+    k_ffn: int = 32
+    k_lens: int = 5
+    attention: bool = True
+    prefill_attention: bool = False
+    qkv: bool = True
+    ffn: bool = True
+    lens: bool = True
+    float_dtype: str = "float16"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        return self.max_prompt + self.n_steps
+
+    def dim_sizes(self) -> dict[str, int]:
+        return {
+            "sequence": self.n_sequences, "step": self.n_steps, "layer": len(self.layers),
+            "resid_layer": len(self.resid_layers), "head": self.n_heads, "kv_head": self.n_kv_heads,
+            "key": self.max_len, "k_attn": self.k_attn or 0, "head_dim": self.head_dim,
+            "d_model": self.d_model, "k_ffn": self.k_ffn, "k_lens": self.k_lens,
+            "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
+        }
+
+    def arrays(self) -> list[ArraySpec]:
+        f = self.float_dtype
+        out: list[ArraySpec] = []
+        if self.attention and self.k_attn is None:
+            out.append(ArraySpec("attn", ("sequence", "step", "layer", "head", "key"), f, True, True))
+        if self.attention and self.k_attn is not None:
+            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "head", "k_attn"), "int32", True, True))
+            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "head", "k_attn"), f, True, True))
+        if self.qkv:
+            out.append(ArraySpec("q", ("sequence", "step", "layer", "head", "head_dim"), f, True, True))
+            out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, True))
+            out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, True))
+            out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, True))
+            out.append(ArraySpec("prompt_v", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, True))
+        if self.ffn:
+            out.append(ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True, True))
+            out.append(ArraySpec("ffn_val", ("sequence", "step", "layer", "k_ffn"), "float32", True, True))
+        if self.resid_layers:
+            out.append(ArraySpec("resid", ("sequence", "step", "resid_layer", "d_model"), "float32", True))
+        if self.lens:
+            out.append(ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True, True))
+            out.append(ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True, True))
+        if self.prefill_attention:
+            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False, True))
+        return out
+
+    def shape_of(self, spec: ArraySpec) -> tuple[int, ...]:
+        sizes = self.dim_sizes()
+        return tuple(sizes[d] for d in spec.dims)
+
+    def estimate_bytes_per_step(self) -> int:
+        """Uncompressed bytes one sequence adds per generated step (an upper bound: padding included)."""
+        sizes = self.dim_sizes()
+        total = 0
+        for spec in self.arrays():
+            if spec.per_step:
+                n = int(np.prod([sizes[d] for d in spec.dims[2:]]))
+                total += n * np.dtype(spec.dtype).itemsize
+        return total
+
+
+# Per-layer scalars in steps.parquet (one row per sequence, step, captured layer).
+STEP_COLUMNS = (
+    "sequence", "step", "layer", "resid_norm", "delta_norm", "attn_norm", "mlp_norm",
+    "lens_top1", "lens_top1_prob", "lens_margin", "margin_contrib",
+)
+
+
+def token_schema():
+    """tokens.parquet: one row per token of every sequence (prompt rows have null step statistics)."""
+    import pyarrow as pa
+
+    f32, i32 = pa.float32(), pa.int32()
+    return pa.schema([
+        ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
+        ("token_id", i32), ("token_text", pa.string()),
+        ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
+        ("rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
+        ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
+        ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
+    ])
+
+
+def step_schema(columns: list[str]):
+    import pyarrow as pa
+
+    types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32()}
+    return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
+
+
+def sequence_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("sequence", pa.int32()), ("batch", pa.int32()), ("prompt", pa.string()), ("prompt_rendered", pa.string()),
+        ("prompt_len", pa.int32()), ("generated_len", pa.int32()), ("stop_reason", pa.string()),
+        ("generated_text", pa.string()),
+    ])

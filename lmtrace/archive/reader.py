@@ -1,0 +1,130 @@
+"""Typed read access to a run archive, complete or not (up to its last committed step)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import zarr
+
+from ..errors import ArchiveError
+from . import layout
+
+
+class IncompleteRunWarning(UserWarning):
+    pass
+
+
+class Run:
+    """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
+
+    def __init__(self, path: Path, *, require_complete: bool = False):
+        from ..runs import read_manifest
+
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        if self.status != "complete":
+            msg = f"run {self.id} is {self.status}, not complete: only committed steps are readable"
+            if require_complete:
+                raise ArchiveError(msg + " (pass allow_incomplete / --allow-incomplete to read it anyway)")
+            warnings.warn(msg, IncompleteRunWarning, stacklevel=2)
+
+    # ---- manifest ----------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.manifest["run_id"]
+
+    @property
+    def status(self) -> str:
+        return self.manifest.get("status", "unknown")
+
+    @property
+    def shape(self) -> dict:
+        return self.manifest["shape"]
+
+    @property
+    def layers(self) -> list[int]:
+        return self.shape["layers"]
+
+    @property
+    def progress(self) -> dict:
+        path = self.path / layout.PROGRESS
+        return json.loads(path.read_text()) if path.is_file() else {"batches": {}}
+
+    # ---- arrays ------------------------------------------------------------------------------
+    @cached_property
+    def tensors(self) -> zarr.Group:
+        path = self.path / layout.TENSORS
+        if not path.exists():
+            raise ArchiveError(f"{path} is missing: the run wrote no tensors")
+        return zarr.open_group(str(path), mode="r", use_consolidated=self.status == "complete")
+
+    def array_names(self) -> list[str]:
+        return sorted(self.tensors.array_keys())
+
+    def array(self, name: str) -> zarr.Array:
+        if name not in self.tensors:
+            raise ArchiveError(f"run {self.id} has no array {name!r} (captured: {', '.join(self.array_names())}); "
+                               f"enable the probe in the spec's capture section")
+        return self.tensors[name]
+
+    def layer_index(self, layer: int) -> int:
+        """Position of a model layer along the archive's `layer` dim."""
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise ArchiveError(f"layer {layer} was not captured in run {self.id} (captured: {self.layers})") from None
+
+    def generated_len(self) -> np.ndarray:
+        return self.tensors["generated_len"][:]
+
+    def prompt_len(self) -> np.ndarray:
+        return self.tensors["prompt_len"][:]
+
+    def attention_row(self, sequence: int, step: int, layer: int) -> np.ndarray:
+        """[head, key] attention of the query position at `step`, trimmed to the context length."""
+        n_keys = int(self.prompt_len()[sequence]) + step
+        return self.array("attn")[sequence, step, self.layer_index(layer), :, :n_keys]
+
+    # ---- tables ------------------------------------------------------------------------------
+    def table(self, name: str) -> pa.Table:
+        """A table, from the compacted file of a complete run or the part files of an unfinished one."""
+        full = self.path / layout.table_file(name)
+        if full.is_file():
+            return pq.read_table(full)
+        parts = self.path / layout.table_parts_dir(name)
+        files = sorted(parts.glob("*.parquet")) if parts.is_dir() else []
+        if not files:
+            raise ArchiveError(f"run {self.id} has no {name} table yet")
+        return ds.dataset([str(f) for f in files], format="parquet").to_table()
+
+    def tokens(self) -> pa.Table:
+        return self.table("tokens")
+
+    def steps(self) -> pa.Table:
+        return self.table("steps")
+
+    def sequences(self) -> pa.Table:
+        return self.table("sequences")
+
+    def generated_ids(self, sequence: int) -> list[int]:
+        t = self.tokens().to_pandas()
+        t = t[(t.sequence == sequence) & (~t.is_prompt)].sort_values("step")
+        return t.token_id.tolist()
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, status={self.status!r}, path={str(self.path)!r})"
+
+
+def open_run(path_or_id: str | Path, runs_dir: str | Path | None = None, *, require_complete: bool = False) -> Run:
+    """Open a run by directory path or by id (prefix) under `runs_dir` / $LMTRACE_RUNS_DIR / ./runs."""
+    from ..runs import find_run, runs_root
+
+    root = Path(runs_dir) if runs_dir is not None else runs_root()
+    return Run(find_run(str(path_or_id), root), require_complete=require_complete)

@@ -1,0 +1,233 @@
+"""Streaming archive writer: Zarr v3 arrays in step blocks, Parquet part files, manifest, progress.
+
+Crash-safety protocol (see docs/archive.md):
+  1. arrays have their final shape from the start (fill = NaN / -1), so a kill never leaves arrays
+     of different lengths; blocks of `chunk_steps` steps are written whole (one shard per block);
+  2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
+     once the footer is written, so the parts directory is always a readable dataset;
+  3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
+     (write-to-temp + rename) with the committed step count of the batch;
+  4. `status: complete` is written last, after parts are compacted and metadata consolidated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+
+from ..errors import LmtraceError
+from . import layout
+from .layout import RunShape
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as fh:
+        json.dump(obj, fh, indent=2, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _compressors(codec: str, level: int):
+    if codec == "zstd":
+        return [ZstdCodec(level=level)]
+    if codec == "blosc":
+        return [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
+    return None
+
+
+class ArchiveWriter:
+    """Owns one run directory while it is written. Not thread-safe: use BackgroundWriter to offload."""
+
+    def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int):
+        self.dir = run_dir
+        self.shape = shape
+        self.chunk_steps = chunk_steps
+        self.group = zarr.open_group(str(run_dir / layout.TENSORS), mode="a", zarr_format=3)
+        self.arrays: dict[str, zarr.Array] = {}
+        self._progress_path = run_dir / layout.PROGRESS
+        self.progress = self._load_progress()
+        compressors = _compressors(codec, level)
+        for spec in shape.arrays():
+            self.arrays[spec.name] = self._create(spec, compressors)
+        self._coordinates(compressors)
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _load_progress(self) -> dict:
+        if self._progress_path.is_file():
+            return json.loads(self._progress_path.read_text())
+        return {"batches": {}}
+
+    def _create(self, spec: layout.ArraySpec, compressors) -> zarr.Array:
+        if spec.name in self.group:
+            return self.group[spec.name]
+        shape = self.shape.shape_of(spec)
+        if spec.per_step:
+            chunks = [1, self.chunk_steps] + list(shape[2:])
+            shards = list(chunks)
+            if spec.layered:
+                chunks[2] = 1  # one inner chunk per layer: a layer slice reads without the others
+        else:
+            chunks = [1] + list(shape[1:])
+            shards = list(chunks)
+            if spec.layered:
+                chunks[1] = 1
+        chunks = [max(1, c) for c in chunks]
+        shards = [max(1, c) for c in shards]
+        return self.group.create_array(
+            spec.name, shape=shape, chunks=tuple(chunks), shards=tuple(shards), dtype=spec.dtype,
+            fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
+        )
+
+    def _coordinates(self, compressors) -> None:
+        s = self.shape
+        coords = {
+            "layer": np.asarray(s.layers, dtype=np.int32),
+            "head": np.arange(s.n_heads, dtype=np.int32),
+            "kv_head": np.arange(s.n_kv_heads, dtype=np.int32),
+            "kv_head_of_head": np.asarray(s.kv_head_of_head, dtype=np.int32),
+            "step": np.arange(s.n_steps, dtype=np.int32),
+            "sequence": np.arange(s.n_sequences, dtype=np.int32),
+        }
+        dims = {"kv_head_of_head": ("head",)}
+        if s.resid_layers:
+            coords["resid_layer"] = np.asarray(s.resid_layers, dtype=np.int32)
+        for name, values in coords.items():
+            if name not in self.group:
+                arr = self.group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape or (1,),
+                                              dimension_names=dims.get(name, (name,)), fill_value=-1)
+                arr[...] = values
+        for name in ("prompt_len", "generated_len"):
+            if name not in self.group:
+                self.group.create_array(name, shape=(s.n_sequences,), dtype="int32", chunks=(max(1, min(s.n_sequences, 4096)),),
+                                        dimension_names=("sequence",), fill_value=-1)
+        self.arrays["prompt_len"] = self.group["prompt_len"]
+        self.arrays["generated_len"] = self.group["generated_len"]
+
+    # ---- writing -----------------------------------------------------------------------------
+    def write_block(self, batch: int, seqs: slice, s0: int, s1: int, arrays: dict[str, np.ndarray],
+                    tables: dict[str, pa.Table]) -> None:
+        """Write steps [s0, s1) of sequences `seqs` and the block's table rows, then commit."""
+        for name, data in arrays.items():
+            self.arrays[name][seqs, s0:s1] = data
+        for name, table in tables.items():
+            if table is not None and table.num_rows:
+                self._write_part(name, f"b{batch:06d}-s{s0:08d}", table)
+        self._commit(batch, committed_steps=s1)
+
+    def write_prompt(self, seqs: slice, arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
+        for name, data in arrays.items():
+            self.arrays[name][seqs] = data
+        self.arrays["prompt_len"][seqs] = prompt_len
+
+    def finish_batch(self, batch: int, seqs: slice, generated_len: np.ndarray, sequences: pa.Table) -> None:
+        self.arrays["generated_len"][seqs] = generated_len
+        self._write_part("sequences", f"b{batch:06d}", sequences)
+        self._commit(batch, done=True)
+
+    def _write_part(self, table: str, name: str, data: pa.Table) -> None:
+        parts = self.dir / layout.table_parts_dir(table)
+        parts.mkdir(exist_ok=True)
+        tmp = parts / f".{name}.tmp"
+        pq.write_table(data, tmp)
+        os.replace(tmp, parts / f"{name}.parquet")
+
+    def _commit(self, batch: int, committed_steps: int | None = None, done: bool = False) -> None:
+        os.sync()  # arrays and parts must be durable before progress says they exist
+        entry = self.progress["batches"].setdefault(str(batch), {"committed_steps": 0, "done": False})
+        if committed_steps is not None:
+            entry["committed_steps"] = committed_steps
+        if done:
+            entry["done"] = True
+        self.progress["updated"] = time.time()
+        atomic_write_json(self._progress_path, self.progress)
+
+    # ---- completion --------------------------------------------------------------------------
+    def compact_tables(self) -> dict[str, int]:
+        """Merge each table's part files into `<table>.parquet` (sorted by part name) and drop the parts."""
+        rows = {}
+        for table in layout.TABLES:
+            parts = self.dir / layout.table_parts_dir(table)
+            if not parts.is_dir():
+                continue
+            files = sorted(p for p in parts.glob("*.parquet"))
+            if not files:
+                continue
+            target = self.dir / layout.table_file(table)
+            tmp = self.dir / f".{table}.parquet.tmp"
+            schema = pq.read_schema(files[0])
+            n = 0
+            with pq.ParquetWriter(tmp, schema) as out:
+                for f in files:
+                    t = pq.read_table(f).cast(schema)
+                    n += t.num_rows
+                    out.write_table(t, row_group_size=65536)
+            os.replace(tmp, target)
+            shutil.rmtree(parts)
+            rows[table] = n
+        return rows
+
+    def consolidate(self) -> None:
+        zarr.consolidate_metadata(str(self.dir / layout.TENSORS))
+
+
+class BackgroundWriter:
+    """Runs ArchiveWriter calls on one worker thread so compression and I/O overlap the forward.
+
+    The queue is bounded, so at most `depth` blocks wait in memory: the loop blocks rather than
+    letting memory grow. An error in the worker is re-raised in the caller on the next call.
+    """
+
+    def __init__(self, writer: ArchiveWriter, depth: int = 2):
+        self.writer = writer
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lmtrace-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            fn, args = item
+            try:
+                if self._error is None:
+                    fn(*args)
+            except BaseException as err:  # re-raised in the main thread by _check
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, OSError):
+                raise LmtraceError(f"writing the archive failed: {err.strerror or err} ({getattr(err, 'filename', '')})") from err
+            raise err
+
+    def submit(self, fn, *args) -> None:
+        self._check()
+        self._queue.put((fn, args))
+
+    def drain(self) -> None:
+        self._queue.join()
+        self._check()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._check()

@@ -1,0 +1,74 @@
+"""A registered attention function that lets the forward run with sdpa and still sees Q, K, V.
+
+transformers dispatches every attention call through `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`.
+We register `lmtrace` there: it runs the real kernel (sdpa, or the model's own eager function for
+models sdpa cannot run, e.g. with attention soft-capping) and, when a recorder is active, hands the
+post-rotary query, the cache-updated key/value and the mask to it. Probabilities are then obtained
+by calling the model's *own* eager attention function on just the rows we want, so soft-capping,
+sliding windows, sinks and padding are exactly the model's (tests check equality with eager
+`output_attentions`).
+
+A custom attention name must also be registered in `ALL_MASK_ATTENTION_FUNCTIONS`, or transformers
+silently builds no mask at all; we use the eager (additive float) mask, which sdpa accepts too.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+ATTN_NAME = "lmtrace"
+
+_active: "AttentionObserver | None" = None
+
+
+class AttentionObserver(Protocol):
+    inner: object
+
+    def observe(self, module, query, key, value, attention_mask, weights, kwargs) -> None: ...
+
+
+def _lmtrace_attention(module, query, key, value, attention_mask, **kwargs):
+    observer = _active
+    if observer is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = observer.inner(module, query, key, value, attention_mask, **kwargs)
+    observer.observe(module, query, key, value, attention_mask, weights, kwargs)
+    return out, weights
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(ATTN_NAME, _lmtrace_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)
+
+
+class observing:
+    """Context manager: route attention calls to `observer` while active."""
+
+    def __init__(self, observer: AttentionObserver | None):
+        self.observer = observer
+        self.previous = None
+
+    def __enter__(self):
+        global _active
+        self.previous, _active = _active, self.observer
+        return self.observer
+
+    def __exit__(self, *exc):
+        global _active
+        _active = self.previous
+        return False
+
+
+def install(model: torch.nn.Module) -> str:
+    """Switch a loaded model to the lmtrace attention function; returns the previous implementation."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    return previous

@@ -1,0 +1,397 @@
+"""`lmtrace generate`: spec -> model -> tracer with probes -> streamed run archive."""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import torch
+import yaml
+
+from . import attention
+from .arch import adapter_for
+from .archive import layout
+from .archive.layout import RunShape
+from .archive.writer import ArchiveWriter, BackgroundWriter
+from .errors import Interrupted, LmtraceError, SpecError
+from .models import LoadedModel, load_model
+from .probes import Probes
+from .prompts import load_prompts
+from .runs import RunLog, create_run_dir, host_info, now_iso, package_versions, runs_root, write_manifest
+from .sampling import Sampler, stability_class
+from .spec import RunSpec, resolve_layers, resolve_vector_layers
+from .tracer import StepResult, Tracer
+
+
+@dataclass
+class Progress:
+    """Callbacks the CLI uses to show progress; all optional."""
+
+    start: Callable[[int, int], None] = lambda n_prompts, max_tokens: None
+    advance: Callable[[int], None] = lambda tokens: None
+    message: Callable[[str], None] = lambda text: None
+
+
+# ---------------------------------------------------------------------------------------------
+def render_prompts(tokenizer, prompts: list[str], chat: bool, system: str | None) -> tuple[list[str], list[list[int]]]:
+    """Apply the chat template when asked, then tokenise each prompt on its own (no padding yet)."""
+    rendered, ids = [], []
+    for text in prompts:
+        if chat:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise SpecError("prompts.chat: true but the model's tokenizer has no chat template; set chat: false")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            r = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered.append(r)
+            ids.append(tokenizer(r, add_special_tokens=False)["input_ids"])
+        else:
+            rendered.append(text)
+            ids.append(tokenizer(text)["input_ids"])
+        if not ids[-1]:
+            raise SpecError(f"prompt {len(ids) - 1} tokenises to nothing; give it some text")
+    return rendered, ids
+
+
+def eos_ids(spec_value, model, tokenizer) -> set[int]:
+    if spec_value is not None:
+        values = spec_value if isinstance(spec_value, list) else [spec_value]
+    else:
+        gen_cfg = getattr(model, "generation_config", None)
+        values = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        if values is None:
+            values = tokenizer.eos_token_id
+        values = values if isinstance(values, list) else [values]
+    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    bad = [v for v in values if v is not None and not 0 <= v < vocab]
+    if bad:
+        raise SpecError(f"generation.eos_token_id: {bad} outside the vocabulary 0..{vocab - 1}")
+    return {int(v) for v in values if v is not None}
+
+
+def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> RunShape:
+    cap = spec.capture
+    forward_only = cap.forward_only
+    layers = resolve_layers(cap.layers, adapter.n_layers)
+    return RunShape(
+        n_sequences=n_sequences, n_steps=spec.generation.max_new_tokens, max_prompt=max_prompt,
+        layers=tuple(layers) if not forward_only else (), resid_layers=tuple(resolve_vector_layers(cap, adapter.n_layers)),
+        n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim, d_model=adapter.d_model,
+        d_ffn=adapter.d_ffn, kv_head_of_head=tuple(adapter.kv_head_of_head()),
+        k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn), k_lens=cap.lens.top_k,
+        attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
+        ffn=cap.ffn.enabled, lens=cap.lens.enabled, float_dtype=spec.output.float_dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+class BlockSink:
+    """Collects step results of one batch into blocks of `chunk_steps` steps and submits them."""
+
+    def __init__(self, writer: BackgroundWriter, shape: RunShape, batch: int, seq_ids: list[int],
+                 prompts: list[list[int]], tokenizer, chunk_steps: int, step_columns: list[str], progress: Progress):
+        self.writer = writer
+        self.shape = shape
+        self.batch = batch
+        self.seq_ids = seq_ids
+        self.seqs = slice(seq_ids[0], seq_ids[-1] + 1)
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.chunk = chunk_steps
+        self.step_columns = step_columns
+        self.progress = progress
+        self.specs = {s.name: s for s in shape.arrays() if s.per_step}
+        self._new_block(0)
+
+    def _new_block(self, s0: int) -> None:
+        self.s0 = s0
+        self.n = 0
+        B = len(self.seq_ids)
+        self.buffers = {}
+        for name, spec in self.specs.items():
+            rest = self.shape.shape_of(spec)[2:]
+            self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
+        self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
+        self.step_rows: dict[str, list] = {c: [] for c in self.step_columns}
+
+    def _prompt_rows(self) -> None:
+        rows = self.token_rows
+        for b, seq in enumerate(self.seq_ids):
+            toks = self.prompts[b]
+            for pos, tok in enumerate(toks):
+                for key, value in (("sequence", seq), ("position", pos), ("step", None), ("is_prompt", True),
+                                   ("token_id", tok), ("token_text", self.tokenizer.decode([tok]))):
+                    rows[key].append(value)
+                for key in rows:
+                    if key not in ("sequence", "position", "step", "is_prompt", "token_id", "token_text"):
+                        rows[key].append(None)
+
+    def on_step(self, r: StepResult) -> None:
+        if r.step == 0:
+            self._prompt_rows()
+            prompt_len = np.asarray([len(p) for p in self.prompts], dtype=np.int32)
+            self.writer.submit(self.writer.writer.write_prompt, self.seqs, r.prompt_arrays, prompt_len)
+        i = r.step - self.s0
+        active = r.active
+        for name, buf in self.buffers.items():
+            data = r.arrays[name]
+            buf[active, i] = data[active]
+        c = r.choice
+        tok = c.token.numpy()
+        rows = self.token_rows
+        alt_lp = c.alt_logprobs.numpy()
+        for b in np.flatnonzero(active):
+            seq = self.seq_ids[b]
+            p1 = float(np.exp(alt_lp[b, 0]))
+            margin = float(c.margin[b])
+            sampling_lp = float(c.sampling_logprob[b])
+            values = {
+                "sequence": seq, "position": len(self.prompts[b]) + r.step, "step": r.step, "is_prompt": False,
+                "token_id": int(tok[b]), "token_text": self.tokenizer.decode([int(tok[b])]),
+                "logprob": float(c.logprob[b]), "prob": float(np.exp(c.logprob[b])),
+                "sampling_logprob": sampling_lp, "sampling_prob": float(np.exp(sampling_lp)),
+                "rank": int(c.rank[b]), "entropy": float(c.entropy[b]), "greedy_id": int(c.greedy_token[b]),
+                "margin": margin, "stability": stability_class(p1, margin),
+                "filter_changed": bool(c.filter_changed[b]), "eligible": int(c.eligible[b]),
+                "is_eos": bool(r.eos_now[b]),
+                "alt_ids": c.alt_ids[b].tolist(), "alt_logits": c.alt_logits[b].tolist(), "alt_logprobs": alt_lp[b].tolist(),
+            }
+            for key, value in values.items():
+                rows[key].append(value)
+        if r.scalars:
+            n_layers = len(self.shape.layers)
+            for b in np.flatnonzero(active):
+                for li, layer in enumerate(self.shape.layers):
+                    self.step_rows["sequence"].append(self.seq_ids[b])
+                    self.step_rows["step"].append(r.step)
+                    self.step_rows["layer"].append(layer)
+                for name in self.step_columns[3:]:
+                    self.step_rows[name].extend(r.scalars[name][b, :n_layers].tolist())
+        self.n = i + 1
+        self.progress.advance(int(active.sum()))
+        if self.n == self.chunk:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.n == 0:
+            return
+        s0, s1 = self.s0, self.s0 + self.n
+        arrays = {name: buf[:, : self.n] for name, buf in self.buffers.items()}
+        rows = self.token_rows
+        tables = {"tokens": pa.table(rows, schema=layout.token_schema())}
+        if self.step_columns:
+            tables["steps"] = pa.table(self.step_rows, schema=layout.step_schema(self.step_columns))
+        self.writer.submit(self.writer.writer.write_block, self.batch, self.seqs, s0, s1, arrays, tables)
+        self._new_block(s1)
+
+
+# ---------------------------------------------------------------------------------------------
+class StopFlag:
+    """SIGINT/SIGTERM ask the loop to finish the current step, flush and exit as interrupted."""
+
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    @contextmanager
+    def installed(self):
+        def handler(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+            self.signal = signum
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+@dataclass
+class GenerateResult:
+    run_id: str
+    run_dir: Path
+    status: str
+    n_sequences: int
+    n_tokens: int
+    seconds: float
+    texts: list[str] = field(default_factory=list)
+
+
+def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, shape: RunShape, inner_attn: str,
+                  run_id: str, prompts: list[str]) -> dict:
+    model = loaded.model
+    return {
+        "format_version": layout.FORMAT_VERSION,
+        "run_id": run_id,
+        "kind": "generate",
+        "status": "running",
+        "created": now_iso(),
+        "spec_given": yaml.safe_load(given_text),
+        "spec_resolved": spec.model_dump(mode="json"),
+        "model": {
+            "reference": loaded.reference, "kind": loaded.kind, "source": loaded.source,
+            "weights_sha256": loaded.weights_sha256, "class": type(model).__name__,
+            "architecture_family": adapter.family.name, "config": model.config.to_dict(),
+            **loaded.extra,
+        },
+        "tokenizer": {"class": type(loaded.tokenizer).__name__, "vocab_size": len(loaded.tokenizer),
+                      "pad_token_id": loaded.tokenizer.pad_token_id, "padding_side": "left"},
+        "seed": spec.generation.seed,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
+        "attention": {
+            "kernel": inner_attn,
+            "probabilities": "recomputed per captured layer with the model's own eager attention function "
+                             "on the captured post-rotary query/key (see docs/archive.md)" if shape.attention else None,
+            "qkv_rotary": "post-rotary" if shape.qkv else None,
+        },
+        "shape": {"n_sequences": shape.n_sequences, "n_steps": shape.n_steps, "max_prompt": shape.max_prompt,
+                  "max_len": shape.max_len, "layers": list(shape.layers), "resid_layers": list(shape.resid_layers),
+                  "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim,
+                  "d_model": shape.d_model, "d_ffn": shape.d_ffn, "kv_head_of_head": list(shape.kv_head_of_head)},
+        "arrays": {s.name: {"dims": list(s.dims), "dtype": s.dtype} for s in shape.arrays()},
+        "packages": package_versions(),
+        "host": host_info(),
+        "parent": None,
+        "timings": {},
+        "n_prompts": len(prompts),
+    }
+
+
+def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = None,
+                 progress: Progress | None = None) -> GenerateResult:
+    progress = progress or Progress()
+    t_start = time.time()
+    prompts = load_prompts(spec.prompts)  # bad prompt files fail before any model is loaded
+    root = runs_root(runs_dir_flag, spec.output.runs_dir)
+    progress.message(f"loading model {spec.model.ref}")
+    loaded = load_model(spec.model)
+    t_loaded = time.time()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    adapter = adapter_for(model)
+    rendered, prompt_ids = render_prompts(tokenizer, prompts, spec.prompts.chat, spec.prompts.system)
+    shape = build_shape(spec, adapter, len(prompts), max(len(p) for p in prompt_ids))
+    forward_only = spec.capture.forward_only
+
+    inner_name = "none"
+    probes = None
+    if not forward_only:
+        needs_eager = spec.model.attn_implementation == "eager" or getattr(model.config, "attn_logit_softcapping", None)
+        inner_name = "eager" if needs_eager else "sdpa"
+        if shape.attention or shape.qkv or shape.prefill_attention:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            inner = adapter.eager_attention() if needs_eager else sdpa_attention_forward
+            attention.install(model)
+        else:
+            inner = None
+        probes = Probes(adapter, shape, component_norms=spec.capture.component_norms,
+                        margin_contributions=spec.capture.margin_contributions,
+                        lens_dtype=spec.capture.lens.dtype, inner_attention=inner)
+    else:
+        inner_name = model.config._attn_implementation
+
+    run_id, run_dir = create_run_dir(root, spec.output.run_id)
+    (run_dir / layout.SPEC).write_text(given_text)
+    log = RunLog(run_dir / layout.LOG)
+    manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts)
+    manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
+    write_manifest(run_dir, manifest)
+    log.event("started", run_id=run_id, n_prompts=len(prompts))
+
+    step_columns: list[str] = []
+    if probes is not None:
+        step_columns = ["sequence", "step", "layer", "resid_norm", "delta_norm"]
+        if spec.capture.component_norms:
+            step_columns += ["attn_norm", "mlp_norm"]
+        if shape.lens:
+            step_columns += ["lens_top1", "lens_top1_prob", "lens_margin"]
+        if spec.capture.margin_contributions:
+            step_columns += ["margin_contrib"]
+
+    g = spec.generation
+    tracer = Tracer(model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
+                    max_new_tokens=g.max_new_tokens, eos_ids=eos_ids(g.eos_token_id, model, tokenizer),
+                    stop_strings=g.stop, n_alternatives=spec.capture.alternatives, probes=probes,
+                    pad_id=tokenizer.pad_token_id, device=loaded.device)
+    stop = StopFlag()
+    writer = None
+    texts: list[str] = [""] * len(prompts)
+    n_tokens = 0
+    status = "failed"
+    try:
+        writer = BackgroundWriter(ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps,
+                                                codec=spec.output.codec, level=spec.output.level))
+        progress.start(len(prompts), g.max_new_tokens)
+        t_gen = time.time()
+        with stop.installed():
+            for batch, lo in enumerate(range(0, len(prompts), g.batch_size)):
+                seq_ids = list(range(lo, min(lo + g.batch_size, len(prompts))))
+                batch_prompts = [prompt_ids[i] for i in seq_ids]
+                sink = BlockSink(writer, shape, batch, seq_ids, batch_prompts, tokenizer,
+                                 spec.output.chunk_steps, step_columns, progress)
+                outcome = tracer.run_batch(seq_ids, batch_prompts, sink, should_stop=stop)
+                sink.flush()
+                if outcome.interrupted:
+                    raise Interrupted(f"interrupted by signal {stop.signal} during batch {batch}; "
+                                      f"flushed steps are kept in {run_dir}")
+                gen_len = np.asarray([len(x) for x in outcome.generated], dtype=np.int32)
+                for b, seq in enumerate(seq_ids):
+                    texts[seq] = tokenizer.decode(outcome.generated[b], skip_special_tokens=True)
+                n_tokens += int(gen_len.sum())
+                seq_table = pa.table({
+                    "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [prompts[i] for i in seq_ids],
+                    "prompt_rendered": [rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
+                    "generated_len": gen_len.tolist(), "stop_reason": outcome.stop_reason,
+                    "generated_text": [texts[i] for i in seq_ids],
+                }, schema=layout.sequence_schema())
+                writer.submit(writer.writer.finish_batch, batch, sink.seqs, gen_len, seq_table)
+                log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
+            writer.drain()
+        t_done = time.time()
+        rows = writer.writer.compact_tables()
+        writer.writer.consolidate()
+        manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
+                                   tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
+        manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_tokens, table_rows=rows)
+        status = "complete"
+        write_manifest(run_dir, manifest)
+        log.event("complete", tokens=n_tokens)
+    except Interrupted as err:
+        status = "interrupted"
+        _finish_failed(writer, run_dir, manifest, log, "interrupted", str(err))
+        raise
+    except BaseException as err:
+        message = str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
+        _finish_failed(writer, run_dir, manifest, log, "failed", message)
+        raise
+    finally:
+        if writer is not None:
+            try:
+                writer.close()
+            except BaseException:
+                pass
+    return GenerateResult(run_id, run_dir, status, len(prompts), n_tokens, time.time() - t_start, texts)
+
+
+def _finish_failed(writer, run_dir, manifest, log, status, message) -> None:
+    """Flush what can be flushed, then record the outcome; never claims `complete`."""
+    if writer is not None:
+        try:
+            writer.drain()
+        except BaseException as err:  # the original error is what the user needs to see
+            message += f" (and flushing failed: {err})"
+    manifest.update(status=status, error=message, ended=now_iso())
+    try:
+        write_manifest(run_dir, manifest)
+        log.event(status, error=message)
+    except OSError:
+        pass

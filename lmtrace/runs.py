@@ -1,0 +1,145 @@
+"""Run directories: where runs live, unique run ids, the manifest and the event log."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import secrets
+import socket
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from .archive import layout
+from .archive.writer import atomic_write_json
+from .errors import LmtraceError, RunNotFoundError, SpecError
+
+PACKAGES = ("lmtrace", "torch", "transformers", "zarr", "numcodecs", "pyarrow", "numpy", "tokenizers", "gguf", "typer", "pydantic")
+
+
+def runs_root(flag: str | None = None, spec_value: str | None = None) -> Path:
+    """Precedence: --runs-dir flag, then output.runs_dir in the spec, then $LMTRACE_RUNS_DIR, then ./runs."""
+    for value in (flag, spec_value, os.environ.get("LMTRACE_RUNS_DIR")):
+        if value:
+            return Path(value).expanduser()
+    return Path("runs")
+
+
+def new_run_id() -> str:
+    """Sortable by creation time and unique across concurrent processes (random suffix + exclusive mkdir)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond // 1000:03d}" + secrets.token_hex(3)
+
+
+def create_run_dir(root: Path, run_id: str | None) -> tuple[str, Path]:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError(f"runs directory {root} cannot be created ({err.strerror}); pass --runs-dir or set LMTRACE_RUNS_DIR") from None
+    if not os.access(root, os.W_OK):
+        raise SpecError(f"runs directory {root} is not writable; pass --runs-dir or set LMTRACE_RUNS_DIR")
+    for _ in range(5):
+        rid = run_id or new_run_id()
+        path = root / rid
+        try:
+            path.mkdir()  # exclusive: two processes can never share a run directory by accident
+            return rid, path
+        except FileExistsError:
+            if run_id:
+                raise SpecError(f"run {run_id} already exists in {root}; choose another output.run_id") from None
+        except OSError as err:
+            raise SpecError(f"cannot create run directory {path} ({err.strerror})") from None
+    raise LmtraceError(f"could not allocate a unique run id in {root}")
+
+
+def package_versions() -> dict[str, str | None]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def host_info() -> dict:
+    import torch
+
+    info = {
+        "hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
+        "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    }
+    slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k in (
+        "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_JOB_NAME",
+        "SLURM_NODELIST", "SLURM_CLUSTER_NAME")}
+    if slurm:
+        info["slurm"] = slurm
+    return info
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class RunLog:
+    """Structured events, one JSON object per line, flushed as they happen."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def event(self, kind: str, **fields) -> None:
+        rec = {"time": time.time(), "event": kind, **fields}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(rec, default=str) + "\n")
+
+
+def write_manifest(run_dir: Path, manifest: dict) -> None:
+    atomic_write_json(run_dir / layout.MANIFEST, manifest)
+
+
+def read_manifest(run_dir: Path) -> dict:
+    path = run_dir / layout.MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunNotFoundError(f"{run_dir} is not an lmtrace run (no {layout.MANIFEST})") from None
+    except (json.JSONDecodeError, OSError) as err:
+        raise RunNotFoundError(f"{path} is unreadable ({err}); the run archive is damaged") from None
+
+
+def find_run(ref: str, root: Path | None = None) -> Path:
+    """A run given as a path, or as an id under the runs root."""
+    path = Path(ref).expanduser()
+    if (path / layout.MANIFEST).is_file():
+        return path
+    root = root or runs_root()
+    candidate = root / ref
+    if (candidate / layout.MANIFEST).is_file():
+        return candidate
+    if root.is_dir():
+        matches = sorted(p for p in root.iterdir() if p.name.startswith(ref) and (p / layout.MANIFEST).is_file())
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise RunNotFoundError(f"run id prefix {ref!r} is ambiguous in {root}: {', '.join(m.name for m in matches[:5])}")
+    raise RunNotFoundError(f"no run {ref!r} in {root} (nor a run directory at that path); `lmtrace ls` lists runs")
+
+
+def list_runs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file())
+
+
+def dir_size(path: Path) -> int:
+    total = 0
+    for base, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(base, f))
+            except OSError:
+                pass
+    return total

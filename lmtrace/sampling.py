@@ -1,0 +1,143 @@
+"""Seeded token choice and per-token statistics. Pure functions on [batch, vocab] float32 logits.
+
+Order follows transformers: temperature, then top-k, then top-p. A token is drawn by inverse-CDF
+sampling over the tokens sorted by descending probability, with one uniform number per
+(seed, sequence, step) from a `torch.Generator` re-seeded for that triple. That makes a run
+reproducible bit for bit, independent of batch size, and resumable at any step; and because the
+draw is explicit, we can say whether top-k/top-p filtering changed the choice: the same draw on the
+temperature-only distribution would have picked another token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, sequence: int, step: int) -> int:
+    """A well-mixed 63-bit seed for one (run seed, sequence index, step)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ sequence) ^ step) >> 1
+
+
+def uniforms(generator: torch.Generator, seed: int, sequences: list[int], step: int) -> torch.Tensor:
+    """[batch] float64 uniforms in [0, 1), one per sequence, re-seeding the single generator each time."""
+    out = torch.empty(len(sequences), dtype=torch.float64)
+    for i, seq in enumerate(sequences):
+        generator.manual_seed(draw_seed(seed, seq, step))
+        out[i] = torch.rand((), generator=generator, dtype=torch.float64)
+    return out
+
+
+@dataclass(frozen=True)
+class Sampler:
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def filtered_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B, V] temperature-scaled logits with filtered-out tokens set to -inf."""
+        scores = logits / self.temperature
+        if self.top_k > 0 and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+            probs = sorted_scores.softmax(-1)
+            before = probs.cumsum(-1) - probs  # mass strictly above each token
+            remove_sorted = before >= self.top_p
+            remove_sorted[..., 0] = False  # keep at least one token
+            remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+            scores = scores.masked_fill(remove, float("-inf"))
+        return scores
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Pick per row the first token (in descending-probability order) whose cumulative mass exceeds u."""
+    sorted_probs, order = torch.sort(probs.double(), dim=-1, descending=True, stable=True)
+    cdf = sorted_probs.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    # never land on a zero-probability token at the tail because of rounding
+    n_nonzero = (sorted_probs > 0).sum(-1, keepdim=True)
+    idx = torch.minimum(idx, n_nonzero - 1)
+    return order.gather(-1, idx).squeeze(-1)
+
+
+STABILITY_CLASSES = ("locked", "stable", "fragile", "tie")
+
+
+def stability_class(top1_prob: float, margin: float) -> str:
+    """locked: top-1 prob >= 0.9; stable: margin >= 1 nat; fragile: margin >= 0.1 nat; tie: below."""
+    if top1_prob >= 0.9:
+        return "locked"
+    if margin >= 1.0:
+        return "stable"
+    if margin >= 0.1:
+        return "fragile"
+    return "tie"
+
+
+@dataclass
+class Choice:
+    """Per-row results, each a [B] (or [B, k]) tensor on the CPU."""
+
+    token: torch.Tensor
+    logprob: torch.Tensor  # at T=1 (the model's distribution)
+    sampling_logprob: torch.Tensor  # under the distribution actually sampled from
+    rank: torch.Tensor  # 0 = the model's top-1
+    entropy: torch.Tensor  # nats, at T=1
+    greedy_token: torch.Tensor
+    alt_ids: torch.Tensor  # [B, k] top-k at T=1
+    alt_logits: torch.Tensor
+    alt_logprobs: torch.Tensor
+    margin: torch.Tensor  # top-1 minus top-2 logit (= logprob difference), nats
+    filter_changed: torch.Tensor  # bool
+    eligible: torch.Tensor  # tokens with non-zero sampling probability
+
+
+def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alternatives: int) -> Choice:
+    """logits: [B, V] float32 for the query position. u: [B] uniforms (ignored when greedy)."""
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1)
+    top_vals, top_ids = torch.topk(logits, max(n_alternatives, 2), dim=-1)
+    greedy_token = top_ids[:, 0]
+    if sampler.greedy:
+        token = greedy_token
+        sampling_logprob = torch.zeros(logits.shape[0])
+        filter_changed = torch.zeros(logits.shape[0], dtype=torch.bool)
+        eligible = torch.ones(logits.shape[0], dtype=torch.int64)
+    else:
+        filtered = sampler.filtered_logits(logits)
+        probs = filtered.softmax(-1)
+        token = _inverse_cdf(probs, u)
+        sampling_logprob = filtered.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        unfiltered = _inverse_cdf((logits / sampler.temperature).softmax(-1), u)
+        filter_changed = unfiltered != token
+        eligible = torch.isfinite(filtered).sum(-1)
+    chosen_logit = logits.gather(-1, token[:, None])
+    rank = (logits > chosen_logit).sum(-1)
+    p = logprobs.exp()
+    entropy = -(p * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(-1)
+    top_logprobs = logprobs.gather(-1, top_ids)
+    return Choice(
+        token=token.cpu(), logprob=logprobs.gather(-1, token[:, None]).squeeze(-1).cpu(),
+        sampling_logprob=sampling_logprob.cpu(), rank=rank.cpu(), entropy=entropy.cpu(),
+        greedy_token=greedy_token.cpu(), alt_ids=top_ids[:, :n_alternatives].cpu(),
+        alt_logits=top_vals[:, :n_alternatives].cpu(), alt_logprobs=top_logprobs[:, :n_alternatives].cpu(),
+        margin=(top_vals[:, 0] - top_vals[:, 1]).cpu(), filter_changed=filter_changed.cpu(),
+        eligible=eligible.cpu(),
+    )

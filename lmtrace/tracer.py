@@ -1,0 +1,136 @@
+"""The KV-cached generation loop: prefill, decode steps, probes, stop conditions, batching.
+
+One prefill call over the left-padded batch, then one decode call per token with the growing
+attention mask and explicit position ids (cumsum(mask) - 1), so every row sees exactly what it
+would see alone. Step s is the forward call that chooses generated token s; step 0 is the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from .probes import ForwardContext, Probes
+from .sampling import Choice, Sampler, choose, uniforms
+
+
+@dataclass
+class StepResult:
+    step: int
+    active: np.ndarray  # [B] bool: rows that chose a token at this step
+    choice: Choice
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)  # per-step tensors [B, ...]
+    scalars: dict[str, np.ndarray] = field(default_factory=dict)  # per-layer scalars [B, layer]
+    prompt_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # only at step 0
+    finished_now: np.ndarray | None = None  # [B] bool: rows whose last token this was
+    eos_now: np.ndarray | None = None  # [B] bool: rows that chose an eos token at this step
+
+
+class StepSink(Protocol):
+    def on_step(self, result: StepResult) -> None: ...
+
+
+@dataclass
+class BatchOutcome:
+    generated: list[list[int]]
+    stop_reason: list[str]
+    interrupted: bool = False
+
+
+class Tracer:
+    def __init__(self, model: torch.nn.Module, tokenizer, *, sampler: Sampler, seed: int, max_new_tokens: int,
+                 eos_ids: set[int], stop_strings: list[str], n_alternatives: int, probes: Probes | None,
+                 pad_id: int, device: torch.device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.seed = seed
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = eos_ids
+        self.stop_strings = stop_strings
+        self.stop_window = max((len(s) for s in stop_strings), default=0) + 8
+        self.n_alternatives = n_alternatives
+        self.probes = probes
+        self.pad_id = pad_id
+        self.device = device
+        self.generator = torch.Generator(device="cpu")
+
+    def _hit_stop_string(self, tokens: list[int]) -> bool:
+        if not self.stop_strings:
+            return False
+        tail = self.tokenizer.decode(tokens[-self.stop_window:], skip_special_tokens=False)
+        return any(s in tail for s in self.stop_strings)
+
+    @torch.inference_mode()
+    def run_batch(self, seq_ids: list[int], prompts: list[list[int]], sink: StepSink,
+                  should_stop: Callable[[], bool] = lambda: False) -> BatchOutcome:
+        """Generate for one batch of tokenised prompts. seq_ids are global sequence indices (seeding)."""
+        B = len(prompts)
+        T = max(len(p) for p in prompts)
+        pads = [T - len(p) for p in prompts]
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, pads[b]:] = torch.tensor(p, dtype=torch.long)
+            mask[b, pads[b]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        generated: list[list[int]] = [[] for _ in range(B)]
+        stop_reason = ["max_new_tokens"] * B
+        active = np.ones(B, dtype=bool)
+        total = T
+        probes = self.probes
+        context = probes.attached() if probes is not None else _nullcontext()
+        with context:
+            for step in range(self.max_new_tokens):
+                if probes is not None:
+                    probes.begin(ForwardContext(pads=pads, total_len=total, prefill=step == 0))
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                 use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1].float()
+                u = None if self.sampler.greedy else uniforms(self.generator, self.seed, seq_ids, step)
+                choice = choose(logits, self.sampler, u, self.n_alternatives)
+                result = StepResult(step=step, active=active.copy(), choice=choice)
+                if probes is not None:
+                    result.arrays, result.scalars = probes.collect(logits, choice)
+                    if step == 0:
+                        result.prompt_arrays = probes.collect_prefill()
+                tokens = choice.token.tolist()
+                finished_now = np.zeros(B, dtype=bool)
+                eos_now = np.zeros(B, dtype=bool)
+                for b in range(B):
+                    if not active[b]:
+                        continue
+                    generated[b].append(tokens[b])
+                    if tokens[b] in self.eos_ids:
+                        stop_reason[b], finished_now[b], eos_now[b] = "eos", True, True
+                    elif self._hit_stop_string(generated[b]):
+                        stop_reason[b], finished_now[b] = "stop_string", True
+                result.finished_now, result.eos_now = finished_now, eos_now
+                sink.on_step(result)
+                active &= ~finished_now
+                if not active.any() or step + 1 == self.max_new_tokens:
+                    break
+                if should_stop():
+                    return BatchOutcome(generated, ["interrupted" if a else r for a, r in zip(active, stop_reason)], True)
+                # Finished rows keep decoding a pad token (their results are discarded); rows are
+                # independent, so this changes nothing for the others.
+                next_ids = torch.tensor([t if a else self.pad_id for t, a in zip(tokens, active)], dtype=torch.long)
+                ids = next_ids[:, None].to(self.device)
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=self.device)], dim=1)
+                positions = positions[:, -1:] + 1
+                total += 1
+        return BatchOutcome(generated, stop_reason)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
