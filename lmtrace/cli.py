@@ -53,7 +53,7 @@ class _Reporter:
             typer.echo(f"[{time.strftime('%H:%M:%S')}] {text}", err=True)
 
     def start(self, n_prompts: int, max_tokens: int) -> None:
-        self.t0 = time.time()
+        self.t0 = self.last_line = time.time()
         if self.quiet:
             return
         total = n_prompts * max_tokens

@@ -63,7 +63,9 @@ class Run:
         path = self.path / layout.TENSORS
         if not path.exists():
             raise ArchiveError(f"{path} is missing: the run wrote no tensors")
-        return zarr.open_group(str(path), mode="r", use_consolidated=self.status == "complete")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return zarr.open_group(str(path), mode="r", use_consolidated=self.status == "complete")
 
     def array_names(self) -> list[str]:
         return sorted(self.tensors.array_keys())

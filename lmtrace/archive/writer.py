@@ -18,6 +18,7 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -180,7 +181,9 @@ class ArchiveWriter:
         return rows
 
     def consolidate(self) -> None:
-        zarr.consolidate_metadata(str(self.dir / layout.TENSORS))
+        with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
+            warnings.simplefilter("ignore")
+            zarr.consolidate_metadata(str(self.dir / layout.TENSORS))
 
 
 class BackgroundWriter:

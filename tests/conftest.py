@@ -1,0 +1,90 @@
+"""Shared fixtures: running specs in-process, tiny random models, and independent references.
+
+References are the model's *own* full forward on the final sequence with eager attention,
+`output_attentions=True` and `output_hidden_states=True`, never lmtrace's code.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
+
+from lmtrace.archive.reader import Run  # noqa: E402
+from lmtrace.generate import run_generate  # noqa: E402
+from lmtrace.spec import build_spec  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three, four, five, six, seven,"]
+
+
+def run_spec(tmp_path: Path, data: dict) -> Run:
+    data = dict(data)
+    data.setdefault("output", {})
+    data["output"] = {"runs_dir": str(tmp_path / "runs"), **data["output"]}
+    spec = build_spec(data, "test-spec")
+    import yaml
+
+    result = run_generate(spec, yaml.safe_dump(data))
+    return Run(result.run_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 4-layer GQA Llama with the embedded model's tokenizer (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    tok = load_model(ModelSpec()).tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class Reference:
+    """The model's own full forward on a final sequence (eager attention, float32)."""
+
+    def __init__(self, model_ref: str, dtype: str = "float32"):
+        from lmtrace.models import load_model
+        from lmtrace.spec import ModelSpec
+
+        self.loaded = load_model(ModelSpec(ref=model_ref, attn_implementation="eager", dtype=dtype))
+        self.model = self.loaded.model
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]):
+        model = self.model
+        last = {}
+        layers = model.model.layers
+        h1 = layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0]))
+        down = {}
+        hooks = [layers[i].mlp.down_proj.register_forward_pre_hook(
+            (lambda i: lambda m, a: down.__setitem__(i, a[0][0]))(i)) for i in range(len(layers))]
+        try:
+            out = model(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
+        finally:
+            h1.remove()
+            for h in hooks:
+                h.remove()
+        # resid after layer l: hidden_states[l + 1], except the last one, which is returned normed
+        resid = [hs[0].float() for hs in out.hidden_states[1:-1]] + [last["resid"].float()]
+        return {
+            "logits": out.logits[0].float(),
+            "attn": [a[0].float() for a in out.attentions],  # [H, T, T]
+            "resid": resid,  # per layer [T, d]
+            "embed": out.hidden_states[0][0].float(),
+            "ffn_act": [down[i].float() for i in range(len(layers))],  # [T, d_ffn]
+        }

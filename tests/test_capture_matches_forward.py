@@ -1,0 +1,159 @@
+"""Every archived value matches the model's own full forward on the final sequence.
+
+The run uses the KV-cached loop with sdpa and probes; the reference is one eager forward over
+prompt + generated tokens with output_attentions / output_hidden_states. Tolerances are for float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS, Reference, run_spec
+
+TOL = 1e-4
+
+
+def _ids(run, seq):
+    t = run.tokens().to_pandas()
+    t = t[t.sequence == seq].sort_values("position")
+    return t.token_id.tolist(), t[~t.is_prompt].sort_values("step")
+
+
+def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
+    """Compare every captured quantity of one sequence with the reference. Returns steps checked."""
+    ids, gen = _ids(run, seq)
+    P = int(run.prompt_len()[seq])
+    n = int(run.generated_len()[seq])
+    assert len(gen) == n and len(ids) == P + n
+    r = ref.forward(ids)
+    layers = run.layers
+    steps = run.steps().to_pandas()
+    steps = steps[steps.sequence == seq]
+    attn = run.array("attn")[seq] if "attn" in run.array_names() else None
+    lens_ids = run.array("lens_ids")[seq]
+    lens_probs = run.array("lens_probs")[seq]
+    ffn_idx, ffn_val = run.array("ffn_idx")[seq], run.array("ffn_val")[seq]
+    W = ref.model.lm_head.weight.float()
+    norm = ref.model.model.norm
+    for s in range(n):
+        qpos = P - 1 + s
+        row = gen.iloc[s]
+        # chosen-token logprob, entropy and alternatives at T=1
+        logprobs = r["logits"][qpos].log_softmax(-1)
+        assert row.token_id == ids[P + s]
+        assert abs(row.logprob - logprobs[row.token_id].item()) < tol
+        top = logprobs.topk(len(row.alt_ids))
+        assert list(row.alt_ids[:3]) == top.indices[:3].tolist()
+        np.testing.assert_allclose(row.alt_logprobs, top.values.numpy(), atol=tol)
+        ent = -(logprobs.exp() * logprobs).sum().item()
+        assert abs(row.entropy - ent) < 10 * tol
+        st = steps[steps.step == s].sort_values("layer")
+        for li, layer in enumerate(layers):
+            # attention row of the query position over every key so far
+            if attn is not None:
+                expected = r["attn"][layer][:, qpos, : qpos + 1].numpy()
+                got = attn[s, li, :, : qpos + 1].astype(np.float32)
+                np.testing.assert_allclose(got, expected, atol=tol)
+                assert np.isnan(attn[s, li, :, qpos + 1:]).all()
+            # residual norms and deltas
+            resid = r["resid"][layer][qpos]
+            before = r["resid"][layer - 1][qpos] if layer > 0 else r["embed"][qpos]
+            assert abs(st.resid_norm.iloc[li] - resid.norm().item()) < tol * max(1.0, resid.norm().item())
+            assert abs(st.delta_norm.iloc[li] - (resid - before).norm().item()) < tol * max(1.0, resid.norm().item())
+            # logit lens: final norm + unembedding of this layer's residual
+            lens = (norm(resid[None])[0].float() @ W.T).log_softmax(-1)
+            lt = lens.topk(lens_ids.shape[-1])
+            assert lens_ids[s, li, 0] == lt.indices[0].item()
+            np.testing.assert_allclose(lens_probs[s, li], lt.values.exp().numpy(), atol=tol)
+            # margin contribution of this layer's delta to the final top-1 vs top-2
+            t2 = r["logits"][qpos].topk(2).indices
+            contrib = ((W[t2[0]] - W[t2[1]]) @ (resid - before)).item()
+            assert abs(st.margin_contrib.iloc[li] - contrib) < tol * max(1.0, abs(contrib)) * 10
+            # FFN top-k of the intermediate activation, signed
+            act = r["ffn_act"][layer][qpos]
+            k = ffn_idx.shape[-1]
+            top_abs = act.abs().topk(k).indices
+            assert set(ffn_idx[s, li].tolist()) == set(top_abs.tolist())
+            np.testing.assert_allclose(ffn_val[s, li], act[ffn_idx[s, li]].numpy(), rtol=1e-5, atol=tol)
+        # the last layer's lens is the model's own output distribution
+        if layers[-1] == len(r["resid"]) - 1:
+            np.testing.assert_allclose(lens_probs[s, -1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(), atol=tol)
+    return n
+
+
+@pytest.fixture(scope="module")
+def embedded_ref():
+    return Reference("embedded:smollm2-135m")
+
+
+def _spec(**gen):
+    return {
+        "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 10, "batch_size": 1, **gen},
+        "capture": {"residual": {"vectors_at": [0, 29]}},
+        "output": {"float_dtype": "float32"},
+    }
+
+
+def test_single_prompt_greedy_matches_full_forward(tmp_path, embedded_ref):
+    spec = _spec()
+    spec["prompts"] = PROMPTS[:1]
+    run = run_spec(tmp_path, spec)
+    assert run.status == "complete"
+    assert check_sequence(run, embedded_ref, 0) == 10
+
+
+def test_padded_batch_sampled_matches_full_forward_and_single_runs(tmp_path, embedded_ref):
+    gen = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}
+    batched = run_spec(tmp_path / "b", {**_spec(**gen), "generation": {**_spec(**gen)["generation"], "batch_size": 3}})
+    single = run_spec(tmp_path / "s", _spec(**gen))
+    assert len(set(batched.prompt_len().tolist())) > 1, "prompts must have different lengths to test padding"
+    for seq in range(len(PROMPTS)):
+        check_sequence(batched, embedded_ref, seq)
+        assert _ids(batched, seq)[0] == _ids(single, seq)[0]
+    a, b = batched.array("attn")[:], single.array("attn")[:]
+    np.testing.assert_allclose(a, b, atol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(batched.array("resid")[:], single.array("resid")[:], rtol=1e-4, atol=1e-3, equal_nan=True)
+
+
+def test_archived_q_and_k_reproduce_the_attention_rows(tmp_path):
+    """Post-rotary q of the query position against archived prompt K and per-step K gives the rows."""
+    run = run_spec(tmp_path, {**_spec(), "prompts": PROMPTS[1:2]})
+    P, n = int(run.prompt_len()[0]), int(run.generated_len()[0])
+    q, k = run.array("q")[0], run.array("k")[0]
+    prompt_k = run.array("prompt_k")[0]
+    attn = run.array("attn")[0]
+    kv_of = run.tensors["kv_head_of_head"][:]
+    head_dim = q.shape[-1]
+    for s in (0, n - 1):
+        for li in (0, 15, 29):
+            # keys: prompt positions, then the key of each earlier step's query position
+            keys = np.concatenate([prompt_k[li, :, :P], k[1: s + 1, li].transpose(1, 0, 2)], axis=1)  # [kv, T, D]
+            scores = np.einsum("hd,htd->ht", q[s, li], keys[kv_of]) / np.sqrt(head_dim)
+            probs = torch.tensor(scores).softmax(-1).numpy()
+            np.testing.assert_allclose(probs, attn[s, li, :, : P + s], atol=1e-4)
+
+
+def test_same_spec_and_seed_is_bit_identical(tmp_path):
+    spec = {**_spec(temperature=1.0, seed=3), "prompts": PROMPTS[:2]}
+    spec["generation"]["batch_size"] = 2
+    a = run_spec(tmp_path / "a", spec)
+    b = run_spec(tmp_path / "b", spec)
+    ta, tb = a.tokens().to_pandas(), b.tokens().to_pandas()
+    assert ta.token_id.tolist() == tb.token_id.tolist()
+    for name in a.array_names():
+        x, y = a.tensors[name][...], b.tensors[name][...]
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_float16_storage_is_within_half_precision(tmp_path, embedded_ref):
+    spec = {**_spec(), "prompts": PROMPTS[:1], "output": {"float_dtype": "float16"}}
+    run = run_spec(tmp_path, spec)
+    assert run.array("attn").dtype == np.float16
+    ids, _ = _ids(run, 0)
+    r = embedded_ref.forward(ids)
+    P = int(run.prompt_len()[0])
+    expected = r["attn"][10][:, P - 1 + 3, : P + 3].numpy()
+    np.testing.assert_allclose(run.array("attn")[0, 3, 10, :, : P + 3].astype(np.float32), expected, atol=1e-3)
