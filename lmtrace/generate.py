@@ -273,7 +273,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     prompts = load_prompts(spec.prompts)  # bad prompt files fail before any model is loaded
     root = runs_root(runs_dir_flag, spec.output.runs_dir)
     progress.message(f"loading model {spec.model.ref}")
-    loaded = load_model(spec.model)
+    loaded = load_model(spec.model, note=progress.message)
     t_loaded = time.time()
     model, tokenizer = loaded.model, loaded.tokenizer
     adapter = adapter_for(model)

@@ -123,6 +123,10 @@ def _convert_gguf(gguf: Path, sha: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    # Its tqdm bar ignores transformers' progress-bar switch and floods cron/SLURM logs.
+    bar, gguf_utils.tqdm = gguf_utils.tqdm, lambda iterable, **kwargs: iterable
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -141,6 +145,8 @@ def _convert_gguf(gguf: Path, sha: str) -> Path:
     except Exception:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        gguf_utils.tqdm = bar
     return target
 
 
@@ -173,7 +179,8 @@ def locate(spec: ModelSpec) -> tuple[str, str, str | None, dict]:
     return "hub", ref, None, {}
 
 
-def load_model(spec: ModelSpec) -> LoadedModel:
+def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
+    """Load model and tokenizer; `note` receives one-line progress messages (e.g. a GGUF conversion)."""
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,6 +190,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     try:
         if kind in ("embedded", "gguf"):
+            if not (cache_dir() / "models" / f"gguf-{sha[:24]}" / ".complete").is_file():
+                note(f"converting {Path(source).name} once (~15 s); cached under {cache_dir() / 'models'}")
             source = str(_convert_gguf(Path(source), sha))
             kwargs = {}
         if kind == "hub":
