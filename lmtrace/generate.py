@@ -15,11 +15,11 @@ import torch
 import yaml
 
 from . import attention
-from .arch import adapter_for
+from .arch import adapter_for, sdpa_refused
 from .archive import layout
 from .archive.layout import RunShape
 from .archive.writer import ArchiveWriter, BackgroundWriter
-from .errors import Interrupted, LmtraceError, SpecError
+from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
 from .models import LoadedModel, load_model
 from .probes import Probes
 from .prompts import load_prompts
@@ -82,10 +82,11 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
         n_sequences=n_sequences, n_steps=spec.generation.max_new_tokens, max_prompt=max_prompt,
         layers=tuple(layers) if not forward_only else (), resid_layers=tuple(resolve_vector_layers(cap, adapter.n_layers)),
         n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim, d_model=adapter.d_model,
-        d_ffn=adapter.d_ffn, kv_head_of_head=tuple(adapter.kv_head_of_head()),
-        k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn), k_lens=cap.lens.top_k,
+        d_ffn=adapter.d_ffn or 0, kv_head_of_head=tuple(adapter.kv_head_of_head()),
+        k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0), k_lens=cap.lens.top_k,
         attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
-        ffn=cap.ffn.enabled, lens=cap.lens.enabled, float_dtype=spec.output.float_dtype,
+        ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens.enabled, float_dtype=spec.output.float_dtype,
+        k_router=adapter.router_top_k if not forward_only else 0,
     )
 
 
@@ -216,6 +217,30 @@ class StopFlag:
 
 
 @dataclass
+class Replay:
+    """How `intervene` drives the same loop: the parent's exact prompt ids, teacher forcing, edits."""
+
+    prompts: list[str]
+    rendered: list[str]
+    prompt_ids: list[list[int]]
+    teacher: object | None = None  # tracer.Teacher
+    edits: object | None = None  # tracer.Edits
+    observer: object | None = None  # extra StepSink fed every step (e.g. the effects table)
+    manifest_extra: dict = field(default_factory=dict)
+    finalize: Callable[[Path], None] | None = None  # writes extra files before the run is completed
+    on_model: Callable[[object], None] | None = None  # receives the adapter once the model is loaded
+
+
+class _Tee:
+    def __init__(self, *sinks):
+        self.sinks = sinks
+
+    def on_step(self, result) -> None:
+        for sink in self.sinks:
+            sink.on_step(result)
+
+
+@dataclass
 class GenerateResult:
     run_id: str
     run_dir: Path
@@ -226,8 +251,20 @@ class GenerateResult:
     texts: list[str] = field(default_factory=list)
 
 
+def _load(model_spec, note) -> tuple[LoadedModel, str | None]:
+    """Load the model; a class transformers refuses to run with sdpa (soft-capping, sinks) is loaded with
+    eager instead (lmtrace then runs the model's own eager kernel, see `Adapter.eager_kernel_reason`)."""
+    try:
+        return load_model(model_spec, note=note), None
+    except ModelLoadError as err:
+        if model_spec.attn_implementation != "sdpa" or not sdpa_refused(str(err)):
+            raise
+    eager = model_spec.model_copy(update={"attn_implementation": "eager"})
+    return load_model(eager, note=note), "the model class refuses sdpa: loaded with eager"
+
+
 def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, shape: RunShape, inner_attn: str,
-                  run_id: str, prompts: list[str]) -> dict:
+                  run_id: str, prompts: list[str], eager_reason: str | None = None) -> dict:
     model = loaded.model
     return {
         "format_version": layout.FORMAT_VERSION,
@@ -249,14 +286,21 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
         "attention": {
             "kernel": inner_attn,
-            "probabilities": "recomputed per captured layer with the model's own eager attention function "
-                             "on the captured post-rotary query/key (see docs/archive.md)" if shape.attention else None,
+            "kernel_reason": eager_reason,
+            "probabilities": (None if not shape.attention else
+                              "returned by the model's own eager attention kernel, which the forward ran"
+                              if inner_attn == "eager" else
+                              "recomputed per captured layer with the model's own eager attention function "
+                              "on the captured post-rotary query/key (see docs/archive.md)"),
             "qkv_rotary": "post-rotary" if shape.qkv else None,
+            "layers": {},  # per captured layer: scaling/softcap/sliding_window/sinks the kernel was called with
         },
+        "not_captured": adapter.not_captured(),
         "shape": {"n_sequences": shape.n_sequences, "n_steps": shape.n_steps, "max_prompt": shape.max_prompt,
                   "max_len": shape.max_len, "layers": list(shape.layers), "resid_layers": list(shape.resid_layers),
                   "n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim,
-                  "d_model": shape.d_model, "d_ffn": shape.d_ffn, "kv_head_of_head": list(shape.kv_head_of_head)},
+                  "d_model": shape.d_model, "d_ffn": shape.d_ffn, "kv_head_of_head": list(shape.kv_head_of_head),
+                  "k_router": shape.k_router},
         "arrays": {s.name: {"dims": list(s.dims), "dtype": s.dtype} for s in shape.arrays()},
         "packages": package_versions(),
         "host": host_info(),
@@ -267,24 +311,33 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
 
 
 def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = None,
-                 progress: Progress | None = None) -> GenerateResult:
+                 progress: Progress | None = None, replay: Replay | None = None) -> GenerateResult:
     progress = progress or Progress()
     t_start = time.time()
-    prompts = load_prompts(spec.prompts)  # bad prompt files fail before any model is loaded
+    # bad prompt files fail before any model is loaded
+    prompts = replay.prompts if replay is not None else load_prompts(spec.prompts)
     root = runs_root(runs_dir_flag, spec.output.runs_dir)
     progress.message(f"loading model {spec.model.ref}")
-    loaded = load_model(spec.model, note=progress.message)
+    loaded, eager_reason = _load(spec.model, progress.message)
     t_loaded = time.time()
     model, tokenizer = loaded.model, loaded.tokenizer
     adapter = adapter_for(model)
-    rendered, prompt_ids = render_prompts(tokenizer, prompts, spec.prompts.chat, spec.prompts.system)
+    if replay is not None:
+        rendered, prompt_ids = replay.rendered, replay.prompt_ids
+        if replay.on_model is not None:
+            replay.on_model(adapter)
+    else:
+        rendered, prompt_ids = render_prompts(tokenizer, prompts, spec.prompts.chat, spec.prompts.system)
     shape = build_shape(spec, adapter, len(prompts), max(len(p) for p in prompt_ids))
     forward_only = spec.capture.forward_only
 
     inner_name = "none"
     probes = None
     if not forward_only:
-        needs_eager = spec.model.attn_implementation == "eager" or getattr(model.config, "attn_logit_softcapping", None)
+        eager_reason = adapter.eager_kernel_reason()
+        if spec.model.attn_implementation == "eager":
+            eager_reason = "model.attn_implementation: eager"
+        needs_eager = eager_reason is not None
         inner_name = "eager" if needs_eager else "sdpa"
         if shape.attention or shape.qkv or shape.prefill_attention:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -302,8 +355,10 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     run_id, run_dir = create_run_dir(root, spec.output.run_id)
     (run_dir / layout.SPEC).write_text(given_text)
     log = RunLog(run_dir / layout.LOG)
-    manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts)
+    manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
     manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
+    if replay is not None:
+        manifest.update(replay.manifest_extra)
     write_manifest(run_dir, manifest)
     log.event("started", run_id=run_id, n_prompts=len(prompts))
 
@@ -338,7 +393,12 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 batch_prompts = [prompt_ids[i] for i in seq_ids]
                 sink = BlockSink(writer, shape, batch, seq_ids, batch_prompts, tokenizer,
                                  spec.output.chunk_steps, step_columns, progress)
-                outcome = tracer.run_batch(seq_ids, batch_prompts, sink, should_stop=stop)
+                if replay is not None:
+                    feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
+                    outcome = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop,
+                                               teacher=replay.teacher, edits=replay.edits)
+                else:
+                    outcome = tracer.run_batch(seq_ids, batch_prompts, sink, should_stop=stop)
                 sink.flush()
                 if outcome.interrupted:
                     raise Interrupted(f"interrupted by signal {stop.signal} during batch {batch}; "
@@ -357,6 +417,10 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
             writer.drain()
         t_done = time.time()
+        if replay is not None and replay.finalize is not None:
+            replay.finalize(run_dir)
+        if probes is not None:
+            manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
         rows = writer.writer.compact_tables()
         writer.writer.consolidate()
         manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),

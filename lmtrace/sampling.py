@@ -107,10 +107,16 @@ class Choice:
     margin: torch.Tensor  # top-1 minus top-2 logit (= logprob difference), nats
     filter_changed: torch.Tensor  # bool
     eligible: torch.Tensor  # tokens with non-zero sampling probability
+    ref_logprobs: torch.Tensor | None = None  # [B, r] T=1 logprobs of caller-given reference ids
 
 
-def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alternatives: int) -> Choice:
-    """logits: [B, V] float32 for the query position. u: [B] uniforms (ignored when greedy)."""
+def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alternatives: int,
+           forced: torch.Tensor | None = None, ref_ids: torch.Tensor | None = None) -> Choice:
+    """logits: [B, V] float32 for the query position. u: [B] uniforms (ignored when greedy).
+
+    forced: [B] token ids to take instead of choosing (-1 = choose normally): teacher forcing, the
+    statistics then describe the forced token. ref_ids: [B, r] ids whose logprobs to report (-1 = none).
+    """
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
     top_vals, top_ids = torch.topk(logits, max(n_alternatives, 2), dim=-1)
@@ -128,6 +134,17 @@ def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alt
         unfiltered = _inverse_cdf((logits / sampler.temperature).softmax(-1), u)
         filter_changed = unfiltered != token
         eligible = torch.isfinite(filtered).sum(-1)
+    if forced is not None:
+        forced = forced.to(token.device)
+        token = torch.where(forced >= 0, forced, token)
+        if not sampler.greedy:
+            sampling_logprob = filtered.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        else:  # under greedy, a forced non-argmax token has probability 0
+            sampling_logprob = torch.where(token == greedy_token, 0.0, float("-inf"))
+    ref_logprobs = None
+    if ref_ids is not None:
+        ref_ids = ref_ids.to(logprobs.device)
+        ref_logprobs = logprobs.gather(-1, ref_ids.clamp_min(0)).masked_fill(ref_ids < 0, float("nan")).cpu()
     chosen_logit = logits.gather(-1, token[:, None])
     rank = (logits > chosen_logit).sum(-1)
     p = logprobs.exp()
@@ -139,5 +156,5 @@ def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alt
         greedy_token=greedy_token.cpu(), alt_ids=top_ids[:, :n_alternatives].cpu(),
         alt_logits=top_vals[:, :n_alternatives].cpu(), alt_logprobs=top_logprobs[:, :n_alternatives].cpu(),
         margin=(top_vals[:, 0] - top_vals[:, 1]).cpu(), filter_changed=filter_changed.cpu(),
-        eligible=eligible.cpu(),
+        eligible=eligible.cpu(), ref_logprobs=ref_logprobs,
     )

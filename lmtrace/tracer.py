@@ -28,10 +28,29 @@ class StepResult:
     prompt_arrays: dict[str, np.ndarray] = field(default_factory=dict)  # only at step 0
     finished_now: np.ndarray | None = None  # [B] bool: rows whose last token this was
     eos_now: np.ndarray | None = None  # [B] bool: rows that chose an eos token at this step
+    seq_ids: list[int] = field(default_factory=list)  # global sequence index of each row
 
 
 class StepSink(Protocol):
     def on_step(self, result: StepResult) -> None: ...
+
+
+class Teacher(Protocol):
+    """Drives a replay (intervene): which tokens are forced, which reference ids to score."""
+
+    def forced(self, seq_ids: list[int], step: int) -> list[int]: ...  # -1 = choose freely
+
+    def reference(self, seq_ids: list[int], step: int) -> list[list[int]]: ...  # [B, r], -1 = none
+
+
+class Edits(Protocol):
+    """Interventions: hooks that change the forward, and edits of the attention mask."""
+
+    def attached(self): ...  # context manager installing the hooks
+
+    def begin(self, step: int, seq_ids: list[int], positions: torch.Tensor, prefill: bool) -> None: ...
+
+    def edit_mask(self, mask: torch.Tensor, pads: list[int], seq_ids: list[int], step: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -67,7 +86,8 @@ class Tracer:
 
     @torch.inference_mode()
     def run_batch(self, seq_ids: list[int], prompts: list[list[int]], sink: StepSink,
-                  should_stop: Callable[[], bool] = lambda: False) -> BatchOutcome:
+                  should_stop: Callable[[], bool] = lambda: False, teacher: Teacher | None = None,
+                  edits: Edits | None = None) -> BatchOutcome:
         """Generate for one batch of tokenised prompts. seq_ids are global sequence indices (seeding)."""
         B = len(prompts)
         T = max(len(p) for p in prompts)
@@ -86,16 +106,25 @@ class Tracer:
         total = T
         probes = self.probes
         context = probes.attached() if probes is not None else _nullcontext()
-        with context:
+        edit_context = edits.attached() if edits is not None else _nullcontext()
+        with context, edit_context:
             for step in range(self.max_new_tokens):
                 if probes is not None:
                     probes.begin(ForwardContext(pads=pads, total_len=total, prefill=step == 0))
-                out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                model_mask = mask
+                if edits is not None:
+                    edits.begin(step, seq_ids, positions, step == 0)
+                    model_mask = edits.edit_mask(mask, pads, seq_ids, step)
+                out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, cache=cache,
                                  use_cache=True, logits_to_keep=1)
                 logits = out.logits[:, -1].float()
                 u = None if self.sampler.greedy else uniforms(self.generator, self.seed, seq_ids, step)
-                choice = choose(logits, self.sampler, u, self.n_alternatives)
-                result = StepResult(step=step, active=active.copy(), choice=choice)
+                forced = ref = None
+                if teacher is not None:
+                    forced = torch.tensor(teacher.forced(seq_ids, step), dtype=torch.long)
+                    ref = torch.tensor(teacher.reference(seq_ids, step), dtype=torch.long)
+                choice = choose(logits, self.sampler, u, self.n_alternatives, forced=forced, ref_ids=ref)
+                result = StepResult(step=step, active=active.copy(), choice=choice, seq_ids=seq_ids)
                 if probes is not None:
                     result.arrays, result.scalars = probes.collect(logits, choice)
                     if step == 0:
