@@ -134,3 +134,26 @@ def test_out_of_range_edits_name_the_valid_range(parent):
         run_intervene(str(parent.path), [{"kind": "ablate_head", "layer": 0, "head": 4}])
     with pytest.raises(SpecError, match="kinds:"):
         run_intervene(str(parent.path), [{"kind": "add_noise", "layer": 0}])
+
+
+def test_cli_shorthands_write_a_linked_child_and_a_temperature_sweep(parent, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "lmtrace.cli", "intervene", str(parent.path), *args, "--json"],
+                              capture_output=True, text=True)
+    out = cli("--ablate-head", "1.2", "--ablate-neurons", "0:1,2", "--mask-positions", "0-1", "--from-step", "2")
+    assert out.returncode == 0, out.stderr
+    child = Run(json.loads(out.stdout)["children"][0]["run_dir"])
+    kinds = [e["kind"] for e in child.manifest["interventions"]]
+    assert kinds == ["ablate_head", "ablate_neurons", "mask_positions"]
+    assert all(e["steps"] == {"from": 2} for e in child.manifest["interventions"])
+    effects = __import__("pandas").read_parquet(child.path / "effects.parquet")
+    assert (effects[effects.step < 2].logprob_shift == 0).all()  # nothing is edited before --from-step
+    out = cli("--temperatures", "0.5,2.0")
+    assert out.returncode == 0, out.stderr
+    assert [c["temperature"] for c in json.loads(out.stdout)["children"]] == [0.5, 2.0]
+    bad = cli("--ablate-head", "1")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --ablate-head")

@@ -1,0 +1,92 @@
+"""The `intervene` command's glue: read edits from a file and flags, run children, print the summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from .errors import SpecError
+from .interventions import shorthand_entries
+from .intervene import run_intervene
+
+
+def _read_edit_spec(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: edits file not found") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: malformed YAML ({str(err).splitlines()[0]})") from None
+    if isinstance(data, list):
+        data = {"interventions": data}
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with `interventions:` (a list of entries)")
+    unknown = set(data) - {"interventions", "mode", "from_step"}
+    if unknown:
+        raise SpecError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: interventions, mode, from_step")
+    return data
+
+
+def summarize(effects) -> dict:
+    """Per sequence: first step whose chosen token differs from the parent's, and the largest effects."""
+    out = []
+    for seq, e in effects.groupby("sequence"):
+        changed = e[e.child_token != e.parent_token]
+        same = e[e.context_identical]
+        out.append({
+            "sequence": int(seq),
+            "first_divergence_step": int(changed.step.min()) if len(changed) else None,
+            "winner_changes": int(same.winner_changed.fillna(False).sum()),
+            "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
+            "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
+        })
+    return {"sequences": out}
+
+
+def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, temperatures, runs_dir, run_id,
+                      progress, json_out: bool, quiet: bool) -> dict:
+    entries = shorthand_entries(**flags)
+    file_mode = None
+    if spec_path is not None:
+        data = _read_edit_spec(spec_path)
+        entries = list(data.get("interventions") or []) + entries
+        file_mode = data.get("mode")
+        from_step = from_step if from_step is not None else data.get("from_step")
+    mode = mode or file_mode or "rescore"
+    children = []
+    if temperatures:
+        try:
+            temps = [float(t) for t in temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise SpecError(f"--temperatures {temperatures!r}: expected numbers like 0.5,1.0") from None
+        if run_id:
+            raise SpecError("--run-id cannot name several children of a temperature sweep")
+        for t in temps:
+            result, effects = run_intervene(run_ref, entries, mode="regenerate", from_step=from_step or 0,
+                                            runs_dir=runs_dir, temperature=t, progress=progress)
+            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas())})
+    else:
+        result, effects = run_intervene(run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir,
+                                        run_id=run_id, progress=progress)
+        children.append({"run_id": result.run_id, "mode": mode, "run_dir": str(result.run_dir),
+                         **summarize(effects.to_pandas())})
+    if not (json_out or quiet):
+        _print(children)
+    return {"parent": run_ref, "children": children}
+
+
+def _print(children: list[dict]) -> None:
+    console = Console()
+    for child in children:
+        label = f"temperature {child['temperature']}" if "temperature" in child else child.get("mode")
+        table = Table(title=f"child {child['run_id']} ({label}) — effects.parquet has every step")
+        for col in ("sequence", "first divergence", "winner changes", "mean Δlogprob", "max KL(top-k)"):
+            table.add_column(col)
+        for s in child["sequences"]:
+            fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), fmt(s["winner_changes"]),
+                          fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"]))
+        console.print(table)
