@@ -1,4 +1,13 @@
-"""Read prompts from the spec: an inline list or a .txt / .jsonl / .csv / .parquet file."""
+"""Read prompts from the spec: an inline list or a .txt / .jsonl / .csv / .parquet file.
+
+  .txt      one prompt per line; blank lines are skipped
+  .jsonl    one JSON string, or one JSON object per line (the prompt column picked as below)
+  .csv      a header row; the prompt column picked as below
+  .parquet  the prompt column picked as below
+
+The column is `prompts.column` when given, else the one named prompt / text / input (any case),
+else the only column there is.
+"""
 
 from __future__ import annotations
 
@@ -12,67 +21,100 @@ from .spec import PromptsSpec
 _COLUMN_GUESSES = ("prompt", "text", "input")
 
 
-def _pick_column(columns: list[str], wanted: str | None, path: Path) -> str:
+def _pick_column(columns: list[str], wanted: str | None, where: str) -> str:
     if wanted is not None:
         if wanted not in columns:
-            raise SpecError(f"{path}: no column {wanted!r} (columns: {', '.join(columns)}); set prompts.column")
+            raise SpecError(f"{where}: no column {wanted!r} (columns: {', '.join(map(str, columns)) or 'none'}); "
+                            f"fix prompts.column")
         return wanted
+    lower = {str(c).lower(): c for c in columns}
     for name in _COLUMN_GUESSES:
-        if name in columns:
-            return name
+        if name in lower:
+            return lower[name]
     if len(columns) == 1:
         return columns[0]
-    raise SpecError(f"{path}: cannot tell which column holds the prompts (columns: {', '.join(columns)}); set prompts.column")
+    if not columns:
+        raise SpecError(f"{where}: no columns found; a prompt file needs a header / field naming the prompt column")
+    raise SpecError(f"{where}: cannot tell which column holds the prompts (columns: {', '.join(map(str, columns))}); "
+                    f"set prompts.column")
+
+
+def _text(value, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if value is None:
+        raise SpecError(f"{where}: the prompt is missing (null); every prompt needs text")
+    raise SpecError(f"{where}: the prompt is a {type(value).__name__}, not text")
 
 
 def _read_file(path: Path, column: str | None) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [line for line in path.read_text().splitlines() if line.strip()]
+        return [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     if suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise SpecError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+                raise SpecError(f"{path}:{n}: not valid JSON ({err.msg}, column {err.colno})") from None
             if isinstance(obj, str):
                 rows.append(obj)
             elif isinstance(obj, dict):
-                rows.append(str(obj[_pick_column(list(obj), column, path)]))
+                rows.append(_text(obj[_pick_column(list(obj), column, f"{path}:{n}")], f"{path}:{n}"))
             else:
-                raise SpecError(f"{path}:{n}: each line must be a JSON string or object")
+                raise SpecError(f"{path}:{n}: each line must be a JSON string or object, got {type(obj).__name__}")
         return rows
     if suffix == ".csv":
-        with path.open(newline="") as fh:
+        with path.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.DictReader(fh)
-            col = _pick_column(list(reader.fieldnames or []), column, path)
-            return [row[col] for row in reader]
+            if reader.fieldnames is None:
+                return []
+            col = _pick_column(list(reader.fieldnames), column, str(path))
+            # line numbers count the header as line 1
+            return [_text(row[col], f"{path}:{reader.line_num}") for row in reader]
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        col = _pick_column(table.column_names, column, path)
-        return [str(v) for v in table.column(col).to_pylist()]
-    raise SpecError(f"{path}: unsupported prompt file type {suffix!r}; use .txt, .jsonl, .csv or .parquet")
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid & co. for a damaged file
+            raise SpecError(f"prompts.file: cannot read {path} as Parquet ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        col = _pick_column(table.column_names, column, str(path))
+        return [_text(v, f"{path}: row {i}") for i, v in enumerate(table.column(col).to_pylist())]
+    raise SpecError(f"{path}: unsupported prompt file type {suffix or '(no extension)'!r}; use .txt, .jsonl, .csv or .parquet")
 
 
 def load_prompts(spec: PromptsSpec) -> list[str]:
     if spec.texts is not None:
         prompts = list(spec.texts)
+        source = "prompts.texts"
     else:
         path = Path(spec.file)
+        if not path.exists():
+            raise SpecError(f"prompts.file: {path} does not exist; check the path (relative paths in a spec "
+                            f"are relative to the spec's directory)")
         if not path.is_file():
-            raise SpecError(f"prompts.file: {path} does not exist")
+            raise SpecError(f"prompts.file: {path} is not a file")
         try:
             prompts = _read_file(path, spec.column)
-        except (OSError, UnicodeDecodeError) as err:
-            raise SpecError(f"prompts.file: cannot read {path} ({err})") from None
+        except UnicodeDecodeError as err:
+            raise SpecError(f"prompts.file: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except csv.Error as err:
+            raise SpecError(f"prompts.file: {path} is not valid CSV ({err})") from None
+        except OSError as err:
+            raise SpecError(f"prompts.file: cannot read {path} ({err.strerror or err})") from None
+        source = f"prompts.file {path}"
+        if not prompts:
+            raise SpecError(f"prompts.file: {path} contains no prompts (blank lines are skipped); "
+                            f"add at least one prompt")
     if not prompts:
-        raise SpecError("prompts: the prompt list is empty; give at least one prompt")
+        raise SpecError(f"{source}: the prompt list is empty; give at least one prompt")
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
-        raise SpecError(f"prompts: prompt {empty[0]} is an empty string; every prompt needs text")
+        raise SpecError(f"{source}: prompt {empty[0]} is empty; every prompt needs text")
     return prompts

@@ -8,6 +8,8 @@ checks would drift from the schema.
 from __future__ import annotations
 
 import copy
+import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +23,27 @@ DEFAULT_MODEL = "embedded:smollm2-135m"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        """An empty section (`generation:` with every line under it commented out) means its defaults."""
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in cls.model_fields and _section_class(cls.model_fields[k].annotation)
+                            and k != "capture")}
+        return data
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field annotation (`X`, `X | None`, `Literal[..] | list | X`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_class(arg)
+        if found is not None:
+            return found
+    return None
 
 
 class ModelSpec(_Strict):
@@ -156,8 +179,12 @@ class RunSpec(_Strict):
             data["model"] = {"ref": data["model"]}
         if isinstance(data.get("prompts"), list):
             data["prompts"] = {"texts": data["prompts"]}
-        if data.get("capture") == "none":
+        capture = data.get("capture")
+        if isinstance(capture, str) and capture.strip().lower() == "none":
             data["capture"] = forward_only_capture().model_dump()
+        elif "capture" in data and capture is None:
+            raise ValueError("capture is empty: remove the key for the default capture, "
+                             "or write `capture: none` to capture nothing (forward only)")
         return data
 
 
@@ -168,7 +195,13 @@ def _parse_yaml(text: str, source: str) -> Any:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{source}: malformed YAML{where}: {problem}") from None
+        if "'\\t'" in problem:
+            hint = "indent with spaces, not tabs"
+        elif "mapping values" in problem:
+            hint = "check the indentation there, and quote a value that contains ': '"
+        else:
+            hint = "check the indentation, brackets and quotes there"
+        raise SpecError(f"{source}: malformed YAML{where}: {problem} ({hint})") from None
 
 
 def apply_override(data: dict, assignment: str) -> dict:
@@ -178,10 +211,10 @@ def apply_override(data: dict, assignment: str) -> dict:
     key, raw = assignment.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
-        raise SpecError(f"--set {assignment!r}: empty key")
+        raise SpecError(f"--set {assignment!r}: the key before '=' is empty; expected KEY=VALUE, e.g. --set generation.seed=3")
     value = _parse_yaml(raw, f"--set {key}")
     node = data
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
         if isinstance(child, str) and part == "model":  # expand the `model: ref` shorthand
             child = {"ref": child}
@@ -190,25 +223,113 @@ def apply_override(data: dict, assignment: str) -> dict:
         if child is None:
             child = {}
         if not isinstance(child, dict):
-            raise SpecError(f"--set {key}: {part!r} is not a section")
+            where = ".".join(parts[: depth + 1])
+            raise SpecError(f"--set {key}: {where} is {child!r} in the spec, not a section with keys; "
+                            f"set it as a whole (--set {where}=...) or change the spec")
         node[part] = child
         node = child
     node[parts[-1]] = value
     return data
 
 
+# Messages for values that match none of a union's alternatives (pydantic would list each alternative).
+_UNION_HINTS = {
+    "capture.layers": "expected `all`, a list of layer indices like [0, 5, -1], or {stride: N, start: M}",
+    "capture.residual.vectors_at": "expected `all` or a list of layer indices like [0, 15, -1]",
+    "generation.eos_token_id": "expected a token id or a list of token ids",
+}
+_SECTION_HINTS = {
+    "model": "expected a model reference (embedded:NAME, a path or a hub id) or a section with ref:",
+    "prompts": "expected a list of prompts, or a section with texts: [...] or file: PATH",
+}
+
+
+def _field_names(cls: type[BaseModel], seen: set | None = None) -> set[str]:
+    seen = set() if seen is None else seen
+    if cls in seen:
+        return set()
+    seen.add(cls)
+    names = set(cls.model_fields)
+    for f in cls.model_fields.values():
+        sub = _section_class(f.annotation)
+        if sub is not None:
+            names |= _field_names(sub, seen)
+    return names
+
+
+def _is_tag(part: Any, names: set[str]) -> bool:
+    """pydantic puts the union alternative (`list[int]`, `LayerStride`, `function-after[..]`) into `loc`."""
+    return isinstance(part, str) and part not in names
+
+
+def _clean(loc: tuple, names: set[str], keep_last: bool = False) -> tuple:
+    last = len(loc) - 1
+    return tuple(p for i, p in enumerate(loc) if not _is_tag(p, names) or (keep_last and i == last))
+
+
+def _valid_keys(path: tuple) -> list[str]:
+    cls: type[BaseModel] | None = RunSpec
+    for part in path:
+        if cls is None or not isinstance(part, str) or part not in cls.model_fields:
+            return []
+        cls = _section_class(cls.model_fields[part].annotation)
+    return list(cls.model_fields) if cls is not None else []
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "literal[")))
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (check the spelling; see `lmtrace validate --help` and docs/spec.md)"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
+    """One line for the first problem: the dotted path, what is wrong, what was given."""
+    names = _field_names(RunSpec)
+    errors = err.errors()
+    first = errors[0]
+    loc = tuple(first["loc"])
+    group = [first]
+    union_root = None
+    tag_at = next((i for i, p in enumerate(loc) if _is_tag(p, names) and not
+                   (first["type"] == "extra_forbidden" and i == len(loc) - 1)), None)
+    if tag_at is not None:
+        # A value matched none of a union's alternatives: report the alternative it got furthest into.
+        union_root = loc[:tag_at]
+        group = [e for e in errors if tuple(e["loc"][:tag_at]) == union_root and len(e["loc"]) > tag_at
+                 and _is_tag(e["loc"][tag_at], names)] or [first]
+        first = max(group, key=lambda e: (len(e["loc"]), e["type"] == "extra_forbidden"))
+        if len(first["loc"]) > tag_at + 1:
+            union_root = None
+    kind = first["type"]
+    path = _clean(tuple(first["loc"]), names, keep_last=kind == "extra_forbidden")
+    dotted = ".".join(str(p) for p in path)
     got = first.get("input")
-    shown = "" if first["type"] in ("extra_forbidden", "missing") or isinstance(got, (dict, list)) else f" (got {got!r})"
-    more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""
-    where = f"{loc}: " if loc else ""
+    msg = first["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    if union_root is not None:
+        dotted = ".".join(str(p) for p in _clean(union_root, names))
+        msg = _UNION_HINTS.get(dotted) or "expected one of: " + "; ".join(dict.fromkeys(e["msg"] for e in group))
+    elif kind == "extra_forbidden":
+        key = str(path[-1])
+        valid = _valid_keys(path[:-1])
+        close = difflib.get_close_matches(key, valid, n=1)
+        msg = "unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
+        if valid:
+            msg += f" (valid keys {'under ' + '.'.join(map(str, path[:-1])) if len(path) > 1 else 'at the top level'}: {', '.join(valid)})"
+    elif kind == "missing":
+        msg = "required key is missing" + (f": {_SECTION_HINTS[dotted]}" if dotted in _SECTION_HINTS else "")
+    elif kind in ("model_type", "dict_type"):
+        msg = _SECTION_HINTS.get(dotted, "expected a section (a mapping of key: value)")
+    shown = ""
+    if kind not in ("extra_forbidden", "missing") and not isinstance(got, (dict, list)) and "(got " not in msg:
+        shown = f" (got {_shown(got)})"
+    others = {_clean(tuple(e["loc"]), names, keep_last=e["type"] == "extra_forbidden")
+              for e in errors if e not in group}
+    others.discard(path)
+    more = f" [+{len(others)} more problem{'s' if len(others) > 1 else ''}]" if others else ""
+    # a model-level check already names its keys ("prompts.system needs prompts.chat: true")
+    where = f"{dotted}: " if dotted and not msg.startswith(dotted + ".") else ""
     return f"{source}: {where}{msg}{shown}{more}"
 
 
@@ -223,27 +344,46 @@ def build_spec(data: Any, source: str) -> RunSpec:
         raise SpecError(format_validation_error(err, source)) from None
 
 
+def _override_key(assignment: str) -> str:
+    return ".".join(p for p in assignment.split("=", 1)[0].strip().split(".") if p)
+
+
 def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[RunSpec, str, dict]:
-    """Read and validate a spec file. Returns (spec, text as given, data after overrides)."""
+    """Read and validate a spec file. Returns (spec, text as given, data after overrides).
+
+    A relative `prompts.file` is resolved against the spec's own directory (specs are portable),
+    except when it was given with `--set`, where it is relative to the current directory like
+    any other path typed on the command line.
+    """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path}: spec file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(f"{path}: cannot read spec ({err.__class__.__name__}: {err})") from None
+        raise SpecError(f"{path}: spec file not found; check the path (a YAML run spec, e.g. configs/demo.yaml)") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory; give the path of a YAML spec file") from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start}); a spec is a YAML file") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read spec ({err.strerror or err})") from None
     data = _parse_yaml(text, str(path))
     data = copy.deepcopy(data) if data is not None else data
+    file_from_command_line = False
     for assignment in overrides:
         if data is None:
             data = {}
         if not isinstance(data, dict):
             break
         data = apply_override(data, assignment)
+        if _override_key(assignment) in ("prompts", "prompts.file"):
+            file_from_command_line = True
     spec = build_spec(data, str(path))
-    # Resolve a relative prompt file against the spec's own directory so specs are portable.
-    if spec.prompts.file is not None and not Path(spec.prompts.file).is_absolute():
-        spec.prompts.file = str((path.parent / spec.prompts.file).resolve())
+    if spec.prompts.file is not None:
+        file = Path(spec.prompts.file).expanduser()
+        if not file.is_absolute():
+            base = Path.cwd() if file_from_command_line else path.parent
+            file = (base / file).resolve()
+        spec.prompts.file = str(file)
     return spec, text, data
 
 
@@ -255,11 +395,12 @@ def resolve_layers(layers: Literal["all"] | list[int] | LayerStride, n_layers: i
         if layers.start >= n_layers:
             raise SpecError(f"capture.layers.start={layers.start} is out of range: the model has layers 0..{n_layers - 1}")
         return list(range(layers.start, n_layers, layers.stride))
-    bad = [i for i in layers if not -n_layers <= i < n_layers]
-    if bad:
-        raise SpecError(f"capture.layers: {bad} out of range: the model has layers 0..{n_layers - 1}")
     if not layers:
         raise SpecError("capture.layers is empty: use `all`, a list of layer indices or {stride: N}")
+    bad = [i for i in layers if not -n_layers <= i < n_layers]
+    if bad:
+        raise SpecError(f"capture.layers: {bad} out of range: the model has layers 0..{n_layers - 1} "
+                        f"(negative indices count from the end, down to -{n_layers})")
     return sorted({i % n_layers for i in layers})
 
 
@@ -269,5 +410,6 @@ def resolve_vector_layers(spec: CaptureSpec, n_layers: int) -> list[int]:
         return list(range(n_layers))
     bad = [i for i in v if not -n_layers <= i < n_layers]
     if bad:
-        raise SpecError(f"capture.residual.vectors_at: {bad} out of range: the model has layers 0..{n_layers - 1}")
+        raise SpecError(f"capture.residual.vectors_at: {bad} out of range: the model has layers 0..{n_layers - 1} "
+                        f"(negative indices count from the end, down to -{n_layers})")
     return sorted({i % n_layers for i in v})
