@@ -1,0 +1,807 @@
+"""`lmtrace explain`: attribute archived generated tokens to their context positions, after the fact.
+
+Generate first, explain later: a run (even a forward-only `capture: none` one) archives every
+token; `explain` rebuilds the exact context of the requested steps from `tokens.parquet`
+(prompt ids + generated ids of earlier steps), reloads the run's model in float32 with eager
+attention, and scores every context position for one target quantity of the token chosen at
+that step. Definitions (docs/explain.md has the full text):
+
+  target f   chosen | runner-up | contrast (= chosen − runner-up), of the `logit` or `logprob`
+             at the last context position; runner-up = the most likely archived alternative that is
+             not the chosen token.
+  grad_x_input          score_i = Σ_d ∂f/∂e_{i,d} · e_{i,d}     (e = input embeddings)
+  integrated_gradients  score_i = Σ_d (e−b)_{i,d} · Σ_k w_k ∂f/∂e_{i,d}(b + α_k (e−b)); b = zero or
+                        pad-token embedding at every position; midpoint or trapezoid rule;
+                        completeness error = |Σ_i score_i − (f(e) − f(b))|
+  occlusion             score_i = f(x) − f(x with position i removed from the attention mask)
+  attention_rollout     R = Â_{L−1} ⋯ Â_0 with Â_l = rownorm(mean_h A_{l,h} + I); score_i = R[n−1, i]
+                        (archived attention only, no model)
+
+Methods live in the METHODS registry (`@register`); results go to `explain/` in the run directory
+and an entry per method to `manifest["explain"]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import stat
+import tempfile
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .archive import layout
+from .archive.reader import IncompleteRunWarning, Run
+from .errors import ArchiveError, LmtraceError, ModelLoadError, SpecError
+from .runs import find_run, new_run_id, now_iso, read_manifest, runs_root
+
+EXPLAIN_DIR = "explain"
+SCORES_PARTS = "scores.parts"  # explain/scores.parts/<explain_id>.parquet: one Parquet dataset for all invocations
+TARGETS = ("chosen", "runner-up", "contrast")
+QUANTITIES = ("logit", "logprob")
+BASELINES = ("zero", "pad")
+IG_RULES = ("midpoint", "trapezoid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings, targets, registry
+@dataclass(frozen=True)
+class Settings:
+    target: str = "chosen"
+    quantity: str = "logit"
+    baseline: str = "zero"
+    ig_steps: int = 32
+    ig_rule: str = "midpoint"
+    batch_size: int = 8
+
+    def check(self) -> "Settings":
+        for name, value, allowed in (("--target", self.target, TARGETS), ("--quantity", self.quantity, QUANTITIES),
+                                     ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES)):
+            if value not in allowed:
+                raise SpecError(f"{name} {value!r}: expected one of {', '.join(allowed)}")
+        if self.ig_steps < 1:
+            raise SpecError(f"--ig-steps {self.ig_steps}: must be at least 1")
+        if self.batch_size < 1:
+            raise SpecError(f"--batch-size {self.batch_size}: must be at least 1")
+        return self
+
+
+@dataclass
+class StepContext:
+    """Everything one method needs to explain one (sequence, step)."""
+
+    run: Run
+    sequence: int
+    step: int
+    prompt_len: int
+    ids: list[int]  # the context: prompt ids + generated ids of steps < step
+    chosen_id: int  # the token chosen at `step`
+    runner_up_id: int  # the most likely archived alternative other than the chosen token
+    archived_logprob: float
+    settings: Settings
+    scorer: "Scorer | None" = None
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class MethodResult:
+    scores: np.ndarray  # [n] float32, one per context position
+    info: dict = field(default_factory=dict)  # scalars recorded in the manifest (f values, errors, ...)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    fn: Callable[[StepContext], MethodResult]
+    needs_model: bool
+    description: str
+    settings: Callable[[Settings], dict]  # the settings that define its result (recorded in the manifest)
+    requirements: Callable[[Run], list[str]] | None = None  # archived data it needs: list of what is missing
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(name: str, *, needs_model: bool, description: str, settings: Callable[[Settings], dict] | None = None,
+             requirements: Callable[[Run], list[str]] | None = None):
+    """Add an attribution method: `fn(ctx: StepContext) -> MethodResult` with one score per context position."""
+
+    def wrap(fn):
+        METHODS[name] = Method(name, fn, needs_model, description,
+                               settings or (lambda s: {"target": s.target, "quantity": s.quantity}), requirements)
+        return fn
+
+    return wrap
+
+
+def target_values(logits: torch.Tensor, chosen: int, runner_up: int, target: str, quantity: str) -> torch.Tensor:
+    """[B, vocab] logits of the last position -> [B] target quantity f."""
+    values = logits.float()
+    if quantity == "logprob":
+        values = values.log_softmax(-1)
+    if target == "chosen":
+        return values[:, chosen]
+    if target == "runner-up":
+        return values[:, runner_up]
+    return values[:, chosen] - values[:, runner_up]
+
+
+# ---------------------------------------------------------------------------------------------
+# The model side: forwards from input embeddings
+class Scorer:
+    """A float32 model and the target function f(embeddings) of one step's last position."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, tokenizer=None):
+        self.model = model
+        self.device = device
+        self.embed = model.get_input_embeddings()
+        self.tokenizer = tokenizer
+        self.pad_id = getattr(tokenizer, "pad_token_id", None)
+
+    def embeddings(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.embed(torch.tensor([ids], device=self.device))[0].float().detach()
+
+    def logits(self, embeds: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds [B, n, d] (mask [B, n], 1 = attend) -> last-position logits [B, vocab]."""
+        B, n, _ = embeds.shape
+        if mask is None:
+            mask = torch.ones((B, n), dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)[None].expand(B, n)
+        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False,
+                         logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def f(self, ctx: StepContext, embeds: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        s = ctx.settings
+        return target_values(self.logits(embeds, mask), ctx.chosen_id, ctx.runner_up_id, s.target, s.quantity)
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+@register("grad_x_input", needs_model=True,
+          description="gradient × input: Σ_d ∂f/∂e_{i,d} · e_{i,d} over the input embedding of each position")
+def grad_x_input(ctx: StepContext) -> MethodResult:
+    sc = ctx.scorer
+    e = sc.embeddings(ctx.ids).requires_grad_(True)
+    with torch.enable_grad():
+        y = sc.f(ctx, e[None])
+        (grad,) = torch.autograd.grad(y.sum(), e)
+    scores = (grad * e.detach()).sum(-1)
+    return MethodResult(scores.cpu().numpy().astype(np.float32),
+                        {"f_x": float(y.item()), "sum_scores": float(scores.sum().item())})
+
+
+def _ig_settings(s: Settings) -> dict:
+    return {"target": s.target, "quantity": s.quantity, "baseline": s.baseline, "ig_steps": s.ig_steps,
+            "ig_rule": s.ig_rule, "batch_size": s.batch_size}
+
+
+def ig_alphas(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
+    """Interpolation points α_k in [0, 1] and weights w_k (Σ w_k = 1) of the path integral's rule."""
+    if rule == "midpoint":
+        return (np.arange(steps) + 0.5) / steps, np.full(steps, 1.0 / steps)
+    alphas = np.arange(steps + 1) / steps
+    weights = np.full(steps + 1, 1.0 / steps)
+    weights[0] = weights[-1] = 0.5 / steps
+    return alphas, weights
+
+
+def baseline_embeddings(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
+    if ctx.settings.baseline == "zero":
+        return torch.zeros_like(e)
+    pad = ctx.scorer.pad_id
+    if pad is None:
+        raise SpecError("--baseline pad: the model's tokenizer has no pad token; use --baseline zero")
+    return ctx.scorer.embeddings([pad])[0].expand_as(e).clone()
+
+
+@register("integrated_gradients", needs_model=True, settings=_ig_settings,
+          description="integrated gradients from a baseline embedding (zero or pad) along the straight path")
+def integrated_gradients(ctx: StepContext) -> MethodResult:
+    sc, s = ctx.scorer, ctx.settings
+    e = sc.embeddings(ctx.ids)
+    b = baseline_embeddings(ctx, e)
+    alphas, weights = ig_alphas(s.ig_steps, s.ig_rule)
+    total = torch.zeros_like(e)
+    diff = e - b
+    for lo in range(0, len(alphas), s.batch_size):
+        a = torch.tensor(alphas[lo:lo + s.batch_size], dtype=e.dtype, device=e.device)
+        w = torch.tensor(weights[lo:lo + s.batch_size], dtype=e.dtype, device=e.device)
+        x = (b[None] + a[:, None, None] * diff[None]).requires_grad_(True)
+        with torch.enable_grad():
+            y = sc.f(ctx, x)
+            (g,) = torch.autograd.grad(y.sum(), x)  # rows are independent: row k gets ∂f/∂x_k
+        total += (w[:, None, None] * g).sum(0)
+    scores = (diff * total).sum(-1)
+    with torch.no_grad():
+        fx, fb = sc.f(ctx, torch.stack([e, b])).tolist()
+    total_attr = float(scores.sum().item())
+    err = abs(total_attr - (fx - fb))
+    return MethodResult(scores.cpu().numpy().astype(np.float32), {
+        "f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
+        "completeness_error_relative": err / max(abs(fx - fb), 1e-12),
+    })
+
+
+@register("occlusion", needs_model=True, settings=lambda s: {"target": s.target, "quantity": s.quantity,
+                                                             "mask": "attention_mask[position] = 0",
+                                                             "batch_size": s.batch_size},
+          description="f(x) − f(x with the position removed from the attention mask), one forward per position")
+def occlusion(ctx: StepContext) -> MethodResult:
+    sc, s = ctx.scorer, ctx.settings
+    e = sc.embeddings(ctx.ids)
+    n = ctx.n
+    with torch.no_grad():
+        fx = float(sc.f(ctx, e[None]).item())
+        out = np.empty(n, dtype=np.float64)
+        for lo in range(0, n, s.batch_size):
+            pos = torch.arange(lo, min(lo + s.batch_size, n), device=sc.device)
+            mask = torch.ones((len(pos), n), dtype=torch.long, device=sc.device)
+            mask[torch.arange(len(pos)), pos] = 0
+            out[lo:lo + len(pos)] = sc.f(ctx, e[None].expand(len(pos), n, e.shape[-1]), mask).double().cpu().numpy()
+    scores = fx - out
+    return MethodResult(scores.astype(np.float32), {"f_x": fx, "sum_scores": float(scores.sum())})
+
+
+# ---- attention rollout ------------------------------------------------------------------------
+def rollout(attn: np.ndarray) -> np.ndarray:
+    """Attention rollout (Abnar & Zuidema 2020) of full attention matrices.
+
+    attn [layer, head, n, n] (row = query, column = key, rows sum to 1) ->
+    R = Â_{L−1} · … · Â_1 · Â_0 with Â_l = rownorm(mean_h attn[l, h] + I); R[q, k] is the share
+    of position k in the output of position q.
+    """
+    attn = np.asarray(attn, dtype=np.float64)
+    L, _, n, _ = attn.shape
+    R = np.eye(n)
+    for layer in range(L):
+        a = attn[layer].mean(0) + np.eye(n)
+        a = a / a.sum(-1, keepdims=True)
+        R = a @ R
+    return R
+
+
+def _model_layer_count(manifest: dict) -> int | None:
+    cfg = manifest.get("model", {}).get("config", {}) or {}
+    n = cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers") or cfg.get("n_layer")
+    return int(n) if n is not None else None
+
+
+def rollout_requirements(run: Run) -> list[str]:
+    """What attention_rollout needs from the archive and this run lacks (empty = available)."""
+    names = set(run.array_names())
+    missing = []
+    if "attn" not in names:
+        if "attn_topk_idx" in names:
+            missing.append("full attention rows (the run kept only the top-k keys per row: set "
+                           "capture.attention.top_k: null)")
+        else:
+            missing.append("attention rows (`attn`: set capture.attention.enabled: true, capture.attention.top_k: null)")
+    n_layers = _model_layer_count(run.manifest)
+    if "attn" in names and n_layers is not None and list(run.layers) != list(range(n_layers)):
+        missing.append(f"attention of every layer (captured layers {run.layers} of {n_layers}: set capture.layers: all)")
+    if "prefill_attn" not in names:
+        missing.append("the prompt's full attention matrices (`prefill_attn`: set capture.prefill_attention: true)")
+    return missing
+
+
+def archived_attention(run: Run, sequence: int, step: int) -> np.ndarray:
+    """[layer, head, n, n] full causal attention of the context of `step` (n = prompt_len + step), from
+    `prefill_attn` (prompt query rows) and the per-step `attn` rows (query position P−1+t at step t)."""
+    P = int(run.prompt_len()[sequence])
+    n = P + step
+    pre = np.asarray(run.array("prefill_attn")[sequence, :, :, :P, :P], dtype=np.float32)  # [L, H, P, P]
+    if np.isnan(pre[..., np.tril(np.ones((P, P), dtype=bool))]).any():
+        raise ArchiveError(f"run {run.id}: the archived prompt attention of sequence {sequence} is incomplete (NaN)")
+    L, H = pre.shape[:2]
+    out = np.zeros((L, H, n, n), dtype=np.float32)
+    out[:, :, :P, :P] = np.nan_to_num(pre, nan=0.0)
+    if step > 0:
+        rows = np.asarray(run.array("attn")[sequence, 1:step + 1, :, :, :n], dtype=np.float32)  # [step, L, H, n]
+        for t in range(1, step + 1):  # step t: query position P-1+t over keys 0..P-1+t
+            row = rows[t - 1, :, :, : P + t]
+            if np.isnan(row).any():
+                raise ArchiveError(f"run {run.id}: the archived attention row of sequence {sequence} step {t} is "
+                                   f"incomplete (NaN): that step was not captured or not committed")
+            out[:, :, P - 1 + t, : P + t] = row
+    return out
+
+
+@register("attention_rollout", needs_model=False, requirements=rollout_requirements,
+          settings=lambda s: {"head_fusion": "mean", "residual": "add identity, renormalise rows",
+                              "source": "archived prefill_attn + attn rows"},
+          description="attention rollout over every layer from the archived attention (no model needed)")
+def attention_rollout(ctx: StepContext) -> MethodResult:
+    R = rollout(archived_attention(ctx.run, ctx.sequence, ctx.step))
+    scores = R[-1]
+    return MethodResult(scores.astype(np.float32), {"sum_scores": float(scores.sum())})
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing and validation
+def parse_steps(text: str, available: int) -> list[int]:
+    """'0,4,9', '2-5', 'all' (or a mix) -> sorted unique steps, checked against the generated steps."""
+    steps: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if part == "all":
+                steps.update(range(available))
+            elif "-" in part[1:]:
+                a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+                steps.update(range(lo, hi + 1))
+            else:
+                steps.add(int(part))
+        except ValueError:
+            raise SpecError(f"--steps {text!r}: expected step numbers like 0,4,9, ranges like 2-5, or all") from None
+    if not steps:
+        raise SpecError(f"--steps {text!r}: no steps given")
+    bad = sorted(s for s in steps if not 0 <= s < available)
+    if bad:
+        have = f"steps 0..{available - 1}" if available else "no generated steps"
+        raise SpecError(f"--steps: step(s) {bad} out of range: this sequence has {available} generated token(s) ({have})")
+    return sorted(steps)
+
+
+def parse_methods(methods: list[str] | str) -> list[str]:
+    if isinstance(methods, str):
+        methods = [methods]
+    names: list[str] = []
+    aliases = {"gxi": "grad_x_input", "ig": "integrated_gradients", "rollout": "attention_rollout"}
+    for item in methods:
+        for name in str(item).split(","):
+            name = name.strip().replace("-", "_")
+            if not name:
+                continue
+            name = aliases.get(name, name)
+            if name not in METHODS:
+                raise SpecError(f"--method {name!r}: unknown; available: {', '.join(METHODS)}")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise SpecError("--method: give at least one method")
+    return names
+
+
+def _open(run_ref: str | Path, runs_dir: str | None) -> tuple[Run, list[str]]:
+    notes = []
+    path = find_run(str(run_ref), runs_root(runs_dir))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", IncompleteRunWarning)
+        run = Run(path)
+    for w in caught:
+        if issubclass(w.category, IncompleteRunWarning):
+            notes.append(str(w.message))
+    return run, notes
+
+
+def _sequence_tokens(run: Run, sequence: int):
+    t = run.tokens().to_pandas()
+    n_seq = int(run.manifest.get("n_prompts") or run.shape.get("n_sequences") or 0)
+    if not 0 <= sequence < max(n_seq, 1) or not (t.sequence == sequence).any():
+        raise SpecError(f"--sequence {sequence} out of range: run {run.id} has {n_seq} sequence(s) (0..{n_seq - 1})")
+    t = t[t.sequence == sequence]
+    prompt = t[t.is_prompt].sort_values("position")
+    gen = t[~t.is_prompt].sort_values("step")
+    return prompt, gen
+
+
+def _runner_up(chosen: int, alt_ids) -> int:
+    for a in list(alt_ids if alt_ids is not None else []):
+        if int(a) != chosen:
+            return int(a)
+    raise ArchiveError("no archived alternative other than the chosen token: cannot define the runner-up")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model loading
+def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda text: None) -> tuple[Scorer, dict]:
+    """The run's model in float32 with eager attention (gradients and masks behave the same everywhere)."""
+    from .models import load_model
+    from .spec import ModelSpec
+
+    given = dict(run.manifest.get("spec_resolved", {}).get("model") or {})
+    if not given:
+        raise ArchiveError(f"run {run.id}: the manifest has no spec_resolved.model; cannot tell which model to load")
+    given.update(dtype="float32", attn_implementation="eager")
+    if device:
+        given["device"] = device
+    needing = ", ".join(m for m in methods if METHODS[m].needs_model)
+    try:
+        spec = ModelSpec(**given)
+        loaded = load_model(spec, note=note)
+    except LmtraceError as err:
+        raise ModelLoadError(
+            f"run {run.id} was generated with model {given.get('ref')!r}, whose weights are not available here: "
+            f"{err}; method(s) {needing} need them (attention_rollout does not)") from None
+    except Exception as err:  # noqa: BLE001 - pydantic / transformers errors become one line
+        raise ModelLoadError(f"cannot load model {given.get('ref')!r} of run {run.id} for {needing}: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    archived_sha = run.manifest.get("model", {}).get("weights_sha256")
+    if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
+        raise ModelLoadError(
+            f"the weights of {given.get('ref')!r} changed since run {run.id} was generated (sha256 "
+            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): explanations would not describe this run")
+    info = {"reference": loaded.reference, "source": loaded.source, "weights_sha256": loaded.weights_sha256,
+            "dtype": "float32", "attn_implementation": "eager", "device": str(loaded.device)}
+    return Scorer(loaded.model, loaded.device, loaded.tokenizer), info
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and recording
+@dataclass
+class StepExplanation:
+    method: str
+    sequence: int
+    step: int
+    chosen_id: int
+    runner_up_id: int
+    positions: np.ndarray
+    token_ids: list[int]
+    token_texts: list[str]
+    is_prompt: list[bool]
+    scores: np.ndarray
+    info: dict
+    target_text: str = ""
+    runner_up_text: str = ""
+
+
+@dataclass
+class ExplainResult:
+    explain_id: str
+    run_id: str
+    run_dir: Path
+    path: Path
+    entries: list[dict]
+    explanations: list[StepExplanation]
+    settings: Settings
+    notes: list[str] = field(default_factory=list)
+
+
+def scores_schema() -> pa.Schema:
+    i32 = pa.int32()
+    return pa.schema([
+        ("explain_id", pa.string()), ("method", pa.string()), ("sequence", i32), ("step", i32),
+        ("target", pa.string()), ("quantity", pa.string()), ("target_token_id", i32), ("runner_up_token_id", i32),
+        ("position", i32), ("token_id", i32), ("token_text", pa.string()), ("is_prompt", pa.bool_()),
+        ("score", pa.float32()),
+    ])
+
+
+def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 0,
+                methods: list[str] | str = ("grad_x_input",), settings: Settings | None = None,
+                device: str | None = None, runs_dir: str | None = None, note=lambda text: None) -> ExplainResult:
+    """Explain generated steps of an archived run; write the results into the run and return them."""
+    settings = (settings or Settings()).check()
+    names = parse_methods(list(methods) if not isinstance(methods, str) else methods)
+    run, notes = _open(run_ref, runs_dir)
+    for text in notes:
+        note(text)
+    prompt, gen = _sequence_tokens(run, sequence)
+    step_list = parse_steps(",".join(map(str, steps)) if isinstance(steps, (list, tuple)) else steps, len(gen))
+    for name in names:  # archived-data requirements are checked before any weights are loaded
+        req = METHODS[name].requirements
+        missing = req(run) if req is not None else []
+        if missing:
+            raise ArchiveError(f"method {name} needs archived data run {run.id} did not capture: "
+                               + "; ".join(missing) + ". Rerun generate with those capture settings")
+    scorer, model_info = None, None
+    if any(METHODS[m].needs_model for m in names):
+        note(f"loading model {run.manifest.get('model', {}).get('reference')} (float32, eager attention)")
+        scorer, model_info = load_scorer(run, device, names, note)
+
+    prompt_ids = [int(x) for x in prompt.token_id]
+    prompt_texts = list(prompt.token_text)
+    gen_ids = [int(x) for x in gen.token_id]
+    gen_texts = list(gen.token_text)
+    explanations: list[StepExplanation] = []
+    for step in step_list:
+        row = gen.iloc[step]
+        if int(row.step) != step:
+            raise ArchiveError(f"run {run.id}: sequence {sequence} has no archived token for step {step}")
+        chosen = int(row.token_id)
+        ctx = StepContext(run=run, sequence=sequence, step=step, prompt_len=len(prompt_ids),
+                          ids=prompt_ids + gen_ids[:step], chosen_id=chosen,
+                          runner_up_id=_runner_up(chosen, row.alt_ids), archived_logprob=float(row.logprob),
+                          settings=settings, scorer=scorer)
+        check = {}
+        if scorer is not None:  # the rebuilt context must reproduce what the run saw
+            with torch.no_grad():
+                lp = scorer.logits(scorer.embeddings(ctx.ids)[None]).float().log_softmax(-1)[0, chosen].item()
+            check = {"recomputed_logprob": lp, "archived_logprob": ctx.archived_logprob}
+            if math.isfinite(ctx.archived_logprob) and abs(lp - ctx.archived_logprob) > 0.05:
+                note(f"step {step}: the float32 model gives the chosen token logprob {lp:.4f}, the run archived "
+                     f"{ctx.archived_logprob:.4f} (run dtype {run.manifest.get('dtype')}); the attributions describe "
+                     f"the float32 model")
+        for name in names:
+            note(f"sequence {sequence} step {step}: {name}")
+            res = METHODS[name].fn(ctx)
+            if res.scores.shape != (ctx.n,):
+                raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
+            info = {**res.info, **(check if METHODS[name].needs_model else {})}
+            explanations.append(StepExplanation(
+                name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
+                prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
+                target_text=str(row.token_text),
+                runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else ""))
+
+    explain_id = new_run_id()
+    entries = _write(run, explain_id, names, step_list, sequence, settings, explanations, model_info)
+    return ExplainResult(explain_id, run.id, run.path, run.path / EXPLAIN_DIR / explain_id, entries, explanations,
+                         settings, notes)
+
+
+def _write(run: Run, explain_id: str, names: list[str], steps: list[int], sequence: int, settings: Settings,
+           explanations: list[StepExplanation], model_info: dict | None) -> list[dict]:
+    """explain/<id>/{scores.zarr, explain.json} + explain/scores.parts/<id>.parquet, then the manifest entries."""
+    root = run.path / EXPLAIN_DIR
+    root.mkdir(exist_ok=True)
+    tmp = root / f".{explain_id}.tmp"  # explain ids are unique; mkdir honours the umask (mkdtemp would not)
+    tmp.mkdir()
+    try:
+        entries = _write_files(run, tmp, explain_id, names, steps, sequence, settings, explanations, model_info)
+        os.replace(tmp, root / explain_id)  # the directory appears complete or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    parts = root / SCORES_PARTS
+    parts.mkdir(exist_ok=True)
+    part_tmp = parts / f".{explain_id}.tmp"
+    pq.write_table(_table(explain_id, settings, explanations), part_tmp)
+    os.replace(part_tmp, parts / f"{explain_id}.parquet")
+    record_entries(run.path, entries)
+    return entries
+
+
+def _write_files(run: Run, tmp: Path, explain_id: str, names: list[str], steps: list[int], sequence: int,
+                 settings: Settings, explanations: list[StepExplanation], model_info: dict | None) -> list[dict]:
+    import zarr
+
+    created = now_iso()
+    rel = f"{EXPLAIN_DIR}/{explain_id}"
+    table_rel = f"{EXPLAIN_DIR}/{SCORES_PARTS}/{explain_id}.parquet"
+    # arrays: one per method, [step, position], NaN beyond each step's context
+    max_n = max(len(e.scores) for e in explanations)
+    group = zarr.open_group(str(tmp / "scores.zarr"), mode="w", zarr_format=3)
+    st = group.create_array("step", shape=(len(steps),), dtype="int32", chunks=(max(1, len(steps)),),
+                            dimension_names=("step",), fill_value=-1)
+    st[...] = np.asarray(steps, dtype=np.int32)
+    pos = group.create_array("position", shape=(max_n,), dtype="int32", chunks=(max_n,),
+                             dimension_names=("position",), fill_value=-1)
+    pos[...] = np.arange(max_n, dtype=np.int32)
+    for name in names:
+        data = np.full((len(steps), max_n), np.nan, dtype=np.float32)
+        for e in explanations:
+            if e.method == name:
+                data[steps.index(e.step), : len(e.scores)] = e.scores
+        arr = group.create_array(name, shape=data.shape, dtype="float32", chunks=data.shape,
+                                 dimension_names=("step", "position"), fill_value=np.nan)
+        arr[...] = data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(tmp / "scores.zarr"))
+    entries = []
+    for name in names:
+        m = METHODS[name]
+        entries.append({
+            "id": explain_id, "method": name, "settings": m.settings(settings), "sequence": sequence, "steps": steps,
+            "target": settings.target if m.needs_model else None,
+            "quantity": settings.quantity if m.needs_model else None, "created": created,
+            "path": rel, "table": table_rel, "array": f"{rel}/scores.zarr/{name}",
+            "model": model_info if m.needs_model else None,
+            "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
+                         **{k: _num(v) for k, v in e.info.items()}} for e in explanations if e.method == name],
+        })
+    _atomic_json(tmp / "explain.json", {"id": explain_id, "run_id": run.id, "created": created, "entries": entries})
+    return entries
+
+
+def _table(explain_id: str, settings: Settings, explanations: list[StepExplanation]) -> pa.Table:
+    """The long table: one row per (method, step, context position)."""
+    cols: dict[str, list] = {f.name: [] for f in scores_schema()}
+    for e in explanations:
+        n = len(e.scores)
+        cols["explain_id"] += [explain_id] * n
+        cols["method"] += [e.method] * n
+        cols["sequence"] += [e.sequence] * n
+        cols["step"] += [e.step] * n
+        cols["target"] += [settings.target if METHODS[e.method].needs_model else None] * n
+        cols["quantity"] += [settings.quantity if METHODS[e.method].needs_model else None] * n
+        cols["target_token_id"] += [e.chosen_id] * n
+        cols["runner_up_token_id"] += [e.runner_up_id] * n
+        cols["position"] += e.positions.tolist()
+        cols["token_id"] += list(e.token_ids)
+        cols["token_text"] += list(e.token_texts)
+        cols["is_prompt"] += list(e.is_prompt)
+        cols["score"] += e.scores.tolist()
+    return pa.table(cols, schema=scores_schema())
+
+
+def _num(v):
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if math.isfinite(v) else None
+    return v
+
+
+def _atomic_json(path: Path, obj) -> None:
+    """Write-to-unique-temp + fsync + rename (a unique name: concurrent writers never share a temp file)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp creates 0600: keep the file's existing mode, else the usual umask-derived one
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+@contextmanager
+def _locked(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks (Windows): the re-read just before writing still narrows the window
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def record_entries(run_dir: Path, entries: list[dict]) -> None:
+    """Append entries to manifest["explain"]: under a lock file, re-reading the manifest just before an atomic write.
+    Nothing else in the manifest (status included) is changed."""
+    (run_dir / EXPLAIN_DIR).mkdir(exist_ok=True)
+    with _locked(run_dir / EXPLAIN_DIR / ".manifest.lock"):
+        manifest = read_manifest(run_dir)
+        manifest.setdefault("explain", []).extend(entries)
+        _atomic_json(run_dir / layout.MANIFEST, manifest)
+
+
+def read_explanations(run: Run | str | Path) -> pa.Table:
+    """Every explain invocation's scores of a run as one table (explain/scores.parts/*.parquet)."""
+    path = run.path if isinstance(run, Run) else Path(run)
+    files = sorted((path / EXPLAIN_DIR / SCORES_PARTS).glob("*.parquet"))
+    if not files:
+        raise ArchiveError(f"{path} has no explanations yet; run `lmtrace explain`")
+    return pa.concat_tables([pq.read_table(f).cast(scores_schema()) for f in files])
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal display
+def _show_token(text: str) -> str:
+    return text.replace("\n", "⏎").replace("\t", "⇥") or "∅"
+
+
+def _background(score: float, scale: float) -> str:
+    """White for 0, towards green for positive and red for negative relevance (|score| / scale)."""
+    x = 0.0 if scale <= 0 or not math.isfinite(score) else max(-1.0, min(1.0, score / scale))
+    fade = int(round(255 * (1 - abs(x) * 0.85)))
+    if x >= 0:
+        return f"black on rgb({fade},255,{fade})"
+    return f"black on rgb(255,{fade},{fade})"
+
+
+def render(result: ExplainResult, console=None, top: int = 10) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    s = result.settings
+    console.print(f"[bold]explain {result.explain_id}[/bold] of run {result.run_id} -> {result.path}")
+    for e in result.explanations:
+        m = METHODS[e.method]
+        what = (f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position")
+        console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
+        head = Text("target token ")
+        head.append(repr(e.target_text), style="bold")
+        head.append(f" (id {e.chosen_id})")
+        if m.needs_model:
+            head.append("; runner-up ")
+            head.append(repr(e.runner_up_text), style="bold")
+            head.append(f" (id {e.runner_up_id})")
+        head.append(f"; scoring {what}")
+        console.print(head)
+        facts = []
+        for key in ("f_x", "f_baseline", "sum_scores", "completeness_error", "recomputed_logprob", "archived_logprob"):
+            if key in e.info and e.info[key] is not None:
+                facts.append(f"{key}={e.info[key]:.4g}")
+        if facts:
+            console.print(Text("  ".join(facts), style="dim"))
+        rel = e.info.get("completeness_error_relative")
+        if rel is not None and rel > 0.05:
+            console.print(Text(f"completeness error is {rel:.0%} of f(x) − f(baseline): the path integral is poorly "
+                               f"resolved (rough path); raise --ig-steps or try --baseline pad (docs/explain.md)",
+                               style="yellow"))
+        scale = float(np.nanmax(np.abs(e.scores))) if len(e.scores) else 0.0
+        text = Text()
+        for i, (tok, sc) in enumerate(zip(e.token_texts, e.scores)):
+            style = _background(float(sc), scale)
+            if not e.is_prompt[i]:
+                style += " underline"
+            text.append(_show_token(tok), style=style)
+        text.append(" → ", style="dim")
+        text.append(_show_token(e.target_text), style="bold reverse")
+        console.print(text)
+        order = np.argsort(-np.abs(e.scores), kind="stable")[:top]
+        table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
+        for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"),
+                          ("share", "right")):
+            table.add_column(col, justify=just)
+        denom = float(np.abs(e.scores).sum()) or 1.0
+        for rank, i in enumerate(order):
+            sc = float(e.scores[i])
+            table.add_row(str(rank + 1), str(int(i)) + ("" if e.is_prompt[i] else "*"), repr(e.token_texts[i]),
+                          Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"), f"{abs(sc) / denom:.0%}")
+        console.print(table)
+    console.print(Text("background: green = supports the target, red = opposes it; underlined / * = generated token",
+                       style="dim"))
+
+
+def summary(result: ExplainResult, top: int = 10) -> dict:
+    out = {"explain_id": result.explain_id, "run_id": result.run_id, "path": str(result.path),
+           "entries": result.entries, "top": []}
+    for e in result.explanations:
+        order = np.argsort(-np.abs(e.scores), kind="stable")[:top]
+        out["top"].append({"method": e.method, "sequence": e.sequence, "step": e.step,
+                           "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
+                                         for i in order]})
+    return out
+
+
+def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[str], settings: Settings,
+                    device: str | None, runs_dir: str | None, json_out: bool, quiet: bool, top: int) -> ExplainResult:
+    """What `lmtrace explain` does: explain, then print a rich view (or a JSON summary)."""
+    import sys
+
+    def note(text: str) -> None:
+        if not (quiet or json_out):
+            print(text, file=sys.stderr)
+
+    result = explain_run(run_ref, steps, sequence=sequence, methods=methods, settings=settings, device=device,
+                         runs_dir=runs_dir, note=note)
+    if json_out:
+        print(json.dumps(summary(result, top), default=str))
+    elif not quiet:
+        render(result, top=top)
+    return result

@@ -1,0 +1,276 @@
+"""`lmtrace explain`: every method checked against a computation the test does itself.
+
+References are the tiny model loaded straight from transformers (eager, float32) and contexts
+read straight from tokens.parquet with pandas, never lmtrace's own context or forward code.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import run_spec
+from lmtrace import explain as ex
+from lmtrace.errors import ArchiveError, ModelLoadError, SpecError
+
+TOL = 1e-4
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def forward_only_run(tmp_path_factory, tiny_llama_dir):
+    spec = {"model": str(tiny_llama_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
+            "capture": "none", "generation": {"max_new_tokens": 6, "batch_size": 2}}
+    return run_spec(tmp_path_factory.mktemp("fwd"), spec)
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory, tiny_llama_dir):
+    spec = {"model": str(tiny_llama_dir), "prompts": ["One, two, three, four"],
+            "capture": {"prefill_attention": True, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
+                        "component_norms": False, "margin_contributions": False},
+            "generation": {"max_new_tokens": 5}, "output": {"float_dtype": "float32"}}
+    return run_spec(tmp_path_factory.mktemp("attn"), spec)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32, attn_implementation="eager")
+    return m.eval().requires_grad_(False)
+
+
+def context(run, seq: int, step: int):
+    """(context ids, chosen id, runner-up id) of a step, straight from tokens.parquet."""
+    t = pd.read_parquet(run.path / "tokens.parquet")
+    t = t[t.sequence == seq]
+    prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
+    gen = t[~t.is_prompt].sort_values("step")
+    chosen = int(gen.token_id.iloc[step])
+    runner = next(int(a) for a in gen.alt_ids.iloc[step] if int(a) != chosen)
+    return prompt + gen.token_id.tolist()[:step], chosen, runner
+
+
+def f_of(model, embeds, chosen, runner, target="chosen", quantity="logit", mask=None):
+    n = embeds.shape[1]
+    mask = torch.ones((embeds.shape[0], n), dtype=torch.long) if mask is None else mask
+    logits = model(inputs_embeds=embeds, attention_mask=mask, position_ids=torch.arange(n)[None]).logits[:, -1]
+    v = logits.log_softmax(-1) if quantity == "logprob" else logits
+    return {"chosen": v[:, chosen], "runner-up": v[:, runner], "contrast": v[:, chosen] - v[:, runner]}[target]
+
+
+def scores_of(result, method, step):
+    (e,) = [e for e in result.explanations if e.method == method and e.step == step]
+    return e
+
+
+# ---- attention rollout --------------------------------------------------------------------------
+def test_rollout_matches_hand_computation():
+    # two layers, two heads, three positions (rows = queries, sum to 1)
+    attn = np.array([
+        [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]],
+         [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
+        [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]],
+         [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
+    ])
+    # by hand: layer 0 head mean [[1,0,0],[.75,.25,0],[.4,.25,.35]]; + I and row-normalise:
+    #   Â0 = [[1,0,0],[.375,.625,0],[.2,.125,.675]];  Â1 = [[1,0,0],[0,1,0],[.25,.25,.5]]
+    #   R = Â1 Â0: last row = .25*[1,0,0] + .25*[.375,.625,0] + .5*[.2,.125,.675]
+    expected = np.array([[1, 0, 0], [0.375, 0.625, 0], [0.44375, 0.21875, 0.3375]])
+    np.testing.assert_allclose(ex.rollout(attn), expected, atol=1e-12)
+
+
+def test_rollout_from_archive_equals_rollout_of_the_models_attention(attention_run, model):
+    result = ex.explain_run(attention_run.path, "0,4", methods=["attention_rollout"])
+    for step in (0, 4):
+        ids, _, _ = context(attention_run, 0, step)
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_attentions=True)
+        full = np.stack([a[0].numpy() for a in out.attentions])  # [layer, head, n, n]
+        got = scores_of(result, "attention_rollout", step).scores
+        np.testing.assert_allclose(got, ex.rollout(full)[-1], atol=TOL)
+        assert abs(got.sum() - 1) < 1e-4
+
+
+def test_rollout_needs_no_weights_and_gradients_do(attention_run, tmp_path):
+    moved = tmp_path / attention_run.path.name
+    shutil.copytree(attention_run.path, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["spec_resolved"]["model"]["ref"] = str(tmp_path / "gone-model")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    result = ex.explain_run(moved, "2", methods=["rollout"])
+    assert result.explanations[0].scores.shape == (len(context(attention_run, 0, 2)[0]),)
+    with pytest.raises(ModelLoadError, match=r"gone-model.*not available.*grad_x_input.*attention_rollout does not"):
+        ex.explain_run(moved, "2", methods=["grad_x_input"])
+
+
+def test_rollout_on_a_forward_only_run_names_what_is_missing(forward_only_run):
+    with pytest.raises(ArchiveError) as err:
+        ex.explain_run(forward_only_run.path, "1", methods=["attention_rollout"])
+    msg = str(err.value)
+    assert "capture.attention.enabled: true" in msg and "capture.prefill_attention: true" in msg
+
+
+# ---- gradient methods -----------------------------------------------------------------------------
+@pytest.mark.parametrize("seq,steps,target,quantity", [(1, [0, 5], "chosen", "logit"), (0, [3], "contrast", "logprob")])
+def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, target, quantity):
+    result = ex.explain_run(forward_only_run.path, steps, sequence=seq, methods=["grad_x_input"],
+                            settings=ex.Settings(target=target, quantity=quantity))
+    for step in steps:
+        ids, chosen, runner = context(forward_only_run, seq, step)
+        e = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
+        f = f_of(model, e, chosen, runner, target, quantity)
+        (grad,) = torch.autograd.grad(f.sum(), e)
+        expected = (grad * e).sum(-1)[0].detach().numpy()
+        got = scores_of(result, "grad_x_input", step)
+        np.testing.assert_allclose(got.scores, expected, atol=TOL, rtol=1e-3)
+        assert got.info["f_x"] == pytest.approx(f.item(), abs=TOL)
+        assert got.info["recomputed_logprob"] == pytest.approx(got.info["archived_logprob"], abs=TOL)
+
+
+@pytest.mark.parametrize("baseline", ["zero", "pad"])
+def test_integrated_gradients_sum_to_the_output_difference_within_the_reported_error(forward_only_run, model, baseline):
+    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16)
+    result = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=settings)
+    ids, chosen, runner = context(forward_only_run, 0, 2)
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        x = emb(torch.tensor([ids]))
+        pad = emb(torch.tensor([[2]]))  # the tokenizer's pad token (= eos for this tokenizer)
+        b = torch.zeros_like(x) if baseline == "zero" else pad.expand_as(x)
+        fx, fb = (f_of(model, v, chosen, runner, "contrast", "logprob").item() for v in (x, b))
+    e = scores_of(result, "integrated_gradients", 2)
+    reported = e.info["completeness_error"]
+    assert abs(float(e.scores.sum()) - (fx - fb)) <= reported + 1e-4
+    assert reported == pytest.approx(abs(float(e.scores.sum()) - (fx - fb)), abs=1e-4)
+    assert e.info["f_x"] == pytest.approx(fx, abs=TOL) and e.info["f_baseline"] == pytest.approx(fb, abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def smooth_run(tmp_path_factory, tiny_llama_dir):
+    """The tiny model with a non-zero pad embedding: the path from it to the input avoids the all-zero
+    input, where RMSNorm is nearly singular, so the IG integrand is smooth."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("smooth-model")
+    m = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        m.get_input_embeddings().weight[2] = torch.randn(m.config.hidden_size) * 0.02
+    m.save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(tiny_llama_dir)).save_pretrained(path)
+    spec = {"model": str(path), "prompts": ["The quick brown fox"], "capture": "none", "generation": {"max_new_tokens": 4}}
+    return run_spec(tmp_path_factory.mktemp("smooth"), spec)
+
+
+def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
+    errors = {}
+    for rule in ("midpoint", "trapezoid"):
+        for m in (4, 32):
+            r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
+                               settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule=rule, batch_size=33))
+            info = r.explanations[0].info
+            errors[rule, m] = info["completeness_error"]
+            assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[rule, m] + 1e-5
+        assert errors[rule, 32] < errors[rule, 4]
+        assert errors[rule, 32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
+
+
+# ---- occlusion ---------------------------------------------------------------------------------------
+def test_occlusion_equals_the_change_of_a_masked_forward(forward_only_run, model):
+    result = ex.explain_run(forward_only_run.path, "4", sequence=1, methods=["occlusion"],
+                            settings=ex.Settings(target="chosen", quantity="logprob", batch_size=3))
+    ids, chosen, runner = context(forward_only_run, 1, 4)
+    x = model.get_input_embeddings()(torch.tensor([ids]))
+    got = scores_of(result, "occlusion", 4).scores
+    with torch.no_grad():
+        fx = f_of(model, x, chosen, runner, "chosen", "logprob").item()
+        for p in range(len(ids)):
+            mask = torch.ones((1, len(ids)), dtype=torch.long)
+            mask[0, p] = 0  # position p removed from the attention mask, positions unchanged
+            masked = f_of(model, x, chosen, runner, "chosen", "logprob", mask=mask).item()
+            assert got[p] == pytest.approx(fx - masked, abs=TOL)
+
+
+# ---- archive, manifest, CLI -----------------------------------------------------------------------------
+def test_results_are_written_into_the_run(forward_only_run):
+    before = json.loads((forward_only_run.path / "manifest.json").read_text())
+    mode = (forward_only_run.path / "manifest.json").stat().st_mode
+    r = ex.explain_run(forward_only_run.path, "1,2", methods=["grad_x_input,occlusion"])
+    assert (forward_only_run.path / "manifest.json").stat().st_mode == mode  # rewritten, same permissions
+    manifest = json.loads((forward_only_run.path / "manifest.json").read_text())
+    assert manifest["status"] == before["status"] == "complete"
+    mine = [e for e in manifest["explain"] if e["id"] == r.explain_id]
+    assert [e["method"] for e in mine] == ["grad_x_input", "occlusion"]
+    assert mine[0]["steps"] == [1, 2] and mine[0]["sequence"] == 0 and mine[0]["target"] == "chosen"
+    assert mine[0]["model"]["dtype"] == "float32" and mine[1]["settings"]["mask"] == "attention_mask[position] = 0"
+    table = pd.read_parquet(forward_only_run.path / "explain" / "scores.parts")  # every invocation, one dataset
+    mine_t = table[table.explain_id == r.explain_id]
+    assert set(mine_t.method) == {"grad_x_input", "occlusion"}
+    import zarr
+
+    arr = zarr.open_group(str(r.path / "scores.zarr"), mode="r")["occlusion"][:]
+    for e in r.explanations:
+        if e.method == "occlusion":
+            rows = mine_t[(mine_t.method == "occlusion") & (mine_t.step == e.step)].sort_values("position")
+            np.testing.assert_array_equal(rows.score.to_numpy(), e.scores)
+            np.testing.assert_array_equal(arr[[1, 2].index(e.step), : len(e.scores)], e.scores)
+            assert rows.token_id.tolist() == context(forward_only_run, 0, e.step)[0]
+    assert json.loads((r.path / "explain.json").read_text())["entries"] == mine
+
+
+def test_concurrent_manifest_writers_lose_nothing(forward_only_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(forward_only_run.path, run_dir)
+
+    def writer(i):
+        for j in range(5):
+            ex.record_entries(run_dir, [{"id": f"w{i}-{j}"}])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    ids = {e["id"] for e in manifest["explain"]}
+    assert {f"w{i}-{j}" for i in range(6) for j in range(5)} <= ids
+    assert manifest["status"] == "complete"
+
+
+def test_bad_requests_fail_clearly(forward_only_run):
+    with pytest.raises(SpecError, match=r"\[6, 9\] out of range.*6 generated token\(s\) \(steps 0\.\.5\)"):
+        ex.explain_run(forward_only_run.path, "0,6,9")
+    with pytest.raises(SpecError, match="--sequence 2 out of range"):
+        ex.explain_run(forward_only_run.path, "0", sequence=2)
+    with pytest.raises(SpecError, match="unknown; available: grad_x_input"):
+        ex.explain_run(forward_only_run.path, "0", methods=["shap"])
+    with pytest.raises(SpecError, match="--target"):
+        ex.explain_run(forward_only_run.path, "0", settings=ex.Settings(target="best"))
+
+
+def test_cli_shows_context_and_top_contributors(forward_only_run):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "1", "-m", "grad_x_input",
+                              "--top", "3"])
+    assert out.exit_code == 0, out.output
+    assert "top 3 positions" in out.output and "' quick'" in out.output
+    js = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "0", "--json", "--target", "contrast"])
+    assert js.exit_code == 0, js.output
+    summary = json.loads(js.stdout.strip().splitlines()[-1])
+    assert summary["entries"][0]["target"] == "contrast" and len(summary["top"][0]["positions"]) == 4
+    bad = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "7"])
+    assert bad.exit_code == 2 and "error: --steps: step(s) [7] out of range" in bad.output
+    missing = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "0", "-m", "rollout"])
+    assert missing.exit_code == 2 and "capture.prefill_attention: true" in missing.output
