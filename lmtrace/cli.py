@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,16 +24,28 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks
     _state["debug"] = debug
 
 
+def _one_line(text: str) -> str:
+    """Error messages are one line: a wrapped library message is joined back together."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
 def _fail(err: BaseException) -> None:
+    if isinstance(err, (SystemExit, typer.Exit)):  # e.g. rich's exit on a closed stdout pipe
+        raise err
+    if isinstance(err, BrokenPipeError):  # `lmtrace ls | head`: stdout went away, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise typer.Exit(EXIT_RUN_FAILED)
     if _state["debug"]:
         raise err
     if isinstance(err, LmtraceError):
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {_one_line(err)}", err=True)
         raise typer.Exit(err.exit_code)
     if isinstance(err, KeyboardInterrupt):
         typer.echo("error: aborted by the user", err=True)
         raise typer.Exit(130)
-    typer.echo(f"error: internal error: {type(err).__name__}: {err} (rerun with --debug for the traceback)", err=True)
+    message = _one_line(f"{type(err).__name__}: {err}")
+    typer.echo(f"error: internal error: {message} (rerun with --debug for the traceback)", err=True)
     raise typer.Exit(EXIT_RUN_FAILED)
 
 
@@ -86,27 +99,53 @@ class _Reporter:
 
 @app.command()
 def generate(
-    spec_path: Path = typer.Argument(..., metavar="SPEC", help="YAML run spec."),
+    spec_path: Optional[Path] = typer.Argument(None, metavar="SPEC", help="YAML run spec (optional with --resume)."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: spec, $LMTRACE_RUNS_DIR, ./runs)."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: generated, sortable)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: generated, sortable). An existing "
+                                         "unfinished run with the same spec is resumed."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
-    from .generate import Progress, run_generate
     from .spec import load_spec
 
     reporter = _Reporter(quiet or json_out)
     try:
-        overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
-        spec, text, _ = load_spec(spec_path, overrides)
-        result = run_generate(spec, text, runs_dir_flag=runs_dir,
+        shard_obj, slurm_run_id = None, None
+        if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
+            from .generate import parse_shard
+
+            shard_obj, slurm_run_id = parse_shard(shard)
+        if resume:
+            from .resume import spec_for_resume
+
+            spec, text = spec_for_resume(resume, runs_dir, set_)
+            run_id = spec.output.run_id
+        else:
+            if spec_path is None:
+                from .errors import SpecError
+
+                raise SpecError("give a SPEC file, or --resume RUN_ID")
+            run_id = run_id or slurm_run_id
+            overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
+            spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
+        from .validate import preflight
+
+        preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
+        from .generate import Progress, check_target, parse_shard, run_generate
+        from .runs import runs_root
+
+        if shard_obj is None:
+            shard_obj, _ = parse_shard(None)
+
+        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume))
+        result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
                               progress=Progress(reporter.start, reporter.advance, reporter.message))
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
-        if isinstance(err, typer.Exit):
-            raise
         _fail(err)
     reporter.stop()
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
@@ -115,7 +154,9 @@ def generate(
     if json_out:
         typer.echo(json.dumps(summary))
     elif not quiet:
-        typer.echo(f"run {result.run_id}: {result.status}, {result.n_sequences} sequence(s), "
+        what = ("this shard is complete; the run completes when its other shards do"
+                if result.status == "shard-complete" else result.status)
+        typer.echo(f"run {result.run_id}: {what}, {result.n_sequences} sequence(s), "
                    f"{result.n_tokens} tokens in {result.seconds:.1f}s -> {result.run_dir}")
         for i, text in enumerate(result.texts[:5]):
             typer.echo(f"  [{i}] {text!r}")
@@ -174,8 +215,120 @@ def show(
         _fail(err)
 
 
+@app.command()
+def intervene(
+    run_ref: str = typer.Argument(..., metavar="RUN", help="Parent run id (or unique prefix) or directory."),
+    spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML with `interventions:` (and optional mode, from_step)."),
+    ablate_head: list[str] = typer.Option([], "--ablate-head", help="LAYER.HEAD, e.g. 12.3 (zero ablation)."),
+    ablate_layer: list[int] = typer.Option([], "--ablate-layer", help="Skip a layer's residual contribution."),
+    ablate_mlp: list[int] = typer.Option([], "--ablate-mlp", help="Zero a layer's MLP output."),
+    ablate_attn: list[int] = typer.Option([], "--ablate-attn", help="Zero a layer's attention output."),
+    ablate_neurons: list[str] = typer.Option([], "--ablate-neurons", help="LAYER:N1,N2,... e.g. 7:120,455"),
+    mask_positions: list[str] = typer.Option([], "--mask-positions", help="Token positions to hide, e.g. 3-9 or 1,4"),
+    from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="rescore (teacher-force the parent's tokens) or regenerate."),
+    temperatures: Optional[str] = typer.Option(None, "--temperatures", help="Sweep: one regenerated child per temperature, e.g. 0.5,1.0"),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    run_id: Optional[str] = typer.Option(None, "--run-id"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Re-run an archived run under real interventions; writes a child run linked to its parent."""
+    from .generate import Progress
+    from .intervene_cli import intervene_command
+
+    reporter = _Reporter(quiet or json_out)
+    try:
+        summary = intervene_command(
+            run_ref, spec_path, dict(ablate_head=ablate_head, ablate_layer=ablate_layer, ablate_mlp=ablate_mlp,
+                                     ablate_attn=ablate_attn, ablate_neurons=ablate_neurons,
+                                     mask_positions=mask_positions),
+            from_step=from_step, mode=mode, temperatures=temperatures, runs_dir=runs_dir, run_id=run_id,
+            progress=Progress(reporter.start, reporter.advance, reporter.message), json_out=json_out, quiet=quiet)
+    except BaseException as err:  # noqa: BLE001
+        reporter.stop()
+        if isinstance(err, typer.Exit):
+            raise
+        _fail(err)
+    reporter.stop()
+    if json_out:
+        typer.echo(json.dumps(summary, default=str))
+
+
+@app.command()
+def explain(
+    run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
+    steps: str = typer.Option(..., "--steps", help="Generated steps to explain: 0,4,9 or 2-5 or all."),
+    sequence: int = typer.Option(0, "--sequence", help="Sequence (prompt index) of the run."),
+    method: list[str] = typer.Option(["grad_x_input"], "--method", "-m",
+                                     help="grad_x_input, integrated_gradients, occlusion, attention_rollout "
+                                          "(repeat or comma-separate)."),
+    target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
+    quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
+    baseline: str = typer.Option("zero", "--baseline", help="Integrated gradients baseline: zero | pad embedding."),
+    ig_steps: int = typer.Option(32, "--ig-steps", help="Integrated gradients: interpolation steps."),
+    ig_rule: str = typer.Option("midpoint", "--ig-rule", help="Integrated gradients: midpoint | trapezoid."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
+    top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Write the results, print nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+):
+    """Attribute archived generated tokens to their context positions; results go into the run."""
+    from .explain import Settings, explain_command
+
+    try:
+        explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
+                        settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
+                                          ig_rule=ig_rule, batch_size=batch_size),
+                        json_out=json_out, quiet=quiet, top=top)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+
+
+@app.command()
+def compare(
+    run_a: str = typer.Argument(..., metavar="A", help="Run id (or unique prefix) or run directory."),
+    run_b: str = typer.Argument(..., metavar="B", help="Run id (or unique prefix) or run directory."),
+    pair: str = typer.Option("auto", "--pair", help="Pair sequences by: auto | index | prompt (text)."),
+    allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Compare unfinished runs up to their committed steps."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write per-step / per-layer / per-head Parquet tables and report.md here."),
+    top: int = typer.Option(5, "--top", help="Layers, heads and pairs to show in the summary."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+):
+    """Diff two runs from their archives (no model is loaded): divergence, distributions, layers, heads."""
+    from .views import compare_view
+
+    try:
+        compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
+                     json_out=json_out, out_dir=out, top=top)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+
+
 def run() -> None:
-    app()
+    """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too."""
+    try:
+        rv = app(standalone_mode=False)
+    except typer.Abort:
+        typer.echo("error: aborted by the user", err=True)
+        sys.exit(130)
+    except Exception as err:  # noqa: BLE001
+        # click's exceptions (typer may vendor its own copy of click, so match them by shape, not class)
+        if type(err).__name__ == "NoArgsIsHelpError":  # `lmtrace` alone: the help is already printed
+            sys.exit(2)
+        code = getattr(err, "exit_code", None)
+        if not (hasattr(err, "format_message") and isinstance(code, int)):
+            raise
+        message = _one_line(err.format_message()).rstrip(".")
+        ctx = getattr(err, "ctx", None)
+        if code == 2 and ctx is not None:
+            message += f"; see `{ctx.command_path} --help`"
+        typer.echo(f"error: {message}", err=True)
+        sys.exit(code)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -691,7 +691,7 @@ def record_entries(run_dir: Path, entries: list[dict]) -> None:
     """Append entries to manifest["explain"]: under a lock file, re-reading the manifest just before an atomic write.
     Nothing else in the manifest (status included) is changed."""
     (run_dir / EXPLAIN_DIR).mkdir(exist_ok=True)
-    with _locked(run_dir / EXPLAIN_DIR / ".manifest.lock"):
+    with _locked(run_dir / layout.LOCK):  # the same flock generate takes to rewrite the manifest
         manifest = read_manifest(run_dir)
         manifest.setdefault("explain", []).extend(entries)
         _atomic_json(run_dir / layout.MANIFEST, manifest)

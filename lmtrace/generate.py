@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from contextlib import contextmanager
@@ -95,19 +96,21 @@ class BlockSink:
     """Collects step results of one batch into blocks of `chunk_steps` steps and submits them."""
 
     def __init__(self, writer: BackgroundWriter, shape: RunShape, batch: int, seq_ids: list[int],
-                 prompts: list[list[int]], tokenizer, chunk_steps: int, step_columns: list[str], progress: Progress):
+                 prompts: list[list[int]], tokenizer, chunk_steps: int, step_columns: list[str], progress: Progress,
+                 start_step: int = 0):
         self.writer = writer
         self.shape = shape
         self.batch = batch
         self.seq_ids = seq_ids
-        self.seqs = slice(seq_ids[0], seq_ids[-1] + 1)
+        self.seqs = seq_ids
+        self.start_step = start_step  # on resume: steps before it are already archived
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.chunk = chunk_steps
         self.step_columns = step_columns
         self.progress = progress
         self.specs = {s.name: s for s in shape.arrays() if s.per_step}
-        self._new_block(0)
+        self._new_block(start_step)
 
     def _new_block(self, s0: int) -> None:
         self.s0 = s0
@@ -133,6 +136,8 @@ class BlockSink:
                         rows[key].append(None)
 
     def on_step(self, r: StepResult) -> None:
+        if r.step < self.start_step:  # replayed to rebuild the cache; archived before the interruption
+            return
         if r.step == 0:
             self._prompt_rows()
             prompt_len = np.asarray([len(p) for p in self.prompts], dtype=np.int32)
@@ -175,7 +180,7 @@ class BlockSink:
                     self.step_rows[name].extend(r.scalars[name][b, :n_layers].tolist())
         self.n = i + 1
         self.progress.advance(int(active.sum()))
-        if self.n == self.chunk:
+        if (self.s0 + self.n) % self.chunk == 0:  # blocks end on chunk boundaries, also after a resume
             self.flush()
 
     def flush(self) -> None:
@@ -310,9 +315,198 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
     }
 
 
+@dataclass
+class Shard:
+    index: int = 0
+    count: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"shard-{self.index}-of-{self.count}"
+
+    def sequences(self, n: int) -> list[int]:
+        return list(range(self.index, n, self.count))
+
+
+def parse_shard(value: str | None) -> tuple[Shard, str | None]:
+    """`I/N`, or `auto` from SLURM array variables. Returns the shard and a default run id."""
+    import os
+
+    if value is None:
+        return Shard(), None
+    if value == "auto":
+        env = os.environ
+        if "SLURM_ARRAY_TASK_ID" not in env:
+            raise SpecError("--shard auto needs SLURM_ARRAY_TASK_ID (run it inside a SLURM job array) or use --shard I/N")
+        task = int(env["SLURM_ARRAY_TASK_ID"])
+        lo = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
+        hi = int(env.get("SLURM_ARRAY_TASK_MAX", task))
+        count = int(env.get("SLURM_ARRAY_TASK_COUNT", hi - lo + 1))
+        if hi - lo + 1 != count:
+            raise SpecError(f"--shard auto needs a contiguous array (--array={lo}-{hi}); got {count} tasks in {lo}..{hi}")
+        job = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
+        return Shard(task - lo, count), (f"slurm-{job}" if job else None)
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise SpecError(f"--shard {value!r}: expected I/N (e.g. 0/4) or auto") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise SpecError(f"--shard {value}: I must be in 0..N-1 and N >= 1")
+    return Shard(i, n), None
+
+
+_SPEC_IGNORED_ON_RESUME = ("output.run_id", "output.runs_dir")
+
+
+def _first_difference(a, b, path="") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            sub = f"{path}.{key}" if path else str(key)
+            if sub in _SPEC_IGNORED_ON_RESUME:
+                continue
+            diff = _first_difference(a.get(key), b.get(key), sub)
+            if diff:
+                return diff
+        return None
+    return None if a == b else path
+
+
+class RunDir:
+    """Opens a run directory for writing: new, joined by another shard, or resumed."""
+
+    def __init__(self, path: Path, shard: Shard):
+        self.path = path
+        self.shard = shard
+
+    @contextmanager
+    def lock(self):
+        """An flock on the run's lock file: released by the kernel when a holder dies, so it cannot deadlock."""
+        import fcntl
+
+        with open(self.path / layout.LOCK, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def shard_file(self, key: str | None = None) -> Path:
+        return self.path / layout.SHARDS_DIR / f"{key or self.shard.key}.json"
+
+    def set_shard_status(self, status: str, **fields) -> None:
+        from .archive.writer import atomic_write_json
+        import os
+        import socket
+
+        self.shard_file().parent.mkdir(exist_ok=True)
+        atomic_write_json(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
+                                              "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
+                                              **fields})
+
+    def all_shards_complete(self) -> bool:
+        for i in range(self.shard.count):
+            f = self.shard_file(Shard(i, self.shard.count).key)
+            if not f.is_file() or json.loads(f.read_text()).get("status") != "complete":
+                return False
+        return True
+
+
+def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict | None:
+    """Decide, without side effects, whether this invocation starts, joins or resumes a run.
+
+    Returns the existing manifest when resuming (or joining a sharded run), None for a new run.
+    """
+    from .liveness import live_writers
+    from .runs import read_manifest
+
+    run_id = spec.output.run_id
+    if run_id is None or not (root / run_id / layout.MANIFEST).is_file():
+        if resume:
+            raise SpecError(f"no run {run_id!r} to resume in {root}; `lmtrace ls` lists runs")
+        if run_id is not None and (root / run_id).exists() and shard.count == 1:
+            raise SpecError(f"{root / run_id} exists but is not an lmtrace run; choose another output.run_id")
+        return None
+    path = root / run_id
+    existing = read_manifest(path)
+    if existing.get("kind") != "generate":
+        raise SpecError(f"run {run_id} is a {existing.get('kind')} run; only generate runs can be resumed")
+    diff = _first_difference(existing["spec_resolved"], spec.model_dump(mode="json"))
+    if diff:
+        raise SpecError(f"run {run_id} exists with a different spec (differs at {diff}); use another run id, "
+                        f"or `lmtrace generate --resume {run_id}` to continue it as it was")
+    if existing.get("shards", 1) != shard.count:
+        raise SpecError(f"run {run_id} is written by {existing.get('shards', 1)} shard(s); pass --shard I/"
+                        f"{existing.get('shards', 1)}")
+    if existing.get("status") == "complete":
+        raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")
+    shard_file = path / layout.SHARDS_DIR / f"{shard.key}.json"
+    if shard_file.is_file() and json.loads(shard_file.read_text()).get("status") == "complete":
+        raise SpecError(f"{shard.key} of run {run_id} is already complete; the run waits for its other shards")
+    mine = [w for w in live_writers(path) if w["writer"] == shard.key]
+    if mine:
+        raise SpecError(f"run {run_id} ({shard.key}) is being written by pid {mine[0]['pid']} on {mine[0]['host']}; "
+                        f"not touching it (wait for it, or stop that process first)")
+    return existing
+
+
+def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> tuple[str, Path, dict | None]:
+    """Create or reopen the run directory. Returns (run_id, path, existing manifest or None)."""
+    existing = check_target(root, spec, shard, resume)
+    if existing is not None:
+        return spec.output.run_id, root / spec.output.run_id, existing
+    if shard.count > 1:
+        run_id = spec.output.run_id
+        if run_id is None:
+            raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / run_id).mkdir(exist_ok=True)  # every shard joins the same directory
+        except OSError as err:
+            raise SpecError(f"cannot create run directory {root / run_id} ({err.strerror})") from None
+        return run_id, root / run_id, None
+    rid, path = create_run_dir(root, spec.output.run_id)
+    return rid, path, None
+
+
+def _archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, list[int]]:
+    """Generated token ids of steps < upto for these sequences, from the committed table parts."""
+    import pyarrow.dataset as ds
+
+    parts = run_dir / layout.table_parts_dir("tokens")
+    files = sorted(str(f) for f in parts.glob("*.parquet")) if parts.is_dir() else []
+    out = {s: [] for s in seq_ids}
+    if not files:
+        return out
+    t = ds.dataset(files, format="parquet").to_table(columns=["sequence", "step", "is_prompt", "token_id"]).to_pandas()
+    t = t[(~t.is_prompt) & t.sequence.isin(seq_ids) & (t.step < upto)].sort_values(["sequence", "step"])
+    for seq, g in t.groupby("sequence"):
+        out[int(seq)] = g.token_id.tolist()
+    return out
+
+
+class _ResumeTeacher:
+    """Forces the archived tokens of steps already committed, so the cache is rebuilt bit for bit."""
+
+    def __init__(self, tokens: dict[int, list[int]], upto: int, n_ref: int):
+        self.tokens = tokens
+        self.upto = upto
+        self.n_ref = n_ref
+
+    def forced(self, seq_ids, step):
+        return [self.tokens[s][step] if step < self.upto and step < len(self.tokens[s]) else -1 for s in seq_ids]
+
+    def reference(self, seq_ids, step):
+        return [[-1] for _ in seq_ids]
+
+
 def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = None,
-                 progress: Progress | None = None, replay: Replay | None = None) -> GenerateResult:
+                 progress: Progress | None = None, replay: Replay | None = None, shard: Shard | None = None,
+                 resume: bool = False) -> GenerateResult:
+    """Run a spec (or a replay for intervene) into a new run, a shard of a shared run, or a resumed run."""
+    from .liveness import Heartbeat
+
     progress = progress or Progress()
+    shard = shard or Shard()
     t_start = time.time()
     # bad prompt files fail before any model is loaded
     prompts = replay.prompts if replay is not None else load_prompts(spec.prompts)
@@ -352,15 +546,29 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     else:
         inner_name = model.config._attn_implementation
 
-    run_id, run_dir = create_run_dir(root, spec.output.run_id)
-    (run_dir / layout.SPEC).write_text(given_text)
+    run_id, run_dir, existing = _open_run_dir(root, spec, shard, resume)
+    rd = RunDir(run_dir, shard)
     log = RunLog(run_dir / layout.LOG)
-    manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
-    manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
-    if replay is not None:
-        manifest.update(replay.manifest_extra)
-    write_manifest(run_dir, manifest)
-    log.event("started", run_id=run_id, n_prompts=len(prompts))
+    with rd.lock():
+        if existing is None and not (run_dir / layout.MANIFEST).is_file():
+            manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
+            manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
+            manifest["shards"] = shard.count
+            if replay is not None:
+                manifest.update(replay.manifest_extra)
+            (run_dir / layout.SPEC).write_text(given_text)
+            write_manifest(run_dir, manifest)
+        else:
+            from .runs import read_manifest
+
+            manifest = read_manifest(run_dir)
+            manifest.update(status="running", resumed=now_iso())
+            manifest.pop("error", None)
+            write_manifest(run_dir, manifest)
+        writer_core = ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps, codec=spec.output.codec,
+                                    level=spec.output.level, writer_key=shard.key)
+    rd.set_shard_status("running")
+    log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(prompts))
 
     step_columns: list[str] = []
     if probes is not None:
@@ -377,32 +585,39 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                     max_new_tokens=g.max_new_tokens, eos_ids=eos_ids(g.eos_token_id, model, tokenizer),
                     stop_strings=g.stop, n_alternatives=spec.capture.alternatives, probes=probes,
                     pad_id=tokenizer.pad_token_id, device=loaded.device)
+    my_seqs = shard.sequences(len(prompts))
+    batches = [my_seqs[i: i + g.batch_size] for i in range(0, len(my_seqs), g.batch_size)]
+    writer_core.rollback([b[0] for b in batches])
     stop = StopFlag()
     writer = None
-    texts: list[str] = [""] * len(prompts)
+    texts: dict[int, str] = {}
     n_tokens = 0
     status = "failed"
     try:
-        writer = BackgroundWriter(ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps,
-                                                codec=spec.output.codec, level=spec.output.level))
-        progress.start(len(prompts), g.max_new_tokens)
+        writer = BackgroundWriter(writer_core)
+        progress.start(len(my_seqs), g.max_new_tokens)
         t_gen = time.time()
-        with stop.installed():
-            for batch, lo in enumerate(range(0, len(prompts), g.batch_size)):
-                seq_ids = list(range(lo, min(lo + g.batch_size, len(prompts))))
+        with stop.installed(), Heartbeat(run_dir, shard.key):
+            for seq_ids in batches:
+                batch = seq_ids[0]
+                committed, done = writer_core.committed(batch)
+                if done:
+                    continue
                 batch_prompts = [prompt_ids[i] for i in seq_ids]
                 sink = BlockSink(writer, shape, batch, seq_ids, batch_prompts, tokenizer,
-                                 spec.output.chunk_steps, step_columns, progress)
+                                 spec.output.chunk_steps, step_columns, progress, start_step=committed)
+                teacher, edits, feed = None, None, sink
+                if committed:
+                    log.event("resume_batch", batch=batch, from_step=committed)
+                    teacher = _ResumeTeacher(_archived_tokens(run_dir, seq_ids, committed), committed, 1)
                 if replay is not None:
+                    teacher, edits = replay.teacher, replay.edits
                     feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
-                    outcome = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop,
-                                               teacher=replay.teacher, edits=replay.edits)
-                else:
-                    outcome = tracer.run_batch(seq_ids, batch_prompts, sink, should_stop=stop)
+                outcome = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop, teacher=teacher, edits=edits)
                 sink.flush()
                 if outcome.interrupted:
-                    raise Interrupted(f"interrupted by signal {stop.signal} during batch {batch}; "
-                                      f"flushed steps are kept in {run_dir}")
+                    raise Interrupted(f"interrupted by signal {stop.signal} (batch of sequence {batch}); flushed "
+                                      f"steps are kept; resume with `lmtrace generate --resume {run_id}`")
                 gen_len = np.asarray([len(x) for x in outcome.generated], dtype=np.int32)
                 for b, seq in enumerate(seq_ids):
                     texts[seq] = tokenizer.decode(outcome.generated[b], skip_special_tokens=True)
@@ -413,29 +628,40 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                     "generated_len": gen_len.tolist(), "stop_reason": outcome.stop_reason,
                     "generated_text": [texts[i] for i in seq_ids],
                 }, schema=layout.sequence_schema())
-                writer.submit(writer.writer.finish_batch, batch, sink.seqs, gen_len, seq_table)
+                writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
                 log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
             writer.drain()
         t_done = time.time()
-        if replay is not None and replay.finalize is not None:
-            replay.finalize(run_dir)
-        if probes is not None:
-            manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
-        rows = writer.writer.compact_tables()
-        writer.writer.consolidate()
-        manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
-                                   tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
-        manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_tokens, table_rows=rows)
-        status = "complete"
-        write_manifest(run_dir, manifest)
-        log.event("complete", tokens=n_tokens)
+        rd.set_shard_status("complete", tokens=n_tokens, generate_s=round(t_done - t_gen, 3))
+        with rd.lock():
+            if not rd.all_shards_complete():
+                status = "shard-complete"
+                log.event("shard_complete", shard=shard.key, tokens=n_tokens)
+            else:
+                if replay is not None and replay.finalize is not None:
+                    replay.finalize(run_dir)
+                from .runs import read_manifest
+
+                manifest = read_manifest(run_dir)
+                if probes is not None:
+                    manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
+                rows = writer_core.compact_tables()
+                writer_core.consolidate()
+                manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
+                                           tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
+                n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
+                manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
+                                table_rows=rows)
+                status = "complete"
+                write_manifest(run_dir, manifest)
+                log.event("complete", tokens=n_generated)
     except Interrupted as err:
         status = "interrupted"
-        _finish_failed(writer, run_dir, manifest, log, "interrupted", str(err))
+        _finish_failed(writer, rd, log, "interrupted", str(err))
         raise
     except BaseException as err:
         message = str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
-        _finish_failed(writer, run_dir, manifest, log, "failed", message)
+        _finish_failed(writer, rd, log, "failed", message)
         raise
     finally:
         if writer is not None:
@@ -443,19 +669,27 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 writer.close()
             except BaseException:
                 pass
-    return GenerateResult(run_id, run_dir, status, len(prompts), n_tokens, time.time() - t_start, texts)
+    ordered = [texts.get(i, "") for i in my_seqs]
+    return GenerateResult(run_id, run_dir, status, len(my_seqs), n_tokens, time.time() - t_start, ordered)
 
 
-def _finish_failed(writer, run_dir, manifest, log, status, message) -> None:
+def _finish_failed(writer, rd: RunDir, log, status, message) -> None:
     """Flush what can be flushed, then record the outcome; never claims `complete`."""
+    from .runs import read_manifest
+
     if writer is not None:
         try:
             writer.drain()
         except BaseException as err:  # the original error is what the user needs to see
             message += f" (and flushing failed: {err})"
-    manifest.update(status=status, error=message, ended=now_iso())
     try:
-        write_manifest(run_dir, manifest)
-        log.event(status, error=message)
-    except OSError:
+        rd.set_shard_status(status, error=message)
+        with rd.lock():
+            manifest = read_manifest(rd.path)
+            if manifest.get("status") != "complete":
+                where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
+                manifest.update(status=status, error=message + where, ended=now_iso())
+                write_manifest(rd.path, manifest)
+        log.event(status, error=message, shard=rd.shard.key)
+    except (OSError, LmtraceError):
         pass

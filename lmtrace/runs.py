@@ -28,6 +28,23 @@ def runs_root(flag: str | None = None, spec_value: str | None = None) -> Path:
     return Path("runs")
 
 
+def check_runs_root(root: Path, run_id: str | None = None) -> None:
+    """Fail early (before a model is loaded) if runs cannot be created under `root`; creates nothing."""
+    existing = root
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        what = "is a file" if existing == root else f"cannot be created: {existing} is a file, not a directory"
+        raise SpecError(f"runs directory {root} {what}; pass another --runs-dir or set LMTRACE_RUNS_DIR")
+    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError(f"runs directory {root} is not writable ({existing} is read-only for this user); "
+                        f"pass another --runs-dir or set LMTRACE_RUNS_DIR")
+    # An existing run id is not an error here: the same spec and run id again resumes the run
+    # (generate._check_target decides, before the model is loaded).
+
+
 def new_run_id() -> str:
     """Sortable by creation time and unique across concurrent processes (random suffix + exclusive mkdir)."""
     now = dt.datetime.now(dt.timezone.utc)
@@ -111,7 +128,9 @@ def read_manifest(run_dir: Path) -> dict:
 
 
 def find_run(ref: str, root: Path | None = None) -> Path:
-    """A run given as a path, or as an id under the runs root."""
+    """A run given as a path, or as an id (or a unique prefix of one) under the runs root."""
+    if not ref.strip():
+        raise RunNotFoundError("no run given: pass a run id, a unique prefix of one, or a run directory; `lmtrace ls` lists runs")
     path = Path(ref).expanduser()
     if (path / layout.MANIFEST).is_file():
         return path
@@ -129,9 +148,15 @@ def find_run(ref: str, root: Path | None = None) -> Path:
 
 
 def list_runs(root: Path) -> list[Path]:
-    if not root.is_dir():
+    """Run directories under `root`, oldest first; none when `root` does not exist yet."""
+    if not root.exists():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file())
+    if not root.is_dir():
+        raise SpecError(f"runs directory {root} is not a directory; pass --runs-dir or set LMTRACE_RUNS_DIR")
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file())
+    except OSError as err:
+        raise SpecError(f"cannot list runs directory {root} ({err.strerror or err})") from None
 
 
 def dir_size(path: Path) -> int:

@@ -115,13 +115,13 @@ def _cli(args, runs, env=None, **kw):
 def _wait_committed(runs: Path, at_least: int, timeout: float = 120) -> Path:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for progress in runs.glob("*/progress.json"):
+        for progress in runs.glob("*/progress/*.json"):
             try:
                 batches = json.loads(progress.read_text())["batches"]
             except (json.JSONDecodeError, OSError):
                 continue
             if any(b["committed_steps"] >= at_least for b in batches.values()):
-                return progress.parent
+                return progress.parent.parent
         time.sleep(0.05)
     raise AssertionError("the run never committed a block")
 
@@ -146,7 +146,7 @@ def test_killed_run_is_never_complete_and_keeps_flushed_steps(tmp_path, sig):
         assert proc.returncode == 3, err
         assert manifest["status"] == "interrupted"
         assert err.strip().splitlines()[-1].startswith("error: interrupted")
-    committed = json.loads((run_dir / "progress.json").read_text())["batches"]["0"]["committed_steps"]
+    committed = json.loads((run_dir / "progress" / "shard-0-of-1.json").read_text())["batches"]["0"]["committed_steps"]
     from lmtrace.archive.reader import IncompleteRunWarning, Run
 
     with pytest.warns(IncompleteRunWarning):

@@ -13,6 +13,8 @@ Array names follow one scheme and are used unchanged by probes, writer, reader a
     resid          [sequence, step, resid_layer, d_model]    residual stream after the layer (full vectors)
     lens_ids       [sequence, step, layer, k_lens]           logit-lens top-k token ids
     lens_probs     [sequence, step, layer, k_lens]           and their probabilities
+    router_topk_idx    [sequence, step, layer, k_router]     (mixture-of-experts models) experts the router chose, -1 = dense layer
+    router_topk_weight [sequence, step, layer, k_router]     the weight the MoE block gives each chosen expert
   prompt time:
     prefill_attn   [sequence, layer, head, query_pos, key_pos]
     prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
@@ -33,12 +35,30 @@ MANIFEST = "manifest.json"
 SPEC = "spec.yaml"
 TENSORS = "tensors.zarr"
 LOG = "log.jsonl"
-PROGRESS = "progress.json"
+PROGRESS_DIR = "progress"  # one JSON file per writer (shard): committed steps per batch
+SHARDS_DIR = "shards"  # one JSON status file per shard
+LOCK = ".lock"
 TABLES = ("tokens", "steps", "sequences")
 
 
 def table_file(name: str) -> str:
     return f"{name}.parquet"
+
+
+def batch_part_name(batch: int) -> str:
+    """Batches are named by their first sequence index, unique across the shards of a run."""
+    return f"b{batch:06d}"
+
+
+def block_part_name(batch: int, s0: int) -> str:
+    return f"{batch_part_name(batch)}-s{s0:08d}"
+
+
+def part_start_step(filename: str) -> int | None:
+    stem = filename.split(".")[0].lstrip(".")
+    if "-s" not in stem:
+        return None
+    return int(stem.split("-s")[1])
 
 
 def table_parts_dir(name: str) -> str:
@@ -83,6 +103,7 @@ class RunShape:
     ffn: bool = True
     lens: bool = True
     float_dtype: str = "float16"
+    k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -95,7 +116,7 @@ class RunShape:
             "resid_layer": len(self.resid_layers), "head": self.n_heads, "kv_head": self.n_kv_heads,
             "key": self.max_len, "k_attn": self.k_attn or 0, "head_dim": self.head_dim,
             "d_model": self.d_model, "k_ffn": self.k_ffn, "k_lens": self.k_lens,
-            "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
+            "k_router": self.k_router, "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
         }
 
     def arrays(self) -> list[ArraySpec]:
@@ -120,6 +141,9 @@ class RunShape:
         if self.lens:
             out.append(ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True, True))
             out.append(ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True, True))
+        if self.k_router and self.layers:
+            out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True, True))
+            out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True, True))
         if self.prefill_attention:
             out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False, True))
         return out

@@ -33,7 +33,8 @@ from .layout import RunShape
 
 
 def atomic_write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a unique temporary name: several writers (shards, explain) may replace the same file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with tmp.open("w") as fh:
         json.dump(obj, fh, indent=2, default=str)
         fh.flush()
@@ -52,13 +53,15 @@ def _compressors(codec: str, level: int):
 class ArchiveWriter:
     """Owns one run directory while it is written. Not thread-safe: use BackgroundWriter to offload."""
 
-    def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int):
+    def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int,
+                 writer_key: str = "shard-0-of-1"):
         self.dir = run_dir
         self.shape = shape
         self.chunk_steps = chunk_steps
         self.group = zarr.open_group(str(run_dir / layout.TENSORS), mode="a", zarr_format=3)
         self.arrays: dict[str, zarr.Array] = {}
-        self._progress_path = run_dir / layout.PROGRESS
+        self._progress_path = run_dir / layout.PROGRESS_DIR / f"{writer_key}.json"
+        self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
         compressors = _compressors(codec, level)
         for spec in shape.arrays():
@@ -118,25 +121,62 @@ class ArchiveWriter:
         self.arrays["generated_len"] = self.group["generated_len"]
 
     # ---- writing -----------------------------------------------------------------------------
-    def write_block(self, batch: int, seqs: slice, s0: int, s1: int, arrays: dict[str, np.ndarray],
+    @staticmethod
+    def _runs(seqs: list[int]) -> list[tuple[int, int, int]]:
+        """Contiguous runs of sequence indices as (row offset, first sequence, count)."""
+        runs, start = [], 0
+        for i in range(1, len(seqs) + 1):
+            if i == len(seqs) or seqs[i] != seqs[i - 1] + 1:
+                runs.append((start, seqs[start], i - start))
+                start = i
+        return runs
+
+    def _put(self, name: str, seqs: list[int], data: np.ndarray, steps: slice | None = None) -> None:
+        # Shards of different sequences are distinct files, so strided shards never share a chunk;
+        # zarr's orthogonal (list) indexing is not used because it fails with the sharding codec.
+        for off, first, n in self._runs(seqs):
+            key = (slice(first, first + n),) if steps is None else (slice(first, first + n), steps)
+            self.arrays[name][key] = data[off: off + n]
+
+    def write_block(self, batch: int, seqs: list[int], s0: int, s1: int, arrays: dict[str, np.ndarray],
                     tables: dict[str, pa.Table]) -> None:
         """Write steps [s0, s1) of sequences `seqs` and the block's table rows, then commit."""
         for name, data in arrays.items():
-            self.arrays[name][seqs, s0:s1] = data
+            self._put(name, seqs, data, slice(s0, s1))
         for name, table in tables.items():
             if table is not None and table.num_rows:
-                self._write_part(name, f"b{batch:06d}-s{s0:08d}", table)
+                self._write_part(name, layout.block_part_name(batch, s0), table)
         self._commit(batch, committed_steps=s1)
 
-    def write_prompt(self, seqs: slice, arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
+    def write_prompt(self, seqs: list[int], arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
         for name, data in arrays.items():
-            self.arrays[name][seqs] = data
-        self.arrays["prompt_len"][seqs] = prompt_len
+            self._put(name, seqs, data)
+        self._put("prompt_len", seqs, prompt_len)
 
-    def finish_batch(self, batch: int, seqs: slice, generated_len: np.ndarray, sequences: pa.Table) -> None:
-        self.arrays["generated_len"][seqs] = generated_len
-        self._write_part("sequences", f"b{batch:06d}", sequences)
+    def finish_batch(self, batch: int, seqs: list[int], generated_len: np.ndarray, sequences: pa.Table) -> None:
+        self._put("generated_len", seqs, generated_len)
+        self._write_part("sequences", layout.batch_part_name(batch), sequences)
         self._commit(batch, done=True)
+
+    def rollback(self, batches: list[int]) -> None:
+        """Before resuming: drop table parts past each unfinished batch's committed step, and temp files.
+
+        Array chunks past the committed step need no rollback: they are rewritten whole on resume.
+        """
+        for table in layout.TABLES:
+            parts = self.dir / layout.table_parts_dir(table)
+            if not parts.is_dir():
+                continue
+            for batch in batches:
+                entry = self.progress["batches"].get(str(batch), {"committed_steps": 0, "done": False})
+                if entry["done"]:
+                    continue
+                for f in parts.glob(f"{layout.batch_part_name(batch)}*"):
+                    s0 = layout.part_start_step(f.name)
+                    if s0 is None or s0 >= entry["committed_steps"]:
+                        f.unlink()
+                for f in parts.glob(f".{layout.batch_part_name(batch)}*.tmp"):
+                    f.unlink()
 
     def _write_part(self, table: str, name: str, data: pa.Table) -> None:
         parts = self.dir / layout.table_parts_dir(table)
@@ -154,6 +194,10 @@ class ArchiveWriter:
             entry["done"] = True
         self.progress["updated"] = time.time()
         atomic_write_json(self._progress_path, self.progress)
+
+    def committed(self, batch: int) -> tuple[int, bool]:
+        entry = self.progress["batches"].get(str(batch))
+        return (entry["committed_steps"], entry["done"]) if entry else (0, False)
 
     # ---- completion --------------------------------------------------------------------------
     def compact_tables(self) -> dict[str, int]:
