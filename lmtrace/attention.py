@@ -6,7 +6,14 @@ models sdpa cannot run, e.g. with attention soft-capping) and, when a recorder i
 post-rotary query, the cache-updated key/value and the mask to it. Probabilities are then obtained
 by calling the model's *own* eager attention function on just the rows we want, so soft-capping,
 sliding windows, sinks and padding are exactly the model's (tests check equality with eager
-`output_attentions`).
+`output_attentions`; tests/test_architectures.py does it for every supported family).
+
+The real kernel is the model's eager function, not sdpa, when sdpa cannot reproduce the model
+(`Adapter.eager_kernel_reason`: the class sets `_supports_sdpa = False` because of soft-capping or
+sinks, or the config has attention soft-capping); the weights it returns are then archived as they
+are, and the manifest records `attention.kernel: eager` with the reason. Sliding-window layers get
+only the cached window of keys (`key` may be shorter than the context): the probes map key column j
+to position total_len - kv_len + j and archive the evicted, in-context keys as probability 0.
 
 A custom attention name must also be registered in `ALL_MASK_ATTENTION_FUNCTIONS`, or transformers
 silently builds no mask at all; we use the eager (additive float) mask, which sdpa accepts too.
@@ -31,10 +38,11 @@ class AttentionObserver(Protocol):
 
 def _lmtrace_attention(module, query, key, value, attention_mask, **kwargs):
     observer = _active
-    if observer is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if observer is None:  # a forward outside the probes: the kernel chosen for this module, else sdpa
+        inner = getattr(module, "_lmtrace_inner", None)
+        if inner is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as inner
+        return inner(module, query, key, value, attention_mask, **kwargs)
     out, weights = observer.inner(module, query, key, value, attention_mask, **kwargs)
     observer.observe(module, query, key, value, attention_mask, weights, kwargs)
     return out, weights

@@ -643,7 +643,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 from .runs import read_manifest
 
                 manifest = read_manifest(run_dir)
-                if probes is not None:
+                if probes is not None and probes.kernel_args:  # what the attention kernel was called with
                     manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
                 rows = writer_core.compact_tables()
                 writer_core.consolidate()

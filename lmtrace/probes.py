@@ -29,9 +29,13 @@ class ForwardContext:
     prefill: bool
 
 
-def _last(t) -> torch.Tensor:
+def _last(t, batch: int) -> torch.Tensor:
+    """The query position of a [B, pos, ...] output; blocks that flatten tokens (OPT's fc1/fc2 see
+    [B*pos, ...]) are unflattened first."""
     if isinstance(t, tuple):
         t = t[0]
+    if t.dim() == 2:
+        t = t.reshape(batch, -1, t.shape[-1])
     return t[:, -1]
 
 
@@ -47,6 +51,9 @@ class Probes:
         self.want_attention = shape.attention or shape.qkv or shape.prefill_attention
         self.want_residual = True  # residual norms are always captured when any probe is on
         self.inner = inner_attention
+        if inner_attention is not None:  # so that a forward outside `attached` still runs the right kernel
+            for i in range(adapter.n_layers):
+                adapter.attn(i)._lmtrace_inner = inner_attention
         self.eager = adapter.eager_attention() if self.want_attention else None
         self.np_float = np.dtype(shape.float_dtype)
         self.model_dtype = next(adapter.model.parameters()).dtype
@@ -54,6 +61,7 @@ class Probes:
         if shape.lens and lens_dtype == "bfloat16":
             self._unembed_lens = adapter.unembed.weight.detach().to(torch.bfloat16)
         self.ctx: ForwardContext | None = None
+        self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -67,6 +75,7 @@ class Probes:
         self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_rows: dict[int, torch.Tensor] = {}
+        self.router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (expert ids, weights) [B, k]
 
     def begin(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
@@ -86,6 +95,8 @@ class Probes:
                     handles.append(a.mlp(layer).register_forward_hook(self._norm_hook("mlp_norm", layer)))
                 if self.shape.ffn:
                     handles.append(a.mlp_down(layer).register_forward_pre_hook(self._ffn_hook(layer)))
+                if self.shape.k_router and a.routers[layer] is not None:
+                    handles.append(a.routers[layer].register_forward_hook(self._router_hook(layer)))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
@@ -101,21 +112,29 @@ class Probes:
 
     def _post_block(self, layer):
         def hook(module, args, output):
-            self.resid_out[layer] = _last(output).detach().float()
+            self.resid_out[layer] = _last(output, len(self.ctx.pads)).detach().float()
         return hook
 
     def _norm_hook(self, store: str, layer):
         def hook(module, args, output):
-            getattr(self, store)[layer] = _last(output).detach().float().norm(dim=-1)
+            getattr(self, store)[layer] = _last(output, len(self.ctx.pads)).detach().float().norm(dim=-1)
         return hook
 
     def _ffn_hook(self, layer):
         k = self.shape.k_ffn
 
         def hook(module, args):
-            act = args[0][:, -1].detach().float()
+            act = _last(args[0], len(self.ctx.pads)).detach().float()
             idx = act.abs().topk(min(k, act.shape[-1]), dim=-1).indices
             self.ffn[layer] = (idx, act.gather(-1, idx))
+        return hook
+
+    def _router_hook(self, layer):
+        def hook(module, args, output):
+            # every supported router returns (logits, weights, expert ids) over flattened tokens [B*pos, k]
+            _, weights, idx = output
+            B = len(self.ctx.pads)
+            self.router[layer] = (_last(idx, B).detach(), _last(weights, B).detach().float())
         return hook
 
     def observe(self, module, query, key, value, attention_mask, weights, kwargs) -> None:
@@ -123,6 +142,13 @@ class Probes:
         layer = self.adapter.layer_of_attention(module)
         if layer not in self.pos:
             return
+        if layer not in self.kernel_args:
+            scaling = kwargs.get("scaling")
+            self.kernel_args[layer] = {
+                "scaling": float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+                "softcap": kwargs.get("softcap"), "sliding_window": kwargs.get("sliding_window"),
+                "sinks": getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None,
+            }
         prefill = self.ctx.prefill
         if self.shape.attention or (prefill and self.shape.prefill_attention):
             if weights is not None:  # the eager kernel already returned them
@@ -152,6 +178,9 @@ class Probes:
             first_real = ctx.total_len - kv_len - pad  # token position of key column 0
             j0 = max(0, -first_real)
             out[b, ..., first_real + j0: first_real + kv_len] = rows_np[b, ..., j0:]
+            # a sliding-window cache returned only the last kv_len keys: the earlier tokens are in the
+            # context but outside every window this query can see, so the model gave them exactly 0
+            out[b, ..., : max(first_real, 0)] = 0.0
 
     def collect(self, logits: torch.Tensor, choice: Choice) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Return (zarr arrays per step [B, ...], per-layer scalars [B, layer]) for this forward call."""
@@ -188,6 +217,15 @@ class Probes:
         if s.ffn:
             arrays["ffn_idx"] = torch.stack([self.ffn[layer][0] for layer in self.layers], 1).cpu().numpy().astype(np.int32)
             arrays["ffn_val"] = torch.stack([self.ffn[layer][1] for layer in self.layers], 1).cpu().numpy()
+        if s.k_router:
+            idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
+            w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
+            for li, layer in enumerate(self.layers):
+                if layer in self.router:
+                    idx, w = self.router[layer]
+                    idx_out[:, li, : idx.shape[-1]] = idx.cpu().numpy()
+                    w_out[:, li, : w.shape[-1]] = w.cpu().numpy()
+            arrays["router_topk_idx"], arrays["router_topk_weight"] = idx_out, w_out
         if s.resid_layers:
             arrays["resid"] = torch.stack([self.resid_out[layer] for layer in s.resid_layers], 1).cpu().numpy()
 
@@ -206,9 +244,8 @@ class Probes:
             scalars["lens_top1_prob"] = lens_probs[:, :, 0]
             scalars["lens_margin"] = self._lens_margin
         if self.margin_contributions:
-            w = self.adapter.unembed.weight
-            top2 = choice.alt_ids[:, :2].to(w.device)
-            direction = (w[top2[:, 0]] - w[top2[:, 1]]).float()  # [B, d]
+            top2 = choice.alt_ids[:, :2].to(self.adapter.unembed.weight.device)
+            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
 
@@ -216,7 +253,9 @@ class Probes:
         """Final norm + unembedding of every captured layer's residual, in one batched matmul."""
         normed = self.adapter.final_norm(resid_out.to(self.model_dtype))
         if self._unembed_lens is not None:
-            logits = torch.nn.functional.linear(normed.to(torch.bfloat16), self._unembed_lens).float()
+            bias = getattr(self.adapter.unembed, "bias", None)
+            logits = torch.nn.functional.linear(normed.to(torch.bfloat16), self._unembed_lens,
+                                                None if bias is None else bias.to(torch.bfloat16)).float()
             if self.adapter.final_softcap:
                 c = self.adapter.final_softcap
                 logits = torch.tanh(logits / c) * c
