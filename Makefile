@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test test-fast bench clean-cache clean
+.PHONY: venv demo test test-fast bench support-table clean-cache clean
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test-fast: venv
 
 bench: venv
 	$(BIN)/python bench/bench.py
+
+# Regenerates docs/architectures.md from the architecture tests.
+support-table: venv
+	LMTRACE_WRITE_SUPPORT_TABLE=1 $(BIN)/python -m pytest -q tests/test_architectures.py
 
 # Converted (dequantised) model weights live here; deleting them only costs one ~15 s conversion.
 clean-cache:

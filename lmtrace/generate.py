@@ -424,7 +424,9 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict 
         if resume:
             raise SpecError(f"no run {run_id!r} to resume in {root}; `lmtrace ls` lists runs")
         if run_id is not None and (root / run_id).exists() and shard.count == 1:
-            raise SpecError(f"{root / run_id} exists but is not an lmtrace run; choose another output.run_id")
+            leftovers = [p.name for p in (root / run_id).iterdir() if p.name != layout.LOCK]
+            if leftovers or not (root / run_id).is_dir():
+                raise SpecError(f"{root / run_id} exists but is not an lmtrace run; choose another output.run_id")
         return None
     path = root / run_id
     existing = read_manifest(path)
@@ -464,6 +466,10 @@ def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> tupl
         except OSError as err:
             raise SpecError(f"cannot create run directory {root / run_id} ({err.strerror})") from None
         return run_id, root / run_id, None
+    if spec.output.run_id is not None and (root / spec.output.run_id).is_dir():
+        # a process killed before it wrote its manifest left only the lock file: start again there
+        (root / spec.output.run_id / layout.LOCK).unlink(missing_ok=True)
+        (root / spec.output.run_id).rmdir()
     rid, path = create_run_dir(root, spec.output.run_id)
     return rid, path, None
 

@@ -33,10 +33,27 @@ def _human(n: float) -> str:
     return f"{n:.1f}P"
 
 
+def _shards_done(path, m: dict) -> str | None:
+    n = m.get("shards", 1)
+    if n <= 1:
+        return None
+    folder = path / "shards"
+    done = 0
+    for f in folder.glob("*.json") if folder.is_dir() else []:
+        try:
+            done += json.loads(f.read_text()).get("status") == "complete"
+        except (OSError, ValueError):
+            pass
+    return f"{done}/{n}"
+
+
 def run_summary(path) -> dict:
     m = read_manifest(path)
+    shards = _shards_done(path, m)
+    status = m.get("status")
     return {
-        "run_id": m.get("run_id", path.name), "status": m.get("status"), "kind": m.get("kind"),
+        "run_id": m.get("run_id", path.name), "status": status if shards is None or status == "complete"
+        else f"{status} ({shards} shards done)", "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
         "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path), "created": m.get("created"),
         "parent": m.get("parent"), "path": str(path),
@@ -96,7 +113,8 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool) -> None:
     except Exception:  # an unfinished run may have no finished batch yet
         seqs = []
     if json_out:
-        print(json.dumps({**summary, "sequences": seqs, "manifest": run.manifest}, indent=2, default=str))
+        print(json.dumps({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest},
+                         indent=2, default=str))
         return
     console = _console()
     m = run.manifest
@@ -112,6 +130,14 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool) -> None:
                   f"arrays: {', '.join(m.get('arrays') or {}) or 'none'}", markup=False)
     if m.get("error"):
         console.print(Text(f"error: {m['error']}", style="red"))
+    shards = run.shard_status
+    if m.get("shards", 1) > 1 or len(shards) > 1:
+        parts = [f"{k}: {v.get('status')}" for k, v in sorted(shards.items())]
+        missing = m.get("shards", 1) - len(shards)
+        console.print("shards: " + ", ".join(parts) + (f", {missing} not started" if missing > 0 else ""), markup=False)
+    elif run.status != "complete":
+        committed = run.committed_steps()
+        console.print(f"committed steps per sequence: {committed}", markup=False)
     if m.get("parent"):
         console.print(f"parent: {m['parent']}", markup=False)
     console.print(f"size: {_human(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {path}", markup=False)

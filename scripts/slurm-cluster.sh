@@ -17,7 +17,10 @@ conf="$state/slurm.conf"
 install() {
   # policy-rc.d exiting 101 stops package scripts from trying to start services
   [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge
+  fi
 }
 
 up() {
@@ -27,7 +30,10 @@ up() {
   chmod 0755 /run/munge
   if [ ! -s /etc/munge/munge.key ]; then mungekey --create --keyfile=/etc/munge/munge.key; fi
   chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged --pid-file="/run/munge/munged.pid"
+  if ! { [ -s /run/munge/munged.pid ] && kill -0 "$(cat /run/munge/munged.pid)" 2>/dev/null; }; then
+    rm -f /run/munge/munged.pid /run/munge/munge.socket.2*
+    runuser -u munge -- /usr/sbin/munged --pid-file="/run/munge/munged.pid"
+  fi
   local host node
   host=$(hostname -s)
   node=$(slurmd -C | head -n 1 | sed -E "s/^NodeName=[^ ]+/NodeName=$host/")

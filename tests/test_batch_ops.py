@@ -1,0 +1,184 @@
+"""Batch operation: kills at random moments, resume, signals, live-writer protection, shards, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lmtrace.archive.reader import IncompleteRunWarning, Run
+
+
+def _spec(tmp_path: Path, model: str, **gen) -> Path:
+    generation = {"max_new_tokens": 150, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps({
+        "model": model,
+        "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
+        "generation": generation,
+        "capture": {"residual": {"vectors_at": [1]}},
+        "output": {"chunk_steps": 8},
+    }))
+    return path
+
+
+def _start(args, runs: Path) -> subprocess.Popen:
+    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs)}
+    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(args, runs: Path, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs)}
+    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _wait_writing(run_dir: Path, pid: int, timeout=120) -> bool:
+    """Until the process's heartbeat exists (it is generating); False if it ended first."""
+    beat = run_dir / "heartbeats" / "shard-0-of-1.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if json.loads(beat.read_text())["pid"] == pid:
+                return True
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    return False
+
+
+def _open(path: Path) -> Run:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        return Run(path)
+
+
+def assert_same_archive(a: Run, b: Run) -> None:
+    for table in ("tokens", "steps", "sequences"):
+        ta, tb = a.table(table).to_pandas(), b.table(table).to_pandas()
+        assert ta.equals(tb), table
+    assert a.array_names() == b.array_names()
+    for name in a.array_names():
+        np.testing.assert_array_equal(a.tensors[name][...], b.tensors[name][...], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir))
+    runs = tmp_path / "runs"
+    ref = _run(["generate", str(spec), "--run-id", "reference"], runs)
+    assert ref.returncode == 0, ref.stderr
+    reference = Run(runs / "reference")
+    gen_s = reference.manifest["timings"]["generate_s"] + reference.manifest["timings"]["finalize_s"]
+    rng = random.Random(0)
+    kills = 0
+    run_dir = runs / "killed"
+    args = ["generate", str(spec), "--run-id", "killed"]
+    while kills < 20:
+        proc = _start(args, runs)
+        started = _wait_writing(run_dir, proc.pid)
+        if started:
+            time.sleep(rng.uniform(0, gen_s))
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (0, -signal.SIGKILL), err
+        if not (run_dir / "manifest.json").is_file():  # killed while loading the model: nothing to resume yet
+            assert not run_dir.exists() or not any(p.name != ".lock" for p in run_dir.iterdir())
+            continue
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        if proc.returncode == -signal.SIGKILL:
+            kills += 1
+            assert manifest["status"] != "complete", "a killed run must never claim complete"
+            # what was flushed is readable: every committed step of every batch has its tokens
+            run = _open(run_dir)
+            committed = run.committed_steps()
+            if any(committed.values()):
+                tokens = run.tokens().to_pandas()
+                for seq, n in committed.items():
+                    steps = tokens[(tokens.sequence == seq) & ~tokens.is_prompt].step
+                    assert set(range(n)) <= set(steps), (seq, n)
+        if manifest["status"] == "complete":  # it finished before the kill landed: compare, start over
+            assert_same_archive(reference, Run(run_dir))
+            import shutil
+
+            shutil.rmtree(run_dir)
+            continue
+        args = ["generate", "--resume", "killed"]
+    final = _run(["generate", "--resume", "killed"], runs)
+    assert final.returncode == 0, final.stderr
+    assert_same_archive(reference, Run(run_dir))
+
+
+@pytest.mark.slow
+def test_sigterm_interrupts_cleanly_and_resume_completes_identically(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=400)
+    runs = tmp_path / "runs"
+    proc = _start(["generate", str(spec), "--run-id", "term"], runs)
+    assert _wait_writing(runs / "term", proc.pid)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted")
+    assert json.loads((runs / "term" / "manifest.json").read_text())["status"] == "interrupted"
+    again = _run(["generate", str(spec), "--run-id", "term"], runs)  # same spec and run id resumes
+    assert again.returncode == 0, again.stderr
+    ref = _run(["generate", str(spec), "--run-id", "ref"], runs)
+    assert ref.returncode == 0
+    assert_same_archive(Run(runs / "ref"), Run(runs / "term"))
+
+
+def test_a_live_writer_is_never_touched_and_changed_specs_are_refused(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=2000, batch_size=3)
+    runs = tmp_path / "runs"
+    proc = _start(["generate", str(spec), "--run-id", "live"], runs)
+    try:
+        assert _wait_writing(runs / "live", proc.pid)
+        out = _run(["generate", "--resume", "live"], runs)
+        assert out.returncode == 2
+        assert f"being written by pid {proc.pid}" in out.stderr and "Traceback" not in out.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    changed = _run(["generate", str(spec), "--run-id", "live", "--set", "generation.seed=12"], runs)
+    assert changed.returncode == 2 and "differs at generation.seed" in changed.stderr
+
+
+def test_concurrent_generates_never_collide(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=5)
+    runs = tmp_path / "runs"
+    procs = [_start(["generate", str(spec), "--set", "capture=none", "--json"], runs) for _ in range(3)]
+    ids = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        ids.append(json.loads(out)["run_id"])
+    assert len(set(ids)) == 3
+    assert all(Run(runs / i).status == "complete" for i in ids)
+
+
+def test_shards_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=12, batch_size=1)
+    runs = tmp_path / "runs"
+    procs = [_start(["generate", str(spec), "--shard", f"{i}/2", "--run-id", "sharded"], runs) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    single = _run(["generate", str(spec), "--run-id", "single"], runs)
+    assert single.returncode == 0, single.stderr
+    sharded = Run(runs / "sharded")
+    assert sharded.status == "complete"
+    assert {k: v["status"] for k, v in sharded.shard_status.items()} == {"shard-0-of-2": "complete",
+                                                                         "shard-1-of-2": "complete"}
+    assert_same_archive(Run(runs / "single"), sharded)
