@@ -442,7 +442,9 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict 
     if existing.get("status") == "complete":
         raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")
     shard_file = path / layout.SHARDS_DIR / f"{shard.key}.json"
-    if shard_file.is_file() and json.loads(shard_file.read_text()).get("status") == "complete":
+    if shard_file.is_file() and json.loads(shard_file.read_text()).get("status") == "complete" \
+            and not RunDir(path, shard).all_shards_complete():
+        # (when every shard is complete but the run is not, the finaliser was killed: rerunning finalises)
         raise SpecError(f"{shard.key} of run {run_id} is already complete; the run waits for its other shards")
     mine = [w for w in live_writers(path) if w["writer"] == shard.key]
     if mine:

@@ -25,7 +25,7 @@ import yaml
 from .archive.reader import Run, open_run
 from .errors import SpecError
 from .generate import GenerateResult, Progress, Replay, run_generate
-from .interventions import (AblateHead, EditSet, PatchResidual, Steer, head_output_mean, load_steer_vector,
+from .interventions import (AblateHead, AblateNeurons, EditSet, PatchResidual, Steer, head_output_mean, load_steer_vector,
                             parse_entries, patch_source, validate_against)
 from .spec import build_spec
 
@@ -175,6 +175,10 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
     shape, cfg = parent.shape, parent.manifest["model"]["config"]
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
     validate_against(entries, n_layers, shape["n_heads"], shape["d_ffn"], shape["n_sequences"])
+    family = parent.manifest["model"].get("architecture_family")
+    if family == "moe" and any(isinstance(e, AblateNeurons) for e in entries):
+        raise SpecError("ablate_neurons: mixture-of-experts models have no single MLP down-projection (experts are "
+                        "fused); ablate the MLP block (ablate_mlp) or a layer instead")
     view = ParentView.read(parent)
     n_seq = len(view.prompt_ids)
 

@@ -190,6 +190,12 @@ def validate_against(entries: list[_Entry], n_layers: int, n_heads: int, d_ffn: 
                 raise SpecError(f"{where}: sequences {bad} out of range: the run has sequences 0..{n_sequences - 1}")
 
 
+def _row_mask(sel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sel [B, q] -> a mask broadcastable to x: [B, q, 1], or [B*q, 1] for modules that see
+    flattened tokens (OPT's fc1/fc2)."""
+    return sel.reshape(-1, 1) if x.dim() == 2 else sel[..., None]
+
+
 def _replace_first(output, value):
     if isinstance(output, tuple):
         return (value, *output[1:])
@@ -275,9 +281,12 @@ class EditSet:
                 if sel is None:
                     return None
                 first = output[0] if isinstance(output, tuple) else output
-                return _replace_first(output, first.masked_fill(sel[..., None], 0.0))
+                return _replace_first(output, first.masked_fill(_row_mask(sel, first), 0.0))
             return [module.register_forward_hook(zero_out)]
         if isinstance(e, AblateNeurons):
+            if self.adapter.family.mlp_down is None:
+                raise SpecError(f"ablate_neurons: {self.adapter.family.name} models have no single MLP "
+                                f"down-projection (experts are fused); ablate the MLP block or a layer instead")
             idx = torch.tensor(e.neurons)
 
             def neuron_hook(module, args):
@@ -286,7 +295,7 @@ class EditSet:
                     return None
                 x = args[0].clone()
                 cols = x[..., idx.to(x.device)]
-                x[..., idx.to(x.device)] = cols.masked_fill(sel[..., None], 0.0)
+                x[..., idx.to(x.device)] = cols.masked_fill(_row_mask(sel, x), 0.0)
                 return (x, *args[1:])
             return [a.mlp_down(e.layer).register_forward_pre_hook(neuron_hook)]
         if isinstance(e, AblateLayer):

@@ -48,33 +48,38 @@ class Sampler:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def filtered_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, V] -> [B, V] temperature-scaled logits with filtered-out tokens set to -inf."""
-        scores = logits / self.temperature
+    def filter_sorted(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, V] -> (temperature-scaled logits sorted descending with filtered-out entries -inf, order).
+
+        One sort serves top-k, top-p and the inverse-CDF draw: filtering keeps a prefix of the
+        descending order (ties at the k-th value are kept, as transformers does).
+        """
+        scores, order = torch.sort(logits / self.temperature, dim=-1, descending=True, stable=True)
         if self.top_k > 0 and self.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            kth = scores[..., self.top_k - 1: self.top_k]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-            probs = sorted_scores.softmax(-1)
+            probs = scores.softmax(-1)
             before = probs.cumsum(-1) - probs  # mass strictly above each token
-            remove_sorted = before >= self.top_p
-            remove_sorted[..., 0] = False  # keep at least one token
-            remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+            remove = before >= self.top_p
+            remove[..., 0] = False  # keep at least one token
             scores = scores.masked_fill(remove, float("-inf"))
-        return scores
+        return scores, order
+
+    def filtered_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B, V] temperature-scaled logits with filtered-out tokens set to -inf."""
+        scores, order = self.filter_sorted(logits)
+        return torch.empty_like(scores).scatter_(-1, order, scores)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Pick per row the first token (in descending-probability order) whose cumulative mass exceeds u."""
-    sorted_probs, order = torch.sort(probs.double(), dim=-1, descending=True, stable=True)
-    cdf = sorted_probs.cumsum(-1)
+def _inverse_cdf_sorted(sorted_probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index (in the sorted order) of the first token whose cumulative mass exceeds u * total."""
+    cdf = sorted_probs.double().cumsum(-1)
     target = (u * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    idx = torch.searchsorted(cdf, target, right=True)
     # never land on a zero-probability token at the tail because of rounding
     n_nonzero = (sorted_probs > 0).sum(-1, keepdim=True)
-    idx = torch.minimum(idx, n_nonzero - 1)
-    return order.gather(-1, idx).squeeze(-1)
+    return torch.minimum(idx, n_nonzero - 1)
 
 
 STABILITY_CLASSES = ("locked", "stable", "fragile", "tie")
@@ -127,18 +132,22 @@ def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alt
         filter_changed = torch.zeros(logits.shape[0], dtype=torch.bool)
         eligible = torch.ones(logits.shape[0], dtype=torch.int64)
     else:
-        filtered = sampler.filtered_logits(logits)
-        probs = filtered.softmax(-1)
-        token = _inverse_cdf(probs, u)
-        sampling_logprob = filtered.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-        unfiltered = _inverse_cdf((logits / sampler.temperature).softmax(-1), u)
-        filter_changed = unfiltered != token
-        eligible = torch.isfinite(filtered).sum(-1)
+        filtered_sorted, order = sampler.filter_sorted(logits)
+        u = u.to(logits.device)
+        idx = _inverse_cdf_sorted(filtered_sorted.softmax(-1), u)
+        token = order.gather(-1, idx).squeeze(-1)
+        sampling_lp_sorted = filtered_sorted.log_softmax(-1)
+        sampling_logprob = sampling_lp_sorted.gather(-1, idx).squeeze(-1)
+        unfiltered_sorted = (logits / sampler.temperature).gather(-1, order)
+        idx_unfiltered = _inverse_cdf_sorted(unfiltered_sorted.softmax(-1), u)
+        filter_changed = (idx_unfiltered != idx).squeeze(-1)
+        eligible = torch.isfinite(filtered_sorted).sum(-1)
     if forced is not None:
         forced = forced.to(token.device)
         token = torch.where(forced >= 0, forced, token)
         if not sampler.greedy:
-            sampling_logprob = filtered.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            sampling_lp = torch.empty_like(sampling_lp_sorted).scatter_(-1, order, sampling_lp_sorted)
+            sampling_logprob = sampling_lp.gather(-1, token[:, None]).squeeze(-1)
         else:  # under greedy, a forced non-argmax token has probability 0
             sampling_logprob = torch.where(token == greedy_token, 0.0, float("-inf"))
     ref_logprobs = None

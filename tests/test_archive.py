@@ -107,7 +107,7 @@ def test_topk_attention_and_prefill_matrices_match_the_reference(tmp_path, tiny_
 
 
 def _cli(args, runs, env=None, **kw):
-    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LMTRACE_RUNS_DIR": str(runs), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 

@@ -32,14 +32,20 @@ def _spec(tmp_path: Path, model: str, **gen) -> Path:
     return path
 
 
+# One torch thread per process: several processes share the 2 cores in these tests, and
+# oversubscribed OpenMP threads slow each step ~10x. Every run of a comparison uses the same
+# thread count (it changes float results).
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
 def _start(args, runs: Path) -> subprocess.Popen:
-    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs)}
+    env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
     return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _run(args, runs: Path, timeout=600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs)}
+    env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
     return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -113,6 +119,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
             import shutil
 
             shutil.rmtree(run_dir)
+            args = ["generate", str(spec), "--run-id", "killed"]
             continue
         args = ["generate", "--resume", "killed"]
     final = _run(["generate", "--resume", "killed"], runs)

@@ -67,7 +67,8 @@ def test_array_job_with_a_preempted_task_resumes_to_the_single_process_result(sl
     runs = tmp_path / "runs"
     lmtrace = f"{sys.executable} -m lmtrace.cli"
     script = tmp_path / "task.sh"
-    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexec {lmtrace} generate {spec} --shard auto --runs-dir {runs}\n")
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexport OMP_NUM_THREADS=1\n"
+                      f"exec {lmtrace} generate {spec} --shard auto --runs-dir {runs}\n")
     job = _sbatch(slurm, "--array=0-2", "-o", str(tmp_path / "task-%a.out"), "--cpus-per-task=1", str(script))
     run_dir = runs / f"slurm-{job}"
     beat = run_dir / "heartbeats" / "shard-1-of-3.json"
@@ -85,11 +86,13 @@ def test_array_job_with_a_preempted_task_resumes_to_the_single_process_result(sl
     assert shards == {"shard-0-of-3": "complete", "shard-1-of-3": "interrupted", "shard-2-of-3": "complete"}, shards
 
     again = _sbatch(slurm, "-o", str(tmp_path / "resume.out"), "--wrap",
-                    f"cd {ROOT} && exec {lmtrace} generate --resume slurm-{job} --shard 1/3 --runs-dir {runs}")
+                    f"cd {ROOT} && OMP_NUM_THREADS=1 exec {lmtrace} generate --resume slurm-{job} --shard 1/3 "
+                    f"--runs-dir {runs}")
     _wait_gone(slurm, again)
     assert Run(run_dir).status == "complete", (tmp_path / "resume.out").read_text()
 
     single = subprocess.run([sys.executable, "-m", "lmtrace.cli", "generate", str(spec), "--run-id", "single",
-                             "--runs-dir", str(runs), "-q"], capture_output=True, text=True, cwd=ROOT)
+                             "--runs-dir", str(runs), "-q"], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr
     assert_same_archive(Run(runs / "single"), Run(run_dir))
