@@ -1,0 +1,619 @@
+"""Throughput and memory benchmark of lmtrace generation against a plain KV-cached loop.
+
+What is measured (embedded:smollm2-135m, CPU or whatever `device: auto` picks, batch of 1, greedy,
+one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
+
+  floor         a minimal loop written here: one prefill call and one decode call per token with
+                `cache=DynamicCache(...)`, `logits_to_keep=1`, explicit attention mask and position
+                ids (the same call pattern as lmtrace's tracer), argmax; no hooks. The model is loaded
+                once through `lmtrace.models.load_model(ModelSpec())` (sdpa attention).
+  default       `lmtrace.generate.run_generate` with the default capture (attention rows, q/k/v,
+                FFN top-k, norms, logit lens, margin contributions) streamed to a run archive.
+  forward-only  `run_generate` with `capture: none`.
+
+Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_counter); lmtrace runs
+use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
+`run_generate` does on every call is excluded. The end-of-sequence id is set to a token the greedy
+continuation never produces, and every run is checked to have generated exactly N tokens (and the
+same tokens as the floor). Also recorded: the process's CPU seconds over the same span (all
+threads); their floor/config ratio is less sensitive to other load on the machine, since time
+slices lost to other processes are not counted (spin-waiting threads still are). Each measurement is repeated (--repeats, median reported), the three
+configurations interleaved, after a short warm-up of each. tok/s = N / seconds.
+
+Archive size: bytes of the run directory after completion divided by the generated tokens.
+
+Peak RSS: for a fair "flat in steps" comparison each (configuration, N) runs once more in its own
+child process (`python bench/bench.py --child ...`, after all timing), which reports its peak RSS
+after the run, so every number is that run's own peak (imports and model load included, identically
+for all). The peak is VmHWM from /proc/self/status, not ru_maxrss: on Linux a child's ru_maxrss
+starts at the parent's peak (it survives fork+exec), which here would hide the run's own peak.
+
+Output: a table on stdout (rich when stdout is a terminal, plain text otherwise) and
+bench/results/latest.json. Usage:
+
+    .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 3 repeats
+    .venv/bin/python bench/bench.py --quick         # 32 and 64 new tokens, 1 repeat (smoke test)
+    .venv/bin/python bench/bench.py --tokens 128,512 --repeats 3
+    .venv/bin/python bench/bench.py --profile 128   # cProfile one default-capture run instead
+
+Timings are only meaningful on an otherwise idle machine: before each timed sample the script waits
+(up to --quiet-timeout s) until other processes use less than --quiet of the CPUs, redoes a sample
+they disturbed (up to --retries times), and reports the others' share next to every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import os
+import platform
+import pstats
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+DEFAULT_THREADS = torch.get_num_threads()  # read before anything can change it
+
+from lmtrace.generate import Progress, run_generate  # noqa: E402
+from lmtrace.models import load_model  # noqa: E402
+from lmtrace.runs import dir_size, package_versions  # noqa: E402
+from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+MODEL_REF = "embedded:smollm2-135m"
+PROMPT_TOKENS = 64
+CONFIGS = ("floor", "default", "forward-only")
+TARGET_RATIO = {"default": 0.85, "forward-only": 0.97}
+RSS_FLAT_TOLERANCE = 0.10  # peak RSS at the largest N within 10% of the smallest N
+WARMUP_TOKENS = 8
+RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
+CHILD_MARK = "BENCH-CHILD-RESULT "
+PROMPT_SEED_TEXT = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships along dangerous "
+    "coasts. Over centuries these beacons became towers of stone, fitted with lamps, mirrors and "
+    "finally great glass lenses that could throw a beam many miles out to sea. Keepers lived beside "
+    "them in small cottages, trimming wicks, polishing brass and writing the weather in their logs. "
+    "Today most lights are automatic, yet the towers remain, standing over the rocks and the waves. "
+)
+
+
+# ---- set-up -----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="32 and 64 new tokens, 1 repeat (smoke test)")
+    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="comma-separated new-token counts (default 128,512; 32,64 with --quick)")
+    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3; 1 with --quick)")
+    p.add_argument("--quiet", type=float, default=0.10,
+                   help="max share of the CPUs other processes may use during a timed sample (default 0.10)")
+    p.add_argument("--quiet-timeout", type=float,
+                   help="seconds to wait for a quiet machine before each sample (default 120; 0 with --quick)")
+    p.add_argument("--retries", type=int, help="redo a disturbed sample up to this many times (default 3; 0 with --quick)")
+    p.add_argument("--no-rss", action="store_true", help="skip the child-process peak-RSS runs")
+    p.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results path (default {RESULTS})")
+    p.add_argument("--profile", type=int, metavar="N",
+                   help="instead of the benchmark, cProfile one default-capture run of N tokens and print the top lines")
+    p.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
+                   help="cProfile timer for --profile: wall time, or this process's CPU time (robust to other load)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # JSON job for one peak-RSS child run
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or ([32, 64] if args.quick else [128, 512])
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.quiet_timeout is None:
+        args.quiet_timeout = 0.0 if args.quick else 120.0
+    if args.retries is None:
+        args.retries = 0 if args.quick else 3
+    if min(args.tokens) < 1 or args.repeats < 1:
+        p.error("--tokens and --repeats must be positive")
+    return args
+
+
+def set_threads() -> int:
+    """Pin torch to its default intra-op thread count (what a plain `lmtrace generate` gets)."""
+    torch.set_num_threads(DEFAULT_THREADS)
+    return torch.get_num_threads()
+
+
+def make_prompt(tokenizer, n_tokens: int = PROMPT_TOKENS) -> tuple[str, list[int]]:
+    """A non-chat prompt that tokenises (as run_generate tokenises it) to exactly n_tokens ids."""
+    words = (PROMPT_SEED_TEXT * (2 + n_tokens // 50)).split()
+    for start in range(len(words)):  # add words until the count hits n_tokens exactly
+        text = ""
+        for word in words[start:]:
+            text = f"{text} {word}".lstrip()
+            ids = tokenizer(text)["input_ids"]
+            if len(ids) == n_tokens:
+                return text, ids
+            if len(ids) > n_tokens:
+                break
+    raise RuntimeError(f"could not build a prompt of exactly {n_tokens} tokens")
+
+
+def pick_eos(vocab_size: int, never: set[int]) -> int:
+    """A valid vocabulary id the greedy continuation never produces, so every run reaches N tokens."""
+    for candidate in range(vocab_size - 1, -1, -1):
+        if candidate not in never:
+            return candidate
+    raise RuntimeError("no unused token id to use as eos")
+
+
+def memory_mib() -> dict[str, float]:
+    """This process's memory, MiB: peak RSS of its own address space (VmHWM), current RSS, ru_maxrss.
+
+    ru_maxrss is recorded but not used: Linux carries the parent's peak over fork+exec into the
+    child's ru_maxrss (signal->maxrss), so a child started by a big parent reports the parent's peak.
+    VmHWM belongs to the address space the child got at exec, so it is the run's own peak.
+    """
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"ru_maxrss": ru / (1024 * 1024) if sys.platform == "darwin" else ru / 1024}
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:  # not Linux: ru_maxrss is the best there is
+        return {"peak": out["ru_maxrss"], "current": None, **out}
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
+    return {"peak": kib["VmHWM"] / 1024, "current": kib["VmRSS"] / 1024, **out}
+
+
+# ---- the three configurations -----------------------------------------------------------------
+@torch.inference_mode()
+def floor_generate(model, prompt_ids: list[int], n_new: int) -> tuple[list[int], float]:
+    """Plain KV-cached greedy generation, no hooks. Returns (generated ids, seconds)."""
+    device = next(model.parameters()).device
+    t0 = time.perf_counter()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    cache = DynamicCache(config=model.config)
+    out_ids: list[int] = []
+    for step in range(n_new):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1].argmax(-1)
+        out_ids.append(int(token.item()))
+        if step + 1 == n_new:
+            break
+        ids = token[:, None]
+        mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
+        positions = positions[:, -1:] + 1
+    return out_ids, time.perf_counter() - t0
+
+
+def spec_data(config: str, prompt: str, n_new: int, eos: int, runs_dir: str) -> dict:
+    data = {
+        "model": MODEL_REF,
+        "prompts": {"texts": [prompt], "chat": False},
+        "generation": {"max_new_tokens": n_new, "temperature": 0.0, "batch_size": 1, "eos_token_id": eos, "stop": []},
+        "output": {"runs_dir": runs_dir},
+    }
+    if config == "forward-only":
+        data["capture"] = "none"
+    return data
+
+
+def own_cpu_s() -> float:
+    """CPU seconds used by this process so far, all threads (torch workers and writer included)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: str, on_start=None) -> dict:
+    """One run_generate call; returns its generate_s, generated ids and archive size (run dir removed).
+
+    cpu_s is the process CPU time from generation start to run_generate's return (the finalisation
+    after generate_s, ~0.1 s, is included).
+
+    on_start is called when generation starts (after the model load), e.g. to snapshot memory.
+    """
+    data = spec_data(config, prompt, n_new, eos, runs_dir)
+    cpu_at_start: list[float] = []
+
+    def started(n_prompts, max_tokens):
+        cpu_at_start.append(own_cpu_s())
+        if on_start:
+            on_start()
+
+    result = run_generate(build_spec(data, "bench"), yaml.safe_dump(data, sort_keys=False), progress=Progress(start=started))
+    cpu_s = own_cpu_s() - cpu_at_start[0]
+    run_dir = Path(result.run_dir)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    seqs = pq.read_table(run_dir / "sequences.parquet").to_pylist()
+    tokens = pq.read_table(run_dir / "tokens.parquet", columns=["is_prompt", "step", "token_id"]).to_pylist()
+    generated = [r["token_id"] for r in sorted((r for r in tokens if not r["is_prompt"]), key=lambda r: r["step"])]
+    info = {
+        "seconds": float(manifest["timings"]["generate_s"]),
+        "cpu_s": cpu_s,
+        "generated_len": int(seqs[0]["generated_len"]),
+        "stop_reason": seqs[0]["stop_reason"],
+        "generated": generated,
+        "archive_bytes": dir_size(run_dir),
+        "status": manifest["status"],
+    }
+    shutil.rmtree(run_dir, ignore_errors=True)
+    gc.collect()  # run_generate loaded its own model: free it before the next measurement
+    return info
+
+
+def check_run(config: str, info: dict, n_new: int, floor_ids: list[int]) -> bool:
+    """Every run must be complete with exactly n_new tokens; returns whether they equal the floor's."""
+    if info["status"] != "complete" or info["generated_len"] != n_new:
+        raise RuntimeError(f"{config}: run generated {info['generated_len']} of {n_new} tokens "
+                           f"(status {info['status']}, stop {info['stop_reason']}); the benchmark would be unfair")
+    return info["generated"] == floor_ids[:n_new]
+
+
+# ---- other load on the machine ---------------------------------------------------------------
+def _cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine since boot, CPU seconds of this process, all threads)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+class OthersMeter:
+    """Share of the machine's CPU used by other processes while the block runs (0 = quiet, 1 = all)."""
+
+    share: float | None = None
+
+    def __enter__(self):
+        self._t0, (self._busy0, self._own0) = time.perf_counter(), _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._t0
+        busy, own = _cpu_seconds()
+        others = max(0.0, (busy - self._busy0) - (own - self._own0))
+        self.share = others / max(wall * (os.cpu_count() or 1), 1e-9)
+        return False
+
+
+def wait_for_quiet(threshold: float, timeout: float, log) -> float:
+    """Sleep until other processes use < threshold of the CPUs over 2 s, or timeout; returns the last share."""
+    deadline = time.time() + timeout
+    while True:
+        with OthersMeter() as meter:
+            time.sleep(2.0)
+        if meter.share < threshold or time.time() >= deadline:
+            return meter.share
+        log(f"    machine busy (others use {meter.share:.0%} of the CPUs), waiting")
+
+
+# ---- timing (this process) --------------------------------------------------------------------
+def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str) -> None:
+    floor_generate(model, prompt_ids, WARMUP_TOKENS)
+    for config in CONFIGS[1:]:
+        lmtrace_generate(config, prompt, WARMUP_TOKENS, eos, runs_dir)
+
+
+def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int],
+               runs_dir: str) -> dict:
+    """Generation seconds, process CPU seconds, archive bytes and same-tokens-as-floor of one run."""
+    if config == "floor":
+        cpu0 = own_cpu_s()
+        ids, seconds = floor_generate(model, prompt_ids, n)
+        return {"seconds": seconds, "cpu_s": own_cpu_s() - cpu0, "archive_bytes": 0, "same": ids == floor_ids[:n]}
+    info = lmtrace_generate(config, prompt, n, eos, runs_dir)
+    return {**info, "same": check_run(config, info, n, floor_ids)}
+
+
+def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int], args, runs_dir: str,
+             log) -> dict:
+    """{(config, n): samples}, the configurations interleaved within each repeat.
+
+    Before each sample the machine must be quiet (other processes below args.quiet of the CPUs); a
+    sample during which others took more than that is redone, up to args.retries times, and the
+    least disturbed attempt is kept. The others' share of every kept sample is recorded.
+    """
+    samples = {(c, n): {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [], "archive_bytes": 0,
+                        "same_tokens": True}
+               for c in CONFIGS for n in args.tokens}
+    for n in args.tokens:
+        for rep in range(args.repeats):
+            for config in CONFIGS:
+                attempts = []
+                for _ in range(args.retries + 1):
+                    wait_for_quiet(args.quiet, args.quiet_timeout, log)
+                    with OthersMeter() as meter:
+                        run = one_sample(config, n, model, prompt, prompt_ids, eos, floor_ids, runs_dir)
+                    attempts.append((meter.share, run))
+                    log(f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
+                        f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs")
+                    if meter.share < args.quiet:
+                        break
+                share, run = min(attempts, key=lambda a: a[0])
+                entry = samples[(config, n)]
+                entry["seconds"].append(run["seconds"])
+                entry["cpu_s"].append(round(run["cpu_s"], 3))
+                entry["others_cpu"].append(round(share, 4))
+                entry["attempts"].append(len(attempts))
+                entry["archive_bytes"] = run["archive_bytes"]
+                entry["same_tokens"] &= run["same"]
+    return samples
+
+
+# ---- peak RSS (child processes) ---------------------------------------------------------------
+def child_main(job: dict) -> dict:
+    """Runs in a fresh process: one generation, then report this process's own memory peak."""
+    threads = set_threads()
+    config, n = job["config"], job["tokens"]
+    at_start: dict = {}
+    snapshot = lambda: at_start.update(memory_mib())  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="lmtrace-bench-rss-") as runs_dir:
+        if config == "floor":
+            loaded = load_model(ModelSpec(ref=MODEL_REF))
+            snapshot()
+            generated = len(floor_generate(loaded.model, job["prompt_ids"], n)[0])
+        else:
+            generated = lmtrace_generate(config, job["prompt"], n, job["eos"], runs_dir, on_start=snapshot)["generated_len"]
+    end = memory_mib()
+    return {"config": config, "tokens": n, "generated": generated, "threads": threads,
+            "peak_rss_mib": end["peak"], "ru_maxrss_mib": end["ru_maxrss"],
+            "rss_at_generation_start_mib": at_start.get("current"), "peak_before_generation_mib": at_start.get("peak")}
+
+
+def measure_rss(jobs: list[dict], log) -> dict[tuple[str, int], dict]:
+    """Each job in its own fresh interpreter (sequentially, after all timing is done)."""
+    out = {}
+    for job in jobs:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
+                              capture_output=True, text=True)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith(CHILD_MARK)), None)
+        if proc.returncode != 0 or line is None:
+            raise RuntimeError(f"RSS child {job['config']} N={job['tokens']} failed (rc {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
+        res = json.loads(line[len(CHILD_MARK):])
+        if res["generated"] != job["tokens"]:
+            raise RuntimeError(f"RSS child {job['config']} generated {res['generated']} of {job['tokens']} tokens")
+        out[(job["config"], job["tokens"])] = res
+        log(f"  {job['config']:<12} N={job['tokens']:<5} peak RSS {res['peak_rss_mib']:7.1f} MiB "
+            f"(RSS at generation start {res['rss_at_generation_start_mib']:.1f} MiB)")
+    return out
+
+
+# ---- summary ----------------------------------------------------------------------------------
+def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
+    rows = []
+    for n in tokens:
+        floor_tps = n / statistics.median(samples[("floor", n)]["seconds"])
+        floor_cpu = statistics.median(samples[("floor", n)]["cpu_s"])
+        for config in CONFIGS:
+            s = samples[(config, n)]
+            median_s = statistics.median(s["seconds"])
+            tps = n / median_s
+            ratio = tps / floor_tps
+            target = TARGET_RATIO.get(config)
+            rows.append({
+                "config": config, "tokens": n, "seconds": s["seconds"], "median_s": round(median_s, 4),
+                "tok_per_s": round(tps, 2), "ratio_vs_floor": round(ratio, 4),
+                "cpu_s": s["cpu_s"], "cpu_ratio_vs_floor": round(floor_cpu / statistics.median(s["cpu_s"]), 4),
+                "target_ratio": target, "meets_target": None if target is None else ratio >= target,
+                "archive_bytes": s["archive_bytes"],
+                "archive_bytes_per_token": round(s["archive_bytes"] / n, 1),
+                "best_tok_per_s": round(n / min(s["seconds"]), 2),
+                **rss_fields(rss.get((config, n))),
+                "same_tokens_as_floor": s["same_tokens"],
+                "others_cpu_max": max(s["others_cpu"]), "others_cpu": s["others_cpu"], "attempts": s["attempts"],
+            })
+    return rows
+
+
+def rss_fields(child: dict | None) -> dict:
+    keys = ("peak_rss_mib", "rss_at_generation_start_mib", "ru_maxrss_mib")
+    return {k: None if child is None or child.get(k) is None else round(child[k], 1) for k in keys}
+
+
+def rss_flatness(rss: dict, tokens: list[int]) -> dict | None:
+    """Peak RSS growth from the smallest to the largest N, default capture (floor for reference)."""
+    lo, hi = min(tokens), max(tokens)
+    if lo == hi or ("default", lo) not in rss:
+        return None
+    out = {"from_tokens": lo, "to_tokens": hi, "tolerance": RSS_FLAT_TOLERANCE}
+    for config in CONFIGS:
+        a, b = rss[(config, lo)]["peak_rss_mib"], rss[(config, hi)]["peak_rss_mib"]
+        out[config] = {"rss_lo_mib": round(a, 1), "rss_hi_mib": round(b, 1), "growth_mib": round(b - a, 1),
+                       "growth_frac": round((b - a) / a, 4)}
+    out["flat"] = out["default"]["growth_frac"] <= RSS_FLAT_TOLERANCE
+    return out
+
+
+def target_lines(rows: list[dict], flat: dict | None) -> list[str]:
+    lines = []
+    for config, target in TARGET_RATIO.items():
+        got = ", ".join(f"N={r['tokens']}: {r['ratio_vs_floor']:.3f}x {'PASS' if r['meets_target'] else 'FAIL'}"
+                        for r in rows if r["config"] == config)
+        lines.append(f"target {config} >= {target:.2f}x floor   {got}")
+    if flat is None:
+        lines.append("target RSS flat in steps   not measured (needs two token counts and the RSS children)")
+    else:
+        d, f = flat["default"], flat["floor"]
+        lines.append(f"target RSS flat in steps (default, growth <= {flat['tolerance']:.0%})   "
+                     f"N={flat['from_tokens']}: {d['rss_lo_mib']:.0f} MiB -> N={flat['to_tokens']}: {d['rss_hi_mib']:.0f} MiB "
+                     f"({d['growth_mib']:+.0f} MiB, {d['growth_frac']:+.1%}) {'PASS' if flat['flat'] else 'FAIL'}; "
+                     f"floor {f['growth_mib']:+.0f} MiB ({f['growth_frac']:+.1%})")
+    return lines
+
+
+def print_table(rows: list[dict], flat: dict | None, meta: dict) -> None:
+    headers = ["configuration", "new tokens", "tok/s", "vs floor", "target", "vs floor (CPU s)", "archive B/token", "peak RSS MiB", "same tokens",
+               "others' CPU"]
+    table = [[r["config"], str(r["tokens"]), f"{r['tok_per_s']:.1f}", f"{r['ratio_vs_floor']:.3f}x",
+              "" if r["target_ratio"] is None else f">= {r['target_ratio']:.2f}x " + ("ok" if r["meets_target"] else "MISS"),
+              f"{r['cpu_ratio_vs_floor']:.3f}x",
+              f"{r['archive_bytes_per_token']:,.0f}", "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:.0f}",
+              "yes" if r["same_tokens_as_floor"] else "NO", f"{r['others_cpu_max']:.0%}"] for r in rows]
+    title = (f"lmtrace bench: {meta['model']}, prompt {meta['prompt_tokens']} tokens, batch 1, greedy, "
+             f"{meta['device']}, torch threads {meta['torch_threads']}, median of {meta['repeats']}")
+    footer = target_lines(rows, flat)
+    noisy = [f"{r['config']} N={r['tokens']}" for r in rows if r["others_cpu_max"] >= meta["quiet_threshold"]]
+    if noisy:
+        footer.append(f"WARNING: other processes used >= {meta['quiet_threshold']:.0%} of the CPUs during "
+                      f"{', '.join(noisy)}; those timings are disturbed (see others' CPU)")
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title)
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        for row in table:
+            t.add_row(*row)
+        console = Console()
+        console.print(t)
+        for line in footer:
+            console.print(line, markup=False, highlight=False)
+        return
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
+    print(title)
+    print(fmt.format(*headers))
+    print("  ".join("-" * w for w in widths))
+    for row in table:
+        print(fmt.format(*row))
+    print()
+    for line in footer:
+        print(line)
+
+
+def write_json(path: Path, meta: dict, rows: list[dict], flat: dict | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    targets = {"ratio_vs_floor": TARGET_RATIO, "rss_flat_tolerance": RSS_FLAT_TOLERANCE}
+    path.write_text(json.dumps({"meta": meta, "targets": targets, "results": rows, "rss_flatness": flat}, indent=2) + "\n")
+
+
+# ---- profile (--profile N) -------------------------------------------------------------------
+def _profiled_writer_thread(store: dict):
+    """Patch (in this process only) BackgroundWriter._run so its worker thread is profiled too."""
+    from lmtrace.archive.writer import BackgroundWriter
+
+    original = BackgroundWriter._run
+
+    def run(self):
+        store["profile"] = prof = cProfile.Profile()
+        t0 = time.thread_time()
+        prof.enable()
+        try:
+            original(self)
+        finally:
+            prof.disable()
+            store["cpu_s"] = time.thread_time() - t0
+
+    BackgroundWriter._run = run
+    return lambda: setattr(BackgroundWriter, "_run", original)
+
+
+def profile_default(n: int, clock: str, out_dir: Path, log) -> None:
+    """cProfile one floor run and one default-capture run of n tokens; print where the time goes."""
+    set_threads()
+    loaded = load_model(ModelSpec(ref=MODEL_REF))
+    prompt, prompt_ids = make_prompt(loaded.tokenizer)
+    floor_ids, _ = floor_generate(loaded.model, prompt_ids, n)
+    eos = pick_eos(loaded.model.config.vocab_size, set(floor_ids) | set(prompt_ids))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer: dict = {}
+    with tempfile.TemporaryDirectory(prefix="lmtrace-bench-prof-") as runs_dir:
+        warm_up(loaded.model, prompt, prompt_ids, eos, runs_dir)
+        with OthersMeter() as quiet_floor:
+            _, floor_s = floor_generate(loaded.model, prompt_ids, n)  # unprofiled reference
+        main_prof = cProfile.Profile(time.process_time) if clock == "cpu" else cProfile.Profile()
+        restore = _profiled_writer_thread(writer)
+        try:
+            with OthersMeter() as quiet_default:
+                main_prof.enable()
+                info = lmtrace_generate("default", prompt, n, eos, runs_dir)
+                main_prof.disable()
+        finally:
+            restore()
+    main_prof.dump_stats(out_dir / f"profile-default-{n}.prof")
+    extra = info["seconds"] - floor_s
+    print(f"floor {n} tokens: {floor_s:.2f} s (unprofiled; others used {quiet_floor.share:.0%} of the CPUs)")
+    print(f"default capture {n} tokens: generate_s {info['seconds']:.2f} s under cProfile "
+          f"(others used {quiet_default.share:.0%}); extra over the floor {extra:.2f} s")
+    if clock == "cpu":
+        print("profile clock: process CPU time (all threads) while each function is on the main thread's stack")
+    print(f"writer thread CPU time: {writer.get('cpu_s', float('nan')):.2f} s\n")
+    stats = pstats.Stats(main_prof, stream=sys.stdout)
+    print("== main thread, lmtrace functions by cumulative time (top 15) ==")
+    stats.sort_stats("cumulative").print_stats(r"lmtrace[/\\]", 15)
+    print("== main thread, all functions by own time (top 15) ==")
+    stats.sort_stats("tottime").print_stats(15)
+    if "profile" in writer:
+        writer["profile"].dump_stats(out_dir / f"profile-default-{n}-writer.prof")
+        print("== writer thread, by cumulative time (top 15; lock waits are idle time) ==")
+        pstats.Stats(writer["profile"], stream=sys.stdout).sort_stats("cumulative").print_stats(15)
+    log(f"wrote {out_dir}/profile-default-{n}*.prof")
+
+
+# ---- main -------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so temporary dirs are removed
+    if args.child:
+        print(CHILD_MARK + json.dumps(child_main(json.loads(args.child))), flush=True)
+        return 0
+    if args.profile:
+        profile_default(args.profile, args.profile_clock, args.output.parent, log)
+        return 0
+    threads = set_threads()
+    started = time.time()
+    load_start = list(os.getloadavg())  # other processes on the machine skew timings; recorded
+    log(f"loading {MODEL_REF} (torch threads {threads})")
+    loaded = load_model(ModelSpec(ref=MODEL_REF))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    device, dtype = str(loaded.device), str(loaded.dtype).replace("torch.", "")
+    prompt, prompt_ids = make_prompt(tokenizer)
+    floor_ids, _ = floor_generate(model, prompt_ids, max(args.tokens))  # the reference continuation
+    eos = pick_eos(model.config.vocab_size, set(floor_ids) | set(prompt_ids))
+    log(f"prompt {len(prompt_ids)} tokens; eos set to unused id {eos}; tokens {args.tokens}, repeats {args.repeats}")
+
+    with tempfile.TemporaryDirectory(prefix="lmtrace-bench-") as runs_dir:
+        log("warm-up")
+        warm_up(model, prompt, prompt_ids, eos, runs_dir)
+        log("timing")
+        samples = time_all(model, prompt, prompt_ids, eos, floor_ids, args, runs_dir, log)
+    rss = {}
+    if not args.no_rss:
+        log("peak RSS, one child process per run")
+        del model, loaded
+        gc.collect()
+        jobs = [{"config": c, "tokens": n, "prompt": prompt, "prompt_ids": prompt_ids, "eos": eos}
+                for n in args.tokens for c in CONFIGS]
+        rss = measure_rss(jobs, log)
+
+    rows = summarize(samples, rss, args.tokens)
+    flat = rss_flatness(rss, args.tokens)
+    meta = {
+        "model": MODEL_REF, "device": device, "dtype": dtype, "attn_implementation": "sdpa",
+        "prompt_tokens": len(prompt_ids), "prompt": prompt, "eos_token_id": eos, "tokens": args.tokens,
+        "repeats": args.repeats, "quick": args.quick, "torch_threads": threads, "torch_default_threads": DEFAULT_THREADS,
+        "cpu_count": os.cpu_count(), "quiet_threshold": args.quiet, "platform": platform.platform(), "python": platform.python_version(),
+        "packages": package_versions(), "timing": "floor: own loop (perf_counter); lmtrace: manifest timings.generate_s",
+        "rss": "VmHWM (peak RSS of its own address space) of a fresh child process per (configuration, tokens), "
+               "read after its run; the child's ru_maxrss is recorded too but inherits the parent's peak across exec",
+        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+        "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    print_table(rows, flat, meta)
+    write_json(args.output, meta, rows, flat)
+    log(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
