@@ -39,6 +39,32 @@ def _last(t, batch: int) -> torch.Tensor:
     return t[:, -1]
 
 
+def _is_plain_eager(fn) -> bool:
+    import importlib
+    import inspect
+
+    reference = importlib.import_module("transformers.models.llama.modeling_llama").eager_attention_forward
+    try:
+        return fn is reference or inspect.getsource(fn) == inspect.getsource(reference)
+    except (OSError, TypeError):
+        return False
+
+
+def _plain_attention_probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                           scaling: float) -> torch.Tensor:
+    """softmax(q·kᵀ·scaling + mask) in float32, as Llama's eager kernel, GQA by grouping query heads.
+
+    query [B, H, r, D], key [B, KVH, T, D], mask [B, 1, r, T] additive -> probs [B, H, r, T].
+    """
+    B, H, r, D = query.shape
+    kvh, T = key.shape[1], key.shape[2]
+    grouped = query.reshape(B, kvh, (H // kvh) * r, D)
+    scores = torch.matmul(grouped, key.transpose(2, 3)).reshape(B, H, r, T) * scaling
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
 class Probes:
     def __init__(self, adapter: Adapter, shape: RunShape, *, component_norms: bool, margin_contributions: bool,
                  lens_dtype: str = "float32", inner_attention=None):
@@ -55,6 +81,10 @@ class Probes:
             for i in range(adapter.n_layers):
                 adapter.attn(i)._lmtrace_inner = inner_attention
         self.eager = adapter.eager_attention() if self.want_attention else None
+        # When the model's eager kernel is the plain one (scaled q·k + additive mask + float32
+        # softmax, as Llama's), the rows are computed here with grouped matmuls instead: same
+        # formula, without copying every key per query head (repeat_kv) or computing the output.
+        self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
         self.np_float = np.dtype(shape.float_dtype)
         self.model_dtype = next(adapter.model.parameters()).dtype
         self._unembed_lens = None
@@ -158,9 +188,12 @@ class Probes:
                 mask = attention_mask
                 if mask is not None and q_rows.shape[2] != mask.shape[2]:
                     mask = mask[:, :, -q_rows.shape[2]:]
-                extra = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
-                _, probs = self.eager(module, q_rows, key, value, mask, dropout=0.0,
-                                      scaling=kwargs.get("scaling"), **extra)
+                if self.plain_eager:
+                    probs = _plain_attention_probs(q_rows, key, mask, self.kernel_args[layer]["scaling"])
+                else:
+                    extra = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
+                    _, probs = self.eager(module, q_rows, key, value, mask, dropout=0.0,
+                                          scaling=kwargs.get("scaling"), **extra)
             self.rows[layer] = (probs[:, :, -1].detach(), key.shape[2])
             if prefill and self.shape.prefill_attention:
                 self.prefill_rows[layer] = probs.detach()

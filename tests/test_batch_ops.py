@@ -129,7 +129,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
 
 @pytest.mark.slow
 def test_sigterm_interrupts_cleanly_and_resume_completes_identically(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=400)
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=250)
     runs = tmp_path / "runs"
     proc = _start(["generate", str(spec), "--run-id", "term"], runs)
     assert _wait_writing(runs / "term", proc.pid)
