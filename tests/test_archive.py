@@ -157,3 +157,25 @@ def test_killed_run_is_never_complete_and_keeps_flushed_steps(tmp_path, sig):
     assert sorted(gen.step.tolist())[:committed] == list(range(committed))
     attn = run.array("attn")[0, :committed]
     assert not np.isnan(attn[:, :, :, 0]).any()  # every committed step has its rows
+
+
+def test_compaction_killed_while_deleting_parts_keeps_the_full_table(tmp_path):
+    """A kill between renaming `<table>.parquet` into place and deleting its parts must not lose rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmtrace.archive.layout import RunShape
+    from lmtrace.archive.writer import ArchiveWriter
+
+    shape = RunShape(n_sequences=1, n_steps=4, max_prompt=2, layers=(0,), resid_layers=(), n_heads=1, n_kv_heads=1,
+                     head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0,), attention=False, qkv=False, ffn=False,
+                     lens=False)
+    writer = ArchiveWriter(tmp_path, shape, chunk_steps=2, codec="none", level=0)
+    for i in range(3):
+        writer._write_part("steps", f"b000000-s{i:08d}", pa.table({"x": [i, i]}))
+    assert writer.compact_tables() == {"steps": 6}
+    # what a kill during the parts' deletion leaves: the full table and one surviving part
+    writer._write_part("steps", "b000000-s00000002", pa.table({"x": [2, 2]}))
+    assert writer.compact_tables() == {"steps": 6}
+    assert pq.read_table(tmp_path / "steps.parquet").num_rows == 6
+    assert not (tmp_path / "steps.parts").exists()

@@ -207,10 +207,17 @@ class ArchiveWriter:
             parts = self.dir / layout.table_parts_dir(table)
             if not parts.is_dir():
                 continue
+            target = self.dir / layout.table_file(table)
+            if target.is_file():
+                # The target only ever appears, by rename, once every part is in it: parts still
+                # here are what a kill during their deletion left. Compacting them again would
+                # replace the full table with the survivors.
+                shutil.rmtree(parts)
+                rows[table] = pq.read_metadata(target).num_rows
+                continue
             files = sorted(p for p in parts.glob("*.parquet"))
             if not files:
                 continue
-            target = self.dir / layout.table_file(table)
             tmp = self.dir / f".{table}.parquet.tmp"
             schema = pq.read_schema(files[0])
             n = 0
