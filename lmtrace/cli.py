@@ -52,17 +52,23 @@ def _fail(err: BaseException) -> None:
 class _Reporter:
     """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files)."""
 
-    def __init__(self, quiet: bool):
+    def __init__(self, quiet: bool, log_json: bool = False):
         self.quiet = quiet
-        self.tty = sys.stderr.isatty()
+        self.log_json = log_json  # JSON lines on stderr instead of a bar or plain lines
+        self.tty = sys.stderr.isatty() and not log_json
         self.bar = None
         self.task = None
         self.done = 0
         self.t0 = time.time()
         self.last_line = 0.0
 
-    def message(self, text: str) -> None:
-        if not self.quiet:
+    def message(self, text: str, **fields) -> None:
+        if self.quiet:
+            return
+        if self.log_json:
+            typer.echo(json.dumps({"time": round(time.time(), 3), "event": fields.pop("event", "message"),
+                                   "message": text, **fields}), err=True)
+        else:
             typer.echo(f"[{time.strftime('%H:%M:%S')}] {text}", err=True)
 
     def start(self, n_prompts: int, max_tokens: int) -> None:
@@ -78,7 +84,8 @@ class _Reporter:
             self.bar.start()
             self.task = self.bar.add_task("gen", total=total, rate="-")
         else:
-            self.message(f"generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each")
+            self.message(f"generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each", event="start",
+                         prompts=n_prompts, max_new_tokens=max_tokens)
 
     def advance(self, tokens: int) -> None:
         self.done += tokens
@@ -89,7 +96,8 @@ class _Reporter:
             self.bar.update(self.task, advance=tokens, rate=f"{rate:.1f}")
         elif time.time() - self.last_line > 10:
             self.last_line = time.time()
-            self.message(f"{self.done} tokens, {rate:.1f} tok/s")
+            self.message(f"{self.done} tokens, {rate:.1f} tok/s", event="progress", tokens=self.done,
+                         tokens_per_s=round(rate, 2))
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -108,11 +116,12 @@ def generate(
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    log_json: bool = typer.Option(False, "--log-json", help="Progress and events as JSON lines on stderr."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from .spec import load_spec
 
-    reporter = _Reporter(quiet or json_out)
+    reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
@@ -151,6 +160,15 @@ def generate(
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
                "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
                "seconds": round(result.seconds, 2)}
+    if log_json:
+        reporter.message(f"run {result.run_id}: {result.status}", event="finished", **summary)
+    if result.status.startswith("shard-complete-others-failed:"):
+        from .errors import EXIT_PARTIAL_SHARDS
+
+        others = result.status.split(":", 1)[1]
+        typer.echo(f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
+                   f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`", err=True)
+        raise typer.Exit(EXIT_PARTIAL_SHARDS)
     if json_out:
         typer.echo(json.dumps(summary))
     elif not quiet:

@@ -5,6 +5,7 @@ Exit codes (also in the README):
   1  the run failed (model could not be loaded, generation or writing failed)
   2  bad usage or bad spec (malformed YAML, unknown key, wrong type, missing file, unknown run)
   3  the run was interrupted by SIGINT/SIGTERM and can be resumed
+  4  this shard finished, but another shard of the run failed or was interrupted (resume that one)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ EXIT_OK = 0
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 3
+EXIT_PARTIAL_SHARDS = 4
 
 
 class LmtraceError(Exception):

@@ -403,6 +403,15 @@ class RunDir:
                                               "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
                                               **fields})
 
+    def other_shard_statuses(self) -> dict[str, str]:
+        out = {}
+        for i in range(self.shard.count):
+            key = Shard(i, self.shard.count).key
+            f = self.shard_file(key)
+            if key != self.shard.key and f.is_file():
+                out[key] = json.loads(f.read_text()).get("status")
+        return out
+
     def all_shards_complete(self) -> bool:
         for i in range(self.shard.count):
             f = self.shard_file(Shard(i, self.shard.count).key)
@@ -644,6 +653,9 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         with rd.lock():
             if not rd.all_shards_complete():
                 status = "shard-complete"
+                failed = [k for k, v in rd.other_shard_statuses().items() if v in ("failed", "interrupted")]
+                if failed:
+                    status = "shard-complete-others-failed:" + ",".join(failed)
                 log.event("shard_complete", shard=shard.key, tokens=n_tokens)
             else:
                 if replay is not None and replay.finalize is not None:

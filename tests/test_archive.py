@@ -179,3 +179,14 @@ def test_compaction_killed_while_deleting_parts_keeps_the_full_table(tmp_path):
     assert writer.compact_tables() == {"steps": 6}
     assert pq.read_table(tmp_path / "steps.parquet").num_rows == 6
     assert not (tmp_path / "steps.parts").exists()
+
+
+def test_log_json_emits_one_json_object_per_stderr_line(tmp_path, tiny_llama_dir):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps(_tiny(tiny_llama_dir, generation={"max_new_tokens": 3, "batch_size": 3})))
+    proc = _cli(["generate", str(spec), "--log-json"], tmp_path / "runs")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    events = [json.loads(line) for line in err.strip().splitlines()]
+    assert [e["event"] for e in events][-1] == "finished" and events[-1]["status"] == "complete"
+    assert any(e["event"] == "start" for e in events)

@@ -189,3 +189,20 @@ def test_shards_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama
     assert {k: v["status"] for k, v in sharded.shard_status.items()} == {"shard-0-of-2": "complete",
                                                                          "shard-1-of-2": "complete"}
     assert_same_archive(Run(runs / "single"), sharded)
+
+
+def test_a_shard_finishing_after_another_failed_exits_4(tmp_path, tiny_llama_dir):
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=400, batch_size=1)
+    runs = tmp_path / "runs"
+    other = _start(["generate", str(spec), "--shard", "1/2", "--run-id", "partial"], runs)
+    beat = runs / "partial" / "heartbeats" / "shard-1-of-2.json"
+    deadline = time.time() + 300
+    while not beat.is_file():
+        assert time.time() < deadline and other.poll() is None
+        time.sleep(0.05)
+    other.send_signal(signal.SIGTERM)
+    assert other.wait(timeout=120) == 3
+    short = _run(["generate", str(spec), "--shard", "0/2", "--run-id", "partial"], runs)
+    assert short.returncode == 4, short.stderr
+    assert "shard-1-of-2" in short.stderr and short.stderr.strip().startswith("error:")
+    assert json.loads((runs / "partial" / "manifest.json").read_text())["status"] != "complete"
