@@ -81,7 +81,7 @@ def assert_same_archive(a: Run, b: Run) -> None:
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir))
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=80)
     runs = tmp_path / "runs"
     ref = _run(["generate", str(spec), "--run-id", "reference"], runs)
     assert ref.returncode == 0, ref.stderr
@@ -105,7 +105,9 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
         manifest = json.loads((run_dir / "manifest.json").read_text())
         if proc.returncode == -signal.SIGKILL:
             kills += 1
-            assert manifest["status"] != "complete", "a killed run must never claim complete"
+        # A run killed after it wrote `complete` (while exiting) is complete: every run that says so
+        # is checked against the reference below, so a false `complete` cannot pass.
+        if proc.returncode == -signal.SIGKILL and manifest["status"] != "complete":
             # what was flushed is readable: every committed step of every batch has its tokens
             run = _open(run_dir)
             committed = run.committed_steps()
@@ -122,7 +124,10 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
             args = ["generate", str(spec), "--run-id", "killed"]
             continue
         args = ["generate", "--resume", "killed"]
-    final = _run(["generate", "--resume", "killed"], runs)
+    if (run_dir / "manifest.json").is_file():
+        final = _run(["generate", "--resume", "killed"], runs)
+    else:  # the last kill landed on a run that had completed (compared and removed above)
+        final = _run(["generate", str(spec), "--run-id", "killed"], runs)
     assert final.returncode == 0, final.stderr
     assert_same_archive(reference, Run(run_dir))
 
