@@ -38,7 +38,8 @@ bench/results/latest.json. Usage:
 
 Timings are only meaningful on an otherwise idle machine: before each timed sample the script waits
 (up to --quiet-timeout s) until other processes use less than --quiet of the CPUs, redoes a sample
-they disturbed (up to --retries times), and reports the others' share next to every result.
+they disturbed (up to --retries times), and reports the others' share next to every result. Every
+kept sample is checkpointed to bench/results/partial.json; `--resume` continues a killed run.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet-timeout", type=float,
                    help="seconds to wait for a quiet machine before each sample (default 120; 0 with --quick)")
     p.add_argument("--retries", type=int, help="redo a disturbed sample up to this many times (default 3; 0 with --quick)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted benchmark from its checkpoint (results/partial.json)")
     p.add_argument("--no-rss", action="store_true", help="skip the child-process peak-RSS runs")
     p.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results path (default {RESULTS})")
     p.add_argument("--profile", type=int, metavar="N",
@@ -294,6 +297,36 @@ def wait_for_quiet(threshold: float, timeout: float, log) -> float:
         log(f"    machine busy (others use {meter.share:.0%} of the CPUs), waiting")
 
 
+# ---- checkpoint (--resume) --------------------------------------------------------------------
+def key(config: str, n: int) -> str:
+    return f"{config}:{n}"
+
+
+class Checkpoint:
+    """Kept samples and RSS results, saved after each one, so `--resume` continues a killed run.
+
+    Only a checkpoint of the same benchmark (model, prompt, eos, token counts, repeats, threads) is
+    reused; it is removed once the results are written.
+    """
+
+    def __init__(self, path: Path, identity: dict, resume: bool):
+        self.path, self.identity = path, identity
+        data = json.loads(path.read_text()) if resume and path.is_file() else {}
+        same = data.get("identity") == identity
+        self.samples: dict[str, dict] = data.get("samples", {}) if same else {}
+        self.rss: dict[str, dict] = data.get("rss", {}) if same else {}
+        self.resumed = bool(self.samples or self.rss)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps({"identity": self.identity, "samples": self.samples, "rss": self.rss}))
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 # ---- timing (this process) --------------------------------------------------------------------
 def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str) -> None:
     floor_generate(model, prompt_ids, WARMUP_TOKENS)
@@ -313,20 +346,25 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
 
 
 def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int], args, runs_dir: str,
-             log) -> dict:
-    """{(config, n): samples}, the configurations interleaved within each repeat.
+             ckpt: Checkpoint, log) -> dict:
+    """{"config:n": samples}, the configurations interleaved within each repeat.
 
     Before each sample the machine must be quiet (other processes below args.quiet of the CPUs); a
     sample during which others took more than that is redone, up to args.retries times, and the
     fastest attempt is kept (other load can only slow a run down). The others' share of every kept
-    sample is recorded.
+    sample is recorded. Samples already in the checkpoint are not run again.
     """
-    samples = {(c, n): {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [], "archive_bytes": 0,
-                        "same_tokens": True}
-               for c in CONFIGS for n in args.tokens}
+    samples = ckpt.samples
+    for c in CONFIGS:
+        for n in args.tokens:
+            samples.setdefault(key(c, n), {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [],
+                                           "archive_bytes": 0, "same_tokens": True})
     for n in args.tokens:
         for rep in range(args.repeats):
             for config in CONFIGS:
+                entry = samples[key(config, n)]
+                if len(entry["seconds"]) > rep:
+                    continue
                 attempts = []
                 for _ in range(args.retries + 1):
                     wait_for_quiet(args.quiet, args.quiet_timeout, log)
@@ -338,13 +376,13 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                     if meter.share < args.quiet:
                         break
                 share, run = min(attempts, key=lambda a: a[1]["seconds"])  # other load only slows a run down
-                entry = samples[(config, n)]
                 entry["seconds"].append(run["seconds"])
                 entry["cpu_s"].append(round(run["cpu_s"], 3))
                 entry["others_cpu"].append(round(share, 4))
                 entry["attempts"].append(len(attempts))
                 entry["archive_bytes"] = run["archive_bytes"]
-                entry["same_tokens"] &= run["same"]
+                entry["same_tokens"] = entry["same_tokens"] and run["same"]
+                ckpt.save()
     return samples
 
 
@@ -368,10 +406,12 @@ def child_main(job: dict) -> dict:
             "rss_at_generation_start_mib": at_start.get("current"), "peak_before_generation_mib": at_start.get("peak")}
 
 
-def measure_rss(jobs: list[dict], log) -> dict[tuple[str, int], dict]:
-    """Each job in its own fresh interpreter (sequentially, after all timing is done)."""
-    out = {}
+def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
+    """{"config:n": child result}: each job in its own fresh interpreter, sequentially, after all timing."""
+    out = ckpt.rss
     for job in jobs:
+        if key(job["config"], job["tokens"]) in out:
+            continue
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
                               capture_output=True, text=True)
         line = next((l for l in proc.stdout.splitlines() if l.startswith(CHILD_MARK)), None)
@@ -381,7 +421,8 @@ def measure_rss(jobs: list[dict], log) -> dict[tuple[str, int], dict]:
         res = json.loads(line[len(CHILD_MARK):])
         if res["generated"] != job["tokens"]:
             raise RuntimeError(f"RSS child {job['config']} generated {res['generated']} of {job['tokens']} tokens")
-        out[(job["config"], job["tokens"])] = res
+        out[key(job["config"], job["tokens"])] = res
+        ckpt.save()
         log(f"  {job['config']:<12} N={job['tokens']:<5} peak RSS {res['peak_rss_mib']:7.1f} MiB "
             f"(RSS at generation start {res['rss_at_generation_start_mib']:.1f} MiB)")
     return out
@@ -391,10 +432,10 @@ def measure_rss(jobs: list[dict], log) -> dict[tuple[str, int], dict]:
 def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
     rows = []
     for n in tokens:
-        floor_tps = n / statistics.median(samples[("floor", n)]["seconds"])
-        floor_cpu = statistics.median(samples[("floor", n)]["cpu_s"])
+        floor_tps = n / statistics.median(samples[key("floor", n)]["seconds"])
+        floor_cpu = statistics.median(samples[key("floor", n)]["cpu_s"])
         for config in CONFIGS:
-            s = samples[(config, n)]
+            s = samples[key(config, n)]
             median_s = statistics.median(s["seconds"])
             tps = n / median_s
             ratio = tps / floor_tps
@@ -407,7 +448,7 @@ def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
                 "archive_bytes": s["archive_bytes"],
                 "archive_bytes_per_token": round(s["archive_bytes"] / n, 1),
                 "best_tok_per_s": round(n / min(s["seconds"]), 2),
-                **rss_fields(rss.get((config, n))),
+                **rss_fields(rss.get(key(config, n))),
                 "same_tokens_as_floor": s["same_tokens"],
                 "others_cpu_max": max(s["others_cpu"]), "others_cpu": s["others_cpu"], "attempts": s["attempts"],
             })
@@ -422,11 +463,11 @@ def rss_fields(child: dict | None) -> dict:
 def rss_flatness(rss: dict, tokens: list[int]) -> dict | None:
     """Peak RSS growth from the smallest to the largest N, default capture (floor for reference)."""
     lo, hi = min(tokens), max(tokens)
-    if lo == hi or ("default", lo) not in rss:
+    if lo == hi or not all(key(c, n) in rss for c in CONFIGS for n in (lo, hi)):
         return None
     out = {"from_tokens": lo, "to_tokens": hi, "tolerance": RSS_FLAT_TOLERANCE}
     for config in CONFIGS:
-        a, b = rss[(config, lo)]["peak_rss_mib"], rss[(config, hi)]["peak_rss_mib"]
+        a, b = rss[key(config, lo)]["peak_rss_mib"], rss[key(config, hi)]["peak_rss_mib"]
         out[config] = {"rss_lo_mib": round(a, 1), "rss_hi_mib": round(b, 1), "growth_mib": round(b - a, 1),
                        "growth_frac": round((b - a) / a, 4)}
     out["flat"] = out["default"]["growth_frac"] <= RSS_FLAT_TOLERANCE
@@ -582,12 +623,17 @@ def main(argv: list[str] | None = None) -> int:
     floor_ids, _ = floor_generate(model, prompt_ids, max(args.tokens))  # the reference continuation
     eos = pick_eos(model.config.vocab_size, set(floor_ids) | set(prompt_ids))
     log(f"prompt {len(prompt_ids)} tokens; eos set to unused id {eos}; tokens {args.tokens}, repeats {args.repeats}")
+    identity = {"model": MODEL_REF, "prompt_ids": prompt_ids, "eos": eos, "tokens": args.tokens,
+                "repeats": args.repeats, "threads": threads, "retries": args.retries, "quiet": args.quiet}
+    ckpt = Checkpoint(args.output.with_name("partial.json"), identity, args.resume)
+    if ckpt.resumed:
+        log(f"resuming from {ckpt.path}")
 
     with tempfile.TemporaryDirectory(prefix="lmtrace-bench-") as runs_dir:
         log("warm-up")
         warm_up(model, prompt, prompt_ids, eos, runs_dir)
         log("timing")
-        samples = time_all(model, prompt, prompt_ids, eos, floor_ids, args, runs_dir, log)
+        samples = time_all(model, prompt, prompt_ids, eos, floor_ids, args, runs_dir, ckpt, log)
     rss = {}
     if not args.no_rss:
         log("peak RSS, one child process per run")
@@ -595,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         jobs = [{"config": c, "tokens": n, "prompt": prompt, "prompt_ids": prompt_ids, "eos": eos}
                 for n in args.tokens for c in CONFIGS]
-        rss = measure_rss(jobs, log)
+        rss = measure_rss(jobs, ckpt, log)
 
     rows = summarize(samples, rss, args.tokens)
     flat = rss_flatness(rss, args.tokens)
@@ -607,11 +653,12 @@ def main(argv: list[str] | None = None) -> int:
         "packages": package_versions(), "timing": "floor: own loop (perf_counter); lmtrace: manifest timings.generate_s",
         "rss": "VmHWM (peak RSS of its own address space) of a fresh child process per (configuration, tokens), "
                "read after its run; the child's ru_maxrss is recorded too but inherits the parent's peak across exec",
-        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "resumed": ckpt.resumed,
         "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print_table(rows, flat, meta)
     write_json(args.output, meta, rows, flat)
+    ckpt.remove()
     log(f"wrote {args.output}")
     return 0
 
