@@ -15,10 +15,11 @@ Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_coun
 use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
 `run_generate` does on every call is excluded. The end-of-sequence id is set to a token the greedy
 continuation never produces, and every run is checked to have generated exactly N tokens (and the
-same tokens as the floor). Also recorded: the process's CPU seconds over the same span (all
-threads); their floor/config ratio is less sensitive to other load on the machine, since time
-slices lost to other processes are not counted (spin-waiting threads still are). Each measurement is repeated (--repeats, median reported), the three
-configurations interleaved, after a short warm-up of each. tok/s = N / seconds.
+same tokens as the floor). Each measurement is repeated (--repeats, median reported), the three
+configurations interleaved, after a short warm-up of each. tok/s = N / seconds. Also recorded: the
+process's CPU seconds over the same span (all threads); their floor/config ratio is less sensitive
+to other load on the machine, since time slices lost to other processes are not counted
+(spin-waiting threads still are).
 
 Archive size: bytes of the run directory after completion divided by the generated tokens.
 
@@ -34,7 +35,8 @@ bench/results/latest.json. Usage:
     .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 3 repeats
     .venv/bin/python bench/bench.py --quick         # 32 and 64 new tokens, 1 repeat (smoke test)
     .venv/bin/python bench/bench.py --tokens 128,512 --repeats 3
-    .venv/bin/python bench/bench.py --profile 128   # cProfile one default-capture run instead
+    .venv/bin/python bench/bench.py --profile 128   # instead: cProfile a floor and a default run
+                                                    # and print where the extra time goes
 
 Timings are only meaningful on an otherwise idle machine: before each timed sample the script waits
 (up to --quiet-timeout s) until other processes use less than --quiet of the CPUs, redoes a sample
@@ -111,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-rss", action="store_true", help="skip the child-process peak-RSS runs")
     p.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results path (default {RESULTS})")
     p.add_argument("--profile", type=int, metavar="N",
-                   help="instead of the benchmark, cProfile one default-capture run of N tokens and print the top lines")
+                   help="instead of the benchmark, cProfile a floor and a default-capture run of N tokens "
+                        "and print where the extra time goes")
     p.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
                    help="cProfile timer for --profile: wall time, or this process's CPU time (robust to other load)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON job for one peak-RSS child run
@@ -263,10 +266,13 @@ def check_run(config: str, info: dict, n_new: int, floor_ids: list[int]) -> bool
 # ---- other load on the machine ---------------------------------------------------------------
 def _cpu_seconds() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine since boot, CPU seconds of this process, all threads)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    own = own_cpu_s()
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:  # not Linux: other load cannot be seen
+        return own, own
     busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    own = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+    return busy / os.sysconf("SC_CLK_TCK"), own
 
 
 class OthersMeter:
@@ -286,14 +292,14 @@ class OthersMeter:
         return False
 
 
-def wait_for_quiet(threshold: float, timeout: float, log) -> float:
-    """Sleep until other processes use < threshold of the CPUs over 2 s, or timeout; returns the last share."""
+def wait_for_quiet(threshold: float, timeout: float, log) -> None:
+    """Sleep until other processes use < threshold of the CPUs over 2 s, or for at most timeout s."""
     deadline = time.time() + timeout
-    while True:
+    while time.time() < deadline:
         with OthersMeter() as meter:
             time.sleep(2.0)
-        if meter.share < threshold or time.time() >= deadline:
-            return meter.share
+        if meter.share < threshold:
+            return
         log(f"    machine busy (others use {meter.share:.0%} of the CPUs), waiting")
 
 
@@ -414,7 +420,7 @@ def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
             continue
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
                               capture_output=True, text=True)
-        line = next((l for l in proc.stdout.splitlines() if l.startswith(CHILD_MARK)), None)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)), None)
         if proc.returncode != 0 or line is None:
             raise RuntimeError(f"RSS child {job['config']} N={job['tokens']} failed (rc {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
@@ -559,38 +565,74 @@ def _profiled_writer_thread(store: dict):
     return lambda: setattr(BackgroundWriter, "_run", original)
 
 
+def _cum(stats: pstats.Stats, where: str, name: str, caller: str | None = None) -> float:
+    """Cumulative seconds of functions `name` in files containing `where` (only calls from `caller`)."""
+    total = 0.0
+    for (file, _, func), (_, _, _, ct, callers) in stats.stats.items():
+        if func == name and where in file:
+            total += ct if caller is None else sum(v[3] for (_, _, fn), v in callers.items() if fn == caller)
+    return total
+
+
+def extra_breakdown(floor: pstats.Stats, default: pstats.Stats) -> list[tuple[str, float, float]]:
+    """(where, floor s, default s) for the parts of one generation loop, both under cProfile."""
+    d = lambda where, name, caller=None: _cum(default, where, name, caller)  # noqa: E731
+    rows = [
+        ("model(...) calls", _cum(floor, "torch", "_wrapped_call_impl", "floor_generate"),
+         d("torch", "_wrapped_call_impl", "run_batch")),
+        ("  in it: probe hooks (probes.py hook)", 0.0, d("probes.py", "hook")),
+        ("  in it: lmtrace attention fn, sdpa excluded", 0.0,
+         d("attention.py", "_lmtrace_attention") - d("sdpa_attention", "sdpa_attention_forward", "_lmtrace_attention")),
+        ("probes.collect", 0.0, d("probes.py", "collect")),
+        ("  in it: probes._logit_lens", 0.0, d("probes.py", "_logit_lens")),
+        ("sampling.choose", 0.0, d("sampling.py", "choose")),
+        ("BlockSink.on_step", 0.0, d("generate.py", "on_step")),
+        ("probes.begin", 0.0, d("probes.py", "begin")),
+    ]
+    loop_floor, loop_default = _cum(floor, "bench", "floor_generate"), d("tracer.py", "run_batch")
+    top = [r for r in rows if not r[0].startswith("  ")]
+    rows.append(("rest of the loop", loop_floor - sum(r[1] for r in top), loop_default - sum(r[2] for r in top)))
+    rows.append(("whole loop (floor_generate / Tracer.run_batch)", loop_floor, loop_default))
+    rows.append(("writer waits after the loop (BackgroundWriter.drain)", 0.0, d("writer.py", "drain")))
+    return rows
+
+
 def profile_default(n: int, clock: str, out_dir: Path, log) -> None:
-    """cProfile one floor run and one default-capture run of n tokens; print where the time goes."""
+    """cProfile one floor run and one default-capture run of n tokens; print where the extra time goes."""
     set_threads()
     loaded = load_model(ModelSpec(ref=MODEL_REF))
     prompt, prompt_ids = make_prompt(loaded.tokenizer)
     floor_ids, _ = floor_generate(loaded.model, prompt_ids, n)
     eos = pick_eos(loaded.model.config.vocab_size, set(floor_ids) | set(prompt_ids))
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer: dict = {}
+    new_profile = lambda: cProfile.Profile(time.process_time) if clock == "cpu" else cProfile.Profile()  # noqa: E731
+    floor_prof, main_prof, writer = new_profile(), new_profile(), {}
     with tempfile.TemporaryDirectory(prefix="lmtrace-bench-prof-") as runs_dir:
         warm_up(loaded.model, prompt, prompt_ids, eos, runs_dir)
         with OthersMeter() as quiet_floor:
             _, floor_s = floor_generate(loaded.model, prompt_ids, n)  # unprofiled reference
-        main_prof = cProfile.Profile(time.process_time) if clock == "cpu" else cProfile.Profile()
+        floor_prof.runcall(floor_generate, loaded.model, prompt_ids, n)
         restore = _profiled_writer_thread(writer)
         try:
             with OthersMeter() as quiet_default:
-                main_prof.enable()
-                info = lmtrace_generate("default", prompt, n, eos, runs_dir)
-                main_prof.disable()
+                info = main_prof.runcall(lmtrace_generate, "default", prompt, n, eos, runs_dir)
         finally:
             restore()
     main_prof.dump_stats(out_dir / f"profile-default-{n}.prof")
-    extra = info["seconds"] - floor_s
-    print(f"floor {n} tokens: {floor_s:.2f} s (unprofiled; others used {quiet_floor.share:.0%} of the CPUs)")
+    floor_prof.dump_stats(out_dir / f"profile-floor-{n}.prof")
+    print(f"floor {n} tokens: {floor_s:.2f} s unprofiled (others used {quiet_floor.share:.0%} of the CPUs)")
     print(f"default capture {n} tokens: generate_s {info['seconds']:.2f} s under cProfile "
-          f"(others used {quiet_default.share:.0%}); extra over the floor {extra:.2f} s")
+          f"(others used {quiet_default.share:.0%})")
     if clock == "cpu":
         print("profile clock: process CPU time (all threads) while each function is on the main thread's stack")
-    print(f"writer thread CPU time: {writer.get('cpu_s', float('nan')):.2f} s\n")
+    print(f"writer thread CPU time: {writer.get('cpu_s', float('nan')):.2f} s "
+          "(zarr's codec threads not included)\n")
     stats = pstats.Stats(main_prof, stream=sys.stdout)
-    print("== main thread, lmtrace functions by cumulative time (top 15) ==")
+    print("== where the extra time goes: both loops under cProfile, seconds ==")
+    print(f"{'':<56}{'floor':>9}{'default':>9}{'extra':>9}")
+    for where, f, dflt in extra_breakdown(pstats.Stats(floor_prof), stats):
+        print(f"{where:<56}{f:>9.2f}{dflt:>9.2f}{dflt - f:>9.2f}")
+    print("\n== main thread, lmtrace functions by cumulative time (top 15) ==")
     stats.sort_stats("cumulative").print_stats(r"lmtrace[/\\]", 15)
     print("== main thread, all functions by own time (top 15) ==")
     stats.sort_stats("tottime").print_stats(15)
@@ -598,7 +640,7 @@ def profile_default(n: int, clock: str, out_dir: Path, log) -> None:
         writer["profile"].dump_stats(out_dir / f"profile-default-{n}-writer.prof")
         print("== writer thread, by cumulative time (top 15; lock waits are idle time) ==")
         pstats.Stats(writer["profile"], stream=sys.stdout).sort_stats("cumulative").print_stats(15)
-    log(f"wrote {out_dir}/profile-default-{n}*.prof")
+    log(f"wrote {out_dir}/profile-*-{n}*.prof")
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -628,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = Checkpoint(args.output.with_name("partial.json"), identity, args.resume)
     if ckpt.resumed:
         log(f"resuming from {ckpt.path}")
+    elif args.resume:
+        log(f"no checkpoint of this benchmark in {ckpt.path}: starting from the beginning")
 
     with tempfile.TemporaryDirectory(prefix="lmtrace-bench-") as runs_dir:
         log("warm-up")
