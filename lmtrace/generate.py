@@ -504,10 +504,9 @@ def _archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, 
 class _ResumeTeacher:
     """Forces the archived tokens of steps already committed, so the cache is rebuilt bit for bit."""
 
-    def __init__(self, tokens: dict[int, list[int]], upto: int, n_ref: int):
+    def __init__(self, tokens: dict[int, list[int]], upto: int):
         self.tokens = tokens
         self.upto = upto
-        self.n_ref = n_ref
 
     def forced(self, seq_ids, step):
         return [self.tokens[s][step] if step < self.upto and step < len(self.tokens[s]) else -1 for s in seq_ids]
@@ -626,7 +625,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 teacher, edits, feed = None, None, sink
                 if committed:
                     log.event("resume_batch", batch=batch, from_step=committed)
-                    teacher = _ResumeTeacher(_archived_tokens(run_dir, seq_ids, committed), committed, 1)
+                    teacher = _ResumeTeacher(_archived_tokens(run_dir, seq_ids, committed), committed)
                 if replay is not None:
                     teacher, edits = replay.teacher, replay.edits
                     feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
