@@ -9,6 +9,12 @@ Modes:
 effects.parquet (one row per sequence and child step): the parent's token, the child's top-1,
 logprob of the parent's token before (archived) and after (child), margin shift, KL(parent || child)
 over the parent's stored top-k plus one tail bucket, and whether the winner changed.
+
+What an edit needs beyond the parent's archive is prepared before the child's run directory is
+created, so a bad request leaves nothing behind: chat spans (from the tokenizer), and, once the
+model is loaded, mean values (`component_means` over the parent's final sequences), a head's values
+in a source run (`head_patch_source`: the source's own KV-cached loop replayed with its tokens
+forced) and each MoE router's routing rule (`routing_rule`).
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import yaml
 
 from .archive.reader import Run, open_run
 from .errors import SpecError
 from .generate import GenerateResult, Progress, Replay, run_generate
-from .interventions import (AblateHead, AblateNeurons, EditSet, PatchResidual, Steer, head_output_mean, load_steer_vector,
-                            parse_entries, patch_source, validate_against)
+from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeurons, EditSet, MaskExperts, MaskPositions,
+                            PatchHead, PatchResidual, Steer, _Ablation, component_means, load_steer_vector, parse_entries,
+                            patch_source, routing_rule, validate_against)
 from .spec import build_spec
 
 EFFECTS = "effects.parquet"
@@ -163,6 +171,180 @@ def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperatu
     return build_spec(data, f"spec of parent run {parent.id}")
 
 
+def _tokenizer_of(run: Run):
+    """The run's tokenizer, as `generate` loaded it (left padding, pad = eos when the model has none)."""
+    from transformers import AutoTokenizer
+
+    m, ms = run.manifest["model"], run.manifest["spec_resolved"]["model"]
+    kwargs = {}
+    if m.get("kind") in ("local", "hub"):
+        kwargs = dict(revision=ms.get("revision"), trust_remote_code=ms.get("trust_remote_code", False))
+        if m.get("kind") == "hub":
+            kwargs["local_files_only"] = True
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(m["source"], **kwargs)
+    except (OSError, ValueError):  # e.g. the converted-GGUF cache was cleared: load as generate does
+        from .models import load_model
+
+        return load_model(build_spec(run.manifest["spec_resolved"], f"spec of run {run.id}").model).tokenizer
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, tokenizer) -> dict[int, tuple[int, int]]:
+    from .prompts import chat_spans
+
+    prompts = parent.manifest["spec_resolved"]["prompts"]
+    if not prompts.get("chat"):
+        raise SpecError(f"{where}: span {span} needs a chat run, but parent run {parent.id} was not chat-templated "
+                        f"(prompts.chat: false); use span: prompt or explicit positions (mask)")
+    if span == "system" and not prompts.get("system"):
+        raise SpecError(f"{where}: span system needs a system prompt, but parent run {parent.id} has none "
+                        f"(prompts.system is not set)")
+    out = {}
+    for seq in range(len(view.prompt_ids)):
+        spans = chat_spans(tokenizer, view.prompts[seq], prompts.get("system"), view.prompt_ids[seq])
+        out[seq] = spans[span]
+    return out
+
+
+class _HeadCapture:
+    """An `Edits` that edits nothing: records one head's slice of the output projection's input at the
+    query position of every forward."""
+
+    def __init__(self, module, lo: int, hi: int, wanted: set[int]):
+        self.module, self.lo, self.hi, self.wanted = module, lo, hi, wanted
+        self.values: dict[tuple[int, int], torch.Tensor] = {}
+        self.step, self.seq_ids = 0, []
+
+    def begin(self, step, seq_ids, positions, prefill):
+        self.step, self.seq_ids = step, seq_ids
+
+    def edit_mask(self, mask, pads, seq_ids, step):
+        return mask
+
+    def attached(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def ctx():
+            def hook(module, args):
+                x = args[0]
+                for b, seq in enumerate(self.seq_ids):
+                    if seq in self.wanted:
+                        self.values[(seq, self.step)] = x[b, -1, self.lo: self.hi].detach().clone()
+            handle = self.module.register_forward_pre_hook(hook)
+            try:
+                yield self
+            finally:
+                handle.remove()
+        return ctx()
+
+
+class _ForceAll:
+    """Teacher forcing every archived token of a run (references: none)."""
+
+    def __init__(self, view: ParentView):
+        self.view = view
+
+    def forced(self, seq_ids, step):
+        return [self.view.generated[s][step] if step < len(self.view.generated[s]) else -1 for s in seq_ids]
+
+    def reference(self, seq_ids, step):
+        return [[-1] for _ in seq_ids]
+
+
+class _Discard:
+    def on_step(self, result):
+        pass
+
+
+def check_patch_head_source(e: PatchHead, parent: Run, n_seq: int, where: str) -> Run:
+    """Open the source run of a patch_head entry and check it can provide that head's values."""
+    source = open_run(e.source_run, parent.path.parent, require_complete=True)
+    pm, sm = parent.manifest, source.manifest
+    for what, a, b in (("weights", pm["model"].get("weights_sha256") or pm["model"]["reference"],
+                        sm["model"].get("weights_sha256") or sm["model"]["reference"]),
+                       ("dtype", pm.get("dtype"), sm.get("dtype")),
+                       ("model.attn_implementation", pm["spec_resolved"]["model"].get("attn_implementation"),
+                        sm["spec_resolved"]["model"].get("attn_implementation"))):
+        if a != b:
+            raise SpecError(f"{where}: source run {source.id} differs from parent run {parent.id} in {what}; a head's "
+                            f"values can only be replayed from a run of the same model, dtype and attention kernel")
+    n_src = sm["shape"]["n_sequences"]
+    if e.source_sequence is not None and not 0 <= e.source_sequence < n_src:
+        raise SpecError(f"{where}: source_sequence {e.source_sequence} is out of range: source run {source.id} has "
+                        f"sequences 0..{n_src - 1}")
+    if e.source_sequence is None and n_src < n_seq:
+        raise SpecError(f"{where}: source run {source.id} has {n_src} sequences, the parent {n_seq}; set "
+                        f"source_sequence to patch every sequence from one of them")
+    return source
+
+
+def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int):
+    """(sequence, step) -> the head's slice of the o_proj input at the source's query position of that step.
+
+    The values are recomputed exactly as the source computed them: its batches (same composition and
+    padding) go through the same KV-cached loop (`Tracer`) with every archived token forced, its eos
+    and stop strings, and the attention kernel its capture settings installed. A run patched with
+    itself therefore changes nothing, bit for bit.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from . import attention
+    from .generate import eos_ids
+    from .sampling import Sampler
+    from .tracer import Tracer
+
+    spec = build_spec(source.manifest["spec_resolved"], f"spec of source run {source.id}")
+    view = ParentView.read(source)
+    wanted = {e.source_sequence} if e.source_sequence is not None else set(range(n_seq))
+    seqs = source.sequences().to_pandas().sort_values("sequence")
+    batches = [g.sequence.tolist() for _, g in seqs.groupby("batch", sort=True) if wanted & set(g.sequence.tolist())]
+    model = adapter.model
+    cap = spec.capture
+    installs = not cap.forward_only and (cap.attention.enabled or cap.qkv or cap.prefill_attention)
+    previous = model.config._attn_implementation
+    marked = []
+    if installs:  # as run_generate does when the source captured attention or Q/K/V
+        eager = adapter.eager_kernel_reason() is not None or spec.model.attn_implementation == "eager"
+        inner = adapter.eager_attention() if eager else sdpa_attention_forward
+        attention.install(model)
+        for i in range(adapter.n_layers):
+            module = adapter.attn(i)
+            if not hasattr(module, "_lmtrace_inner"):
+                module._lmtrace_inner = inner
+                marked.append(module)
+    d = adapter.head_dim
+    capture = _HeadCapture(adapter.o_proj(e.layer), e.head * d, (e.head + 1) * d, wanted)
+    g = spec.generation
+    pad = source.manifest["tokenizer"]["pad_token_id"]
+    try:
+        tracer = Tracer(model, tokenizer, sampler=Sampler(0.0, 0, 1.0), seed=g.seed, max_new_tokens=g.max_new_tokens,
+                        eos_ids=eos_ids(g.eos_token_id, model, tokenizer), stop_strings=g.stop, n_alternatives=2,
+                        probes=None, pad_id=pad if pad is not None else tokenizer.pad_token_id,
+                        device=next(model.parameters()).device)
+        for seq_ids in batches:
+            tracer.run_batch(seq_ids, [view.prompt_ids[s] for s in seq_ids], _Discard(), teacher=_ForceAll(view),
+                             edits=capture)
+    finally:
+        if installs:
+            model.set_attn_implementation(previous)
+            for module in marked:
+                del module._lmtrace_inner
+    values = capture.values
+    lengths = {s: len(view.generated[s]) for s in wanted}
+
+    def get(seq: int, step: int):
+        s = e.source_sequence if e.source_sequence is not None else seq
+        if s not in lengths or step >= lengths[s]:
+            return None
+        return values[(s, step)]
+    return get
+
+
 def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "rescore", from_step: int | None = None,
                   runs_dir: str | None = None, run_id: str | None = None, temperature: float | None = None,
                   progress: Progress | None = None) -> tuple[GenerateResult, pa.Table]:
@@ -174,8 +356,10 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
     entries = parse_entries(entries_data, "interventions")
     shape, cfg = parent.shape, parent.manifest["model"]["config"]
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
-    validate_against(entries, n_layers, shape["n_heads"], shape["d_ffn"], shape["n_sequences"])
     family = parent.manifest["model"].get("architecture_family")
+    n_experts = (cfg.get("num_local_experts") or cfg.get("num_experts")) if family == "moe" else None
+    validate_against(entries, n_layers, shape["n_heads"], shape["d_ffn"], shape["n_sequences"], n_experts=n_experts,
+                     experts_per_token=cfg.get("num_experts_per_tok"), model_class=parent.manifest["model"]["class"])
     if family == "moe" and any(isinstance(e, AblateNeurons) for e in entries):
         raise SpecError("ablate_neurons: mixture-of-experts models have no single MLP down-projection (experts are "
                         "fused); ablate the MLP block (ablate_mlp) or a layer instead")
@@ -183,13 +367,21 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
     n_seq = len(view.prompt_ids)
 
     resources: dict[int, object] = {}
+    tokenizer = None
+    sources: dict[int, Run] = {}
     for i, e in enumerate(entries):
-        if isinstance(e, AblateHead) and e.mode == "mean":
-            resources[i] = head_output_mean(parent, e.layer, e.head)
-        elif isinstance(e, Steer):
+        where = f"interventions[{i}] ({e.kind})"
+        if isinstance(e, Steer):
             resources[i] = load_steer_vector(e, shape["d_model"], lambda ref: open_run(ref, parent.path.parent))
         elif isinstance(e, PatchResidual):
             resources[i] = patch_source(e, lambda ref: open_run(ref, parent.path.parent))
+        elif isinstance(e, PatchHead):
+            sources[i] = check_patch_head_source(e, parent, n_seq, where)
+        elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
+            tokenizer = tokenizer or _tokenizer_of(parent)
+            resources[i] = _chat_span_ranges(parent, view, e.span, where, tokenizer)
+    if sources and tokenizer is None:
+        tokenizer = _tokenizer_of(parent)
 
     first_edit = min((e.first_step() for e in entries), default=from_step or 0)
     if mode == "rescore":
@@ -199,28 +391,41 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         force_until = [min(first_edit, len(g)) for g in view.generated]
         max_new = None
     spec = _child_spec(parent, runs_dir, run_id, temperature, max_new)
-    adapter_holder = {}
+    holder: dict[str, EditSet] = {}
+
+    def prepare(adapter) -> None:
+        """Runs once the child's model is loaded, before its run directory exists: what needs the model."""
+        wanted = {(MEAN_COMPONENT[e.kind], e.layer) for e in entries if isinstance(e, _Ablation) and e.mode == "mean"}
+        if wanted:
+            if progress is not None:
+                progress.message(f"mean values: one forward over each of the parent's {n_seq} sequences")
+            means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
+        for i, e in enumerate(entries):
+            where = f"interventions[{i}] ({e.kind})"
+            if isinstance(e, _Ablation) and e.mode == "mean":
+                mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
+                if isinstance(e, AblateHead):
+                    mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
+                resources[i] = mean
+            elif isinstance(e, PatchHead):
+                if progress is not None:
+                    progress.message(f"replaying source run {sources[i].id} for head {e.layer}.{e.head}")
+                resources[i] = head_patch_source(e, sources[i], adapter, tokenizer, n_seq)
+            elif isinstance(e, MaskExperts):
+                resources[i] = routing_rule(adapter, e.layer, where)
+        holder["edits"] = EditSet(entries, adapter, {s: len(view.prompt_ids[s]) for s in range(n_seq)}, resources)
 
     class _LazyEdits:
-        """Built once the child's model is loaded (the hooks need its modules)."""
-
-        def __init__(self):
-            self.inner = None
-
-        def _get(self):
-            if self.inner is None:
-                self.inner = EditSet(entries, adapter_holder["adapter"],
-                                     {s: len(view.prompt_ids[s]) for s in range(n_seq)}, resources)
-            return self.inner
+        """The EditSet `prepare` built (the hooks need the child's modules)."""
 
         def attached(self):
-            return self._get().attached()
+            return holder["edits"].attached()
 
         def begin(self, *a):
-            return self._get().begin(*a)
+            return holder["edits"].begin(*a)
 
         def edit_mask(self, *a):
-            return self._get().edit_mask(*a)
+            return holder["edits"].edit_mask(*a)
 
     effects = EffectsRecorder(view)
     given = {"parent": parent.id, "mode": mode, "from_step": from_step, "temperature": temperature,
@@ -231,7 +436,7 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
                         "interventions": given["interventions"], "mode": mode, "from_step": from_step,
                         "first_edited_step": first_edit},
-        finalize=effects.write, on_model=lambda adapter: adapter_holder.__setitem__("adapter", adapter),
+        finalize=effects.write, on_model=prepare,
     )
     result = run_generate(spec, yaml.safe_dump(given, sort_keys=False), progress=progress, replay=replay)
     return result, effects.table()

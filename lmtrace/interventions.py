@@ -5,14 +5,23 @@ step s applies to the positions the forward computes at that step (all prompt po
 prefill, the query position afterwards); K/V cached at earlier steps keep the values they had.
 
 Kinds (registry `KINDS`, each writable in YAML and stored in the child's manifest):
-  ablate_head       zero or mean: the head's slice of the output projection's input
-  ablate_attention  zero the attention block's output
-  ablate_mlp        zero the MLP block's output
-  ablate_neurons    zero chosen neurons of the MLP intermediate activation
-  ablate_layer      skip the layer: its output is its input (no residual contribution)
-  mask_positions    hide token positions from every query through the attention mask
+  ablate_head       the head's slice of the output projection's input set to 0 or to its mean
+  ablate_attention  the attention block's output set to 0 or to its mean
+  ablate_mlp        the MLP block's output set to 0 or to its mean
+  ablate_neurons    chosen neurons of the MLP intermediate activation set to 0 or to their mean
+  ablate_layer      skip the layer (its output is its input), or add its mean residual contribution
+  mask_positions    hide token positions (or a prompt / generated / chat system / chat user span) from
+                    every query through the attention mask
   patch_residual    replace the residual after a layer at the query position with another run's archived vector
+  patch_head        replace one head's slice of the output projection's input at the query position with
+                    that head's value in another run at the same step (teacher-forced replay of that run)
   steer             add alpha * v to the residual after a layer
+  mask_experts      remove experts from a MoE router's choice (their router logits -inf before the
+                    family's own top-k and normalisation)
+
+Mean values (`mode: mean`) are the component's mean over every token position of every final
+sequence (prompt + generated tokens) of the parent, each run alone in one teacher-forced forward of
+the unedited model (`component_means`).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from .errors import SpecError
+from .errors import SpecError, UnsupportedArchitectureError
 
 
 class _Entry(BaseModel):
@@ -49,43 +58,51 @@ class _Entry(BaseModel):
         return min(self.steps) if self.steps else 10**9
 
 
-class AblateHead(_Entry):
-    kind: Literal["ablate_head"]
-    layer: int
-    head: int
+class _Ablation(_Entry):
     mode: Literal["zero", "mean"] = "zero"
 
 
-class AblateAttention(_Entry):
+class AblateHead(_Ablation):
+    kind: Literal["ablate_head"]
+    layer: int
+    head: int
+
+
+class AblateAttention(_Ablation):
     kind: Literal["ablate_attention"]
     layer: int
 
 
-class AblateMlp(_Entry):
+class AblateMlp(_Ablation):
     kind: Literal["ablate_mlp"]
     layer: int
 
 
-class AblateNeurons(_Entry):
+class AblateNeurons(_Ablation):
     kind: Literal["ablate_neurons"]
     layer: int
     neurons: list[int] = Field(min_length=1)
 
 
-class AblateLayer(_Entry):
+class AblateLayer(_Ablation):
     kind: Literal["ablate_layer"]
     layer: int
+
+
+SPANS = ("prompt", "generated", "system", "user")
+CHAT_SPANS = ("system", "user")
 
 
 class MaskPositions(_Entry):
     kind: Literal["mask_positions"]
     mask: list[int] | None = None  # token positions to hide
-    span: Literal["prompt", "generated"] | None = None
+    span: Literal["prompt", "generated", "system", "user"] | None = None
 
     @model_validator(mode="after")
     def _one(self):
         if (self.mask is None) == (self.span is None):
-            raise ValueError("mask_positions needs exactly one of `mask` (positions) or `span` (prompt|generated)")
+            raise ValueError("mask_positions needs exactly one of `mask` (positions) or `span` "
+                             "(prompt|generated|system|user)")
         return self
 
 
@@ -94,6 +111,20 @@ class PatchResidual(_Entry):
     layer: int
     source_run: str
     source_sequence: int | None = None  # default: the same sequence index
+
+
+class PatchHead(_Entry):
+    kind: Literal["patch_head"]
+    layer: int
+    head: int
+    source_run: str
+    source_sequence: int | None = None  # default: the same sequence index
+
+
+class MaskExperts(_Entry):
+    kind: Literal["mask_experts"]
+    layer: int
+    experts: list[int] = Field(min_length=1)
 
 
 class Steer(_Entry):
@@ -113,9 +144,9 @@ class Steer(_Entry):
 
 
 Entry = Annotated[Union[AblateHead, AblateAttention, AblateMlp, AblateNeurons, AblateLayer, MaskPositions,
-                        PatchResidual, Steer], Field(discriminator="kind")]
+                        PatchResidual, PatchHead, Steer, MaskExperts], Field(discriminator="kind")]
 KINDS = ("ablate_head", "ablate_attention", "ablate_mlp", "ablate_neurons", "ablate_layer", "mask_positions",
-         "patch_residual", "steer")
+         "patch_residual", "patch_head", "steer", "mask_experts")
 _ENTRIES = TypeAdapter(list[Entry])
 
 
@@ -144,46 +175,87 @@ def parse_range_list(text: str, what: str) -> list[int]:
     return out
 
 
-def shorthand_entries(ablate_head: list[str], ablate_layer: list[int], ablate_mlp: list[int], ablate_attn: list[int],
+def _split_mode(item, flag: str, example: str) -> tuple[str, str]:
+    """'7' -> ('7', 'zero'); '7:mean' -> ('7', 'mean'); a trailing ':zero' is accepted too."""
+    text = str(item).strip()
+    for mode in ("mean", "zero"):
+        if text.endswith(":" + mode):
+            return text[: -len(mode) - 1], mode
+    if ":" in text and text.rsplit(":", 1)[-1].isalpha():
+        raise SpecError(f"{flag} {text!r}: the ablation mode after ':' is zero or mean, e.g. {example}")
+    return text, "zero"
+
+
+def shorthand_entries(ablate_head: list[str], ablate_layer: list, ablate_mlp: list, ablate_attn: list,
                       ablate_neurons: list[str], mask_positions: list[str]) -> list[dict]:
-    """Turn the CLI's shorthand flags into entry dicts."""
+    """Turn the CLI's shorthand flags into entry dicts.
+
+    Every ablation flag takes an optional `:mean` suffix (default zero): `--ablate-head 12.3:mean`,
+    `--ablate-layer 7:mean`, `--ablate-mlp 7:mean`, `--ablate-attn 4:mean`, `--ablate-neurons 7:120,455:mean`.
+    `--mask-positions` takes positions and ranges (`3-9`, `1,4`) or a span name (prompt, generated,
+    system, user).
+    """
     out: list[dict] = []
     for item in ablate_head:
+        text, mode = _split_mode(item, "--ablate-head", "12.3:mean")
         try:
-            layer, head = (int(x) for x in item.split("."))
+            layer, head = (int(x) for x in text.split("."))
         except ValueError:
-            raise SpecError(f"--ablate-head {item!r}: expected LAYER.HEAD, e.g. 12.3") from None
-        out.append({"kind": "ablate_head", "layer": layer, "head": head})
-    out += [{"kind": "ablate_layer", "layer": i} for i in ablate_layer]
-    out += [{"kind": "ablate_mlp", "layer": i} for i in ablate_mlp]
-    out += [{"kind": "ablate_attention", "layer": i} for i in ablate_attn]
+            raise SpecError(f"--ablate-head {item!r}: expected LAYER.HEAD[:mean], e.g. 12.3 or 12.3:mean") from None
+        out.append({"kind": "ablate_head", "layer": layer, "head": head, "mode": mode})
+    for flag, kind, items in (("--ablate-layer", "ablate_layer", ablate_layer), ("--ablate-mlp", "ablate_mlp", ablate_mlp),
+                              ("--ablate-attn", "ablate_attention", ablate_attn)):
+        for item in items:
+            text, mode = _split_mode(item, flag, "7:mean")
+            try:
+                out.append({"kind": kind, "layer": int(text), "mode": mode})
+            except ValueError:
+                raise SpecError(f"{flag} {item!r}: expected LAYER[:mean], e.g. 7 or 7:mean") from None
     for item in ablate_neurons:
-        if ":" not in item:
-            raise SpecError(f"--ablate-neurons {item!r}: expected LAYER:N1,N2,..., e.g. 7:120,455")
-        layer, neurons = item.split(":", 1)
+        text, mode = _split_mode(item, "--ablate-neurons", "7:120,455:mean")
+        if ":" not in text:
+            raise SpecError(f"--ablate-neurons {item!r}: expected LAYER:N1,N2,...[:mean], e.g. 7:120,455")
+        layer, neurons = text.split(":", 1)
         try:
             out.append({"kind": "ablate_neurons", "layer": int(layer),
-                        "neurons": parse_range_list(neurons, "--ablate-neurons")})
+                        "neurons": parse_range_list(neurons, "--ablate-neurons"), "mode": mode})
         except ValueError:
             raise SpecError(f"--ablate-neurons {item!r}: LAYER must be an integer") from None
     for item in mask_positions:
-        out.append({"kind": "mask_positions", "mask": parse_range_list(item, "--mask-positions")})
+        if item.strip() in SPANS:
+            out.append({"kind": "mask_positions", "span": item.strip()})
+        else:
+            out.append({"kind": "mask_positions", "mask": parse_range_list(item, "--mask-positions")})
     return out
 
 
-def validate_against(entries: list[_Entry], n_layers: int, n_heads: int, d_ffn: int, n_sequences: int) -> None:
-    """Out-of-range layers, heads, neurons or sequences are errors naming the valid range."""
+def validate_against(entries: list[_Entry], n_layers: int, n_heads: int, d_ffn: int, n_sequences: int,
+                     n_experts: int | None = None, experts_per_token: int | None = None,
+                     model_class: str = "this model") -> None:
+    """Out-of-range layers, heads, neurons, experts or sequences are errors naming the valid range."""
     for i, e in enumerate(entries):
         where = f"interventions[{i}] ({e.kind})"
         layer = getattr(e, "layer", None)
         if layer is not None and not 0 <= layer < n_layers:
             raise SpecError(f"{where}: layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
-        if isinstance(e, AblateHead) and not 0 <= e.head < n_heads:
+        if isinstance(e, (AblateHead, PatchHead)) and not 0 <= e.head < n_heads:
             raise SpecError(f"{where}: head {e.head} is out of range: the model has heads 0..{n_heads - 1}")
         if isinstance(e, AblateNeurons):
             bad = [n for n in e.neurons if not 0 <= n < d_ffn]
             if bad:
                 raise SpecError(f"{where}: neurons {bad[:5]} out of range: the MLP has neurons 0..{d_ffn - 1}")
+        if isinstance(e, MaskExperts):
+            if not n_experts:
+                raise SpecError(f"{where}: {model_class} has no mixture-of-experts router; expert masking needs a "
+                                f"MoE model (mixtral, qwen2_moe, gpt_oss)")
+            bad = [x for x in e.experts if not 0 <= x < n_experts]
+            if bad:
+                raise SpecError(f"{where}: experts {bad[:5]} out of range: the model has experts 0..{n_experts - 1}")
+            left = n_experts - len(set(e.experts))
+            if experts_per_token and left < experts_per_token:
+                raise SpecError(f"{where}: masking {len(set(e.experts))} of {n_experts} experts leaves {left}, fewer "
+                                f"than the {experts_per_token} the router picks per token; mask at most "
+                                f"{n_experts - experts_per_token}")
         if e.sequences != "all":
             bad = [s for s in e.sequences if not 0 <= s < n_sequences]
             if bad:
@@ -203,13 +275,18 @@ def _replace_first(output, value):
 
 
 class EditSet:
-    """The tracer's `Edits`: installs one hook per entry and knows which rows/positions are active."""
+    """The tracer's `Edits`: installs one hook per entry and knows which rows/positions are active.
+
+    Hooks are registered with `prepend=True`, so they run before the capture hooks of the probes:
+    the child's archive records the edited values (an ablated block's norm, the masked router choice).
+    """
 
     def __init__(self, entries: list[_Entry], adapter, prompt_len: dict[int, int], resources: dict):
         self.entries = entries
         self.adapter = adapter
         self.prompt_len = prompt_len  # sequence -> prompt length
-        self.resources = resources  # entry index -> tensor (mean head output, patch source, steer vector)
+        # entry index -> mean values, patch sources, steer vector, chat spans {seq: (start, end)}, routing rule
+        self.resources = resources
         self.step = 0
         self.seq_ids: list[int] = []
         self.positions: torch.Tensor | None = None
@@ -229,18 +306,26 @@ class EditSet:
             return None
         return sel.to(self.positions.device)
 
+    def hidden_positions(self, i: int, e: MaskPositions, seq: int, n_ctx: int):
+        plen = self.prompt_len[seq]
+        if e.span == "prompt":
+            return range(plen)
+        if e.span == "generated":
+            return range(plen, n_ctx)
+        if e.span in CHAT_SPANS:
+            return range(*self.resources[i][seq])
+        return e.mask
+
     def edit_mask(self, mask: torch.Tensor, pads: list[int], seq_ids: list[int], step: int) -> torch.Tensor:
         edited = None
-        for e in self.entries:
+        for i, e in enumerate(self.entries):
             if not isinstance(e, MaskPositions) or not e.active_at(step):
                 continue
             for b, seq in enumerate(seq_ids):
                 if e.sequences != "all" and seq not in e.sequences:
                     continue
                 n_ctx = mask.shape[1] - pads[b]
-                plen = self.prompt_len[seq]
-                hidden = range(plen) if e.span == "prompt" else range(plen, n_ctx) if e.span == "generated" else e.mask
-                cols = [pads[b] + p for p in hidden if 0 <= p < n_ctx]
+                cols = [pads[b] + p for p in self.hidden_positions(i, e, seq, n_ctx) if 0 <= p < n_ctx]
                 if cols:
                     edited = mask.clone() if edited is None else edited
                     edited[b, cols] = 0
@@ -259,30 +344,35 @@ class EditSet:
 
     def _install(self, i: int, e: _Entry) -> list:
         a = self.adapter
+        mean = self.resources.get(i) if isinstance(e, _Ablation) and e.mode == "mean" else None
+        if isinstance(e, _Ablation) and e.mode == "mean" and mean is None:
+            raise RuntimeError(f"interventions[{i}] ({e.kind}): mean values were not computed")
         if isinstance(e, AblateHead):
             d = a.head_dim
             lo, hi = e.head * d, (e.head + 1) * d
-            mean = self.resources.get(i)
 
             def head_hook(module, args):
                 sel = self._selected(e)
                 if sel is None:
                     return None
                 x = args[0].clone()
-                value = torch.zeros((), dtype=x.dtype, device=x.device) if mean is None else mean.to(x.dtype)
-                x[..., lo:hi] = torch.where(sel[..., None], value, x[..., lo:hi])
+                value = torch.zeros((), dtype=x.dtype, device=x.device) if mean is None else mean.to(x.device, x.dtype)
+                x[..., lo:hi] = torch.where(_row_mask(sel, x), value, x[..., lo:hi])
                 return (x, *args[1:])
-            return [a.o_proj(e.layer).register_forward_pre_hook(head_hook)]
+            return [a.o_proj(e.layer).register_forward_pre_hook(head_hook, prepend=True)]
         if isinstance(e, (AblateAttention, AblateMlp)):
             module = a.attn(e.layer) if isinstance(e, AblateAttention) else a.mlp(e.layer)
 
-            def zero_out(module, args, output):
+            def block_out(module, args, output):
                 sel = self._selected(e)
                 if sel is None:
                     return None
                 first = output[0] if isinstance(output, tuple) else output
-                return _replace_first(output, first.masked_fill(_row_mask(sel, first), 0.0))
-            return [module.register_forward_hook(zero_out)]
+                rows = _row_mask(sel, first)
+                value = first.masked_fill(rows, 0.0) if mean is None else torch.where(
+                    rows, mean.to(first.device, first.dtype), first)
+                return _replace_first(output, value)
+            return [module.register_forward_hook(block_out, prepend=True)]
         if isinstance(e, AblateNeurons):
             if self.adapter.family.mlp_down is None:
                 raise SpecError(f"ablate_neurons: {self.adapter.family.name} models have no single MLP "
@@ -294,10 +384,13 @@ class EditSet:
                 if sel is None:
                     return None
                 x = args[0].clone()
-                cols = x[..., idx.to(x.device)]
-                x[..., idx.to(x.device)] = cols.masked_fill(_row_mask(sel, x), 0.0)
+                cols = idx.to(x.device)
+                current = x[..., cols]
+                rows = _row_mask(sel, x)
+                x[..., cols] = current.masked_fill(rows, 0.0) if mean is None else torch.where(
+                    rows, mean[idx].to(x.device, x.dtype), current)
                 return (x, *args[1:])
-            return [a.mlp_down(e.layer).register_forward_pre_hook(neuron_hook)]
+            return [a.mlp_down(e.layer).register_forward_pre_hook(neuron_hook, prepend=True)]
         if isinstance(e, AblateLayer):
             saved = {}
 
@@ -309,9 +402,45 @@ class EditSet:
                 if sel is None:
                     return None
                 out = output[0] if isinstance(output, tuple) else output
-                return _replace_first(output, torch.where(sel[..., None], saved["x"], out))
+                x = saved["x"] if mean is None else saved["x"] + mean.to(out.device, out.dtype)
+                return _replace_first(output, torch.where(sel[..., None], x, out))
             block = a.layers[e.layer]
-            return [block.register_forward_pre_hook(keep_input, with_kwargs=True), block.register_forward_hook(skip)]
+            return [block.register_forward_pre_hook(keep_input, with_kwargs=True, prepend=True),
+                    block.register_forward_hook(skip, prepend=True)]
+        if isinstance(e, PatchHead):
+            d = a.head_dim
+            lo, hi = e.head * d, (e.head + 1) * d
+            source = self.resources[i]
+
+            def patch_head_hook(module, args):
+                sel = self._selected(e)
+                if sel is None:
+                    return None
+                x = args[0].clone()
+                for b, seq in enumerate(self.seq_ids):
+                    if sel[b, -1]:  # the query position; the source holds one value per step
+                        v = source(seq, self.step)
+                        if v is not None:
+                            x[b, -1, lo:hi] = v.to(x.device, x.dtype)
+                return (x, *args[1:])
+            return [a.o_proj(e.layer).register_forward_pre_hook(patch_head_hook, prepend=True)]
+        if isinstance(e, MaskExperts):
+            rule = self.resources[i]
+            experts = torch.tensor(sorted(set(e.experts)))
+
+            def expert_hook(module, args, output):
+                sel = self._selected(e)
+                if sel is None:
+                    return None
+                logits, weights, chosen = output
+                rows = sel.reshape(-1, 1)  # the router sees the [B, q] tokens flattened
+                cols = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                cols[experts.to(logits.device)] = True
+                masked = logits.masked_fill(rows & cols, float("-inf"))
+                new_weights, new_chosen = rule(module, masked)
+                return (masked, torch.where(rows, new_weights.to(weights.dtype), weights),
+                        torch.where(rows, new_chosen, chosen))
+            return [a.routers[e.layer].register_forward_hook(expert_hook, prepend=True)]
         if isinstance(e, (PatchResidual, Steer)):
             resource = self.resources[i]
 
@@ -330,30 +459,116 @@ class EditSet:
                             if src is not None:
                                 out[b, -1] = torch.as_tensor(src, dtype=out.dtype, device=out.device)
                 return _replace_first(output, out)
-            return [a.layers[e.layer].register_forward_hook(residual_hook)]
+            return [a.layers[e.layer].register_forward_hook(residual_hook, prepend=True)]
         return []  # mask_positions works through edit_mask
 
 
-def head_output_mean(run, layer: int, head: int) -> torch.Tensor:
-    """Mean output of one head over every archived step of `run`: sum_k attn[h, k] * V[kv(h), k]."""
-    names = run.array_names()
-    if "attn" not in names or "v" not in names or "prompt_v" not in names:
-        raise SpecError(f"mean ablation of head {layer}.{head} needs the parent's full attention rows and V "
-                        f"(capture.attention with top_k null and capture.qkv); run {run.id} lacks them; use mode: zero")
-    li = run.layer_index(layer)
-    kv = int(run.tensors["kv_head_of_head"][head])
-    P, n = run.prompt_len(), run.generated_len()
-    total, count = None, 0
-    for seq in range(len(P)):
-        p, g = int(P[seq]), int(n[seq])
-        if g <= 0:
-            continue
-        attn = run.array("attn")[seq, :g, li, head].astype(np.float64)  # [g, key]
-        values = np.concatenate([run.array("prompt_v")[seq, li, kv, :p], run.array("v")[seq, 1:g, li, kv]], 0).astype(np.float64)
-        out = np.nan_to_num(attn[:, : p + g - 1]) @ values  # [g, head_dim]
-        total = out.sum(0) if total is None else total + out.sum(0)
-        count += g
-    return torch.tensor(total / count, dtype=torch.float32)
+# --- mean values ------------------------------------------------------------------------------
+MEAN_COMPONENT = {"ablate_head": "head", "ablate_attention": "attn", "ablate_mlp": "mlp", "ablate_neurons": "ffn",
+                  "ablate_layer": "layer"}
+
+
+@torch.inference_mode()
+def component_means(adapter, sequences: list[list[int]], wanted: set[tuple[str, int]]) -> dict[tuple[str, int], torch.Tensor]:
+    """Mean of each wanted (component, layer) over every token position of every sequence.
+
+    Each sequence (a parent's prompt + generated ids) runs alone in one forward of the unedited model,
+    so there is no padding. Components: head (the output projection's input, all heads; slice it),
+    attn (attention block output), mlp (MLP block output), ffn (the down projection's input: every
+    neuron), layer (the block's residual contribution: output - input). Sums are float64.
+    """
+    model = adapter.model
+    sums: dict[tuple[str, int], torch.Tensor] = {}
+    counts: dict[tuple[str, int], int] = {}
+
+    def add(key, x):
+        x = x.reshape(-1, x.shape[-1]).double()
+        sums[key] = sums[key] + x.sum(0) if key in sums else x.sum(0)
+        counts[key] = counts.get(key, 0) + x.shape[0]
+
+    def first(output):
+        return output[0] if isinstance(output, tuple) else output
+
+    handles = []
+    try:
+        for kind, layer in sorted(wanted):
+            key = (kind, layer)
+            if kind == "head":
+                handles.append(adapter.o_proj(layer).register_forward_pre_hook(lambda m, a, key=key: add(key, a[0])))
+            elif kind == "attn":
+                handles.append(adapter.attn(layer).register_forward_hook(lambda m, a, o, key=key: add(key, first(o))))
+            elif kind == "mlp":
+                handles.append(adapter.mlp(layer).register_forward_hook(lambda m, a, o, key=key: add(key, first(o))))
+            elif kind == "ffn":
+                handles.append(adapter.mlp_down(layer).register_forward_pre_hook(lambda m, a, key=key: add(key, a[0])))
+            elif kind == "layer":
+                saved = {}
+                block = adapter.layers[layer]
+                handles.append(block.register_forward_pre_hook(
+                    lambda m, a, k, saved=saved: saved.__setitem__("x", a[0] if a else k["hidden_states"]),
+                    with_kwargs=True))
+                handles.append(block.register_forward_hook(
+                    lambda m, a, o, key=key, saved=saved: add(key, first(o) - saved["x"])))
+        device = next(model.parameters()).device
+        for ids in sequences:
+            x = torch.tensor([ids], dtype=torch.long, device=device)
+            model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {key: (sums[key] / counts[key]) for key in sums}
+
+
+# --- MoE routing --------------------------------------------------------------------------------
+def _route_mixtral(router, logits):
+    """MixtralTopKRouter: softmax (float32) -> top-k -> renormalise the k weights."""
+    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+    value, index = torch.topk(probs, router.top_k, dim=-1)
+    return value / value.sum(dim=-1, keepdim=True), index
+
+
+def _route_qwen2_moe(router, logits):
+    """Qwen2MoeTopKRouter: softmax (float32) -> top-k -> renormalise only if norm_topk_prob; logits' dtype."""
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    value, index = torch.topk(probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        value = value / value.sum(dim=-1, keepdim=True)
+    return value.to(logits.dtype), index
+
+
+def _route_gpt_oss(router, logits):
+    """GptOssTopKRouter: top-k of the logits -> softmax over those k."""
+    value, index = torch.topk(logits, router.top_k, dim=-1)
+    return torch.nn.functional.softmax(value, dim=1, dtype=value.dtype), index
+
+
+ROUTING_RULES = {"MixtralTopKRouter": _route_mixtral, "Qwen2MoeTopKRouter": _route_qwen2_moe,
+                 "GptOssTopKRouter": _route_gpt_oss}
+
+
+@torch.inference_mode()
+def routing_rule(adapter, layer: int, where: str):
+    """The routing rule of block `layer`'s router, checked to reproduce the router's own output."""
+    router = adapter.routers[layer]
+    if router is None:
+        with_router = [i for i, r in enumerate(adapter.routers) if r is not None]
+        raise SpecError(f"{where}: layer {layer} of {type(adapter.model).__name__} is a dense layer without a router; "
+                        f"layers with experts: {', '.join(map(str, with_router)) or 'none'}")
+    name = type(router).__name__
+    rule = ROUTING_RULES.get(name)
+    if rule is None:
+        raise UnsupportedArchitectureError(
+            f"{where}: expert masking is not supported for router {name}; supported routers: {', '.join(ROUTING_RULES)}")
+    weight = router.weight
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(7, weight.shape[1], generator=g).to(weight.device, weight.dtype)
+    logits, weights, chosen = router(h)
+    w2, c2 = rule(router, logits)
+    if not (torch.equal(c2, chosen) and torch.equal(w2.to(weights.dtype), weights)):
+        raise UnsupportedArchitectureError(
+            f"{where}: router {name} no longer computes the routing rule lmtrace re-applies after masking "
+            f"(installed transformers differs); expert masking is unsupported with this version")
+    return rule
 
 
 def load_steer_vector(e: Steer, d_model: int, open_run) -> torch.Tensor:

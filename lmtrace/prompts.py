@@ -118,3 +118,55 @@ def load_prompts(spec: PromptsSpec) -> list[str]:
     if empty:
         raise SpecError(f"{source}: prompt {empty[0]} is empty; every prompt needs text")
     return prompts
+
+
+# --- chat spans -------------------------------------------------------------------------------
+_SENTINEL = "\ue000lmtrace-span\ue001"  # private-use characters: no template rewrites them
+
+
+def chat_messages(prompt: str, system: str | None) -> list[dict]:
+    """The conversation `generate` renders for a chat prompt (see generate.render_prompts)."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_spans(tokenizer, prompt: str, system: str | None, prompt_ids: list[int]) -> dict[str, tuple[int, int]]:
+    """Token ranges [start, end) of the system message's and the user message's content in a chat prompt.
+
+    The template is rendered again with one message's content replaced by a sentinel: the text before
+    and after the sentinel is the template's own (role headers, end markers, any default preamble), so
+    in the real rendering the content is exactly what lies between. A token belongs to a span when
+    its characters overlap the content (a token straddling the boundary counts as content). The
+    rendering must re-tokenise to the archived prompt ids, or there is no reliable mapping (error).
+    """
+    messages = chat_messages(prompt, system)
+    render = lambda msgs: tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    rendered = render(messages)
+    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=bool(getattr(tokenizer, "is_fast", False)))
+    if list(enc["input_ids"]) != list(prompt_ids):
+        raise SpecError("chat span: the chat template no longer renders the archived prompt tokens (tokenizer or "
+                        "template changed since the run); mask the positions explicitly with `mask`")
+    out = {}
+    for i, message in enumerate(messages):
+        with_sentinel = render([dict(m, content=_SENTINEL) if j == i else m for j, m in enumerate(messages)])
+        if with_sentinel.count(_SENTINEL) != 1:
+            raise SpecError(f"chat span: cannot locate the {message['role']} message in the rendered prompt "
+                            f"(the template repeats or drops it); mask the positions explicitly with `mask`")
+        before, after = with_sentinel.split(_SENTINEL)
+        if not (rendered.startswith(before) and rendered.endswith(after) and len(before) + len(after) <= len(rendered)):
+            raise SpecError(f"chat span: the template renders text around the {message['role']} message that depends "
+                            f"on its content; mask the positions explicitly with `mask`")
+        start, end = len(before), len(rendered) - len(after)
+        if rendered[start:end].strip() != message["content"].strip():
+            raise SpecError(f"chat span: the template rewrites the {message['role']} message's content; mask the "
+                            f"positions explicitly with `mask`")
+        if "offset_mapping" in enc:
+            toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start]
+            first, last = (toks[0], toks[-1] + 1) if toks else (0, 0)
+        else:  # slow tokenizer: count the tokens of the text before and through the content
+            first = len(tokenizer(rendered[:start], add_special_tokens=False)["input_ids"])
+            last = len(tokenizer(rendered[:end], add_special_tokens=False)["input_ids"])
+            if list(prompt_ids[:last]) != list(tokenizer(rendered[:end], add_special_tokens=False)["input_ids"]):
+                raise SpecError(f"chat span: the {message['role']} message's end is inside a token (slow tokenizer "
+                                f"without offsets); mask the positions explicitly with `mask`")
+        out[message["role"]] = (first, last)
+    return out

@@ -144,11 +144,12 @@ def test_cli_shorthands_write_a_linked_child_and_a_temperature_sweep(parent, tmp
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "lmtrace.cli", "intervene", str(parent.path), *args, "--json"],
                               capture_output=True, text=True)
-    out = cli("--ablate-head", "1.2", "--ablate-neurons", "0:1,2", "--mask-positions", "0-1", "--from-step", "2")
+    out = cli("--ablate-head", "1.2", "--ablate-layer", "3:mean", "--ablate-neurons", "0:1,2", "--mask-positions", "0-1",
+              "--from-step", "2")
     assert out.returncode == 0, out.stderr
     child = Run(json.loads(out.stdout)["children"][0]["run_dir"])
-    kinds = [e["kind"] for e in child.manifest["interventions"]]
-    assert kinds == ["ablate_head", "ablate_neurons", "mask_positions"]
+    kinds = [(e["kind"], e.get("mode")) for e in child.manifest["interventions"]]
+    assert kinds == [("ablate_head", "zero"), ("ablate_layer", "mean"), ("ablate_neurons", "zero"), ("mask_positions", None)]
     assert all(e["steps"] == {"from": 2} for e in child.manifest["interventions"])
     effects = __import__("pandas").read_parquet(child.path / "effects.parquet")
     assert (effects[effects.step < 2].logprob_shift == 0).all()  # nothing is edited before --from-step
@@ -157,3 +158,284 @@ def test_cli_shorthands_write_a_linked_child_and_a_temperature_sweep(parent, tmp
     assert [c["temperature"] for c in json.loads(out.stdout)["children"]] == [0.5, 2.0]
     bad = cli("--ablate-head", "1")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --ablate-head")
+    bad = cli("--mask-positions", "system")  # a chat span of a run that was not chat-templated
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: interventions[0] (mask_positions): span system")
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+# --- mean ablation --------------------------------------------------------------------------------
+def _tests_own_means(model_dir, run, layer, head):
+    """The test's own means over every position of the run's final sequences, each run alone."""
+    model = load_model(ModelSpec(ref=str(model_dir), attn_implementation="eager")).model
+    block = model.model.layers[layer]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    rows: dict[str, list] = {k: [] for k in ("head", "attn", "mlp", "ffn", "layer")}
+    saved = {}
+    hooks = [block.self_attn.o_proj.register_forward_pre_hook(lambda m, a: rows["head"].append(a[0][0, :, head * d:(head + 1) * d])),
+             block.self_attn.register_forward_hook(lambda m, a, o: rows["attn"].append(o[0][0])),
+             block.mlp.register_forward_hook(lambda m, a, o: rows["mlp"].append(o[0])),
+             block.mlp.down_proj.register_forward_pre_hook(lambda m, a: rows["ffn"].append(a[0][0])),
+             block.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", (a[0] if a else k["hidden_states"])[0]), with_kwargs=True),
+             block.register_forward_hook(lambda m, a, o: rows["layer"].append((o[0] if isinstance(o, tuple) else o)[0] - saved["x"]))]
+    with torch.inference_mode():
+        for seq in range(3):
+            model(torch.tensor([_sequence_ids(run, seq)]))
+    for h in hooks:
+        h.remove()
+    return {k: torch.cat(v).double().mean(0).float() for k, v in rows.items()}
+
+
+def test_mean_ablation_of_every_kind_equals_the_tests_own_mean_edit(parent, tiny_llama_dir):
+    layer, head, neurons = 1, 2, [5, 9, 77]
+    means = _tests_own_means(tiny_llama_dir, parent, layer, head)
+    d = 16
+
+    def head_edit(model):
+        def hook(m, a):
+            x = a[0].clone()
+            x[..., head * d:(head + 1) * d] = means["head"]
+            return (x,)
+        return [model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(hook)]
+
+    def attn_edit(model):
+        return [model.model.layers[layer].self_attn.register_forward_hook(
+            lambda m, a, o: (torch.zeros_like(o[0]) + means["attn"], *o[1:]))]
+
+    def mlp_edit(model):
+        return [model.model.layers[layer].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o) + means["mlp"])]
+
+    def neuron_edit(model):
+        def hook(m, a):
+            x = a[0].clone()
+            x[..., neurons] = means["ffn"][neurons]
+            return (x,)
+        return [model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)]
+
+    def layer_edit(model):
+        block, saved = model.model.layers[layer], {}
+        return [block.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True),
+                block.register_forward_hook(lambda m, a, o: saved["x"] + means["layer"])]
+
+    cases = [({"kind": "ablate_head", "head": head}, head_edit), ({"kind": "ablate_attention"}, attn_edit),
+             ({"kind": "ablate_mlp"}, mlp_edit), ({"kind": "ablate_neurons", "neurons": neurons}, neuron_edit),
+             ({"kind": "ablate_layer"}, layer_edit)]
+    for entry, edit in cases:
+        child, effects = _child(parent, [{**entry, "layer": layer, "mode": "mean"}])
+        assert effects.logprob_shift.abs().max() > 1e-4, entry  # the edit really changes the model
+        _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=edit)
+        assert child.manifest["interventions"][0]["mode"] == "mean"
+
+
+# --- patching one head from another run ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def other(tmp_path_factory, tiny_llama_dir):
+    """Same model and prompts, another seed and another batch composition (2 + 1)."""
+    tmp = tmp_path_factory.mktemp("other")
+    return run_spec(tmp, {
+        "model": str(tiny_llama_dir), "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9, "seed": 11},
+        "output": {"float_dtype": "float32"},
+    })
+
+
+def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
+    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path)}])
+    # bit-identical: the source's values are recomputed by the same KV-cached loop over the same batches
+    for name in ("lens_probs", "attn", "resid"):
+        np.testing.assert_array_equal(child.array(name)[:], parent.array(name)[:], err_msg=name)
+    assert (effects.logprob_shift == 0).all()
+
+
+def test_patching_a_head_from_another_run_equals_the_tests_own_replacement(parent, other, tiny_llama_dir):
+    layer, head, d = 2, 1, 16
+    assert _sequence_ids(other, 0) != _sequence_ids(parent, 0)
+    child, effects = _child(parent, [{"kind": "patch_head", "layer": layer, "head": head, "source_run": str(other.path)}])
+    assert effects.logprob_shift.abs().max() > 1e-4
+    # the test's own source values: a full forward over each source sequence
+    model = load_model(ModelSpec(ref=str(tiny_llama_dir), attn_implementation="eager")).model
+    o_proj = model.model.layers[layer].self_attn.o_proj
+    src = {}
+    for seq in range(3):
+        got = {}
+        h = o_proj.register_forward_pre_hook(lambda m, a: got.__setitem__("x", a[0][0, :, head * d:(head + 1) * d].clone()))
+        with torch.inference_mode():
+            model(torch.tensor([_sequence_ids(other, seq)]))
+        h.remove()
+        P = int(other.prompt_len()[seq])
+        src[seq] = got["x"][P - 1: P - 1 + int(other.generated_len()[seq])]  # query position of each step
+
+    for seq in range(3):
+        P = int(parent.prompt_len()[seq])
+
+        def edit(m, seq=seq, P=P):
+            def hook(mod, a):
+                x = a[0].clone()
+                n = min(src[seq].shape[0], x.shape[1] - P + 1)
+                x[0, P - 1: P - 1 + n, head * d:(head + 1) * d] = src[seq][:n]
+                return (x,)
+            return [m.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(hook)]
+        ref = _reference_logprobs(tiny_llama_dir, _sequence_ids(parent, seq), edit=edit)
+        for _, row in effects[effects.sequence == seq].iterrows():
+            assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
+
+
+def test_patch_head_errors_say_what_is_missing(parent, other, tmp_path):
+    import json
+    import shutil
+
+    with pytest.raises(SpecError, match=r"heads 0\.\.3"):
+        run_intervene(str(parent.path), [{"kind": "patch_head", "layer": 1, "head": 7, "source_run": str(other.path)}])
+    with pytest.raises(SpecError, match=r"source_sequence 5 is out of range: source run .* has sequences 0\.\.2"):
+        run_intervene(str(parent.path), [{"kind": "patch_head", "layer": 1, "head": 0, "source_run": str(other.path),
+                                          "source_sequence": 5}])
+    fake = tmp_path / "bf16-run"
+    shutil.copytree(other.path, fake)
+    manifest = json.loads((fake / "manifest.json").read_text())
+    manifest["dtype"] = "bfloat16"
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpecError, match="differs from parent run .* in dtype"):
+        run_intervene(str(parent.path), [{"kind": "patch_head", "layer": 1, "head": 0, "source_run": str(fake)}])
+
+
+# --- chat spans -----------------------------------------------------------------------------------------
+SYSTEM = "Answer briefly and politely."
+
+
+@pytest.fixture(scope="module")
+def chat_parent(tmp_path_factory, tiny_llama_dir):
+    tmp = tmp_path_factory.mktemp("chat")
+    return run_spec(tmp, {
+        "model": str(tiny_llama_dir), "prompts": {"texts": PROMPTS, "chat": True, "system": SYSTEM},
+        "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 4},
+        "output": {"float_dtype": "float32"},
+    })
+
+
+def _find(haystack, needle, last=False):
+    starts = [i for i in range(len(haystack) - len(needle) + 1) if haystack[i: i + len(needle)] == needle]
+    assert starts, (needle, haystack)
+    return starts[-1] if last else starts[0]
+
+
+def test_chat_span_masks_equal_the_tests_own_masks(chat_parent, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for span in ("system", "user"):
+        child, effects = _child(chat_parent, [{"kind": "mask_positions", "span": span}])
+        assert effects.logprob_shift.abs().max() > 1e-4, span
+        for seq in range(3):
+            ids = _sequence_ids(chat_parent, seq)
+            P = int(chat_parent.prompt_len()[seq])
+            content = tok(SYSTEM if span == "system" else PROMPTS[seq], add_special_tokens=False)["input_ids"]
+            start = _find(ids[:P], content, last=span == "user")  # the test's own span: the content's tokens
+            mask = [1] * len(ids)
+            for p in range(start, start + len(content)):
+                mask[p] = 0
+            ref = _reference_logprobs(tiny_llama_dir, ids, mask=mask)
+            for _, row in effects[effects.sequence == seq].iterrows():
+                assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
+
+
+def test_chat_spans_need_a_chat_run_with_a_system_prompt(parent, tmp_path, tiny_llama_dir):
+    with pytest.raises(SpecError, match="needs a chat run, but parent run .* was not chat-templated"):
+        run_intervene(str(parent.path), [{"kind": "mask_positions", "span": "user"}])
+    no_system = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": {"texts": PROMPTS[:1], "chat": True},
+                                    "generation": {"max_new_tokens": 1}})
+    with pytest.raises(SpecError, match="needs a system prompt, but parent run .* has none"):
+        run_intervene(str(no_system.path), [{"kind": "mask_positions", "span": "system"}])
+
+
+# --- MoE expert masking -----------------------------------------------------------------------------------
+MOE = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4), "gate"),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         mlp_only_layers=[1]), "gate"),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, head_dim=16, sliding_window=4), "router"),
+}
+
+
+def _tests_own_routing(family, logits, k, config):
+    """Each family's published rule (softmax -> top-k -> renormalise, or top-k -> softmax)."""
+    if family == "gpt_oss":
+        val, idx = logits.topk(k, dim=-1)
+        return val.softmax(-1), idx
+    probs = logits.float().softmax(-1)
+    val, idx = probs.topk(k, dim=-1)
+    if family == "mixtral" or config.norm_topk_prob:
+        val = val / val.sum(-1, keepdim=True)
+    return val, idx
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_expert_masking_equals_the_tests_own_minus_infinity_router_logits(family, tmp_path, tiny_llama_dir):
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    name, extra, router_name = MOE[family]
+    cfg = getattr(transformers, name)(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+                                      max_position_embeddings=256, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    moe_parent = run_spec(tmp_path, {"model": str(tmp_path / "model"), "prompts": PROMPTS,
+                                     "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 2},
+                                     "output": {"float_dtype": "float32"}})
+    masked = [1, 3]
+    child, effects = _child(moe_parent, [{"kind": "mask_experts", "layer": 0, "experts": masked}])
+    assert effects.logprob_shift.abs().max() > 1e-5
+    # the parent used the experts at layer 0; the child's archive records the masked choice
+    assert np.isin(moe_parent.array("router_topk_idx")[:, :, 0], masked).any()
+    assert not np.isin(child.array("router_topk_idx")[:, :, 0], masked).any()
+
+    def edit(model):
+        router = getattr(model.model.layers[0].mlp, router_name)
+
+        def forward(h):
+            h = h.reshape(-1, router.weight.shape[1])
+            logits = torch.nn.functional.linear(h, router.weight, getattr(router, "bias", None))
+            logits[:, masked] = float("-inf")
+            weights, idx = _tests_own_routing(family, logits, router.top_k, model.config)
+            return logits, weights, idx
+        router.forward = forward
+        return []
+    for seq in range(3):
+        ids = _sequence_ids(moe_parent, seq)
+        P = int(moe_parent.prompt_len()[seq])
+        ref = _reference_logprobs(tmp_path / "model", ids, edit=edit)
+        for _, row in effects[effects.sequence == seq].iterrows():
+            assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
+
+    with pytest.raises(SpecError, match=r"experts 0\.\.3"):
+        run_intervene(str(moe_parent.path), [{"kind": "mask_experts", "layer": 0, "experts": [4]}])
+    with pytest.raises(SpecError, match="fewer than the 2 the router picks"):
+        run_intervene(str(moe_parent.path), [{"kind": "mask_experts", "layer": 0, "experts": [0, 1, 2]}])
+    if family == "qwen2_moe":
+        with pytest.raises(SpecError, match="layer 1 .* is a dense layer without a router; layers with experts: 0"):
+            run_intervene(str(moe_parent.path), [{"kind": "mask_experts", "layer": 1, "experts": [0]}])
+
+
+def test_expert_masking_needs_experts(parent):
+    with pytest.raises(SpecError, match="LlamaForCausalLM has no mixture-of-experts router"):
+        run_intervene(str(parent.path), [{"kind": "mask_experts", "layer": 0, "experts": [0]}])
+
+
+def test_shorthands_take_mean_and_span_names():
+    from lmtrace.interventions import shorthand_entries
+
+    got = shorthand_entries(["1.2:mean", "0.1"], ["3:mean"], ["2"], ["1:mean"], ["0:4,6-7:mean"], ["user", "1-2"])
+    assert got == [
+        {"kind": "ablate_head", "layer": 1, "head": 2, "mode": "mean"},
+        {"kind": "ablate_head", "layer": 0, "head": 1, "mode": "zero"},
+        {"kind": "ablate_layer", "layer": 3, "mode": "mean"},
+        {"kind": "ablate_mlp", "layer": 2, "mode": "zero"},
+        {"kind": "ablate_attention", "layer": 1, "mode": "mean"},
+        {"kind": "ablate_neurons", "layer": 0, "neurons": [4, 6, 7], "mode": "mean"},
+        {"kind": "mask_positions", "span": "user"},
+        {"kind": "mask_positions", "mask": [1, 2]},
+    ]
+    with pytest.raises(SpecError, match="zero or mean"):
+        shorthand_entries([], ["3:avg"], [], [], [], [])
