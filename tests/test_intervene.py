@@ -244,6 +244,11 @@ def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
     for name in ("lens_probs", "attn", "resid"):
         np.testing.assert_array_equal(child.array(name)[:], parent.array(name)[:], err_msg=name)
     assert (effects.logprob_shift == 0).all()
+    # the values really are substituted: sequence 0's head everywhere leaves sequence 0 unchanged, not the others
+    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path),
+                                      "source_sequence": 0}])
+    shift = effects.groupby("sequence").logprob_shift.apply(lambda x: x.abs().max())
+    assert shift[0] == 0 and shift[1] > 1e-4 and shift[2] > 1e-4
 
 
 def test_patching_a_head_from_another_run_equals_the_tests_own_replacement(parent, other, tiny_llama_dir):
