@@ -22,6 +22,7 @@ from .archive.layout import RunShape
 from .archive.writer import ArchiveWriter, BackgroundWriter
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
 from .models import LoadedModel, load_model
+from .lens import CANDIDATES as LENS_CANDIDATES
 from .probes import Probes
 from .prompts import load_prompts
 from .runs import RunLog, create_run_dir, host_info, now_iso, package_versions, runs_root, write_manifest
@@ -93,7 +94,11 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
 
 # ---------------------------------------------------------------------------------------------
 class BlockSink:
-    """Collects step results of one batch into blocks of `chunk_steps` steps and submits them."""
+    """Collects step results of one batch into blocks of `chunk_steps` steps and submits them.
+
+    Per-layer scalars are kept as [batch, step, layer] buffers and turned into `steps` table rows
+    once per block, on the writer's thread.
+    """
 
     def __init__(self, writer: BackgroundWriter, shape: RunShape, batch: int, seq_ids: list[int],
                  prompts: list[list[int]], tokenizer, chunk_steps: int, step_columns: list[str], progress: Progress,
@@ -115,13 +120,16 @@ class BlockSink:
     def _new_block(self, s0: int) -> None:
         self.s0 = s0
         self.n = 0
-        B = len(self.seq_ids)
+        B, L = len(self.seq_ids), len(self.shape.layers)
         self.buffers = {}
         for name, spec in self.specs.items():
             rest = self.shape.shape_of(spec)[2:]
             self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
+        self.active = np.zeros((B, self.chunk), dtype=bool)
+        self.scalars = {name: np.full((B, self.chunk, L), -1 if name == "lens_top1" else np.nan,
+                                      dtype=np.int32 if name == "lens_top1" else np.float32)
+                        for name in self.step_columns[3:]}
         self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
-        self.step_rows: dict[str, list] = {c: [] for c in self.step_columns}
 
     def _prompt_rows(self) -> None:
         rows = self.token_rows
@@ -144,9 +152,11 @@ class BlockSink:
             self.writer.submit(self.writer.writer.write_prompt, self.seqs, r.prompt_arrays, prompt_len)
         i = r.step - self.s0
         active = r.active
-        for name, buf in self.buffers.items():
-            data = r.arrays[name]
-            buf[active, i] = data[active]
+        self.active[:, i] = active
+        for name, data in r.arrays.items():
+            self.buffers[name][active, i] = data[active]
+        for name, buf in self.scalars.items():
+            buf[active, i] = r.scalars[name][active]
         c = r.choice
         tok = c.token.numpy()
         rows = self.token_rows
@@ -169,15 +179,6 @@ class BlockSink:
             }
             for key, value in values.items():
                 rows[key].append(value)
-        if r.scalars:
-            n_layers = len(self.shape.layers)
-            for b in np.flatnonzero(active):
-                for li, layer in enumerate(self.shape.layers):
-                    self.step_rows["sequence"].append(self.seq_ids[b])
-                    self.step_rows["step"].append(r.step)
-                    self.step_rows["layer"].append(layer)
-                for name in self.step_columns[3:]:
-                    self.step_rows[name].extend(r.scalars[name][b, :n_layers].tolist())
         self.n = i + 1
         self.progress.advance(int(active.sum()))
         if (self.s0 + self.n) % self.chunk == 0:  # blocks end on chunk boundaries, also after a resume
@@ -186,14 +187,29 @@ class BlockSink:
     def flush(self) -> None:
         if self.n == 0:
             return
-        s0, s1 = self.s0, self.s0 + self.n
-        arrays = {name: buf[:, : self.n] for name, buf in self.buffers.items()}
-        rows = self.token_rows
-        tables = {"tokens": pa.table(rows, schema=layout.token_schema())}
-        if self.step_columns:
-            tables["steps"] = pa.table(self.step_rows, schema=layout.step_schema(self.step_columns))
-        self.writer.submit(self.writer.writer.write_block, self.batch, self.seqs, s0, s1, arrays, tables)
+        s0, s1, n = self.s0, self.s0 + self.n, self.n
+        arrays = {name: buf[:, :n] for name, buf in self.buffers.items()}
+        scalars = {name: buf[:, :n] for name, buf in self.scalars.items()}
+        active = self.active[:, :n]
+        tokens = pa.table(self.token_rows, schema=layout.token_schema())
+        self.writer.submit(self._write, s0, s1, arrays, scalars, active, tokens)
         self._new_block(s1)
+
+    def _write(self, s0, s1, arrays, scalars, active, tokens) -> None:
+        """On the writer's thread: the block's `steps` rows, then the block itself."""
+        tables = {"tokens": tokens}
+        if self.step_columns:
+            steps, rows = np.nonzero(active.T)  # step-major, like the token rows
+            L = len(self.shape.layers)
+            columns = {
+                "sequence": np.repeat(np.asarray(self.seq_ids, dtype=np.int32)[rows], L),
+                "step": np.repeat((steps + s0).astype(np.int32), L),
+                "layer": np.tile(np.asarray(self.shape.layers, dtype=np.int32), len(rows)),
+            }
+            for name in self.step_columns[3:]:
+                columns[name] = scalars[name][rows, steps].reshape(-1)
+            tables["steps"] = pa.table(columns, schema=layout.step_schema(self.step_columns))
+        self.writer.writer.write_block(self.batch, self.seqs, s0, s1, arrays, tables)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +315,12 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
                               "on the captured post-rotary query/key (see docs/archive.md)"),
             "qkv_rotary": "post-rotary" if shape.qkv else None,
             "layers": {},  # per captured layer: scaling/softcap/sliding_window/sinks the kernel was called with
+        },
+        "lens": None if not shape.lens else {
+            "dtype": spec.capture.lens.dtype,
+            "method": {"float32": "float32 logits over the whole vocabulary",
+                       "bfloat16": f"bfloat16 ranking, top {LENS_CANDIDATES} per row re-scored in float32 "
+                                   "(see docs/archive.md)"}[spec.capture.lens.dtype],
         },
         "not_captured": adapter.not_captured(),
         "shape": {"n_sequences": shape.n_sequences, "n_steps": shape.n_steps, "max_prompt": shape.max_prompt,

@@ -17,6 +17,7 @@ import torch
 from . import attention
 from .arch import Adapter
 from .archive.layout import RunShape
+from .lens import LogitLens
 from .sampling import Choice
 
 
@@ -87,9 +88,7 @@ class Probes:
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
         self.np_float = np.dtype(shape.float_dtype)
         self.model_dtype = next(adapter.model.parameters()).dtype
-        self._unembed_lens = None
-        if shape.lens and lens_dtype == "bfloat16":
-            self._unembed_lens = adapter.unembed.weight.detach().to(torch.bfloat16)
+        self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -270,36 +269,18 @@ class Probes:
         if self.component_norms:
             scalars["attn_norm"] = torch.stack([self.attn_norm[layer] for layer in self.layers], 1).cpu().numpy()
             scalars["mlp_norm"] = torch.stack([self.mlp_norm[layer] for layer in self.layers], 1).cpu().numpy()
-        if s.lens:
-            lens_ids, lens_probs = self._logit_lens(resid_out)
-            arrays["lens_ids"], arrays["lens_probs"] = lens_ids, lens_probs
-            scalars["lens_top1"] = lens_ids[:, :, 0].astype(np.int32)
-            scalars["lens_top1_prob"] = lens_probs[:, :, 0]
-            scalars["lens_margin"] = self._lens_margin
+        if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
+            normed = self.adapter.final_norm(resid_out.to(self.model_dtype)).float().transpose(0, 1)  # [B, L, d]
+            ids, probs, margin = self.lens(normed.reshape(B * L, -1))
+            arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
+            scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
+            scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
+            scalars["lens_margin"] = margin.reshape(B, L)
         if self.margin_contributions:
             top2 = choice.alt_ids[:, :2].to(self.adapter.unembed.weight.device)
             direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
-
-    def _logit_lens(self, resid_out: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """Final norm + unembedding of every captured layer's residual, in one batched matmul."""
-        normed = self.adapter.final_norm(resid_out.to(self.model_dtype))
-        if self._unembed_lens is not None:
-            bias = getattr(self.adapter.unembed, "bias", None)
-            logits = torch.nn.functional.linear(normed.to(torch.bfloat16), self._unembed_lens,
-                                                None if bias is None else bias.to(torch.bfloat16)).float()
-            if self.adapter.final_softcap:
-                c = self.adapter.final_softcap
-                logits = torch.tanh(logits / c) * c
-        else:
-            logits = self.adapter.unembed_logits(normed).float()  # [L, B, V]
-        k = self.shape.k_lens
-        top = logits.topk(k, dim=-1)
-        lse = logits.logsumexp(-1, keepdim=True)
-        probs = (top.values - lse).exp()
-        self._lens_margin = (top.values[..., 0] - top.values[..., 1]).T.cpu().numpy()
-        return top.indices.transpose(0, 1).cpu().numpy().astype(np.int32), probs.transpose(0, 1).cpu().numpy()
 
     def collect_prefill(self) -> dict[str, np.ndarray]:
         """Prompt-time arrays: prompt K/V and (optionally) full prefill attention, per token position."""

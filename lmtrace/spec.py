@@ -114,7 +114,7 @@ class ResidualCapture(_Strict):
 class LensCapture(_Strict):
     enabled: bool = True
     top_k: int = Field(5, ge=2)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.lens)
 
 
 class CaptureSpec(_Strict):
