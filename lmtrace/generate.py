@@ -537,6 +537,20 @@ class _ResumeTeacher:
         return [[-1] for _ in seq_ids]
 
 
+def eager_kernel_reason(spec: RunSpec, adapter) -> str | None:
+    """Why a capturing run's forward must use the model's eager kernel instead of sdpa (None: sdpa)."""
+    if spec.model.attn_implementation == "eager":
+        return "model.attn_implementation: eager"
+    return adapter.eager_kernel_reason()
+
+
+def capture_kernel(adapter, eager_reason: str | None):
+    """The kernel the lmtrace attention function runs for the forward itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return adapter.eager_attention() if eager_reason is not None else sdpa_attention_forward
+
+
 def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = None,
                  progress: Progress | None = None, replay: Replay | None = None, shard: Shard | None = None,
                  resume: bool = False) -> GenerateResult:
@@ -566,15 +580,10 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     inner_name = "none"
     probes = None
     if not forward_only:
-        eager_reason = adapter.eager_kernel_reason()
-        if spec.model.attn_implementation == "eager":
-            eager_reason = "model.attn_implementation: eager"
-        needs_eager = eager_reason is not None
-        inner_name = "eager" if needs_eager else "sdpa"
+        eager_reason = eager_kernel_reason(spec, adapter)
+        inner_name = "eager" if eager_reason is not None else "sdpa"
         if shape.attention or shape.qkv or shape.prefill_attention:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            inner = adapter.eager_attention() if needs_eager else sdpa_attention_forward
+            inner = capture_kernel(adapter, eager_reason)
             attention.install(model)
         else:
             inner = None

@@ -291,10 +291,8 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     and stop strings, and the attention kernel its capture settings installed. A run patched with
     itself therefore changes nothing, bit for bit.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from . import attention
-    from .generate import eos_ids
+    from .generate import capture_kernel, eager_kernel_reason, eos_ids
     from .sampling import Sampler
     from .tracer import Tracer
 
@@ -309,8 +307,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     previous = model.config._attn_implementation
     marked = []
     if installs:  # as run_generate does when the source captured attention or Q/K/V
-        eager = adapter.eager_kernel_reason() is not None or spec.model.attn_implementation == "eager"
-        inner = adapter.eager_attention() if eager else sdpa_attention_forward
+        inner = capture_kernel(adapter, eager_kernel_reason(spec, adapter))
         attention.install(model)
         for i in range(adapter.n_layers):
             module = adapter.attn(i)
