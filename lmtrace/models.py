@@ -12,6 +12,8 @@ keyed by the GGUF's sha256, so later loads take ~1 s.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import hashlib
 import importlib.metadata
 import logging
@@ -179,25 +181,11 @@ def locate(spec: ModelSpec) -> tuple[str, str, str | None, dict]:
     return "hub", ref, None, {}
 
 
-def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
-    """Load model and tokenizer; `note` receives one-line progress messages (e.g. a GGUF conversion)."""
-    _quiet_transformers()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kind, source, sha, extra = locate(spec)
-    device = resolve_device(spec.device)
-    dtype = resolve_dtype(spec.dtype, device)
-    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+@contextmanager
+def _load_errors(kind: str, source: str):
+    """Loading failures as one-line ModelLoadErrors."""
     try:
-        if kind in ("embedded", "gguf"):
-            if not (cache_dir() / "models" / f"gguf-{sha[:24]}" / ".complete").is_file():
-                note(f"converting {Path(source).name} once (~15 s); cached under {cache_dir() / 'models'}")
-            source = str(_convert_gguf(Path(source), sha))
-            kwargs = {}
-        if kind == "hub":
-            kwargs["local_files_only"] = True
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation, **kwargs)
+        yield
     except OSError as err:
         if kind == "hub":
             raise ModelLoadError(
@@ -207,10 +195,54 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
         raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
     except ValueError as err:
         raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
+
+
+def _source(spec: ModelSpec, note) -> tuple[str, str, str | None, dict, dict]:
+    """(kind, loadable source, weights sha256, extra, from_pretrained kwargs); a GGUF is converted once."""
+    kind, source, sha, extra = locate(spec)
+    kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
+    if kind in ("embedded", "gguf"):
+        if not (cache_dir() / "models" / f"gguf-{sha[:24]}" / ".complete").is_file():
+            note(f"converting {Path(source).name} once (~15 s); cached under {cache_dir() / 'models'}")
+        with _load_errors(kind, source):
+            source = str(_convert_gguf(Path(source), sha))
+        kwargs = {}
+    if kind == "hub":
+        kwargs["local_files_only"] = True
+    return kind, source, sha, extra, kwargs
+
+
+def _tokenizer(source: str, kwargs: dict):
+    """The tokenizer as every run uses it: left padding, pad = eos when the model has none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer(spec: ModelSpec, note=lambda text: None):
+    """Only the tokenizer of `spec`'s model, exactly as `load_model` sets it up; loads no weights."""
+    _quiet_transformers()
+    kind, source, _, _, kwargs = _source(spec, note)
+    with _load_errors(kind, source):
+        return _tokenizer(source, kwargs)
+
+
+def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
+    """Load model and tokenizer; `note` receives one-line progress messages (e.g. a GGUF conversion)."""
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    kind, source, sha, extra, kwargs = _source(spec, note)
+    device = resolve_device(spec.device)
+    dtype = resolve_dtype(spec.dtype, device)
+    with _load_errors(kind, source):
+        tokenizer = _tokenizer(source, kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation, **kwargs)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
     return LoadedModel(model, tokenizer, spec.ref, source, kind, sha, device, dtype, extra)
