@@ -28,7 +28,7 @@ from .prompts import load_prompts
 from .runs import RunLog, create_run_dir, host_info, now_iso, package_versions, runs_root, write_manifest
 from .sampling import Sampler, stability_class
 from .spec import RunSpec, resolve_layers, resolve_vector_layers
-from .tracer import StepResult, Tracer
+from .tracer import ForcedTokens, StepResult, Tracer
 
 
 @dataclass
@@ -523,20 +523,6 @@ def _archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, 
     return out
 
 
-class _ResumeTeacher:
-    """Forces the archived tokens of steps already committed, so the cache is rebuilt bit for bit."""
-
-    def __init__(self, tokens: dict[int, list[int]], upto: int):
-        self.tokens = tokens
-        self.upto = upto
-
-    def forced(self, seq_ids, step):
-        return [self.tokens[s][step] if step < self.upto and step < len(self.tokens[s]) else -1 for s in seq_ids]
-
-    def reference(self, seq_ids, step):
-        return [[-1] for _ in seq_ids]
-
-
 def eager_kernel_reason(spec: RunSpec, adapter) -> str | None:
     """Why a capturing run's forward must use the model's eager kernel instead of sdpa (None: sdpa)."""
     if spec.model.attn_implementation == "eager":
@@ -656,7 +642,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 teacher, edits, feed = None, None, sink
                 if committed:
                     log.event("resume_batch", batch=batch, from_step=committed)
-                    teacher = _ResumeTeacher(_archived_tokens(run_dir, seq_ids, committed), committed)
+                    teacher = ForcedTokens(_archived_tokens(run_dir, seq_ids, committed), committed)
                 if replay is not None:
                     teacher, edits = replay.teacher, replay.edits
                     feed = _Tee(sink, replay.observer) if replay.observer is not None else sink

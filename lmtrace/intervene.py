@@ -172,25 +172,10 @@ def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperatu
 
 
 def _tokenizer_of(run: Run):
-    """The run's tokenizer, as `generate` loaded it (left padding, pad = eos when the model has none)."""
-    from transformers import AutoTokenizer
+    """The run's tokenizer, as `generate` loaded it (no weights are loaded)."""
+    from .models import load_tokenizer
 
-    m, ms = run.manifest["model"], run.manifest["spec_resolved"]["model"]
-    kwargs = {}
-    if m.get("kind") in ("local", "hub"):
-        kwargs = dict(revision=ms.get("revision"), trust_remote_code=ms.get("trust_remote_code", False))
-        if m.get("kind") == "hub":
-            kwargs["local_files_only"] = True
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(m["source"], **kwargs)
-    except (OSError, ValueError):  # e.g. the converted-GGUF cache was cleared: load as generate does
-        from .models import load_model
-
-        return load_model(build_spec(run.manifest["spec_resolved"], f"spec of run {run.id}").model).tokenizer
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return load_tokenizer(build_spec(run.manifest["spec_resolved"], f"spec of run {run.id}").model)
 
 
 def _chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, tokenizer) -> dict[int, tuple[int, int]]:
@@ -243,19 +228,6 @@ class _HeadCapture:
         return ctx()
 
 
-class _ForceAll:
-    """Teacher forcing every archived token of a run (references: none)."""
-
-    def __init__(self, view: ParentView):
-        self.view = view
-
-    def forced(self, seq_ids, step):
-        return [self.view.generated[s][step] if step < len(self.view.generated[s]) else -1 for s in seq_ids]
-
-    def reference(self, seq_ids, step):
-        return [[-1] for _ in seq_ids]
-
-
 class _Discard:
     def on_step(self, result):
         pass
@@ -294,7 +266,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     from . import attention
     from .generate import capture_kernel, eager_kernel_reason, eos_ids
     from .sampling import Sampler
-    from .tracer import Tracer
+    from .tracer import ForcedTokens, Tracer
 
     spec = build_spec(source.manifest["spec_resolved"], f"spec of source run {source.id}")
     view = ParentView.read(source)
@@ -324,7 +296,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
                         probes=None, pad_id=pad if pad is not None else tokenizer.pad_token_id,
                         device=next(model.parameters()).device)
         for seq_ids in batches:
-            tracer.run_batch(seq_ids, [view.prompt_ids[s] for s in seq_ids], _Discard(), teacher=_ForceAll(view),
+            tracer.run_batch(seq_ids, [view.prompt_ids[s] for s in seq_ids], _Discard(), teacher=ForcedTokens(view.generated),
                              edits=capture)
     finally:
         if installs:

@@ -53,6 +53,21 @@ class Edits(Protocol):
     def edit_mask(self, mask: torch.Tensor, pads: list[int], seq_ids: list[int], step: int) -> torch.Tensor: ...
 
 
+class ForcedTokens:
+    """A Teacher that forces archived tokens at steps < upto (no references): resume rebuilds its
+    cache this way, and patch_head replays a source run with upto = every step."""
+
+    def __init__(self, tokens, upto: int | float = float("inf")):  # tokens[sequence index] -> ids (dict or list)
+        self.tokens = tokens
+        self.upto = upto
+
+    def forced(self, seq_ids, step):
+        return [self.tokens[s][step] if step < self.upto and step < len(self.tokens[s]) else -1 for s in seq_ids]
+
+    def reference(self, seq_ids, step):
+        return [[-1] for _ in seq_ids]
+
+
 @dataclass
 class BatchOutcome:
     generated: list[list[int]]
