@@ -115,6 +115,10 @@ class BlockSink:
         self.step_columns = step_columns
         self.progress = progress
         self.specs = {s.name: s for s in shape.arrays() if s.per_step}
+        self.schema = layout.step_schema(step_columns) if step_columns else None
+        self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
+        for name in ("sequence", "step", "layer"):  # row keys, not per-layer scalars
+            self.scalar_dtypes.pop(name, None)
         self._new_block(start_step)
 
     def _new_block(self, s0: int) -> None:
@@ -126,9 +130,9 @@ class BlockSink:
             rest = self.shape.shape_of(spec)[2:]
             self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
         self.active = np.zeros((B, self.chunk), dtype=bool)
-        self.scalars = {name: np.full((B, self.chunk, L), -1 if name == "lens_top1" else np.nan,
-                                      dtype=np.int32 if name == "lens_top1" else np.float32)
-                        for name in self.step_columns[3:]}
+        self.scalars = {}
+        for name, dtype in self.scalar_dtypes.items():  # ids (lens_top1) are filled with -1, floats with NaN
+            self.scalars[name] = np.full((B, self.chunk, L), -1 if dtype.kind == "i" else np.nan, dtype=dtype)
         self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
 
     def _prompt_rows(self) -> None:
@@ -206,9 +210,9 @@ class BlockSink:
                 "step": np.repeat((steps + s0).astype(np.int32), L),
                 "layer": np.tile(np.asarray(self.shape.layers, dtype=np.int32), len(rows)),
             }
-            for name in self.step_columns[3:]:
+            for name in self.scalar_dtypes:
                 columns[name] = scalars[name][rows, steps].reshape(-1)
-            tables["steps"] = pa.table(columns, schema=layout.step_schema(self.step_columns))
+            tables["steps"] = pa.table(columns, schema=self.schema)
         self.writer.writer.write_block(self.batch, self.seqs, s0, s1, arrays, tables)
 
 
