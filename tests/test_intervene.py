@@ -14,14 +14,19 @@ from lmtrace.models import load_model
 from lmtrace.spec import ModelSpec
 
 
+def _tiny_run(tmp, model_dir, batch_size: int, seed: int, **extra):
+    """A sampled run of the tiny model over PROMPTS, 6 tokens, float32 arrays."""
+    return run_spec(tmp, {
+        "model": str(model_dir), "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 6, "batch_size": batch_size, "temperature": 0.9, "seed": seed},
+        "output": {"float_dtype": "float32"}, **extra,
+    })
+
+
 @pytest.fixture(scope="module")
 def parent(tmp_path_factory, tiny_llama_dir):
-    tmp = tmp_path_factory.mktemp("parent")
-    return run_spec(tmp, {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS,
-        "generation": {"max_new_tokens": 6, "batch_size": 3, "temperature": 0.9, "seed": 4},
-        "capture": {"residual": {"vectors_at": [1]}}, "output": {"float_dtype": "float32"},
-    })
+    return _tiny_run(tmp_path_factory.mktemp("parent"), tiny_llama_dir, batch_size=3, seed=4,
+                     capture={"residual": {"vectors_at": [1]}})
 
 
 def _child(parent, entries, **kw):
@@ -230,12 +235,7 @@ def test_mean_ablation_of_every_kind_equals_the_tests_own_mean_edit(parent, tiny
 @pytest.fixture(scope="module")
 def other(tmp_path_factory, tiny_llama_dir):
     """Same model and prompts, another seed and another batch composition (2 + 1)."""
-    tmp = tmp_path_factory.mktemp("other")
-    return run_spec(tmp, {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS,
-        "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9, "seed": 11},
-        "output": {"float_dtype": "float32"},
-    })
+    return _tiny_run(tmp_path_factory.mktemp("other"), tiny_llama_dir, batch_size=2, seed=11)
 
 
 def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
