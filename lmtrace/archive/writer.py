@@ -2,7 +2,7 @@
 
 Crash-safety protocol (see docs/archive.md):
   1. arrays have their final shape from the start (fill = NaN / -1), so a kill never leaves arrays
-     of different lengths; blocks of `chunk_steps` steps are written whole (one shard per block);
+     of different lengths; blocks of `chunk_steps` steps are written whole (one chunk file per block and sequence);
   2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
      once the footer is written, so the parts directory is always a readable dataset;
   3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
@@ -42,12 +42,29 @@ def atomic_write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _compressors(codec: str, level: int):
+def compressors_for(codec: str, level: int):
     if codec == "zstd":
         return [ZstdCodec(level=level)]
     if codec == "blosc":
         return [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
     return None
+
+
+def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ...], chunk_steps: int,
+                 compressors) -> zarr.Array:
+    """An archive array (or the existing one of that name), chunked as every writer chunks it."""
+    if spec.name in group:
+        return group[spec.name]
+    # One chunk (one file) per block of steps and sequence, all layers in it. Per-layer inner
+    # chunks (the sharding codec) made a layer slice cheaper to read, but cost ~7 ms of CPU per
+    # step to write on the default capture, a sixth of a decode step (docs/archive.md, "Cost").
+    chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
+    return group.create_array(
+        spec.name, shape=shape, chunks=tuple(max(1, c) for c in chunks), dtype=spec.dtype,
+        fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
+        # every chunk is written once, whole: skip zarr's is-it-all-fill scan (NaN-aware, slow)
+        config={"write_empty_chunks": True},
+    )
 
 
 class ArchiveWriter:
@@ -63,7 +80,7 @@ class ArchiveWriter:
         self._progress_path = run_dir / layout.PROGRESS_DIR / f"{writer_key}.json"
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
-        compressors = _compressors(codec, level)
+        compressors = compressors_for(codec, level)
         for spec in shape.arrays():
             self.arrays[spec.name] = self._create(spec, compressors)
         self._coordinates(compressors)
@@ -75,25 +92,7 @@ class ArchiveWriter:
         return {"batches": {}}
 
     def _create(self, spec: layout.ArraySpec, compressors) -> zarr.Array:
-        if spec.name in self.group:
-            return self.group[spec.name]
-        shape = self.shape.shape_of(spec)
-        if spec.per_step:
-            chunks = [1, self.chunk_steps] + list(shape[2:])
-            shards = list(chunks)
-            if spec.layered:
-                chunks[2] = 1  # one inner chunk per layer: a layer slice reads without the others
-        else:
-            chunks = [1] + list(shape[1:])
-            shards = list(chunks)
-            if spec.layered:
-                chunks[1] = 1
-        chunks = [max(1, c) for c in chunks]
-        shards = [max(1, c) for c in shards]
-        return self.group.create_array(
-            spec.name, shape=shape, chunks=tuple(chunks), shards=tuple(shards), dtype=spec.dtype,
-            fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
-        )
+        return create_array(self.group, spec, self.shape.shape_of(spec), self.chunk_steps, compressors)
 
     def _coordinates(self, compressors) -> None:
         s = self.shape
@@ -132,8 +131,8 @@ class ArchiveWriter:
         return runs
 
     def _put(self, name: str, seqs: list[int], data: np.ndarray, steps: slice | None = None) -> None:
-        # Shards of different sequences are distinct files, so strided shards never share a chunk;
-        # zarr's orthogonal (list) indexing is not used because it fails with the sharding codec.
+        # Chunks of different sequences are distinct files, so strided shards (SLURM array tasks)
+        # never share a chunk; contiguous slices keep every write a whole-chunk write.
         for off, first, n in self._runs(seqs):
             key = (slice(first, first + n),) if steps is None else (slice(first, first + n), steps)
             self.arrays[name][key] = data[off: off + n]
