@@ -306,6 +306,35 @@ def explain(
 
 
 @app.command()
+def lens(
+    runs: list[str] = typer.Argument(..., metavar="RUN...", help="Run ids (or unique prefixes) or run directories."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON summary per run on stdout."),
+):
+    """Compute the deferred logit lens of complete runs from their archived residual stream."""
+    from .archive.reader import open_run
+    from .deferred_lens import compute_lens
+
+    reporter = _Reporter(quiet or json_out)
+    try:
+        for ref in runs:
+            run = open_run(ref, runs_dir)
+            reporter.message(f"computing the logit lens of {run.id}")
+            summary = compute_lens(run, device=device, note=reporter.message)
+            if json_out:
+                typer.echo(json.dumps(summary, default=str))
+            elif not quiet:
+                typer.echo(f"{run.id}: " + (f"logit lens computed ({summary['rows']} rows, {summary['seconds']:.1f} s)"
+                                            if summary["computed"] else "logit lens already present"))
+    except BaseException as err:  # noqa: BLE001
+        reporter.stop()
+        _fail(err)
+    reporter.stop()
+
+
+@app.command()
 def compare(
     run_a: str = typer.Argument(..., metavar="A", help="Run id (or unique prefix) or run directory."),
     run_b: str = typer.Argument(..., metavar="B", help="Run id (or unique prefix) or run directory."),

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .archive.reader import IncompleteRunWarning, Run
+from .archive.reader import LENS_NOT_COMPUTED, IncompleteRunWarning, Run, lens_state
 from .errors import ArchiveError, SpecError
 from .runs import find_run, runs_root
 
@@ -264,6 +264,9 @@ def _compatibility(A: _Side, B: _Side) -> dict:
     for side in (A, B):
         if side.steps is None and same_arch:
             notes.append(f"run {side.label} has no per-layer table (capture: none): per-layer figures are skipped")
+        elif side.steps is not None and lens_state(side.run.manifest) == "pending":
+            notes.append(f"run {side.label}: " + LENS_NOT_COMPUTED.format(run_id=side.run.id)
+                         + " to include lens winner changes")
     return {
         "tokenizer": {"class_a": ta.get("class"), "class_b": tb.get("class"), "vocab_size": ta.get("vocab_size"),
                       "token_ids_cross_checked": len(shared)},

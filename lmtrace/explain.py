@@ -415,31 +415,11 @@ def _runner_up(chosen: int, alt_ids) -> int:
 # Model loading
 def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda text: None) -> tuple[Scorer, dict]:
     """The run's model in float32 with eager attention (gradients and masks behave the same everywhere)."""
-    from .models import load_model
-    from .spec import ModelSpec
+    from .models import load_run_model
 
-    given = dict(run.manifest.get("spec_resolved", {}).get("model") or {})
-    if not given:
-        raise ArchiveError(f"run {run.id}: the manifest has no spec_resolved.model; cannot tell which model to load")
-    given.update(dtype="float32", attn_implementation="eager")
-    if device:
-        given["device"] = device
     needing = ", ".join(m for m in methods if METHODS[m].needs_model)
-    try:
-        spec = ModelSpec(**given)
-        loaded = load_model(spec, note=note)
-    except LmtraceError as err:
-        raise ModelLoadError(
-            f"run {run.id} was generated with model {given.get('ref')!r}, whose weights are not available here: "
-            f"{err}; method(s) {needing} need them (attention_rollout does not)") from None
-    except Exception as err:  # noqa: BLE001 - pydantic / transformers errors become one line
-        raise ModelLoadError(f"cannot load model {given.get('ref')!r} of run {run.id} for {needing}: "
-                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
-    archived_sha = run.manifest.get("model", {}).get("weights_sha256")
-    if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
-        raise ModelLoadError(
-            f"the weights of {given.get('ref')!r} changed since run {run.id} was generated (sha256 "
-            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): explanations would not describe this run")
+    loaded = load_run_model(run.manifest, run.id, purpose=f"method(s) {needing} (attention_rollout does not need them)",
+                            overrides={"dtype": "float32", "attn_implementation": "eager", "device": device}, note=note)
     info = {"reference": loaded.reference, "source": loaded.source, "weights_sha256": loaded.weights_sha256,
             "dtype": "float32", "attn_implementation": "eager", "device": str(loaded.device)}
     return Scorer(loaded.model, loaded.device, loaded.tokenizer), info

@@ -76,6 +76,21 @@ def eos_ids(spec_value, model, tokenizer) -> set[int]:
     return {int(v) for v in values if v is not None}
 
 
+def lens_manifest(cap) -> dict | None:
+    """The manifest's `lens` entry; `computed` is filled in by `lmtrace lens` for a deferred lens."""
+    if not (cap.lens_inline or cap.lens_deferred):
+        return None
+    return {
+        "when": cap.lens.when,
+        "dtype": cap.lens.dtype,
+        "method": {"float32": "float32 logits over the whole vocabulary",
+                   "bfloat16": f"bfloat16 ranking, top {LENS_CANDIDATES} per row re-scored in float32 "
+                               "(see docs/archive.md)"}[cap.lens.dtype],
+        "input": "resid (float32) at every captured layer" if cap.lens_deferred else None,
+        "computed": {"by": "lmtrace generate"} if cap.lens_inline else None,
+    }
+
+
 def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> RunShape:
     cap = spec.capture
     forward_only = cap.forward_only
@@ -87,7 +102,7 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
         d_ffn=adapter.d_ffn or 0, kv_head_of_head=tuple(adapter.kv_head_of_head()),
         k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0), k_lens=cap.lens.top_k,
         attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
-        ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens.enabled, float_dtype=spec.output.float_dtype,
+        ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens_inline, float_dtype=spec.output.float_dtype,
         k_router=adapter.router_top_k if not forward_only else 0,
     )
 
@@ -320,12 +335,7 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
             "qkv_rotary": "post-rotary" if shape.qkv else None,
             "layers": {},  # per captured layer: scaling/softcap/sliding_window/sinks the kernel was called with
         },
-        "lens": None if not shape.lens else {
-            "dtype": spec.capture.lens.dtype,
-            "method": {"float32": "float32 logits over the whole vocabulary",
-                       "bfloat16": f"bfloat16 ranking, top {LENS_CANDIDATES} per row re-scored in float32 "
-                                   "(see docs/archive.md)"}[spec.capture.lens.dtype],
-        },
+        "lens": lens_manifest(spec.capture),
         "not_captured": adapter.not_captured(),
         "shape": {"n_sequences": shape.n_sequences, "n_steps": shape.n_steps, "max_prompt": shape.max_prompt,
                   "max_len": shape.max_len, "layers": list(shape.layers), "resid_layers": list(shape.resid_layers),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError, SpecError
+from .errors import LmtraceError, ModelLoadError, SpecError
 from .spec import ModelSpec
 
 EMBEDDED = {
@@ -246,3 +246,28 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model, tokenizer, spec.ref, source, kind, sha, device, dtype, extra)
+
+
+def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict | None = None,
+                   note=lambda text: None) -> LoadedModel:
+    """The model an archived run was generated with (its `spec_resolved.model`, with `overrides`),
+    refused when the weights changed since: whatever is computed from it would not describe the run.
+    `purpose` finishes "... needed for" in the error messages."""
+    given = dict(manifest.get("spec_resolved", {}).get("model") or {})
+    if not given:
+        raise ModelLoadError(f"run {run_id}: the manifest has no spec_resolved.model; cannot tell which model to load")
+    given.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        loaded = load_model(ModelSpec(**given), note=note)
+    except LmtraceError as err:
+        raise ModelLoadError(f"run {run_id} was generated with model {given.get('ref')!r}, whose weights are not "
+                             f"available here: {err}; they are needed for {purpose}") from None
+    except Exception as err:  # noqa: BLE001 - pydantic / transformers errors become one line
+        raise ModelLoadError(f"cannot load model {given.get('ref')!r} of run {run_id} for {purpose}: "
+                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    archived_sha = manifest.get("model", {}).get("weights_sha256")
+    if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
+        raise ModelLoadError(
+            f"the weights of {given.get('ref')!r} changed since run {run_id} was generated (sha256 "
+            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run")
+    return loaded

@@ -114,6 +114,10 @@ class ResidualCapture(_Strict):
 class LensCapture(_Strict):
     enabled: bool = True
     top_k: int = Field(5, ge=2)
+    # deferred: generation archives every captured layer's residual (float32, `resid`) and
+    # `lmtrace lens RUN` computes the lens from it later, exactly as inline would; inline: per step
+    # during generation (~20 ms a step on a 2-core CPU, see docs/archive.md "Cost").
+    when: Literal["deferred", "inline"] = "deferred"
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.lens)
 
 
@@ -128,6 +132,14 @@ class CaptureSpec(_Strict):
     lens: LensCapture = Field(default_factory=LensCapture)
     alternatives: int = Field(10, ge=2, le=1000)
     margin_contributions: bool = True
+
+    @property
+    def lens_inline(self) -> bool:
+        return self.lens.enabled and self.lens.when == "inline" and not self.forward_only
+
+    @property
+    def lens_deferred(self) -> bool:
+        return self.lens.enabled and self.lens.when == "deferred" and not self.forward_only
 
     @property
     def forward_only(self) -> bool:
@@ -405,9 +417,13 @@ def resolve_layers(layers: Literal["all"] | list[int] | LayerStride, n_layers: i
 
 
 def resolve_vector_layers(spec: CaptureSpec, n_layers: int) -> list[int]:
+    """Layers whose full residual vector is archived: `residual.vectors_at`, plus every captured
+    layer when the logit lens is deferred (its input)."""
     v = spec.residual.vectors_at
     if v == "all":
         return list(range(n_layers))
+    if spec.lens_deferred:
+        v = list(v) + resolve_layers(spec.layers, n_layers)
     bad = [i for i in v if not -n_layers <= i < n_layers]
     if bad:
         raise SpecError(f"capture.residual.vectors_at: {bad} out of range: the model has layers 0..{n_layers - 1} "

@@ -216,7 +216,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model, kv_head_of_head=(),
         k_attn=cap.attention.top_k, k_ffn=cap.ffn.top_k, k_lens=cap.lens.top_k, attention=cap.attention.enabled and bool(layers),
         prefill_attention=cap.prefill_attention, qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
-        lens=cap.lens.enabled and bool(layers), float_dtype=spec.output.float_dtype,
+        lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
     )
     per_step = shape.estimate_bytes_per_step()
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))

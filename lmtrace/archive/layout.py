@@ -72,11 +72,16 @@ class ArraySpec:
     dims: tuple[str, ...]
     dtype: str
     per_step: bool  # leading dims (sequence, step) and written in step blocks
-    layered: bool = False  # has a `layer` dim at position 2 (per step) or 1 (prefill): sharded by layer
 
     @property
     def fill(self):
         return np.nan if np.dtype(self.dtype).kind == "f" else -1
+
+
+# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
+LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
+               ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
+LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin")
 
 
 @dataclass(frozen=True)
@@ -123,29 +128,28 @@ class RunShape:
         f = self.float_dtype
         out: list[ArraySpec] = []
         if self.attention and self.k_attn is None:
-            out.append(ArraySpec("attn", ("sequence", "step", "layer", "head", "key"), f, True, True))
+            out.append(ArraySpec("attn", ("sequence", "step", "layer", "head", "key"), f, True))
         if self.attention and self.k_attn is not None:
-            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "head", "k_attn"), "int32", True, True))
-            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "head", "k_attn"), f, True, True))
+            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "head", "k_attn"), "int32", True))
+            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "head", "k_attn"), f, True))
         if self.qkv:
-            out.append(ArraySpec("q", ("sequence", "step", "layer", "head", "head_dim"), f, True, True))
-            out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, True))
-            out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, True))
-            out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, True))
-            out.append(ArraySpec("prompt_v", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, True))
+            out.append(ArraySpec("q", ("sequence", "step", "layer", "head", "head_dim"), f, True))
+            out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True))
+            out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True))
+            out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False))
+            out.append(ArraySpec("prompt_v", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False))
         if self.ffn:
-            out.append(ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True, True))
-            out.append(ArraySpec("ffn_val", ("sequence", "step", "layer", "k_ffn"), "float32", True, True))
+            out.append(ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True))
+            out.append(ArraySpec("ffn_val", ("sequence", "step", "layer", "k_ffn"), "float32", True))
         if self.resid_layers:
             out.append(ArraySpec("resid", ("sequence", "step", "resid_layer", "d_model"), "float32", True))
         if self.lens:
-            out.append(ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True, True))
-            out.append(ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True, True))
+            out.extend(LENS_ARRAYS)
         if self.k_router and self.layers:
-            out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True, True))
-            out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True, True))
+            out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True))
+            out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True))
         if self.prefill_attention:
-            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False, True))
+            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False))
         return out
 
     def shape_of(self, spec: ArraySpec) -> tuple[int, ...]:

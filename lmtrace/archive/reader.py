@@ -112,6 +112,8 @@ class Run:
         return sorted(self.tensors.array_keys())
 
     def array(self, name: str) -> zarr.Array:
+        if name not in self.tensors and name in LENS_ARRAY_NAMES and lens_state(self.manifest) == "pending":
+            raise ArchiveError(f"run {self.id}: " + LENS_NOT_COMPUTED.format(run_id=self.id))
         if name not in self.tensors:
             raise ArchiveError(f"run {self.id} has no array {name!r} (captured: {', '.join(self.array_names())}); "
                                f"enable the probe in the spec's capture section")
@@ -163,6 +165,20 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.id!r}, status={self.status!r}, path={str(self.path)!r})"
+
+
+LENS_ARRAY_NAMES = {s.name for s in layout.LENS_ARRAYS}
+LENS_NOT_COMPUTED = "its logit lens is deferred and not computed yet: run `lmtrace lens {run_id}`"
+
+
+def lens_state(manifest: dict) -> str:
+    """none (no lens captured) | pending (deferred, not computed yet) | ready."""
+    lens = manifest.get("lens")
+    if not lens:
+        return "none"
+    if lens.get("when", "inline") == "deferred" and not lens.get("computed"):
+        return "pending"
+    return "ready"
 
 
 def open_run(path_or_id: str | Path, runs_dir: str | Path | None = None, *, require_complete: bool = False) -> Run:

@@ -1,0 +1,145 @@
+"""`lmtrace lens RUN`: the deferred logit lens, computed from the archived residual stream.
+
+With `capture.lens.when: deferred` (the default) `generate` does not run the lens per step: it
+archives, at every captured layer, the residual stream after the layer in float32 (`resid`) — the
+exact tensor the inline lens reads. This module later applies the same final norm + unembedding
+(`LogitLens`, same dtype mode) to those rows, writes `lens_ids` / `lens_probs` with the chunking and
+codec of the run, adds `lens_top1`, `lens_top1_prob`, `lens_margin` to `steps.parquet`, and only
+then records `lens.computed` in the manifest. The result is what an inline run would have archived.
+
+Why deferred by default: on a CPU the lens over every layer is ~1.7 GFLOP per step for a 135M
+model, more than its own decode step (docs/archive.md, "Cost"); done later it costs nothing during
+generation and is only paid for the runs someone looks at ("generate first, explain later").
+
+Crash safety: arrays are written first, then `steps.parquet` is replaced atomically, then the
+manifest says `computed`. A kill before that leaves the run as it was (a rerun recomputes all of it).
+The whole computation holds the run's lock, so two `lmtrace lens` on one run do the work once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .archive import layout
+from .archive.reader import Run, lens_state
+from .errors import ArchiveError
+
+def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None) -> dict:
+    """Compute and archive the deferred lens of a complete run; a no-op when it is already there."""
+    from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
+    from .runs import now_iso, read_manifest, write_manifest
+
+    state = lens_state(run.manifest)
+    if state == "none":
+        raise ArchiveError(f"run {run.id} captured no logit lens (capture.lens.enabled: false, or capture: none); "
+                         f"generate it again with the lens enabled")
+    with RunDir(run.path, Shard()).lock():
+        manifest = read_manifest(run.path)
+        if lens_state(manifest) == "ready":
+            return {"run_id": run.id, "computed": False, "reason": "already computed"}
+        if manifest.get("status") != "complete":
+            raise ArchiveError(f"run {run.id} is {manifest.get('status')}: the deferred lens is computed on complete "
+                             f"runs; finish it first (`lmtrace generate --resume {run.id}`)")
+        t0 = time.time()
+        rows = _compute(Run(run.path), manifest, device, note)
+        manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
+                                        "device": rows.pop("device"), "rows": rows["rows"]}
+        for spec in layout.LENS_ARRAYS:
+            manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
+        write_manifest(run.path, manifest)
+    return {"run_id": run.id, "computed": True, **rows, "seconds": manifest["lens"]["computed"]["seconds"]}
+
+
+def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
+    from .arch import adapter_for
+    from .archive.writer import compressors_for, create_array
+    from .lens import LogitLens
+    from .models import load_run_model
+
+    spec = manifest["spec_resolved"]
+    loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens", overrides={"device": device}, note=note)
+    adapter = adapter_for(loaded.model)
+    lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])
+    final_norm = adapter.final_norm
+    model_dtype = next(loaded.model.parameters()).dtype
+
+    layers = run.layers
+    resid_layers = list(manifest["shape"]["resid_layers"])
+    missing = [layer for layer in layers if layer not in resid_layers]
+    if missing or "resid" not in run.array_names():
+        raise ArchiveError(f"run {run.id} has no archived residual at layers {missing or layers}: the lens cannot be "
+                           f"computed from it")
+    at = [resid_layers.index(layer) for layer in layers]
+    resid = run.array("resid")
+    n_seq, n_steps = resid.shape[:2]
+    L, k = len(layers), lens.k
+    chunk = int(spec["output"]["chunk_steps"])
+    group = _writable_group(run.path)
+    compressors = compressors_for(spec["output"]["codec"], int(spec["output"]["level"]))
+    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors) for s in layout.LENS_ARRAYS}
+    gen_len = run.generated_len()
+
+    top1 = np.full((n_seq, n_steps, L), -1, dtype=np.int32)
+    top1_prob = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
+    margin = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
+    n_rows = 0
+    for seq in range(n_seq):
+        n = int(max(gen_len[seq], 0))
+        for s0 in range(0, n, chunk):  # whole chunks: one block of steps at a time, as generate writes them
+            s1 = min(s0 + chunk, n_steps)
+            x = np.asarray(resid[seq, s0:s1])[:, at]  # [steps, L, d] float32
+            real = min(s1, n) - s0
+            ids = np.full((s1 - s0, L, k), -1, dtype=np.int32)
+            probs = np.full((s1 - s0, L, k), np.nan, dtype=np.float32)
+            with torch.inference_mode():
+                h = torch.from_numpy(np.ascontiguousarray(x[:real])).to(loaded.device)
+                normed = final_norm(h.to(model_dtype)).float().reshape(real * L, -1)
+                i, p, m = lens(normed)
+            ids[:real], probs[:real] = i.reshape(real, L, k), p.reshape(real, L, k)
+            out["lens_ids"][seq:seq + 1, s0:s1] = ids[None]
+            out["lens_probs"][seq:seq + 1, s0:s1] = probs[None]
+            top1[seq, s0:s0 + real], top1_prob[seq, s0:s0 + real] = ids[:real, :, 0], probs[:real, :, 0]
+            margin[seq, s0:s0 + real] = m.reshape(real, L)
+            n_rows += real * L
+        note(f"lens: sequence {seq + 1}/{n_seq} ({n} steps)")
+    _add_step_columns(run, {"lens_top1": top1, "lens_top1_prob": top1_prob, "lens_margin": margin}, layers)
+    _consolidate(run.path)
+    return {"rows": n_rows, "device": str(loaded.device)}
+
+
+def _writable_group(path: Path):
+    import zarr
+
+    return zarr.open_group(str(path / layout.TENSORS), mode="a", zarr_format=3)
+
+
+def _consolidate(path: Path) -> None:
+    import warnings
+
+    import zarr
+
+    with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(path / layout.TENSORS))
+
+
+def _add_step_columns(run: Run, values: dict[str, np.ndarray], layers: list[int]) -> None:
+    """Rewrite steps.parquet with the lens columns (in the archive's column order), atomically."""
+    target = run.path / layout.table_file("steps")
+    table = pq.read_table(target)
+    seq = table.column("sequence").to_numpy()
+    step = table.column("step").to_numpy()
+    li = np.searchsorted(np.asarray(layers), table.column("layer").to_numpy())
+    names = [c for c in layout.STEP_COLUMNS if c in table.column_names or c in values]
+    columns = {c: (pa.array(values[c][seq, step, li]) if c in values else table.column(c)) for c in names}
+    out = pa.table(columns, schema=layout.step_schema(names))
+    tmp = target.with_name(f".{target.name}.lens.tmp")
+    pq.write_table(out, tmp, row_group_size=65536)
+    os.replace(tmp, target)
