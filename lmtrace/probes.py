@@ -97,9 +97,9 @@ class Probes:
     def _reset(self) -> None:
         self.resid_in: dict[int, torch.Tensor] = {}
         self.resid_out: dict[int, torch.Tensor] = {}
-        self.attn_norm: dict[int, torch.Tensor] = {}
-        self.mlp_norm: dict[int, torch.Tensor] = {}
-        self.ffn: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attn_out: dict[int, torch.Tensor] = {}  # layer -> attention-block output [B, d] (query position)
+        self.mlp_out: dict[int, torch.Tensor] = {}  # layer -> MLP-block output [B, d]
+        self.ffn: dict[int, torch.Tensor] = {}  # layer -> MLP intermediate activation [B, d_ffn]
         self.rows: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> ([B, H, kv], kv_len)
         self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -120,8 +120,8 @@ class Probes:
                 handles.append(block.register_forward_pre_hook(self._pre_block(layer), with_kwargs=True))
                 handles.append(block.register_forward_hook(self._post_block(layer)))
                 if self.component_norms:
-                    handles.append(a.attn(layer).register_forward_hook(self._norm_hook("attn_norm", layer)))
-                    handles.append(a.mlp(layer).register_forward_hook(self._norm_hook("mlp_norm", layer)))
+                    handles.append(a.attn(layer).register_forward_hook(self._output_hook("attn_out", layer)))
+                    handles.append(a.mlp(layer).register_forward_hook(self._output_hook("mlp_out", layer)))
                 if self.shape.ffn:
                     handles.append(a.mlp_down(layer).register_forward_pre_hook(self._ffn_hook(layer)))
                 if self.shape.k_router and a.routers[layer] is not None:
@@ -144,18 +144,17 @@ class Probes:
             self.resid_out[layer] = _last(output, len(self.ctx.pads)).detach().float()
         return hook
 
-    def _norm_hook(self, store: str, layer):
+    # The component-norm and FFN hooks only keep the query position's tensor; `collect` does the
+    # arithmetic once per step for all layers (one norm, one top-k), because ~60 tiny per-layer ops
+    # in the hooks cost more than the work itself (~5 ms a step on a 2-core CPU).
+    def _output_hook(self, store: str, layer):
         def hook(module, args, output):
-            getattr(self, store)[layer] = _last(output, len(self.ctx.pads)).detach().float().norm(dim=-1)
+            getattr(self, store)[layer] = _last(output, len(self.ctx.pads)).detach()
         return hook
 
     def _ffn_hook(self, layer):
-        k = self.shape.k_ffn
-
         def hook(module, args):
-            act = _last(args[0], len(self.ctx.pads)).detach().float()
-            idx = act.abs().topk(min(k, act.shape[-1]), dim=-1).indices
-            self.ffn[layer] = (idx, act.gather(-1, idx))
+            self.ffn[layer] = _last(args[0], len(self.ctx.pads)).detach()
         return hook
 
     def _router_hook(self, layer):
@@ -246,9 +245,11 @@ class Probes:
         if s.qkv:
             for name, j in (("q", 0), ("k", 1), ("v", 2)):
                 arrays[name] = torch.stack([self.qkv[layer][j] for layer in self.layers], 1).float().cpu().numpy().astype(self.np_float)
-        if s.ffn:
-            arrays["ffn_idx"] = torch.stack([self.ffn[layer][0] for layer in self.layers], 1).cpu().numpy().astype(np.int32)
-            arrays["ffn_val"] = torch.stack([self.ffn[layer][1] for layer in self.layers], 1).cpu().numpy()
+        if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
+            act = torch.stack([self.ffn[layer] for layer in self.layers], 1).float()
+            idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
+            arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
+            arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
         if s.k_router:
             idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
             w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
@@ -266,9 +267,11 @@ class Probes:
         delta = resid_out - resid_in
         scalars["resid_norm"] = resid_out.norm(dim=-1).T.cpu().numpy()
         scalars["delta_norm"] = delta.norm(dim=-1).T.cpu().numpy()
-        if self.component_norms:
-            scalars["attn_norm"] = torch.stack([self.attn_norm[layer] for layer in self.layers], 1).cpu().numpy()
-            scalars["mlp_norm"] = torch.stack([self.mlp_norm[layer] for layer in self.layers], 1).cpu().numpy()
+        if self.component_norms:  # [2, B, L]: attention and MLP outputs of every layer, one norm
+            outputs = torch.stack([torch.stack([store[layer] for layer in self.layers], 1)
+                                   for store in (self.attn_out, self.mlp_out)], 0)
+            norms = outputs.float().norm(dim=-1).cpu().numpy()
+            scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             normed = self.adapter.final_norm(resid_out.to(self.model_dtype)).float().transpose(0, 1)  # [B, L, d]
             ids, probs, margin = self.lens(normed.reshape(B * L, -1))
