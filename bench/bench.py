@@ -8,8 +8,13 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 ids (the same call pattern as lmtrace's tracer), argmax; no hooks. The model is loaded
                 once through `lmtrace.models.load_model(ModelSpec())` (sdpa attention).
   default       `lmtrace.generate.run_generate` with the default capture (attention rows, q/k/v,
-                FFN top-k, norms, logit lens, margin contributions) streamed to a run archive.
+                FFN top-k, norms, margin contributions, and the float32 residual at every layer for
+                the deferred logit lens) streamed to a run archive. Its deferred lens is then
+                computed as `lmtrace lens` does, and that time (model load excluded) is reported
+                separately, per generated token.
   forward-only  `run_generate` with `capture: none`.
+  inline-lens   the default capture with `capture.lens.when: inline` (the lens per step, during
+                generation); no target, reported for comparison.
 
 Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_counter); lmtrace runs
 use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
@@ -81,7 +86,7 @@ from transformers import DynamicCache  # noqa: E402
 
 MODEL_REF = "embedded:smollm2-135m"
 PROMPT_TOKENS = 64
-CONFIGS = ("floor", "default", "forward-only")
+CONFIGS = ("floor", "default", "forward-only", "inline-lens")
 TARGET_RATIO = {"default": 0.85, "forward-only": 0.97}
 RSS_FLAT_TOLERANCE = 0.10  # peak RSS at the largest N within 10% of the smallest N
 WARMUP_TOKENS = 8
@@ -209,6 +214,8 @@ def spec_data(config: str, prompt: str, n_new: int, eos: int, runs_dir: str) -> 
     }
     if config == "forward-only":
         data["capture"] = "none"
+    elif config == "inline-lens":  # the default capture with the logit lens computed per step
+        data["capture"] = {"lens": {"when": "inline"}}
     return data
 
 
@@ -218,8 +225,13 @@ def own_cpu_s() -> float:
     return t.user + t.system
 
 
-def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: str, on_start=None) -> dict:
+def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: str, on_start=None,
+                     deferred_lens: bool = False) -> dict:
     """One run_generate call; returns its generate_s, generated ids and archive size (run dir removed).
+
+    With deferred_lens (default configuration, timed samples) the run's deferred logit lens is then
+    computed as `lmtrace lens` would, and its seconds without the model load are returned as lens_s
+    (archive size measured before, like the other configurations).
 
     cpu_s is the process CPU time from generation start to run_generate's return (the finalisation
     after generate_s, ~0.1 s, is included).
@@ -250,6 +262,12 @@ def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: s
         "archive_bytes": dir_size(run_dir),
         "status": manifest["status"],
     }
+    if deferred_lens and config == "default":
+        from lmtrace.archive.reader import Run
+        from lmtrace.deferred_lens import compute_lens
+
+        summary = compute_lens(Run(run_dir))
+        info["lens_s"] = summary["seconds"] - summary["model_load_s"]
     shutil.rmtree(run_dir, ignore_errors=True)
     gc.collect()  # run_generate loaded its own model: free it before the next measurement
     return info
@@ -347,7 +365,7 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
         cpu0 = own_cpu_s()
         ids, seconds = floor_generate(model, prompt_ids, n)
         return {"seconds": seconds, "cpu_s": own_cpu_s() - cpu0, "archive_bytes": 0, "same": ids == floor_ids[:n]}
-    info = lmtrace_generate(config, prompt, n, eos, runs_dir)
+    info = lmtrace_generate(config, prompt, n, eos, runs_dir, deferred_lens=True)
     return {**info, "same": check_run(config, info, n, floor_ids)}
 
 
@@ -388,6 +406,8 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                 entry["attempts"].append(len(attempts))
                 entry["archive_bytes"] = run["archive_bytes"]
                 entry["same_tokens"] = entry["same_tokens"] and run["same"]
+                if "lens_s" in run:
+                    entry.setdefault("lens_s", []).append(round(run["lens_s"], 3))
                 ckpt.save()
     return samples
 
@@ -456,6 +476,9 @@ def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
                 "best_tok_per_s": round(n / min(s["seconds"]), 2),
                 **rss_fields(rss.get(key(config, n))),
                 "same_tokens_as_floor": s["same_tokens"],
+                "deferred_lens_s": s.get("lens_s"),
+                "deferred_lens_ms_per_token": (round(statistics.median(s["lens_s"]) / n * 1000, 2)
+                                               if s.get("lens_s") else None),
                 "others_cpu_max": max(s["others_cpu"]), "others_cpu": s["others_cpu"], "attempts": s["attempts"],
             })
     return rows
@@ -482,6 +505,11 @@ def rss_flatness(rss: dict, tokens: list[int]) -> dict | None:
 
 def target_lines(rows: list[dict], flat: dict | None) -> list[str]:
     lines = []
+    lens = [r for r in rows if r.get("deferred_lens_ms_per_token") is not None]
+    if lens:
+        lines.append("deferred logit lens of the default runs, computed afterwards (`lmtrace lens`, model load "
+                     "excluded): " + ", ".join(f"N={r['tokens']}: {r['deferred_lens_ms_per_token']:.1f} ms/token"
+                                               for r in lens))
     for config, target in TARGET_RATIO.items():
         got = ", ".join(f"N={r['tokens']}: {r['ratio_vs_floor']:.3f}x {'PASS' if r['meets_target'] else 'FAIL'}"
                         for r in rows if r["config"] == config)

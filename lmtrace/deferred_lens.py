@@ -50,7 +50,8 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
         t0 = time.time()
         rows = _compute(Run(run.path), manifest, device, note)
         manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
-                                        "device": rows.pop("device"), "rows": rows["rows"]}
+                                        "model_load_s": rows["model_load_s"], "device": rows.pop("device"),
+                                        "rows": rows["rows"]}
         for spec in layout.LENS_ARRAYS:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
         write_manifest(run.path, manifest)
@@ -64,7 +65,9 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     from .models import load_run_model
 
     spec = manifest["spec_resolved"]
+    t_load = time.time()
     loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens", overrides={"device": device}, note=note)
+    load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])
     final_norm = adapter.final_norm
@@ -111,7 +114,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
         note(f"lens: sequence {seq + 1}/{n_seq} ({n} steps)")
     _add_step_columns(run, {"lens_top1": top1, "lens_top1_prob": top1_prob, "lens_margin": margin}, layers)
     _consolidate(run.path)
-    return {"rows": n_rows, "device": str(loaded.device)}
+    return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}
 
 
 def _writable_group(path: Path):
