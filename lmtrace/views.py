@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .archive import layout
-from .archive.reader import IncompleteRunWarning, Run
+from .archive.reader import IncompleteRunWarning, Run, lens_state
 from .errors import RunNotFoundError
 from .runs import dir_size, find_run, list_runs, read_manifest, runs_root
 
@@ -128,6 +128,12 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool) -> None:
                   f"top_k={gen.get('top_k')} top_p={gen.get('top_p')} seed={gen.get('seed')}", markup=False)
     console.print(f"captured layers: {len((m.get('shape') or {}).get('layers') or [])}  "
                   f"arrays: {', '.join(m.get('arrays') or {}) or 'none'}", markup=False)
+    lens = m.get("lens")
+    if lens:
+        state = {"pending": f"deferred, not computed yet (`lmtrace lens {run.id}`)",
+                 "ready": "computed " + ("during generation" if lens.get("when", "inline") == "inline"
+                                         else f"afterwards ({(lens.get('computed') or {}).get('at')})")}
+        console.print(f"logit lens: {state[lens_state(m)]}", markup=False)
     if m.get("error"):
         console.print(Text(f"error: {m['error']}", style="red"))
     shards = run.shard_status
