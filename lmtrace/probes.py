@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import attention
+from .attention_rows import BatchedRows, plain_attention_probs
 from .arch import Adapter
 from .archive.layout import RunShape
 from .lens import LogitLens
@@ -51,21 +52,6 @@ def _is_plain_eager(fn) -> bool:
         return False
 
 
-def _plain_attention_probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
-                           scaling: float) -> torch.Tensor:
-    """softmax(q·kᵀ·scaling + mask) in float32, as Llama's eager kernel, GQA by grouping query heads.
-
-    query [B, H, r, D], key [B, KVH, T, D], mask [B, 1, r, T] additive -> probs [B, H, r, T].
-    """
-    B, H, r, D = query.shape
-    kvh, T = key.shape[1], key.shape[2]
-    grouped = query.reshape(B, kvh, (H // kvh) * r, D)
-    scores = torch.matmul(grouped, key.transpose(2, 3)).reshape(B, H, r, T) * scaling
-    if mask is not None:
-        scores = scores + mask
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-
-
 class Probes:
     def __init__(self, adapter: Adapter, shape: RunShape, *, component_norms: bool, margin_contributions: bool,
                  lens_dtype: str = "float32", inner_attention=None):
@@ -86,6 +72,8 @@ class Probes:
         # softmax, as Llama's), the rows are computed here with grouped matmuls instead: same
         # formula, without copying every key per query head (repeat_kv) or computing the output.
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
+        # ... and, for the rows of the query position, all layers at once (lmtrace/attention_rows.py)
+        self.batched = BatchedRows(len(self.layers)) if self.plain_eager and shape.attention else None
         self.np_float = np.dtype(shape.float_dtype)
         self.model_dtype = next(adapter.model.parameters()).dtype
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
@@ -109,6 +97,8 @@ class Probes:
     def begin(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
         self._reset()
+        if ctx.prefill and self.batched is not None:
+            self.batched.new_batch()
 
     @contextmanager
     def attached(self):
@@ -178,7 +168,11 @@ class Probes:
                 "sinks": getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None,
             }
         prefill = self.ctx.prefill
-        if self.shape.attention or (prefill and self.shape.prefill_attention):
+        full_prefill = prefill and self.shape.prefill_attention
+        if weights is None and self.batched is not None and self.batched.offer(
+                self.pos[layer], query, key, attention_mask, self.kernel_args[layer]["scaling"], want_row=not full_prefill):
+            pass  # the row comes from the batched product in `collect`
+        elif self.shape.attention or full_prefill:
             if weights is not None:  # the eager kernel already returned them
                 probs = weights
             else:
@@ -187,13 +181,13 @@ class Probes:
                 if mask is not None and q_rows.shape[2] != mask.shape[2]:
                     mask = mask[:, :, -q_rows.shape[2]:]
                 if self.plain_eager:
-                    probs = _plain_attention_probs(q_rows, key, mask, self.kernel_args[layer]["scaling"])
+                    probs = plain_attention_probs(q_rows, key, mask, self.kernel_args[layer]["scaling"])
                 else:
                     extra = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
                     _, probs = self.eager(module, q_rows, key, value, mask, dropout=0.0,
                                           scaling=kwargs.get("scaling"), **extra)
             self.rows[layer] = (probs[:, :, -1].detach(), key.shape[2])
-            if prefill and self.shape.prefill_attention:
+            if full_prefill:
                 self.prefill_rows[layer] = probs.detach()
         if self.shape.qkv:
             self.qkv[layer] = (query[:, :, -1].detach(), key[:, :, -1].detach(), value[:, :, -1].detach())
@@ -221,11 +215,19 @@ class Probes:
         arrays: dict[str, np.ndarray] = {}
         scalars: dict[str, np.ndarray] = {}
         if s.attention:
+            if self.batched is not None:
+                batched, kv_len = self.batched.rows()
+                self.rows.update({self.layers[li]: (rows, kv_len) for li, rows in batched.items()})
             if s.k_attn is None:
                 out = np.full((B, L, s.n_heads, s.max_len), np.nan, dtype=self.np_float)
-                for li, layer in enumerate(self.layers):
-                    rows, kv_len = self.rows[layer]
-                    self._realign_keys(rows, kv_len, out[:, li])
+                kv_lens = {self.rows[layer][1] for layer in self.layers}
+                if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
+                    rows = torch.stack([self.rows[layer][0] for layer in self.layers], 1)  # [B, L, H, kv]
+                    self._realign_keys(rows, kv_lens.pop(), out)
+                else:
+                    for li, layer in enumerate(self.layers):
+                        rows, kv_len = self.rows[layer]
+                        self._realign_keys(rows, kv_len, out[:, li])
                 arrays["attn"] = out
             else:
                 idx_out = np.full((B, L, s.n_heads, s.k_attn), -1, dtype=np.int32)
