@@ -66,7 +66,10 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
 
     spec = manifest["spec_resolved"]
     t_load = time.time()
-    loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens", overrides={"device": device}, note=note)
+    # the lens reads only the final modules and the unembedding, never attention: eager loads every
+    # family (Gemma 2, GPT-OSS refuse sdpa at load time; generate falls back to eager for them)
+    loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
+                            overrides={"device": device, "attn_implementation": "eager"}, note=note)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])

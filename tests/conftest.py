@@ -34,6 +34,21 @@ def run_spec(tmp_path: Path, data: dict) -> Run:
     return Run(result.run_dir)
 
 
+def with_lens(run: Run) -> Run:
+    """The run after `lmtrace lens` (the deferred logit lens, the default), reopened.
+
+    Checks it really was deferred and pending, so a test that reads lens arrays through this
+    helper exercises lmtrace/deferred_lens.py, not the inline lens."""
+    from lmtrace.archive.reader import lens_state
+    from lmtrace.deferred_lens import compute_lens
+
+    assert run.manifest["lens"]["when"] == "deferred" and lens_state(run.manifest) == "pending", run.manifest["lens"]
+    assert compute_lens(run)["computed"] is True
+    run = Run(run.path)
+    assert lens_state(run.manifest) == "ready" and run.manifest["lens"]["computed"]["by"] == "lmtrace lens"
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A randomly initialised 4-layer GQA Llama with the embedded model's tokenizer (no download)."""

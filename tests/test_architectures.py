@@ -6,7 +6,9 @@ download), `lmtrace generate` runs on it (KV cache, left-padded batch of 3 promp
 lengths, sampling), and every archived attention row, residual norm / delta, component norm, logit-lens
 row, margin contribution, FFN top-k (or MoE router top-k), chosen-token logprob and the archived
 Q/K/V are compared with the model's own eager forward over the final sequence
-(output_attentions=True, output_hidden_states=True), within 1e-4 in float32.
+(output_attentions=True, output_hidden_states=True), within 1e-4 in float32. The logit lens is the
+deferred one (the default): `lmtrace lens` computes it after generation from the archived residuals,
+with each family's own final modules, so that path is checked for every family.
 
 The reference never uses lmtrace's adapter: the module paths it hooks come from the `Case` table below.
 
@@ -26,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, run_spec
+from conftest import PROMPTS, run_spec, with_lens
 
 TOL = 1e-4
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,8 +418,8 @@ def _table_row(case: Case, run, checked: dict, tol: Tol) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_family_capture_matches_full_forward(case, tokenizer, tmp_path):
     path = build_tiny(case, tokenizer, tmp_path / case.id)
-    run = run_spec(tmp_path, {"model": str(path), "prompts": PROMPTS, "generation": GEN,
-                              "output": {"float_dtype": "float32"}})
+    run = with_lens(run_spec(tmp_path, {"model": str(path), "prompts": PROMPTS, "generation": GEN,
+                                        "output": {"float_dtype": "float32"}}))
     assert run.status == "complete"
     m = run.manifest
     assert m["model"]["architecture_family"] == case.family
@@ -459,7 +461,7 @@ def embedded_ref():
 
 @pytest.mark.slow
 def test_embedded_smollm2_float32_matches_full_forward(tmp_path, embedded_ref):
-    run = run_spec(tmp_path, _embedded_spec("float32"))
+    run = with_lens(run_spec(tmp_path, _embedded_spec("float32")))
     tol = Tol()
     checked = check_run(run, embedded_ref, tol)
     RESULTS["smollm2_f32"] = {**_table_row(EMBEDDED, run, checked, tol), "dtype": "float32", "dev": tol.stats}
@@ -470,7 +472,7 @@ def test_embedded_smollm2_bfloat16_is_within_bfloat16_of_the_float32_forward(tmp
     """bfloat16 run vs the float32 eager forward on the tokens the bf16 run chose: the deviation is
     bfloat16 rounding accumulated over 30 layers, not capture error (a misaligned key, head or layer
     would be off by O(1))."""
-    run = run_spec(tmp_path, _embedded_spec("bfloat16"))
+    run = with_lens(run_spec(tmp_path, _embedded_spec("bfloat16")))
     assert run.manifest["dtype"] == "bfloat16"
     tol = Tol(**BF16_TOL)
     checked = check_run(run, embedded_ref, tol, exact_tokens=False)

@@ -4,6 +4,8 @@ The run uses the KV-cached loop with sdpa and probes; the reference is one eager
 prompt + generated tokens with output_attentions / output_hidden_states. Tolerances are for float32,
 except the logit lens in its bfloat16 mode (bfloat16 ranking, float32 re-scoring, normaliser partly
 from bfloat16 logits; lmtrace/lens.py): ids and margins exact, probabilities within LENS_BF16_RTOL.
+The logit lens checked here is the deferred one (the default): computed by `lmtrace lens` from the
+archived residuals after generation (tests/test_deferred_lens.py: equal to the inline lens).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, Reference, run_spec
+from conftest import PROMPTS, Reference, run_spec, with_lens
 
 TOL = 1e-4
 LENS_BF16_RTOL = 0.02  # documented bound ~1 % (normaliser error <= 0.011 measured on SmolLM2)
@@ -113,7 +115,7 @@ def _spec(**gen):
 def test_single_prompt_greedy_matches_full_forward(tmp_path, embedded_ref):
     spec = _spec()
     spec["prompts"] = PROMPTS[:1]
-    run = run_spec(tmp_path, spec)
+    run = with_lens(run_spec(tmp_path, spec))
     assert run.status == "complete"
     assert run.manifest["lens"]["dtype"] == "float32"  # the default: exact
     assert check_sequence(run, embedded_ref, 0) == 10
@@ -123,14 +125,14 @@ def test_bfloat16_lens_has_exact_ids_and_probabilities_within_its_bound(tmp_path
     spec = _spec()
     spec["prompts"] = PROMPTS[1:2]
     spec["capture"]["lens"] = {"dtype": "bfloat16"}
-    run = run_spec(tmp_path, spec)
+    run = with_lens(run_spec(tmp_path, spec))
     assert run.manifest["lens"]["dtype"] == "bfloat16"
     assert check_sequence(run, embedded_ref, 0) == 10
 
 
 def test_padded_batch_sampled_matches_full_forward_and_single_runs(tmp_path, embedded_ref):
     gen = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}
-    batched = run_spec(tmp_path / "b", {**_spec(**gen), "generation": {**_spec(**gen)["generation"], "batch_size": 3}})
+    batched = with_lens(run_spec(tmp_path / "b", {**_spec(**gen), "generation": {**_spec(**gen)["generation"], "batch_size": 3}}))
     single = run_spec(tmp_path / "s", _spec(**gen))
     assert len(set(batched.prompt_len().tolist())) > 1, "prompts must have different lengths to test padding"
     for seq in range(len(PROMPTS)):

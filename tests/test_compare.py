@@ -28,7 +28,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import PROMPTS, run_spec
+from conftest import PROMPTS, run_spec, with_lens
 from lmtrace.cli import app
 from lmtrace.compare import compare_runs
 
@@ -70,9 +70,11 @@ def runs(tmp_path_factory, tiny_llama_dir):
     out = {
         "sampled": run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": SAMPLED}),
         "seed2": run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {**SAMPLED, "seed": 2}}),
-        "parent": run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": GREEDY,
-                                  "capture": capture}),
-        "child": run_spec(root, {"model": str(child_dir), "prompts": PROMPTS, "generation": GREEDY, "capture": capture}),
+        # the deferred logit lens computed (`lmtrace lens`): per-layer lens winner changes are compared
+        "parent": with_lens(run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": GREEDY,
+                                            "capture": capture})),
+        "child": with_lens(run_spec(root, {"model": str(child_dir), "prompts": PROMPTS, "generation": GREEDY,
+                                           "capture": capture})),
         "small": run_spec(root, {"model": str(small_dir), "prompts": [PROMPTS[2], PROMPTS[0], "Something else entirely"],
                                  "generation": {**GREEDY, "max_new_tokens": 3}}),
     }
@@ -141,7 +143,8 @@ def test_a_run_compared_with_itself_reports_no_difference(runs):
     for col in ("resid_norm_delta", "delta_norm_delta", "attn_norm_delta", "mlp_norm_delta", "margin_contrib_delta",
                 "attn_js_max", "resid_dist"):
         assert (layers[col].dropna() == 0).all(), col
-    assert not layers.lens_changed.any() and len(cmp.per_head) == 3 * N * 4 * 4
+    assert (layers.lens_changed == 0).all() and len(cmp.per_head) == 3 * N * 4 * 4  # computed, and unchanged
+    assert not any("lmtrace lens" in n for n in cmp.notes)
     assert cmp.first_changed_layer is None and not cmp.spec_differences
 
 
@@ -188,6 +191,9 @@ def test_head_ablated_child_changes_from_the_ablated_layer_on(runs):
     sa, sb = a.steps().to_pandas(), b.steps().to_pandas()
     attn_a, attn_b = a.array("attn")[:].astype(np.float64), b.array("attn")[:].astype(np.float64)
     resid_a, resid_b = a.array("resid")[:], b.array("resid")[:]
+    # `resid` holds vectors_at [1, 3] and, the lens being deferred, every captured layer: index by layer
+    resid_at = {layer: i for i, layer in enumerate(a.manifest["shape"]["resid_layers"])}
+    assert b.manifest["shape"]["resid_layers"] == a.manifest["shape"]["resid_layers"]
     for p in cmp.pairs:
         seq = p["seq_a"]
         ga, gb = _gen(a, seq), _gen(b, seq)
@@ -233,9 +239,17 @@ def test_head_ablated_child_changes_from_the_ablated_layer_on(runs):
                 for h in range(4):
                     assert hd.loc[(s, layer, h)].attn_js == pytest.approx(expected[h], rel=1e-4, abs=1e-12)
             # full residual vectors at layers 1 and 3: equal before the ablated layer, different after
-            assert lay.loc[(s, 1)].resid_dist == 0 and np.array_equal(resid_a[seq, s, 0], resid_b[seq, s, 0])
-            dist = np.linalg.norm(resid_b[seq, s, 1].astype(np.float64) - resid_a[seq, s, 1])
+            r1, r3 = resid_at[1], resid_at[3]
+            assert lay.loc[(s, 1)].resid_dist == 0 and np.array_equal(resid_a[seq, s, r1], resid_b[seq, s, r1])
+            dist = np.linalg.norm(resid_b[seq, s, r3].astype(np.float64) - resid_a[seq, s, r3])
             assert lay.loc[(s, 3)].resid_dist == pytest.approx(dist, rel=1e-6) and dist > 0
+            # logit-lens winners, from the two steps tables: unchanged before the ablated layer
+            for layer in range(4):
+                la = sa[(sa.sequence == seq) & (sa.step == s) & (sa.layer == layer)].lens_top1.iloc[0]
+                lb = sb[(sb.sequence == seq) & (sb.step == s) & (sb.layer == layer)].lens_top1.iloc[0]
+                assert lay.loc[(s, layer)].lens_changed == float(la != lb)
+                if layer < ABLATED_LAYER:
+                    assert la == lb
     assert cmp.first_changed_layer == ABLATED_LAYER
     assert cmp.layers[0]["layer"] in (2, 3) and all(r["layer"] == 3 for r in cmp.heads if r["attn_js_mean"] > 0)
     assert {r["layer"] for r in cmp.layers if not r["changed"]} == {0, 1}

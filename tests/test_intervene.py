@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, run_spec
+from conftest import PROMPTS, run_spec, with_lens
 from lmtrace.archive.reader import Run
 from lmtrace.errors import SpecError
 from lmtrace.intervene import run_intervene
@@ -25,13 +25,16 @@ def _tiny_run(tmp, model_dir, batch_size: int, seed: int, **extra):
 
 @pytest.fixture(scope="module")
 def parent(tmp_path_factory, tiny_llama_dir):
-    return _tiny_run(tmp_path_factory.mktemp("parent"), tiny_llama_dir, batch_size=3, seed=4,
-                     capture={"residual": {"vectors_at": [1]}})
+    run = _tiny_run(tmp_path_factory.mktemp("parent"), tiny_llama_dir, batch_size=3, seed=4,
+                    capture={"residual": {"vectors_at": [1]}})
+    return with_lens(run)  # the deferred logit lens, computed: lens_probs is compared with children's
 
 
-def _child(parent, entries, **kw):
+def _child(parent, entries, *, lens: bool = False, **kw):
+    """The child run of an intervention (and its deferred logit lens, computed, when `lens`)."""
     result, effects = run_intervene(str(parent.path), entries, **kw)
-    return Run(result.run_dir), effects.to_pandas()
+    child = Run(result.run_dir)
+    return (with_lens(child) if lens else child), effects.to_pandas()
 
 
 def _sequence_ids(run, seq):
@@ -64,7 +67,7 @@ def _check_child_logprobs(parent, child, effects, model_dir, mask_fn=None, edit=
 
 
 def test_no_edit_rescore_reproduces_the_parent_exactly(parent):
-    child, effects = _child(parent, [])
+    child, effects = _child(parent, [], lens=True)
     assert child.manifest["parent"]["run_id"] == parent.id and child.manifest["kind"] == "intervene"
     assert child.tokens().to_pandas().token_id.tolist() == parent.tokens().to_pandas().token_id.tolist()
     for name in ("attn", "q", "lens_probs", "resid"):
@@ -78,7 +81,7 @@ def test_regenerate_without_edits_reproduces_the_sampled_tokens(parent):
 
 
 def test_patching_a_run_with_itself_changes_nothing(parent):
-    child, effects = _child(parent, [{"kind": "patch_residual", "layer": 1, "source_run": str(parent.path)}])
+    child, effects = _child(parent, [{"kind": "patch_residual", "layer": 1, "source_run": str(parent.path)}], lens=True)
     np.testing.assert_array_equal(child.array("lens_probs")[:], parent.array("lens_probs")[:])
     assert (effects.logprob_shift == 0).all()
 
@@ -239,7 +242,8 @@ def other(tmp_path_factory, tiny_llama_dir):
 
 
 def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
-    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path)}])
+    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path)}],
+                            lens=True)
     # bit-identical: the source's values are recomputed by the same KV-cached loop over the same batches
     for name in ("lens_probs", "attn", "resid"):
         np.testing.assert_array_equal(child.array(name)[:], parent.array(name)[:], err_msg=name)

@@ -187,8 +187,19 @@ def test_resolve_layers():
 
 
 def test_resolve_vector_layers():
-    spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": [0, 15, -1]}}}, "t")
+    inline = {"lens": {"when": "inline"}}
+    spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": [0, 15, -1]}, **inline}}, "t")
     assert resolve_vector_layers(spec.capture, 30) == [0, 15, 29]
+    # a deferred logit lens (the default) reads the residual of every captured layer: they are added
+    spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": [0, 15, -1]}}}, "t")
+    assert spec.capture.lens_deferred and resolve_vector_layers(spec.capture, 30) == list(range(30))
+    spec = build_spec({"prompts": ["a"], "capture": {"layers": {"stride": 10, "start": 5}, "residual": {"vectors_at": [0]}}}, "t")
+    assert resolve_vector_layers(spec.capture, 30) == [0, 5, 15, 25]
+    for capture in ({"layers": [3], "lens": {"enabled": False}}, {"layers": [3], "lens": {"when": "inline"}}):
+        spec = build_spec({"prompts": ["a"], "capture": capture}, "t")
+        assert resolve_vector_layers(spec.capture, 30) == [], capture
+    spec = build_spec({"prompts": ["a"], "capture": "none"}, "t")
+    assert not spec.capture.lens_deferred and resolve_vector_layers(spec.capture, 30) == []
     spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": "all"}}}, "t")
     assert resolve_vector_layers(spec.capture, 3) == [0, 1, 2]
     spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": [30]}}}, "t")
