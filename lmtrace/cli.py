@@ -314,13 +314,17 @@ def lens(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary per run on stdout."),
 ):
     """Compute the deferred logit lens of complete runs from their archived residual stream."""
-    from .archive.reader import lens_state, open_run
+    import warnings
+
+    from .archive.reader import IncompleteRunWarning, lens_state, open_run
     from .deferred_lens import compute_lens
 
     reporter = _Reporter(quiet or json_out)
     try:
         for ref in runs:
-            run = open_run(ref, runs_dir)
+            with warnings.catch_warnings():  # an unfinished run is refused below, in one line
+                warnings.simplefilter("ignore", IncompleteRunWarning)
+                run = open_run(ref, runs_dir)
             if lens_state(run.manifest) == "pending" and run.status == "complete":  # refusals stay one line
                 reporter.message(f"computing the logit lens of {run.id}")
             summary = compute_lens(run, device=device, note=reporter.message)

@@ -55,6 +55,8 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
         for spec in layout.LENS_ARRAYS:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
         write_manifest(run.path, manifest)
+    run.manifest = manifest  # the caller's Run sees the lens without reopening the run
+    run.__dict__.pop("tensors", None)
     return {"run_id": run.id, "computed": True, **rows, "seconds": manifest["lens"]["computed"]["seconds"]}
 
 
@@ -68,8 +70,11 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     t_load = time.time()
     # the lens reads only the final modules and the unembedding, never attention: eager loads every
     # family (Gemma 2, GPT-OSS refuse sdpa at load time; generate falls back to eager for them)
+    # the run's own dtype and device (not the spec's `auto`, which could pick another): the lens is
+    # then what inline would have computed; --device overrides the device only
     loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
-                            overrides={"device": device, "attn_implementation": "eager"}, note=note)
+                            overrides={"device": device or manifest.get("device"), "dtype": manifest.get("dtype"),
+                                       "attn_implementation": "eager"}, note=note)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])

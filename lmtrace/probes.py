@@ -116,6 +116,8 @@ class Probes:
                     handles.append(a.mlp_down(layer).register_forward_pre_hook(self._ffn_hook(layer)))
                 if self.shape.k_router and a.routers[layer] is not None:
                     handles.append(a.routers[layer].register_forward_hook(self._router_hook(layer)))
+            for layer in sorted(set(self.shape.resid_layers) - set(self.layers)):  # `residual.vectors_at` only
+                handles.append(a.layers[layer].register_forward_hook(self._post_block(layer)))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:

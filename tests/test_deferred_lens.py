@@ -27,8 +27,8 @@ from lmtrace.deferred_lens import compute_lens
 from lmtrace.errors import ArchiveError
 from test_cli_errors import assert_one_line_error, lmtrace
 
-LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 2
-VECTORS_AT = [2]
+LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 1, not captured:
+VECTORS_AT = [1]  # so `resid` holds layers 0..3 and the lens reads rows 0, 2, 3 of it
 N = 7  # new tokens; chunk_steps 3: blocks of 3, 3 and a partial 1
 LENS_COLUMNS = ["lens_top1", "lens_top1_prob", "lens_margin"]
 
