@@ -330,8 +330,8 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
             "probabilities": (None if not shape.attention else
                               "returned by the model's own eager attention kernel, which the forward ran"
                               if inner_attn == "eager" else
-                              "recomputed per captured layer with the model's own eager attention function "
-                              "on the captured post-rotary query/key (see docs/archive.md)"),
+                              "recomputed from the captured post-rotary query and keys with the model's own eager attention "
+                              "(row_method says how; see docs/archive.md)"),
             "qkv_rotary": "post-rotary" if shape.qkv else None,
             "layers": {},  # per captured layer: scaling/softcap/sliding_window/sinks the kernel was called with
         },
@@ -600,6 +600,8 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         if existing is None and not (run_dir / layout.MANIFEST).is_file():
             manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
             manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
+            if probes is not None and shape.attention and inner_name != "eager":
+                manifest["attention"]["row_method"] = probes.row_method
             manifest["shards"] = shard.count
             if replay is not None:
                 manifest.update(replay.manifest_extra)

@@ -13,10 +13,12 @@ Two precisions (`capture.lens.dtype`):
             within ~1 % relative. Pure bfloat16 logits, by contrast, were off by up to 0.46 and
             changed the top-1 in 5 % of rows.
 
-Why the lens is still computed on the main thread, per step: computing it per block of steps on
-the archive writer's thread (one product over ~500 rows) was tried and measured no faster on a
-2-core CPU — the ~25 ms of single-core work per step competes with the forward for the same cores
-and memory bandwidth (see docs/archive.md, "Cost").
+When it runs: with `capture.lens.when: inline` the probes call it once per step for all captured
+layers; with `deferred` (the default) `lmtrace lens` calls it later on the archived float32
+residuals, in blocks of steps (lmtrace/deferred_lens.py), which gives the same values. Computing
+the inline lens per block on the archive writer's thread was tried and measured no faster on a
+2-core CPU: the ~25 ms of single-core work per step competes with the forward for the same cores
+and memory bandwidth (docs/archive.md, "Cost").
 """
 
 from __future__ import annotations

@@ -74,6 +74,10 @@ class Probes:
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
         # ... and, for the rows of the query position, all layers at once (lmtrace/attention_rows.py)
         self.batched = BatchedRows(len(self.layers)) if self.plain_eager and shape.attention else None
+        self.row_method = (None if self.eager is None else
+                           "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
+                           "layers in one grouped product; per layer where the cache dropped keys"
+                           if self.batched is not None else "the model's eager attention function, per layer")
         self.np_float = np.dtype(shape.float_dtype)
         # archived floats are converted by torch (vectorised) before numpy sees them: numpy's
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
