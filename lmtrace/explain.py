@@ -42,7 +42,7 @@ import torch
 
 from .archive import layout
 from .archive.reader import IncompleteRunWarning, Run
-from .errors import ArchiveError, LmtraceError, ModelLoadError, SpecError
+from .errors import ArchiveError, LmtraceError, SpecError
 from .runs import find_run, new_run_id, now_iso, read_manifest, runs_root
 
 EXPLAIN_DIR = "explain"

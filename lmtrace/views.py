@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .archive import layout
 from .archive.reader import IncompleteRunWarning, Run, lens_state
 from .errors import RunNotFoundError
 from .runs import dir_size, find_run, list_runs, read_manifest, runs_root
