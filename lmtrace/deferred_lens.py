@@ -62,24 +62,21 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
 
 def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     from .arch import adapter_for
-    from .archive.writer import compressors_for, create_array
+    from .archive.writer import compressors_for, consolidate, create_array
     from .lens import LogitLens
     from .models import load_run_model
 
     spec = manifest["spec_resolved"]
     t_load = time.time()
-    # the lens reads only the final modules and the unembedding, never attention: eager loads every
-    # family (Gemma 2, GPT-OSS refuse sdpa at load time; generate falls back to eager for them)
-    # the run's own dtype and device (not the spec's `auto`, which could pick another): the lens is
-    # then what inline would have computed; --device overrides the device only
+    # The run's own dtype and device (not the spec's `auto`, which could pick another), so the lens
+    # is what inline would have computed; --device overrides the device only. Eager attention: the
+    # lens never runs attention, and eager loads every family (Gemma 2, GPT-OSS refuse sdpa).
     loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
                             overrides={"device": device or manifest.get("device"), "dtype": manifest.get("dtype"),
                                        "attn_implementation": "eager"}, note=note)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])
-    final_norm = adapter.final_norm
-    model_dtype = next(loaded.model.parameters()).dtype
 
     layers = run.layers
     resid_layers = list(manifest["shape"]["resid_layers"])
@@ -109,10 +106,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
             real = min(s1, n) - s0
             ids = np.full((s1 - s0, L, k), -1, dtype=np.int32)
             probs = np.full((s1 - s0, L, k), np.nan, dtype=np.float32)
-            with torch.inference_mode():
-                h = torch.from_numpy(np.ascontiguousarray(x[:real])).to(loaded.device)
-                normed = final_norm(h.to(model_dtype)).float().reshape(real * L, -1)
-                i, p, m = lens(normed)
+            i, p, m = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(x[:real])).reshape(real * L, -1))
             ids[:real], probs[:real] = i.reshape(real, L, k), p.reshape(real, L, k)
             out["lens_ids"][seq:seq + 1, s0:s1] = ids[None]
             out["lens_probs"][seq:seq + 1, s0:s1] = probs[None]
@@ -120,8 +114,8 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
             margin[seq, s0:s0 + real] = m.reshape(real, L)
             n_rows += real * L
         note(f"lens: sequence {seq + 1}/{n_seq} ({n} steps)")
-    _add_step_columns(run, {"lens_top1": top1, "lens_top1_prob": top1_prob, "lens_margin": margin}, layers)
-    _consolidate(run.path)
+    _add_step_columns(run, dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin))), layers)
+    consolidate(run.path)
     return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}
 
 
@@ -129,16 +123,6 @@ def _writable_group(path: Path):
     import zarr
 
     return zarr.open_group(str(path / layout.TENSORS), mode="a", zarr_format=3)
-
-
-def _consolidate(path: Path) -> None:
-    import warnings
-
-    import zarr
-
-    with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(str(path / layout.TENSORS))
 
 
 def _add_step_columns(run: Run, values: dict[str, np.ndarray], layers: list[int]) -> None:

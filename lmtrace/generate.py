@@ -625,7 +625,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         if spec.capture.component_norms:
             step_columns += ["attn_norm", "mlp_norm"]
         if shape.lens:
-            step_columns += ["lens_top1", "lens_top1_prob", "lens_margin"]
+            step_columns += list(layout.LENS_STEP_COLUMNS)
         if spec.capture.margin_contributions:
             step_columns += ["margin_contrib"]
 

@@ -42,6 +42,8 @@ class LogitLens:
         self.vocab, self.d_in = self.weight.shape  # d_in: after the final norm (OPT's project_out included)
         self.approximate = dtype == "bfloat16"
         self.weight32 = self.weight.float()
+        self.final_norm = adapter.final_norm
+        self.model_dtype = next(adapter.model.parameters()).dtype
         if self.approximate:
             self.weight_bf16 = self.weight.to(torch.bfloat16)
             self.bias_bf16 = None if self.bias is None else self.bias.to(torch.bfloat16)
@@ -53,6 +55,12 @@ class LogitLens:
 
     def _exact(self, x: torch.Tensor) -> torch.Tensor:
         return self._cap(torch.nn.functional.linear(x, self.weight32, self.bias))
+
+    @torch.inference_mode()
+    def of_residuals(self, resid: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """resid [N, d] float32 residual streams (before the final norm) -> as `__call__`. The final
+        norm runs in the model's dtype, as in the forward; inline and deferred lenses both call this."""
+        return self(self.final_norm(resid.to(self.device, self.model_dtype)).float())
 
     @torch.inference_mode()
     def __call__(self, normed: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

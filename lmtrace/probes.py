@@ -82,7 +82,6 @@ class Probes:
         # archived floats are converted by torch (vectorised) before numpy sees them: numpy's
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
         self.torch_float = {"float16": torch.float16, "float32": torch.float32}[shape.float_dtype]
-        self.model_dtype = next(adapter.model.parameters()).dtype
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
@@ -284,8 +283,7 @@ class Probes:
             norms = outputs.float().norm(dim=-1).cpu().numpy()
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
-            normed = self.adapter.final_norm(resid_out.to(self.model_dtype)).float().transpose(0, 1)  # [B, L, d]
-            ids, probs, margin = self.lens(normed.reshape(B * L, -1))
+            ids, probs, margin = self.lens.of_residuals(resid_out.transpose(0, 1).reshape(B * L, -1))
             arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
             scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
             scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]

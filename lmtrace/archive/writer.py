@@ -50,6 +50,13 @@ def compressors_for(codec: str, level: int):
     return None
 
 
+def consolidate(run_dir: Path) -> None:
+    """Consolidate the run's Zarr metadata (after the last array is created)."""
+    with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(run_dir / layout.TENSORS))
+
+
 def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ...], chunk_steps: int,
                  compressors) -> zarr.Array:
     """An archive array (or the existing one of that name), chunked as every writer chunks it."""
@@ -117,12 +124,15 @@ class BlockChunks:
     def write(self, sequence: int, s0: int, block: np.ndarray) -> None:
         """block [steps, ...] of one sequence, starting at s0 (a chunk boundary): the whole chunk."""
         steps = self.chunk_shape[1]
-        chunk = np.full(self.chunk_shape[1:], self.fill, dtype=self.dtype)
-        chunk[: block.shape[0]] = block  # a batch that ended early: the rest of the chunk is fill
+        if block.shape[0] == steps:
+            chunk = np.ascontiguousarray(block, dtype=self.dtype)
+        else:  # a batch that ended early, or the array's last block: the rest of the chunk is fill
+            chunk = np.full(self.chunk_shape[1:], self.fill, dtype=self.dtype)
+            chunk[: block.shape[0]] = block
         target = self.path.joinpath("c", str(sequence), str(s0 // steps), *self.trailing)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(self.encode(np.ascontiguousarray(chunk)))
+        tmp.write_bytes(self.encode(chunk))
         os.replace(tmp, target)
 
 
@@ -300,9 +310,7 @@ class ArchiveWriter:
         return rows
 
     def consolidate(self) -> None:
-        with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
-            warnings.simplefilter("ignore")
-            zarr.consolidate_metadata(str(self.dir / layout.TENSORS))
+        consolidate(self.dir)
 
 
 class BackgroundWriter:
