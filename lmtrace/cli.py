@@ -316,7 +316,7 @@ def lens(
     """Compute the deferred logit lens of complete runs from their archived residual stream."""
     import warnings
 
-    from .archive.reader import IncompleteRunWarning, lens_state, open_run
+    from .archive.reader import IncompleteRunWarning, open_run
     from .deferred_lens import compute_lens
 
     reporter = _Reporter(quiet or json_out)
@@ -325,8 +325,6 @@ def lens(
             with warnings.catch_warnings():  # an unfinished run is refused below, in one line
                 warnings.simplefilter("ignore", IncompleteRunWarning)
                 run = open_run(ref, runs_dir)
-            if lens_state(run.manifest) == "pending" and run.status == "complete":  # refusals stay one line
-                reporter.message(f"computing the logit lens of {run.id}")
             summary = compute_lens(run, device=device, note=reporter.message)
             if json_out:
                 typer.echo(json.dumps(summary, default=str))

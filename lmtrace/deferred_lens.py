@@ -47,6 +47,7 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
         if manifest.get("status") != "complete":
             raise ArchiveError(f"run {run.id} is {manifest.get('status')}: the deferred lens is computed on complete "
                              f"runs; finish it first (`lmtrace generate --resume {run.id}`)")
+        note(f"computing the logit lens of {run.id}")  # only now: a refusal stays one line
         t0 = time.time()
         rows = _compute(Run(run.path), manifest, device, note)
         manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
