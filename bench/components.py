@@ -2,7 +2,7 @@
 
 Runs, in one process, the benchmark's floor (bench.floor_generate) and `run_generate` with the
 default capture on the embedded model (64-token prompt, greedy, N new tokens), and reports the
-milliseconds per step spent inside each capture hook, the attention observer, `Probes.collect`,
+milliseconds per step spent inside each capture tap, the attention observer, `Probes.collect`,
 the token statistics, the step sink and the archive writer (the writer's rows run on its own
 thread: they overlap the forward, but compete with it for the CPU). The timers add ~1 µs per call
 (~0.2 ms a step); "extra" is the whole run's excess over the floor, timers included.
@@ -52,11 +52,11 @@ def timed(name: str, fn):
 
 def instrument() -> None:
     P = probes.Probes
-    for name in ("_pre_block", "_post_block", "_ffn_hook"):  # hook factories: time the hooks they return
+    for name in ("_block_tap", "_ffn_tap"):  # tap factories: time the taps they return
         make = getattr(P, name)
-        setattr(P, name, lambda self, layer, _make=make, _name=name: timed(f"hook {_name}", _make(self, layer)))
-    make_output = P._output_hook
-    P._output_hook = lambda self, store, layer: timed("hook _output_hook (attn/mlp outputs)", make_output(self, store, layer))
+        setattr(P, name, lambda self, layer, *a, _make=make, _name=name: timed(f"tap {_name}", _make(self, layer, *a)))
+    make_output = P._output_tap
+    P._output_tap = lambda self, store, layer: timed("tap _output_tap (attn/mlp outputs)", make_output(self, store, layer))
     P.observe = timed("attention observer (Probes.observe)", P.observe)
     P.collect = timed("Probes.collect (incl. batched rows)", P.collect)
     attention_rows.BatchedRows.rows = timed("  BatchedRows.rows", attention_rows.BatchedRows.rows)

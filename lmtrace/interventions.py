@@ -1,5 +1,8 @@
 """Interventions as data: typed entries (where + when), validated against a model, installed as hooks.
 
+Edits of a module's input are torch forward pre-hooks; edits of its output are taps
+(`lmtrace/taps.py`) added first, so the probes' taps on the same module record the edited output.
+
 Every kind edits the real forward pass; nothing perturbs logits after the fact. An edit active at
 step s applies to the positions the forward computes at that step (all prompt positions at the
 prefill, the query position afterwards); K/V cached at earlier steps keep the values they had.
@@ -35,6 +38,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from .errors import SpecError, UnsupportedArchitectureError
+from .taps import tap
 
 
 class _Entry(BaseModel):
@@ -363,7 +367,7 @@ class EditSet:
         if isinstance(e, (AblateAttention, AblateMlp)):
             module = a.attn(e.layer) if isinstance(e, AblateAttention) else a.mlp(e.layer)
 
-            def block_out(module, args, output):
+            def block_out(module, args, kwargs, output):
                 sel = self._selected(e)
                 if sel is None:
                     return None
@@ -372,7 +376,7 @@ class EditSet:
                 value = first.masked_fill(rows, 0.0) if mean is None else torch.where(
                     rows, mean.to(first.device, first.dtype), first)
                 return _replace_first(output, value)
-            return [module.register_forward_hook(block_out, prepend=True)]
+            return [tap(module, block_out, prepend=True)]
         if isinstance(e, AblateNeurons):
             if self.adapter.family.mlp_down is None:
                 raise SpecError(f"ablate_neurons: {self.adapter.family.name} models have no single MLP "
@@ -392,21 +396,16 @@ class EditSet:
                 return (x, *args[1:])
             return [a.mlp_down(e.layer).register_forward_pre_hook(neuron_hook, prepend=True)]
         if isinstance(e, AblateLayer):
-            saved = {}
-
-            def keep_input(module, args, kwargs):
-                saved["x"] = args[0] if args else kwargs["hidden_states"]
-
-            def skip(module, args, output):
+            def skip(module, args, kwargs, output):
                 sel = self._selected(e)
                 if sel is None:
                     return None
                 out = output[0] if isinstance(output, tuple) else output
-                x = saved["x"] if mean is None else saved["x"] + mean.to(out.device, out.dtype)
+                x = args[0] if args else kwargs["hidden_states"]  # the block's input
+                if mean is not None:
+                    x = x + mean.to(out.device, out.dtype)
                 return _replace_first(output, torch.where(sel[..., None], x, out))
-            block = a.layers[e.layer]
-            return [block.register_forward_pre_hook(keep_input, with_kwargs=True, prepend=True),
-                    block.register_forward_hook(skip, prepend=True)]
+            return [tap(a.layers[e.layer], skip, prepend=True)]
         if isinstance(e, PatchHead):
             d = a.head_dim
             lo, hi = e.head * d, (e.head + 1) * d
@@ -428,7 +427,7 @@ class EditSet:
             rule = self.resources[i]
             experts = torch.tensor(sorted(set(e.experts)))
 
-            def expert_hook(module, args, output):
+            def expert_hook(module, args, kwargs, output):
                 sel = self._selected(e)
                 if sel is None:
                     return None
@@ -440,11 +439,11 @@ class EditSet:
                 new_weights, new_chosen = rule(module, masked)
                 return (masked, torch.where(rows, new_weights.to(weights.dtype), weights),
                         torch.where(rows, new_chosen, chosen))
-            return [a.routers[e.layer].register_forward_hook(expert_hook, prepend=True)]
+            return [tap(a.routers[e.layer], expert_hook, prepend=True)]
         if isinstance(e, (PatchResidual, Steer)):
             resource = self.resources[i]
 
-            def residual_hook(module, args, output):
+            def residual_hook(module, args, kwargs, output):
                 sel = self._selected(e)
                 if sel is None:
                     return None
@@ -459,7 +458,7 @@ class EditSet:
                             if src is not None:
                                 out[b, -1] = torch.as_tensor(src, dtype=out.dtype, device=out.device)
                 return _replace_first(output, out)
-            return [a.layers[e.layer].register_forward_hook(residual_hook, prepend=True)]
+            return [tap(a.layers[e.layer], residual_hook, prepend=True)]
         return []  # mask_positions works through edit_mask
 
 

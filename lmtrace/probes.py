@@ -20,6 +20,7 @@ from .arch import Adapter
 from .archive.layout import RunShape
 from .lens import LogitLens
 from .sampling import Choice
+from .taps import tap
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ForwardContext:
     pads: list[int]  # left padding of each row
     total_len: int  # padded context length after this call
     prefill: bool
+    kv: object = None  # the KV cache's KVStack (lmtrace/kv_cache.py), if the cache has one
 
 
 def _last(t, batch: int) -> torch.Tensor:
@@ -73,10 +75,11 @@ class Probes:
         # formula, without copying every key per query head (repeat_kv) or computing the output.
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
         # ... and, for the rows of the query position, all layers at once (lmtrace/attention_rows.py)
-        self.batched = BatchedRows(len(self.layers)) if self.plain_eager and shape.attention else None
+        self.batched = BatchedRows() if self.plain_eager and shape.attention else None
         self.row_method = (None if self.eager is None else
                            "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
-                           "layers in one grouped product; per layer where the cache dropped keys"
+                           "layers in one grouped product over the stacked KV cache; per layer where a layer's "
+                           "keys are not in the stack (e.g. a sliding window)"
                            if self.batched is not None else "the model's eager attention function, per layer")
         self.np_float = np.dtype(shape.float_dtype)
         # archived floats are converted by torch (vectorised) before numpy sees them: numpy's
@@ -104,7 +107,7 @@ class Probes:
         self.ctx = ctx
         self._reset()
         if ctx.prefill and self.batched is not None:
-            self.batched.new_batch()
+            self.batched.new_batch(ctx.kv)
 
     @contextmanager
     def attached(self):
@@ -112,56 +115,52 @@ class Probes:
         a = self.adapter
         try:
             for layer in self.layers:
-                block = a.layers[layer]
-                handles.append(block.register_forward_pre_hook(self._pre_block(layer), with_kwargs=True))
-                handles.append(block.register_forward_hook(self._post_block(layer)))
+                handles.append(tap(a.layers[layer], self._block_tap(layer)))
                 if self.component_norms:
-                    handles.append(a.attn(layer).register_forward_hook(self._output_hook("attn_out", layer)))
-                    handles.append(a.mlp(layer).register_forward_hook(self._output_hook("mlp_out", layer)))
+                    handles.append(tap(a.attn(layer), self._output_tap("attn_out", layer)))
+                    handles.append(tap(a.mlp(layer), self._output_tap("mlp_out", layer)))
                 if self.shape.ffn:
-                    handles.append(a.mlp_down(layer).register_forward_pre_hook(self._ffn_hook(layer)))
+                    handles.append(tap(a.mlp_down(layer), self._ffn_tap(layer)))
                 if self.shape.k_router and a.routers[layer] is not None:
-                    handles.append(a.routers[layer].register_forward_hook(self._router_hook(layer)))
+                    handles.append(tap(a.routers[layer], self._router_tap(layer)))
             for layer in sorted(set(self.shape.resid_layers) - set(self.layers)):  # `residual.vectors_at` only
-                handles.append(a.layers[layer].register_forward_hook(self._post_block(layer)))
+                handles.append(tap(a.layers[layer], self._block_tap(layer, keep_input=False)))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
             for h in handles:
                 h.remove()
 
-    # ---- hooks -------------------------------------------------------------------------------
-    def _pre_block(self, layer):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self.resid_in[layer] = hidden[:, -1].detach().float()
-        return hook
-
-    def _post_block(self, layer):
-        def hook(module, args, output):
+    # ---- taps (lmtrace/taps.py: forward hooks without torch's slow hook path) -----------------
+    # They only keep the query position's tensor; `collect` does the arithmetic once per step for
+    # all layers (one norm, one top-k), because ~60 tiny per-layer ops in the hooks cost more than
+    # the work itself (~5 ms a step on a 2-core CPU).
+    def _block_tap(self, layer, keep_input: bool = True):
+        def block(module, args, kwargs, output):
+            if keep_input:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self.resid_in[layer] = hidden[:, -1].detach().float()
             self.resid_out[layer] = _last(output, len(self.ctx.pads)).detach().float()
-        return hook
+        return block
 
-    # The component-norm and FFN hooks only keep the query position's tensor; `collect` does the
-    # arithmetic once per step for all layers (one norm, one top-k), because ~60 tiny per-layer ops
-    # in the hooks cost more than the work itself (~5 ms a step on a 2-core CPU).
-    def _output_hook(self, store: str, layer):
-        def hook(module, args, output):
-            getattr(self, store)[layer] = _last(output, len(self.ctx.pads)).detach()
-        return hook
+    def _output_tap(self, store: str, layer):
+        def output(module, args, kwargs, out):
+            getattr(self, store)[layer] = _last(out, len(self.ctx.pads)).detach()
+        return output
 
-    def _ffn_hook(self, layer):
-        def hook(module, args):
-            self.ffn[layer] = _last(args[0], len(self.ctx.pads)).detach()
-        return hook
+    def _ffn_tap(self, layer):
+        def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
+            x = args[0] if args else next(iter(kwargs.values()))
+            self.ffn[layer] = _last(x, len(self.ctx.pads)).detach()
+        return ffn
 
-    def _router_hook(self, layer):
-        def hook(module, args, output):
+    def _router_tap(self, layer):
+        def router(module, args, kwargs, output):
             # every supported router returns (logits, weights, expert ids) over flattened tokens [B*pos, k]
             _, weights, idx = output
             B = len(self.ctx.pads)
             self.router[layer] = (_last(idx, B).detach(), _last(weights, B).detach().float())
-        return hook
+        return router
 
     def observe(self, module, query, key, value, attention_mask, weights, kwargs) -> None:
         """Called by the lmtrace attention function with post-rotary q [B,H,q,D], k/v [B,KVH,kv,D]."""
@@ -177,8 +176,8 @@ class Probes:
             }
         prefill = self.ctx.prefill
         full_prefill = prefill and self.shape.prefill_attention
-        if weights is None and self.batched is not None and self.batched.offer(
-                self.pos[layer], query, key, attention_mask, self.kernel_args[layer]["scaling"], want_row=not full_prefill):
+        if weights is None and self.batched is not None and not full_prefill and self.batched.offer(
+                layer, query, key, attention_mask, self.kernel_args[layer]["scaling"]):
             pass  # the row comes from the batched product in `collect`
         elif self.shape.attention or full_prefill:
             if weights is not None:  # the eager kernel already returned them
@@ -225,7 +224,7 @@ class Probes:
         if s.attention:
             if self.batched is not None:
                 batched, kv_len = self.batched.rows()
-                self.rows.update({self.layers[li]: (rows, kv_len) for li, rows in batched.items()})
+                self.rows.update({layer: (rows, kv_len) for layer, rows in batched.items()})
             if s.k_attn is None:
                 out = np.full((B, L, s.n_heads, s.max_len), np.nan, dtype=self.np_float)
                 kv_lens = {self.rows[layer][1] for layer in self.layers}

@@ -12,8 +12,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
+from .kv_cache import StackedCache
 from .probes import ForwardContext, Probes
 from .sampling import Choice, Sampler, choose, uniforms
 
@@ -114,7 +114,8 @@ class Tracer:
             mask[b, pads[b]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache(config=self.model.config)
+        # the whole run's positions up front on a CPU, where pages never written cost nothing
+        cache = StackedCache(self.model.config, capacity_hint=T + self.max_new_tokens if ids.device.type == "cpu" else 0)
         generated: list[list[int]] = [[] for _ in range(B)]
         stop_reason = ["max_new_tokens"] * B
         active = np.ones(B, dtype=bool)
@@ -125,7 +126,7 @@ class Tracer:
         with context, edit_context:
             for step in range(self.max_new_tokens):
                 if probes is not None:
-                    probes.begin(ForwardContext(pads=pads, total_len=total, prefill=step == 0))
+                    probes.begin(ForwardContext(pads=pads, total_len=total, prefill=step == 0, kv=cache.stack))
                 model_mask = mask
                 if edits is not None:
                     edits.begin(step, seq_ids, positions, step == 0)

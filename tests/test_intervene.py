@@ -113,6 +113,17 @@ def test_neuron_and_layer_ablation_equal_the_tests_own_edits(parent, tiny_llama_
         return [layer.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True),
                 layer.register_forward_hook(lambda m, a, o: saved["x"])]
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=skip_layer)
+    # what the child archives is the edited forward: layer 1 adds nothing to the residual
+    steps = child.steps().to_pandas()
+    assert steps[steps.layer == 1].delta_norm.abs().max() == 0.0
+    assert steps[steps.layer == 0].delta_norm.min() > 0.0
+
+
+def test_the_childs_capture_records_the_edited_outputs(parent):
+    child, _ = _child(parent, [{"kind": "ablate_mlp", "layer": 2}, {"kind": "ablate_attention", "layer": 0}])
+    steps = child.steps().to_pandas()
+    assert steps[steps.layer == 2].mlp_norm.max() == 0.0 and steps[steps.layer == 2].attn_norm.min() > 0.0
+    assert steps[steps.layer == 0].attn_norm.max() == 0.0 and steps[steps.layer == 0].mlp_norm.min() > 0.0
 
 
 def test_position_masking_equals_a_forward_with_the_tests_own_mask(parent, tiny_llama_dir):

@@ -1,0 +1,120 @@
+"""The KV cache of the generation loop: transformers' DynamicCache, appending in place.
+
+transformers' `DynamicLayer.update` appends a step's keys and values with `torch.cat`, which copies
+the whole cache of the layer every step: O(context) bytes per layer and step, ~6 MB a step for
+SmolLM2 at 128 tokens of context and ~15 MB at 320, a growing share of a decode step on a CPU.
+
+`StackedCache` keeps the keys (and the values) of every full-attention layer in one tensor
+[layer, batch, kv_head, capacity, head_dim], allocated for the whole run (prompt + max_new_tokens
+positions; on a CPU untouched pages cost no memory) and grown by half when a caller asks for more. A
+step writes only its new column; each layer gets a view of its first T positions, so the attention
+kernel sees exactly the values DynamicCache would give it (tests compare the logits bit for bit).
+
+Because all layers' keys are in one tensor, the probes read every layer's keys for the attention
+rows from it without copying them (`lmtrace/attention_rows.py`).
+
+Sliding-window, linear-attention and other layer kinds keep transformers' own classes; so does a
+layer whose keys do not fit the stack (another head count, head size or dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class KVStack:
+    """Keys and values of the stacked layers: two tensors [layer, batch, kv_head, capacity, head_dim]."""
+
+    def __init__(self, n_layers: int, capacity_hint: int = 0):
+        self.n_layers = n_layers
+        self.capacity_hint = capacity_hint
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = [0] * n_layers  # positions held per layer
+
+    def fits(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether a layer with these first keys and values can live in the stack."""
+        if key.dim() != 4 or value.shape[:-1] != key.shape[:-1]:
+            return False
+        if self.keys is None:
+            return True
+        k, v = self.keys, self.values
+        return (key.shape[:2] == k.shape[1:3] and key.shape[-1] == k.shape[-1] and value.shape[-1] == v.shape[-1]
+                and key.dtype == k.dtype and value.dtype == v.dtype and key.device == k.device)
+
+    def _allocate(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
+        old = self.capacity
+        capacity = max(needed, self.capacity_hint, old + old // 2)
+        B, kvh = key.shape[:2]
+        keys = key.new_empty((self.n_layers, B, kvh, capacity, key.shape[-1]))
+        values = value.new_empty((self.n_layers, B, kvh, capacity, value.shape[-1]))
+        held = max(self.length)
+        if self.keys is not None and held:
+            keys[:, :, :, :held] = self.keys[:, :, :, :held]
+            values[:, :, :, :held] = self.values[:, :, :, :held]
+        self.keys, self.values = keys, values
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[3]
+
+    def append(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `key`/`value` [B, kvh, n, D] at positions start.. of `layer`; the layer's views [B, kvh, T, D]."""
+        end = start + key.shape[2]
+        if end > self.capacity:
+            self._allocate(key, value, end)
+        self.keys[layer, :, :, start:end] = key
+        self.values[layer, :, :, start:end] = value
+        self.length[layer] = end
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def holds(self, layer: int, key: torch.Tensor) -> bool:
+        """Whether `key` is this stack's view of all of `layer`'s positions (what the kernel got)."""
+        k = self.keys
+        return (k is not None and key.shape[2] == self.length[layer] and key.dtype == k.dtype
+                and key.data_ptr() == k.data_ptr() + layer * k.stride(0) * k.element_size()
+                and key.stride() == k.stride()[1:])
+
+    def keys_of(self, layers: list[int], length: int) -> torch.Tensor:
+        """Keys of `layers` (ascending model layer indices), first `length` positions: [n, B, kvh, T, D]."""
+        if layers == list(range(layers[0], layers[-1] + 1)):  # contiguous: a view, no copy
+            return self.keys[layers[0]: layers[-1] + 1, :, :, :length]
+        return self.keys[layers, :, :, :length]
+
+
+class StackedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views into a `KVStack` (or its own, if they do not fit)."""
+
+    def __init__(self, stack: KVStack, index: int):
+        super().__init__()
+        self.stack, self.index = stack, index
+        self.stacked = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.stacked = self.stack.fits(key_states, value_states)
+        if not self.stacked:
+            return super().update(key_states, value_states, *args, **kwargs)
+        start = self.keys.shape[-2] if self.keys.numel() else 0  # `crop` shortens the views
+        self.keys, self.values = self.stack.append(self.index, start, key_states, value_states)
+        return self.keys, self.values
+
+    # Beam search reorders the batch in place; the stack has no such operation (lmtrace never does it).
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("lmtrace's KV cache does not support reordering the batch (beam search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("lmtrace's KV cache does not support reordering the batch (beam search)")
+
+
+class StackedCache(DynamicCache):
+    """DynamicCache (per layer kinds from the model config) with the full-attention layers stacked."""
+
+    def __init__(self, config, capacity_hint: int = 0):
+        super().__init__(config=config)
+        self.stack = KVStack(len(self.layers), capacity_hint)
+        self.layers = [StackedLayer(self.stack, i) if type(layer) is DynamicLayer else layer
+                       for i, layer in enumerate(self.layers)]
