@@ -66,15 +66,14 @@ class BatchedRows:
         self.mask, self.scaling, self.kv_len = mask, scaling, T
         return True
 
-    def rows(self) -> tuple[dict[int, torch.Tensor], int | None]:
-        """({model layer: probabilities [B, H, T]}, T) for the layers offered this step, then forgets them."""
+    def rows(self) -> tuple[list[int], torch.Tensor | None, int | None]:
+        """(model layers offered this step, ascending; their probabilities [n, B, H, T]; T), then forgets them."""
         if not self.queries:
-            return {}, None
+            return [], None, None
         layers = sorted(self.queries)
         T = self.kv_len
         q = torch.stack([self.queries[i] for i in layers], 0)[:, :, :, None]  # [n, B, H, 1, D]
         mask = None if self.mask is None else self.mask[:, :, -1:]
         probs = plain_attention_probs(q, self.kv.keys_of(layers, T), mask, self.scaling)[:, :, :, 0]  # [n, B, H, T]
-        out = {layer: probs[n] for n, layer in enumerate(layers)}
         self._clear_step()
-        return out, T
+        return layers, probs, T

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from contextlib import contextmanager
@@ -130,6 +131,7 @@ class BlockSink:
         self.step_columns = step_columns
         self.progress = progress
         self.specs = {s.name: s for s in shape.arrays() if s.per_step}
+        self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
         self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
         for name in ("sequence", "step", "layer"):  # row keys, not per-layer scalars
@@ -150,13 +152,20 @@ class BlockSink:
             self.scalars[name] = np.full((B, self.chunk, L), -1 if dtype.kind == "i" else np.nan, dtype=dtype)
         self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
 
+    def _text(self, token_id: int) -> str:
+        """The token's text alone (decoding one id always gives the same text: cached per sink)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _prompt_rows(self) -> None:
         rows = self.token_rows
         for b, seq in enumerate(self.seq_ids):
             toks = self.prompts[b]
             for pos, tok in enumerate(toks):
                 for key, value in (("sequence", seq), ("position", pos), ("step", None), ("is_prompt", True),
-                                   ("token_id", tok), ("token_text", self.tokenizer.decode([tok]))):
+                                   ("token_id", tok), ("token_text", self._text(tok))):
                     rows[key].append(value)
                 for key in rows:
                     if key not in ("sequence", "position", "step", "is_prompt", "token_id", "token_text"):
@@ -172,29 +181,36 @@ class BlockSink:
         i = r.step - self.s0
         active = r.active
         self.active[:, i] = active
+        every = bool(active.all())  # the common case: plain slices instead of boolean indexing
         for name, data in r.arrays.items():
-            self.buffers[name][active, i] = data[active]
+            if every:
+                self.buffers[name][:, i] = data
+            else:
+                self.buffers[name][active, i] = data[active]
         for name, buf in self.scalars.items():
-            buf[active, i] = r.scalars[name][active]
+            if every:
+                buf[:, i] = r.scalars[name]
+            else:
+                buf[active, i] = r.scalars[name][active]
         c = r.choice
-        tok = c.token.numpy()
+        # one numpy view per field, then plain Python numbers: indexing torch tensors element by
+        # element costs microseconds each, ~20 of them per token
+        tok, logprob, sampling_lp, rank = (c.token.tolist(), c.logprob.tolist(), c.sampling_logprob.tolist(),
+                                           c.rank.tolist())
+        entropy, greedy, margin = c.entropy.tolist(), c.greedy_token.tolist(), c.margin.tolist()
+        changed, eligible, eos = c.filter_changed.tolist(), c.eligible.tolist(), r.eos_now.tolist()
+        alt_ids, alt_logits, alt_lp = c.alt_ids.tolist(), c.alt_logits.tolist(), c.alt_logprobs.tolist()
         rows = self.token_rows
-        alt_lp = c.alt_logprobs.numpy()
-        for b in np.flatnonzero(active):
-            seq = self.seq_ids[b]
-            p1 = float(np.exp(alt_lp[b, 0]))
-            margin = float(c.margin[b])
-            sampling_lp = float(c.sampling_logprob[b])
+        for b in np.flatnonzero(active).tolist():
             values = {
-                "sequence": seq, "position": len(self.prompts[b]) + r.step, "step": r.step, "is_prompt": False,
-                "token_id": int(tok[b]), "token_text": self.tokenizer.decode([int(tok[b])]),
-                "logprob": float(c.logprob[b]), "prob": float(np.exp(c.logprob[b])),
-                "sampling_logprob": sampling_lp, "sampling_prob": float(np.exp(sampling_lp)),
-                "rank": int(c.rank[b]), "entropy": float(c.entropy[b]), "greedy_id": int(c.greedy_token[b]),
-                "margin": margin, "stability": stability_class(p1, margin),
-                "filter_changed": bool(c.filter_changed[b]), "eligible": int(c.eligible[b]),
-                "is_eos": bool(r.eos_now[b]),
-                "alt_ids": c.alt_ids[b].tolist(), "alt_logits": c.alt_logits[b].tolist(), "alt_logprobs": alt_lp[b].tolist(),
+                "sequence": self.seq_ids[b], "position": len(self.prompts[b]) + r.step, "step": r.step,
+                "is_prompt": False, "token_id": tok[b], "token_text": self._text(tok[b]),
+                "logprob": logprob[b], "prob": math.exp(logprob[b]),
+                "sampling_logprob": sampling_lp[b], "sampling_prob": math.exp(sampling_lp[b]),
+                "rank": rank[b], "entropy": entropy[b], "greedy_id": greedy[b],
+                "margin": margin[b], "stability": stability_class(math.exp(alt_lp[b][0]), margin[b]),
+                "filter_changed": changed[b], "eligible": eligible[b], "is_eos": eos[b],
+                "alt_ids": alt_ids[b], "alt_logits": alt_logits[b], "alt_logprobs": alt_lp[b],
             }
             for key, value in values.items():
                 rows[key].append(value)

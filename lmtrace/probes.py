@@ -222,15 +222,19 @@ class Probes:
         arrays: dict[str, np.ndarray] = {}
         scalars: dict[str, np.ndarray] = {}
         if s.attention:
+            all_rows = None  # [L, B, H, kv] when every captured layer's row came from the batched product
             if self.batched is not None:
-                batched, kv_len = self.batched.rows()
-                self.rows.update({layer: (rows, kv_len) for layer, rows in batched.items()})
+                layers, probs, kv_len = self.batched.rows()
+                if layers == self.layers:
+                    all_rows = probs
+                self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
             if s.k_attn is None:
                 out = np.full((B, L, s.n_heads, s.max_len), np.nan, dtype=self.np_float)
                 kv_lens = {self.rows[layer][1] for layer in self.layers}
                 if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
-                    rows = torch.stack([self.rows[layer][0] for layer in self.layers], 1)  # [B, L, H, kv]
-                    self._realign_keys(rows, kv_lens.pop(), out)
+                    if all_rows is None:
+                        all_rows = torch.stack([self.rows[layer][0] for layer in self.layers], 0)
+                    self._realign_keys(all_rows.transpose(0, 1), kv_lens.pop(), out)  # [B, L, H, kv]
                 else:
                     for li, layer in enumerate(self.layers):
                         rows, kv_len = self.rows[layer]
@@ -268,18 +272,19 @@ class Probes:
                     idx_out[:, li, : idx.shape[-1]] = idx.cpu().numpy()
                     w_out[:, li, : w.shape[-1]] = w.cpu().numpy()
             arrays["router_topk_idx"], arrays["router_topk_weight"] = idx_out, w_out
-        if s.resid_layers:
-            arrays["resid"] = torch.stack([self.resid_out[layer] for layer in s.resid_layers], 1).cpu().numpy()
-
         resid_out = torch.stack([self.resid_out[layer] for layer in self.layers], 0)  # [L, B, d]
+        if s.resid_layers:
+            resid = resid_out if list(s.resid_layers) == self.layers else torch.stack(
+                [self.resid_out[layer] for layer in s.resid_layers], 0)
+            arrays["resid"] = resid.transpose(0, 1).cpu().numpy()
         resid_in = torch.stack([self.resid_in[layer] for layer in self.layers], 0)
         delta = resid_out - resid_in
-        scalars["resid_norm"] = resid_out.norm(dim=-1).T.cpu().numpy()
-        scalars["delta_norm"] = delta.norm(dim=-1).T.cpu().numpy()
-        if self.component_norms:  # [2, B, L]: attention and MLP outputs of every layer, one norm
-            outputs = torch.stack([torch.stack([store[layer] for layer in self.layers], 1)
-                                   for store in (self.attn_out, self.mlp_out)], 0)
-            norms = outputs.float().norm(dim=-1).cpu().numpy()
+        norms = torch.stack([resid_out, delta], 0).norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
+        scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
+        if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
+            outputs = torch.stack([self.attn_out[layer] for layer in self.layers]
+                                  + [self.mlp_out[layer] for layer in self.layers], 0)  # [2L, B, d]
+            norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             ids, probs, margin = self.lens.of_residuals(resid_out.transpose(0, 1).reshape(B * L, -1))

@@ -154,8 +154,10 @@ def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alt
     if ref_ids is not None:
         ref_ids = ref_ids.to(logprobs.device)
         ref_logprobs = logprobs.gather(-1, ref_ids.clamp_min(0)).masked_fill(ref_ids < 0, float("nan")).cpu()
-    chosen_logit = logits.gather(-1, token[:, None])
-    rank = (logits > chosen_logit).sum(-1)
+    if sampler.greedy and forced is None:  # the argmax: no logit is greater
+        rank = torch.zeros(logits.shape[0], dtype=torch.int64)
+    else:
+        rank = (logits > logits.gather(-1, token[:, None])).sum(-1)
     p = logprobs.exp()
     entropy = -(p * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(-1)
     top_logprobs = logprobs.gather(-1, top_ids)
