@@ -44,7 +44,7 @@ class BatchedRows:
         self._clear_step()
 
     def _clear_step(self) -> None:
-        self.queries: dict[int, torch.Tensor] = {}  # model layer -> query of the last position [B, H, D]
+        self.queries: dict[int, torch.Tensor] = {}  # model layer -> query of the last position [B, H, 1, D]
         self.mask = None
         self.scaling: float | None = None
         self.kv_len: int | None = None
@@ -62,7 +62,7 @@ class BatchedRows:
         T = key.shape[2]
         if self.queries and (mask is not self.mask or scaling != self.scaling or T != self.kv_len):
             return False
-        self.queries[layer] = query[:, :, -1]
+        self.queries[layer] = query if query.shape[2] == 1 else query[:, :, -1:]  # a decode step has one
         self.mask, self.scaling, self.kv_len = mask, scaling, T
         return True
 
@@ -72,7 +72,7 @@ class BatchedRows:
             return [], None, None
         layers = sorted(self.queries)
         T = self.kv_len
-        q = torch.stack([self.queries[i] for i in layers], 0)[:, :, :, None]  # [n, B, H, 1, D]
+        q = torch.stack([self.queries[i] for i in layers], 0)  # [n, B, H, 1, D]
         mask = None if self.mask is None else self.mask[:, :, -1:]
         probs = plain_attention_probs(q, self.kv.keys_of(layers, T), mask, self.scaling)[:, :, :, 0]  # [n, B, H, T]
         self._clear_step()

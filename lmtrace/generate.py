@@ -226,13 +226,12 @@ class BlockSink:
         arrays = {name: buf[:, :n] for name, buf in self.buffers.items()}
         scalars = {name: buf[:, :n] for name, buf in self.scalars.items()}
         active = self.active[:, :n]
-        tokens = pa.table(self.token_rows, schema=layout.token_schema())
-        self.writer.submit(self._write, s0, s1, arrays, scalars, active, tokens)
+        self.writer.submit(self._write, s0, s1, arrays, scalars, active, self.token_rows)
         self._new_block(s1)
 
-    def _write(self, s0, s1, arrays, scalars, active, tokens) -> None:
-        """On the writer's thread: the block's `steps` rows, then the block itself."""
-        tables = {"tokens": tokens}
+    def _write(self, s0, s1, arrays, scalars, active, token_rows) -> None:
+        """On the writer's thread: the block's `tokens` and `steps` rows, then the block itself."""
+        tables = {"tokens": pa.table(token_rows, schema=layout.token_schema())}
         if self.step_columns:
             steps, rows = np.nonzero(active.T)  # step-major, like the token rows
             L = len(self.shape.layers)

@@ -33,6 +33,7 @@ class KVStack:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = [0] * n_layers  # positions held per layer
+        self._base, self._layer_bytes, self._strides = 0, 0, ()  # of `keys`, for `holds` (called per layer and step)
 
     def fits(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether a layer with these first keys and values can live in the stack."""
@@ -55,6 +56,7 @@ class KVStack:
             keys[:, :, :, :held] = self.keys[:, :, :, :held]
             values[:, :, :, :held] = self.values[:, :, :, :held]
         self.keys, self.values = keys, values
+        self._base, self._layer_bytes, self._strides = keys.data_ptr(), keys.stride(0) * keys.element_size(), keys.stride()[1:]
 
     @property
     def capacity(self) -> int:
@@ -72,10 +74,9 @@ class KVStack:
 
     def holds(self, layer: int, key: torch.Tensor) -> bool:
         """Whether `key` is this stack's view of all of `layer`'s positions (what the kernel got)."""
-        k = self.keys
-        return (k is not None and key.shape[2] == self.length[layer] and key.dtype == k.dtype
-                and key.data_ptr() == k.data_ptr() + layer * k.stride(0) * k.element_size()
-                and key.stride() == k.stride()[1:])
+        return (self.keys is not None and key.data_ptr() == self._base + layer * self._layer_bytes
+                and key.shape[2] == self.length[layer] and key.stride() == self._strides
+                and key.dtype == self.keys.dtype)
 
     def keys_of(self, layers: list[int], length: int) -> torch.Tensor:
         """Keys of `layers` (ascending model layer indices), first `length` positions: [n, B, kvh, T, D]."""

@@ -43,6 +43,20 @@ def _last(t, batch: int) -> torch.Tensor:
     return t[:, -1]
 
 
+def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool) -> torch.Tensor:
+    """[n, B, ...]: the query position of each of n kept outputs ([B, pos, ...] or flattened [B*pos, ...]).
+
+    A decode step has one position, so the outputs are stacked as they are and sliced once; a
+    prefill has the whole prompt, so each is sliced first (stacking them would copy every position).
+    """
+    if prefill:
+        return torch.stack([_last(t, batch) for t in tensors], 0)
+    if len({t.dim() for t in tensors}) > 1:  # e.g. OPT: attention [B, 1, d] next to a flattened fc2 [B, d]
+        tensors = [t.reshape(batch, -1, t.shape[-1]) for t in tensors]
+    t = torch.stack(tensors, 0)
+    return t.reshape(len(tensors), batch, -1, t.shape[-1])[:, :, -1]
+
+
 def _is_plain_eager(fn) -> bool:
     import importlib
     import inspect
@@ -94,11 +108,13 @@ class Probes:
     def _reset(self) -> None:
         self.resid_in: dict[int, torch.Tensor] = {}
         self.resid_out: dict[int, torch.Tensor] = {}
-        self.attn_out: dict[int, torch.Tensor] = {}  # layer -> attention-block output [B, d] (query position)
-        self.mlp_out: dict[int, torch.Tensor] = {}  # layer -> MLP-block output [B, d]
-        self.ffn: dict[int, torch.Tensor] = {}  # layer -> MLP intermediate activation [B, d_ffn]
+        # the taps and the observer keep the tensors the forward produced (references: no op per
+        # layer); `collect` takes the query position of all layers at once
+        self.attn_out: dict[int, torch.Tensor] = {}  # layer -> attention-block output [B, pos, d]
+        self.mlp_out: dict[int, torch.Tensor] = {}  # layer -> MLP-block output [B, pos, d]
+        self.ffn: dict[int, torch.Tensor] = {}  # layer -> MLP intermediate activation [B, pos, d_ffn]
         self.rows: dict[int, tuple[torch.Tensor, int]] = {}  # layer -> ([B, H, kv], kv_len)
-        self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # q [B,H,pos,D], k/v [B,KVH,kv,D]
         self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_rows: dict[int, torch.Tensor] = {}
         self.router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (expert ids, weights) [B, k]
@@ -132,26 +148,24 @@ class Probes:
                 h.remove()
 
     # ---- taps (lmtrace/taps.py: forward hooks without torch's slow hook path) -----------------
-    # They only keep the query position's tensor; `collect` does the arithmetic once per step for
-    # all layers (one norm, one top-k), because ~60 tiny per-layer ops in the hooks cost more than
-    # the work itself (~5 ms a step on a 2-core CPU).
+    # They only keep references to what the module got and returned: every torch op here would
+    # run once per layer (~120 taps a step), while `collect` stacks all layers and does the
+    # arithmetic once per step (one slice, one norm, one top-k).
     def _block_tap(self, layer, keep_input: bool = True):
         def block(module, args, kwargs, output):
             if keep_input:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                self.resid_in[layer] = hidden[:, -1].detach().float()
-            self.resid_out[layer] = _last(output, len(self.ctx.pads)).detach().float()
+                self.resid_in[layer] = args[0] if args else kwargs["hidden_states"]
+            self.resid_out[layer] = output[0] if type(output) is tuple else output
         return block
 
     def _output_tap(self, store: str, layer):
         def output(module, args, kwargs, out):
-            getattr(self, store)[layer] = _last(out, len(self.ctx.pads)).detach()
+            getattr(self, store)[layer] = out[0] if type(out) is tuple else out
         return output
 
     def _ffn_tap(self, layer):
         def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
-            x = args[0] if args else next(iter(kwargs.values()))
-            self.ffn[layer] = _last(x, len(self.ctx.pads)).detach()
+            self.ffn[layer] = args[0] if args else next(iter(kwargs.values()))
         return ffn
 
     def _router_tap(self, layer):
@@ -197,9 +211,9 @@ class Probes:
             if full_prefill:
                 self.prefill_rows[layer] = probs.detach()
         if self.shape.qkv:
-            self.qkv[layer] = (query[:, :, -1].detach(), key[:, :, -1].detach(), value[:, :, -1].detach())
+            self.qkv[layer] = (query, key, value)
             if prefill:
-                self.prompt_kv[layer] = (key.detach(), value.detach())
+                self.prompt_kv[layer] = (key, value)
 
     # ---- assembly ----------------------------------------------------------------------------
     def _realign_keys(self, rows: torch.Tensor, kv_len: int, out: np.ndarray) -> None:
@@ -256,10 +270,10 @@ class Probes:
                         prob_out[b, li, :, :k] = np.where(valid, val[b], np.nan)
                 arrays["attn_topk_idx"], arrays["attn_topk_prob"] = idx_out, prob_out
         if s.qkv:
-            for name, j in (("q", 0), ("k", 1), ("v", 2)):
-                arrays[name] = torch.stack([self.qkv[layer][j] for layer in self.layers], 1).to(self.torch_float).cpu().numpy()
+            for name, t in zip(("q", "k", "v"), self._new_qkv()):  # [L, B, heads, D]
+                arrays[name] = t.transpose(0, 1).to(self.torch_float).cpu().numpy()
         if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
-            act = torch.stack([self.ffn[layer] for layer in self.layers], 1).float()
+            act = self._at_query(self.ffn).transpose(0, 1).float()
             idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
             arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
             arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
@@ -272,18 +286,18 @@ class Probes:
                     idx_out[:, li, : idx.shape[-1]] = idx.cpu().numpy()
                     w_out[:, li, : w.shape[-1]] = w.cpu().numpy()
             arrays["router_topk_idx"], arrays["router_topk_weight"] = idx_out, w_out
-        resid_out = torch.stack([self.resid_out[layer] for layer in self.layers], 0)  # [L, B, d]
+        resid_out = self._at_query(self.resid_out).float()  # [L, B, d]
         if s.resid_layers:
-            resid = resid_out if list(s.resid_layers) == self.layers else torch.stack(
-                [self.resid_out[layer] for layer in s.resid_layers], 0)
+            resid = resid_out if list(s.resid_layers) == self.layers else self._at_query(
+                self.resid_out, s.resid_layers).float()
             arrays["resid"] = resid.transpose(0, 1).cpu().numpy()
-        resid_in = torch.stack([self.resid_in[layer] for layer in self.layers], 0)
+        resid_in = self._at_query(self.resid_in).float()
         delta = resid_out - resid_in
         norms = torch.stack([resid_out, delta], 0).norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
         if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
-            outputs = torch.stack([self.attn_out[layer] for layer in self.layers]
-                                  + [self.mlp_out[layer] for layer in self.layers], 0)  # [2L, B, d]
+            outputs = _at_query([self.attn_out[layer] for layer in self.layers]
+                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill)  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
@@ -297,6 +311,30 @@ class Probes:
             direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
+
+    def _at_query(self, store: dict[int, torch.Tensor], layers: list[int] | None = None) -> torch.Tensor:
+        """[L, B, ...]: the query position of a kept per-layer output, for `layers` (default: the captured ones)."""
+        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill)
+
+    def _new_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key and value of the query position, every captured layer: [L, B, heads, D] each.
+
+        The new key and value columns are read from the KV cache's stack in one op each when it
+        holds every captured layer; otherwise one slice per layer.
+        """
+        layers = self.layers
+        q = torch.stack([self.qkv[layer][0][:, :, -1] for layer in layers], 0) if self.ctx.prefill else \
+            torch.stack([self.qkv[layer][0] for layer in layers], 0)[:, :, :, -1]
+        kv = self.ctx.kv
+        T = self.qkv[layers[0]][1].shape[2]
+        if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
+                                  for layer in layers):
+            contiguous = layers == list(range(layers[0], layers[-1] + 1))
+            pick = slice(layers[0], layers[-1] + 1) if contiguous else layers
+            return q, kv.keys[pick, :, :, T - 1], kv.values[pick, :, :, T - 1]
+        k = torch.stack([self.qkv[layer][1][:, :, -1] for layer in layers], 0)
+        v = torch.stack([self.qkv[layer][2][:, :, -1] for layer in layers], 0)
+        return q, k, v
 
     def collect_prefill(self) -> dict[str, np.ndarray]:
         """Prompt-time arrays: prompt K/V and (optionally) full prefill attention, per token position."""
