@@ -62,7 +62,8 @@ class BatchedRows:
         T = key.shape[2]
         if self.queries and (mask is not self.mask or scaling != self.scaling or T != self.kv_len):
             return False
-        self.queries[layer] = query if query.shape[2] == 1 else query[:, :, -1:]  # a decode step has one
+        # a decode step has one query position; of a prefill's, keep a copy of the last one only
+        self.queries[layer] = query if query.shape[2] == 1 else query[:, :, -1:].clone()
         self.mask, self.scaling, self.kv_len = mask, scaling, T
         return True
 

@@ -44,13 +44,11 @@ def _last(t, batch: int) -> torch.Tensor:
 
 
 def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool) -> torch.Tensor:
-    """[n, B, ...]: the query position of each of n kept outputs ([B, pos, ...] or flattened [B*pos, ...]).
-
-    A decode step has one position, so the outputs are stacked as they are and sliced once; a
-    prefill has the whole prompt, so each is sliced first (stacking them would copy every position).
-    """
+    """[n, B, ...]: the query position of n kept tensors, which at a decode step are the modules'
+    outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query position
+    [B, ...] (`Probes._keep`). One stack and one slice for all of them."""
     if prefill:
-        return torch.stack([_last(t, batch) for t in tensors], 0)
+        return torch.stack(tensors, 0)
     if len({t.dim() for t in tensors}) > 1:  # e.g. OPT: attention [B, 1, d] next to a flattened fc2 [B, d]
         tensors = [t.reshape(batch, -1, t.shape[-1]) for t in tensors]
     t = torch.stack(tensors, 0)
@@ -148,24 +146,28 @@ class Probes:
                 h.remove()
 
     # ---- taps (lmtrace/taps.py: forward hooks without torch's slow hook path) -----------------
-    # They only keep references to what the module got and returned: every torch op here would
-    # run once per layer (~120 taps a step), while `collect` stacks all layers and does the
-    # arithmetic once per step (one slice, one norm, one top-k).
+    # At a decode step they only keep references to what the module got and returned: every torch
+    # op here would run once per layer (~120 taps a step), while `collect` stacks all layers and
+    # does the arithmetic once per step (one slice, one norm, one top-k). At the prefill they keep
+    # a copy of the query position: a reference would hold every prompt position of every layer.
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        return _last(t, len(self.ctx.pads)).clone() if self.ctx.prefill else t
+
     def _block_tap(self, layer, keep_input: bool = True):
         def block(module, args, kwargs, output):
             if keep_input:
-                self.resid_in[layer] = args[0] if args else kwargs["hidden_states"]
-            self.resid_out[layer] = output[0] if type(output) is tuple else output
+                self.resid_in[layer] = self._keep(args[0] if args else kwargs["hidden_states"])
+            self.resid_out[layer] = self._keep(output[0] if type(output) is tuple else output)
         return block
 
     def _output_tap(self, store: str, layer):
         def output(module, args, kwargs, out):
-            getattr(self, store)[layer] = out[0] if type(out) is tuple else out
+            getattr(self, store)[layer] = self._keep(out[0] if type(out) is tuple else out)
         return output
 
     def _ffn_tap(self, layer):
         def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
-            self.ffn[layer] = args[0] if args else next(iter(kwargs.values()))
+            self.ffn[layer] = self._keep(args[0] if args else next(iter(kwargs.values())))
         return ffn
 
     def _router_tap(self, layer):
@@ -211,7 +213,7 @@ class Probes:
             if full_prefill:
                 self.prefill_rows[layer] = probs.detach()
         if self.shape.qkv:
-            self.qkv[layer] = (query, key, value)
+            self.qkv[layer] = (query[:, :, -1:].clone() if prefill else query, key, value)
             if prefill:
                 self.prompt_kv[layer] = (key, value)
 
@@ -323,8 +325,7 @@ class Probes:
         holds every captured layer; otherwise one slice per layer.
         """
         layers = self.layers
-        q = torch.stack([self.qkv[layer][0][:, :, -1] for layer in layers], 0) if self.ctx.prefill else \
-            torch.stack([self.qkv[layer][0] for layer in layers], 0)[:, :, :, -1]
+        q = torch.stack([self.qkv[layer][0] for layer in layers], 0)[:, :, :, -1]  # one query position kept
         kv = self.ctx.kv
         T = self.qkv[layers[0]][1].shape[2]
         if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
