@@ -25,7 +25,8 @@ use the manifest's `timings.generate_s` (prefill to archive drained), so the mod
 `run_generate` does on every call is excluded. The end-of-sequence id is set to a token the greedy
 continuation never produces, and every run is checked to have generated exactly N tokens (and the
 same tokens as the floor). Each measurement is repeated (--repeats), the configurations interleaved
-in every repeat (floor first), after a short warm-up of each. tok/s = N / seconds, median of the
+in every repeat (floor first, the others in an order rotated per repeat), after a short warm-up of
+each. tok/s = N / seconds, median of the
 repeats. The ratio "vs floor" (and the targets) is the median over the repeats of floor seconds /
 configuration seconds within the same repeat: on the development VM the speed of the same loop
 drifts by ±15 % in phases about as long as one sample, so a ratio of two medians can compare a
@@ -401,7 +402,10 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                                            "archive_bytes": 0, "same_tokens": True})
     for n in args.tokens:
         for rep in range(args.repeats):
-            for config in CONFIGS:
+            # the floor first (the others' ratios pair with it), the others in an order rotated per
+            # repeat, so that none of them always follows the same configuration
+            others = list(CONFIGS[1:])
+            for config in ["floor", *others[rep % len(others):], *others[: rep % len(others)]]:
                 entry = samples[key(config, n)]
                 if len(entry["seconds"]) > rep:
                     continue

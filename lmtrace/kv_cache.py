@@ -5,10 +5,11 @@ the whole cache of the layer every step: O(context) bytes per layer and step, ~6
 SmolLM2 at 128 tokens of context and ~15 MB at 320, a growing share of a decode step on a CPU.
 
 `StackedCache` keeps the keys (and the values) of every full-attention layer in one tensor
-[layer, batch, kv_head, capacity, head_dim], allocated for the whole run (prompt + max_new_tokens
-positions; on a CPU untouched pages cost no memory) and grown by half when a caller asks for more. A
-step writes only its new column; each layer gets a view of its first T positions, so the attention
-kernel sees exactly the values DynamicCache would give it (tests compare the logits bit for bit).
+[layer, batch, kv_head, capacity, head_dim]. On a CPU the tracer allocates it for the run up front
+(prompt + max_new_tokens positions, at most 4096 new ones; pages never written cost no memory);
+it grows by half whenever it is full. A step writes only its new column; each layer gets a view
+of its first T positions, so the attention kernel sees exactly the values DynamicCache would give
+it (tests compare the logits bit for bit).
 
 Because all layers' keys are in one tensor, the probes read every layer's keys for the attention
 rows from it without copying them (`lmtrace/attention_rows.py`).
