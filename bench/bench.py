@@ -26,9 +26,9 @@ use the manifest's `timings.generate_s` (prefill to archive drained), so the mod
 continuation never produces, and every run is checked to have generated exactly N tokens (and the
 same tokens as the floor). Each measurement is repeated (--repeats), the configurations interleaved
 in every repeat (floor first, the others in an order rotated per repeat), after a short warm-up of
-each. tok/s = N / seconds, median of the
-repeats. The ratio "vs floor" (and the targets) is the median over the repeats of floor seconds /
-configuration seconds within the same repeat: on the development VM the speed of the same loop
+each. tok/s = N / seconds, median of the repeats. The ratio "vs floor" (and the targets) is the
+median over the repeats of floor seconds / configuration seconds within the same repeat: on the
+development VM the speed of the same loop
 drifts by ±15 % in phases about as long as one sample, so a ratio of two medians can compare a
 fast phase with a slow one (measured: forward-only, which only adds token statistics to the floor,
 came out at 0.92x as a ratio of medians and 1.04x paired). Also reported: "best vs best" (fastest
@@ -204,7 +204,7 @@ def floor_generate(model, prompt_ids: list[int], n_new: int, stacked: bool = Fal
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
     positions = torch.arange(ids.shape[1], device=device)[None]
-    cache = (StackedCache(model.config, capacity_hint=len(prompt_ids) + n_new) if stacked
+    cache = (StackedCache.for_generation(model.config, len(prompt_ids), n_new, device) if stacked
              else DynamicCache(config=model.config))
     out_ids: list[int] = []
     for step in range(n_new):
@@ -218,6 +218,11 @@ def floor_generate(model, prompt_ids: list[int], n_new: int, stacked: bool = Fal
         mask = torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype, device=device)], dim=1)
         positions = positions[:, -1:] + 1
     return out_ids, time.perf_counter() - t0
+
+
+def floor_of(config: str, model, prompt_ids: list[int], n_new: int) -> tuple[list[int], float]:
+    """The floor loop of configuration `floor` or `floor-stacked`."""
+    return floor_generate(model, prompt_ids, n_new, stacked=config == "floor-stacked")
 
 
 def spec_data(config: str, prompt: str, n_new: int, eos: int, runs_dir: str) -> dict:
@@ -370,7 +375,7 @@ class Checkpoint:
 def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str) -> None:
     for config in CONFIGS:
         if config.startswith("floor"):
-            floor_generate(model, prompt_ids, WARMUP_TOKENS, stacked=config == "floor-stacked")
+            floor_of(config, model, prompt_ids, WARMUP_TOKENS)
         else:
             lmtrace_generate(config, prompt, WARMUP_TOKENS, eos, runs_dir)
 
@@ -380,7 +385,7 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
     """Generation seconds, process CPU seconds, archive bytes and same-tokens-as-floor of one run."""
     if config.startswith("floor"):
         cpu0 = own_cpu_s()
-        ids, seconds = floor_generate(model, prompt_ids, n, stacked=config == "floor-stacked")
+        ids, seconds = floor_of(config, model, prompt_ids, n)
         return {"seconds": seconds, "cpu_s": own_cpu_s() - cpu0, "archive_bytes": 0, "same": ids == floor_ids[:n]}
     info = lmtrace_generate(config, prompt, n, eos, runs_dir, deferred_lens=True)
     return {**info, "same": check_run(config, info, n, floor_ids)}
@@ -443,7 +448,7 @@ def child_main(job: dict) -> dict:
         if config.startswith("floor"):
             loaded = load_model(ModelSpec(ref=MODEL_REF))
             snapshot()
-            generated = len(floor_generate(loaded.model, job["prompt_ids"], n, stacked=config == "floor-stacked")[0])
+            generated = len(floor_of(config, loaded.model, job["prompt_ids"], n)[0])
         else:
             generated = lmtrace_generate(config, job["prompt"], n, job["eos"], runs_dir, on_start=snapshot)["generated_len"]
     end = memory_mib()

@@ -56,14 +56,14 @@ class BatchedRows:
 
     def offer(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
               scaling: float) -> bool:
-        """Called for every captured layer's attention; True when its row will come from `rows()`."""
+        """Called for every captured layer's attention with the query position's query [B, H, 1, D];
+        True when its row will come from `rows()`."""
         if self.kv is None or not self.kv.holds(layer, key):
             return False
         T = key.shape[2]
         if self.queries and (mask is not self.mask or scaling != self.scaling or T != self.kv_len):
             return False
-        # a decode step has one query position; of a prefill's, keep a copy of the last one only
-        self.queries[layer] = query if query.shape[2] == 1 else query[:, :, -1:].clone()
+        self.queries[layer] = query
         self.mask, self.scaling, self.kv_len = mask, scaling, T
         return True
 

@@ -181,17 +181,11 @@ class BlockSink:
         i = r.step - self.s0
         active = r.active
         self.active[:, i] = active
-        every = bool(active.all())  # the common case: plain slices instead of boolean indexing
+        rows_of = slice(None) if active.all() else active  # the common case: slices, not boolean indexing
         for name, data in r.arrays.items():
-            if every:
-                self.buffers[name][:, i] = data
-            else:
-                self.buffers[name][active, i] = data[active]
+            self.buffers[name][rows_of, i] = data[rows_of]
         for name, buf in self.scalars.items():
-            if every:
-                buf[:, i] = r.scalars[name]
-            else:
-                buf[active, i] = r.scalars[name][active]
+            buf[rows_of, i] = r.scalars[name][rows_of]
         c = r.choice
         # one numpy view per field, then plain Python numbers: indexing torch tensors element by
         # element costs microseconds each, ~20 of them per token

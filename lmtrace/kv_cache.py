@@ -79,11 +79,20 @@ class KVStack:
                 and key.shape[2] == self.length[layer] and key.stride() == self._strides
                 and key.dtype == self.keys.dtype)
 
+    @staticmethod
+    def _pick(layers: list[int]):
+        """Index of `layers` (ascending model layer indices) in the layer dim: contiguous ones as a
+        slice, so that indexing gives a view, not a copy."""
+        return slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
+
     def keys_of(self, layers: list[int], length: int) -> torch.Tensor:
-        """Keys of `layers` (ascending model layer indices), first `length` positions: [n, B, kvh, T, D]."""
-        if layers == list(range(layers[0], layers[-1] + 1)):  # contiguous: a view, no copy
-            return self.keys[layers[0]: layers[-1] + 1, :, :, :length]
-        return self.keys[layers, :, :, :length]
+        """Keys of `layers`, first `length` positions: [n, B, kvh, T, D]."""
+        return self.keys[self._pick(layers), :, :, :length]
+
+    def column(self, layers: list[int], position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `layers` at one position: [n, B, kvh, D] each."""
+        pick = self._pick(layers)
+        return self.keys[pick, :, :, position], self.values[pick, :, :, position]
 
 
 class StackedLayer(DynamicLayer):
@@ -120,3 +129,10 @@ class StackedCache(DynamicCache):
         self.stack = KVStack(len(self.layers), capacity_hint)
         self.layers = [StackedLayer(self.stack, i) if type(layer) is DynamicLayer else layer
                        for i, layer in enumerate(self.layers)]
+
+    @classmethod
+    def for_generation(cls, config, prompt_len: int, max_new_tokens: int, device: torch.device) -> "StackedCache":
+        """The cache of one batch: on a CPU the run's positions up front, where pages never written
+        cost nothing; capped at 4096 new ones, so that a huge max_new_tokens does not ask the kernel
+        for more address space than it grants. Beyond it (and on accelerators) it grows by half."""
+        return cls(config, capacity_hint=prompt_len + min(max_new_tokens, 4096) if device.type == "cpu" else 0)

@@ -192,8 +192,11 @@ class Probes:
             }
         prefill = self.ctx.prefill
         full_prefill = prefill and self.shape.prefill_attention
+        # the query position [B, H, 1, D]: a decode step has only it; of a prefill's, a copy (a view
+        # would keep every prompt position of the layer alive until `collect`)
+        q_last = query[:, :, -1:].clone() if prefill else query
         if weights is None and self.batched is not None and not full_prefill and self.batched.offer(
-                layer, query, key, attention_mask, self.kernel_args[layer]["scaling"]):
+                layer, q_last, key, attention_mask, self.kernel_args[layer]["scaling"]):
             pass  # the row comes from the batched product in `collect`
         elif self.shape.attention or full_prefill:
             if weights is not None:  # the eager kernel already returned them
@@ -213,7 +216,7 @@ class Probes:
             if full_prefill:
                 self.prefill_rows[layer] = probs.detach()
         if self.shape.qkv:
-            self.qkv[layer] = (query[:, :, -1:].clone() if prefill else query, key, value)
+            self.qkv[layer] = (q_last, key, value)
             if prefill:
                 self.prompt_kv[layer] = (key, value)
 
@@ -330,9 +333,7 @@ class Probes:
         T = self.qkv[layers[0]][1].shape[2]
         if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
                                   for layer in layers):
-            contiguous = layers == list(range(layers[0], layers[-1] + 1))
-            pick = slice(layers[0], layers[-1] + 1) if contiguous else layers
-            return q, kv.keys[pick, :, :, T - 1], kv.values[pick, :, :, T - 1]
+            return (q, *kv.column(layers, T - 1))
         k = torch.stack([self.qkv[layer][1][:, :, -1] for layer in layers], 0)
         v = torch.stack([self.qkv[layer][2][:, :, -1] for layer in layers], 0)
         return q, k, v

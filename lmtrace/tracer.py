@@ -115,11 +115,7 @@ class Tracer:
             mask[b, pads[b]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        # The run's positions up front on a CPU, where pages never written cost nothing; capped, so
-        # that a huge max_new_tokens does not ask the kernel for more address space than it grants.
-        # Beyond it (and on accelerators) the stack grows by half when full.
-        hint = T + min(self.max_new_tokens, 4096) if ids.device.type == "cpu" else 0
-        cache = StackedCache(self.model.config, capacity_hint=hint)
+        cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device)
         generated: list[list[int]] = [[] for _ in range(B)]
         stop_reason = ["max_new_tokens"] * B
         active = np.ones(B, dtype=bool)
