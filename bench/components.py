@@ -68,6 +68,15 @@ def instrument() -> None:
     writer.ArchiveWriter._put = timed("  writer thread: array chunks", writer.ArchiveWriter._put)
     writer.ArchiveWriter._write_part = timed("  writer thread: parquet parts", writer.ArchiveWriter._write_part)
     writer.ArchiveWriter._commit = timed("  writer thread: sync + progress", writer.ArchiveWriter._commit)
+    run = writer.BackgroundWriter._run
+
+    def cpu_timed_run(self):  # the writer thread's own CPU time, whatever it waited for
+        t0 = time.thread_time()
+        try:
+            return run(self)
+        finally:
+            SECONDS["writer thread CPU (all its work)"] = SECONDS.get("writer thread CPU (all its work)", 0.0) + time.thread_time() - t0
+    writer.BackgroundWriter._run = cpu_timed_run
 
 
 def main() -> None:

@@ -91,8 +91,9 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     L, k = len(layers), lens.k
     chunk = int(spec["output"]["chunk_steps"])
     group = _writable_group(run.path)
-    compressors = compressors_for(spec["output"]["codec"], int(spec["output"]["level"]))
-    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors) for s in layout.LENS_ARRAYS}
+    codec, level = spec["output"]["codec"], int(spec["output"]["level"])
+    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors_for(codec, level, s))
+           for s in layout.LENS_ARRAYS}
     gen_len = run.generated_len()
 
     top1 = np.full((n_seq, n_steps, L), -1, dtype=np.int32)

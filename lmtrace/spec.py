@@ -161,7 +161,8 @@ class OutputSpec(_Strict):
     runs_dir: str | None = None
     run_id: str | None = None
     chunk_steps: int = Field(16, ge=1, le=4096)
-    codec: Literal["zstd", "blosc", "none"] = "zstd"
+    # auto: zstd for arrays that compress, none for dense float activations (archive/layout.py)
+    codec: Literal["auto", "zstd", "blosc", "none"] = "auto"
     level: int = Field(1, ge=0, le=22)
     float_dtype: Literal["float16", "float32"] = "float16"
 

@@ -45,7 +45,7 @@ def test_defaults():
     assert c.ffn.top_k == 32 and c.lens.top_k == 5 and c.alternatives == 10 and c.residual.vectors_at == []
     assert not c.forward_only
     o = spec.output
-    assert (o.runs_dir, o.run_id, o.chunk_steps, o.codec, o.level, o.float_dtype) == (None, None, 16, "zstd", 1, "float16")
+    assert (o.runs_dir, o.run_id, o.chunk_steps, o.codec, o.level, o.float_dtype) == (None, None, 16, "auto", 1, "float16")
     assert spec.prompts.texts == ["hi"] and spec.prompts.file is None and spec.prompts.chat is False
 
 

@@ -42,7 +42,10 @@ def atomic_write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def compressors_for(codec: str, level: int):
+def compressors_for(codec: str, level: int, spec: layout.ArraySpec | None = None):
+    """The compressors of one array; `auto` is zstd, except for arrays the layout marks incompressible."""
+    if codec == "auto":
+        codec = "zstd" if spec is None or spec.compressible else "none"
     if codec == "zstd":
         return [ZstdCodec(level=level)]
     if codec == "blosc":
@@ -149,15 +152,14 @@ class ArchiveWriter:
         self._progress_path = run_dir / layout.PROGRESS_DIR / f"{writer_key}.json"
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
-        compressors = compressors_for(codec, level)
         self.block_chunks: dict[str, BlockChunks] = {}
         for spec in shape.arrays():
-            self.arrays[spec.name] = self._create(spec, compressors)
+            self.arrays[spec.name] = self._create(spec, compressors_for(codec, level, spec))
             if spec.per_step:
                 direct = BlockChunks.for_array(run_dir / layout.TENSORS / spec.name, self.arrays[spec.name])
                 if direct is not None:
                     self.block_chunks[spec.name] = direct
-        self._coordinates(compressors)
+        self._coordinates()
 
     # ---- set-up ------------------------------------------------------------------------------
     def _load_progress(self) -> dict:
@@ -168,7 +170,7 @@ class ArchiveWriter:
     def _create(self, spec: layout.ArraySpec, compressors) -> zarr.Array:
         return create_array(self.group, spec, self.shape.shape_of(spec), self.chunk_steps, compressors)
 
-    def _coordinates(self, compressors) -> None:
+    def _coordinates(self) -> None:
         s = self.shape
         coords = {
             "layer": np.asarray(s.layers, dtype=np.int32),
@@ -260,7 +262,9 @@ class ArchiveWriter:
         parts = self.dir / layout.table_parts_dir(table)
         parts.mkdir(exist_ok=True)
         tmp = parts / f".{name}.tmp"
-        pq.write_table(data, tmp)
+        # Parts are read back whole (by compaction or a reader of an unfinished run), never
+        # filtered: dictionaries and column statistics would only cost the writer ~2 ms a block.
+        pq.write_table(data, tmp, use_dictionary=False, write_statistics=False)
         os.replace(tmp, parts / f"{name}.parquet")
 
     def _commit(self, batch: int, committed_steps: int | None = None, done: bool = False) -> None:
