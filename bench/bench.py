@@ -26,12 +26,15 @@ use the manifest's `timings.generate_s` (prefill to archive drained), so the mod
 continuation never produces, and every run is checked to have generated exactly N tokens (and the
 same tokens as the floor). Each measurement is repeated (--repeats), the configurations interleaved
 in every repeat (floor first, the others in an order rotated per repeat), after a short warm-up of
-each. tok/s = N / seconds, median of the repeats. The ratio "vs floor" (and the targets) is the
-median over the repeats of floor seconds / configuration seconds within the same repeat: on the
-development VM the speed of the same loop
+each, and each N ends with one more floor sample. tok/s = N / seconds, median of the repeats. The
+ratio "vs floor" (and the targets) is the median over the repeats of floor seconds / configuration
+seconds, where the floor seconds are those the floor would have taken at the moment the
+configuration ran: interpolated linearly in time between the floor samples just before and just
+after it (the next repeat's, or the closing one). On the development VM the speed of the same loop
 drifts by ±15 % in phases about as long as one sample, so a ratio of two medians can compare a
 fast phase with a slow one (measured: forward-only, which only adds token statistics to the floor,
-came out at 0.92x as a ratio of medians and 1.04x paired). Also reported: "best vs best" (fastest
+came out at 0.92x as a ratio of medians and 1.04x paired), and a floor sample four samples back
+has often left the phase the configuration ran in. Also reported: "best vs best" (fastest
 floor / fastest configuration: other load only ever slows a run down) and the ratio of medians
 (JSON), and the process's CPU seconds over the same span (all threads), paired the same way; their
 ratio is less sensitive to other load on the machine, since time slices lost to other processes
@@ -410,15 +413,20 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
             # the floor first (the others' ratios pair with it), the others in an order rotated per
             # repeat, so that none of them always follows the same configuration
             others = list(CONFIGS[1:])
-            for config in ["floor", *others[rep % len(others):], *others[: rep % len(others)]]:
+            order = ["floor", *others[rep % len(others):], *others[: rep % len(others)]]
+            if rep == args.repeats - 1:
+                order.append("floor")  # the closing floor: the last repeat's configurations sit between two
+            for i, config in enumerate(order):
                 entry = samples[key(config, n)]
-                if len(entry["seconds"]) > rep:
+                if len(entry["seconds"]) > rep + (i > 0 and config == "floor"):
                     continue
                 attempts = []
                 for _ in range(args.retries + 1):
                     wait_for_quiet(args.quiet, args.quiet_timeout, log)
                     with OthersMeter() as meter:
+                        t0 = time.time()
                         run = one_sample(config, n, model, prompt, prompt_ids, eos, floor_ids, runs_dir)
+                        run["at"] = t0 + run["seconds"] / 2  # about the middle of the timed span
                     attempts.append((meter.share, run))
                     log(f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
                         f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs")
@@ -426,6 +434,7 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                         break
                 share, run = min(attempts, key=lambda a: a[1]["seconds"])  # other load only slows a run down
                 entry["seconds"].append(run["seconds"])
+                entry.setdefault("at", []).append(round(run["at"], 3))
                 entry["cpu_s"].append(round(run["cpu_s"], 3))
                 entry["others_cpu"].append(round(share, 4))
                 entry["attempts"].append(len(attempts))
@@ -480,6 +489,26 @@ def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
 
 
 # ---- summary ----------------------------------------------------------------------------------
+def floor_at(floor: dict, at: list[float] | None, field: str) -> list[float]:
+    """The floor's `field` (seconds or cpu_s) at each of the times `at`: linear in time between the
+    floor samples just before and just after (the nearest one beyond the first or the last). Without
+    times (an older checkpoint) the floor sample of the same repeat."""
+    values = floor[field]
+    if not at or len(floor.get("at", [])) != len(values):
+        return values[: len(at or values)]
+    points = sorted(zip(floor["at"], values))
+    out = []
+    for t in at:
+        before = [p for p in points if p[0] <= t]
+        after = [p for p in points if p[0] >= t]
+        if not before or not after:
+            out.append((before or after)[-1 if before else 0][1])
+            continue
+        (t0, v0), (t1, v1) = before[-1], after[0]
+        out.append(v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0))
+    return out
+
+
 def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
     rows = []
     for n in tokens:
@@ -488,10 +517,12 @@ def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
             s = samples[key(config, n)]
             median_s = statistics.median(s["seconds"])
             tps = n / median_s
-            # the floor sample of the same repeat ran just before: their ratio cancels the machine's
-            # slow phases, which last about as long as a sample and would otherwise hit one side only
-            ratio = statistics.median(f / c for f, c in zip(floor["seconds"], s["seconds"]))
-            cpu_ratio = statistics.median(f / c for f, c in zip(floor["cpu_s"], s["cpu_s"]))
+            # the floor as it ran at the same moment (interpolated between the floor samples around
+            # it): their ratio cancels the machine's slow phases, which last about as long as a
+            # sample and would otherwise hit one side only
+            at = None if config == "floor" else s.get("at")
+            ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "seconds"), s["seconds"]))
+            cpu_ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "cpu_s"), s["cpu_s"]))
             target = TARGET_RATIO.get(config)
             rows.append({
                 "config": config, "tokens": n, "seconds": s["seconds"], "median_s": round(median_s, 4),
@@ -564,7 +595,7 @@ def print_table(rows: list[dict], flat: dict | None, meta: dict) -> None:
               "yes" if r["same_tokens_as_floor"] else "NO", f"{r['others_cpu_max']:.0%}"] for r in rows]
     title = (f"lmtrace bench: {meta['model']}, prompt {meta['prompt_tokens']} tokens, batch 1, greedy, "
              f"{meta['device']}, torch threads {meta['torch_threads']}; tok/s: median of {meta['repeats']}; "
-             f"vs floor: median of the {meta['repeats']} repeats' ratios to that repeat's floor")
+             f"vs floor: median of the {meta['repeats']} repeats' ratios to the floor at that moment (interpolated between the floor samples around each)")
     footer = target_lines(rows, flat)
     noisy = [f"{r['config']} N={r['tokens']}" for r in rows if r["others_cpu_max"] >= meta["quiet_threshold"]]
     if noisy:
