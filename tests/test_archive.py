@@ -71,6 +71,25 @@ def test_eos_and_stop_strings_end_each_sequence(tmp_path, tiny_llama_dir):
     assert stop in seqs.loc[0, "generated_text"]
 
 
+def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_dir):
+    """The block size is a storage detail: blocks of 2 steps (sequences ending inside a block, a
+    partial last block, a new buffer per block) give the same arrays and tables as one block."""
+    base = run_spec(tmp_path / "base", _tiny(tiny_llama_dir, generation={"max_new_tokens": 12, "batch_size": 3}))
+    gen = base.tokens().to_pandas()
+    gen = gen[(gen.sequence == 1) & ~gen.is_prompt].sort_values("step")
+    eos = int(gen.token_id.iloc[2])  # sequence 1 ends early; the others (most likely) later
+    generation = {"max_new_tokens": 12, "batch_size": 3, "eos_token_id": eos}
+    small = run_spec(tmp_path / "small", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 2}))
+    one = run_spec(tmp_path / "one", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 16}))
+    lengths = small.sequences().to_pandas().generated_len
+    assert lengths.nunique() > 1, lengths  # rows inactive in some blocks
+    assert small.array_names() == one.array_names()
+    for name in small.array_names():
+        np.testing.assert_array_equal(small.tensors[name][...], one.tensors[name][...], err_msg=name)
+    for table in ("tokens", "steps", "sequences"):
+        assert small.table(table).to_pandas().equals(one.table(table).to_pandas()), table
+
+
 def test_forward_only_run_still_archives_tokens_and_alternatives(tmp_path, tiny_llama_dir):
     run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture="none"))
     assert run.status == "complete"
