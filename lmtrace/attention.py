@@ -16,7 +16,12 @@ only the cached window of keys (`key` may be shorter than the context): the prob
 to position total_len - kv_len + j and archive the evicted, in-context keys as probability 0.
 
 A custom attention name must also be registered in `ALL_MASK_ATTENTION_FUNCTIONS`, or transformers
-silently builds no mask at all; we use the eager (additive float) mask, which sdpa accepts too.
+silently builds no mask at all. We register the eager (additive float) mask, which sdpa accepts
+too and which the probes add to their scores, except at a one-query step that sdpa would run
+without a mask: no padding and no window exceeded, so the query sees every key. There the mask is
+None, as sdpa's own mask function gives it. Every eager kernel of the supported families skips a
+None mask, and the probes then add none. Building the float mask cost ~0.25 ms a decode step, and
+sdpa given one ran ~8 µs slower per layer (docs/archive.md, "Cost").
 """
 
 from __future__ import annotations
@@ -48,12 +53,26 @@ def _lmtrace_attention(module, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
+def _lmtrace_mask(*, q_length: int, allow_is_causal_skip: bool = True, dtype: torch.dtype = torch.float32,
+                  **kwargs) -> torch.Tensor | None:
+    """transformers' eager mask, or None where sdpa's mask function skips the mask of a one-query step."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    if q_length != 1 or not allow_is_causal_skip:
+        return eager_mask(q_length=q_length, dtype=dtype, **kwargs)
+    mask = sdpa_mask(q_length=q_length, allow_is_causal_skip=True, **kwargs)
+    if mask is None:
+        return None
+    # what eager_mask makes of the same boolean mask, without building it a second time
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
 def register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTN_NAME, _lmtrace_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, eager_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, _lmtrace_mask)
 
 
 class observing:
