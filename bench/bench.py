@@ -86,6 +86,7 @@ from pathlib import Path
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
 
+import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -418,7 +419,8 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                 order.append("floor")  # the closing floor: the last repeat's configurations sit between two
             for i, config in enumerate(order):
                 entry = samples[key(config, n)]
-                if len(entry["seconds"]) > rep + (i > 0 and config == "floor"):
+                closing = i > 0 and config == "floor"
+                if len(entry["seconds"]) >= rep + 1 + closing:  # already sampled (a resumed run)
                     continue
                 attempts = []
                 for _ in range(args.retries + 1):
@@ -495,18 +497,9 @@ def floor_at(floor: dict, at: list[float] | None, field: str) -> list[float]:
     times (an older checkpoint) the floor sample of the same repeat."""
     values = floor[field]
     if not at or len(floor.get("at", [])) != len(values):
-        return values[: len(at or values)]
-    points = sorted(zip(floor["at"], values))
-    out = []
-    for t in at:
-        before = [p for p in points if p[0] <= t]
-        after = [p for p in points if p[0] >= t]
-        if not before or not after:
-            out.append((before or after)[-1 if before else 0][1])
-            continue
-        (t0, v0), (t1, v1) = before[-1], after[0]
-        out.append(v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0))
-    return out
+        return values  # zip() pairs them with the configuration's samples by repeat
+    times, values = zip(*sorted(zip(floor["at"], values)))
+    return np.interp(at, times, values).tolist()  # the end values beyond the first and the last
 
 
 def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
@@ -520,7 +513,7 @@ def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
             # the floor as it ran at the same moment (interpolated between the floor samples around
             # it): their ratio cancels the machine's slow phases, which last about as long as a
             # sample and would otherwise hit one side only
-            at = None if config == "floor" else s.get("at")
+            at = s.get("at") if config != "floor" and len(s.get("at", [])) == len(s["seconds"]) else None
             ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "seconds"), s["seconds"]))
             cpu_ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "cpu_s"), s["cpu_s"]))
             target = TARGET_RATIO.get(config)

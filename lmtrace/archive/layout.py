@@ -73,7 +73,7 @@ class ArraySpec:
     dtype: str
     per_step: bool  # leading dims (sequence, step) and written in step blocks
     # False for dense float activations (q/k/v, residual vectors, FFN values): zstd shrinks them by
-    # only ~7 % and costs ~0.35 ms of CPU a step on the default capture, so `codec: auto` stores
+    # only ~7 % and costs ~0.4 ms of CPU a step on the default capture, so `codec: auto` stores
     # them raw (docs/archive.md, "Compression")
     compressible: bool = True
 

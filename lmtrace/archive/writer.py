@@ -42,10 +42,10 @@ def atomic_write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def compressors_for(codec: str, level: int, spec: layout.ArraySpec | None = None):
+def compressors_for(codec: str, level: int, spec: layout.ArraySpec):
     """The compressors of one array; `auto` is zstd, except for arrays the layout marks incompressible."""
     if codec == "auto":
-        codec = "zstd" if spec is None or spec.compressible else "none"
+        codec = "zstd" if spec.compressible else "none"
     if codec == "zstd":
         return [ZstdCodec(level=level)]
     if codec == "blosc":
