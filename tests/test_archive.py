@@ -90,6 +90,23 @@ def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_d
         assert small.table(table).to_pandas().equals(one.table(table).to_pandas()), table
 
 
+def test_auto_codec_compresses_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
+    """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
+    def codecs(run, name):
+        meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
+        return [c["name"] for c in meta["codecs"]]
+
+    auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}}))
+    for name in ("attn", "ffn_idx"):
+        assert codecs(auto, name) == ["bytes", "zstd"], name
+    for name in ("q", "k", "v", "prompt_k", "prompt_v", "ffn_val", "resid"):
+        assert codecs(auto, name) == ["bytes"], name
+    zstd = run_spec(tmp_path / "zstd", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}},
+                                              output={"codec": "zstd"}))
+    assert codecs(zstd, "q") == ["bytes", "zstd"] and codecs(zstd, "resid") == ["bytes", "zstd"]
+    np.testing.assert_array_equal(auto.tensors["q"][...], zstd.tensors["q"][...])
+
+
 def test_forward_only_run_still_archives_tokens_and_alternatives(tmp_path, tiny_llama_dir):
     run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture="none"))
     assert run.status == "complete"
