@@ -131,6 +131,12 @@ class BlockSink:
         self.step_columns = step_columns
         self.progress = progress
         self.specs = {s.name: s for s in shape.arrays() if s.per_step}
+        # Attention rows ([..., key], padded to the run's longest context) are buffered only as wide
+        # as the block's context reaches, rounded up to the array's key chunks: the chunks past it
+        # are never written (ArchiveWriter), and the buffers stay as small as the context.
+        self.key_chunk = {name: writer.writer.arrays[name].chunks[-1] for name, spec in self.specs.items()
+                          if spec.dims[-1] == "key"}
+        self.padded_prompt = max(len(p) for p in prompts)  # the batch's prompts are left-padded to it
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
         self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
@@ -145,6 +151,9 @@ class BlockSink:
         self.buffers = {}
         for name, spec in self.specs.items():
             rest = self.shape.shape_of(spec)[2:]
+            if name in self.key_chunk:  # keys at step s: the padded prompt and s generated tokens
+                keys, k = self.padded_prompt + s0 + self.chunk - 1, self.key_chunk[name]
+                rest = (*rest[:-1], min(rest[-1], -(-keys // k) * k))
             self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
         self.active = np.zeros((B, self.chunk), dtype=bool)
         self.scalars = {}
@@ -183,7 +192,10 @@ class BlockSink:
         self.active[:, i] = active
         rows_of = slice(None) if active.all() else active  # the common case: slices, not boolean indexing
         for name, data in r.arrays.items():
-            self.buffers[name][rows_of, i] = data[rows_of]
+            buf = self.buffers[name]
+            if name in self.key_chunk:  # a row as wide as this step's context (Probes.collect)
+                buf = buf[..., : data.shape[-1]]
+            buf[rows_of, i] = data[rows_of]
         for name, buf in self.scalars.items():
             buf[rows_of, i] = r.scalars[name][rows_of]
         c = r.choice
@@ -624,7 +636,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
             manifest.pop("error", None)
             write_manifest(run_dir, manifest)
         writer_core = ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps, codec=spec.output.codec,
-                                    level=spec.output.level, writer_key=shard.key)
+                                    level=spec.output.level, writer_key=shard.key, chunk_keys=spec.output.chunk_keys)
     rd.set_shard_status("running")
     log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(prompts))
 

@@ -222,7 +222,7 @@ class Probes:
 
     # ---- assembly ----------------------------------------------------------------------------
     def _realign_keys(self, rows: torch.Tensor, kv_len: int, out: np.ndarray) -> None:
-        """rows [B, ..., kv] over padded keys -> out [B, ..., max_len] over token positions."""
+        """rows [B, ..., kv] over padded keys -> out [B, ..., total_len] over token positions."""
         ctx = self.ctx
         rows_np = rows.to(self.torch_float).cpu().numpy()
         for b, pad in enumerate(ctx.pads):
@@ -248,7 +248,9 @@ class Probes:
                     all_rows = probs
                 self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
             if s.k_attn is None:
-                out = np.full((B, L, s.n_heads, s.max_len), np.nan, dtype=self.np_float)
+                # as wide as this step's context (no key reaches past it): the archive's rows are
+                # padded to the run's longest context by the writer, not here
+                out = np.full((B, L, s.n_heads, self.ctx.total_len), np.nan, dtype=self.np_float)
                 kv_lens = {self.rows[layer][1] for layer in self.layers}
                 if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
                     if all_rows is None:

@@ -161,6 +161,9 @@ class OutputSpec(_Strict):
     runs_dir: str | None = None
     run_id: str | None = None
     chunk_steps: int = Field(16, ge=1, le=4096)
+    # attention rows are also chunked along their keys: a block writes only the key chunks its
+    # context reaches, the rest of the padded row is never written (docs/archive.md)
+    chunk_keys: int = Field(64, ge=1, le=1 << 20)
     # auto: zstd for arrays that compress, none for dense float activations (archive/layout.py)
     codec: Literal["auto", "zstd", "blosc", "none"] = "auto"
     level: int = Field(1, ge=0, le=22)

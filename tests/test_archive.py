@@ -72,17 +72,26 @@ def test_eos_and_stop_strings_end_each_sequence(tmp_path, tiny_llama_dir):
 
 
 def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_dir):
-    """The block size is a storage detail: blocks of 2 steps (sequences ending inside a block, a
-    partial last block, a new buffer per block) give the same arrays and tables as one block."""
+    """The block size is a storage detail: blocks of 2 steps and attention chunks of 3 keys
+    (sequences ending inside a block, a partial last block, a new buffer per block, key chunks past
+    a block's context never written) give the same arrays and tables as one block of all keys."""
     base = run_spec(tmp_path / "base", _tiny(tiny_llama_dir, generation={"max_new_tokens": 12, "batch_size": 3}))
     gen = base.tokens().to_pandas()
     gen = gen[(gen.sequence == 1) & ~gen.is_prompt].sort_values("step")
     eos = int(gen.token_id.iloc[2])  # sequence 1 ends early; the others (most likely) later
     generation = {"max_new_tokens": 12, "batch_size": 3, "eos_token_id": eos}
-    small = run_spec(tmp_path / "small", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 2}))
-    one = run_spec(tmp_path / "one", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 16}))
-    lengths = small.sequences().to_pandas().generated_len
-    assert lengths.nunique() > 1, lengths  # rows inactive in some blocks
+    small = run_spec(tmp_path / "small", _tiny(tiny_llama_dir, generation=generation,
+                                                output={"chunk_steps": 2, "chunk_keys": 3}))
+    one = run_spec(tmp_path / "one", _tiny(tiny_llama_dir, generation=generation,
+                                            output={"chunk_steps": 16, "chunk_keys": 4096}))
+    seqs = small.sequences().to_pandas()
+    assert seqs.generated_len.nunique() > 1, seqs  # rows inactive in some blocks
+    assert one.tensors["attn"].chunks[-1] == one.tensors["attn"].shape[-1]
+    # keys at steps 0 and 1 (block 0) reach the padded prompt and one generated token: of the
+    # 3-key chunks, only those are on disk (c/<sequence>/<block>/<layer>/<head>/<key chunk>)
+    P, n_chunks = int(seqs.prompt_len.max()), -(-small.tensors["attn"].shape[-1] // 3)
+    written = {int(p.name) for p in (small.path / "tensors.zarr" / "attn" / "c" / "0" / "0" / "0" / "0").iterdir()}
+    assert written == set(range(-(-(P + 1) // 3))) and len(written) < n_chunks, (written, P, n_chunks)
     assert small.array_names() == one.array_names()
     for name in small.array_names():
         np.testing.assert_array_equal(small.tensors[name][...], one.tensors[name][...], err_msg=name)
@@ -90,21 +99,23 @@ def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_d
         assert small.table(table).to_pandas().equals(one.table(table).to_pandas()), table
 
 
-def test_auto_codec_compresses_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
+def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
     """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
     def codecs(run, name):
         meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
         return [c["name"] for c in meta["codecs"]]
 
     auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}}))
-    for name in ("attn", "ffn_idx"):
-        assert codecs(auto, name) == ["bytes", "zstd"], name
+    assert codecs(auto, "ffn_idx") == ["bytes", "zstd"]
+    assert codecs(auto, "attn") == ["bytes", "blosc"]  # Blosc-LZ4: fast
     for name in ("q", "k", "v", "prompt_k", "prompt_v", "ffn_val", "resid"):
         assert codecs(auto, name) == ["bytes"], name
     zstd = run_spec(tmp_path / "zstd", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}},
                                               output={"codec": "zstd"}))
     assert codecs(zstd, "q") == ["bytes", "zstd"] and codecs(zstd, "resid") == ["bytes", "zstd"]
-    np.testing.assert_array_equal(auto.tensors["q"][...], zstd.tensors["q"][...])
+    assert codecs(zstd, "attn") == ["bytes", "zstd"]
+    for name in ("q", "attn"):
+        np.testing.assert_array_equal(auto.tensors[name][...], zstd.tensors[name][...], err_msg=name)
 
 
 def test_forward_only_run_still_archives_tokens_and_alternatives(tmp_path, tiny_llama_dir):

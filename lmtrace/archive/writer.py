@@ -43,11 +43,13 @@ def atomic_write_json(path: Path, obj) -> None:
 
 
 def compressors_for(codec: str, level: int, spec: layout.ArraySpec):
-    """The compressors of one array; `auto` is zstd, except for arrays the layout marks incompressible."""
+    """The compressors of one array; `auto` is the layout's choice for it (`ArraySpec.auto_codec`)."""
     if codec == "auto":
-        codec = "zstd" if spec.compressible else "none"
+        codec = spec.auto_codec
     if codec == "zstd":
         return [ZstdCodec(level=level)]
+    if codec == "lz4":  # only through `auto`, for attention rows: fast, no shuffle (measured: it did not pay)
+        return [BloscCodec(cname="lz4", clevel=max(1, min(level, 9)), shuffle="noshuffle")]
     if codec == "blosc":
         return [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
     return None
@@ -61,7 +63,7 @@ def consolidate(run_dir: Path) -> None:
 
 
 def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ...], chunk_steps: int,
-                 compressors) -> zarr.Array:
+                 compressors, chunk_keys: int | None = None) -> zarr.Array:
     """An archive array (or the existing one of that name), chunked as every writer chunks it."""
     if spec.name in group:
         return group[spec.name]
@@ -69,6 +71,12 @@ def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ..
     # chunks (the sharding codec) made a layer slice cheaper to read, but cost ~7 ms of CPU per
     # step to write on the default capture, a sixth of a decode step (docs/archive.md, "Cost").
     chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
+    if spec.per_step and spec.dims[-1] == "key" and chunk_keys:
+        # Attention rows, padded to the longest context of the run, are also split along their
+        # keys: a block writes only the key chunks its context reaches (BlockChunks.write) and a
+        # chunk never written reads as the fill value (NaN), so the padding costs neither bytes
+        # nor compression.
+        chunks[-1] = min(chunk_keys, shape[-1])
     return group.create_array(
         spec.name, shape=shape, chunks=tuple(max(1, c) for c in chunks), dtype=spec.dtype,
         fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
@@ -94,13 +102,16 @@ class BlockChunks:
         self.chunk_shape = tuple(array.chunks)
         self.dtype = np.dtype(array.dtype).newbyteorder("<")
         self.fill = array.fill_value
-        self.trailing = ("0",) * (len(self.chunk_shape) - 2)
+        # one chunk across every trailing dim but the last, which may be split (attention keys)
+        self.trailing = ("0",) * (len(self.chunk_shape) - 3)
 
     @classmethod
     def for_array(cls, path: Path, array: zarr.Array) -> "BlockChunks | None":
         from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
         meta = array.metadata
+        if array.ndim < 3:  # (sequence, step, ...): every per-step array has trailing dims
+            return None
         key_encoding = getattr(meta, "chunk_key_encoding", None)
         if getattr(key_encoding, "name", None) != "default" or getattr(key_encoding, "separator", None) != "/":
             return None
@@ -125,34 +136,42 @@ class BlockChunks:
         return cls(path, array, encode)
 
     def write(self, sequence: int, s0: int, block: np.ndarray) -> None:
-        """block [steps, ...] of one sequence, starting at s0 (a chunk boundary): the whole chunk."""
-        steps = self.chunk_shape[1]
-        if block.shape[0] == steps:
-            chunk = np.ascontiguousarray(block, dtype=self.dtype)
-        else:  # a batch that ended early, or the array's last block: the rest of the chunk is fill
-            chunk = np.full(self.chunk_shape[1:], self.fill, dtype=self.dtype)
-            chunk[: block.shape[0]] = block
-        target = self.path.joinpath("c", str(sequence), str(s0 // steps), *self.trailing)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(self.encode(chunk))
-        os.replace(tmp, target)
+        """block [steps, ..., width] of one sequence, starting at s0 (a chunk boundary): whole chunks.
+
+        `width` may be less than the array's last dim (attention rows cut at the block's context):
+        the chunks past it are not written, and read as fill.
+        """
+        steps, width = self.chunk_shape[1], self.chunk_shape[-1]
+        for c in range(-(-block.shape[-1] // width)):
+            piece = block[..., c * width: (c + 1) * width]
+            if piece.shape == self.chunk_shape[1:]:
+                chunk = np.ascontiguousarray(piece, dtype=self.dtype)
+            else:  # a batch that ended early, the array's last block or last key chunk: fill the rest
+                chunk = np.full(self.chunk_shape[1:], self.fill, dtype=self.dtype)
+                chunk[: piece.shape[0], ..., : piece.shape[-1]] = piece
+            target = self.path.joinpath("c", str(sequence), str(s0 // steps), *self.trailing, str(c))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(self.encode(chunk))
+            os.replace(tmp, target)
 
 
 class ArchiveWriter:
     """Owns one run directory while it is written. Not thread-safe: use BackgroundWriter to offload."""
 
     def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int,
-                 writer_key: str = "shard-0-of-1"):
+                 writer_key: str = "shard-0-of-1", chunk_keys: int | None = None):
         self.dir = run_dir
         self.shape = shape
         self.chunk_steps = chunk_steps
+        self.chunk_keys = chunk_keys
         self.group = zarr.open_group(str(run_dir / layout.TENSORS), mode="a", zarr_format=3)
         self.arrays: dict[str, zarr.Array] = {}
         self._progress_path = run_dir / layout.PROGRESS_DIR / f"{writer_key}.json"
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
         self.block_chunks: dict[str, BlockChunks] = {}
+        self.key_arrays = {spec.name for spec in shape.arrays() if spec.per_step and spec.dims[-1] == "key"}
         for spec in shape.arrays():
             self.arrays[spec.name] = self._create(spec, compressors_for(codec, level, spec))
             if spec.per_step:
@@ -168,7 +187,7 @@ class ArchiveWriter:
         return {"batches": {}}
 
     def _create(self, spec: layout.ArraySpec, compressors) -> zarr.Array:
-        return create_array(self.group, spec, self.shape.shape_of(spec), self.chunk_steps, compressors)
+        return create_array(self.group, spec, self.shape.shape_of(spec), self.chunk_steps, compressors, self.chunk_keys)
 
     def _coordinates(self) -> None:
         s = self.shape
@@ -214,9 +233,12 @@ class ArchiveWriter:
             for row, seq in enumerate(seqs):
                 direct.write(seq, steps.start, data[row])
             return
+        array = self.arrays[name]
+        # attention rows cut at the block's context (BlockSink): the keys past it stay fill
+        cut = (Ellipsis, slice(0, data.shape[-1])) if name in self.key_arrays else ()
         for off, first, n in self._runs(seqs):
             key = (slice(first, first + n),) if steps is None else (slice(first, first + n), steps)
-            self.arrays[name][key] = data[off: off + n]
+            array[key + cut] = data[off: off + n]
 
     def write_block(self, batch: int, seqs: list[int], s0: int, s1: int, arrays: dict[str, np.ndarray],
                     tables: dict[str, pa.Table]) -> None:
