@@ -218,7 +218,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         prefill_attention=cap.prefill_attention, qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
         lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
     )
-    per_step = shape.estimate_bytes_per_step()
+    per_step = shape.estimate_bytes_per_step(spec.output.chunk_steps, spec.output.chunk_keys)
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
     tensors = per_step * shape.n_sequences * shape.n_steps
     tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt)

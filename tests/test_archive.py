@@ -99,6 +99,33 @@ def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_d
         assert small.table(table).to_pandas().equals(one.table(table).to_pandas()), table
 
 
+def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny_llama_dir):
+    """Without compression the attention chunk files hold exactly the key columns each block's
+    context reaches, in whole chunks, and not the rows' padding to the run's longest context; the
+    size estimate of `lmtrace validate` (RunShape.written_keys_per_step) counts the same."""
+    from lmtrace.archive.layout import RunShape
+
+    N, cs, K = 24, 4, 4
+    run = run_spec(tmp_path, _tiny(tiny_llama_dir, generation={"max_new_tokens": N, "batch_size": 3},
+                                   output={"codec": "none", "chunk_steps": cs, "chunk_keys": K}))
+    seqs = run.sequences().to_pandas()
+    assert (seqs.generated_len == N).all()  # every block is written for every sequence
+    attn = run.tensors["attn"]
+    _, _, L, H, max_len = attn.shape
+    P = int(seqs.prompt_len.max())
+    assert max_len == P + N
+    files = [f for f in (run.path / "tensors.zarr" / "attn" / "c").rglob("*") if f.is_file()]
+    on_disk = sum(f.stat().st_size for f in files)
+    keys = 0  # key columns written by each block: its context, rounded up to whole chunks of K
+    for s0 in range(0, N, cs):
+        keys += min(-(-max_len // K), -(-(P + s0 + cs - 1) // K)) * K * cs
+    assert on_disk == 3 * keys * L * H * 2  # float16
+    assert on_disk < 3 * N * max_len * L * H * 2 * 0.9  # well under the rows padded to max_len
+    shape = RunShape(n_sequences=3, n_steps=N, max_prompt=P, layers=tuple(range(L)), resid_layers=(), n_heads=H,
+                     n_kv_heads=1, head_dim=1, d_model=1, d_ffn=1, kv_head_of_head=(0,) * H)
+    assert shape.written_keys_per_step(cs, K) * N == keys
+
+
 def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
     """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
     def codecs(run, name):

@@ -161,15 +161,36 @@ class RunShape:
         sizes = self.dim_sizes()
         return tuple(sizes[d] for d in spec.dims)
 
-    def estimate_bytes_per_step(self) -> int:
-        """Uncompressed bytes one sequence adds per generated step (an upper bound: padding included)."""
+    def written_keys_per_step(self, chunk_steps: int, chunk_keys: int | None) -> float:
+        """Keys per step that arrays over `key` (attention rows) write, averaged over the run.
+
+        A block of `chunk_steps` steps writes whole key chunks up to the last key its context
+        reaches (the padded prompt, then one key per step; generate.BlockSink), each holding
+        `chunk_steps` steps, also in a partial last block. Without key chunks: every key.
+        These are the key columns stored, so chunk padding is counted.
+        """
+        if not chunk_keys or self.n_steps == 0:
+            return float(self.max_len)
+        k = min(chunk_keys, self.max_len)  # as writer.create_array chunks the array
+        stored = -(-self.max_len // k) * k  # the last key chunk is stored whole, also past max_len
+        written = 0
+        for s0 in range(0, self.n_steps, chunk_steps):
+            reached = self.max_prompt + s0 + chunk_steps - 1
+            written += min(stored, -(-reached // k) * k) * chunk_steps
+        return written / self.n_steps
+
+    def estimate_bytes_per_step(self, chunk_steps: int = 1, chunk_keys: int | None = None) -> int:
+        """Uncompressed bytes one sequence adds per generated step: an upper bound, since rows are
+        sized for the longest prompt of the run and other padding is counted too."""
         sizes = self.dim_sizes()
-        total = 0
+        total = 0.0
         for spec in self.arrays():
             if spec.per_step:
-                n = int(np.prod([sizes[d] for d in spec.dims[2:]]))
+                n = float(np.prod([sizes[d] for d in spec.dims[2:]]))
+                if spec.dims[-1] == "key":
+                    n = n / sizes["key"] * self.written_keys_per_step(chunk_steps, chunk_keys)
                 total += n * np.dtype(spec.dtype).itemsize
-        return total
+        return int(round(total))
 
 
 # Per-layer scalars in steps.parquet (one row per sequence, step, captured layer).
