@@ -24,17 +24,19 @@ Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_coun
 use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
 `run_generate` does on every call is excluded. The end-of-sequence id is set to a token the greedy
 continuation never produces, and every run is checked to have generated exactly N tokens (and the
-same tokens as the floor). Each measurement is repeated (--repeats), the configurations interleaved
-in every repeat (floor first, the others in an order rotated per repeat), after a short warm-up of
-each, and each N ends with one more floor sample. tok/s = N / seconds, median of the repeats. The
-ratio "vs floor" (and the targets) is the median over the repeats of floor seconds / configuration
-seconds, where the floor seconds are those the floor would have taken at the moment the
-configuration ran: interpolated linearly in time between the floor samples just before and just
-after it (the next repeat's, or the closing one). On the development VM the speed of the same loop
-drifts by ±15 % in phases about as long as one sample, so a ratio of two medians can compare a
-fast phase with a slow one (measured: forward-only, which only adds token statistics to the floor,
-came out at 0.92x as a ratio of medians and 1.04x paired), and a floor sample four samples back
-has often left the phase the configuration ran in. Also reported: "best vs best" (fastest
+same tokens as the floor). Each measurement is repeated (--repeats), after a short warm-up of each
+configuration. Every sample of a configuration runs between two floor samples (floor, A, floor, B,
+floor, C, floor, D, then the next repeat, in an order rotated per repeat; one more floor sample
+closes each N). tok/s = N / seconds, median of the samples. The ratio "vs floor" (and the targets)
+is the median over the repeats of floor seconds / configuration seconds, where the floor seconds
+are those the floor would have taken at the moment the configuration ran: interpolated linearly in
+time between the floor samples just before and just after it. On the development VM the speed of
+the same loop drifts by ±15 % in phases about as long as one sample, so a ratio of two medians can
+compare a fast phase with a slow one (measured: forward-only, which only adds token statistics to
+the floor, came out at 0.92x as a ratio of medians and 1.04x paired). Before the floor ran around
+every sample, it ran once per repeat, and a floor sample four samples back had often left the
+phase the configuration ran in: in one run the floor's 128-token samples went 8.1, 6.8, 6.7, 6.0 s
+and forward-only came out at 0.84x there and 1.09x at 512 tokens. Also reported: "best vs best" (fastest
 floor / fastest configuration: other load only ever slows a run down) and the ratio of medians
 (JSON), and the process's CPU seconds over the same span (all threads), paired the same way; their
 ratio is less sensitive to other load on the machine, since time slices lost to other processes
@@ -395,6 +397,28 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
     return {**info, "same": check_run(config, info, n, floor_ids)}
 
 
+def schedule(repeats: int) -> list[tuple[int, str, int]]:
+    """(repeat, configuration, its sample index) in the order they run, for one N.
+
+    Every sample of a configuration runs between two floor samples, so the floor it is compared
+    with (interpolated between them in time, `floor_at`) is at most one sample away on either side;
+    the configurations' order is rotated per repeat, so that none always follows another. One more
+    floor sample closes the N.
+    """
+    others = list(CONFIGS[1:])
+    order: list[tuple[int, str]] = []
+    for rep in range(repeats):
+        for config in others[rep % len(others):] + others[: rep % len(others)]:
+            order += [(rep, "floor"), (rep, config)]
+    order.append((repeats - 1, "floor"))
+    seen: dict[str, int] = {}
+    out = []
+    for rep, config in order:
+        out.append((rep, config, seen.get(config, 0)))
+        seen[config] = seen.get(config, 0) + 1
+    return out
+
+
 def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int], args, runs_dir: str,
              ckpt: Checkpoint, log) -> dict:
     """{"config:n": samples}, the configurations interleaved within each repeat.
@@ -410,41 +434,33 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
             samples.setdefault(key(c, n), {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [],
                                            "archive_bytes": 0, "same_tokens": True})
     for n in args.tokens:
-        for rep in range(args.repeats):
-            # the floor first (the others' ratios pair with it), the others in an order rotated per
-            # repeat, so that none of them always follows the same configuration
-            others = list(CONFIGS[1:])
-            order = ["floor", *others[rep % len(others):], *others[: rep % len(others)]]
-            if rep == args.repeats - 1:
-                order.append("floor")  # the closing floor: the last repeat's configurations sit between two
-            for i, config in enumerate(order):
-                entry = samples[key(config, n)]
-                closing = i > 0 and config == "floor"
-                if len(entry["seconds"]) >= rep + 1 + closing:  # already sampled (a resumed run)
-                    continue
-                attempts = []
-                for _ in range(args.retries + 1):
-                    wait_for_quiet(args.quiet, args.quiet_timeout, log)
-                    with OthersMeter() as meter:
-                        t0 = time.time()
-                        run = one_sample(config, n, model, prompt, prompt_ids, eos, floor_ids, runs_dir)
-                        run["at"] = t0 + run["seconds"] / 2  # about the middle of the timed span
-                    attempts.append((meter.share, run))
-                    log(f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
-                        f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs")
-                    if meter.share < args.quiet:
-                        break
-                share, run = min(attempts, key=lambda a: a[1]["seconds"])  # other load only slows a run down
-                entry["seconds"].append(run["seconds"])
-                entry.setdefault("at", []).append(round(run["at"], 3))
-                entry["cpu_s"].append(round(run["cpu_s"], 3))
-                entry["others_cpu"].append(round(share, 4))
-                entry["attempts"].append(len(attempts))
-                entry["archive_bytes"] = run["archive_bytes"]
-                entry["same_tokens"] = entry["same_tokens"] and run["same"]
-                if "lens_s" in run:
-                    entry.setdefault("lens_s", []).append(round(run["lens_s"], 3))
-                ckpt.save()
+        for rep, config, k in schedule(args.repeats):
+            entry = samples[key(config, n)]
+            if len(entry["seconds"]) > k:  # already sampled (a resumed run)
+                continue
+            attempts = []
+            for _ in range(args.retries + 1):
+                wait_for_quiet(args.quiet, args.quiet_timeout, log)
+                with OthersMeter() as meter:
+                    t0 = time.time()
+                    run = one_sample(config, n, model, prompt, prompt_ids, eos, floor_ids, runs_dir)
+                    run["at"] = t0 + run["seconds"] / 2  # about the middle of the timed span
+                attempts.append((meter.share, run))
+                log(f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
+                    f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs")
+                if meter.share < args.quiet:
+                    break
+            share, run = min(attempts, key=lambda a: a[1]["seconds"])  # other load only slows a run down
+            entry["seconds"].append(run["seconds"])
+            entry.setdefault("at", []).append(round(run["at"], 3))
+            entry["cpu_s"].append(round(run["cpu_s"], 3))
+            entry["others_cpu"].append(round(share, 4))
+            entry["attempts"].append(len(attempts))
+            entry["archive_bytes"] = run["archive_bytes"]
+            entry["same_tokens"] = entry["same_tokens"] and run["same"]
+            if "lens_s" in run:
+                entry.setdefault("lens_s", []).append(round(run["lens_s"], 3))
+            ckpt.save()
     return samples
 
 
@@ -491,15 +507,11 @@ def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
 
 
 # ---- summary ----------------------------------------------------------------------------------
-def floor_at(floor: dict, at: list[float] | None, field: str) -> list[float]:
+def floor_at(floor: dict, at: list[float], field: str) -> list[float]:
     """The floor's `field` (seconds or cpu_s) at each of the times `at`: linear in time between the
-    floor samples just before and just after (the nearest one beyond the first or the last). Without
-    times (an older checkpoint) the floor sample of the same repeat."""
-    values = floor[field]
-    if not at or len(floor.get("at", [])) != len(values):
-        return values  # zip() pairs them with the configuration's samples by repeat
-    times, values = zip(*sorted(zip(floor["at"], values)))
-    return np.interp(at, times, values).tolist()  # the end values beyond the first and the last
+    floor samples just before and just after (`schedule` runs one on either side of every sample)."""
+    times, values = zip(*sorted(zip(floor["at"], floor[field])))
+    return np.interp(at, times, values).tolist()
 
 
 def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
@@ -513,9 +525,11 @@ def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
             # the floor as it ran at the same moment (interpolated between the floor samples around
             # it): their ratio cancels the machine's slow phases, which last about as long as a
             # sample and would otherwise hit one side only
-            at = s.get("at") if config != "floor" and len(s.get("at", [])) == len(s["seconds"]) else None
-            ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "seconds"), s["seconds"]))
-            cpu_ratio = statistics.median(f / c for f, c in zip(floor_at(floor, at, "cpu_s"), s["cpu_s"]))
+            if config == "floor":
+                ratio = cpu_ratio = 1.0
+            else:
+                ratio = statistics.median(f / c for f, c in zip(floor_at(floor, s["at"], "seconds"), s["seconds"]))
+                cpu_ratio = statistics.median(f / c for f, c in zip(floor_at(floor, s["at"], "cpu_s"), s["cpu_s"]))
             target = TARGET_RATIO.get(config)
             rows.append({
                 "config": config, "tokens": n, "seconds": s["seconds"], "median_s": round(median_s, 4),
@@ -748,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     eos = pick_eos(model.config.vocab_size, set(floor_ids) | set(prompt_ids))
     log(f"prompt {len(prompt_ids)} tokens; eos set to unused id {eos}; tokens {args.tokens}, repeats {args.repeats}")
     identity = {"model": MODEL_REF, "prompt_ids": prompt_ids, "eos": eos, "tokens": args.tokens,
-                "repeats": args.repeats, "threads": threads, "retries": args.retries, "quiet": args.quiet}
+                "repeats": args.repeats, "threads": threads, "retries": args.retries, "quiet": args.quiet,
+                "schedule": "floor around every sample"}  # samples of another schedule are not mixed in
     ckpt = Checkpoint(args.output.with_name("partial.json"), identity, args.resume)
     if ckpt.resumed:
         log(f"resuming from {ckpt.path}")
