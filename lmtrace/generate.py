@@ -135,7 +135,7 @@ class BlockSink:
         # as the block's context reaches, rounded up to the array's key chunks: the chunks past it
         # are never written (ArchiveWriter), and the buffers stay as small as the context.
         self.key_chunk = {name: writer.writer.arrays[name].chunks[-1] for name, spec in self.specs.items()
-                          if spec.dims[-1] == "key"}
+                          if spec.key_chunked}
         self.padded_prompt = max(len(p) for p in prompts)  # the batch's prompts are left-padded to it
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
@@ -151,9 +151,8 @@ class BlockSink:
         self.buffers = {}
         for name, spec in self.specs.items():
             rest = self.shape.shape_of(spec)[2:]
-            if name in self.key_chunk:  # keys at step s: the padded prompt and s generated tokens
-                keys, k = self.padded_prompt + s0 + self.chunk - 1, self.key_chunk[name]
-                rest = (*rest[:-1], min(rest[-1], -(-keys // k) * k))
+            if name in self.key_chunk:
+                rest = (*rest[:-1], layout.block_keys(self.padded_prompt, s0, self.chunk, self.key_chunk[name], rest[-1]))
             self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
         self.active = np.zeros((B, self.chunk), dtype=bool)
         self.scalars = {}

@@ -79,8 +79,22 @@ class ArraySpec:
     auto_codec: str = "zstd"
 
     @property
+    def key_chunked(self) -> bool:
+        """Per-step rows over token positions (attention): also chunked along `key`, and written
+        only as far as a block's context reaches (`block_keys`)."""
+        return self.per_step and self.dims[-1] == "key"
+
+    @property
     def fill(self):
         return np.nan if np.dtype(self.dtype).kind == "f" else -1
+
+
+def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, max_len: int) -> int:
+    """Keys a block of steps [s0, s0 + chunk_steps) holds of a `key_chunked` array: up to the last
+    key its context reaches (the padded prompt, then one key per step), rounded up to whole key
+    chunks, at most `max_len`. The chunks past it are never written."""
+    reached = padded_prompt + s0 + chunk_steps - 1
+    return min(max_len, -(-reached // key_chunk) * key_chunk)
 
 
 # written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
@@ -165,18 +179,16 @@ class RunShape:
         """Keys per step that arrays over `key` (attention rows) write, averaged over the run.
 
         A block of `chunk_steps` steps writes whole key chunks up to the last key its context
-        reaches (the padded prompt, then one key per step; generate.BlockSink), each holding
-        `chunk_steps` steps, also in a partial last block. Without key chunks: every key.
+        reaches (`block_keys`, as generate.BlockSink buffers them), each holding `chunk_steps`
+        steps, also in a partial last block. Without key chunks: every key.
         These are the key columns stored, so chunk padding is counted.
         """
         if not chunk_keys or self.n_steps == 0:
             return float(self.max_len)
         k = min(chunk_keys, self.max_len)  # as writer.create_array chunks the array
-        stored = -(-self.max_len // k) * k  # the last key chunk is stored whole, also past max_len
-        written = 0
+        written = 0  # in whole chunks: the last one is stored whole, also past max_len
         for s0 in range(0, self.n_steps, chunk_steps):
-            reached = self.max_prompt + s0 + chunk_steps - 1
-            written += min(stored, -(-reached // k) * k) * chunk_steps
+            written += -(-block_keys(self.max_prompt, s0, chunk_steps, k, self.max_len) // k) * k * chunk_steps
         return written / self.n_steps
 
     def estimate_bytes_per_step(self, chunk_steps: int = 1, chunk_keys: int | None = None) -> int:
@@ -187,7 +199,7 @@ class RunShape:
         for spec in self.arrays():
             if spec.per_step:
                 n = float(np.prod([sizes[d] for d in spec.dims[2:]]))
-                if spec.dims[-1] == "key":
+                if spec.key_chunked:
                     n = n / sizes["key"] * self.written_keys_per_step(chunk_steps, chunk_keys)
                 total += n * np.dtype(spec.dtype).itemsize
         return int(round(total))

@@ -71,7 +71,7 @@ def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ..
     # chunks (the sharding codec) made a layer slice cheaper to read, but cost ~7 ms of CPU per
     # step to write on the default capture, a sixth of a decode step (docs/archive.md, "Cost").
     chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
-    if spec.per_step and spec.dims[-1] == "key" and chunk_keys:
+    if spec.key_chunked and chunk_keys:
         # Attention rows, padded to the longest context of the run, are also split along their
         # keys: a block writes only the key chunks its context reaches (BlockChunks.write) and a
         # chunk never written reads as the fill value (NaN), so the padding costs neither bytes
@@ -171,7 +171,7 @@ class ArchiveWriter:
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
         self.block_chunks: dict[str, BlockChunks] = {}
-        self.key_arrays = {spec.name for spec in shape.arrays() if spec.per_step and spec.dims[-1] == "key"}
+        self.key_arrays = {spec.name for spec in shape.arrays() if spec.key_chunked}
         for spec in shape.arrays():
             self.arrays[spec.name] = self._create(spec, compressors_for(codec, level, spec))
             if spec.per_step:
