@@ -34,7 +34,9 @@ class KVStack:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.length = [0] * n_layers  # positions held per layer
-        self._base, self._layer_bytes, self._strides = 0, 0, ()  # of `keys`, for `holds` (called per layer and step)
+        # the key view of all its positions each layer last got from `append` (what its kernel is
+        # handed): `holds` is then one identity test, called per layer and step
+        self._views: list[torch.Tensor | None] = [None] * n_layers
 
     def fits(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether a layer with these first keys and values can live in the stack."""
@@ -57,7 +59,7 @@ class KVStack:
             keys[:, :, :, :held] = self.keys[:, :, :, :held]
             values[:, :, :, :held] = self.values[:, :, :, :held]
         self.keys, self.values = keys, values
-        self._base, self._layer_bytes, self._strides = keys.data_ptr(), keys.stride(0) * keys.element_size(), keys.stride()[1:]
+        self._views = [None] * self.n_layers  # views of the old tensors
 
     @property
     def capacity(self) -> int:
@@ -71,13 +73,12 @@ class KVStack:
         self.keys[layer, :, :, start:end] = key
         self.values[layer, :, :, start:end] = value
         self.length[layer] = end
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        key_view = self._views[layer] = self.keys[layer, :, :, :end]
+        return key_view, self.values[layer, :, :, :end]
 
     def holds(self, layer: int, key: torch.Tensor) -> bool:
         """Whether `key` is this stack's view of all of `layer`'s positions (what the kernel got)."""
-        return (self.keys is not None and key.data_ptr() == self._base + layer * self._layer_bytes
-                and key.shape[2] == self.length[layer] and key.stride() == self._strides
-                and key.dtype == self.keys.dtype)
+        return key is self._views[layer]
 
     @staticmethod
     def _pick(layers: list[int]):

@@ -91,6 +91,7 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             top_abs = act.abs().topk(k).indices
             assert set(ffn_idx[s, li].tolist()) == set(top_abs.tolist())
             np.testing.assert_allclose(ffn_val[s, li], act[ffn_idx[s, li]].numpy(), rtol=1e-5, atol=tol)
+            assert np.all(np.diff(np.abs(ffn_val[s, li])) <= 0)  # in descending order of |a| (docs/archive.md)
         # the last layer's lens is the model's own output distribution
         if layers[-1] == len(r["resid"]) - 1:
             np.testing.assert_allclose(lens_probs[s, -1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(),
@@ -182,3 +183,4 @@ def test_float16_storage_is_within_half_precision(tmp_path, embedded_ref):
     P = int(run.prompt_len()[0])
     expected = r["attn"][10][:, P - 1 + 3, : P + 3].numpy()
     np.testing.assert_allclose(run.array("attn")[0, 3, 10, :, : P + 3].astype(np.float32), expected, atol=1e-3)
+
