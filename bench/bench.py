@@ -7,6 +7,9 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 `cache=DynamicCache(...)`, `logits_to_keep=1`, explicit attention mask and position
                 ids (the same call pattern as lmtrace's tracer), argmax; no hooks. The model is loaded
                 once through `lmtrace.models.load_model(ModelSpec())` (sdpa attention).
+Timed by default: floor, default and forward-only (the two with a target); `--configs all` adds
+floor-stacked and inline-lens, which have none.
+
   floor-stacked the same loop with lmtrace's KV cache (lmtrace/kv_cache.py: DynamicCache's values,
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
@@ -36,7 +39,13 @@ compare a fast phase with a slow one (measured: forward-only, which only adds to
 the floor, came out at 0.92x as a ratio of medians and 1.04x paired). Before the floor ran around
 every sample, it ran once per repeat, and a floor sample four samples back had often left the
 phase the configuration ran in: in one run the floor's 128-token samples went 8.1, 6.8, 6.7, 6.0 s
-and forward-only came out at 0.84x there and 1.09x at 512 tokens. Also reported: "best vs best" (fastest
+and forward-only came out at 0.84x there and 1.09x at 512 tokens. Five repeats by default, not
+three: one paired ratio still spreads by about ±0.08 on this VM. Measured on ten paired 128-token
+repeats of the default capture (ratios 0.85 to 1.12, median 0.905): the median of any 3 of them
+spread with a standard deviation of 0.031 (lowest 0.862), the median of any 5 with 0.019 (lowest
+0.863); at three repeats one run in two or three missed 0.85x at one of the two lengths, on a
+capture that sits around 0.9x. Only the configurations with a target are timed by default, so that
+five repeats take no longer than three did with all five configurations (~15 min). Also reported: "best vs best" (fastest
 floor / fastest configuration: other load only ever slows a run down) and the ratio of medians
 (JSON), and the process's CPU seconds over the same span (all threads), paired the same way; their
 ratio is less sensitive to other load on the machine, since time slices lost to other processes
@@ -53,9 +62,9 @@ starts at the parent's peak (it survives fork+exec), which here would hide the r
 Output: a table on stdout (rich when stdout is a terminal, plain text otherwise) and
 bench/results/latest.json. Usage:
 
-    .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 3 repeats
+    .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 5 repeats, targeted configurations
     .venv/bin/python bench/bench.py --quick         # 32 and 64 new tokens, 1 repeat (smoke test)
-    .venv/bin/python bench/bench.py --tokens 128,512 --repeats 3
+    .venv/bin/python bench/bench.py --configs all --repeats 3   # also floor-stacked and inline-lens
     .venv/bin/python bench/bench.py --profile 128   # instead: cProfile a floor and a default run
                                                     # and print where the extra time goes
 
@@ -105,6 +114,7 @@ from transformers import DynamicCache  # noqa: E402
 MODEL_REF = "embedded:smollm2-135m"
 PROMPT_TOKENS = 64
 CONFIGS = ("floor", "floor-stacked", "default", "forward-only", "inline-lens")
+DEFAULT_CONFIGS = ("floor", "default", "forward-only")  # the floor and the two with a target
 TARGET_RATIO = {"default": 0.85, "forward-only": 0.97}
 RSS_FLAT_TOLERANCE = 0.10  # peak RSS at the largest N within 10% of the smallest N
 WARMUP_TOKENS = 8
@@ -125,7 +135,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="32 and 64 new tokens, 1 repeat (smoke test)")
     p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="comma-separated new-token counts (default 128,512; 32,64 with --quick)")
-    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3; 1 with --quick)")
+    p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 5; 1 with --quick)")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS[1:]),
+                   help="comma-separated configurations timed against the floor, or 'all' (default "
+                        f"{','.join(DEFAULT_CONFIGS[1:])}: those with a target; all adds "
+                        f"{','.join(c for c in CONFIGS if c not in DEFAULT_CONFIGS)})")
     p.add_argument("--quiet", type=float, default=0.03,
                    help="max share of the CPUs other processes may use during a timed sample (default 0.03)")
     p.add_argument("--quiet-timeout", type=float,
@@ -143,7 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON job for one peak-RSS child run
     args = p.parse_args(argv)
     args.tokens = args.tokens or ([32, 64] if args.quick else [128, 512])
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    wanted = set(CONFIGS) if args.configs.strip() == "all" else {c.strip() for c in args.configs.split(",") if c.strip()}
+    unknown = wanted - set(CONFIGS)
+    if unknown:
+        p.error(f"--configs: unknown configuration(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS[1:])} or all")
+    args.configs = tuple(c for c in CONFIGS if c == "floor" or c in wanted)  # in CONFIGS order, floor first
+    if len(args.configs) < 2:
+        p.error("--configs: name at least one configuration besides the floor")
     if args.quiet_timeout is None:
         args.quiet_timeout = 0.0 if args.quick else 120.0
     if args.retries is None:
@@ -378,8 +399,8 @@ class Checkpoint:
 
 
 # ---- timing (this process) --------------------------------------------------------------------
-def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str) -> None:
-    for config in CONFIGS:
+def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str, configs: tuple[str, ...]) -> None:
+    for config in configs:
         if config.startswith("floor"):
             floor_of(config, model, prompt_ids, WARMUP_TOKENS)
         else:
@@ -397,7 +418,7 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
     return {**info, "same": check_run(config, info, n, floor_ids)}
 
 
-def schedule(repeats: int) -> list[tuple[int, str, int]]:
+def schedule(repeats: int, configs: tuple[str, ...] = CONFIGS) -> list[tuple[int, str, int]]:
     """(repeat, configuration, its sample index) in the order they run, for one N.
 
     Every sample of a configuration runs between two floor samples, so the floor it is compared
@@ -405,7 +426,7 @@ def schedule(repeats: int) -> list[tuple[int, str, int]]:
     the configurations' order is rotated per repeat, so that none always follows another. One more
     floor sample closes the N.
     """
-    others = list(CONFIGS[1:])
+    others = [c for c in configs if c != "floor"]
     order: list[tuple[int, str]] = []
     for rep in range(repeats):
         for config in others[rep % len(others):] + others[: rep % len(others)]:
@@ -429,12 +450,12 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
     sample is recorded. Samples already in the checkpoint are not run again.
     """
     samples = ckpt.samples
-    for c in CONFIGS:
+    for c in args.configs:
         for n in args.tokens:
             samples.setdefault(key(c, n), {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [],
                                            "archive_bytes": 0, "same_tokens": True})
     for n in args.tokens:
-        for rep, config, k in schedule(args.repeats):
+        for rep, config, k in schedule(args.repeats, args.configs):
             entry = samples[key(config, n)]
             if len(entry["seconds"]) > k:  # already sampled (a resumed run)
                 continue
@@ -514,11 +535,11 @@ def floor_at(floor: dict, at: list[float], field: str) -> list[float]:
     return np.interp(at, times, values).tolist()
 
 
-def summarize(samples: dict, rss: dict, tokens: list[int]) -> list[dict]:
+def summarize(samples: dict, rss: dict, tokens: list[int], configs: tuple[str, ...]) -> list[dict]:
     rows = []
     for n in tokens:
         floor = samples[key("floor", n)]
-        for config in CONFIGS:
+        for config in configs:
             s = samples[key(config, n)]
             median_s = statistics.median(s["seconds"])
             tps = n / median_s
@@ -556,13 +577,13 @@ def rss_fields(child: dict | None) -> dict:
     return {k: None if child is None or child.get(k) is None else round(child[k], 1) for k in keys}
 
 
-def rss_flatness(rss: dict, tokens: list[int]) -> dict | None:
-    """Peak RSS growth from the smallest to the largest N, default capture (floor for reference)."""
+def rss_flatness(rss: dict, tokens: list[int], configs: tuple[str, ...]) -> dict | None:
+    """Peak RSS growth from the smallest to the largest N, default capture (the others for reference)."""
     lo, hi = min(tokens), max(tokens)
-    if lo == hi or not all(key(c, n) in rss for c in CONFIGS for n in (lo, hi)):
+    if lo == hi or "default" not in configs or not all(key(c, n) in rss for c in configs for n in (lo, hi)):
         return None
     out = {"from_tokens": lo, "to_tokens": hi, "tolerance": RSS_FLAT_TOLERANCE}
-    for config in CONFIGS:
+    for config in configs:
         a, b = rss[key(config, lo)]["peak_rss_mib"], rss[key(config, hi)]["peak_rss_mib"]
         out[config] = {"rss_lo_mib": round(a, 1), "rss_hi_mib": round(b, 1), "growth_mib": round(b - a, 1),
                        "growth_frac": round((b - a) / a, 4)}
@@ -580,7 +601,7 @@ def target_lines(rows: list[dict], flat: dict | None) -> list[str]:
     for config, target in TARGET_RATIO.items():
         got = ", ".join(f"N={r['tokens']}: {r['ratio_vs_floor']:.3f}x {'PASS' if r['meets_target'] else 'FAIL'}"
                         for r in rows if r["config"] == config)
-        lines.append(f"target {config} >= {target:.2f}x floor   {got}")
+        lines.append(f"target {config} >= {target:.2f}x floor   {got or 'not measured (not in --configs)'}")
     if flat is None:
         lines.append("target RSS flat in steps   not measured (needs two token counts and the RSS children)")
     else:
@@ -704,7 +725,7 @@ def profile_default(n: int, clock: str, out_dir: Path, log) -> None:
     new_profile = lambda: cProfile.Profile(time.process_time) if clock == "cpu" else cProfile.Profile()  # noqa: E731
     floor_prof, main_prof, writer = new_profile(), new_profile(), {}
     with tempfile.TemporaryDirectory(prefix="lmtrace-bench-prof-") as runs_dir:
-        warm_up(loaded.model, prompt, prompt_ids, eos, runs_dir)
+        warm_up(loaded.model, prompt, prompt_ids, eos, runs_dir, ("floor", "default"))
         with OthersMeter() as quiet_floor:
             _, floor_s = floor_generate(loaded.model, prompt_ids, n)  # unprofiled reference
         floor_prof.runcall(floor_generate, loaded.model, prompt_ids, n)
@@ -763,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"prompt {len(prompt_ids)} tokens; eos set to unused id {eos}; tokens {args.tokens}, repeats {args.repeats}")
     identity = {"model": MODEL_REF, "prompt_ids": prompt_ids, "eos": eos, "tokens": args.tokens,
                 "repeats": args.repeats, "threads": threads, "retries": args.retries, "quiet": args.quiet,
-                "schedule": "floor around every sample"}  # samples of another schedule are not mixed in
+                "schedule": "floor around every sample", "configs": list(args.configs)}  # samples of another schedule are not mixed in
     ckpt = Checkpoint(args.output.with_name("partial.json"), identity, args.resume)
     if ckpt.resumed:
         log(f"resuming from {ckpt.path}")
@@ -772,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="lmtrace-bench-") as runs_dir:
         log("warm-up")
-        warm_up(model, prompt, prompt_ids, eos, runs_dir)
+        warm_up(model, prompt, prompt_ids, eos, runs_dir, args.configs)
         log("timing")
         samples = time_all(model, prompt, prompt_ids, eos, floor_ids, args, runs_dir, ckpt, log)
     rss = {}
@@ -781,15 +802,15 @@ def main(argv: list[str] | None = None) -> int:
         del model, loaded
         gc.collect()
         jobs = [{"config": c, "tokens": n, "prompt": prompt, "prompt_ids": prompt_ids, "eos": eos}
-                for n in args.tokens for c in CONFIGS]
+                for n in args.tokens for c in args.configs]
         rss = measure_rss(jobs, ckpt, log)
 
-    rows = summarize(samples, rss, args.tokens)
-    flat = rss_flatness(rss, args.tokens)
+    rows = summarize(samples, rss, args.tokens, args.configs)
+    flat = rss_flatness(rss, args.tokens, args.configs)
     meta = {
         "model": MODEL_REF, "device": device, "dtype": dtype, "attn_implementation": "sdpa",
         "prompt_tokens": len(prompt_ids), "prompt": prompt, "eos_token_id": eos, "tokens": args.tokens,
-        "repeats": args.repeats, "quick": args.quick, "torch_threads": threads, "torch_default_threads": DEFAULT_THREADS,
+        "repeats": args.repeats, "configs": list(args.configs), "quick": args.quick, "torch_threads": threads, "torch_default_threads": DEFAULT_THREADS,
         "cpu_count": os.cpu_count(), "quiet_threshold": args.quiet, "platform": platform.platform(), "python": platform.python_version(),
         "packages": package_versions(), "timing": "floor: own loop (perf_counter); lmtrace: manifest timings.generate_s",
         "rss": "VmHWM (peak RSS of its own address space) of a fresh child process per (configuration, tokens), "
