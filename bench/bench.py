@@ -45,7 +45,7 @@ repeats of the default capture (ratios 0.85 to 1.12, median 0.905): the median o
 spread with a standard deviation of 0.031 (lowest 0.862), the median of any 5 with 0.019 (lowest
 0.863); at three repeats one run in two or three missed 0.85x at one of the two lengths, on a
 capture that sits around 0.9x. Only the configurations with a target are timed by default, so that
-five repeats take no longer than three did with all five configurations (~15 min). Also reported: "best vs best" (fastest
+five repeats take about as long as three did with all five configurations (~18 min). Also reported: "best vs best" (fastest
 floor / fastest configuration: other load only ever slows a run down) and the ratio of medians
 (JSON), and the process's CPU seconds over the same span (all threads), paired the same way; their
 ratio is less sensitive to other load on the machine, since time slices lost to other processes
