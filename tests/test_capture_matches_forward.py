@@ -183,4 +183,3 @@ def test_float16_storage_is_within_half_precision(tmp_path, embedded_ref):
     P = int(run.prompt_len()[0])
     expected = r["attn"][10][:, P - 1 + 3, : P + 3].numpy()
     np.testing.assert_allclose(run.array("attn")[0, 3, 10, :, : P + 3].astype(np.float32), expected, atol=1e-3)
-
