@@ -89,6 +89,11 @@ class ArraySpec:
         return np.nan if np.dtype(self.dtype).kind == "f" else -1
 
 
+def key_chunk_width(chunk_keys: int | None, max_len: int) -> int:
+    """Keys per chunk of a `key_chunked` array of `max_len` keys (`output.chunk_keys`; None: all)."""
+    return min(chunk_keys, max_len) if chunk_keys else max_len
+
+
 def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, max_len: int) -> int:
     """Keys a block of steps [s0, s0 + chunk_steps) holds of a `key_chunked` array: up to the last
     key its context reaches (the padded prompt, then one key per step), rounded up to whole key
@@ -185,7 +190,7 @@ class RunShape:
         """
         if not chunk_keys or self.n_steps == 0:
             return float(self.max_len)
-        k = min(chunk_keys, self.max_len)  # as writer.create_array chunks the array
+        k = key_chunk_width(chunk_keys, self.max_len)  # as writer.create_array chunks the array
         written = 0  # in whole chunks: the last one is stored whole, also past max_len
         for s0 in range(0, self.n_steps, chunk_steps):
             written += -(-block_keys(self.max_prompt, s0, chunk_steps, k, self.max_len) // k) * k * chunk_steps

@@ -71,12 +71,12 @@ def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ..
     # chunks (the sharding codec) made a layer slice cheaper to read, but cost ~7 ms of CPU per
     # step to write on the default capture, a sixth of a decode step (docs/archive.md, "Cost").
     chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
-    if spec.key_chunked and chunk_keys:
+    if spec.key_chunked:
         # Attention rows, padded to the longest context of the run, are also split along their
         # keys: a block writes only the key chunks its context reaches (BlockChunks.write) and a
         # chunk never written reads as the fill value (NaN), so the padding costs neither bytes
         # nor compression.
-        chunks[-1] = min(chunk_keys, shape[-1])
+        chunks[-1] = layout.key_chunk_width(chunk_keys, shape[-1])
     return group.create_array(
         spec.name, shape=shape, chunks=tuple(max(1, c) for c in chunks), dtype=spec.dtype,
         fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
