@@ -7,9 +7,6 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 `cache=DynamicCache(...)`, `logits_to_keep=1`, explicit attention mask and position
                 ids (the same call pattern as lmtrace's tracer), argmax; no hooks. The model is loaded
                 once through `lmtrace.models.load_model(ModelSpec())` (sdpa attention).
-Timed by default: floor, default and forward-only (the two with a target); `--configs all` adds
-floor-stacked and inline-lens, which have none.
-
   floor-stacked the same loop with lmtrace's KV cache (lmtrace/kv_cache.py: DynamicCache's values,
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
@@ -22,6 +19,9 @@ floor-stacked and inline-lens, which have none.
   forward-only  `run_generate` with `capture: none`.
   inline-lens   the default capture with `capture.lens.when: inline` (the lens per step, during
                 generation); no target, reported for comparison.
+
+Timed by default: floor, default and forward-only (the configurations with a target); `--configs
+all` adds floor-stacked and inline-lens.
 
 Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_counter); lmtrace runs
 use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
@@ -45,11 +45,12 @@ repeats of the default capture (ratios 0.85 to 1.12, median 0.905): the median o
 spread with a standard deviation of 0.031 (lowest 0.862), the median of any 5 with 0.019 (lowest
 0.863); at three repeats one run in two or three missed 0.85x at one of the two lengths, on a
 capture that sits around 0.9x. Only the configurations with a target are timed by default, so that
-five repeats take about as long as three did with all five configurations (~18 min). Also reported: "best vs best" (fastest
-floor / fastest configuration: other load only ever slows a run down) and the ratio of medians
-(JSON), and the process's CPU seconds over the same span (all threads), paired the same way; their
-ratio is less sensitive to other load on the machine, since time slices lost to other processes
-are not counted (spin-waiting threads still are).
+five repeats take about as long as three did with all five configurations (~18 min).
+
+Also reported: "best vs best" (fastest floor / fastest configuration: other load only ever slows
+a run down) and the ratio of medians (JSON), and the process's CPU seconds over the same span (all
+threads), paired the same way; their ratio is less sensitive to other load on the machine, since
+time slices lost to other processes are not counted (spin-waiting threads still are).
 
 Archive size: bytes of the run directory after completion divided by the generated tokens.
 
@@ -62,7 +63,7 @@ starts at the parent's peak (it survives fork+exec), which here would hide the r
 Output: a table on stdout (rich when stdout is a terminal, plain text otherwise) and
 bench/results/latest.json. Usage:
 
-    .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 5 repeats, targeted configurations
+    .venv/bin/python bench/bench.py                 # 128 and 512 new tokens, 5 repeats
     .venv/bin/python bench/bench.py --quick         # 32 and 64 new tokens, 1 repeat (smoke test)
     .venv/bin/python bench/bench.py --configs all --repeats 3   # also floor-stacked and inline-lens
     .venv/bin/python bench/bench.py --profile 128   # instead: cProfile a floor and a default run
@@ -114,7 +115,6 @@ from transformers import DynamicCache  # noqa: E402
 MODEL_REF = "embedded:smollm2-135m"
 PROMPT_TOKENS = 64
 CONFIGS = ("floor", "floor-stacked", "default", "forward-only", "inline-lens")
-DEFAULT_CONFIGS = ("floor", "default", "forward-only")  # the floor and the two with a target
 TARGET_RATIO = {"default": 0.85, "forward-only": 0.97}
 RSS_FLAT_TOLERANCE = 0.10  # peak RSS at the largest N within 10% of the smallest N
 WARMUP_TOKENS = 8
@@ -136,10 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="comma-separated new-token counts (default 128,512; 32,64 with --quick)")
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 5; 1 with --quick)")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS[1:]),
+    p.add_argument("--configs", default=",".join(TARGET_RATIO),
                    help="comma-separated configurations timed against the floor, or 'all' (default "
-                        f"{','.join(DEFAULT_CONFIGS[1:])}: those with a target; all adds "
-                        f"{','.join(c for c in CONFIGS if c not in DEFAULT_CONFIGS)})")
+                        f"{','.join(TARGET_RATIO)}: those with a target; all adds "
+                        f"{','.join(c for c in CONFIGS[1:] if c not in TARGET_RATIO)})")
     p.add_argument("--quiet", type=float, default=0.03,
                    help="max share of the CPUs other processes may use during a timed sample (default 0.03)")
     p.add_argument("--quiet-timeout", type=float,
@@ -418,7 +418,7 @@ def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], e
     return {**info, "same": check_run(config, info, n, floor_ids)}
 
 
-def schedule(repeats: int, configs: tuple[str, ...] = CONFIGS) -> list[tuple[int, str, int]]:
+def schedule(repeats: int, configs: tuple[str, ...]) -> list[tuple[int, str, int]]:
     """(repeat, configuration, its sample index) in the order they run, for one N.
 
     Every sample of a configuration runs between two floor samples, so the floor it is compared
