@@ -682,7 +682,8 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 if replay is not None:
                     teacher, edits = replay.teacher, replay.edits
                     feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
-                outcome = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop, teacher=teacher, edits=edits)
+                outcome = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop, teacher=teacher, edits=edits,
+                                           forward_running=writer.forward_running())
                 sink.flush()
                 if outcome.interrupted:
                     raise Interrupted(f"interrupted by signal {stop.signal} (batch of sequence {batch}); flushed "

@@ -103,8 +103,12 @@ class Tracer:
     @torch.inference_mode()
     def run_batch(self, seq_ids: list[int], prompts: list[list[int]], sink: StepSink,
                   should_stop: Callable[[], bool] = lambda: False, teacher: Teacher | None = None,
-                  edits: Edits | None = None) -> BatchOutcome:
-        """Generate for one batch of tokenised prompts. seq_ids are global sequence indices (seeding)."""
+                  edits: Edits | None = None, forward_running=None) -> BatchOutcome:
+        """Generate for one batch of tokenised prompts. seq_ids are global sequence indices (seeding).
+
+        forward_running: a context manager entered around each model forward (the archive writer
+        pauses inside it: BackgroundWriter.forward_running).
+        """
         B = len(prompts)
         T = max(len(p) for p in prompts)
         pads = [T - len(p) for p in prompts]
@@ -123,6 +127,7 @@ class Tracer:
         probes = self.probes
         context = probes.attached() if probes is not None else _nullcontext()
         edit_context = edits.attached() if edits is not None else _nullcontext()
+        in_forward = forward_running if forward_running is not None else _nullcontext()
         with context, edit_context:
             for step in range(self.max_new_tokens):
                 if probes is not None:
@@ -131,8 +136,9 @@ class Tracer:
                 if edits is not None:
                     edits.begin(step, seq_ids, positions, step == 0)
                     model_mask = edits.edit_mask(mask, pads, seq_ids, step)
-                out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, cache=cache,
-                                 use_cache=True, logits_to_keep=1)
+                with in_forward:
+                    out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, cache=cache,
+                                     use_cache=True, logits_to_keep=1)
                 logits = out.logits[:, -1].float()
                 u = None if self.sampler.greedy else uniforms(self.generator, self.seed, seq_ids, step)
                 forced = ref = None

@@ -135,14 +135,16 @@ class BlockChunks:
             return None
         return cls(path, array, encode)
 
-    def write(self, sequence: int, s0: int, block: np.ndarray) -> None:
+    def write(self, sequence: int, s0: int, block: np.ndarray, pace=lambda: None) -> None:
         """block [steps, ..., width] of one sequence, starting at s0 (a chunk boundary): whole chunks.
 
         `width` may be less than the array's last dim (attention rows cut at the block's context):
-        the chunks past it are not written, and read as fill.
+        the chunks past it are not written, and read as fill. `pace()` is called before each chunk
+        file (ArchiveWriter.pace).
         """
         steps, width = self.chunk_shape[1], self.chunk_shape[-1]
         for c in range(-(-block.shape[-1] // width)):
+            pace()
             piece = block[..., c * width: (c + 1) * width]
             if piece.shape == self.chunk_shape[1:]:
                 chunk = np.ascontiguousarray(piece, dtype=self.dtype)
@@ -171,6 +173,9 @@ class ArchiveWriter:
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
         self.block_chunks: dict[str, BlockChunks] = {}
+        # Called before each chunk file, table part and commit of a block: BackgroundWriter makes it
+        # wait while the model's forward runs (BackgroundWriter.forward_running).
+        self.pace = lambda: None
         self.key_arrays = {spec.name for spec in shape.arrays() if spec.key_chunked}
         for spec in shape.arrays():
             self.arrays[spec.name] = self._create(spec, compressors_for(codec, level, spec))
@@ -231,13 +236,14 @@ class ArchiveWriter:
         direct = self.block_chunks.get(name) if steps is not None else None
         if direct is not None and steps.start % self.chunk_steps == 0 and steps.stop - steps.start <= self.chunk_steps:
             for row, seq in enumerate(seqs):
-                direct.write(seq, steps.start, data[row])
+                direct.write(seq, steps.start, data[row], self.pace)
             return
         array = self.arrays[name]
         # attention rows cut at the block's context (BlockSink): the keys past it stay fill
         cut = (Ellipsis, slice(0, data.shape[-1])) if name in self.key_arrays else ()
         for off, first, n in self._runs(seqs):
             key = (slice(first, first + n),) if steps is None else (slice(first, first + n), steps)
+            self.pace()
             array[key + cut] = data[off: off + n]
 
     def write_block(self, batch: int, seqs: list[int], s0: int, s1: int, arrays: dict[str, np.ndarray],
@@ -247,7 +253,9 @@ class ArchiveWriter:
             self._put(name, seqs, data, slice(s0, s1))
         for name, table in tables.items():
             if table is not None and table.num_rows:
+                self.pace()
                 self._write_part(name, layout.block_part_name(batch, s0), table)
+        self.pace()
         self._commit(batch, committed_steps=s1)
 
     def write_prompt(self, seqs: list[int], arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
@@ -340,18 +348,37 @@ class ArchiveWriter:
 
 
 class BackgroundWriter:
-    """Runs ArchiveWriter calls on one worker thread so compression and I/O overlap the forward.
+    """Runs ArchiveWriter calls on one worker thread so compression and I/O overlap the generation.
 
     The queue is bounded, so at most `depth` blocks wait in memory: the loop blocks rather than
     letting memory grow. An error in the worker is re-raised in the caller on the next call.
+
+    The worker works only while the generation loop is outside the model's forward: the loop wraps
+    each forward in `forward_running()`, and the worker waits at its next pause point (before each
+    job, chunk file, table part and commit: `ArchiveWriter.pace`). torch runs the forward on both
+    cores of a small CPU, so a writer running alongside takes a core from one of torch's threads
+    and the whole forward waits for it. Measured on the embedded model, 256 tokens: the forwards
+    after a block was handed over took 12–19 ms more per 16-step block than the others; with the
+    pause, ~3 ms (docs/archive.md, "Cost"). Between forwards (token statistics, probes, the sink:
+    a few ms a step) only the loop's own thread is busy, and the writer uses the other core. A job
+    started just before a forward finishes its current file first; a loop that waits for the
+    writer (a full queue, `drain`) is outside the forward, so the writer is never held up for good.
     """
 
     def __init__(self, writer: ArchiveWriter, depth: int = 2):
         self.writer = writer
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
+        self._outside_forward = threading.Event()
+        self._outside_forward.set()
+        self._forward = _ForwardRunning(self._outside_forward)
+        writer.pace = self._outside_forward.wait
         self._thread = threading.Thread(target=self._run, name="lmtrace-writer", daemon=True)
         self._thread.start()
+
+    def forward_running(self) -> "_ForwardRunning":
+        """Context manager for the generation loop: the writer pauses while the model's forward runs."""
+        return self._forward
 
     def _run(self) -> None:
         while True:
@@ -362,6 +389,7 @@ class BackgroundWriter:
             fn, args = item
             try:
                 if self._error is None:
+                    self._outside_forward.wait()
                     fn(*args)
             except BaseException as err:  # re-raised in the main thread by _check
                 self._error = err
@@ -384,6 +412,23 @@ class BackgroundWriter:
         self._check()
 
     def close(self) -> None:
+        self._outside_forward.set()
         self._queue.put(None)
         self._thread.join()
         self._check()
+
+
+class _ForwardRunning:
+    """`with`: the writer's pause points wait until the block exits (however it exits)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: threading.Event):
+        self._event = event
+
+    def __enter__(self):
+        self._event.clear()
+
+    def __exit__(self, *exc):
+        self._event.set()
+        return False
