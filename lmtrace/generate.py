@@ -137,6 +137,15 @@ class BlockSink:
         self.key_chunk = {name: writer.writer.arrays[name].chunks[-1] for name, spec in self.specs.items()
                           if spec.key_chunked}
         self.padded_prompt = max(len(p) for p in prompts)  # the batch's prompts are left-padded to it
+        # Block buffers are recycled: the writer hands a block's buffers back once it is written
+        # (appended on its thread), and the next block reuses them. They are never filled as a
+        # whole (`_new_block`): filling a new block's buffers with NaN took ~5 ms of wall time a
+        # block at 512 tokens, while each step writes its own rows anyway (`on_step`). Attention
+        # buffers are as wide as the batch's last block.
+        self._free: list[dict[str, np.ndarray]] = []
+        last_s0 = (shape.n_steps - 1) // chunk_steps * chunk_steps
+        self.buffer_keys = {name: layout.block_keys(self.padded_prompt, last_s0, chunk_steps, width, shape.max_len)
+                            for name, width in self.key_chunk.items()}
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
         self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
@@ -148,12 +157,24 @@ class BlockSink:
         self.s0 = s0
         self.n = 0
         B, L = len(self.seq_ids), len(self.shape.layers)
-        self.buffers = {}
-        for name, spec in self.specs.items():
-            rest = self.shape.shape_of(spec)[2:]
-            if name in self.key_chunk:
-                rest = (*rest[:-1], layout.block_keys(self.padded_prompt, s0, self.chunk, self.key_chunk[name], rest[-1]))
-            self.buffers[name] = np.full((B, self.chunk, *rest), spec.fill, dtype=spec.dtype)
+        # the key columns this block's context reaches (its attention rows are cut there)
+        self.block_width = {name: layout.block_keys(self.padded_prompt, s0, self.chunk, width, self.shape.max_len)
+                            for name, width in self.key_chunk.items()}
+        # Not filled as a whole: `on_step` writes every step's rows, and only the keys that the
+        # block's first step does not reach yet are filled here (a later step overwrites its own).
+        if self._free:
+            self.buffers = self._free.pop()
+        else:
+            self.buffers = {}
+            for name, spec in self.specs.items():
+                rest = self.shape.shape_of(spec)[2:]
+                if name in self.key_chunk:
+                    rest = (*rest[:-1], self.buffer_keys[name])
+                self.buffers[name] = np.empty((B, self.chunk, *rest), dtype=spec.dtype)
+        self.written: set[str] = set()
+        first_context = self.padded_prompt + s0  # keys the block's first step reaches (up to position s0)
+        for name, width in self.block_width.items():
+            self.buffers[name][..., min(first_context, width): width] = self.specs[name].fill
         self.active = np.zeros((B, self.chunk), dtype=bool)
         self.scalars = {}
         for name, dtype in self.scalar_dtypes.items():  # ids (lens_top1) are filled with -1, floats with NaN
@@ -189,12 +210,16 @@ class BlockSink:
         i = r.step - self.s0
         active = r.active
         self.active[:, i] = active
-        rows_of = slice(None) if active.all() else active  # the common case: slices, not boolean indexing
+        all_active = active.all()
+        rows_of = slice(None) if all_active else active  # the common case: slices, not boolean indexing
+        self.written.update(r.arrays)
         for name, data in r.arrays.items():
-            buf = self.buffers[name]
+            step = self.buffers[name][:, i]
             if name in self.key_chunk:  # a row as wide as this step's context (Probes.collect)
-                buf = buf[..., : data.shape[-1]]
-            buf[rows_of, i] = data[rows_of]
+                step = step[..., : data.shape[-1]]
+            if not all_active:
+                step[~active] = self.specs[name].fill
+            step[rows_of] = data[rows_of]
         for name, buf in self.scalars.items():
             buf[rows_of, i] = r.scalars[name][rows_of]
         c = r.choice
@@ -228,14 +253,18 @@ class BlockSink:
         if self.n == 0:
             return
         s0, s1, n = self.s0, self.s0 + self.n, self.n
-        arrays = {name: buf[:, :n] for name, buf in self.buffers.items()}
+        arrays = {name: buf[:, :n, ..., : self.block_width[name]] if name in self.block_width else buf[:, :n]
+                  for name, buf in self.buffers.items()}
+        for name in self.buffers.keys() - self.written:  # an array no step of the block gave: all fill
+            arrays[name][...] = self.specs[name].fill
         scalars = {name: buf[:, :n] for name, buf in self.scalars.items()}
         active = self.active[:, :n]
-        self.writer.submit(self._write, s0, s1, arrays, scalars, active, self.token_rows)
+        self.writer.submit(self._write, s0, s1, arrays, scalars, active, self.token_rows, self.buffers)
         self._new_block(s1)
 
-    def _write(self, s0, s1, arrays, scalars, active, token_rows) -> None:
-        """On the writer's thread: the block's `tokens` and `steps` rows, then the block itself."""
+    def _write(self, s0, s1, arrays, scalars, active, token_rows, buffers) -> None:
+        """On the writer's thread: the block's `tokens` and `steps` rows, then the block itself;
+        then its buffers are free for another block."""
         tables = {"tokens": pa.table(token_rows, schema=layout.token_schema())}
         if self.step_columns:
             steps, rows = np.nonzero(active.T)  # step-major, like the token rows
@@ -249,6 +278,7 @@ class BlockSink:
                 columns[name] = scalars[name][rows, steps].reshape(-1)
             tables["steps"] = pa.table(columns, schema=self.schema)
         self.writer.writer.write_block(self.batch, self.seqs, s0, s1, arrays, tables)
+        self._free.append(buffers)
 
 
 # ---------------------------------------------------------------------------------------------
