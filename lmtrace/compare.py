@@ -288,7 +288,7 @@ def _flatten(d, prefix: str = "") -> dict:
 
 
 def spec_differences(ma: dict, mb: dict) -> list[dict]:
-    """Resolved-spec keys that differ (output.* and the prompt texts themselves excluded), plus weights."""
+    """Resolved-spec keys that differ (output.* and the prompt texts themselves excluded), plus weights and tokenizer."""
     fa, fb = _flatten(ma.get("spec_resolved") or {}), _flatten(mb.get("spec_resolved") or {})
     out = []
     for key in sorted(set(fa) | set(fb)):
@@ -299,6 +299,9 @@ def spec_differences(ma: dict, mb: dict) -> list[dict]:
     wa, wb = (ma.get("model") or {}).get("weights_sha256"), (mb.get("model") or {}).get("weights_sha256")
     if wa != wb:
         out.append({"key": "model.weights_sha256", "a": (wa or "")[:16] or None, "b": (wb or "")[:16] or None})
+    ta, tb = (ma.get("tokenizer") or {}).get("sha256"), (mb.get("tokenizer") or {}).get("sha256")
+    if ta and tb and ta != tb:  # e.g. a model directory whose tokenizer files changed (absent in older runs)
+        out.append({"key": "tokenizer.sha256", "a": (ta or "")[:16] or None, "b": (tb or "")[:16] or None})
     for key in MANIFEST_RUN_KEYS:  # how the run was made beyond its spec (e.g. an intervention child)
         va, vb = ma.get(key), mb.get(key)
         if va != vb:

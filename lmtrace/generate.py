@@ -22,7 +22,7 @@ from .archive import layout
 from .archive.layout import RunShape
 from .archive.writer import ArchiveWriter, BackgroundWriter
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
-from .models import LoadedModel, load_model
+from .models import LoadedModel, check_run_model, load_model, tokenizer_sha256
 from .lens import CANDIDATES as LENS_CANDIDATES
 from .probes import Probes
 from .prompts import load_prompts
@@ -319,6 +319,7 @@ class Replay:
     manifest_extra: dict = field(default_factory=dict)
     finalize: Callable[[Path], None] | None = None  # writes extra files before the run is completed
     on_model: Callable[[object], None] | None = None  # receives the adapter once the model is loaded
+    parent: tuple[str, dict] | None = None  # (run id, manifest) of the replayed run: its model must be unchanged
 
 
 class _Tee:
@@ -371,7 +372,8 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
             **loaded.extra,
         },
         "tokenizer": {"class": type(loaded.tokenizer).__name__, "vocab_size": len(loaded.tokenizer),
-                      "pad_token_id": loaded.tokenizer.pad_token_id, "padding_side": "left"},
+                      "pad_token_id": loaded.tokenizer.pad_token_id, "padding_side": "left",
+                      "sha256": tokenizer_sha256(loaded.tokenizer)},
         "seed": spec.generation.seed,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
         "attention": {
@@ -617,6 +619,8 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     loaded, eager_reason = _load(spec.model, progress.message)
     t_loaded = time.time()
     model, tokenizer = loaded.model, loaded.tokenizer
+    if replay is not None and replay.parent is not None:
+        check_run_model(replay.parent[1], replay.parent[0], loaded, spec.model.ref)
     adapter = adapter_for(model)
     if replay is not None:
         rendered, prompt_ids = replay.rendered, replay.prompt_ids
@@ -644,6 +648,8 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         inner_name = model.config._attn_implementation
 
     run_id, run_dir, existing = _open_run_dir(root, spec, shard, resume)
+    if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
+        check_run_model(existing, run_id, loaded, spec.model.ref)
     rd = RunDir(run_dir, shard)
     log = RunLog(run_dir / layout.LOG)
     with rd.lock():

@@ -405,7 +405,7 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
                         "interventions": given["interventions"], "mode": mode, "from_step": from_step,
                         "first_edited_step": first_edit},
-        finalize=effects.write, on_model=prepare,
+        finalize=effects.write, on_model=prepare, parent=(parent.id, parent.manifest),
     )
     result = run_generate(spec, yaml.safe_dump(given, sort_keys=False), progress=progress, replay=replay)
     return result, effects.table()

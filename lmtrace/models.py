@@ -63,6 +63,28 @@ def file_sha256(path: Path, block: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def tokenizer_sha256(tokenizer) -> str:
+    """A fingerprint of how the tokenizer maps text to ids and back, and of its chat template.
+
+    A fast tokenizer's serialised pipeline (vocabulary, merges, normaliser, pre-tokeniser, added
+    tokens, post-processor: the same string for the same files, ~50 ms for SmolLM2's); a slow one's
+    vocabulary in id order. The weights' sha256 does not cover a model directory's tokenizer files,
+    which can change on their own.
+    """
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+    else:
+        text = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]), ensure_ascii=False)
+    template = getattr(tokenizer, "chat_template", None)
+    h = hashlib.sha256(text.encode())
+    h.update(b"\0chat_template\0")
+    h.update(json.dumps(template, sort_keys=True, ensure_ascii=False).encode())
+    return h.hexdigest()
+
+
 def _embedded_gguf(name: str) -> Path:
     if name not in EMBEDDED:
         raise SpecError(f"model.ref: unknown embedded model {name!r}; known: {', '.join('embedded:' + k for k in EMBEDDED)}")
@@ -266,10 +288,26 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
     return LoadedModel(model, tokenizer, spec.ref, source, kind, sha, device, dtype, extra)
 
 
+def check_run_model(manifest: dict, run_id: str, loaded: LoadedModel, ref) -> None:
+    """Refuse a model whose weights or tokenizer changed since run `run_id` was generated (its
+    manifest's `model.weights_sha256` and `tokenizer.sha256`; the latter is absent in older runs):
+    what it computes, or continues, would not describe that run."""
+    archived_sha = manifest.get("model", {}).get("weights_sha256")
+    if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
+        raise ModelLoadError(
+            f"the weights of {ref!r} changed since run {run_id} was generated (sha256 "
+            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run")
+    archived_tok = manifest.get("tokenizer", {}).get("sha256")
+    if archived_tok and archived_tok != tokenizer_sha256(loaded.tokenizer):
+        raise ModelLoadError(
+            f"the tokenizer of {ref!r} changed since run {run_id} was generated (its sha256 differs from the "
+            f"manifest's tokenizer.sha256): the archived token ids would not mean the same text")
+
+
 def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict | None = None,
                    note=lambda text: None) -> LoadedModel:
     """The model an archived run was generated with (its `spec_resolved.model`, with `overrides`),
-    refused when the weights changed since: whatever is computed from it would not describe the run.
+    refused when the weights or the tokenizer changed since (`check_run_model`).
     `purpose` finishes "... needed for" in the error messages."""
     given = dict(manifest.get("spec_resolved", {}).get("model") or {})
     if not given:
@@ -283,9 +321,5 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
     except Exception as err:  # noqa: BLE001 - pydantic / transformers errors become one line
         raise ModelLoadError(f"cannot load model {given.get('ref')!r} of run {run_id} for {purpose}: "
                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
-    archived_sha = manifest.get("model", {}).get("weights_sha256")
-    if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
-        raise ModelLoadError(
-            f"the weights of {given.get('ref')!r} changed since run {run_id} was generated (sha256 "
-            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run")
+    check_run_model(manifest, run_id, loaded, given.get("ref"))
     return loaded
