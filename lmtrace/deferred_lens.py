@@ -5,7 +5,10 @@ archives, at every captured layer, the residual stream after the layer in float3
 exact tensor the inline lens reads. This module later applies the same final norm + unembedding
 (`LogitLens`, same dtype mode) to those rows, writes `lens_ids` / `lens_probs` with the chunking and
 codec of the run, adds `lens_top1`, `lens_top1_prob`, `lens_margin` to `steps.parquet`, and only
-then records `lens.computed` in the manifest. The result is what an inline run would have archived.
+then records `lens.computed` in the manifest. The result is what an inline run would have archived,
+bit for bit: each step's product has the rows the inline lens had (the generation batch's
+sequences × the captured layers), because a CPU matrix product can round a row differently
+depending on its place in the product (docs/archive.md, "Logit-lens precision and cost").
 
 Why deferred by default: on a CPU the lens over every layer is ~1.7 GFLOP per step for a 135M
 model, more than its own decode step (docs/archive.md, "Cost"); done later it costs nothing during
@@ -100,25 +103,47 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     top1_prob = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
     margin = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
     n_rows = 0
-    for seq in range(n_seq):
-        n = int(max(gen_len[seq], 0))
-        for s0 in range(0, n, chunk):  # whole chunks: one block of steps at a time, as generate writes them
+    for seqs in _batches(run):
+        B = len(seqs)
+        n_of = [int(max(gen_len[seq], 0)) for seq in seqs]
+        n = max(n_of)
+        for s0 in range(0, n, chunk):  # one block of steps at a time, as generate writes them
             s1 = min(s0 + chunk, n_steps)
-            x = np.asarray(resid[seq, s0:s1])[:, at]  # [steps, L, d] float32
-            real = min(s1, n) - s0
-            ids = np.full((s1 - s0, L, k), -1, dtype=np.int32)
-            probs = np.full((s1 - s0, L, k), np.nan, dtype=np.float32)
-            i, p, m = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(x[:real])).reshape(real * L, -1))
-            ids[:real], probs[:real] = i.reshape(real, L, k), p.reshape(real, L, k)
-            out["lens_ids"][seq:seq + 1, s0:s1] = ids[None]
-            out["lens_probs"][seq:seq + 1, s0:s1] = probs[None]
-            top1[seq, s0:s0 + real], top1_prob[seq, s0:s0 + real] = ids[:real, :, 0], probs[:real, :, 0]
-            margin[seq, s0:s0 + real] = m.reshape(real, L)
-            n_rows += real * L
-        note(f"lens: sequence {seq + 1}/{n_seq} ({n} steps)")
+            x = np.stack([np.asarray(resid[seq, s0:s1])[:, at] for seq in seqs])  # [B, steps, L, d] float32
+            ids = np.full((B, s1 - s0, L, k), -1, dtype=np.int32)
+            probs = np.full((B, s1 - s0, L, k), np.nan, dtype=np.float32)
+            for j in range(min(s1, n) - s0):
+                step = s0 + j
+                live = np.asarray([step < m for m in n_of])
+                # The rows of one step of the whole batch, in the inline lens's order (sequence, layer),
+                # finished sequences included as zeros (inline ran the lens on their pad steps and
+                # dropped the result): a CPU matrix product can round a row differently depending on
+                # its place in the product (e.g. the last rows of a tile), so only the same rows in
+                # the same places give the inline values bit for bit.
+                rows = np.where(live[:, None, None], x[:, j], np.float32(0))
+                i, p, m = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1))
+                i, p, m = i.reshape(B, L, k), p.reshape(B, L, k), m.reshape(B, L)
+                ids[live, j], probs[live, j] = i[live], p[live]
+                for b in np.flatnonzero(live):
+                    seq = seqs[b]
+                    top1[seq, step], top1_prob[seq, step], margin[seq, step] = i[b, :, 0], p[b, :, 0], m[b]
+                n_rows += int(live.sum()) * L
+            for b, seq in enumerate(seqs):
+                out["lens_ids"][seq:seq + 1, s0:s1] = ids[b][None]
+                out["lens_probs"][seq:seq + 1, s0:s1] = probs[b][None]
+        note(f"lens: sequences {seqs[0]}..{seqs[-1]} ({n} steps)")
     _add_step_columns(run, dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin))), layers)
     consolidate(run.path)
     return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}
+
+
+def _batches(run: Run) -> list[list[int]]:
+    """The run's generation batches (sequence indices, in their rows' order), from `sequences.parquet`."""
+    table = run.sequences()
+    batches: dict[int, list[int]] = {}
+    for seq, batch in sorted(zip(table.column("sequence").to_pylist(), table.column("batch").to_pylist())):
+        batches.setdefault(batch, []).append(seq)
+    return [batches[b] for b in sorted(batches)]
 
 
 def _writable_group(path: Path):
