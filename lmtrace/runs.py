@@ -14,7 +14,6 @@ from importlib import metadata
 from pathlib import Path
 
 from .archive import layout
-from .archive.writer import atomic_write_json
 from .errors import LmtraceError, RunNotFoundError, SpecError
 
 PACKAGES = ("lmtrace", "torch", "transformers", "zarr", "numcodecs", "pyarrow", "numpy", "tokenizers", "gguf", "typer", "pydantic")
@@ -114,6 +113,8 @@ class RunLog:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
+    from .archive.writer import atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
+
     atomic_write_json(run_dir / layout.MANIFEST, manifest)
 
 

@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .archive.reader import IncompleteRunWarning, Run, lens_state
 from .errors import RunNotFoundError
 from .runs import dir_size, find_run, list_runs, read_manifest, runs_root
 
@@ -102,6 +101,9 @@ def _prob_style(p: float) -> str:
 
 
 def show_run(ref: str, runs_dir: str | None, json_out: bool) -> None:
+    # the reader (zarr, pandas: ~1 s to import) only here: `lmtrace ls` reads manifests alone
+    from .archive.reader import IncompleteRunWarning, Run, lens_state
+
     path = find_run(ref, runs_root(runs_dir))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)
