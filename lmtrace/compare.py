@@ -301,7 +301,7 @@ def spec_differences(ma: dict, mb: dict) -> list[dict]:
         out.append({"key": "model.weights_sha256", "a": (wa or "")[:16] or None, "b": (wb or "")[:16] or None})
     ta, tb = (ma.get("tokenizer") or {}).get("sha256"), (mb.get("tokenizer") or {}).get("sha256")
     if ta and tb and ta != tb:  # e.g. a model directory whose tokenizer files changed (absent in older runs)
-        out.append({"key": "tokenizer.sha256", "a": (ta or "")[:16] or None, "b": (tb or "")[:16] or None})
+        out.append({"key": "tokenizer.sha256", "a": ta[:16], "b": tb[:16]})
     for key in MANIFEST_RUN_KEYS:  # how the run was made beyond its spec (e.g. an intervention child)
         va, vb = ma.get(key), mb.get(key)
         if va != vb:

@@ -114,7 +114,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
             probs = np.full((B, s1 - s0, L, k), np.nan, dtype=np.float32)
             for j in range(min(s1, n) - s0):
                 step = s0 + j
-                live = np.asarray([step < m for m in n_of])
+                live = np.asarray([step < n_seq_steps for n_seq_steps in n_of])
                 # The rows of one step of the whole batch, in the inline lens's order (sequence, layer),
                 # finished sequences included as zeros (inline ran the lens on their pad steps and
                 # dropped the result): a CPU matrix product can round a row differently depending on
