@@ -105,16 +105,16 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     n_rows = 0
     for seqs in _batches(run):
         B = len(seqs)
-        n_of = [int(max(gen_len[seq], 0)) for seq in seqs]
-        n = max(n_of)
+        n_of = np.maximum(gen_len[seqs], 0).astype(int)  # steps each sequence generated
+        n = int(n_of.max())
         for s0 in range(0, n, chunk):  # one block of steps at a time, as generate writes them
             s1 = min(s0 + chunk, n_steps)
             x = np.stack([np.asarray(resid[seq, s0:s1])[:, at] for seq in seqs])  # [B, steps, L, d] float32
             ids = np.full((B, s1 - s0, L, k), -1, dtype=np.int32)
             probs = np.full((B, s1 - s0, L, k), np.nan, dtype=np.float32)
+            margins = np.full((B, s1 - s0, L), np.nan, dtype=np.float32)
             for j in range(min(s1, n) - s0):
-                step = s0 + j
-                live = np.asarray([step < n_seq_steps for n_seq_steps in n_of])
+                live = n_of > s0 + j
                 # The rows of one step of the whole batch, in the inline lens's order (sequence, layer),
                 # finished sequences included as zeros (inline ran the lens on their pad steps and
                 # dropped the result): a CPU matrix product can round a row differently depending on
@@ -122,15 +122,15 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
                 # the same places give the inline values bit for bit.
                 rows = np.where(live[:, None, None], x[:, j], np.float32(0))
                 i, p, m = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1))
-                i, p, m = i.reshape(B, L, k), p.reshape(B, L, k), m.reshape(B, L)
-                ids[live, j], probs[live, j] = i[live], p[live]
-                for b in np.flatnonzero(live):
-                    seq = seqs[b]
-                    top1[seq, step], top1_prob[seq, step], margin[seq, step] = i[b, :, 0], p[b, :, 0], m[b]
+                ids[live, j] = i.reshape(B, L, k)[live]
+                probs[live, j] = p.reshape(B, L, k)[live]
+                margins[live, j] = m.reshape(B, L)[live]
                 n_rows += int(live.sum()) * L
-            for b, seq in enumerate(seqs):
+            for b, seq in enumerate(seqs):  # steps a sequence did not generate keep the fill values
                 out["lens_ids"][seq:seq + 1, s0:s1] = ids[b][None]
                 out["lens_probs"][seq:seq + 1, s0:s1] = probs[b][None]
+                top1[seq, s0:s1], top1_prob[seq, s0:s1] = ids[b, :, :, 0], probs[b, :, :, 0]
+                margin[seq, s0:s1] = margins[b]
         note(f"lens: sequences {seqs[0]}..{seqs[-1]} ({n} steps)")
     _add_step_columns(run, dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin))), layers)
     consolidate(run.path)

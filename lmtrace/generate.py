@@ -22,7 +22,7 @@ from .archive import layout
 from .archive.layout import RunShape
 from .archive.writer import ArchiveWriter, BackgroundWriter
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
-from .models import LoadedModel, check_run_model, load_model, tokenizer_sha256
+from .models import LoadedModel, check_run_model, load_model
 from .lens import CANDIDATES as LENS_CANDIDATES
 from .probes import Probes
 from .prompts import load_prompts
@@ -373,7 +373,7 @@ def manifest_base(spec: RunSpec, given_text: str, loaded: LoadedModel, adapter, 
         },
         "tokenizer": {"class": type(loaded.tokenizer).__name__, "vocab_size": len(loaded.tokenizer),
                       "pad_token_id": loaded.tokenizer.pad_token_id, "padding_side": "left",
-                      "sha256": tokenizer_sha256(loaded.tokenizer)},
+                      "sha256": loaded.tokenizer_sha256},
         "seed": spec.generation.seed,
         "device": str(loaded.device), "dtype": str(loaded.dtype).replace("torch.", ""),
         "attention": {

@@ -16,12 +16,14 @@ from contextlib import contextmanager
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +60,11 @@ class LoadedModel:
     dtype: torch.dtype
     extra: dict = field(default_factory=dict)
 
+    @cached_property
+    def tokenizer_sha256(self) -> str:
+        """`tokenizer_sha256(self.tokenizer)`, computed once (the manifest and `check_run_model` both need it)."""
+        return tokenizer_sha256(self.tokenizer)
+
 
 def file_sha256(path: Path, block: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -75,8 +82,6 @@ def tokenizer_sha256(tokenizer) -> str:
     vocabulary in id order. The weights' sha256 does not cover a model directory's tokenizer files,
     which can change on their own.
     """
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         text = backend.to_str()
@@ -307,7 +312,7 @@ def check_run_model(manifest: dict, run_id: str, loaded: LoadedModel, ref) -> No
             f"the weights of {ref!r} changed since run {run_id} was generated (sha256 "
             f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run")
     archived_tok = manifest.get("tokenizer", {}).get("sha256")
-    if archived_tok and archived_tok != tokenizer_sha256(loaded.tokenizer):
+    if archived_tok and archived_tok != loaded.tokenizer_sha256:
         raise ModelLoadError(
             f"the tokenizer of {ref!r} changed since run {run_id} was generated (its sha256 differs from the "
             f"manifest's tokenizer.sha256): the archived token ids would not mean the same text")
