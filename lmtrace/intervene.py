@@ -8,7 +8,8 @@ Modes:
 
 effects.parquet (one row per sequence and child step): the parent's token, the child's top-1,
 logprob of the parent's token before (archived) and after (child), margin shift, KL(parent || child)
-over the parent's stored top-k plus one tail bucket, and whether the winner changed.
+over the parent's stored top-k plus one tail bucket, and whether the winner changed; the four
+token ids also as text (`parent_token_text`, ..., from the child's vocab.parquet).
 
 What an edit needs beyond the parent's archive is prepared before the child's run directory is
 created, so a bad request leaves nothing behind: chat spans (from the tokenizer), and, once the
@@ -29,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from .archive.reader import Run, open_run
+from .archive.reader import Run, Vocabulary, open_run
 from .errors import SpecError
 from .generate import GenerateResult, Progress, Replay, run_generate
 from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeurons, EditSet, MaskExperts, MaskPositions,
@@ -38,6 +39,7 @@ from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeuron
 from .spec import build_spec
 
 EFFECTS = "effects.parquet"
+TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
 
 
 @dataclass
@@ -122,6 +124,7 @@ class EffectsRecorder:
             "parent_logprob", "child_logprob_of_parent_token", "logprob_shift", "parent_margin", "child_margin",
             "margin_shift", "kl_parent_child_topk", "winner_changed")}
         self.diverged: dict[int, bool] = {}
+        self.vocabulary: Vocabulary | None = None
 
     def on_step(self, r) -> None:
         c = r.choice
@@ -155,9 +158,19 @@ class EffectsRecorder:
                 self.diverged[seq] = True
 
     def table(self) -> pa.Table:
-        return pa.table(self.rows)
+        """The effects rows; once `write` has read the child's vocabulary, also the text of each id
+        column (`<column>_text`, null where the id is)."""
+        t = pa.table(self.rows)
+        if self.vocabulary is not None:
+            for col in TEXT_COLUMNS:
+                ids = self.rows[col]
+                texts = self.vocabulary.text([-1 if i is None else i for i in ids])
+                t = t.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
+                                                            pa.string()))
+        return t
 
     def write(self, run_dir: Path) -> None:
+        self.vocabulary = Vocabulary.read(run_dir)  # the child's own (generate wrote it first)
         pq.write_table(self.table(), run_dir / EFFECTS)
 
 

@@ -39,6 +39,9 @@ PROGRESS_DIR = "progress"  # one JSON file per writer (shard): committed steps p
 SHARDS_DIR = "shards"  # one JSON status file per shard
 LOCK = ".lock"
 TABLES = ("tokens", "steps", "sequences")
+# The tokenizer's vocabulary, so that ids (alt_ids, lens_ids, lens_top1, effects' *_top1...) read
+# as text without the model: one row per id 0 .. len(tokenizer) - 1, written once per run
+VOCAB = "vocab.parquet"
 
 
 def table_file(name: str) -> str:
@@ -237,6 +240,13 @@ def step_schema(columns: list[str]):
 
     types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32()}
     return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
+
+
+def vocab_schema():
+    """vocab.parquet: `text` is what `tokenizer.decode([id])` gives (as tokens.parquet's `token_text`)."""
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.int32()), ("text", pa.string()), ("is_special", pa.bool_())])
 
 
 def sequence_schema():

@@ -158,6 +158,39 @@ class Run:
     def sequences(self) -> pa.Table:
         return self.table("sequences")
 
+    # ---- token texts -------------------------------------------------------------------------
+    @cached_property
+    def vocabulary(self) -> "Vocabulary":
+        """The texts of token ids: vocab.parquet, or for a run made before it existed, the texts its
+        tokens table holds (ids it never saw read `<id N>`)."""
+        stored = Vocabulary.read(self.path)
+        if stored is not None:
+            return stored
+        try:
+            t = self.tokens().select(["token_id", "token_text"])
+        except ArchiveError:
+            return Vocabulary([], complete=False)
+        ids = t.column("token_id").to_numpy()
+        texts = t.column("token_text").to_pylist()
+        size = int(ids.max()) + 1 if len(ids) else 0
+        known = [None] * size
+        for i, text in zip(ids.tolist(), texts):
+            known[i] = text
+        return Vocabulary(known, complete=False)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Rows of vocab.parquet (len(tokenizer) when the run was made); None for a run without it."""
+        v = self.vocabulary
+        return len(v) if v.complete else None
+
+    def text(self, ids) -> list[str]:
+        """The text of each token id, as `tokenizer.decode([id])` gave it when the run was made.
+
+        `ids`: a sequence or array of ids (any shape: nested lists come back for 2-D and more; a
+        single id gives a list of one). Fill values (ids < 0, NaN) give ""; an id the run's vocabulary does not hold gives `<id N>`."""
+        return self.vocabulary.text(ids)
+
     def generated_ids(self, sequence: int) -> list[int]:
         t = self.tokens().to_pandas()
         t = t[(t.sequence == sequence) & (~t.is_prompt)].sort_values("step")
@@ -165,6 +198,45 @@ class Run:
 
     def __repr__(self) -> str:
         return f"Run({self.id!r}, status={self.status!r}, path={str(self.path)!r})"
+
+
+class Vocabulary:
+    """Token id -> text, from a run's vocab.parquet (`complete`) or what its tokens table saw."""
+
+    def __init__(self, texts: list[str | None], complete: bool):
+        # one object array, and "" for fill values at index len(texts): a lookup is one take()
+        self._texts = np.empty(len(texts) + 1, dtype=object)
+        self._texts[:-1] = [f"<id {i}>" if t is None else t for i, t in enumerate(texts)]
+        self._texts[-1] = ""
+        self.complete = complete
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "Vocabulary | None":
+        path = Path(run_dir) / layout.VOCAB
+        if not path.is_file():
+            return None
+        t = pq.read_table(path, columns=["id", "text"])
+        ids = t.column("id").to_numpy()
+        if not np.array_equal(ids, np.arange(len(ids))):
+            raise ArchiveError(f"{path}: ids are not 0..{len(ids) - 1} in order; the file is damaged")
+        return cls(t.column("text").to_pylist(), complete=True)
+
+    def __len__(self) -> int:
+        return len(self._texts) - 1
+
+    def text(self, ids) -> list:
+        arr = np.atleast_1d(np.asarray(ids))
+        if arr.dtype.kind not in "iuf":
+            arr = np.atleast_1d(np.asarray(ids, dtype=float))  # e.g. a list with None: like NaN
+        if arr.dtype.kind == "f":
+            arr = np.where(np.isnan(arr), -1, arr)
+        arr = arr.astype(np.int64)
+        n = len(self)
+        out = self._texts[np.where(arr < 0, n, np.minimum(arr, n))]  # fancy indexing: a copy
+        beyond = arr >= n
+        if beyond.any():
+            out[beyond] = [f"<id {i}>" for i in arr[beyond].tolist()]
+        return out.tolist()
 
 
 LENS_ARRAY_NAMES = {s.name for s in layout.LENS_ARRAYS}
