@@ -222,13 +222,24 @@ def ls_(
 def show(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
-    json_out: bool = typer.Option(False, "--json"),
+    json_out: bool = typer.Option(False, "--json", help="The same as JSON (with --step: that step's details)."),
+    no_color: bool = typer.Option(False, "--no-color", help="Probabilities as numbers instead of colours."),
+    step: Optional[int] = typer.Option(None, "--step", help="Show this generated step in detail: chosen token, "
+                                       "alternatives and logit lens as text."),
+    sequence: Optional[int] = typer.Option(None, "--sequence", help="Only this sequence (with --step: default 0)."),
 ):
-    """Show a run's manifest summary and its generated text coloured by token probability."""
+    """Show a run's manifest summary and its generated text coloured by token probability.
+
+    Without colour (stdout not a terminal, NO_COLOR set, or --no-color) each generated token is
+    followed by its probability in brackets, 2 significant digits: `Paris[0.93]`, and no colour
+    legend is printed. --step S [--sequence K] prints that step's token, probability, rank, margin,
+    entropy, stability, its alternatives and (once `lmtrace lens` has run) the logit lens of every
+    captured layer, ids read as text.
+    """
     from .views import show_run
 
     try:
-        show_run(run, runs_dir, json_out)
+        show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 

@@ -1,0 +1,225 @@
+"""The archive as text without the model: vocab.parquet, `Run.text`, effects' token texts, and
+`lmtrace show` without colour (probabilities as numbers) and with --step.
+
+References are the tokenizer itself (`AutoTokenizer.decode` of one id) and the archive's own
+numbers read with pyarrow / zarr, never lmtrace's text lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from lmtrace.archive.reader import Run
+from conftest import PROMPTS, run_spec, with_lens
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def decoded(tokenizer) -> list[str]:
+    return [tokenizer.decode([i]) for i in range(len(tokenizer))]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_llama_dir, tmp_path_factory) -> Run:
+    """A sampled run (ranks above 0 occur), deferred lens not computed yet."""
+    return run_spec(tmp_path_factory.mktemp("vocab"), {
+        "model": str(tiny_llama_dir), "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 1.0, "seed": 1}})
+
+
+def lmtrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The CLI as a user pipes it: stdout is not a terminal."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for key in ("NO_COLOR", "FORCE_COLOR"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], env=full_env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def generated(run: Run):
+    t = run.tokens().to_pandas()
+    return t[~t.is_prompt].sort_values(["sequence", "step"])
+
+
+# ---- vocab.parquet and Run.text ------------------------------------------------------------------
+def test_vocab_parquet_holds_every_id_as_the_tokenizer_decodes_it_alone(run, tokenizer, decoded):
+    table = pq.read_table(run.path / "vocab.parquet")
+    assert str(table.schema.field("id").type) == "int32" and str(table.schema.field("is_special").type) == "bool"
+    assert table.column("id").to_pylist() == list(range(len(tokenizer)))
+    assert table.column("text").to_pylist() == decoded
+    special = set(np.flatnonzero(table.column("is_special").to_numpy()).tolist())
+    assert special == set(tokenizer.all_special_ids) and special
+    # tokens.parquet's token_text is the same decoding
+    t = run.tokens().to_pandas()
+    assert t.token_text.tolist() == [decoded[i] for i in t.token_id]
+    assert run.vocab_size == len(tokenizer)
+    assert not list(run.path.glob(".vocab.parquet*"))  # no temporary file left
+
+
+def test_run_text_reads_ids_of_any_shape_fill_values_and_unknown_ids(run, tokenizer, decoded):
+    alt = np.stack(generated(run).alt_ids.to_numpy())  # [tokens, k]
+    assert run.text(alt) == [[decoded[i] for i in row] for row in alt.tolist()]
+    assert run.text(alt[0].tolist()) == [tokenizer.decode([i]) for i in alt[0].tolist()]
+    n = len(tokenizer)
+    assert run.text([-1, 5, n, n + 7]) == ["", decoded[5], f"<id {n}>", f"<id {n + 7}>"]
+    assert run.text(np.array([np.nan, 3.0])) == ["", decoded[3]]
+    assert run.text(np.int32(4)) == [decoded[4]]
+
+
+def test_a_run_without_vocab_parquet_reads_the_texts_its_tokens_table_saw(run, decoded, tmp_path):
+    old = Path(shutil.copytree(run.path, tmp_path / run.path.name))
+    (old / "vocab.parquet").unlink()  # as made before vocab.parquet existed
+    old_run = Run(old)
+    seen = sorted(set(old_run.tokens().column("token_id").to_pylist()))
+    never = next(i for i in range(len(decoded)) if i not in seen)
+    assert old_run.text(seen + [never, -1]) == [decoded[i] for i in seen] + [f"<id {never}>", ""]
+    assert old_run.vocab_size is None
+
+
+def test_shards_and_a_run_that_lacks_it_get_vocab_parquet(tiny_llama_dir, tmp_path, decoded):
+    import yaml
+
+    from lmtrace.generate import Shard, run_generate
+    from lmtrace.spec import build_spec
+
+    data = {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
+            "generation": {"max_new_tokens": 3}, "output": {"runs_dir": str(tmp_path), "run_id": "sharded"}}
+    spec = build_spec(data, "test")
+    run_generate(spec, yaml.safe_dump(data), shard=Shard(0, 2))
+    vocab = tmp_path / "sharded" / "vocab.parquet"
+    assert pq.read_table(vocab).column("text").to_pylist() == decoded
+    vocab.unlink()  # the other shard joins a run without it (as one begun before it existed)
+    result = run_generate(spec, yaml.safe_dump(data), shard=Shard(1, 2))
+    assert result.status == "complete"
+    assert pq.read_table(vocab).column("text").to_pylist() == decoded
+
+
+def test_an_intervene_child_has_a_vocabulary_and_effects_as_text(run, decoded):
+    from lmtrace.intervene import run_intervene
+
+    result, effects = run_intervene(str(run.path), [{"kind": "ablate_layer", "layer": 1}])
+    assert pq.read_table(result.run_dir / "vocab.parquet").column("text").to_pylist() == decoded
+    on_disk = pq.read_table(result.run_dir / "effects.parquet").to_pandas()
+    for t in (on_disk, effects.to_pandas()):
+        for col in ("parent_token", "child_token", "child_top1", "parent_top1"):
+            assert t[f"{col}_text"].tolist() == [None if pd_null(i) else decoded[int(i)] for i in t[col]], col
+
+
+def pd_null(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+# ---- `lmtrace show` without colour ---------------------------------------------------------------------
+def parse_numbered(out: str, at: int, texts: list[str]) -> list[float]:
+    """Walk `text[p]text[p]...\\n` from `at`, knowing each token's text (from the tokenizer)."""
+    numbers = []
+    for text in texts:
+        assert out.startswith(text + "[", at), (out[at: at + 60], text)
+        at += len(text) + 1
+        end = out.index("]", at)
+        numbers.append(float(out[at:end]))
+        at = end + 1
+    assert out[at] == "\n", out[at: at + 60]
+    return numbers
+
+
+def assert_two_significant_digits(shown: float, p: float) -> None:
+    assert abs(shown - p) <= 0.5 * 10 ** (math.floor(math.log10(p)) - 1) * 1.0001, (shown, p)
+
+
+@pytest.mark.parametrize("how", ["pipe", "NO_COLOR", "--no-color"])
+def test_show_without_colour_prints_each_tokens_probability_and_no_legend(run, decoded, how):
+    env = {"FORCE_COLOR": "1"} if how != "pipe" else {}  # rich then treats the pipe as a terminal
+    if how == "NO_COLOR":
+        env["NO_COLOR"] = "1"
+    proc = lmtrace("show", str(run.path), *(["--no-color"] if how == "--no-color" else []), env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "token colour" not in out and "\x1b[" not in out
+    g = generated(run)
+    for seq, prompt in enumerate(PROMPTS):
+        rows = g[g.sequence == seq]
+        assert len(rows) > 0
+        at = out.index(f"\n{prompt}\n", out.index(f"sequence {seq} (")) + len(prompt) + 2  # the strip follows the prompt
+        shown = parse_numbered(out, at, [decoded[i] for i in rows.token_id])
+        assert len(shown) == len(rows)
+        for value, lp in zip(shown, rows.logprob):
+            assert_two_significant_digits(value, math.exp(lp))
+
+
+def test_show_with_colour_is_unchanged(run):
+    proc = lmtrace("show", str(run.path), env={"FORCE_COLOR": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "token colour = probability" in proc.stdout and "\x1b[" in proc.stdout
+    assert not re.search(r"\[0\.\d+\]|\[1\]", re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout))
+
+
+# ---- `lmtrace show --step` -----------------------------------------------------------------------------
+def test_show_step_prints_alternatives_as_text_and_says_the_lens_is_pending(run, decoded):
+    row = generated(run).query("sequence == 1 and step == 2").iloc[0]
+    proc = lmtrace("show", str(run.path), "--step", "2", "--sequence", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert (d["sequence"], d["step"], d["position"]) == (1, 2, int(row.position))
+    assert d["token"]["text"] == decoded[int(row.token_id)] and d["token"]["rank"] == int(row["rank"])
+    assert d["token"]["prob"] == pytest.approx(math.exp(row.logprob), rel=1e-6)
+    assert [a["id"] for a in d["alternatives"]] == list(row.alt_ids)
+    assert [a["text"] for a in d["alternatives"]] == [decoded[i] for i in row.alt_ids]
+    assert [a["prob"] for a in d["alternatives"]] == pytest.approx(np.exp(row.alt_logprobs.astype(float)), rel=1e-6)
+    assert d["lens"]["state"] == "pending" and f"lmtrace lens {run.id}" in d["lens"]["note"]
+
+    text = lmtrace("show", str(run.path), "--step", "2", "--sequence", "1")
+    assert text.returncode == 0, text.stderr
+    assert f"lmtrace lens {run.id}" in text.stdout
+    for a in d["alternatives"]:
+        assert repr(a["text"]) in text.stdout
+
+
+def test_show_step_prints_the_logit_lens_as_text(run, decoded, tmp_path):
+    ready = with_lens(Run(shutil.copytree(run.path, tmp_path / run.path.name)))
+    proc = lmtrace("show", str(ready.path), "--step", "0", "--json")  # sequence 0 by default
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    group = zarr.open_group(str(ready.path / "tensors.zarr"), mode="r")
+    ids, probs = group["lens_ids"][0, 0], group["lens_probs"][0, 0]  # [layer, k]
+    assert [r["layer"] for r in d["lens"]["layers"]] == list(group["layer"][:])
+    for li, r in enumerate(d["lens"]["layers"]):
+        assert [c["text"] for c in r["top"]] == [decoded[i] for i in ids[li]]
+        assert [c["prob"] for c in r["top"]] == pytest.approx(probs[li].astype(float), rel=1e-6)
+    text = lmtrace("show", str(ready.path), "--step", "0")
+    assert text.returncode == 0, text.stderr
+    assert "logit lens" in text.stdout and repr(decoded[int(ids[-1][0])]) in text.stdout
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--step", "6"], "--step 6: sequence 0 of run"),  # max_new_tokens 6: steps 0..5
+    (["--step", "0", "--sequence", "3"], "--sequence 3: run"),
+    (["--sequence", "-1"], "--sequence -1"),
+])
+def test_show_refuses_a_step_or_sequence_the_run_lacks(run, args, fragment):
+    proc = lmtrace("show", str(run.path), *args)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert fragment in lines[0] and "Traceback" not in proc.stderr
