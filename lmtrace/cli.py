@@ -355,6 +355,8 @@ def compare(
     pair: str = typer.Option("auto", "--pair", help="Pair sequences by: auto | index | prompt (text)."),
     allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Compare unfinished runs up to their committed steps."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write per-step / per-layer / per-head Parquet tables and report.md here."),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the comparison as a self-contained HTML "
+                                            "page here (as `lmtrace report A B --out PATH`)."),
     top: int = typer.Option(5, "--top", help="Layers, heads and pairs to show in the summary."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
@@ -364,9 +366,61 @@ def compare(
 
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
-                     json_out=json_out, out_dir=out, top=top)
+                     json_out=json_out, out_dir=out, top=top, html_path=html_out)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
+
+
+@app.command()
+def report(
+    runs: list[str] = typer.Argument(..., metavar="RUN [RUN_B]", help="A run id (or unique prefix) or directory; "
+                                     "two runs: a comparison report (as `lmtrace compare A B --html`)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file to write (default: RUN_DIR/report.html; "
+                                       "for two runs A_DIR/compare-B.html)."),
+    sequence: list[int] = typer.Option([], "--sequence", "-s", help="Sequence to show (repeatable; default: the first 2)."),
+    steps: Optional[str] = typer.Option(None, "--steps", help="Steps to show: 0,4,9 or 2-5 or all, with an optional "
+                                        "stride 0-255:4 (default: all up to 256 steps, else a stride)."),
+    layer: list[int] = typer.Option([], "--layer", "-l", help="Layer with per-head step × key heatmaps (repeatable; "
+                                    "default: first, middle and last captured)."),
+    attention_step: Optional[int] = typer.Option(None, "--attention-step", help="Step of the layer × head attention "
+                                                 "grid (default: the last step shown)."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also write every figure as a PNG file into this directory."),
+    svg: Optional[Path] = typer.Option(None, "--svg", help="Also write every figure as an SVG file into this directory."),
+    pair: str = typer.Option("auto", "--pair", help="Two runs: pair sequences by auto | index | prompt."),
+    allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Two runs: compare unfinished runs."),
+    open_: bool = typer.Option(False, "--open", help="Open the page in the default browser when written."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
+    json_out: bool = typer.Option(False, "--json", help="Print {\"path\": ...} and sizes as JSON."),
+):
+    """Write a self-contained HTML report of a run (or of two runs compared); works offline."""
+    try:
+        from .report import report_compare, report_run
+
+        if png is not None and svg is not None:
+            from .errors import SpecError
+
+            raise SpecError("give --png DIR or --svg DIR, not both")
+        images, fmt = (svg, "svg") if svg is not None else (png, "png")
+        if len(runs) == 1:
+            result = report_run(runs[0], runs_dir=runs_dir, out=out, sequences=sequence or None, steps=steps,
+                                layers=layer or None, attention_step=attention_step, png_dir=images, image_format=fmt)
+        elif len(runs) == 2:
+            result = report_compare(runs[0], runs[1], runs_dir=runs_dir, out=out, pair=pair,
+                                    allow_incomplete=allow_incomplete, png_dir=images, image_format=fmt)
+        else:
+            from .errors import SpecError
+
+            raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+    if json_out:
+        typer.echo(json.dumps(result.summary()))
+    else:
+        typer.echo(str(result.path))
+    if open_:
+        import webbrowser
+
+        webbrowser.open(result.path.resolve().as_uri())
 
 
 def run() -> None:

@@ -1,0 +1,154 @@
+"""What the report reads from a run archive, read once and by chunks.
+
+Arrays are read through the reader one block of steps at a time (the archive's own step chunks),
+so a report of a long run never holds a whole multi-GB array in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ..archive.reader import IncompleteRunWarning, Run, lens_state
+
+
+def display(text: str) -> str:
+    """A token as a person can see it: whitespace made visible, nothing empty."""
+    return (text or "").replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍") or "∅"
+
+
+@dataclass
+class SequenceTokens:
+    """One sequence's rows of tokens.parquet, as columns (prompt and generated parts)."""
+
+    prompt_ids: list[int]
+    prompt_texts: list[str]
+    gen: dict[str, list]  # column -> values over steps 0..n-1 (sorted by step)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.gen.get("token_id", []))
+
+    def context_texts(self, n_keys: int) -> list[str]:
+        """Texts of key positions 0..n_keys-1: the prompt, then the generated tokens."""
+        texts = self.prompt_texts + list(self.gen.get("token_text", []))
+        return texts[:n_keys]
+
+
+class RunData:
+    def __init__(self, run: Run):
+        self.run = run
+
+    @classmethod
+    def open(cls, ref, runs_dir=None) -> "RunData":
+        from ..archive.reader import open_run
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IncompleteRunWarning)  # the page says so in a banner
+            return cls(open_run(ref, runs_dir))
+
+    @property
+    def manifest(self) -> dict:
+        return self.run.manifest
+
+    @cached_property
+    def arrays(self) -> set[str]:
+        try:
+            return set(self.run.array_names())
+        except Exception:  # noqa: BLE001 - `capture: none` runs may have no tensors store at all
+            return set()
+
+    @cached_property
+    def lens_state(self) -> str:
+        return lens_state(self.manifest)
+
+    @cached_property
+    def n_sequences(self) -> int:
+        return int(self.manifest.get("n_prompts") or len(self.sequences))
+
+    @cached_property
+    def sequences(self) -> list[dict]:
+        try:
+            return sorted(self.run.sequences().to_pylist(), key=lambda r: r["sequence"])
+        except Exception:  # noqa: BLE001 - an unfinished run may have no finished batch yet
+            return []
+
+    @cached_property
+    def committed(self) -> dict[int, int]:
+        if self.run.status == "complete":
+            lengths = {r["sequence"]: int(r["generated_len"]) for r in self.sequences}
+            if lengths:
+                return lengths
+        try:
+            return self.run.committed_steps()
+        except Exception:  # noqa: BLE001 - no tensors: fall back to the token table
+            counts: dict[int, int] = {}
+            t = self._tokens_table
+            for s, is_prompt in zip(t.column("sequence").to_pylist(), t.column("is_prompt").to_pylist()):
+                counts[s] = counts.get(s, 0) + (not is_prompt)
+            return counts
+
+    @cached_property
+    def _tokens_table(self):
+        return self.run.tokens()
+
+    def tokens(self, seq: int) -> SequenceTokens:
+        t = self._tokens_table.filter(pc.equal(self._tokens_table.column("sequence"), seq))
+        rows = t.sort_by("position").to_pydict()
+        prompt = [i for i, p in enumerate(rows["is_prompt"]) if p]
+        gen = [i for i, p in enumerate(rows["is_prompt"]) if not p]
+        gen.sort(key=lambda i: rows["step"][i])
+        limit = self.committed.get(seq, len(gen))
+        gen = gen[:limit]
+        return SequenceTokens([rows["token_id"][i] for i in prompt], [rows["token_text"][i] for i in prompt],
+                              {k: [v[i] for i in gen] for k, v in rows.items()})
+
+    @cached_property
+    def steps_table(self):
+        try:
+            return self.run.steps()
+        except Exception:  # noqa: BLE001 - capture: none has no steps table
+            return None
+
+    def step_columns(self, seq: int) -> dict[str, np.ndarray] | None:
+        t = self.steps_table
+        if t is None or t.num_rows == 0:
+            return None
+        t = t.filter(pc.equal(t.column("sequence"), seq))
+        return {name: t.column(name).to_numpy(zero_copy_only=False) for name in t.column_names}
+
+    @property
+    def layers(self) -> list[int]:
+        return list((self.manifest.get("shape") or {}).get("layers") or [])
+
+    @property
+    def n_heads(self) -> int:
+        return int((self.manifest.get("shape") or {}).get("n_heads") or 0)
+
+    def prompt_len(self, seq: int) -> int:
+        return int(self.run.prompt_len()[seq])
+
+    def read_steps(self, name: str, seq: int, steps: list[int], index=(), block: int | None = None):
+        """Yield (step, values) for `steps` of a per-step array, reading one chunk of steps at a time.
+
+        `index` selects inside a step (e.g. (slice(None), slice(None), slice(0, k)) for attn)."""
+        arr = self.run.array(name)
+        width = block or arr.chunks[1]
+        wanted = sorted(steps)
+        i = 0
+        while i < len(wanted):
+            b0 = (wanted[i] // width) * width
+            b1 = b0 + width
+            chunk = np.asarray(arr[(seq, slice(b0, min(b1, arr.shape[1])), *index)])
+            while i < len(wanted) and wanted[i] < b1:
+                yield wanted[i], chunk[wanted[i] - b0]
+                i += 1
+
+
+def token_prob(logprob) -> float:
+    return math.exp(logprob) if logprob is not None and math.isfinite(logprob) else float("nan")

@@ -1,0 +1,118 @@
+"""What a report embeds: which sequences, steps, layers and heads (documented in docs/report.md).
+
+A page must stay usable however large the run: by default it shows the first `DEFAULT_SEQUENCES`
+sequences, at most `MAX_STEPS` steps of each (a regular stride past that), the per-head
+step × key heatmaps of three layers (first, middle, last captured) and the layer × head grid
+at one step (the last one shown). Everything left out is said on the page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import SpecError
+
+DEFAULT_SEQUENCES = 2
+MAX_STEPS = 256
+
+
+@dataclass
+class Selection:
+    sequences: list[int]
+    steps: dict[int, list[int]]  # sequence -> steps shown (sorted)
+    available: dict[int, int]  # sequence -> committed (readable) steps
+    layers: list[int]  # model layers with per-head step × key heatmaps
+    attention_step: dict[int, int]  # sequence -> the step of the layer × head grid
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_steps(text: str, available: int) -> list[int]:
+    """'0,4,9', '2-5', 'all', with an optional ':STRIDE' on a range or on all ('0-511:4', 'all:8')."""
+    steps: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            body, _, stride_text = part.partition(":")
+            stride = int(stride_text) if stride_text else 1
+            if stride < 1:
+                raise ValueError
+            if body == "all":
+                lo, hi = 0, available - 1
+            elif "-" in body[1:]:
+                a, b = body.split("-", 1)
+                lo, hi = int(a), int(b)
+                if hi < lo:
+                    raise ValueError
+            else:
+                if stride_text:
+                    raise ValueError
+                lo = hi = int(body)
+            steps.update(range(lo, hi + 1, stride))
+        except ValueError:
+            raise SpecError(f"--steps {text!r}: expected steps like 0,4,9, ranges like 2-5, all, "
+                            f"or a stride like 0-255:4 or all:8") from None
+    bad = sorted(s for s in steps if not 0 <= s < available)
+    if bad:
+        have = f"steps 0..{available - 1}" if available else "no readable steps"
+        raise SpecError(f"--steps: step(s) {bad[:5]}{' …' if len(bad) > 5 else ''} out of range "
+                        f"(this sequence has {have})")
+    return sorted(steps)
+
+
+def default_steps(available: int, max_steps: int = MAX_STEPS) -> list[int]:
+    stride = max(1, -(-available // max_steps))
+    return list(range(0, available, stride))
+
+
+def default_layers(captured: list[int]) -> list[int]:
+    if not captured:
+        return []
+    picks = [captured[0], captured[len(captured) // 2], captured[-1]]
+    return sorted(set(picks))
+
+
+def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list[int],
+           sequences: list[int] | None = None, steps: str | None = None, layers: list[int] | None = None,
+           attention_step: int | None = None) -> Selection:
+    notes = []
+    if sequences:
+        bad = [s for s in sequences if not 0 <= s < n_sequences]
+        if bad:
+            raise SpecError(f"--sequence {bad[0]} out of range: the run has sequences 0..{n_sequences - 1}")
+        chosen = sorted(set(sequences))
+    else:
+        chosen = list(range(min(DEFAULT_SEQUENCES, n_sequences)))
+        if n_sequences > len(chosen):
+            notes.append(f"showing sequences {', '.join(map(str, chosen))} of {n_sequences}; "
+                         f"choose others with --sequence K (repeatable)")
+    available = {s: int(committed.get(s, 0)) for s in chosen}
+    shown: dict[int, list[int]] = {}
+    for s in chosen:
+        if steps is not None:
+            shown[s] = parse_steps(steps, available[s])
+        else:
+            shown[s] = default_steps(available[s])
+            if len(shown[s]) < available[s]:
+                stride = shown[s][1] - shown[s][0]
+                notes.append(f"sequence {s}: showing every {stride}th of its {available[s]} steps "
+                             f"({len(shown[s])} steps); choose others with --steps, e.g. --steps 0-63")
+    if layers:
+        bad = [layer for layer in layers if layer not in captured_layers]
+        if bad:
+            raise SpecError(f"--layer {bad[0]} was not captured (captured layers: {captured_layers})")
+        chosen_layers = sorted(set(layers))
+    else:
+        chosen_layers = default_layers(captured_layers)
+    att: dict[int, int] = {}
+    for s in chosen:
+        if not shown[s]:
+            continue
+        if attention_step is None:
+            att[s] = shown[s][-1]
+        elif not 0 <= attention_step < available[s]:
+            raise SpecError(f"--attention-step {attention_step} out of range: sequence {s} has steps "
+                            f"0..{available[s] - 1}")
+        else:
+            att[s] = attention_step
+    return Selection(chosen, shown, available, chosen_layers, att, notes)

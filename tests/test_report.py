@@ -1,0 +1,346 @@
+"""`lmtrace report`: the page's numbers are the archive's, read back from the page itself; the
+page works offline in a real headless Chromium; every kind of run gets the sections it has data for.
+
+The numbers are decoded here with base64 + numpy (not with lmtrace.report.blobs) and compared
+with the archive read through zarr / pyarrow directly, and token texts with the tokenizer's own
+decoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from browser import CHROMIUM, distinct_colours, external_urls, open_page
+from conftest import PROMPTS, run_spec, with_lens
+from test_cli_errors import assert_one_line_error, lmtrace
+
+REPO = Path(__file__).resolve().parents[1]
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's `chromium` is not installed "
+                                    "(.ci/run installs it when run as root)")
+
+
+def page_json(page: str, element_id: str):
+    m = re.search(rf"<script type='application/json' id='{element_id}'>(.*?)</script>", page, re.S)
+    assert m, element_id
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def blob(blobs: dict, name: str) -> np.ndarray:
+    item = blobs[name]
+    if item["kind"] == "text":
+        return np.asarray(item["values"], dtype=object).reshape(item["shape"])
+    dtype = {"f2": "<f2", "f4": "<f4", "i4": "<i4"}[item["kind"]]
+    return np.frombuffer(base64.b64decode(item["b64"]), dtype=dtype).reshape(item["shape"])
+
+
+def token_spans(page: str) -> list[dict]:
+    spans = re.findall(r"<span class='tok' style='[^']*' data-seq='(\d+)' data-step='(\d+)' data-prob='([^']*)' "
+                       r"title='[^']*'>(.*?)</span>", page, re.S)
+    return [{"seq": int(a), "step": int(b), "prob": float(c), "text": html.unescape(d)} for a, b, c, d in spans]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_llama_dir):
+    run = run_spec(tmp_path_factory.mktemp("report"), {
+        "model": str(tiny_llama_dir), "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 7, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3},
+        "capture": {"prefill_attention": True}, "output": {"chunk_steps": 3},
+    })
+    return with_lens(run)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tiny_run, tmp_path_factory):
+    from lmtrace.report import report_run
+
+    result = report_run(str(tiny_run.path), sequences=[0, 2], layers=[1, 3])
+    return tiny_run, result.path.read_text(encoding="utf-8")
+
+
+def test_token_strip_holds_each_generated_token_with_its_archived_probability(tiny_report, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    run, page = tiny_report
+    tokens = pq.read_table(run.path / "tokens.parquet").to_pylist()
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    spans = token_spans(page)
+    assert {s["seq"] for s in spans} == {0, 2}
+    for seq in (0, 2):
+        gen = sorted((r for r in tokens if r["sequence"] == seq and not r["is_prompt"]), key=lambda r: r["step"])
+        shown = [s for s in spans if s["seq"] == seq]
+        assert [s["step"] for s in shown] == [r["step"] for r in gen]
+        assert [s["text"] for s in shown] == [tok.decode([r["token_id"]]) for r in gen]
+        assert [s["prob"] for s in shown] == [r["prob"] for r in gen]  # float32 values, exactly
+    # the tooltip's alternatives are the tokenizer's texts of alt_ids
+    first = next(r for r in tokens if r["sequence"] == 0 and r["step"] == 0)
+    title = html.unescape(re.search(r"data-seq='0' data-step='0' data-prob='[^']*' title='([^']*)'", page).group(1))
+    alts = title.split("alternatives: ")[1].split(" · ")
+    assert [a.rsplit(" ", 1)[0] for a in alts] == [repr(tok.decode([i]).replace("\n", "⏎")) for i in first["alt_ids"]]
+    assert [float(a.rsplit(" ", 1)[1]) for a in alts] == pytest.approx([math.exp(x) for x in first["alt_logprobs"]],
+                                                                        rel=2e-3)
+
+
+def test_attention_figures_hold_the_archived_rows(tiny_report):
+    run, page = tiny_report
+    blobs = page_json(page, "lmtrace-blobs")
+    attn = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")["attn"]
+    prompt_len = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")["prompt_len"][:]
+    n = pq.read_table(run.path / "sequences.parquet").to_pydict()
+    gen_len = dict(zip(n["sequence"], n["generated_len"]))
+    for seq in (0, 2):
+        last = gen_len[seq] - 1
+        keys = int(prompt_len[seq]) + last
+        grid = blob(blobs, f"attn_grid_{seq}")
+        np.testing.assert_array_equal(grid, np.asarray(attn[seq, last, :, :, :keys]).reshape(-1, keys))
+        for layer in (1, 3):
+            for head in range(4):
+                z = blob(blobs, f"attn_steps_{seq}_L{layer}_H{head}")
+                for s in range(gen_len[seq]):
+                    ctx = int(prompt_len[seq]) + s
+                    np.testing.assert_array_equal(z[s, :ctx], attn[seq, s, layer, head, :ctx])
+                    assert np.isnan(z[s, ctx:]).all()
+    figs = {f["id"]: f for f in page_json(page, "lmtrace-figures")}
+    assert {"attn-grid-0", "attn-steps-0", "prefill-0", "attn-grid-2"} <= set(figs)
+    labels = [v["label"] for v in figs["attn-steps-0"]["variants"]]
+    assert labels[:3] == ["layer 1: mean over heads", "layer 1: max over heads", "layer 1, head 0"]
+    prefill = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")["prefill_attn"]
+    p = int(prompt_len[0])
+    np.testing.assert_array_equal(blob(blobs, "prefill_0_L3_H2"), prefill[0, 3, 2, :p, :p])
+
+
+def test_logit_lens_grid_holds_the_archived_lens_with_token_texts(tiny_report, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    run, page = tiny_report
+    blobs = page_json(page, "lmtrace-blobs")
+    group = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")
+    n = int(pq.read_table(run.path / "sequences.parquet").to_pydict()["generated_len"][0])
+    probs = group["lens_probs"][0, :n]
+    ids = group["lens_ids"][0, :n]
+    np.testing.assert_array_equal(blob(blobs, "lens_top1_prob_0"), probs[:, :, 0].T)
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    texts = blob(blobs, "lens_top1_text_0")
+    expected = np.vectorize(lambda i: (tok.decode([int(i)]).replace("\n", "⏎").replace("\t", "⇥") or "∅")[:8],
+                            otypes=[object])(ids[:, :, 0].T)
+    assert (texts == expected).all()
+
+
+def test_report_in_a_real_browser_offline_renders_every_figure(tiny_report, tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
+    run, page = tiny_report
+    visit = open_page(run.path / "report.html", tmp_path)
+    n_figures = len(page_json(page, "lmtrace-figures"))
+    body = re.search(r"<body[^>]*>", visit.dom).group(0)
+    assert f'data-rendered="{n_figures}"' in body, body
+    assert "data-errors" not in body, body
+    assert visit.console == [], visit.console
+    assert visit.requests == [], visit.requests
+    assert distinct_colours(visit.screenshot) > 20
+    spans = token_spans(page)
+    dom_text = html.unescape(re.sub(r"<[^>]+>", "", visit.dom))
+    for s in spans:
+        assert s["text"] in dom_text
+    assert visit.dom.count("class=\"main-svg\"") >= n_figures  # plotly drew an SVG per figure
+
+
+def test_the_browser_check_catches_a_request_and_a_script_error(tmp_path):
+    """The offline check above can fail: a page that fetches and throws is caught."""
+    if CHROMIUM is None:
+        pytest.skip("Debian's `chromium` is not installed")
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><body><img src='http://192.0.2.1/x.png'><script>undefinedFunction()</script></body></html>")
+    visit = open_page(bad, tmp_path / "visit")
+    assert visit.requests == ["http://192.0.2.1/x.png"]
+    assert any("undefinedFunction" in line for line in visit.console)
+
+
+def test_page_has_no_external_address_outside_the_vendored_plotly(tiny_report):
+    from lmtrace.report.page import plotly_js
+
+    _, page = tiny_report
+    assert "<script src" not in page and "<link" not in page and "@import" not in page
+    assert external_urls(page.replace(plotly_js(), "")) == []
+
+
+def test_capture_none_run_gets_the_text_sections_only(tmp_path, tiny_llama_dir):
+    from lmtrace.report import report_run
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "capture": "none",
+                              "generation": {"max_new_tokens": 4}})
+    page = report_run(str(run.path)).path.read_text()
+    assert page_json(page, "lmtrace-figures") == []
+    assert len(token_spans(page)) == 4
+    assert "forward-only (`capture: none`)" in html.unescape(page)
+
+
+def test_deferred_lens_not_computed_names_the_command(tmp_path, tiny_llama_dir):
+    from lmtrace.report import report_run
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 3}})
+    page = html.unescape(report_run(str(run.path)).path.read_text())
+    assert f"run `lmtrace lens {run.id}`" in page
+    assert not any(f["id"].startswith("lens-") for f in page_json(page, "lmtrace-figures"))
+
+
+def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_llama_dir):
+    import pyarrow.parquet as pq
+
+    from lmtrace.explain import explain_run
+    from lmtrace.intervene import run_intervene
+    from lmtrace.report import report_run
+
+    result, effects = run_intervene(str(tiny_run.path), [{"kind": "ablate_head", "layer": 1, "head": 2}])
+    explain_run(str(result.run_dir), "0,2", sequence=0, methods=["grad_x_input"])
+    page = report_run(str(result.run_dir), sequences=[0]).path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    eff = pq.read_table(result.run_dir / "effects.parquet").to_pandas()
+    eff = eff[eff.sequence == 0].sort_values("step")
+    np.testing.assert_array_equal(blob(blobs, "effects_shift_0"), eff.logprob_shift.astype("float32").to_numpy())
+    assert "ablate_head" in page
+    scores = pq.read_table(next((result.run_dir / "explain" / "scores.parts").glob("*.parquet"))).to_pandas()
+    raw = blob(blobs, "explain_raw_0")
+    step2 = scores[scores.step == 2].sort_values("position")
+    np.testing.assert_array_equal(raw[1, :len(step2)], step2.score.to_numpy())
+
+
+def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_llama_dir):
+    base = {"model": str(tiny_llama_dir), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 5, "batch_size": 2}}
+    a = run_spec(tmp_path / "a", {**base, "output": {"run_id": "cmp-a"}})
+    b = run_spec(tmp_path / "b", {**base, "generation": {**base["generation"], "temperature": 1.5, "seed": 7},
+                                  "output": {"run_id": "cmp-b"}})
+    out = tmp_path / "c.html"
+    proc = lmtrace(tmp_path, "report", str(a.path), str(b.path), "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["path"] == str(out)
+    page = out.read_text()
+    ids = {f["id"] for f in page_json(page, "lmtrace-figures")}
+    assert {"cmp-timeline-0", "cmp-timeline-1", "cmp-layers", "cmp-heads"} <= ids
+    from lmtrace.compare import compare_runs
+
+    cmp = compare_runs(str(a.path), str(b.path))
+    js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0]
+    np.testing.assert_allclose(blob(page_json(page, "lmtrace-blobs"), "cmp_js_0"),
+                               np.asarray([np.nan if v is None else v for v in js], dtype=np.float32))
+    out2 = tmp_path / "c2.html"
+    proc = lmtrace(tmp_path, "compare", str(a.path), str(b.path), "--html", str(out2))
+    assert proc.returncode == 0, proc.stderr
+    assert {f["id"] for f in page_json(out2.read_text(), "lmtrace-figures")} == ids
+
+
+def test_report_cli_errors_are_one_line(tmp_path, tiny_run):
+    assert_one_line_error(lmtrace(tmp_path, "report", "no-such-run"), 2, "no-such-run")
+    assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--sequence", "9"), 2, "--sequence 9")
+    assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--steps", "0-99"), 2, "out of range")
+    assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--layer", "17"), 2, "--layer 17")
+
+
+def test_still_images_are_written_for_every_figure(tiny_run, tmp_path):
+    from lmtrace.report import report_run
+
+    result = report_run(str(tiny_run.path), out=tmp_path / "r.html", sequences=[1], png_dir=tmp_path / "png")
+    figures = page_json(result.path.read_text(), "lmtrace-figures")
+    assert sorted(p.name for p in result.images) == sorted(f"{f['id']}.png" for f in figures)
+    for p in result.images:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and distinct_colours(p) > 5
+    svg = report_run(str(tiny_run.path), out=tmp_path / "r2.html", sequences=[1], png_dir=tmp_path / "svg",
+                     image_format="svg")
+    assert all(p.read_text().lstrip().startswith("<?xml") for p in svg.images)
+
+
+def test_large_runs_embed_a_stride_of_steps_and_say_so():
+    from lmtrace.report.selection import select
+
+    sel = select(n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=list(range(30)))
+    assert sel.sequences == [0, 1] and sel.layers == [0, 15, 29]
+    assert sel.steps[0] == list(range(0, 1000, 4)) and sel.attention_step[0] == 996
+    assert any("--sequence" in n for n in sel.notes) and any("every 4th" in n for n in sel.notes)
+    sel = select(n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=[0, 1], steps="10-20:5",
+                 sequences=[3])
+    assert sel.steps == {3: [10, 15, 20]} and sel.notes == []
+
+
+@pytest.mark.slow
+def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path):
+    from test_archive import _cli, _wait_committed
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("prompts: ['Count slowly from one to one hundred:']\n"
+                    "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n")
+    runs = tmp_path / "runs"
+    proc = _cli(["generate", str(spec)], runs)
+    run_dir = _wait_committed(runs, 8)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    result = lmtrace(tmp_path, "report", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    page = Path(json.loads(result.stdout)["path"]).read_text()
+    committed = json.loads((run_dir / "progress" / "shard-0-of-1.json").read_text())["batches"]["0"]["committed_steps"]
+    assert "This run is <b>running</b>, not complete" in page
+    assert len(token_spans(page)) == committed
+    assert blob(page_json(page, "lmtrace-blobs"), "lens_top1_prob_0").shape[1] == committed \
+        if "lens_top1_prob_0" in page else True
+
+
+@pytest.mark.slow
+def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
+    """The embedded model, as `make demo` runs it; screenshots for docs/report.md when
+    LMTRACE_DOC_SCREENSHOTS=1 (they are taken in tmp_path otherwise)."""
+    if CHROMIUM is None:
+        pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
+    proc = lmtrace(tmp_path, "generate", str(REPO / "configs" / "demo.yaml"), "--run-id", "demo",
+                   "--set", "capture.prefill_attention=true", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert lmtrace(tmp_path, "lens", "demo", "-q").returncode == 0
+    proc = lmtrace(tmp_path, "report", "demo", "--json")
+    assert proc.returncode == 0, proc.stderr
+    path = Path(json.loads(proc.stdout)["path"])
+    page = path.read_text()
+    visit = open_page(path, tmp_path / "browser", height=1800, shot_name="report-top.png")
+    assert visit.console == [] and visit.requests == []
+    assert f'data-rendered="{len(page_json(page, "lmtrace-figures"))}"' in visit.dom
+    assert " Paris" in html.unescape(visit.dom)
+    assert distinct_colours(visit.screenshot) > 50
+    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+        shutil.copy(visit.screenshot, REPO / "docs" / "img" / "report-top.png")
+        for name, anchor in (("report-lens.png", "sec-lens"), ("report-attention.png", "sec-attention")):
+            shot = open_page(Path(f"{path}#{anchor}") if False else path, tmp_path / name, height=4200,
+                             shot_name=name).screenshot
+            shutil.copy(shot, REPO / "docs" / "img" / name)
+
+
+def test_moe_run_gets_its_routing_grid(tmp_path, tiny_llama_dir):
+    import torch
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    from lmtrace.report import report_run
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    path = tmp_path / "tiny-mixtral"
+    MixtralForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    run = run_spec(tmp_path, {"model": str(path), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 4}})
+    page = report_run(str(run.path)).path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    idx = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")["router_topk_idx"][0, :4]
+    np.testing.assert_array_equal(blob(blobs, "router_top1_0"), idx[:, :, 0].T.astype(np.float32))
+    text = blob(blobs, "router_text_0")
+    assert text[1, 2] == ",".join(str(e) for e in idx[2, 1])
