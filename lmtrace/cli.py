@@ -390,6 +390,7 @@ def report(
     allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Two runs: compare unfinished runs."),
     open_: bool = typer.Option(False, "--open", help="Open the page in the default browser when written."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     json_out: bool = typer.Option(False, "--json", help="Print {\"path\": ...} and sizes as JSON."),
 ):
     """Write a self-contained HTML report of a run (or of two runs compared); works offline."""
@@ -415,7 +416,7 @@ def report(
         _fail(err)
     if json_out:
         typer.echo(json.dumps(result.summary()))
-    else:
+    elif not quiet:
         typer.echo(str(result.path))
     if open_:
         import webbrowser

@@ -8,6 +8,7 @@ background traffic has no origin and is left out).
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -51,7 +52,8 @@ def page_requests(netlog: Path) -> list[str]:
 def open_page(page: Path, workdir: Path, *, width: int = 1400, height: int = 2400, shot_name: str = "page.png"
               ) -> PageVisit:
     workdir.mkdir(parents=True, exist_ok=True)
-    url = page.resolve().as_uri()
+    path, _, anchor = str(page).partition("#")
+    url = Path(path).resolve().as_uri() + (f"#{anchor}" if anchor else "")
     netlog = workdir / "netlog.json"
     dom = _run([f"--log-net-log={netlog}", "--dump-dom", url])
     console = [line for line in dom.stderr.splitlines() if ":CONSOLE" in line]
@@ -61,10 +63,34 @@ def open_page(page: Path, workdir: Path, *, width: int = 1400, height: int = 240
 
 
 def distinct_colours(png: Path) -> int:
+    import numpy as np
     from PIL import Image
 
     with Image.open(png) as im:
-        return len(set(im.convert("RGB").resize((200, 200)).getdata()))
+        pixels = np.asarray(im.convert("RGB").resize((200, 200))).reshape(-1, 3)
+    return len(np.unique(pixels, axis=0))
+
+
+def section_shots(page: Path, workdir: Path, sections: dict[str, str], *, width: int = 1400, height: int = 1500
+                  ) -> dict[str, Path]:
+    """Screenshots of parts of a page: {name: section id} -> {name: PNG}, each `height` pixels from the
+    section's top (offsets from the page's own `data-sections`, after its figures are drawn)."""
+    from PIL import Image
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    dom = _run([f"--window-size={width},{height}", "--dump-dom", page.resolve().as_uri()]).stdout  # same layout
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    tops = json.loads(html.unescape(re.search(r'data-sections="([^"]*)"', body).group(1)))
+    total = int(re.search(r'data-height="(\d+)"', body).group(1))
+    full = workdir / "full.png"
+    _run([f"--window-size={width},{total}", f"--screenshot={full}", page.resolve().as_uri()])
+    out = {}
+    with Image.open(full) as im:
+        for name, sid in sections.items():
+            top = tops[sid]
+            out[name] = workdir / name
+            im.crop((0, top, width, min(total, top + height))).save(out[name])
+    return out
 
 
 def external_urls(text: str) -> list[str]:

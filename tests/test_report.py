@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from browser import CHROMIUM, distinct_colours, external_urls, open_page
+from browser import CHROMIUM, distinct_colours, external_urls, open_page, section_shots
 from conftest import PROMPTS, run_spec, with_lens
 from test_cli_errors import assert_one_line_error, lmtrace
 
@@ -267,18 +267,19 @@ def test_large_runs_embed_a_stride_of_steps_and_say_so():
     sel = select(n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=list(range(30)))
     assert sel.sequences == [0, 1] and sel.layers == [0, 15, 29]
     assert sel.steps[0] == list(range(0, 1000, 4)) and sel.attention_step[0] == 996
-    assert any("--sequence" in n for n in sel.notes) and any("every 4th" in n for n in sel.notes)
+    assert sel.heatmap_steps[0] == list(range(0, 1000, 8))
+    assert any("--sequence" in n for n in sel.notes) and any("every 4th of its 1000 steps" in n for n in sel.notes)
+    assert any("one row for every 2nd step shown (125 rows)" in n for n in sel.notes)
     sel = select(n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=[0, 1], steps="10-20:5",
                  sequences=[3])
     assert sel.steps == {3: [10, 15, 20]} and sel.notes == []
 
 
-@pytest.mark.slow
-def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path):
+def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path, tiny_llama_dir):
     from test_archive import _cli, _wait_committed
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("prompts: ['Count slowly from one to one hundred:']\n"
+    spec.write_text(f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"
                     "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n")
     runs = tmp_path / "runs"
     proc = _cli(["generate", str(spec)], runs)
@@ -314,12 +315,13 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     assert f'data-rendered="{len(page_json(page, "lmtrace-figures"))}"' in visit.dom
     assert " Paris" in html.unescape(visit.dom)
     assert distinct_colours(visit.screenshot) > 50
+    shots = section_shots(path, tmp_path / "sections", {f"report-{name}.png": f"sec-{name}"
+                                                        for name in ("attention", "lens", "layers")})
+    for shot in shots.values():
+        assert distinct_colours(shot) > 50
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
-        shutil.copy(visit.screenshot, REPO / "docs" / "img" / "report-top.png")
-        for name, anchor in (("report-lens.png", "sec-lens"), ("report-attention.png", "sec-attention")):
-            shot = open_page(Path(f"{path}#{anchor}") if False else path, tmp_path / name, height=4200,
-                             shot_name=name).screenshot
-            shutil.copy(shot, REPO / "docs" / "img" / name)
+        for shot in [visit.screenshot, *shots.values()]:
+            shutil.copy(shot, REPO / "docs" / "img" / shot.name)
 
 
 def test_moe_run_gets_its_routing_grid(tmp_path, tiny_llama_dir):

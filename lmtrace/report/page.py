@@ -4,7 +4,8 @@ Nothing on the page is fetched: no CDN, no web font (the system's sans-serif and
 image. The numbers live in one `<script type="application/json" id="lmtrace-blobs">` element and
 the figures in `lmtrace-figures`, so a script (or a test) can read them back from the page.
 The page's script records every JavaScript error in `document.body.dataset.errors` and sets
-`data-rendered` to the number of figures drawn once it has finished.
+`data-rendered` to the number of figures drawn once it has finished (with `data-sections`, each
+section's offset from the top, and `data-height`, for scripts that screenshot part of a page).
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ SCRIPT = r"""
       try { await draw(fig, fig.variants && fig.variants.length ? fig.variants[0] : null); drawn++; }
       catch (e) { errors.push(String(e)); document.body.dataset.errors = JSON.stringify(errors); }
     }
+    // where each section starts, for scripts that screenshot a part of the page (tests/test_report.py)
+    const tops = {};
+    document.querySelectorAll("section[id]").forEach(s => { tops[s.id] = Math.round(s.getBoundingClientRect().top + window.scrollY); });
+    document.body.dataset.sections = JSON.stringify(tops);
+    document.body.dataset.height = String(document.documentElement.scrollHeight);
+    document.body.dataset.renderMs = String(Math.round(performance.now()));  // since navigation start
     document.body.dataset.rendered = String(drawn);
   }
   const info = document.getElementById("tokinfo");
@@ -130,7 +137,9 @@ def figure_html(fig: dict) -> str:
     if len(fig.get("variants") or []) > 1:
         opts = "".join(f"<option>{esc(v['label'])}</option>" for v in fig["variants"])
         select = f"<label>view: <select id='{esc(fig['id'])}-variant'>{opts}</select></label>"
-    return f"<div class='fig'>{select}<div id='{esc(fig['id'])}'></div></div>"
+    # the figure's height is reserved before Plotly draws it, so the page does not jump (and #anchors hold)
+    height = int(fig["layout"].get("height", 300))
+    return f"<div class='fig'>{select}<div id='{esc(fig['id'])}' style='min-height:{height}px'></div></div>"
 
 
 def section_html(sec: Section) -> str:

@@ -206,6 +206,7 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
                       {"label": "max over heads", "z": mx, "y": layer_labels, "height": F.height_for(len(layers))}],
             zlabel="weight"))
         # steps x keys for the selected layers: one blob per (layer, head | mean | max)
+        steps = sel.heatmap_steps[seq]
         k_max = P + steps[-1]
         key_labels = blobs.add_texts(f"attn_keys_{seq}", _key_labels(tok.context_texts(k_max)))
         step_labels = blobs.add_texts(f"attn_steps_{seq}", _step_labels(steps, tok.gen["token_text"]))
@@ -220,7 +221,7 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 variants.append({"label": f"layer {layer}: mean over heads",
                                  "z": blobs.add(f"attn_steps_{seq}_L{layer}_mean", np.nanmean(m, axis=1)
-                                                if m.size else m[:, 0], "float32")})
+                                                if m.size else m[:, 0], dt)})
                 variants.append({"label": f"layer {layer}: max over heads",
                                  "z": blobs.add(f"attn_steps_{seq}_L{layer}_max", np.nanmax(m, axis=1)
                                                 if m.size else m[:, 0], dt)})

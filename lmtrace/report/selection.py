@@ -14,6 +14,19 @@ from ..errors import SpecError
 
 DEFAULT_SEQUENCES = 2
 MAX_STEPS = 256
+# rows of a steps x keys attention heatmap: one per step up to this, else a stride over the steps
+# shown (each row is a whole context of float16 weights per head: the bulk of a long run's page)
+MAX_HEATMAP_ROWS = 128
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def thin(steps: list[int], limit: int) -> list[int]:
+    """At most `limit` of `steps`, a regular stride that keeps the first."""
+    stride = max(1, -(-len(steps) // limit))
+    return steps[::stride]
 
 
 @dataclass
@@ -22,6 +35,7 @@ class Selection:
     steps: dict[int, list[int]]  # sequence -> steps shown (sorted)
     available: dict[int, int]  # sequence -> committed (readable) steps
     layers: list[int]  # model layers with per-head step × key heatmaps
+    heatmap_steps: dict[int, list[int]]  # sequence -> rows of the step × key heatmaps (≤ MAX_HEATMAP_ROWS)
     attention_step: dict[int, int]  # sequence -> the step of the layer × head grid
     notes: list[str] = field(default_factory=list)
 
@@ -95,7 +109,7 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
             shown[s] = default_steps(available[s])
             if len(shown[s]) < available[s]:
                 stride = shown[s][1] - shown[s][0]
-                notes.append(f"sequence {s}: showing every {stride}th of its {available[s]} steps "
+                notes.append(f"sequence {s}: showing every {ordinal(stride)} of its {available[s]} steps "
                              f"({len(shown[s])} steps); choose others with --steps, e.g. --steps 0-63")
     if layers:
         bad = [layer for layer in layers if layer not in captured_layers]
@@ -115,4 +129,10 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
                             f"0..{available[s] - 1}")
         else:
             att[s] = attention_step
-    return Selection(chosen, shown, available, chosen_layers, att, notes)
+    rows = {s: thin(shown[s], MAX_HEATMAP_ROWS) for s in chosen}
+    for s in chosen:
+        if len(rows[s]) < len(shown[s]):
+            notes.append(f"sequence {s}: the attention step × key heatmaps have one row for every "
+                         f"{ordinal(-(-len(shown[s]) // MAX_HEATMAP_ROWS))} step shown "
+                         f"({len(rows[s])} rows); narrow --steps for every step")
+    return Selection(chosen, shown, available, chosen_layers, rows, att, notes)
