@@ -346,3 +346,22 @@ def test_moe_run_gets_its_routing_grid(tmp_path, tiny_llama_dir):
     np.testing.assert_array_equal(blob(blobs, "router_top1_0"), idx[:, :, 0].T.astype(np.float32))
     text = blob(blobs, "router_text_0")
     assert text[1, 2] == ",".join(str(e) for e in idx[2, 1])
+
+
+def test_topk_attention_run_is_drawn_with_the_other_keys_at_zero(tmp_path, tiny_llama_dir):
+    from lmtrace.report import report_run
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 4},
+                              "capture": {"attention": {"top_k": 3}}})
+    page = report_run(str(run.path)).path.read_text()
+    group = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")
+    idx, prob = group["attn_topk_idx"][0, 3], group["attn_topk_prob"][0, 3]  # [layer, head, k] at the last step
+    keys = int(group["prompt_len"][0]) + 3
+    expected = np.zeros((4, 4, keys), dtype=prob.dtype)
+    for layer in range(4):
+        for head in range(4):
+            for i, p in zip(idx[layer, head], prob[layer, head]):
+                if i >= 0:
+                    expected[layer, head, i] = p
+    np.testing.assert_array_equal(blob(page_json(page, "lmtrace-blobs"), "attn_grid_0"), expected.reshape(16, keys))
+    assert "other keys show as 0" in page

@@ -150,5 +150,10 @@ class RunData:
                 i += 1
 
 
+def stack_steps(data: "RunData", name: str, seq: int, steps: list[int]) -> np.ndarray:
+    """A per-step array's values at `steps` of one sequence, stacked: [step, ...]."""
+    return np.stack([v for _, v in data.read_steps(name, seq, steps)])
+
+
 def token_prob(logprob) -> float:
     return math.exp(logprob) if logprob is not None and math.isfinite(logprob) else float("nan")

@@ -17,7 +17,7 @@ import yaml
 
 from . import figures as F
 from .blobs import Blobs
-from .run_data import RunData, display, token_prob
+from .run_data import RunData, display, stack_steps, token_prob
 from .selection import Selection
 
 
@@ -49,6 +49,13 @@ def _key_labels(texts: list[str]) -> list[str]:
 
 def _step_labels(steps: list[int], gen_texts: list[str]) -> list[str]:
     return [f"s{s}:{display(gen_texts[s]) if s < len(gen_texts) else ''}" for s in steps]
+
+
+def _shown(data: RunData, sel: Selection):
+    """(sequence, steps shown, its tokens) for each selected sequence with readable steps."""
+    for seq in sel.sequences:
+        if sel.steps[seq]:
+            yield seq, sel.steps[seq], data.tokens(seq)
 
 
 # ---- manifest ----------------------------------------------------------------------------------
@@ -181,11 +188,7 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
     head_labels = [f"L{layer}.H{h}" for layer in layers for h in range(H)]
     blobs.add_texts("attn_head_labels", head_labels)
     blobs.add_texts("attn_layer_labels", [f"L{layer}" for layer in layers])
-    for seq in sel.sequences:
-        steps = sel.steps[seq]
-        if not steps:
-            continue
-        tok = data.tokens(seq)
+    for seq, steps, tok in _shown(data, sel):
         P = data.prompt_len(seq)
         a = sel.attention_step[seq]
         n_keys = P + a
@@ -265,13 +268,9 @@ def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         return sec
     layers = data.layers
     ylabels = blobs.add_texts("lens_layers", [f"L{layer}" for layer in layers])
-    for seq in sel.sequences:
-        steps = sel.steps[seq]
-        if not steps:
-            continue
-        tok = data.tokens(seq)
-        ids = np.stack([v for _, v in data.read_steps("lens_ids", seq, steps)])  # [step, layer, k]
-        probs = np.stack([v for _, v in data.read_steps("lens_probs", seq, steps)]).astype(np.float32)
+    for seq, steps, tok in _shown(data, sel):
+        ids = stack_steps(data, "lens_ids", seq, steps)  # [step, layer, k]
+        probs = stack_steps(data, "lens_probs", seq, steps).astype(np.float32)
         n, L, k = ids.shape
         texts = np.asarray(data.run.text(ids.ravel().tolist()), dtype=object).reshape(ids.shape)
         chosen = np.asarray([tok.gen["token_id"][s] for s in steps])
@@ -364,13 +363,9 @@ def router_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | Non
         return None
     sec = Section("router", "Mixture-of-experts routing")
     layers = data.layers
-    for seq in sel.sequences:
-        steps = sel.steps[seq]
-        if not steps:
-            continue
-        tok = data.tokens(seq)
-        idx = np.stack([v for _, v in data.read_steps("router_topk_idx", seq, steps)])  # [step, layer, k]
-        w = np.stack([v for _, v in data.read_steps("router_topk_weight", seq, steps)]).astype(np.float32)
+    for seq, steps, tok in _shown(data, sel):
+        idx = stack_steps(data, "router_topk_idx", seq, steps)  # [step, layer, k]
+        w = stack_steps(data, "router_topk_weight", seq, steps).astype(np.float32)
         top = np.where(idx[:, :, 0] >= 0, idx[:, :, 0], np.nan).astype(np.float32).T  # [layer, step]
         text = np.empty(top.shape, dtype=object)
         custom = np.empty(top.shape, dtype=object)
