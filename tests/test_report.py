@@ -365,3 +365,33 @@ def test_topk_attention_run_is_drawn_with_the_other_keys_at_zero(tmp_path, tiny_
                     expected[layer, head, i] = p
     np.testing.assert_array_equal(blob(page_json(page, "lmtrace-blobs"), "attn_grid_0"), expected.reshape(16, keys))
     assert "other keys show as 0" in page
+
+
+# What a person does on the page: pick every view of every figure. Injected into a copy of the page.
+TRY_EVERY_VIEW = """<script>(async () => {
+  const wait = ms => new Promise(r => setTimeout(r, ms));
+  while (!document.body.dataset.rendered) await wait(50);
+  let n = 0;
+  for (const sel of document.querySelectorAll("select")) {
+    for (let i = sel.options.length - 1; i >= 0; i--) {
+      sel.selectedIndex = i; sel.dispatchEvent(new Event("change")); await wait(30); n++;
+    }
+  }
+  await wait(300);
+  document.body.dataset.viewsTried = String(n);
+})();</script>"""
+
+
+def test_every_view_of_every_figure_draws_in_the_browser(tiny_report, tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
+    _, page = tiny_report
+    figures = page_json(page, "lmtrace-figures")
+    views = sum(len(f["variants"]) for f in figures if len(f["variants"]) > 1)
+    assert views > 20
+    copy = tmp_path / "views.html"
+    copy.write_text(page.replace("</body>", TRY_EVERY_VIEW + "</body>"))
+    visit = open_page(copy, tmp_path / "visit")
+    body = re.search(r"<body[^>]*>", visit.dom).group(0)
+    assert f'data-views-tried="{views}"' in body, body
+    assert "data-errors" not in body and visit.console == [], visit.console
