@@ -256,6 +256,22 @@ def show(
 
 
 @app.command()
+def verify(
+    run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
+    from .views import verify_run
+
+    try:
+        code = verify_run(run, runs_dir, json_out)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+    raise typer.Exit(code)
+
+
+@app.command()
 def intervene(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Parent run id (or unique prefix) or directory."),
     spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML with `interventions:` (and optional mode, from_step)."),
