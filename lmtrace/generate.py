@@ -564,20 +564,21 @@ def _pause_for_tests() -> None:
         time.sleep(float(pause))
 
 
-def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool):
+def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool, fresh: bool = False):
     """Create or reopen the run directory and take ownership of this writer's key in it.
 
     Returns (run_id, path, existing manifest or None, OwnerLock). Nothing is written into the
     directory before the lock is held; a directory is never removed (another writer could be
-    about to lock it). A second writer of the same key gets exit 2 naming the holder.
+    about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
+    (intervene's children): the run id must not exist at all.
     """
     from .liveness import OwnerLock
 
     run_id = spec.output.run_id
-    if run_id is None:
+    if run_id is None or fresh:
         if shard.count > 1:
             raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)")
-        run_id, path = create_run_dir(root, None)  # an exclusive mkdir: nobody else knows this id
+        run_id, path = create_run_dir(root, run_id)  # an exclusive mkdir: nobody else has this id
     else:
         check_target(root, spec, shard, resume)  # refuse what can be refused before creating anything
         path = root / run_id
@@ -588,7 +589,7 @@ def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool):
     owner = OwnerLock(path, shard.key, run_id).acquire()
     try:
         _pause_for_tests()
-        existing = check_target(root, spec, shard, resume, owned=True) if spec.output.run_id is not None else None
+        existing = None if spec.output.run_id is None or fresh else check_target(root, spec, shard, resume, owned=True)
     except BaseException:
         owner.release()
         raise
@@ -680,7 +681,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         if spec.capture.margin_contributions:
             step_columns += ["margin_contrib"]
 
-    run_id, run_dir, existing, owner = _open_run_dir(root, spec, shard, resume)
+    run_id, run_dir, existing, owner = _open_run_dir(root, spec, shard, resume, fresh=replay is not None)
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, loaded, spec.model.ref)
@@ -827,8 +828,10 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                 manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
                                            tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
                 n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
+                from .archive.integrity import record
+
                 manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
-                                table_rows=rows)
+                                table_rows=rows, checksums=record(run_dir))
                 status = "complete"
                 write_manifest(run_dir, manifest)
                 log.event("complete", tokens=n_generated)

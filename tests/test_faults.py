@@ -158,3 +158,132 @@ def test_sigterm_while_loading_exits_3_and_writes_nothing(tmp_path, tiny_llama_d
     assert proc.returncode == 3, err
     assert err.strip().startswith("error: interrupted by signal 15") and "Traceback" not in err, err
     assert not (runs / "early" / "manifest.json").exists()
+
+
+# ---- damaged archives ---------------------------------------------------------------------------
+def _cli(args, runs: Path):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    result = CliRunner().invoke(app, [*args], env={"LMTRACE_RUNS_DIR": str(runs)})
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def complete_runs(tmp_path_factory, tiny_llama_dir):
+    """Two complete runs of the tiny model (the second differs in seed) to damage copies of."""
+    from tests.conftest import run_spec
+
+    base = tmp_path_factory.mktemp("damage")
+    spec = {"model": str(tiny_llama_dir), "prompts": ["Hello there", "One two"],
+            "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9},
+            "capture": {"residual": {"vectors_at": [1]}}, "output": {"chunk_steps": 4}}
+    a = run_spec(base, {**spec, "output": {**spec["output"], "run_id": "a"}})
+    b = run_spec(base, {**spec, "generation": {**spec["generation"], "seed": 5}, "output": {**spec["output"], "run_id": "b"}})
+    return a.path, b.path
+
+
+def _copy(src: Path, runs: Path) -> Path:
+    import shutil
+
+    runs.mkdir(exist_ok=True)
+    return Path(shutil.copytree(src, runs / src.name))
+
+
+def _a_chunk(run_dir: Path, array: str = "attn") -> Path:
+    return sorted(p for p in (run_dir / "tensors.zarr" / array / "c").rglob("*") if p.is_file())[0]
+
+
+def test_verify_passes_an_intact_run_and_names_each_kind_of_damage(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    code, out, err = _cli(["verify", "a"], runs)
+    assert code == 0 and "files match their checksums" in out, (out, err)
+    chunk = _a_chunk(a)
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[: len(data) // 2])  # truncated
+    resid = _a_chunk(a, "resid")
+    raw = bytearray(resid.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # changed, same size
+    resid.write_bytes(bytes(raw))
+    (a / "tokens.parquet").unlink()  # missing
+    code, out, err = _cli(["verify", "a", "--json"], runs)
+    report = json.loads(out)
+    assert code == 2 and report["ok"] is False
+    kinds = {p["path"]: p["kind"] for p in report["problems"]}
+    rel = lambda p: str(p.relative_to(a))  # noqa: E731
+    assert kinds == {"tokens.parquet": "missing", rel(chunk): "truncated", rel(resid): "changed"}, kinds
+
+
+@pytest.mark.parametrize("damage", ["missing-table", "truncated-chunk"])
+def test_every_reading_command_refuses_a_damaged_complete_run_in_one_line(complete_runs, tmp_path, damage):
+    runs = tmp_path / "runs"
+    a, b = _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
+    if damage == "missing-table":
+        (a / "tokens.parquet").unlink()
+        named = "tokens.parquet is missing"
+    else:
+        chunk = _a_chunk(a)
+        chunk.write_bytes(chunk.read_bytes()[:10])
+        named = f"{chunk.relative_to(a)} is truncated"
+    expected = f"error: run a is damaged: {named}; `lmtrace verify a`"
+    for args in (["show", "a"], ["show", "a", "--json"], ["compare", "a", "b"], ["compare", "b", "a"], ["lens", "a"],
+                 ["explain", "a", "--steps", "0"], ["intervene", "a", "--ablate-head", "0.0"], ["verify", "a"]):
+        code, out, err = _cli(args, runs)
+        assert code == 2, (args, code, out, err)
+        if args[0] != "verify":
+            assert err.strip() == expected, (args, err)
+    code, out, _ = _cli(["ls", "--json"], runs)
+    status = {r["run_id"]: r["status"] for r in json.loads(out)}
+    assert status == {"a": "damaged", "b": "complete"}
+
+
+def test_a_chunk_that_does_not_decode_is_named(complete_runs, tmp_path):
+    from lmtrace.errors import ArchiveError
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    chunk = _a_chunk(a)
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)  # same size, not LZ4 any more: passes the stat check
+    run = Run(a)
+    with pytest.raises(ArchiveError, match=f"run a is damaged: {chunk.relative_to(a)} is changed; `lmtrace verify a`"):
+        run.array("attn")[0, 0]
+
+
+# ---- intervene: refused requests ----------------------------------------------------------------
+@pytest.mark.parametrize("args, says", [
+    (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
+    (["--mask-positions", "100"], "positions [100] are past every sequence: its sequences have positions 0.."),
+    (["--mask-positions", "5-3"], "range 5-3 is empty"),
+    (["--ablate-head", "0.0", "--from-step", "-1"], "--from-step -1 is out of range: the parent run's steps are 0..5"),
+    (["--ablate-head", "0.0", "--from-step", "99"], "--from-step 99 is out of range: the parent run's steps are 0..5"),
+    (["--ablate-head", "0.0", "--temperatures", "0.5", "--mode", "rescore"], "cannot be combined with --mode rescore"),
+    ([], "no interventions given"),
+])
+def test_intervene_refuses_no_op_and_contradictory_requests(complete_runs, tmp_path, args, says):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*")}
+    code, out, err = _cli(["intervene", "a", *args], runs)
+    assert code == 2, (code, out, err)
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before  # nothing written, nothing touched
+
+
+def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    code, out, err = _cli(["intervene", "a", "--mode", "regenerate", "--ablate-layer", "0", "--ablate-layer", "1",
+                           "--run-id", "child", "--json"], runs)
+    assert code == 0, err
+    import pandas as pd
+
+    effects = pd.read_parquet(runs / "child" / "effects.parquet")
+    differ = effects[~effects.context_identical]
+    assert len(differ), "the edit never changed a token: the test proves nothing"
+    for col in ("child_logprob_of_parent_token", "logprob_shift", "margin_shift", "winner_changed",
+                "kl_parent_child_topk"):
+        assert differ[col].isna().all(), col
+    same = effects[effects.context_identical]
+    assert same.logprob_shift.notna().all() and same.winner_changed.notna().all()
