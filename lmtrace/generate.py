@@ -483,14 +483,15 @@ class RunDir:
         return self.path / layout.SHARDS_DIR / f"{key or self.shard.key}.json"
 
     def set_shard_status(self, status: str, **fields) -> None:
-        from .archive.writer import atomic_write_json
         import os
         import socket
 
+        from .runs import write_status
+
         self.shard_file().parent.mkdir(exist_ok=True)
-        atomic_write_json(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
-                                              "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
-                                              **fields})
+        write_status(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
+                                         "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
+                                         **fields})
 
     def other_shard_statuses(self) -> dict[str, str]:
         out = {}
@@ -731,6 +732,10 @@ def _start_run(spec, given_text, rd: "RunDir", existing, new_manifest, root, res
     except BaseException as err:
         if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
             _finish_failed(None, rd, RunLog(run_dir / layout.LOG), *_outcome(err))
+        if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
+            from .archive.writer import space_note
+
+            raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
         raise
 
 
@@ -738,6 +743,10 @@ def _outcome(err: BaseException) -> tuple[str, str]:
     """(status, message) a failure is recorded with."""
     if isinstance(err, Interrupted):
         return "interrupted", str(err)
+    if isinstance(err, OSError):
+        from .archive.writer import space_note
+
+        return "failed", space_note(Path("."), err)
     return "failed", str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
 
 
@@ -840,8 +849,9 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
         _finish_failed(writer, rd, log, "interrupted", str(err))
         raise
     except BaseException as err:
-        message = str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
-        _finish_failed(writer, rd, log, "failed", message)
+        _finish_failed(writer, rd, log, *_outcome(err))
+        if isinstance(err, OSError):  # a full disk while finishing, say: one line naming the path and free space
+            raise LmtraceError(f"run {run_id} failed: {_outcome(err)[1]}") from None
         raise
     finally:
         if writer is not None:
@@ -862,14 +872,25 @@ def _finish_failed(writer, rd: RunDir, log, status, message) -> None:
             writer.drain()
         except BaseException as err:  # the original error is what the user needs to see
             message += f" (and flushing failed: {err})"
-    try:
-        rd.set_shard_status(status, error=message)
-        with rd.lock():
-            manifest = read_manifest(rd.path)
-            if manifest.get("status") != "complete":
-                where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
-                manifest.update(status=status, error=message + where, ended=now_iso())
-                write_manifest(rd.path, manifest)
-        log.event(status, error=message, shard=rd.shard.key)
-    except (OSError, LmtraceError):
-        pass
+    from .runs import write_status
+
+    message = message if len(message) <= 2000 else message[:2000] + "..."  # fits the status files' slack
+    # Each record separately: on a full disk the status files are rewritten in place (write_status),
+    # and the log, which needs space, may fail alone.
+    for record in (lambda: rd.set_shard_status(status, error=message), lambda: _record_manifest(rd, status, message),
+                   lambda: log.event(status, error=message, shard=rd.shard.key)):
+        try:
+            record()
+        except (OSError, LmtraceError):
+            pass
+
+
+def _record_manifest(rd: RunDir, status: str, message: str) -> None:
+    from .runs import read_manifest, write_status
+
+    with rd.lock():
+        manifest = read_manifest(rd.path)
+        if manifest.get("status") != "complete":
+            where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
+            manifest.update(status=status, error=message + where, ended=now_iso())
+            write_status(rd.path / layout.MANIFEST, manifest)

@@ -287,3 +287,86 @@ def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_p
         assert differ[col].isna().all(), col
     same = effects[effects.context_identical]
     assert same.logprob_shift.notna().all() and same.winner_changed.notna().all()
+
+
+# ---- disk full ----------------------------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MB tmpfs (root only); skipped with the reason otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny_llama_dir, small_tmpfs):
+    runs = small_tmpfs / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=1500, eos_token_id=[])
+    out = _run(["generate", str(spec), "--run-id", "full", "--set", "capture.residual.vectors_at=all"], runs)
+    assert out.returncode == 1, out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and "No space left on device" in line and "bytes free" in line, line
+    manifest = json.loads((runs / "full" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "No space left on device" in manifest["error"]
+    assert json.loads((runs / "full" / "shards" / "shard-0-of-1.json").read_text())["status"] == "failed"
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    again = _run(["generate", "--resume", "full"], runs)
+    assert again.returncode == 1, again.stderr
+    line = again.stderr.strip()
+    assert "\n" not in line and "internal error" not in line and "No space left on device" in line, line
+    assert not [p for p in runs.rglob("*.tmp")]
+
+
+# ---- smaller promises -----------------------------------------------------------------------------
+def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
+    import warnings
+
+    import lmtrace.generate as gen
+    from lmtrace.archive import layout
+    from tests.conftest import run_spec
+
+    def no_steps(self, *args, **kwargs):
+        raise RuntimeError("killed before the first block")
+
+    monkeypatch.setattr(gen.Tracer, "run_batch", no_steps)
+    with pytest.raises(RuntimeError):
+        run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["Hello"], "output": {"run_id": "empty"},
+                            "generation": {"max_new_tokens": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = Run(tmp_path / "runs" / "empty")
+    assert run.tokens().num_rows == 0 and run.tokens().schema.equals(layout.token_schema())
+    assert run.sequences().num_rows == 0 and run.sequences().schema.equals(layout.sequence_schema())
+
+
+def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_dir):
+    import yaml
+
+    from lmtrace.generate import Shard, run_generate
+    from lmtrace.spec import build_spec
+
+    data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],
+            "generation": {"max_new_tokens": 2, "batch_size": 2},
+            "output": {"runs_dir": str(tmp_path / "runs"), "run_id": "sharded"}, "capture": "none"}
+    for i in range(2):
+        run_generate(build_spec(data, "test"), yaml.safe_dump(data), shard=Shard(i, 2))
+    run = Run(tmp_path / "runs" / "sharded")
+    assert run.status == "complete"
+    assert run.sequences().column("sequence").to_pylist() == [0, 1, 2, 3, 4]
+
+
+def test_a_load_error_is_reported_whole(tmp_path, tiny_llama_dir):
+    broken = tmp_path / "no-tokenizer"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    out = _run(["generate", str(_spec(tmp_path, broken))], tmp_path / "runs")
+    assert out.returncode == 1
+    line = out.stderr.strip()
+    assert "\n" not in line and not line.rstrip().endswith(("one of:", ":")), line
