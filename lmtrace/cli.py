@@ -49,6 +49,22 @@ def _fail(err: BaseException) -> None:
     raise typer.Exit(EXIT_RUN_FAILED)
 
 
+def _interrupt_on_signals() -> None:
+    """SIGINT/SIGTERM before the generation loop starts (imports, model load): stop at once, exit 3.
+
+    Nothing has been written by then, or the run is recorded `interrupted` (generate._start_run);
+    the loop replaces these handlers with its own finish-the-step flag (generate.StopFlag)."""
+    import signal
+
+    from .errors import Interrupted
+
+    def handler(signum, frame):
+        raise Interrupted(f"interrupted by signal {signum} outside the generation loop (loading, starting or finishing)")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 class _Reporter:
     """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files)."""
 
@@ -123,6 +139,7 @@ def generate(
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
+        _interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
             from .generate import parse_shard
@@ -141,6 +158,11 @@ def generate(
             run_id = run_id or slurm_run_id
             overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
             spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
+        if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
+            from .errors import SpecError
+
+            raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
+                            "slurm-<SLURM_ARRAY_JOB_ID>)")
         from .validate import preflight
 
         preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
@@ -242,6 +264,22 @@ def show(
         show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
+
+
+@app.command()
+def verify(
+    run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
+    from .views import verify_run
+
+    try:
+        code = verify_run(run, runs_dir, json_out)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -58,6 +58,9 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
                                         "rows": rows["rows"]}
         for spec in layout.LENS_ARRAYS:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
+        from .archive.integrity import record
+
+        manifest["checksums"] = record(run.path)  # the lens arrays, the new steps.parquet and metadata
         write_manifest(run.path, manifest)
     run.manifest = manifest  # the caller's Run sees the lens without reopening the run
     run.__dict__.pop("tensors", None)

@@ -30,6 +30,7 @@ from .runs import RunLog, create_run_dir, host_info, now_iso, package_versions, 
 from .sampling import Sampler, stability_class
 from .spec import RunSpec, resolve_layers, resolve_vector_layers
 from .tracer import ForcedTokens, StepResult, Tracer
+from .validate import check_context, model_positions
 
 
 @dataclass
@@ -524,14 +525,15 @@ class RunDir:
         return self.path / layout.SHARDS_DIR / f"{key or self.shard.key}.json"
 
     def set_shard_status(self, status: str, **fields) -> None:
-        from .archive.writer import atomic_write_json
         import os
         import socket
 
+        from .runs import write_status
+
         self.shard_file().parent.mkdir(exist_ok=True)
-        atomic_write_json(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
-                                              "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
-                                              **fields})
+        write_status(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
+                                         "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
+                                         **fields})
 
     def other_shard_statuses(self) -> dict[str, str]:
         out = {}
@@ -550,12 +552,14 @@ class RunDir:
         return True
 
 
-def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict | None:
+def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool, owned: bool = False) -> dict | None:
     """Decide, without side effects, whether this invocation starts, joins or resumes a run.
 
     Returns the existing manifest when resuming (or joining a sharded run), None for a new run.
+    Called before the model is loaded (a quick refusal) and again once this process owns the
+    writer key (`owned`: the answer can no longer change under it).
     """
-    from .liveness import live_writers
+    from .liveness import busy_message, live_writers
     from .runs import read_manifest
 
     run_id = spec.output.run_id
@@ -563,7 +567,8 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict 
         if resume:
             raise SpecError(f"no run {run_id!r} to resume in {root}; `lmtrace ls` lists runs")
         if run_id is not None and (root / run_id).exists() and shard.count == 1:
-            leftovers = [p.name for p in (root / run_id).iterdir() if p.name != layout.LOCK]
+            # a process stopped before it wrote its manifest leaves only its lock files: the run id is free
+            leftovers = [p.name for p in (root / run_id).iterdir() if p.name not in (layout.LOCK, layout.OWNERS_DIR)]
             if leftovers or not (root / run_id).is_dir():
                 raise SpecError(f"{root / run_id} exists but is not an lmtrace run; choose another output.run_id")
         return None
@@ -585,34 +590,53 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> dict 
             and not RunDir(path, shard).all_shards_complete():
         # (when every shard is complete but the run is not, the finaliser was killed: rerunning finalises)
         raise SpecError(f"{shard.key} of run {run_id} is already complete; the run waits for its other shards")
-    mine = [w for w in live_writers(path) if w["writer"] == shard.key]
-    if mine:
-        raise SpecError(f"run {run_id} ({shard.key}) is being written by pid {mine[0]['pid']} on {mine[0]['host']}; "
-                        f"not touching it (wait for it, or stop that process first)")
+    if not owned:  # (once owned, the lock is the answer)
+        mine = [w for w in live_writers(path) if w["writer"] == shard.key]
+        if mine:
+            raise SpecError(busy_message(run_id, shard.key, mine[0]))
     return existing
 
 
-def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool) -> tuple[str, Path, dict | None]:
-    """Create or reopen the run directory. Returns (run_id, path, existing manifest or None)."""
-    existing = check_target(root, spec, shard, resume)
-    if existing is not None:
-        return spec.output.run_id, root / spec.output.run_id, existing
-    if shard.count > 1:
-        run_id = spec.output.run_id
-        if run_id is None:
+def _pause_for_tests() -> None:
+    """Test-only: LMTRACE_TEST_PAUSE_AFTER_CREATE=SECONDS widens the window after a writer has created
+    (or reopened) its run directory, so the fault suite can race two writers deterministically."""
+    import os
+
+    pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
+    if pause:
+        time.sleep(float(pause))
+
+
+def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool, fresh: bool = False):
+    """Create or reopen the run directory and take ownership of this writer's key in it.
+
+    Returns (run_id, path, existing manifest or None, OwnerLock). Nothing is written into the
+    directory before the lock is held; a directory is never removed (another writer could be
+    about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
+    (intervene's children): the run id must not exist at all.
+    """
+    from .liveness import OwnerLock
+
+    run_id = spec.output.run_id
+    if run_id is None or fresh:
+        if shard.count > 1:
             raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)")
+        run_id, path = create_run_dir(root, run_id)  # an exclusive mkdir: nobody else has this id
+    else:
+        check_target(root, spec, shard, resume)  # refuse what can be refused before creating anything
+        path = root / run_id
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / run_id).mkdir(exist_ok=True)  # every shard joins the same directory
+            path.mkdir(parents=True, exist_ok=True)  # every shard (or a restart) joins the same directory
         except OSError as err:
-            raise SpecError(f"cannot create run directory {root / run_id} ({err.strerror})") from None
-        return run_id, root / run_id, None
-    if spec.output.run_id is not None and (root / spec.output.run_id).is_dir():
-        # a process killed before it wrote its manifest left only the lock file: start again there
-        (root / spec.output.run_id / layout.LOCK).unlink(missing_ok=True)
-        (root / spec.output.run_id).rmdir()
-    rid, path = create_run_dir(root, spec.output.run_id)
-    return rid, path, None
+            raise SpecError(f"cannot create run directory {path} ({err.strerror})") from None
+    owner = OwnerLock(path, shard.key, run_id).acquire()
+    try:
+        _pause_for_tests()
+        existing = None if spec.output.run_id is None or fresh else check_target(root, spec, shard, resume, owned=True)
+    except BaseException:
+        owner.release()
+        raise
+    return run_id, path, existing, owner
 
 
 def _archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, list[int]]:
@@ -649,8 +673,6 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                  progress: Progress | None = None, replay: Replay | None = None, shard: Shard | None = None,
                  resume: bool = False) -> GenerateResult:
     """Run a spec (or a replay for intervene) into a new run, a shard of a shared run, or a resumed run."""
-    from .liveness import Heartbeat
-
     progress = progress or Progress()
     shard = shard or Shard()
     t_start = time.time()
@@ -689,40 +711,9 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     else:
         inner_name = model.config._attn_implementation
 
-    run_id, run_dir, existing = _open_run_dir(root, spec, shard, resume)
-    if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
-        check_run_model(existing, run_id, loaded, spec.model.ref)
-    rd = RunDir(run_dir, shard)
-    log = RunLog(run_dir / layout.LOG)
-    with rd.lock():
-        if existing is None and not (run_dir / layout.MANIFEST).is_file():
-            manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
-            manifest["timings"]["model_load_s"] = round(t_loaded - t_start, 3)
-            if probes is not None and shape.attention and inner_name != "eager":
-                manifest["attention"]["row_method"] = probes.row_method
-            manifest["shards"] = shard.count
-            if replay is not None:
-                manifest.update(replay.manifest_extra)
-            (run_dir / layout.SPEC).write_text(given_text)
-            write_manifest(run_dir, manifest)
-        else:
-            from .runs import read_manifest
-
-            manifest = read_manifest(run_dir)
-            manifest.update(status="running", resumed=now_iso())
-            manifest.pop("error", None)
-            write_manifest(run_dir, manifest)
-        # after the manifest (a directory with anything but it and the lock is not taken for a run
-        # a kill interrupted at its start), under the lock (shards do not all decode it)
-        vocab_s = store_vocab(run_dir, tokenizer)
-        if vocab_s is not None:
-            manifest["timings"]["vocab_s"] = vocab_s
-            write_manifest(run_dir, manifest)
-        writer_core = ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps, codec=spec.output.codec,
-                                    level=spec.output.level, writer_key=shard.key, chunk_keys=spec.output.chunk_keys)
-    rd.set_shard_status("running")
-    log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(prompts))
-
+    g = spec.generation
+    eos = eos_ids(g.eos_token_id, model, tokenizer)  # refused before anything is created
+    check_context([len(p) for p in prompt_ids], g.max_new_tokens, model_positions(model.config), spec.model.ref)
     step_columns: list[str] = []
     if probes is not None:
         step_columns = ["sequence", "step", "layer", "resid_norm", "delta_norm"]
@@ -733,20 +724,109 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         if spec.capture.margin_contributions:
             step_columns += ["margin_contrib"]
 
+    run_id, run_dir, existing, owner = _open_run_dir(root, spec, shard, resume, fresh=replay is not None)
+    try:
+        if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
+            check_run_model(existing, run_id, loaded, spec.model.ref)
+        rd = RunDir(run_dir, shard)
+        log = RunLog(run_dir / layout.LOG)
+        _start_run(spec, given_text, rd, existing, lambda: _new_manifest(
+            spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason, t_loaded - t_start,
+            probes, shard, replay), root, resume, tokenizer)
+        # From here on the manifest exists: every failure is recorded in it (_finish_failed).
+        return _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_columns, eos, model,
+                          tokenizer, loaded, prompts, rendered, prompt_ids, replay, progress, t_start)
+    finally:
+        owner.release()
+
+
+def _new_manifest(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason, load_s, probes,
+                  shard, replay) -> dict:
+    manifest = manifest_base(spec, given_text, loaded, adapter, shape, inner_name, run_id, prompts, eager_reason)
+    manifest["timings"]["model_load_s"] = round(load_s, 3)
+    if probes is not None and shape.attention and inner_name != "eager":
+        manifest["attention"]["row_method"] = probes.row_method
+    manifest["shards"] = shard.count
+    if replay is not None:
+        manifest.update(replay.manifest_extra)
+    return manifest
+
+
+def _start_run(spec, given_text, rd: "RunDir", existing, new_manifest, root, resume, tokenizer) -> None:
+    """Write the new run's manifest (status running), or mark a resumed / joined run running again,
+    then the run's vocab.parquet when it has none yet.
+
+    A failure (or a signal) once the manifest exists is recorded in it before it propagates."""
+    run_dir = rd.path
+    try:
+        with rd.lock():
+            if existing is None and not (run_dir / layout.MANIFEST).is_file():
+                manifest = new_manifest()
+                write_manifest(run_dir, manifest)
+                (run_dir / layout.SPEC).write_text(given_text)
+            else:
+                from .runs import read_manifest
+
+                if existing is None:  # another shard created the run meanwhile: it must be this one
+                    check_target(root, spec, rd.shard, resume, owned=True)
+                manifest = read_manifest(run_dir)
+                manifest.update(status="running", resumed=now_iso())
+                manifest.pop("error", None)
+                write_manifest(run_dir, manifest)
+            # after the manifest (a directory with anything but it and the locks is not taken for a
+            # run a kill interrupted at its start), under the lock (shards do not all decode it)
+            vocab_s = store_vocab(run_dir, tokenizer)
+            if vocab_s is not None:
+                manifest["timings"]["vocab_s"] = vocab_s
+                write_manifest(run_dir, manifest)
+    except BaseException as err:
+        if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
+            _finish_failed(None, rd, RunLog(run_dir / layout.LOG), *_outcome(err))
+        if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
+            from .archive.writer import space_note
+
+            raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
+        raise
+
+
+def _outcome(err: BaseException) -> tuple[str, str]:
+    """(status, message) a failure is recorded with."""
+    if isinstance(err, Interrupted):
+        return "interrupted", str(err)
+    if isinstance(err, OSError):
+        from .archive.writer import space_note
+
+        return "failed", space_note(Path("."), err)
+    return "failed", str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
+
+
+def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_columns, eos, model, tokenizer,
+               loaded, prompts, rendered, prompt_ids, replay, progress, t_start) -> GenerateResult:
+    """Generate and stream into a run whose manifest exists; every failure ends in `failed` (or
+    `interrupted`) with the error recorded in the manifest and the shard's status file."""
+    from .liveness import Heartbeat
+
+    shard = rd.shard
     g = spec.generation
-    tracer = Tracer(model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
-                    max_new_tokens=g.max_new_tokens, eos_ids=eos_ids(g.eos_token_id, model, tokenizer),
-                    stop_strings=g.stop, n_alternatives=spec.capture.alternatives, probes=probes,
-                    pad_id=tokenizer.pad_token_id, device=loaded.device)
     my_seqs = shard.sequences(len(prompts))
-    batches = [my_seqs[i: i + g.batch_size] for i in range(0, len(my_seqs), g.batch_size)]
-    writer_core.rollback([b[0] for b in batches])
     stop = StopFlag()
     writer = None
     texts: dict[int, str] = {}
     n_tokens = 0
     status = "failed"
     try:
+        with rd.lock():
+            writer_core = ArchiveWriter(run_dir, shape, chunk_steps=spec.output.chunk_steps, codec=spec.output.codec,
+                                        level=spec.output.level, writer_key=shard.key,
+                                        chunk_keys=spec.output.chunk_keys)
+        rd.set_shard_status("running")
+        log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(prompts))
+        tracer = Tracer(model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
+                        max_new_tokens=g.max_new_tokens, eos_ids=eos, stop_strings=g.stop,
+                        n_alternatives=spec.capture.alternatives, probes=probes, pad_id=tokenizer.pad_token_id,
+                        device=loaded.device)
+        batches = [my_seqs[i: i + g.batch_size] for i in range(0, len(my_seqs), g.batch_size)]
+        writer_core.rollback([b[0] for b in batches])
         writer = BackgroundWriter(writer_core)
         progress.start(len(my_seqs), g.max_new_tokens)
         t_gen = time.time()
@@ -807,8 +887,10 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                 manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
                                            tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
                 n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
+                from .archive.integrity import record
+
                 manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
-                                table_rows=rows)
+                                table_rows=rows, checksums=record(run_dir))
                 status = "complete"
                 write_manifest(run_dir, manifest)
                 log.event("complete", tokens=n_generated)
@@ -817,8 +899,9 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         _finish_failed(writer, rd, log, "interrupted", str(err))
         raise
     except BaseException as err:
-        message = str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
-        _finish_failed(writer, rd, log, "failed", message)
+        _finish_failed(writer, rd, log, *_outcome(err))
+        if isinstance(err, OSError):  # a full disk while finishing, say: one line naming the path and free space
+            raise LmtraceError(f"run {run_id} failed: {_outcome(err)[1]}") from None
         raise
     finally:
         if writer is not None:
@@ -839,14 +922,25 @@ def _finish_failed(writer, rd: RunDir, log, status, message) -> None:
             writer.drain()
         except BaseException as err:  # the original error is what the user needs to see
             message += f" (and flushing failed: {err})"
-    try:
-        rd.set_shard_status(status, error=message)
-        with rd.lock():
-            manifest = read_manifest(rd.path)
-            if manifest.get("status") != "complete":
-                where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
-                manifest.update(status=status, error=message + where, ended=now_iso())
-                write_manifest(rd.path, manifest)
-        log.event(status, error=message, shard=rd.shard.key)
-    except (OSError, LmtraceError):
-        pass
+    from .runs import write_status
+
+    message = message if len(message) <= 2000 else message[:2000] + "..."  # fits the status files' slack
+    # Each record separately: on a full disk the status files are rewritten in place (write_status),
+    # and the log, which needs space, may fail alone.
+    for record in (lambda: rd.set_shard_status(status, error=message), lambda: _record_manifest(rd, status, message),
+                   lambda: log.event(status, error=message, shard=rd.shard.key)):
+        try:
+            record()
+        except (OSError, LmtraceError):
+            pass
+
+
+def _record_manifest(rd: RunDir, status: str, message: str) -> None:
+    from .runs import read_manifest, write_status
+
+    with rd.lock():
+        manifest = read_manifest(rd.path)
+        if manifest.get("status") != "complete":
+            where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
+            manifest.update(status=status, error=message + where, ended=now_iso())
+            write_status(rd.path / layout.MANIFEST, manifest)

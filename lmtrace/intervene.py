@@ -144,13 +144,14 @@ class EffectsRecorder:
                 "sequence": seq, "step": step, "context_identical": identical, "parent_token": parent_tok,
                 "child_token": child_tok, "child_top1": int(c.greedy_token[b]),
                 "parent_top1": self.p.greedy[seq][step] if have_parent else None,
-                "parent_logprob": before, "child_logprob_of_parent_token": after,
-                "logprob_shift": after - before if after is not None and before is not None else None,
+                "parent_logprob": before, "child_logprob_of_parent_token": after if identical else None,
+                # the comparisons below are only meaningful on the parent's own context: null once it differs
+                "logprob_shift": after - before if identical and after is not None and before is not None else None,
                 "parent_margin": self.p.margin[seq][step] if have_parent else None,
                 "child_margin": float(c.margin[b]),
-                "margin_shift": float(c.margin[b]) - self.p.margin[seq][step] if have_parent else None,
+                "margin_shift": float(c.margin[b]) - self.p.margin[seq][step] if identical else None,
                 "kl_parent_child_topk": kl,
-                "winner_changed": int(c.greedy_token[b]) != self.p.greedy[seq][step] if have_parent else None,
+                "winner_changed": int(c.greedy_token[b]) != self.p.greedy[seq][step] if identical else None,
             }
             for k, v in values.items():
                 self.rows[k].append(v)
@@ -327,12 +328,38 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     return get
 
 
+def check_edits_reach(entries, view: ParentView, from_step: int | None) -> None:
+    """Refuse edits that cannot change anything in this parent: steps past the run, positions past
+    every sequence. Exit 2, naming the valid range."""
+    n_steps = max((len(g) for g in view.generated), default=0)
+    if from_step is not None and not 0 <= from_step < n_steps:
+        raise SpecError(f"--from-step {from_step} is out of range: the parent run's steps are 0..{n_steps - 1}")
+    for i, e in enumerate(entries):
+        where = f"interventions[{i}] ({e.kind})"
+        first = e.first_step()
+        if first >= n_steps or first < 0:
+            raise SpecError(f"{where}: steps from {first} are out of range: the parent run's steps are 0..{n_steps - 1}")
+        seqs = range(len(view.prompt_ids)) if e.sequences == "all" else e.sequences
+        longest = max(len(view.prompt_ids[s]) + len(view.generated[s]) for s in seqs)
+        positions = (getattr(e, "mask", None) or []) + ([] if e.positions == "all" else list(e.positions))
+        bad = [p for p in positions if p < 0]
+        if bad:
+            raise SpecError(f"{where}: positions {bad[:5]} are negative: positions are 0..{longest - 1}")
+        if positions and min(positions) >= longest:
+            raise SpecError(f"{where}: positions {sorted(set(positions))[:5]} are past every sequence: its sequences "
+                            f"have positions 0..{longest - 1}")
+
+
 def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "rescore", from_step: int | None = None,
                   runs_dir: str | None = None, run_id: str | None = None, temperature: float | None = None,
                   progress: Progress | None = None) -> tuple[GenerateResult, pa.Table]:
     if mode not in ("rescore", "regenerate"):
         raise SpecError(f"--mode {mode!r}: use rescore or regenerate")
     parent = open_run(parent_ref, runs_dir, require_complete=True)
+    root = Path(runs_dir) if runs_dir else parent.path.parent
+    if run_id is not None and (root / run_id).exists():
+        raise SpecError(f"--run-id {run_id}: a run {run_id} exists in {root}; intervene writes a new child run, "
+                        f"choose another id")
     if from_step is not None:
         entries_data = [{"steps": {"from": from_step}, **e} for e in entries_data]
     entries = parse_entries(entries_data, "interventions")
@@ -347,6 +374,7 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
                         "fused); ablate the MLP block (ablate_mlp) or a layer instead")
     view = ParentView.read(parent)
     n_seq = len(view.prompt_ids)
+    check_edits_reach(entries, view, from_step)
 
     resources: dict[int, object] = {}
     tokenizer = None

@@ -55,6 +55,13 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
         entries = list(data.get("interventions") or []) + entries
         file_mode = data.get("mode")
         from_step = from_step if from_step is not None else data.get("from_step")
+    if not entries and not temperatures:  # (a temperature sweep without edits is a real experiment)
+        raise SpecError("no interventions given: the child would be a copy of the parent; pass --ablate-head, "
+                        "--ablate-layer, --ablate-mlp, --ablate-attn, --ablate-neurons, --mask-positions, "
+                        "--temperatures or --spec edits.yaml")
+    if temperatures and (mode or file_mode) == "rescore":
+        raise SpecError("--temperatures regenerates one child per temperature; it cannot be combined with --mode "
+                        "rescore (which forces the parent's tokens, so a temperature changes nothing)")
     mode = mode or file_mode or "rescore"
     children = []
     if temperatures:
@@ -62,6 +69,8 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
             temps = [float(t) for t in temperatures.split(",") if t.strip()]
         except ValueError:
             raise SpecError(f"--temperatures {temperatures!r}: expected numbers like 0.5,1.0") from None
+        if not temps:
+            raise SpecError(f"--temperatures {temperatures!r}: give at least one temperature, e.g. 0.5,1.0")
         if run_id:
             raise SpecError("--run-id cannot name several children of a temperature sweep")
         for t in temps:

@@ -171,11 +171,16 @@ def parse_range_list(text: str, what: str) -> list[int]:
             part = part.strip()
             if "-" in part:
                 a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
+                a, b = int(a), int(b)
+                if b < a:
+                    raise SpecError(f"{what}: range {part} is empty (it ends before it starts); write {b}-{a}")
+                out.extend(range(a, b + 1))
             elif part:
                 out.append(int(part))
     except ValueError:
         raise SpecError(f"{what}: {text!r} is not a list of integers or ranges like 3-9") from None
+    if not out:
+        raise SpecError(f"{what}: {text!r} names no position; give integers or ranges like 3-9")
     return out
 
 

@@ -1,4 +1,10 @@
-"""Who is writing a run: pid + host + heartbeat, so a live writer is never disturbed by a resume.
+"""Who is writing a run: an owner lock per writer, plus pid + host + heartbeat.
+
+Ownership: each writer (one per shard key) holds an exclusive `flock` on
+`owners/<writer>.lock` for its whole life, taken right after the run directory is created or
+found and before anything is written into it. The kernel releases it when the process dies (even
+by SIGKILL), so it can neither be stolen nor go stale; a second writer or resumer of the same
+key cannot take it and exits 2 naming the holder's pid (written into the lock file).
 
 Each writing process (one per shard) keeps `heartbeats/<writer>.json` fresh every
 `HEARTBEAT_S` seconds from a daemon thread. Another process judges a writer alive when it is on
@@ -15,11 +21,95 @@ import threading
 import time
 from pathlib import Path
 
+from .archive import layout
 from .archive.writer import atomic_write_json
+from .errors import SpecError
 
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_S = 5.0
 STALE_S = 60.0
+# A probe (`lock_holder`) holds a writer's lock for microseconds; a writer that meets one retries
+# for this long before it concludes another writer owns the key.
+ACQUIRE_RETRY_S = 0.5
+
+
+class OwnerLock:
+    """An exclusive flock on `owners/<writer>.lock`, held from `acquire` until `release` or exit.
+
+    The file holds the owner's pid, host and start time (rewritten by each owner). It is never
+    deleted, nor is the run directory it lives in: a directory a writer could hold a lock in is
+    never removed (an unlinked lock file would let a second writer lock a new one).
+    """
+
+    def __init__(self, run_dir: Path, writer: str, run_id: str):
+        self.path = run_dir / layout.OWNERS_DIR / f"{writer}.lock"
+        self.writer = writer
+        self.run_id = run_id
+        self._fh = None
+
+    def acquire(self) -> "OwnerLock":
+        import fcntl
+
+        self.path.parent.mkdir(exist_ok=True)
+        fh = open(self.path, "a+")
+        deadline = time.monotonic() + ACQUIRE_RETRY_S
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    fh.close()
+                    raise SpecError(busy_message(self.run_id, self.writer, holder_info(self.path))) from None
+                time.sleep(0.02)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()  # closing the only descriptor releases the flock
+            self._fh = None
+
+
+def holder_info(path: Path) -> dict:
+    """What the lock file says about its owner (it writes this just after taking the lock)."""
+    for _ in range(20):
+        try:
+            info = json.loads(path.read_text() or "null")
+        except (OSError, json.JSONDecodeError):
+            info = None
+        if isinstance(info, dict) and info.get("pid"):
+            return info
+        time.sleep(0.02)
+    return {}
+
+
+def busy_message(run_id: str, writer: str, info: dict) -> str:
+    who = f"pid {info['pid']} on {info.get('host', '?')}" if info.get("pid") else "another process"
+    return (f"run {run_id} ({writer}) is being written by {who}; not touching it "
+            f"(wait for it, or stop that process first)")
+
+
+def lock_holder(run_dir: Path, writer: str) -> dict | None:
+    """The owner of a writer key when a live process holds its lock, else None (a momentary probe)."""
+    import fcntl
+
+    path = run_dir / layout.OWNERS_DIR / f"{writer}.lock"
+    try:
+        fh = open(path, "r")
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder_info(path)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
 
 
 def _pid_runs_lmtrace(pid: int) -> bool:
@@ -37,14 +127,21 @@ def _pid_runs_lmtrace(pid: int) -> bool:
 
 
 def live_writers(run_dir: Path, ignore: str | None = None) -> list[dict]:
-    """Heartbeats of processes that are still writing this run (excluding `ignore`)."""
+    """Processes that are still writing this run (excluding `ignore`): owner locks held, and heartbeats."""
     out = []
+    owners = run_dir / layout.OWNERS_DIR
+    for f in sorted(owners.glob("*.lock")) if owners.is_dir() else []:
+        if f.stem != ignore:
+            info = lock_holder(run_dir, f.stem)
+            if info is not None:
+                out.append({"pid": None, "host": None, **info, "writer": f.stem})
     folder = run_dir / HEARTBEAT_DIR
     if not folder.is_dir():
         return out
     me = socket.gethostname()
+    locked = {w["writer"] for w in out}
     for f in folder.glob("*.json"):
-        if f.stem == ignore:
+        if f.stem == ignore or f.stem in locked:
             continue
         try:
             beat = json.loads(f.read_text())

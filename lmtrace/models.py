@@ -228,9 +228,15 @@ def _load_errors(kind: str, source: str):
                 f"model {source!r} is not a local path and not in the local Hugging Face cache "
                 f"(lmtrace never downloads); download it first or give a local directory"
             ) from None
-        raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot load model {source}: {_whole(err)}") from None
     except ValueError as err:
-        raise ModelLoadError(f"cannot load model {source}: {str(err).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot load model {source}: {_whole(err)}") from None
+
+
+def _whole(err: BaseException, limit: int = 600) -> str:
+    """A library's message joined onto one line, whole (its first line alone may end in "one of:")."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _source(spec: ModelSpec, note) -> tuple[str, str, str | None, dict, dict]:

@@ -113,9 +113,24 @@ class RunLog:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    from .archive.writer import atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
+    from .archive.writer import STATUS_SLACK, atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
 
-    atomic_write_json(run_dir / layout.MANIFEST, manifest)
+    atomic_write_json(run_dir / layout.MANIFEST, manifest, slack=STATUS_SLACK)
+
+
+def write_status(path: Path, obj: dict) -> None:
+    """Record a final status (manifest or shard file): atomically, or, when that fails for lack of
+    space, in place within the file's reserved slack."""
+    import errno
+
+    from .archive.writer import STATUS_SLACK, atomic_write_json, rewrite_in_place
+
+    try:
+        atomic_write_json(path, obj, slack=STATUS_SLACK)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file():
+            raise
+        rewrite_in_place(path, obj)
 
 
 def read_manifest(run_dir: Path) -> dict:

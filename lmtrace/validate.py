@@ -63,6 +63,14 @@ def _gguf_metadata(path: Path) -> dict | None:
                     out[key] = read(fh, _GGUF_SCALARS[vtype])
                 elif vtype == _GGUF_STRING:
                     out[key] = fh.read(read(fh, "<Q")).decode("utf-8", "replace")
+                elif vtype == _GGUF_ARRAY:  # skipped, but its length kept (the vocabulary's size)
+                    etype, count = read(fh, "<I"), read(fh, "<Q")
+                    out[f"{key}#len"] = count
+                    if etype in _GGUF_SCALARS:
+                        fh.seek(struct.calcsize(_GGUF_SCALARS[etype]) * count, 1)
+                    else:
+                        for _ in range(count):
+                            skip_value(fh, etype)
                 else:
                     skip_value(fh, vtype)
             return out
@@ -79,7 +87,9 @@ def _gguf_config(path: Path) -> dict | None:
     get = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
     cfg = {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
            "hidden_size": get("embedding_length"), "num_key_value_heads": get("attention.head_count_kv"),
-           "intermediate_size": get("feed_forward_length"), "head_dim": get("attention.key_length")}
+           "intermediate_size": get("feed_forward_length"), "head_dim": get("attention.key_length"),
+           "max_position_embeddings": get("context_length"),
+           "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens#len")}
     if not (cfg["num_hidden_layers"] and cfg["num_attention_heads"] and cfg["hidden_size"]):
         return None
     return {k: v for k, v in cfg.items() if v is not None}
@@ -176,8 +186,56 @@ def _check_layers(spec: RunSpec, n_layers: int) -> tuple[list[int], list[int]]:
     return ([] if spec.capture.forward_only else layers), resid_layers
 
 
+# Config keys that give a model's position limit, in order (GPT-2: n_positions, some: n_ctx).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def model_positions(config) -> int | None:
+    """The number of positions the model was built for, from its (text) config; None when it does not say.
+
+    Taken as the config declares it: with rope scaling, transformers' configs carry the scaled
+    length in max_position_embeddings; sliding windows limit attention, not positions.
+    """
+    if not isinstance(config, dict):
+        config = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else config.to_dict()
+    config = config.get("text_config") or config
+    for key in POSITION_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(prompt_lens: list[int], max_new_tokens: int, positions: int | None, model_ref: str,
+                  estimated: bool = False) -> None:
+    """Refuse (exit 2) a run whose longest prompt + max_new_tokens exceeds the model's positions."""
+    if positions is None or not prompt_lens:
+        return
+    longest = max(prompt_lens)
+    if longest + max_new_tokens > positions:
+        room = positions - longest
+        what = "at least " if estimated else ""
+        raise SpecError(f"generation.max_new_tokens: {max_new_tokens} new tokens after a prompt of {what}{longest} "
+                        f"token(s) exceed the {positions} positions of model {model_ref}; "
+                        + (f"use max_new_tokens <= {room}" if room > 0 else "shorten the prompt"))
+
+
+def _check_generation(spec: RunSpec, cfg: dict) -> None:
+    """What the config alone can refuse: eos ids outside the vocabulary, max_new_tokens past the
+    model's positions (with a prompt of at least one token; `generate` checks the real prompts once
+    they are tokenised, before it creates the run)."""
+    vocab = cfg.get("vocab_size")
+    eos = spec.generation.eos_token_id
+    values = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    bad = [v for v in values if isinstance(vocab, int) and not 0 <= v < vocab]
+    if bad:
+        raise SpecError(f"generation.eos_token_id: {bad} outside the vocabulary 0..{vocab - 1} of model {spec.model.ref}")
+    check_context([1], spec.generation.max_new_tokens, model_positions(cfg), spec.model.ref, estimated=True)
+
+
 def preflight(spec: RunSpec, runs_dir_flag: str | None = None) -> None:
-    """Checks `generate` can make before loading the model: prompts, runs directory, model, layers."""
+    """Checks `generate` can make before loading the model: prompts, runs directory, model, layers,
+    eos ids and context length."""
     from .runs import check_runs_root, runs_root
 
     load_prompts(spec.prompts)
@@ -186,6 +244,8 @@ def preflight(spec: RunSpec, runs_dir_flag: str | None = None) -> None:
     n_layers = _sizes(cfg)[0] if cfg else None
     if isinstance(n_layers, int) and n_layers > 0:
         _check_layers(spec, n_layers)
+    if cfg:
+        _check_generation(spec, cfg)
 
 
 def _human(n: float) -> str:
@@ -204,6 +264,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
     if not (n_layers and n_heads and d_model):
         raise SpecError(f"model {spec.model.ref}: cannot read layer/head sizes from its config")
     layers, resid_layers = _check_layers(spec, n_layers)
+    _check_generation(spec, cfg)
     from .archive.layout import RunShape
 
     # Prompt lengths are estimated from characters (3 per token) so no tokenizer is loaded.

@@ -47,16 +47,58 @@ def _shards_done(path, m: dict) -> str | None:
 
 
 def run_summary(path) -> dict:
+    from .archive.integrity import quick_problem
+
     m = read_manifest(path)
     shards = _shards_done(path, m)
     status = m.get("status")
+    problem = quick_problem(path, m)
+    if problem is not None:  # a complete run with a missing or truncated file (`lmtrace verify` says which)
+        status = "damaged"
     return {
         "run_id": m.get("run_id", path.name), "status": status if shards is None or status == "complete"
         else f"{status} ({shards} shards done)", "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
         "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path), "created": m.get("created"),
-        "parent": m.get("parent"), "path": str(path),
+        "parent": m.get("parent"), "path": str(path), **({"error": f"{problem}"} if problem is not None else {}),
     }
+
+
+def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
+    """`lmtrace verify RUN`: every committed file against the checksums recorded at completion.
+    Returns the exit code: 0 intact, 2 damaged (or nothing to verify: the run is not complete)."""
+    from .archive.integrity import verify
+
+    path = find_run(ref, runs_root(runs_dir))
+    m = read_manifest(path)
+    run_id = m.get("run_id", path.name)
+    if m.get("status") != "complete":
+        result = {"run_id": run_id, "status": m.get("status"), "ok": None,
+                  "message": f"run {run_id} is {m.get('status')}: checksums are recorded when a run completes"}
+        code = 0
+    else:
+        problems, n, recorded = verify(path, m)
+        result = {"run_id": run_id, "status": "damaged" if problems else "complete", "ok": not problems,
+                  "files_checked": n, "checksums_recorded": recorded,
+                  "problems": [{"path": p.path, "kind": p.kind} for p in problems]}
+        if problems:
+            shown = "; ".join(str(p) for p in problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
+            result["message"] = f"run {run_id} is damaged: {shown}"
+        elif recorded:
+            result["message"] = f"run {run_id}: {n} files match their checksums"
+        else:
+            result["message"] = (f"run {run_id}: no checksums recorded (completed before lmtrace recorded them); "
+                                 f"its tables are present")
+        code = 2 if problems else 0
+    if json_out:
+        print(json.dumps(result, indent=2))
+    elif code:
+        import sys
+
+        print(f"error: {result['message']}", file=sys.stderr)
+    else:
+        print(result["message"])
+    return code
 
 
 def _summary_or_damaged(path) -> dict:
@@ -131,10 +173,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
             _print_step(detail, _console())
         return
     summary = run_summary(path)
-    try:
-        seqs = run.sequences().to_pylist()
-    except Exception:  # an unfinished run may have no finished batch yet
-        seqs = []
+    seqs = run.sequences().to_pylist()  # (empty while no batch has finished; a damaged table is refused)
     if sequence is not None:
         _check_sequence(run, sequence)
         seqs = [s for s in seqs if s["sequence"] == sequence]
@@ -145,15 +184,10 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
     colour = colour_wanted(no_color)
     console = _console() if colour else Console(color_system=None, soft_wrap=True)
     _print_header(run, summary, console)
-    try:
-        tokens = run.tokens().to_pandas()
-    except Exception:
-        tokens = None
+    tokens = run.tokens().to_pandas()  # (empty before the first committed block; a damaged table is refused)
     for s in seqs:
         console.rule(f"sequence {s['sequence']} ({s['generated_len']} tokens, stop: {s['stop_reason']})")
         console.print(Text(s["prompt"], style="dim"))
-        if tokens is None:
-            continue
         t = tokens[(tokens.sequence == s["sequence"]) & (~tokens.is_prompt)].sort_values("step")
         if colour:
             text = Text()

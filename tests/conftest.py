@@ -60,7 +60,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     tok = load_model(ModelSpec()).tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = LlamaForCausalLM(cfg)
     path = tmp_path_factory.mktemp("tiny-llama")

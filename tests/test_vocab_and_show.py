@@ -90,7 +90,11 @@ def test_run_text_reads_ids_of_any_shape_fill_values_and_unknown_ids(run, tokeni
 
 def test_a_run_without_vocab_parquet_reads_the_texts_its_tokens_table_saw(run, decoded, tmp_path):
     old = Path(shutil.copytree(run.path, tmp_path / run.path.name))
-    (old / "vocab.parquet").unlink()  # as made before vocab.parquet existed
+    (old / "vocab.parquet").unlink()  # as made before vocab.parquet (and checksums.json) existed
+    (old / "checksums.json").unlink()
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest.pop("checksums", None)
+    (old / "manifest.json").write_text(json.dumps(manifest))
     old_run = Run(old)
     seen = sorted(set(old_run.tokens().column("token_id").to_pylist()))
     never = next(i for i in range(len(decoded)) if i not in seen)

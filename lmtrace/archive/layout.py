@@ -37,7 +37,8 @@ TENSORS = "tensors.zarr"
 LOG = "log.jsonl"
 PROGRESS_DIR = "progress"  # one JSON file per writer (shard): committed steps per batch
 SHARDS_DIR = "shards"  # one JSON status file per shard
-LOCK = ".lock"
+LOCK = ".lock"  # short flocks around manifest and array creation, finalisation, the lens
+OWNERS_DIR = "owners"  # owners/<writer>.lock: flocked by the writer of that key for its whole life
 TABLES = ("tokens", "steps", "sequences")
 # The tokenizer's vocabulary, so that ids (alt_ids, lens_ids, lens_top1, effects' *_top1...) read
 # as text without the model: one row per id 0 .. len(tokenizer) - 1, written once per run

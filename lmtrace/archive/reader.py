@@ -15,6 +15,7 @@ import zarr
 
 from ..errors import ArchiveError
 from . import layout
+from .integrity import damaged_message, quick_problem, verify
 
 
 class IncompleteRunWarning(UserWarning):
@@ -24,11 +25,15 @@ class IncompleteRunWarning(UserWarning):
 class Run:
     """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
 
-    def __init__(self, path: Path, *, require_complete: bool = False):
+    def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True):
         from ..runs import read_manifest
 
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        if check:  # a complete run's committed files are all there, at their recorded sizes (stat only)
+            problem = quick_problem(self.path, self.manifest)
+            if problem is not None:
+                raise ArchiveError(damaged_message(self.id, problem))
         if self.status != "complete":
             msg = f"run {self.id} is {self.status}, not complete: only committed steps are readable"
             if require_complete:
@@ -117,7 +122,18 @@ class Run:
         if name not in self.tensors:
             raise ArchiveError(f"run {self.id} has no array {name!r} (captured: {', '.join(self.array_names())}); "
                                f"enable the probe in the spec's capture section")
-        return self.tensors[name]
+        array = self.tensors[name]
+        return CheckedArray(array._async_array, run=self) if isinstance(array, zarr.Array) else array
+
+    def damaged(self, prefix: str, err: BaseException) -> ArchiveError:
+        """The error for a file under `prefix` that failed to read: names the damaged file when
+        the checksums find it."""
+        if self.status == "complete":
+            problems, _, _ = verify(self.path, self.manifest, prefix=prefix)
+            if problems:
+                return ArchiveError(damaged_message(self.id, problems[0]))
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return ArchiveError(damaged_message(self.id, f"{prefix.rstrip('/')} is unreadable ({first})"))
 
     def layer_index(self, layer: int) -> int:
         """Position of a model layer along the archive's `layer` dim."""
@@ -142,10 +158,17 @@ class Run:
         """A table, from the compacted file of a complete run or the part files of an unfinished one."""
         full = self.path / layout.table_file(name)
         if full.is_file():
-            return pq.read_table(full)
+            try:
+                return pq.read_table(full)
+            except (OSError, pa.ArrowException) as err:
+                raise self.damaged(layout.table_file(name), err) from None
+        if self.status == "complete" and name in (self.manifest.get("table_rows") or {}):
+            raise ArchiveError(damaged_message(self.id, f"{layout.table_file(name)} is missing"))
         parts = self.path / layout.table_parts_dir(name)
         files = sorted(parts.glob("*.parquet")) if parts.is_dir() else []
         if not files:
+            if name in EMPTY_SCHEMAS:  # nothing committed yet: an empty table with the documented columns
+                return EMPTY_SCHEMAS[name]().empty_table()
             raise ArchiveError(f"run {self.id} has no {name} table yet")
         return ds.dataset([str(f) for f in files], format="parquet").to_table()
 
@@ -238,6 +261,25 @@ class Vocabulary:
             out[beyond] = [f"<id {i}>" for i in arr[beyond].tolist()]
         return out.tolist()
 
+
+class CheckedArray(zarr.Array):
+    """A zarr array of a run whose reads name the damaged chunk file instead of a codec's error."""
+
+    def __init__(self, async_array, run: "Run"):
+        super().__init__(async_array)
+        object.__setattr__(self, "_run", run)
+
+    def __getitem__(self, selection):
+        try:
+            return super().__getitem__(selection)
+        except ArchiveError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any decoding failure of a chunk is reported as damage
+            raise self._run.damaged(f"{layout.TENSORS}/{self.basename}/", err) from None
+
+
+# Tables of a run with no committed block yet read as empty tables with these columns.
+EMPTY_SCHEMAS = {"tokens": layout.token_schema, "sequences": layout.sequence_schema}
 
 LENS_ARRAY_NAMES = {s.name for s in layout.LENS_ARRAYS}
 LENS_NOT_COMPUTED = "its logit lens is deferred and not computed yet: run `lmtrace lens {run_id}`"

@@ -32,14 +32,54 @@ from . import layout
 from .layout import RunShape
 
 
-def atomic_write_json(path: Path, obj) -> None:
+# JSON files whose status may have to change on a full disk (manifest, shard status) are written
+# with this much trailing whitespace, so `rewrite_in_place` can record `failed` in the blocks the
+# file already has.
+STATUS_SLACK = 4096
+
+
+def atomic_write_json(path: Path, obj, slack: int = 0) -> None:
     # a unique temporary name: several writers (shards, explain) may replace the same file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with tmp.open("w") as fh:
-        json.dump(obj, fh, indent=2, default=str)
+    text = json.dumps(obj, indent=2, default=str) + "\n" + " " * slack
+    try:
+        with tmp.open("w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a temporary file behind (a full disk, a signal)
+        raise
+
+
+def rewrite_in_place(path: Path, obj) -> None:
+    """Overwrite a JSON file within its current length (padding with spaces): needs no free space.
+
+    Not atomic, so only the fallback when `atomic_write_json` fails for lack of space: the status
+    change to `failed` must not itself need free space."""
+    text = json.dumps(obj, default=str).encode()
+    size = os.path.getsize(path)
+    if len(text) > size:
+        raise OSError(28, f"{path.name} has no room left for the new status ({len(text)} > {size} bytes)", str(path))
+    with open(path, "r+b") as fh:
+        fh.write(text + b" " * (size - len(text)))
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
+
+
+def space_note(path: Path, err: OSError) -> str:
+    """'No space left on device writing PATH (N bytes free on that file system)' for an OSError."""
+    target = getattr(err, "filename", None) or path
+    probe = Path(target)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+        where = f"; {free} bytes free there"
+    except OSError:
+        where = ""
+    return f"{err.strerror or err} writing {target}{where}"
 
 
 def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
@@ -178,8 +218,12 @@ class BlockChunks:
             target = self.path.joinpath("c", str(sequence), str(s0 // steps), *self.trailing, str(c))
             target.parent.mkdir(parents=True, exist_ok=True)
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(self.encode(chunk))
-            os.replace(tmp, target)
+            try:
+                tmp.write_bytes(self.encode(chunk))
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
 
 
 class ArchiveWriter:
@@ -318,8 +362,12 @@ class ArchiveWriter:
         tmp = parts / f".{name}.tmp"
         # Parts are read back whole (by compaction or a reader of an unfinished run), never
         # filtered: dictionaries and column statistics would only cost the writer ~2 ms a block.
-        pq.write_table(data, tmp, use_dictionary=False, write_statistics=False)
-        os.replace(tmp, parts / f"{name}.parquet")
+        try:
+            pq.write_table(data, tmp, use_dictionary=False, write_statistics=False)
+            os.replace(tmp, parts / f"{name}.parquet")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _commit(self, batch: int, committed_steps: int | None = None, done: bool = False) -> None:
         os.sync()  # arrays and parts must be durable before progress says they exist
@@ -357,12 +405,20 @@ class ArchiveWriter:
             tmp = self.dir / f".{table}.parquet.tmp"
             schema = pq.read_schema(files[0])
             n = 0
-            with pq.ParquetWriter(tmp, schema) as out:
-                for f in files:
-                    t = pq.read_table(f).cast(schema)
-                    n += t.num_rows
-                    out.write_table(t, row_group_size=65536)
-            os.replace(tmp, target)
+            try:
+                with pq.ParquetWriter(tmp, schema) as out:
+                    if table == "sequences":  # one row per sequence: in sequence order, whatever the shards' batches
+                        t = pa.concat_tables([pq.read_table(f).cast(schema) for f in files]).sort_by("sequence")
+                        n = t.num_rows
+                        out.write_table(t, row_group_size=65536)
+                    for f in files if table != "sequences" else []:
+                        t = pq.read_table(f).cast(schema)
+                        n += t.num_rows
+                        out.write_table(t, row_group_size=65536)
+                os.replace(tmp, target)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             shutil.rmtree(parts)
             rows[table] = n
         return rows
@@ -424,7 +480,7 @@ class BackgroundWriter:
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, OSError):
-                raise LmtraceError(f"writing the archive failed: {err.strerror or err} ({getattr(err, 'filename', '')})") from err
+                raise LmtraceError(f"writing the archive failed: {space_note(self.writer.dir, err)}") from err
             raise err
 
     def submit(self, fn, *args) -> None:

@@ -1,0 +1,372 @@
+"""The standing fault suite: same-id races, refused requests that must leave nothing behind, failures
+recorded in the archive, damaged archives, signals outside the loop (issue 20).
+
+Subprocess tests use the tiny random Llama (`tiny_llama_dir`) with one torch thread each."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmtrace.archive.reader import Run
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _spec(tmp_path: Path, model, name="spec.yaml", **gen) -> Path:
+    generation = {"max_new_tokens": 12, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
+    path = tmp_path / name
+    path.write_text(json.dumps({
+        "model": str(model),
+        "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
+        "generation": generation,
+        "output": {"chunk_steps": 4},
+    }))
+    return path
+
+
+def _env(runs: Path, **extra) -> dict:
+    return {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs), **extra}
+
+
+def _start(args, runs: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=_env(runs, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run(args, runs: Path, timeout=300, quiet=True, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, *(["-q"] if quiet else [])],
+                          env=_env(runs, **env), capture_output=True, text=True, timeout=timeout)
+
+
+def _race(args_a, args_b, runs: Path, pause: float = 4.0) -> list[subprocess.Popen]:
+    """Two processes started together, each pausing `pause` s once it has created (or reopened) the run."""
+    procs = [_start(args, runs, LMTRACE_TEST_PAUSE_AFTER_CREATE=str(pause)) for args in (args_a, args_b)]
+    for p in procs:
+        p.out, p.err = p.communicate(timeout=300)
+    return procs
+
+
+def _one_wrote_one_refused(procs) -> subprocess.Popen:
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [(p.returncode, p.err[-2000:]) for p in procs]
+    loser = next(p for p in procs if p.returncode == 2)
+    winner = next(p for p in procs if p.returncode == 0)
+    line = loser.err.strip()
+    assert line.startswith("error:") and "\n" not in line and "Traceback" not in line, loser.err
+    assert f"being written by pid {winner.pid}" in line, line
+    return winner
+
+
+def test_two_writers_of_one_run_id_exactly_one_writes_and_the_archive_is_one_run(tmp_path, tiny_llama_dir):
+    from tests.test_batch_ops import assert_same_archive
+
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir)
+    _one_wrote_one_refused(_race(["generate", str(spec), "--run-id", "race"],
+                                 ["generate", str(spec), "--run-id", "race"], runs))
+    # two resumers of an interrupted run: the same
+    killed = _start(["generate", str(spec), "--run-id", "resumed", "--set", "generation.max_new_tokens=400"], runs)
+    beat = runs / "resumed" / "heartbeats" / "shard-0-of-1.json"
+    deadline = time.time() + 120
+    while not beat.is_file():
+        assert time.time() < deadline and killed.poll() is None, killed.communicate()
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    _one_wrote_one_refused(_race(["generate", "--resume", "resumed"], ["generate", "--resume", "resumed"], runs))
+    resumed = Run(runs / "resumed")
+    assert resumed.status == "complete"
+    # the raced run equals a run of the same spec by one process
+    single = _run(["generate", str(spec), "--run-id", "single"], runs)
+    assert single.returncode == 0, single.stderr
+    assert_same_archive(Run(runs / "single"), Run(runs / "race"))
+
+
+def _nothing_created(runs: Path) -> bool:
+    return not runs.exists() or not any(runs.iterdir())
+
+
+def test_eos_outside_the_vocabulary_is_refused_before_anything_is_created(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, eos_token_id=999999999)
+    for cmd in (["validate", str(spec)], ["generate", str(spec), "--run-id", "eos"]):
+        out = _run(cmd, runs, quiet=False)
+        assert out.returncode == 2, out.stderr
+        assert "eos_token_id" in out.stderr and "outside the vocabulary" in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert _nothing_created(runs), list(runs.rglob("*"))
+
+
+def test_context_longer_than_the_model_is_refused_in_validate_and_generate(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    # the tiny model has 4096 positions: 5000 new tokens never fit (refused before the model load), 4094 fit
+    # only without a real prompt (refused once the prompts are tokenised, still before the run is created)
+    for max_new in (5000, 4094):
+        spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=max_new)
+        gen = _run(["generate", str(spec)], runs)
+        assert gen.returncode == 2, gen.stderr
+        assert "exceed the 4096 positions" in gen.stderr and "max_new_tokens <=" in gen.stderr, gen.stderr
+        assert _nothing_created(runs), list(runs.rglob("*"))
+    val = _run(["validate", str(_spec(tmp_path, tiny_llama_dir, max_new_tokens=5000))], runs, quiet=False)
+    assert val.returncode == 2 and "exceed the 4096 positions" in val.stderr, val.stderr
+
+
+def test_shard_without_run_id_is_refused_before_the_model_load(tmp_path, tiny_llama_dir):
+    # a checkpoint whose config reads fine but whose weights are missing: loading it would fail (exit 1)
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    runs = tmp_path / "runs"
+    out = _run(["generate", str(_spec(tmp_path, broken)), "--shard", "0/2"], runs)
+    assert out.returncode == 2 and "needs a shared run id" in out.stderr, out.stderr
+    assert _nothing_created(runs)
+
+
+def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_llama_dir, monkeypatch):
+    import lmtrace.generate as gen
+    from lmtrace.errors import LmtraceError
+    from tests.conftest import run_spec
+
+    def broken_tracer(*args, **kwargs):
+        raise RuntimeError("tracer could not start")
+
+    monkeypatch.setattr(gen, "Tracer", broken_tracer)
+    with pytest.raises(RuntimeError):
+        run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["Hello"], "output": {"run_id": "broken"},
+                            "generation": {"max_new_tokens": 3}})
+    manifest = json.loads((tmp_path / "runs" / "broken" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "tracer could not start" in manifest["error"], manifest.get("status")
+    shard = json.loads((tmp_path / "runs" / "broken" / "shards" / "shard-0-of-1.json").read_text())
+    assert shard["status"] == "failed" and "tracer could not start" in shard["error"]
+    assert not issubclass(RuntimeError, LmtraceError)  # an internal error: exit 1 from the CLI
+
+
+def test_sigterm_while_loading_exits_3_and_writes_nothing(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    proc = _start(["generate", str(_spec(tmp_path, tiny_llama_dir)), "--run-id", "early"], runs)
+    time.sleep(1.5)  # importing torch and loading: far from the generation loop
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert err.strip().startswith("error: interrupted by signal 15") and "Traceback" not in err, err
+    assert not (runs / "early" / "manifest.json").exists()
+
+
+# ---- damaged archives ---------------------------------------------------------------------------
+def _cli(args, runs: Path):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    result = CliRunner().invoke(app, [*args], env={"LMTRACE_RUNS_DIR": str(runs)})
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def complete_runs(tmp_path_factory, tiny_llama_dir):
+    """Two complete runs of the tiny model (the second differs in seed) to damage copies of."""
+    from tests.conftest import run_spec
+
+    base = tmp_path_factory.mktemp("damage")
+    spec = {"model": str(tiny_llama_dir), "prompts": ["Hello there", "One two"],
+            "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9},
+            "capture": {"residual": {"vectors_at": [1]}}, "output": {"chunk_steps": 4}}
+    a = run_spec(base, {**spec, "output": {**spec["output"], "run_id": "a"}})
+    b = run_spec(base, {**spec, "generation": {**spec["generation"], "seed": 5}, "output": {**spec["output"], "run_id": "b"}})
+    return a.path, b.path
+
+
+def _copy(src: Path, runs: Path) -> Path:
+    import shutil
+
+    runs.mkdir(exist_ok=True)
+    return Path(shutil.copytree(src, runs / src.name))
+
+
+def _a_chunk(run_dir: Path, array: str = "attn") -> Path:
+    return sorted(p for p in (run_dir / "tensors.zarr" / array / "c").rglob("*") if p.is_file())[0]
+
+
+def test_verify_passes_an_intact_run_and_names_each_kind_of_damage(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    code, out, err = _cli(["verify", "a"], runs)
+    assert code == 0 and "files match their checksums" in out, (out, err)
+    chunk = _a_chunk(a)
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[: len(data) // 2])  # truncated
+    resid = _a_chunk(a, "resid")
+    raw = bytearray(resid.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # changed, same size
+    resid.write_bytes(bytes(raw))
+    (a / "tokens.parquet").unlink()  # missing
+    code, out, err = _cli(["verify", "a", "--json"], runs)
+    report = json.loads(out)
+    assert code == 2 and report["ok"] is False
+    kinds = {p["path"]: p["kind"] for p in report["problems"]}
+    rel = lambda p: str(p.relative_to(a))  # noqa: E731
+    assert kinds == {"tokens.parquet": "missing", rel(chunk): "truncated", rel(resid): "changed"}, kinds
+
+
+@pytest.mark.parametrize("damage", ["missing-table", "truncated-chunk"])
+def test_every_reading_command_refuses_a_damaged_complete_run_in_one_line(complete_runs, tmp_path, damage):
+    runs = tmp_path / "runs"
+    a, b = _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
+    if damage == "missing-table":
+        (a / "tokens.parquet").unlink()
+        named = "tokens.parquet is missing"
+    else:
+        chunk = _a_chunk(a)
+        chunk.write_bytes(chunk.read_bytes()[:10])
+        named = f"{chunk.relative_to(a)} is truncated"
+    expected = f"error: run a is damaged: {named}; `lmtrace verify a`"
+    for args in (["show", "a"], ["show", "a", "--json"], ["compare", "a", "b"], ["compare", "b", "a"], ["lens", "a"],
+                 ["explain", "a", "--steps", "0"], ["intervene", "a", "--ablate-head", "0.0"], ["verify", "a"]):
+        code, out, err = _cli(args, runs)
+        assert code == 2, (args, code, out, err)
+        if args[0] != "verify":
+            assert err.strip() == expected, (args, err)
+    code, out, _ = _cli(["ls", "--json"], runs)
+    status = {r["run_id"]: r["status"] for r in json.loads(out)}
+    assert status == {"a": "damaged", "b": "complete"}
+
+
+def test_a_chunk_that_does_not_decode_is_named(complete_runs, tmp_path):
+    from lmtrace.errors import ArchiveError
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    chunk = _a_chunk(a)
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)  # same size, not LZ4 any more: passes the stat check
+    run = Run(a)
+    with pytest.raises(ArchiveError, match=f"run a is damaged: {chunk.relative_to(a)} is changed; `lmtrace verify a`"):
+        run.array("attn")[0, 0]
+
+
+# ---- intervene: refused requests ----------------------------------------------------------------
+@pytest.mark.parametrize("args, says", [
+    (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
+    (["--mask-positions", "100"], "positions [100] are past every sequence: its sequences have positions 0.."),
+    (["--mask-positions", "5-3"], "range 5-3 is empty"),
+    (["--ablate-head", "0.0", "--from-step", "-1"], "--from-step -1 is out of range: the parent run's steps are 0..5"),
+    (["--ablate-head", "0.0", "--from-step", "99"], "--from-step 99 is out of range: the parent run's steps are 0..5"),
+    (["--ablate-head", "0.0", "--temperatures", "0.5", "--mode", "rescore"], "cannot be combined with --mode rescore"),
+    ([], "no interventions given"),
+])
+def test_intervene_refuses_no_op_and_contradictory_requests(complete_runs, tmp_path, args, says):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*")}
+    code, out, err = _cli(["intervene", "a", *args], runs)
+    assert code == 2, (code, out, err)
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before  # nothing written, nothing touched
+
+
+def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    code, out, err = _cli(["intervene", "a", "--mode", "regenerate", "--ablate-layer", "0", "--ablate-layer", "1",
+                           "--run-id", "child", "--json"], runs)
+    assert code == 0, err
+    import pandas as pd
+
+    effects = pd.read_parquet(runs / "child" / "effects.parquet")
+    differ = effects[~effects.context_identical]
+    assert len(differ), "the edit never changed a token: the test proves nothing"
+    for col in ("child_logprob_of_parent_token", "logprob_shift", "margin_shift", "winner_changed",
+                "kl_parent_child_topk"):
+        assert differ[col].isna().all(), col
+    same = effects[effects.context_identical]
+    assert same.logprob_shift.notna().all() and same.winner_changed.notna().all()
+
+
+# ---- disk full ----------------------------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 3 MB tmpfs (root only); skipped with the reason otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny_llama_dir, small_tmpfs):
+    runs = small_tmpfs / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=1500, eos_token_id=[])
+    out = _run(["generate", str(spec), "--run-id", "full", "--set", "capture.residual.vectors_at=all"], runs)
+    assert out.returncode == 1, out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and "No space left on device" in line and "bytes free" in line, line
+    manifest = json.loads((runs / "full" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "No space left on device" in manifest["error"]
+    assert json.loads((runs / "full" / "shards" / "shard-0-of-1.json").read_text())["status"] == "failed"
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    again = _run(["generate", "--resume", "full"], runs)
+    assert again.returncode == 1, again.stderr
+    line = again.stderr.strip()
+    assert "\n" not in line and "internal error" not in line and "No space left on device" in line, line
+    assert not [p for p in runs.rglob("*.tmp")]
+
+
+# ---- smaller promises -----------------------------------------------------------------------------
+def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
+    import warnings
+
+    import lmtrace.generate as gen
+    from lmtrace.archive import layout
+    from tests.conftest import run_spec
+
+    def no_steps(self, *args, **kwargs):
+        raise RuntimeError("killed before the first block")
+
+    monkeypatch.setattr(gen.Tracer, "run_batch", no_steps)
+    with pytest.raises(RuntimeError):
+        run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["Hello"], "output": {"run_id": "empty"},
+                            "generation": {"max_new_tokens": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = Run(tmp_path / "runs" / "empty")
+    assert run.tokens().num_rows == 0 and run.tokens().schema.equals(layout.token_schema())
+    assert run.sequences().num_rows == 0 and run.sequences().schema.equals(layout.sequence_schema())
+
+
+def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_dir):
+    import yaml
+
+    from lmtrace.generate import Shard, run_generate
+    from lmtrace.spec import build_spec
+
+    data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],
+            "generation": {"max_new_tokens": 2, "batch_size": 2},
+            "output": {"runs_dir": str(tmp_path / "runs"), "run_id": "sharded"}, "capture": "none"}
+    for i in range(2):
+        run_generate(build_spec(data, "test"), yaml.safe_dump(data), shard=Shard(i, 2))
+    run = Run(tmp_path / "runs" / "sharded")
+    assert run.status == "complete"
+    assert run.sequences().column("sequence").to_pylist() == [0, 1, 2, 3, 4]
+
+
+def test_a_load_error_is_reported_whole(tmp_path, tiny_llama_dir):
+    broken = tmp_path / "no-tokenizer"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    out = _run(["generate", str(_spec(tmp_path, broken))], tmp_path / "runs")
+    assert out.returncode == 1
+    line = out.stderr.strip()
+    assert "\n" not in line and not line.rstrip().endswith(("one of:", ":")), line
