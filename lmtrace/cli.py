@@ -294,9 +294,14 @@ def explain(
                                           "(repeat or comma-separate)."),
     target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
     quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
-    baseline: str = typer.Option("zero", "--baseline", help="Integrated gradients baseline: zero | pad embedding."),
-    ig_steps: int = typer.Option(32, "--ig-steps", help="Integrated gradients: interpolation steps."),
-    ig_rule: str = typer.Option("midpoint", "--ig-rule", help="Integrated gradients: midpoint | trapezoid."),
+    baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | pad | zero embedding."),
+    ig_steps: int = typer.Option(16, "--ig-steps", help="Integrated gradients: initial intervals (adaptive) or "
+                                                         "points (midpoint)."),
+    ig_rule: str = typer.Option("adaptive", "--ig-rule", help="Integrated gradients: adaptive | midpoint (fixed grid)."),
+    ig_tolerance: float = typer.Option(0.01, "--ig-tolerance", help="Integrated gradients: completeness error allowed, "
+                                                                     "relative to |f(x) − f(baseline)|."),
+    ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
@@ -310,8 +315,9 @@ def explain(
     try:
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
                         settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
-                                          ig_rule=ig_rule, batch_size=batch_size),
-                        json_out=json_out, quiet=quiet, top=top)
+                                          ig_rule=ig_rule, batch_size=batch_size, ig_tolerance=ig_tolerance,
+                                          ig_max_points=ig_max_points),
+                        json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
