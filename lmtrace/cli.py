@@ -364,15 +364,21 @@ def compare(
     html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the comparison as a self-contained HTML "
                                             "page here (as `lmtrace report A B --out PATH`)."),
     top: int = typer.Option(5, "--top", help="Layers, heads and pairs to show in the summary."),
+    exact: bool = typer.Option(False, "--exact", help="Load the model(s) and rescore the paired contexts: exact "
+                                                       "full-vocabulary KL/JS and logit differences."),
+    exact_steps: Optional[str] = typer.Option(None, "--exact-steps", help="With --exact: only these paired steps "
+                                                                          "(0,4,9 or 2-5; default all)."),
+    device: Optional[str] = typer.Option(None, "--device", help="With --exact: device for the model(s)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ):
-    """Diff two runs from their archives (no model is loaded): divergence, distributions, layers, heads."""
+    """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
     from .views import compare_view
 
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
-                     json_out=json_out, out_dir=out, top=top, html_path=html_out)
+                     json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
+                     exact_steps=exact_steps, device=device)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 

@@ -388,7 +388,11 @@ STEP_FIELDS = [
     ("kl_ab", pa.float64()), ("kl_ba", pa.float64()), ("js", pa.float64()),
     ("tail_a", pa.float64()), ("tail_b", pa.float64()), ("n_common", pa.int32()),
     ("kl_stored_max", pa.float64()),
+    # --exact only (null otherwise): full-vocabulary figures from the two models rescoring the shared context
+    ("exact_kl_ab", pa.float64()), ("exact_kl_ba", pa.float64()), ("exact_js", pa.float64()),
+    ("exact_max_abs_logit_diff", pa.float64()), ("exact_chosen_logit_diff", pa.float64()),
 ]
+EXACT_FIELDS = ("exact_kl_ab", "exact_kl_ba", "exact_js", "exact_max_abs_logit_diff", "exact_chosen_logit_diff")
 PAIRED_STEP_FIGURES = ("logprob_a_under_b", "logprob_b_under_a", "entropy_delta", "margin_delta", "top1_agree",
                        "same_stored", "kl_ab", "kl_ba", "js", "tail_a", "tail_b", "n_common", "kl_stored_max")
 
@@ -476,6 +480,7 @@ def _step_rows(k: int, sa: int, sb: int, ga: dict | None, gb: dict | None, na: i
                                     else _f(max(stored["kl_ab"], stored["kl_ba"])))
         else:
             row.update({key: None for key in PAIRED_STEP_FIGURES})
+        row.update({key: None for key in EXACT_FIELDS})
         rows.append(row)
     return rows
 
@@ -702,6 +707,13 @@ def _pair_summary(k: int, A: _Side, B: _Side, sa: int, sb: int, matched_by: str,
             "logprob_b_under_a_missing": sum(r["logprob_b_under_a"] is None for r in paired),
             "mean_tail_a": _mean(r["tail_a"] for r in paired), "mean_tail_b": _mean(r["tail_b"] for r in paired),
         }
+        if any(r.get("exact_kl_ab") is not None for r in paired):  # --exact: full-vocabulary figures
+            ex_rows = [r for r in paired if r.get("exact_js") is not None]
+            jmax = max(ex_rows, key=lambda r: r["exact_js"])
+            figures.update({"exact_steps": len(ex_rows), "mean_exact_kl_ab": _mean(r["exact_kl_ab"] for r in ex_rows),
+                            "mean_exact_kl_ba": _mean(r["exact_kl_ba"] for r in ex_rows),
+                            "mean_exact_js": _mean(r["exact_js"] for r in ex_rows), "max_exact_js": jmax["exact_js"],
+                            "max_exact_js_step": jmax["step"]})
     first_step = None
     if not same_prompt and na and nb:  # different contexts: step 0 side by side, labelled as not paired
         d = topk_divergence(_known(ga, 0), _known(gb, 0))
@@ -808,6 +820,8 @@ DEFINITIONS = {
     "attn_js": "Jensen-Shannon divergence (nats) between the two sides' attention rows of a head over the shared "
                "context keys (rows renormalised; top-k rows use the stored-on-both + tail partition)",
     "after_divergence": "per-side figures only (each side saw its own text): not paired, not differences",
+    "exact": "--exact only: KL/JS over the full vocabulary and logit differences (B − A), from each side's model "
+             "(float32, eager, an intervention child's edits replayed) rescoring the shared context",
 }
 
 
@@ -929,8 +943,11 @@ def _open(label: str, ref, root: Path, allow_incomplete: bool) -> Run:
 
 
 def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_incomplete: bool = False,
-                 pair: str = "auto") -> Comparison:
-    """Compare two run archives (ids, id prefixes or paths). Reads only the archives; loads no model."""
+                 pair: str = "auto", exact: bool = False, exact_steps: str | None = None,
+                 device: str | None = None, note=lambda text: None) -> Comparison:
+    """Compare two run archives (ids, id prefixes or paths). Reads only the archives and loads no model, unless
+    `exact`: then each side's model (loaded once when both runs share it) rescores the paired contexts."""
+    progress = note  # `note` is reused below for each pair's note
     if pair not in PAIRING_MODES:
         raise SpecError(f"--pair must be one of {', '.join(PAIRING_MODES)} (got {pair!r})")
     root = Path(runs_dir) if runs_dir is not None else runs_root()
@@ -980,6 +997,15 @@ def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_inco
         pair_summaries.append(_pair_summary(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired,
                                             same_prompt, note))
 
+    exact_info = None
+    if exact:
+        from .compare_exact import exact_figures
+
+        exact_info = exact_figures(A, B, pairing["pairs"], step_rows, exact_steps, device, progress)
+        notes.append(exact_info["note"])
+    elif step_rows:
+        notes.append("KL/JS are over the stored top-k + one tail bucket: lower bounds of the full-vocabulary values "
+                     "(--exact rescores the paired contexts with the models for exact figures)")
     per_step = pa.Table.from_pylist(step_rows, schema=pa.schema(STEP_FIELDS)) if step_rows \
         else pa.schema(STEP_FIELDS).empty_table()
     per_layer = _table(LAYER_FIELDS, _concat(layer_parts))

@@ -457,3 +457,37 @@ def test_batch_composition_float_noise_is_called_float_noise(verdict_runs):
     cmp = compare_runs(a.path, b.path)
     assert "float noise" in cmp.verdict and "distributions differ" not in cmp.verdict
     assert not cmp.identical
+
+
+def test_exact_kl_equals_the_full_vocabulary_kl_of_the_two_models(runs):
+    from transformers import AutoModelForCausalLM
+
+    a, b = runs["parent"], runs["child"]
+    cmp = compare_runs(a.path, b.path, exact=True, exact_steps="0-3")
+    steps = cmp.per_step.to_pandas()
+    models = [AutoModelForCausalLM.from_pretrained(r.manifest["spec_resolved"]["model"]["ref"], dtype=torch.float32,
+                                                   attn_implementation="eager").eval() for r in (a, b)]
+    t = a.tokens().to_pandas()
+    checked = 0
+    for _, row in steps.iterrows():
+        paired = bool(row.context_identical) and row.step <= 3
+        if not paired:
+            assert pd.isna(row.exact_kl_ab)
+            continue
+        seq = int(row.seq_a)
+        s = t[t.sequence == seq]
+        ids = s[s.is_prompt].sort_values("position").token_id.tolist() + \
+            s[~s.is_prompt].sort_values("step").token_id.tolist()[: int(row.step)]
+        with torch.no_grad():
+            la, lb = (m(torch.tensor([ids])).logits[0, -1].double().log_softmax(-1) for m in models)
+        kl_ab = float((la.exp() * (la - lb)).sum())
+        mix = (0.5 * (la.exp() + lb.exp())).log()
+        js = float(0.5 * (la.exp() * (la - mix)).sum() + 0.5 * (lb.exp() * (lb - mix)).sum())
+        assert row.exact_kl_ab == pytest.approx(kl_ab, abs=1e-5)
+        assert row.exact_kl_ba == pytest.approx(float((lb.exp() * (lb - la)).sum()), abs=1e-5)
+        assert row.exact_js == pytest.approx(js, abs=1e-5)
+        if not pd.isna(row.kl_ab):
+            assert row.kl_ab <= row.exact_kl_ab + 1e-6  # the archive-only figure is a lower bound
+        checked += 1
+    assert checked >= 3 and any("--exact" in n for n in cmp.notes)
+    assert CliRunner().invoke(app, ["compare", str(a.path), str(b.path), "--exact-steps", "1"]).exit_code == 2
