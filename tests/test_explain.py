@@ -137,7 +137,7 @@ def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, targ
 
 @pytest.mark.parametrize("baseline", ["zero", "pad"])
 def test_integrated_gradients_sum_to_the_output_difference_within_the_reported_error(forward_only_run, model, baseline):
-    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16)
+    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16, ig_max_points=128)
     result = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=settings)
     ids, chosen, runner = context(forward_only_run, 0, 2)
     emb = model.get_input_embeddings()
@@ -172,15 +172,17 @@ def smooth_run(tmp_path_factory, tiny_llama_dir):
 
 def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
     errors = {}
-    for rule in ("midpoint", "trapezoid"):
-        for m in (4, 32):
-            r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
-                               settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule=rule, batch_size=33))
-            info = r.explanations[0].info
-            errors[rule, m] = info["completeness_error"]
-            assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[rule, m] + 1e-5
-        assert errors[rule, 32] < errors[rule, 4]
-        assert errors[rule, 32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
+    for m in (4, 32):
+        r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
+                           settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33))
+        info = r.explanations[0].info
+        errors[m] = info["completeness_error"]
+        assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[m] + 1e-5
+    assert errors[32] < errors[4]
+    assert errors[32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
+    # on a smooth path the adaptive rule needs no refinement beyond its initial intervals
+    r = ex.explain_run(smooth_run.path, "3", methods=["ig"], settings=ex.Settings(baseline="pad", ig_steps=4))
+    assert r.explanations[0].info["converged"] and r.explanations[0].info["completeness_error_relative"] < 0.01
 
 
 # ---- occlusion ---------------------------------------------------------------------------------------
@@ -433,3 +435,23 @@ def test_explain_refuses_a_child_whose_edits_cannot_be_replayed(ablated_child, t
     out = CliRunner().invoke(app, ["explain", str(moved), "--steps", "1"])
     assert out.exit_code == 2 and "patch_residual" in out.output and "cannot replay" in out.output
     assert "Traceback" not in out.output
+
+
+@pytest.mark.slow
+def test_integrated_gradients_on_the_embedded_model_report_completeness_honestly(tmp_path):
+    """SmolLM2-135M: converged => completeness <= 1 % against the test's own forwards; otherwise the reported
+    error is the true one. (The straight path of this model has cliffs; see docs/explain.md.)"""
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    run = run_spec(tmp_path, {"prompts": ["The capital of France is"], "capture": "none",
+                              "generation": {"max_new_tokens": 2}})
+    settings = ex.Settings(target="contrast", quantity="logprob", batch_size=16, ig_max_points=96)
+    result = ex.explain_run(run.path, "1", methods=["ig"], settings=settings)
+    m = load_model(ModelSpec(dtype="float32", attn_implementation="eager")).model.eval()
+    for e in result.explanations:
+        ids, chosen, runner = context(run, 0, e.step)
+        change = _ig_reference(m, ids, chosen, runner, "contrast", "logprob", "mean")
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), ex.IG_SCALE_FLOOR)
+        assert e.info["completeness_error_relative"] == pytest.approx(error, abs=2e-3)
+        assert e.info["converged"] is False or error <= 0.01 + 1e-3
