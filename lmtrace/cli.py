@@ -332,9 +332,14 @@ def explain(
                                           "(repeat or comma-separate)."),
     target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
     quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
-    baseline: str = typer.Option("zero", "--baseline", help="Integrated gradients baseline: zero | pad embedding."),
-    ig_steps: int = typer.Option(32, "--ig-steps", help="Integrated gradients: interpolation steps."),
-    ig_rule: str = typer.Option("midpoint", "--ig-rule", help="Integrated gradients: midpoint | trapezoid."),
+    baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | pad | zero embedding."),
+    ig_steps: int = typer.Option(16, "--ig-steps", help="Integrated gradients: initial intervals (adaptive) or "
+                                                         "points (midpoint)."),
+    ig_rule: str = typer.Option("adaptive", "--ig-rule", help="Integrated gradients: adaptive | midpoint (fixed grid)."),
+    ig_tolerance: float = typer.Option(0.01, "--ig-tolerance", help="Integrated gradients: completeness error allowed, "
+                                                                     "relative to |f(x) − f(baseline)|."),
+    ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
@@ -348,8 +353,9 @@ def explain(
     try:
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
                         settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
-                                          ig_rule=ig_rule, batch_size=batch_size),
-                        json_out=json_out, quiet=quiet, top=top)
+                                          ig_rule=ig_rule, batch_size=batch_size, ig_tolerance=ig_tolerance,
+                                          ig_max_points=ig_max_points),
+                        json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -396,15 +402,21 @@ def compare(
     html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the comparison as a self-contained HTML "
                                             "page here (as `lmtrace report A B --out PATH`)."),
     top: int = typer.Option(5, "--top", help="Layers, heads and pairs to show in the summary."),
+    exact: bool = typer.Option(False, "--exact", help="Load the model(s) and rescore the paired contexts: exact "
+                                                       "full-vocabulary KL/JS and logit differences."),
+    exact_steps: Optional[str] = typer.Option(None, "--exact-steps", help="With --exact: only these paired steps "
+                                                                          "(0,4,9 or 2-5; default all)."),
+    device: Optional[str] = typer.Option(None, "--device", help="With --exact: device for the model(s)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ):
-    """Diff two runs from their archives (no model is loaded): divergence, distributions, layers, heads."""
+    """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
     from .views import compare_view
 
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
-                     json_out=json_out, out_dir=out, top=top, html_path=html_out)
+                     json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
+                     exact_steps=exact_steps, device=device)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 

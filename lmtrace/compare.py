@@ -40,6 +40,8 @@ PAIRING_MODES = ("auto", "index", "prompt")
 TAIL_FLOOR = 1e-12  # tail masses below this (float32 rounding of 1 - sum) are set to it, so KL stays finite
 STEP_CHUNK = 16  # attention rows are compared this many steps at a time (bounded memory)
 JSON_MAX_STEP_ROWS = 20000  # larger per-step tables go to --out only
+FLOAT_NOISE_KL = 1e-6  # nats: paired distributions closer than this (both KL directions) are "the same up to float noise"
+MAX_PROMPT_DIFFS = 20  # prompt texts listed one by one in the spec differences
 
 
 class IncomparableRunsError(ArchiveError):
@@ -288,11 +290,14 @@ def _flatten(d, prefix: str = "") -> dict:
 
 
 def spec_differences(ma: dict, mb: dict) -> list[dict]:
-    """Resolved-spec keys that differ (output.* and the prompt texts themselves excluded), plus weights and tokenizer."""
+    """Resolved-spec keys that differ (output.* excluded), the prompt texts one by one, plus weights and tokenizer."""
     fa, fb = _flatten(ma.get("spec_resolved") or {}), _flatten(mb.get("spec_resolved") or {})
     out = []
     for key in sorted(set(fa) | set(fb)):
-        if key.startswith("output.") or key == "prompts.texts":
+        if key.startswith("output."):
+            continue
+        if key == "prompts.texts":
+            out += prompt_differences(fa.get(key), fb.get(key))
             continue
         if fa.get(key) != fb.get(key):
             out.append({"key": key, "a": fa.get(key), "b": fb.get(key)})
@@ -310,6 +315,28 @@ def spec_differences(ma: dict, mb: dict) -> list[dict]:
 
 
 MANIFEST_RUN_KEYS = ("kind", "interventions", "mode", "from_step")
+
+
+def prompt_differences(ta, tb) -> list[dict]:
+    """Prompt texts that differ: `prompts.texts[i]` per index (null = absent on that side), or one
+    `prompts.order` entry when both runs hold the same texts in another order."""
+    if ta == tb:
+        return []
+    if not (isinstance(ta, list) and isinstance(tb, list)):
+        return [{"key": "prompts.texts", "a": ta, "b": tb}]
+    if sorted(map(str, ta)) == sorted(map(str, tb)):
+        return [{"key": "prompts.order", "a": "as in A", "b": "the same texts reordered: "
+                 + ", ".join(str(ta.index(t)) for t in tb) + " (A's index of each of B's prompts)"}]
+    out = []
+    for i in range(max(len(ta), len(tb))):
+        x = ta[i] if i < len(ta) else None
+        y = tb[i] if i < len(tb) else None
+        if x != y:
+            out.append({"key": f"prompts.texts[{i}]", "a": x, "b": y})
+    if len(out) > MAX_PROMPT_DIFFS:
+        more = len(out) - MAX_PROMPT_DIFFS
+        out = out[:MAX_PROMPT_DIFFS] + [{"key": "prompts.texts[…]", "a": f"{more} more differ", "b": f"{more} more differ"}]
+    return out
 
 
 def _short(value):
@@ -360,9 +387,14 @@ STEP_FIELDS = [
     ("top1_a", pa.int32()), ("top1_b", pa.int32()), ("top1_agree", pa.bool_()), ("same_stored", pa.bool_()),
     ("kl_ab", pa.float64()), ("kl_ba", pa.float64()), ("js", pa.float64()),
     ("tail_a", pa.float64()), ("tail_b", pa.float64()), ("n_common", pa.int32()),
+    ("kl_stored_max", pa.float64()),
+    # --exact only (null otherwise): full-vocabulary figures from the two models rescoring the shared context
+    ("exact_kl_ab", pa.float64()), ("exact_kl_ba", pa.float64()), ("exact_js", pa.float64()),
+    ("exact_max_abs_logit_diff", pa.float64()), ("exact_chosen_logit_diff", pa.float64()),
 ]
+EXACT_FIELDS = ("exact_kl_ab", "exact_kl_ba", "exact_js", "exact_max_abs_logit_diff", "exact_chosen_logit_diff")
 PAIRED_STEP_FIGURES = ("logprob_a_under_b", "logprob_b_under_a", "entropy_delta", "margin_delta", "top1_agree",
-                       "same_stored", "kl_ab", "kl_ba", "js", "tail_a", "tail_b", "n_common")
+                       "same_stored", "kl_ab", "kl_ba", "js", "tail_a", "tail_b", "n_common", "kl_stored_max")
 
 LAYER_FIELDS = [
     ("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("step", pa.int32()), ("layer", pa.int32()),
@@ -387,6 +419,11 @@ def _f(x) -> float | None:
         return None
     x = float(x)
     return x if math.isfinite(x) else None
+
+
+def _stored(g: dict, s: int) -> dict[int, float]:
+    """Token id -> logprob of the top-k alternatives stored at step s, without the chosen token's own entry."""
+    return {int(i): float(v) for i, v in zip(g["alt_ids"][s], g["alt_logprobs"][s]) if int(i) >= 0}
 
 
 def _known(g: dict, s: int) -> dict[int, float]:
@@ -433,10 +470,17 @@ def _step_rows(k: int, sa: int, sb: int, ga: dict | None, gb: dict | None, na: i
             row["entropy_delta"] = row["entropy_b"] - row["entropy_a"]
             row["margin_delta"] = row["margin_b"] - row["margin_a"]
             row["top1_agree"] = row["top1_a"] == row["top1_b"]
-            row["same_stored"] = ka == kb and row["entropy_a"] == row["entropy_b"] and row["margin_a"] == row["margin_b"]
+            # judged without the chosen tokens' own entries: a sampled token outside the top-k is not a model difference
+            sa_, sb_ = _stored(ga, s), _stored(gb, s)
+            row["same_stored"] = (sa_ == sb_ and row["entropy_a"] == row["entropy_b"]
+                                  and row["margin_a"] == row["margin_b"])
             row.update({key: (_f(v) if isinstance(v, float) else v) for key, v in topk_divergence(ka, kb).items()})
+            stored = topk_divergence(sa_, sb_)
+            row["kl_stored_max"] = (None if stored["kl_ab"] is None
+                                    else _f(max(stored["kl_ab"], stored["kl_ba"])))
         else:
             row.update({key: None for key in PAIRED_STEP_FIGURES})
+        row.update({key: None for key in EXACT_FIELDS})
         rows.append(row)
     return rows
 
@@ -663,9 +707,26 @@ def _pair_summary(k: int, A: _Side, B: _Side, sa: int, sb: int, matched_by: str,
             "logprob_b_under_a_missing": sum(r["logprob_b_under_a"] is None for r in paired),
             "mean_tail_a": _mean(r["tail_a"] for r in paired), "mean_tail_b": _mean(r["tail_b"] for r in paired),
         }
+        if any(r.get("exact_kl_ab") is not None for r in paired):  # --exact: full-vocabulary figures
+            ex_rows = [r for r in paired if r.get("exact_js") is not None]
+            jmax = max(ex_rows, key=lambda r: r["exact_js"])
+            figures.update({"exact_steps": len(ex_rows), "mean_exact_kl_ab": _mean(r["exact_kl_ab"] for r in ex_rows),
+                            "mean_exact_kl_ba": _mean(r["exact_kl_ba"] for r in ex_rows),
+                            "mean_exact_js": _mean(r["exact_js"] for r in ex_rows), "max_exact_js": jmax["exact_js"],
+                            "max_exact_js_step": jmax["step"]})
+    first_step = None
+    if not same_prompt and na and nb:  # different contexts: step 0 side by side, labelled as not paired
+        d = topk_divergence(_known(ga, 0), _known(gb, 0))
+        first_step = {"paired": False, "token_a": int(ga["token_id"][0]), "text_a": ga["token_text"][0],
+                      "token_b": int(gb["token_id"][0]), "text_b": gb["token_text"][0],
+                      "top1_a": int(ga["greedy_id"][0]), "top1_b": int(gb["greedy_id"][0]),
+                      "logprob_a": _f(ga["logprob"][0]), "logprob_b": _f(gb["logprob"][0]),
+                      "entropy_a": _f(ga["entropy"][0]), "entropy_b": _f(gb["entropy"][0]),
+                      "kl_ab": _f(d["kl_ab"]), "kl_ba": _f(d["kl_ba"]), "js": _f(d["js"]), "n_common": d["n_common"]}
     return {
         "pair": k, "seq_a": sa, "seq_b": sb, "matched_by": matched_by, "prompt": A.prompt_text[sa],
-        "same_prompt_ids": same_prompt, "generated_len_a": na, "generated_len_b": nb,
+        "prompt_b": B.prompt_text[sb], "same_prompt_ids": same_prompt, "first_step": first_step,
+        "same_text": text_a == text_b, "generated_len_a": na, "generated_len_b": nb,
         "stop_reason_a": A.stop_reason(sa), "stop_reason_b": B.stop_reason(sb),
         "paired_steps": n_paired, "first_divergence": div, "note": note,
         "text": {"common": "".join(text_a[:cut]), "a": "".join(text_a[cut:]), "b": "".join(text_b[cut:])},
@@ -759,6 +820,8 @@ DEFINITIONS = {
     "attn_js": "Jensen-Shannon divergence (nats) between the two sides' attention rows of a head over the shared "
                "context keys (rows renormalised; top-k rows use the stored-on-both + tail partition)",
     "after_divergence": "per-side figures only (each side saw its own text): not paired, not differences",
+    "exact": "--exact only: KL/JS over the full vocabulary and logit differences (B − A), from each side's model "
+             "(float32, eager, an intervention child's edits replayed) rescoring the shared context",
 }
 
 
@@ -880,8 +943,11 @@ def _open(label: str, ref, root: Path, allow_incomplete: bool) -> Run:
 
 
 def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_incomplete: bool = False,
-                 pair: str = "auto") -> Comparison:
-    """Compare two run archives (ids, id prefixes or paths). Reads only the archives; loads no model."""
+                 pair: str = "auto", exact: bool = False, exact_steps: str | None = None,
+                 device: str | None = None, note=lambda text: None) -> Comparison:
+    """Compare two run archives (ids, id prefixes or paths). Reads only the archives and loads no model, unless
+    `exact`: then each side's model (loaded once when both runs share it) rescores the paired contexts."""
+    progress = note  # `note` is reused below for each pair's note
     if pair not in PAIRING_MODES:
         raise SpecError(f"--pair must be one of {', '.join(PAIRING_MODES)} (got {pair!r})")
     root = Path(runs_dir) if runs_dir is not None else runs_root()
@@ -931,6 +997,15 @@ def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_inco
         pair_summaries.append(_pair_summary(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired,
                                             same_prompt, note))
 
+    exact_info = None
+    if exact:
+        from .compare_exact import exact_figures
+
+        exact_info = exact_figures(A, B, pairing["pairs"], step_rows, exact_steps, device, progress)
+        notes.append(exact_info["note"])
+    elif step_rows:
+        notes.append("KL/JS are over the stored top-k + one tail bucket: lower bounds of the full-vocabulary values "
+                     "(--exact rescores the paired contexts with the models for exact figures)")
     per_step = pa.Table.from_pylist(step_rows, schema=pa.schema(STEP_FIELDS)) if step_rows \
         else pa.schema(STEP_FIELDS).empty_table()
     per_layer = _table(LAYER_FIELDS, _concat(layer_parts))
@@ -947,34 +1022,65 @@ def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_inco
 
 
 def _verdict(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
+    """One line: what differs, for every kind of pair (same prompt or not), and whether the paired next-token
+    distributions differ beyond float noise (judged on the stored top-k without the chosen tokens' own entries)."""
     n = len(pairs)
-    diverged = [p for p in pairs if p["first_divergence"] is not None or not p["same_prompt_ids"]]
+    same_ctx = [p for p in pairs if p["same_prompt_ids"]]
+    other_ctx = [p for p in pairs if not p["same_prompt_ids"]]
+    diverged = [p for p in same_ctx if p["first_divergence"] is not None]
     paired = [r for r in step_rows if _is_paired(r)]
-    figures_zero = all(r["same_stored"] for r in paired)  # same stored logprobs, entropy and margin
+    figures_zero = all(r["same_stored"] for r in paired)  # same stored top-k logprobs, entropy and margin
+    kl = [r["kl_stored_max"] for r in paired]
+    known = [x for x in kl if x is not None]
+    max_kl = max(known, default=0.0)
+    noise_only = (not figures_zero and len(known) == len(kl) and max_kl < FLOAT_NOISE_KL
+                  and all(r["top1_agree"] for r in paired))
     same_lengths = all(p["generated_len_a"] == p["generated_len_b"] for p in pairs)
     unpaired = len(pairing["unpaired_a"]) + len(pairing["unpaired_b"])
-    identical = n > 0 and not diverged and figures_zero and first_changed is None and same_lengths and not unpaired
+    identical = (n > 0 and not other_ctx and not diverged and figures_zero and first_changed is None and same_lengths
+                 and not unpaired)
     if identical:
         return True, (f"no difference: all {n} paired sequence(s) generated the same tokens and every compared "
                       f"figure is equal")
     parts = []
     if n == 0:
         parts.append("no sequences could be paired")
-    else:
-        tok = [p for p in diverged if p["first_divergence"] is not None]
-        if tok:
-            first = min(tok, key=lambda p: p["first_divergence"]["step"])
-            parts.append(f"{len(tok)} of {n} pair(s) diverge (earliest: pair {first['pair']} at step "
+    if same_ctx:
+        what = "pair(s)" if not other_ctx else "pair(s) with the same prompt"
+        if diverged:
+            first = min(diverged, key=lambda p: p["first_divergence"]["step"])
+            parts.append(f"{len(diverged)} of {len(same_ctx)} {what} diverge (earliest: pair {first['pair']} at step "
                          f"{first['first_divergence']['step']})")
         else:
-            parts.append(f"all {n} pair(s) generated the same tokens")
-        no_ctx = [p for p in pairs if not p["same_prompt_ids"]]
-        if no_ctx:
-            parts.append(f"{len(no_ctx)} pair(s) have different prompt tokens")
-    if first_changed is not None:
-        parts.append(f"internal figures change from layer {first_changed} on")
-    elif not figures_zero:
-        parts.append("next-token distributions differ")
+            parts.append(f"all {len(same_ctx)} {what} generated the same tokens")
+    if other_ctx:
+        differ = [p for p in other_ctx if not p["same_text"]]
+        line = f"{len(other_ctx)} pair(s) have different prompt tokens"
+        if differ:
+            p = differ[0]
+            line += (f", {len(differ)} of them generated different text (pair {p['pair']}: "
+                     f"{_clip(p['text']['a'])!r} vs {_clip(p['text']['b'])!r})")
+        else:
+            line += ", all of them generated the same text"
+        parts.append(line)
+    if paired:
+        if first_changed is not None:
+            parts.append(f"internal figures change from layer {first_changed} on"
+                         + (f" (output distributions equal up to float noise: KL < {FLOAT_NOISE_KL:g})"
+                            if noise_only or figures_zero else ""))
+        elif noise_only:
+            parts.append(f"same next-token distributions up to float noise (max KL over the stored top-k "
+                         f"{max_kl:.1e} < {FLOAT_NOISE_KL:g} nats)")
+        elif figures_zero and diverged:
+            parts.append("the stored next-token distributions are identical at every paired step: the tokens differ "
+                         "by sampling, not by the model")
+        elif not figures_zero:
+            parts.append(f"next-token distributions differ (max KL over the stored top-k {max_kl:.3g} nats, "
+                         f"a lower bound)")
     if unpaired:
         parts.append(f"{unpaired} sequence(s) unpaired")
     return False, "; ".join(parts)
+
+
+def _clip(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"

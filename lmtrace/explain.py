@@ -43,14 +43,16 @@ import torch
 from .archive import layout
 from .archive.reader import IncompleteRunWarning, Run
 from .errors import ArchiveError, LmtraceError, SpecError
+from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, EditSet, MaskExperts, MaskPositions, Steer, _Ablation,
+                            component_means, load_steer_vector, parse_entries, routing_rule)
 from .runs import find_run, new_run_id, now_iso, read_manifest, runs_root
 
 EXPLAIN_DIR = "explain"
 SCORES_PARTS = "scores.parts"  # explain/scores.parts/<explain_id>.parquet: one Parquet dataset for all invocations
 TARGETS = ("chosen", "runner-up", "contrast")
 QUANTITIES = ("logit", "logprob")
-BASELINES = ("zero", "pad")
-IG_RULES = ("midpoint", "trapezoid")
+BASELINES = ("mean", "scaled-mean", "pad", "zero")
+IG_RULES = ("adaptive", "midpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,12 +61,17 @@ IG_RULES = ("midpoint", "trapezoid")
 class Settings:
     target: str = "chosen"
     quantity: str = "logit"
-    baseline: str = "zero"
-    ig_steps: int = 32
-    ig_rule: str = "midpoint"
+    baseline: str = "mean"
+    ig_steps: int = 16
+    ig_rule: str = "adaptive"
     batch_size: int = 8
+    ig_tolerance: float = 0.01
+    ig_max_points: int = 1024
 
     def check(self) -> "Settings":
+        if self.ig_rule == "trapezoid":
+            raise SpecError("--ig-rule trapezoid: removed, it evaluates the gradient at the baseline (α = 0), where "
+                            "RMSNorm/LayerNorm models are singular for the zero baseline; use adaptive (default) or midpoint")
         for name, value, allowed in (("--target", self.target, TARGETS), ("--quantity", self.quantity, QUANTITIES),
                                      ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES)):
             if value not in allowed:
@@ -73,6 +80,10 @@ class Settings:
             raise SpecError(f"--ig-steps {self.ig_steps}: must be at least 1")
         if self.batch_size < 1:
             raise SpecError(f"--batch-size {self.batch_size}: must be at least 1")
+        if not (math.isfinite(self.ig_tolerance) and 0 < self.ig_tolerance < 1):
+            raise SpecError(f"--ig-tolerance {self.ig_tolerance}: must be a fraction between 0 and 1 (e.g. 0.01 = 1 %)")
+        if self.ig_max_points < 4:
+            raise SpecError(f"--ig-max-points {self.ig_max_points}: must be at least 4")
         return self
 
 
@@ -150,6 +161,7 @@ class Scorer:
         self.embed = model.get_input_embeddings()
         self.tokenizer = tokenizer
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.edits: "ContextEdits | None" = None  # an intervention child's edits, installed by explain_run
 
     def embeddings(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -160,6 +172,9 @@ class Scorer:
         B, n, _ = embeds.shape
         if mask is None:
             mask = torch.ones((B, n), dtype=torch.long, device=self.device)
+        if self.edits is not None:
+            self.edits.begin_forward(B, n, self.device)
+            mask = self.edits.mask(mask)
         positions = torch.arange(n, device=self.device)[None].expand(B, n)
         out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False,
                          logits_to_keep=1)
@@ -187,54 +202,174 @@ def grad_x_input(ctx: StepContext) -> MethodResult:
 
 def _ig_settings(s: Settings) -> dict:
     return {"target": s.target, "quantity": s.quantity, "baseline": s.baseline, "ig_steps": s.ig_steps,
-            "ig_rule": s.ig_rule, "batch_size": s.batch_size}
+            "ig_rule": s.ig_rule, "ig_tolerance": s.ig_tolerance, "ig_max_points": s.ig_max_points,
+            "path": "straight line b + α(e − b), α ∈ [0, 1]", "batch_size": s.batch_size}
+
+
+GAUSS2 = (0.5 - 0.5 / math.sqrt(3.0), 0.5 + 0.5 / math.sqrt(3.0))  # Gauss–Legendre nodes on [0, 1], weights ½ each
+IG_SCALE_FLOOR = 0.01  # relative errors are taken against max(|f(x) − f(b)|, this), so a near-zero change is judged absolutely
 
 
 def ig_alphas(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
-    """Interpolation points α_k in [0, 1] and weights w_k (Σ w_k = 1) of the path integral's rule."""
-    if rule == "midpoint":
-        return (np.arange(steps) + 0.5) / steps, np.full(steps, 1.0 / steps)
-    alphas = np.arange(steps + 1) / steps
-    weights = np.full(steps + 1, 1.0 / steps)
-    weights[0] = weights[-1] = 0.5 / steps
-    return alphas, weights
+    """Fixed-grid points α_k in (0, 1) and weights w_k (Σ w_k = 1): `midpoint` α_k = (k + ½)/m.
+    No rule evaluates a gradient at α = 0 (the baseline)."""
+    if rule != "midpoint":
+        raise SpecError(f"--ig-rule {rule!r}: fixed grids are midpoint only")
+    return (np.arange(steps) + 0.5) / steps, np.full(steps, 1.0 / steps)
 
 
 def baseline_embeddings(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
+    """[n, d] baseline b: zero, the pad token's embedding, or the mean embedding row, at every position."""
     if ctx.settings.baseline == "zero":
         return torch.zeros_like(e)
+    if ctx.settings.baseline in ("mean", "scaled-mean"):
+        with torch.no_grad():
+            w = ctx.scorer.embed.weight
+            mean = w.double().mean(0).to(e.dtype).to(e.device)
+            if ctx.settings.baseline == "mean":
+                return mean.expand_as(e).clone()
+            # the mean direction at each position's own norm: the path keeps the norm away from 0
+            return mean[None] * (e.norm(dim=-1, keepdim=True) / mean.norm().clamp_min(1e-12))
     pad = ctx.scorer.pad_id
     if pad is None:
-        raise SpecError("--baseline pad: the model's tokenizer has no pad token; use --baseline zero")
+        raise SpecError("--baseline pad: the model's tokenizer has no pad token; use --baseline mean or zero")
     return ctx.scorer.embeddings([pad])[0].expand_as(e).clone()
 
 
+class _IGPath:
+    """f and per-position attribution densities along the straight path b + α(e − b).
+
+    `density(α)` is [k, n]: a_i(α) = Σ_d (e − b)_{i,d} ∂f/∂x_{i,d}(b + α(e − b)), so ∫₀¹ Σ_i a_i dα = f(e) − f(b)."""
+
+    def __init__(self, ctx: StepContext, e: torch.Tensor, b: torch.Tensor):
+        self.ctx, self.sc, self.e, self.b, self.diff = ctx, ctx.scorer, e, b, e - b
+        self.batch = ctx.settings.batch_size
+        self.points = 0  # gradient evaluations
+        self.forwards = 0  # gradient-free evaluations
+
+    def _x(self, alphas: np.ndarray) -> torch.Tensor:
+        a = torch.tensor(alphas, dtype=self.e.dtype, device=self.e.device)
+        return self.b[None] + a[:, None, None] * self.diff[None]
+
+    def f(self, alphas) -> np.ndarray:
+        alphas = np.asarray(alphas, dtype=np.float64)
+        out = np.empty(len(alphas))
+        with torch.no_grad():
+            for lo in range(0, len(alphas), self.batch):
+                out[lo:lo + self.batch] = self.sc.f(self.ctx, self._x(alphas[lo:lo + self.batch])).double().cpu().numpy()
+        self.forwards += len(alphas)
+        return out
+
+    def density(self, alphas) -> np.ndarray:
+        alphas = np.asarray(alphas, dtype=np.float64)
+        if (alphas <= 0).any():
+            raise LmtraceError("integrated gradients: a gradient at α = 0 was requested (internal error)")
+        out = np.empty((len(alphas), self.e.shape[0]))
+        for lo in range(0, len(alphas), self.batch):
+            x = self._x(alphas[lo:lo + self.batch]).requires_grad_(True)
+            with torch.enable_grad():
+                y = self.sc.f(self.ctx, x)
+                (g,) = torch.autograd.grad(y.sum(), x)  # rows are independent: row k gets ∂f/∂x_k
+            out[lo:lo + len(x)] = (g * self.diff[None]).sum(-1).double().cpu().numpy()
+        self.points += len(alphas)
+        return out
+
+
+def _ig_fixed(path: _IGPath, s: Settings) -> tuple[np.ndarray, dict]:
+    alphas, weights = ig_alphas(s.ig_steps, s.ig_rule)
+    dens = path.density(alphas)
+    return (weights[:, None] * dens).sum(0), {"intervals": s.ig_steps}
+
+
+def _ig_adaptive(path: _IGPath, s: Settings, scale: float) -> tuple[np.ndarray, dict]:
+    """Adaptive 2-point Gauss–Legendre over [0, 1]: every interval [l, r] has an attribution A (per position) and a
+    check, f(r) − f(l), from two exact forwards. Intervals whose |Σ_i A_i − (f(r) − f(l))| is largest are bisected
+    until the sum of those per-interval errors is at most tolerance × scale, or the gradient budget is spent.
+
+    The initial partition is `ig_steps` uniform intervals, refined where a grid of 8·ig_steps cheap forwards shows
+    steep change (an interval of that grid carrying more than 1/ig_steps of the path's total variation)."""
+    m = s.ig_steps
+    fine = np.linspace(0.0, 1.0, 8 * m + 1)
+    f_fine = path.f(fine)
+    breaks = set(np.linspace(0.0, 1.0, m + 1).tolist())
+    jumps = np.abs(np.diff(f_fine))
+    tv = float(np.nansum(jumps)) if np.isfinite(jumps).any() else 0.0
+    steep = np.flatnonzero(~np.isfinite(jumps) | (jumps > tv / m)) if tv > 0 else np.flatnonzero(~np.isfinite(jumps))
+    for k in steep:
+        breaks.update((float(fine[k]), float(fine[k + 1])))
+    f_known = dict(zip(fine.tolist(), f_fine.tolist()))
+    edges = sorted(breaks)
+
+    def f_of(alphas):
+        missing = [a for a in alphas if a not in f_known]
+        if missing:
+            f_known.update(zip(missing, path.f(missing).tolist()))
+        return [f_known[a] for a in alphas]
+
+    def evaluate(bounds: list[tuple[float, float]]) -> list[dict]:
+        nodes = [l + (r - l) * g for l, r in bounds for g in GAUSS2]
+        dens = path.density(nodes) if nodes else np.empty((0, path.e.shape[0]))
+        f_of([a for lr in bounds for a in lr])
+        out = []
+        for j, (l, r) in enumerate(bounds):
+            attr = 0.5 * (r - l) * (dens[2 * j] + dens[2 * j + 1])
+            change = f_known[r] - f_known[l]
+            err = abs(float(attr.sum()) - change)
+            out.append({"l": l, "r": r, "attr": attr, "err": err if math.isfinite(err) else math.inf})
+        return out
+
+    intervals = evaluate(list(zip(edges[:-1], edges[1:])))
+    target = s.ig_tolerance * scale
+    min_width = 1e-12
+    while True:
+        bound = sum(iv["err"] for iv in intervals)
+        if bound <= target:
+            break
+        budget = s.ig_max_points - path.points
+        splittable = [iv for iv in intervals if iv["r"] - iv["l"] > min_width and iv["err"] > 0]
+        if budget < 4 or not splittable:
+            break
+        # bisect the worst intervals: at most a batch's worth of gradient points per round
+        k = max(1, min(len(splittable), budget // 4, max(1, s.batch_size // 4)))
+        worst = sorted(splittable, key=lambda iv: -iv["err"])[:k]
+        new_bounds = []
+        for iv in worst:
+            mid = 0.5 * (iv["l"] + iv["r"])
+            new_bounds += [(iv["l"], mid), (mid, iv["r"])]
+        drop = {id(iv) for iv in worst}
+        intervals = [iv for iv in intervals if id(iv) not in drop] + evaluate(new_bounds)
+    intervals.sort(key=lambda iv: iv["l"])
+    total = np.sum([iv["attr"] for iv in intervals], axis=0)
+    widths = [iv["r"] - iv["l"] for iv in intervals]
+    return total, {"intervals": len(intervals), "error_bound": sum(iv["err"] for iv in intervals),
+                   "min_interval": min(widths), "path_total_variation": tv}
+
+
 @register("integrated_gradients", needs_model=True, settings=_ig_settings,
-          description="integrated gradients from a baseline embedding (zero or pad) along the straight path")
+          description="integrated gradients along the straight path from a baseline (mean, pad or zero embedding), "
+                      "adaptive until completeness holds to --ig-tolerance")
 def integrated_gradients(ctx: StepContext) -> MethodResult:
     sc, s = ctx.scorer, ctx.settings
     e = sc.embeddings(ctx.ids)
     b = baseline_embeddings(ctx, e)
-    alphas, weights = ig_alphas(s.ig_steps, s.ig_rule)
-    total = torch.zeros_like(e)
-    diff = e - b
-    for lo in range(0, len(alphas), s.batch_size):
-        a = torch.tensor(alphas[lo:lo + s.batch_size], dtype=e.dtype, device=e.device)
-        w = torch.tensor(weights[lo:lo + s.batch_size], dtype=e.dtype, device=e.device)
-        x = (b[None] + a[:, None, None] * diff[None]).requires_grad_(True)
-        with torch.enable_grad():
-            y = sc.f(ctx, x)
-            (g,) = torch.autograd.grad(y.sum(), x)  # rows are independent: row k gets ∂f/∂x_k
-        total += (w[:, None, None] * g).sum(0)
-    scores = (diff * total).sum(-1)
-    with torch.no_grad():
-        fx, fb = sc.f(ctx, torch.stack([e, b])).tolist()
-    total_attr = float(scores.sum().item())
-    err = abs(total_attr - (fx - fb))
-    return MethodResult(scores.cpu().numpy().astype(np.float32), {
-        "f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
-        "completeness_error_relative": err / max(abs(fx - fb), 1e-12),
-    })
+    path = _IGPath(ctx, e, b)
+    fb, fx = path.f([0.0, 1.0]).tolist()  # exact forwards at the baseline and the input
+    scale = max(abs(fx - fb), IG_SCALE_FLOOR) if math.isfinite(fx - fb) else math.inf
+    if s.ig_rule == "adaptive":
+        total, extra = _ig_adaptive(path, s, scale)
+    else:
+        total, extra = _ig_fixed(path, s)
+    scores = total.astype(np.float64)
+    total_attr = float(scores.sum())
+    finite = bool(np.isfinite(scores).all() and math.isfinite(fx) and math.isfinite(fb))
+    err = abs(total_attr - (fx - fb)) if finite else math.inf
+    rel = err / scale if finite else math.inf
+    bound = extra.get("error_bound", err)
+    converged = finite and rel <= s.ig_tolerance and bound <= s.ig_tolerance * scale * (1 + 1e-9)
+    info = {"f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
+            "completeness_error_relative": rel, "converged": converged, "nonfinite": not finite,
+            "ig_tolerance": s.ig_tolerance, "gradient_points": path.points, "forwards": path.forwards + 2, **extra}
+    return MethodResult(scores.astype(np.float32), info)
 
 
 @register("occlusion", needs_model=True, settings=lambda s: {"target": s.target, "quantity": s.quantity,
@@ -426,6 +561,121 @@ def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda te
 
 
 # ---------------------------------------------------------------------------------------------
+# Intervention children: the child's recorded edits, replayed with intervene's own hooks
+NOT_REPLAYABLE = {
+    "patch_residual": "it overwrote the query position's residual at each step with another run's archived vector; "
+                      "one forward over the whole context cannot reproduce those per-step patches",
+    "patch_head": "it overwrote a head's value at each step's query position with a replay of another run; "
+                  "one forward over the whole context cannot reproduce those per-step patches",
+}
+REPLAY_TOLERANCE = 1e-4  # |recomputed − archived| chosen-token logprob of a float32 child, nats
+
+
+class ContextEdits(EditSet):
+    """intervene's `EditSet` (the same hooks, the same edit code) applied to one full, unpadded forward of a
+    step's context instead of a KV-cached step.
+
+    In the child's own loop the prompt positions were computed at step 0 (the prefill) and position P−1+t at
+    step t, and an edit active at step t edited the positions computed at that step. Here every position gets
+    the step it was computed at, so an entry edits exactly the positions it edited in the child: `_selected`
+    returns [B, n] with row p active iff the entry was active at step(p) (and selects that position)."""
+
+    def __init__(self, entries: list, adapter, sequence: int, prompt_len: int, resources: dict):
+        super().__init__(entries, adapter, {sequence: prompt_len}, resources)
+        self.sequence = sequence
+        self.P = prompt_len
+        self.step_of = torch.zeros(0, dtype=torch.long)
+
+    def begin_forward(self, batch: int, n: int, device) -> None:
+        pos = torch.arange(n)
+        self.step_of = torch.where(pos < self.P, 0, pos - self.P + 1)
+        self.begin(int(self.step_of[-1]), [self.sequence] * batch, pos[None].expand(batch, n).to(device), False)
+
+    def _selected(self, entry) -> torch.Tensor | None:
+        if entry.sequences != "all" and self.sequence not in entry.sequences:
+            return None
+        active = torch.tensor([entry.active_at(int(t)) for t in self.step_of.tolist()], dtype=torch.bool)
+        if entry.positions != "all":
+            active &= torch.isin(torch.arange(len(active)), torch.tensor(entry.positions, dtype=torch.long))
+        if not active.any():
+            return None
+        return active[None].expand(self.positions.shape).to(self.positions.device)
+
+    def mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """[B, n] attention mask -> the mask with mask_positions' hidden keys removed (as at this step)."""
+        return self.edit_mask(mask, [0] * mask.shape[0], [self.sequence] * mask.shape[0], self.step)
+
+    def check_step(self, step: int, run_id: str) -> None:
+        """mask_positions is replayed with one [B, n] key mask: exact only if the entry's activity is the same at
+        every step 0..step (the queries computed earlier then hid the same keys, causality doing the rest)."""
+        for i, e in enumerate(self.entries):
+            if isinstance(e, MaskPositions) and len({e.active_at(t) for t in range(step + 1)}) > 1:
+                raise SpecError(f"run {run_id}: interventions[{i}] (mask_positions) is active at some of steps "
+                                f"0..{step} but not all; explain replays it with one attention mask over the whole "
+                                f"context, which cannot reproduce that: explain a step before it starts or after "
+                                f"it is active throughout")
+
+
+def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> ContextEdits | None:
+    """The edits an intervention child was generated under, ready to install on the explain model
+    (None for an ordinary run). Refuses (exit 2) edit kinds that cannot be replayed under gradients."""
+    from .arch import adapter_for
+    from .archive.reader import open_run
+    from .intervene import ParentView, _chat_span_ranges, _tokenizer_of
+
+    m = run.manifest
+    if m.get("kind") != "intervene" or not m.get("interventions"):
+        return None
+    entries = parse_entries(m["interventions"], f"run {run.id}")
+    for i, e in enumerate(entries):
+        if e.kind in NOT_REPLAYABLE:
+            raise SpecError(f"run {run.id} is an intervention child with interventions[{i}] ({e.kind}), which explain "
+                            f"cannot replay: {NOT_REPLAYABLE[e.kind]}. Explain its parent, or a child without {e.kind}")
+    parent_info = m.get("parent") or {}
+    parent_path = Path(parent_info["path"]) if parent_info.get("path") else None
+    state: dict = {}
+
+    def parent() -> Run:
+        if "run" not in state:
+            ref = parent_path if parent_path is not None and parent_path.is_dir() else parent_info.get("run_id")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", IncompleteRunWarning)
+                    state["run"] = open_run(ref, run.path.parent)
+            except LmtraceError as err:
+                raise ArchiveError(f"run {run.id}: its edits need its parent run {parent_info.get('run_id')} "
+                                   f"(mean values, chat spans or steering runs), which cannot be opened: {err}") from None
+        return state["run"]
+
+    def view() -> "ParentView":
+        if "view" not in state:
+            state["view"] = ParentView.read(parent())
+        return state["view"]
+
+    adapter = adapter_for(scorer.model)
+    resources: dict[int, object] = {}
+    wanted = {(MEAN_COMPONENT[e.kind], e.layer) for e in entries if isinstance(e, _Ablation) and e.mode == "mean"}
+    means = {}
+    if wanted:
+        v = view()
+        means = component_means(adapter, [v.prompt_ids[s] + v.generated[s] for s in range(len(v.prompt_ids))], wanted)
+    for i, e in enumerate(entries):
+        where = f"run {run.id} interventions[{i}] ({e.kind})"
+        if isinstance(e, _Ablation) and e.mode == "mean":
+            mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
+            if isinstance(e, AblateHead):
+                mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
+            resources[i] = mean
+        elif isinstance(e, Steer):
+            resources[i] = load_steer_vector(e, int(run.shape["d_model"]), lambda ref: open_run(ref, parent().path.parent))
+        elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
+            resources[i] = _chat_span_ranges(parent(), view(), e.span, where, _tokenizer_of(parent()))
+        elif isinstance(e, MaskExperts):
+            resources[i] = routing_rule(adapter, e.layer, where)
+    return ContextEdits(entries, adapter, sequence, prompt_len, resources)
+
+
+# ---------------------------------------------------------------------------------------------
 # Running and recording
 @dataclass
 class StepExplanation:
@@ -472,9 +722,18 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
     """Explain generated steps of an archived run; write the results into the run and return them."""
     settings = (settings or Settings()).check()
     names = parse_methods(list(methods) if not isinstance(methods, str) else methods)
-    run, notes = _open(run_ref, runs_dir)
-    for text in notes:
+    notes: list[str] = []
+
+    def note_(text: str) -> None:  # kept for the result (terminal and --json), and passed on
+        notes.append(text)
         note(text)
+
+    def progress(text: str) -> None:
+        note(text)
+
+    run, open_notes = _open(run_ref, runs_dir)
+    for text in open_notes:
+        note_(text)
     prompt, gen = _sequence_tokens(run, sequence)
     step_list = parse_steps(",".join(map(str, steps)) if isinstance(steps, (list, tuple)) else steps, len(gen))
     for name in names:  # archived-data requirements are checked before any weights are loaded
@@ -483,50 +742,94 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
         if missing:
             raise ArchiveError(f"method {name} needs archived data run {run.id} did not capture: "
                                + "; ".join(missing) + ". Rerun generate with those capture settings")
+    is_child = run.manifest.get("kind") == "intervene" and bool(run.manifest.get("interventions"))
+    if is_child:  # refuse edit kinds that cannot be replayed before loading any weights
+        for i, e in enumerate(parse_entries(run.manifest["interventions"], f"run {run.id}")):
+            if e.kind in NOT_REPLAYABLE:
+                raise SpecError(f"run {run.id} is an intervention child with interventions[{i}] ({e.kind}), which "
+                                f"explain cannot replay: {NOT_REPLAYABLE[e.kind]}. Explain its parent instead")
     scorer, model_info = None, None
     if any(METHODS[m].needs_model for m in names):
-        note(f"loading model {run.manifest.get('model', {}).get('reference')} (float32, eager attention)")
-        scorer, model_info = load_scorer(run, device, names, note)
+        progress(f"loading model {run.manifest.get('model', {}).get('reference')} (float32, eager attention)")
+        scorer, model_info = load_scorer(run, device, names, progress)
 
     prompt_ids = [int(x) for x in prompt.token_id]
     prompt_texts = list(prompt.token_text)
     gen_ids = [int(x) for x in gen.token_id]
     gen_texts = list(gen.token_text)
     explanations: list[StepExplanation] = []
-    for step in step_list:
-        row = gen.iloc[step]
-        if int(row.step) != step:
-            raise ArchiveError(f"run {run.id}: sequence {sequence} has no archived token for step {step}")
-        chosen = int(row.token_id)
-        ctx = StepContext(run=run, sequence=sequence, step=step, prompt_len=len(prompt_ids),
-                          ids=prompt_ids + gen_ids[:step], chosen_id=chosen,
-                          runner_up_id=_runner_up(chosen, row.alt_ids), archived_logprob=float(row.logprob),
-                          settings=settings, scorer=scorer)
-        check = {}
-        if scorer is not None:  # the rebuilt context must reproduce what the run saw
-            with torch.no_grad():
-                lp = scorer.logits(scorer.embeddings(ctx.ids)[None]).float().log_softmax(-1)[0, chosen].item()
-            check = {"recomputed_logprob": lp, "archived_logprob": ctx.archived_logprob}
-            if math.isfinite(ctx.archived_logprob) and abs(lp - ctx.archived_logprob) > 0.05:
-                note(f"step {step}: the float32 model gives the chosen token logprob {lp:.4f}, the run archived "
-                     f"{ctx.archived_logprob:.4f} (run dtype {run.manifest.get('dtype')}); the attributions describe "
-                     f"the float32 model")
-        for name in names:
-            note(f"sequence {sequence} step {step}: {name}")
-            res = METHODS[name].fn(ctx)
-            if res.scores.shape != (ctx.n,):
-                raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
-            info = {**res.info, **(check if METHODS[name].needs_model else {})}
-            explanations.append(StepExplanation(
-                name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
-                prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
-                target_text=str(row.token_text),
-                runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else ""))
+    edits = child_edits(run, scorer, sequence, len(prompt_ids)) if (is_child and scorer is not None) else None
+    if edits is not None:
+        model_info = {**model_info, "interventions_replayed": run.manifest["interventions"]}
+    run_dtype = str(run.manifest.get("dtype") or (run.manifest.get("model") or {}).get("dtype") or "")
+    with (edits.attached() if edits is not None else _nullcontext()):
+        if scorer is not None:
+            scorer.edits = edits
+        try:
+            for step in step_list:
+                row = gen.iloc[step]
+                if int(row.step) != step:
+                    raise ArchiveError(f"run {run.id}: sequence {sequence} has no archived token for step {step}")
+                if edits is not None:
+                    edits.check_step(step, run.id)
+                chosen = int(row.token_id)
+                ctx = StepContext(run=run, sequence=sequence, step=step, prompt_len=len(prompt_ids),
+                                  ids=prompt_ids + gen_ids[:step], chosen_id=chosen,
+                                  runner_up_id=_runner_up(chosen, row.alt_ids), archived_logprob=float(row.logprob),
+                                  settings=settings, scorer=scorer)
+                check = {}
+                if scorer is not None:  # the rebuilt context (and replayed edits) must reproduce what the run saw
+                    with torch.no_grad():
+                        lp = scorer.logits(scorer.embeddings(ctx.ids)[None]).float().log_softmax(-1)[0, chosen].item()
+                    check = {"recomputed_logprob": lp, "archived_logprob": ctx.archived_logprob}
+                    diff = abs(lp - ctx.archived_logprob) if math.isfinite(ctx.archived_logprob) else math.inf
+                    if edits is not None:
+                        check["interventions_replayed"] = True
+                        if run_dtype == "float32" and not diff <= REPLAY_TOLERANCE:
+                            raise LmtraceError(
+                                f"run {run.id} step {step}: with the child's {len(edits.entries)} intervention(s) "
+                                f"replayed, the chosen token's logprob is {lp:.6f} but the child archived "
+                                f"{ctx.archived_logprob:.6f} (|difference| {diff:.2e} > {REPLAY_TOLERANCE:g}): the "
+                                f"replay does not reproduce the child, so its attributions would describe another "
+                                f"model; nothing was written")
+                    if diff > 0.05 or (edits is not None and diff > REPLAY_TOLERANCE):
+                        note_(f"step {step}: the float32 model{' with the replayed edits' if edits else ''} gives the "
+                              f"chosen token logprob {lp:.4f}, the run archived {ctx.archived_logprob:.4f} (run dtype "
+                              f"{run_dtype or 'unknown'}); the attributions describe the float32 model")
+                for name in names:
+                    progress(f"sequence {sequence} step {step}: {name}")
+                    res = METHODS[name].fn(ctx)
+                    if res.scores.shape != (ctx.n,):
+                        raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
+                    info = {**res.info, **(check if METHODS[name].needs_model else {})}
+                    if res.info.get("converged") is False:
+                        note_(f"sequence {sequence} step {step}: {name} did not converge: completeness error "
+                              f"{_pct(res.info.get('completeness_error_relative'))} of |f(x) − f(baseline)| (tolerance "
+                              f"{settings.ig_tolerance:.0%}){'; non-finite values on the path' if res.info.get('nonfinite') else ''}"
+                              f" after {res.info.get('gradient_points')} gradient points: treat these scores as "
+                              f"approximate (raise --ig-max-points, or see docs/explain.md)")
+                    explanations.append(StepExplanation(
+                        name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
+                        prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
+                        target_text=str(row.token_text),
+                        runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else ""))
+        finally:
+            if scorer is not None:
+                scorer.edits = None
 
     explain_id = new_run_id()
     entries = _write(run, explain_id, names, step_list, sequence, settings, explanations, model_info)
     return ExplainResult(explain_id, run.id, run.path, run.path / EXPLAIN_DIR / explain_id, entries, explanations,
                          settings, notes)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.2%}"
+
+
+@contextmanager
+def _nullcontext():
+    yield
 
 
 def _write(run: Run, explain_id: str, names: list[str], steps: list[int], sequence: int, settings: Settings,
@@ -590,7 +893,11 @@ def _write_files(run: Run, tmp: Path, explain_id: str, names: list[str], steps: 
             "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
                          **{k: _num(v) for k, v in e.info.items()}} for e in explanations if e.method == name],
         })
-    _atomic_json(tmp / "explain.json", {"id": explain_id, "run_id": run.id, "created": created, "entries": entries})
+        flags = [e.info["converged"] for e in explanations if e.method == name and "converged" in e.info]
+        if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
+            entries[-1]["converged"] = all(flags)
+    _atomic_json(tmp / "explain.json", strict_json({"id": explain_id, "run_id": run.id, "created": created,
+                                                    "entries": entries}))
     return entries
 
 
@@ -619,7 +926,22 @@ def _num(v):
     if isinstance(v, (float, np.floating)):
         v = float(v)
         return v if math.isfinite(v) else None
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
     return v
+
+
+def strict_json(x):
+    """NaN/±inf -> None, numpy scalars -> Python, tuples -> lists: values `json.dumps(..., allow_nan=False)` accepts."""
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return [strict_json(v) for v in x.tolist()]
+    return _num(x)
 
 
 def _atomic_json(path: Path, obj) -> None:
@@ -728,12 +1050,18 @@ def render(result: ExplainResult, console=None, top: int = 10) -> None:
                 facts.append(f"{key}={e.info[key]:.4g}")
         if facts:
             console.print(Text("  ".join(facts), style="dim"))
-        rel = e.info.get("completeness_error_relative")
-        if rel is not None and rel > 0.05:
-            console.print(Text(f"completeness error is {rel:.0%} of f(x) − f(baseline): the path integral is poorly "
-                               f"resolved (rough path); raise --ig-steps or try --baseline pad (docs/explain.md)",
-                               style="yellow"))
-        scale = float(np.nanmax(np.abs(e.scores))) if len(e.scores) else 0.0
+        if "converged" in e.info:
+            rel = e.info.get("completeness_error_relative")
+            if e.info["converged"]:
+                console.print(Text(f"converged: completeness error {_pct(rel)} ≤ {s.ig_tolerance:.0%} of "
+                                   f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)", style="dim"))
+            else:
+                console.print(Text(f"NOT CONVERGED: completeness error {_pct(rel)} > {s.ig_tolerance:.0%}"
+                                   f"{' (NaN/inf on the path)' if e.info.get('nonfinite') else ''} after "
+                                   f"{e.info.get('gradient_points')} gradient points: the scores do not add up to "
+                                   f"f(x) − f(baseline); raise --ig-max-points (docs/explain.md)", style="bold yellow"))
+        finite = np.abs(e.scores[np.isfinite(e.scores)])
+        scale = float(finite.max()) if finite.size else 0.0
         text = Text()
         for i, (tok, sc) in enumerate(zip(e.token_texts, e.scores)):
             style = _background(float(sc), scale)
@@ -743,12 +1071,12 @@ def render(result: ExplainResult, console=None, top: int = 10) -> None:
         text.append(" → ", style="dim")
         text.append(_show_token(e.target_text), style="bold reverse")
         console.print(text)
-        order = np.argsort(-np.abs(e.scores), kind="stable")[:top]
+        order = np.argsort(-np.nan_to_num(np.abs(e.scores), nan=-1.0), kind="stable")[:top]
         table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
         for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"),
                           ("share", "right")):
             table.add_column(col, justify=just)
-        denom = float(np.abs(e.scores).sum()) or 1.0
+        denom = float(np.nansum(np.abs(e.scores))) or 1.0
         for rank, i in enumerate(order):
             sc = float(e.scores[i])
             table.add_row(str(rank + 1), str(int(i)) + ("" if e.is_prompt[i] else "*"), repr(e.token_texts[i]),
@@ -760,17 +1088,28 @@ def render(result: ExplainResult, console=None, top: int = 10) -> None:
 
 def summary(result: ExplainResult, top: int = 10) -> dict:
     out = {"explain_id": result.explain_id, "run_id": result.run_id, "path": str(result.path),
-           "entries": result.entries, "top": []}
+           "entries": result.entries, "notes": result.notes, "converged": converged(result), "top": []}
     for e in result.explanations:
-        order = np.argsort(-np.abs(e.scores), kind="stable")[:top]
-        out["top"].append({"method": e.method, "sequence": e.sequence, "step": e.step,
-                           "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
-                                         for i in order]})
-    return out
+        order = np.argsort(-np.nan_to_num(np.abs(e.scores), nan=-1.0), kind="stable")[:top]
+        item = {"method": e.method, "sequence": e.sequence, "step": e.step,
+                "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
+                              for i in order]}
+        for key in ("converged", "completeness_error", "completeness_error_relative"):
+            if key in e.info:
+                item[key] = e.info[key]
+        out["top"].append(item)
+    return strict_json(out)
+
+
+def converged(result: ExplainResult) -> bool | None:
+    """False if any integrated-gradients step missed --ig-tolerance (or met NaN/inf); None without IG."""
+    flags = [e.info["converged"] for e in result.explanations if "converged" in e.info]
+    return all(flags) if flags else None
 
 
 def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[str], settings: Settings,
-                    device: str | None, runs_dir: str | None, json_out: bool, quiet: bool, top: int) -> ExplainResult:
+                    device: str | None, runs_dir: str | None, json_out: bool, quiet: bool, top: int,
+                    strict: bool = False) -> ExplainResult:
     """What `lmtrace explain` does: explain, then print a rich view (or a JSON summary)."""
     import sys
 
@@ -781,7 +1120,16 @@ def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[st
     result = explain_run(run_ref, steps, sequence=sequence, methods=methods, settings=settings, device=device,
                          runs_dir=runs_dir, note=note)
     if json_out:
-        print(json.dumps(summary(result, top), default=str))
+        print(json.dumps(summary(result, top), default=str, allow_nan=False))
     elif not quiet:
         render(result, top=top)
+    if strict and converged(result) is False:
+        bad = [f"step {e.step}" for e in result.explanations if e.info.get("converged") is False]
+        raise NotConvergedError(f"--strict: integrated gradients did not converge to --ig-tolerance "
+                                f"{settings.ig_tolerance:g} at {', '.join(bad)} (results written to {result.path}, "
+                                f"flagged converged: false)")
     return result
+
+
+class NotConvergedError(LmtraceError):
+    """`--strict` and an attribution that missed its tolerance: exit 1."""

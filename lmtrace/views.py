@@ -378,9 +378,11 @@ def _cmp_chosen(r: dict) -> str:
 
 
 def _cmp_top_steps(cmp, top: int) -> list[dict]:
-    """Paired steps with the largest JS over the stored top-k (those with a known, non-zero JS)."""
-    rows = [r for r in cmp.per_step.to_pylist() if r["js"] is not None and r["js"] > 0]
-    return sorted(rows, key=lambda r: -r["js"])[:top]
+    """Paired steps with the largest JS (exact when --exact computed it, else over the stored top-k; non-zero)."""
+    def js(r):
+        return r.get("exact_js") if r.get("exact_js") is not None else r["js"]
+    rows = [r for r in cmp.per_step.to_pylist() if js(r) is not None and js(r) > 0]
+    return sorted(rows, key=lambda r: -js(r))[:top]
 
 
 def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None:
@@ -432,13 +434,19 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
             console.print(Text(f"  step {d['step']}: {d['explanation']}", style="dim"))
 
     steps = _cmp_top_steps(cmp, top)
+    exact = any(r.get("exact_js") is not None for r in steps)
     if steps:
         t = Table(title="steps whose next-token distribution changed most (paired steps)", title_justify="left")
-        for col in ("pair", "step", "chosen (A / B)", "JS", "KL(A‖B)", "Δ entropy", "Δ margin", "top-1 agree"):
+        cols = ["pair", "step", "chosen (A / B)", "JS (top-k, ≥)", "KL(A‖B) (top-k, ≥)"]
+        cols += ["exact JS", "exact KL(A‖B)", "max |Δ logit|"] if exact else []
+        for col in cols + ["Δ entropy", "Δ margin", "top-1 agree"]:
             t.add_column(col, overflow="fold")
         for r in steps:
+            extra = [_cmp_num(r.get("exact_js")), _cmp_num(r.get("exact_kl_ab")),
+                     _cmp_num(r.get("exact_max_abs_logit_diff"))] if exact else []
             t.add_row(str(r["pair"]), str(r["step"]), Text(_cmp_chosen(r)), _cmp_num(r["js"]), _cmp_num(r["kl_ab"]),
-                      _cmp_num(r["entropy_delta"]), _cmp_num(r["margin_delta"]), "yes" if r["top1_agree"] else "no")
+                      *extra, _cmp_num(r["entropy_delta"]), _cmp_num(r["margin_delta"]),
+                      "yes" if r["top1_agree"] else "no")
         console.print(t)
 
     layers = [r for r in cmp.layers if r["changed"]][:top]
@@ -475,8 +483,10 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
             f"after divergence (per side, NOT paired: each side saw its own text): mean logprob A {_cmp_num(avg('mean_logprob_a'))} "
             f"/ B {_cmp_num(avg('mean_logprob_b'))}, mean entropy A {_cmp_num(avg('mean_entropy_a'))} "
             f"/ B {_cmp_num(avg('mean_entropy_b'))} nats", style="dim"))
-    console.print(Text("KL/JS: nats, over the tokens stored on both sides + one tail bucket (a lower bound); "
-                       "deltas are B − A; see docs/compare.md", style="dim"))
+    console.print(Text("KL/JS: nats, over the tokens stored on both sides + one tail bucket (a lower bound of the "
+                       "full-vocabulary value" + ("; exact columns: full vocabulary, from the models" if exact else
+                                                  "; --exact computes it from the models") +
+                       "); deltas are B − A; see docs/compare.md", style="dim"))
 
 
 def comparison_markdown(cmp, top: int = 10) -> str:
@@ -539,13 +549,25 @@ def comparison_markdown(cmp, top: int = 10) -> str:
 
 
 def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_incomplete: bool = False,
-                 pair: str = "auto", json_out: bool = False, out_dir=None, top: int = 5, html_path=None) -> None:
+                 pair: str = "auto", json_out: bool = False, out_dir=None, top: int = 5, html_path=None,
+                 exact: bool = False, exact_steps: str | None = None, device: str | None = None) -> None:
     """`lmtrace compare`: compute, optionally write the tables and report, then print the summary or JSON."""
     from pathlib import Path
 
     from .compare import compare_runs
 
-    cmp = compare_runs(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair)
+    import sys
+
+    def note(text: str) -> None:
+        if not json_out:
+            print(text, file=sys.stderr)
+
+    if exact_steps is not None and not exact:
+        from .errors import SpecError
+
+        raise SpecError("--exact-steps needs --exact")
+    cmp = compare_runs(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair, exact=exact,
+                       exact_steps=exact_steps, device=device, note=note)
     if out_dir is not None:
         cmp.write_tables(out_dir)
         (Path(out_dir) / "report.md").write_text(comparison_markdown(cmp, top=max(top, 10)))
@@ -554,7 +576,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
 
         report_compare(run_a, run_b, out=html_path, comparison=cmp)
     if json_out:
-        print(json.dumps(cmp.summary(), indent=2))
+        print(json.dumps(cmp.summary(), indent=2, allow_nan=False))
         return
     console = Console() if Console().is_terminal else Console(width=160)
     render_comparison(cmp, console, top)

@@ -137,7 +137,7 @@ def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, targ
 
 @pytest.mark.parametrize("baseline", ["zero", "pad"])
 def test_integrated_gradients_sum_to_the_output_difference_within_the_reported_error(forward_only_run, model, baseline):
-    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16)
+    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16, ig_max_points=128)
     result = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=settings)
     ids, chosen, runner = context(forward_only_run, 0, 2)
     emb = model.get_input_embeddings()
@@ -172,15 +172,17 @@ def smooth_run(tmp_path_factory, tiny_llama_dir):
 
 def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
     errors = {}
-    for rule in ("midpoint", "trapezoid"):
-        for m in (4, 32):
-            r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
-                               settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule=rule, batch_size=33))
-            info = r.explanations[0].info
-            errors[rule, m] = info["completeness_error"]
-            assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[rule, m] + 1e-5
-        assert errors[rule, 32] < errors[rule, 4]
-        assert errors[rule, 32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
+    for m in (4, 32):
+        r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
+                           settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33))
+        info = r.explanations[0].info
+        errors[m] = info["completeness_error"]
+        assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[m] + 1e-5
+    assert errors[32] < errors[4]
+    assert errors[32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
+    # on a smooth path the adaptive rule needs no refinement beyond its initial intervals
+    r = ex.explain_run(smooth_run.path, "3", methods=["ig"], settings=ex.Settings(baseline="pad", ig_steps=4))
+    assert r.explanations[0].info["converged"] and r.explanations[0].info["completeness_error_relative"] < 0.01
 
 
 # ---- occlusion ---------------------------------------------------------------------------------------
@@ -274,3 +276,182 @@ def test_cli_shows_context_and_top_contributors(forward_only_run):
     assert bad.exit_code == 2 and "error: --steps: step(s) [7] out of range" in bad.output
     missing = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "0", "-m", "rollout"])
     assert missing.exit_code == 2 and "capture.prefill_attention: true" in missing.output
+
+
+# ---- integrated gradients: completeness met or reported as not met (issue 22) ------------------------
+def _ig_reference(model, ids, chosen, runner, target, quantity, baseline):
+    """f(x) − f(b) from the test's own forwards, b built here: zero, or the mean row of the embedding matrix."""
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        x = emb(torch.tensor([ids]))
+        b = torch.zeros_like(x) if baseline == "zero" else emb.weight.double().mean(0).float().expand_as(x)
+        return (f_of(model, x, chosen, runner, target, quantity) - f_of(model, b, chosen, runner, target, quantity)).item()
+
+
+@pytest.mark.parametrize("baseline,target,quantity", [("mean", "chosen", "logit"), ("mean", "contrast", "logprob"),
+                                                      ("zero", "runner-up", "logprob")])
+def test_integrated_gradients_converge_to_completeness_or_say_they_did_not(forward_only_run, model, baseline, target,
+                                                                            quantity):
+    settings = ex.Settings(target=target, quantity=quantity, baseline=baseline, batch_size=16)
+    result = ex.explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"], settings=settings)
+    for e in result.explanations:
+        ids, chosen, runner = context(forward_only_run, 1, e.step)
+        change = _ig_reference(model, ids, chosen, runner, target, quantity, baseline)
+        scale = max(abs(change), ex.IG_SCALE_FLOOR)
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / scale
+        assert e.info["converged"] is True, e.info  # the adaptive rule reaches 1 % on this model
+        assert error <= 0.01 + 1e-4, (e.step, error)
+        assert e.info["completeness_error_relative"] == pytest.approx(error, abs=1e-4)
+    # the fixed grid with as many gradient points does not meet the tolerance everywhere, and says so
+    fixed = ex.explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"],
+                           settings=ex.Settings(target=target, quantity=quantity, baseline=baseline, ig_rule="midpoint",
+                                                ig_steps=16, batch_size=16))
+    for e in fixed.explanations:
+        ids, chosen, runner = context(forward_only_run, 1, e.step)
+        change = _ig_reference(model, ids, chosen, runner, target, quantity, baseline)
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), ex.IG_SCALE_FLOOR)
+        assert e.info["converged"] is (error <= 0.01 + 1e-6) or abs(error - 0.01) < 1e-4
+
+
+def test_integrated_gradients_never_take_a_gradient_at_the_baseline_and_report_nan(forward_only_run, monkeypatch):
+    seen = []
+    original = ex._IGPath.density
+
+    def density(self, alphas):
+        seen.extend(np.asarray(alphas).tolist())
+        return original(self, alphas)
+
+    monkeypatch.setattr(ex._IGPath, "density", density)
+    r = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=ex.Settings(baseline="zero", batch_size=16))
+    assert seen and min(seen) > 0 and max(seen) < 1
+    # a model whose output is NaN near the baseline: the result is flagged, never a silent NaN
+    logits = ex.Scorer.logits
+
+    def poisoned(self, embeds, mask=None):
+        out = logits(self, embeds, mask)
+        small = embeds.detach().abs().mean(dim=(1, 2)) < 0.3 * self.embed.weight.abs().mean()
+        return torch.where(small[:, None], torch.full_like(out, float("nan")), out)
+
+    monkeypatch.setattr(ex.Scorer, "logits", poisoned)
+    monkeypatch.setattr(ex._IGPath, "density", original)
+    r = ex.explain_run(forward_only_run.path, "2", methods=["ig"],
+                       settings=ex.Settings(baseline="zero", ig_rule="midpoint", ig_steps=8))
+    e = r.explanations[0]
+    assert e.info["converged"] is False and e.info["nonfinite"] is True
+    entry = [x for x in json.loads((r.path / "explain.json").read_text())["entries"]][0]
+    assert entry["converged"] is False and entry["results"][0]["completeness_error"] is None
+    assert any("did not converge" in n for n in r.notes)
+    text = json.dumps(ex.summary(r), allow_nan=False)  # strict JSON: null, never NaN
+    assert "NaN" not in text and json.loads(text)["converged"] is False
+
+
+def test_cli_strict_exits_1_when_not_converged_and_json_is_strict(forward_only_run):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    runner = CliRunner()
+    args = ["explain", str(forward_only_run.path), "--steps", "2", "-m", "ig", "--baseline", "zero", "--ig-rule",
+            "midpoint", "--ig-steps", "2", "--ig-tolerance", "1e-6", "--json"]
+    out = runner.invoke(app, args)
+    assert out.exit_code == 0, out.output
+    summary = json.loads(out.stdout.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert summary["converged"] is False and summary["top"][0]["converged"] is False
+    strict = runner.invoke(app, args + ["--strict"])
+    assert strict.exit_code == 1 and "did not converge" in strict.output and "Traceback" not in strict.output
+    for bad in (["--ig-rule", "trapezoid"], ["--ig-tolerance", "0"], ["--baseline", "random"]):
+        r = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "0", "-m", "ig", *bad])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and "error:" in r.output, r.output
+
+
+# ---- intervention children: the child's edits replayed ---------------------------------------------------
+@pytest.fixture(scope="module")
+def ablated_child(tmp_path_factory, tiny_llama_dir):
+    from lmtrace.archive.reader import Run
+    from lmtrace.intervene import run_intervene
+
+    root = tmp_path_factory.mktemp("child")
+    parent = run_spec(root, {"model": str(tiny_llama_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
+                             "capture": "none", "generation": {"max_new_tokens": 5, "batch_size": 2}})
+    entries = [{"kind": "ablate_mlp", "layer": 1}, {"kind": "ablate_head", "layer": 2, "head": 1, "mode": "mean",
+                                                    "steps": {"from": 2}}]
+    result, _ = run_intervene(str(parent.path), entries, runs_dir=str(root / "runs"))
+    return parent, Run(result.run_dir)
+
+
+def test_explain_on_an_ablation_child_replays_its_edits(ablated_child, model):
+    parent, child = ablated_child
+    result = ex.explain_run(child.path, "0,3", sequence=1, methods=["grad_x_input"])
+    # the test's own edits: layer 1's MLP output zeroed everywhere; head 2.1's o_proj input set to its mean over
+    # the parent's final sequences (computed here), at positions computed at steps >= 2 (P-1+2 onwards)
+    hd = model.config.hidden_size // model.config.num_attention_heads
+    acc = []
+    h = model.model.layers[2].self_attn.o_proj.register_forward_pre_hook(lambda m, a: acc.append(a[0][0].double()))
+    t = pd.read_parquet(parent.path / "tokens.parquet")
+    with torch.no_grad():
+        for seq in (0, 1):
+            ids = t[t.sequence == seq].sort_values("position").token_id.tolist()
+            model(torch.tensor([ids]))
+    h.remove()
+    mean = torch.cat(acc).mean(0)[1 * hd:2 * hd].float()
+    for step in (0, 3):
+        ids, chosen, runner = context(child, 1, step)
+        P = len(ids) - step
+        handles = [model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o))]
+
+        def head(m, a, P=P):
+            x = a[0].clone()
+            x[:, P + 1:, hd:2 * hd] = mean  # position P-1+t computed at step t >= 2
+            return (x,)
+        handles.append(model.model.layers[2].self_attn.o_proj.register_forward_pre_hook(head))
+        try:
+            e = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
+            f = f_of(model, e, chosen, runner)
+            (grad,) = torch.autograd.grad(f.sum(), e)
+            with torch.no_grad():
+                lp = model(inputs_embeds=e).logits[0, -1].log_softmax(-1)[chosen].item()
+        finally:
+            for x in handles:
+                x.remove()
+        got = scores_of(result, "grad_x_input", step)
+        np.testing.assert_allclose(got.scores, (grad * e).sum(-1)[0].detach().numpy(), atol=TOL, rtol=1e-3)
+        assert got.info["recomputed_logprob"] == pytest.approx(got.info["archived_logprob"], abs=1e-4)
+        assert got.info["recomputed_logprob"] == pytest.approx(lp, abs=1e-4)
+    assert result.entries[0]["model"]["interventions_replayed"][0]["kind"] == "ablate_mlp"
+
+
+def test_explain_refuses_a_child_whose_edits_cannot_be_replayed(ablated_child, tmp_path):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    _, child = ablated_child
+    moved = tmp_path / child.path.name
+    shutil.copytree(child.path, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["interventions"] = [{"kind": "patch_residual", "layer": 1, "source_run": "elsewhere", "steps": "all",
+                                  "sequences": "all", "positions": "all"}]
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    out = CliRunner().invoke(app, ["explain", str(moved), "--steps", "1"])
+    assert out.exit_code == 2 and "patch_residual" in out.output and "cannot replay" in out.output
+    assert "Traceback" not in out.output
+
+
+@pytest.mark.slow
+def test_integrated_gradients_on_the_embedded_model_report_completeness_honestly(tmp_path):
+    """SmolLM2-135M: converged => completeness <= 1 % against the test's own forwards; otherwise the reported
+    error is the true one. (The straight path of this model has cliffs; see docs/explain.md.)"""
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    run = run_spec(tmp_path, {"prompts": ["The capital of France is"], "capture": "none",
+                              "generation": {"max_new_tokens": 2}})
+    settings = ex.Settings(target="contrast", quantity="logprob", batch_size=16, ig_max_points=96)
+    result = ex.explain_run(run.path, "1", methods=["ig"], settings=settings)
+    m = load_model(ModelSpec(dtype="float32", attn_implementation="eager")).model.eval()
+    for e in result.explanations:
+        ids, chosen, runner = context(run, 0, e.step)
+        change = _ig_reference(m, ids, chosen, runner, "contrast", "logprob", "mean")
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), ex.IG_SCALE_FLOOR)
+        assert e.info["completeness_error_relative"] == pytest.approx(error, abs=2e-3)
+        assert e.info["converged"] is False or error <= 0.01 + 1e-3
