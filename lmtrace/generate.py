@@ -141,12 +141,17 @@ class BlockSink:
         # Block buffers are recycled: the writer hands a block's buffers back once it is written
         # (appended on its thread), and the next block reuses them. They are never filled as a
         # whole (`_new_block`): filling a new block's buffers with NaN took ~5 ms of wall time a
-        # block at 512 tokens, while each step writes its own rows anyway (`on_step`). Attention
-        # buffers are as wide as the batch's last block.
+        # block at 512 tokens, while each step writes its own rows anyway (`on_step`).
+        # Attention buffers follow the context actually reached, not the run's maximum: a block's
+        # buffers are as wide as its context (`block_width`), grown by half when a block needs
+        # more, at most as wide as the run's last block. (Sized to the last block up front, a
+        # max_new_tokens of 100,000 made every buffer 100,000 keys wide: numpy asks for huge pages
+        # on large arrays, so even the few keys written made tens of MB resident per buffer.)
         self._free: list[dict[str, np.ndarray]] = []
         last_s0 = (shape.n_steps - 1) // chunk_steps * chunk_steps
         self.buffer_keys = {name: layout.block_keys(self.padded_prompt, last_s0, chunk_steps, width, shape.max_len)
                             for name, width in self.key_chunk.items()}
+        self._widest = dict.fromkeys(self.key_chunk, 0)  # key width of the widest buffers allocated
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
         self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
@@ -163,14 +168,18 @@ class BlockSink:
                             for name, width in self.key_chunk.items()}
         # Not filled as a whole: `on_step` writes every step's rows, and only the keys that the
         # block's first step does not reach yet are filled here (a later step overwrites its own).
-        if self._free:
-            self.buffers = self._free.pop()
-        else:
+        self.buffers = None
+        while self._free:  # buffers too narrow for this block's context are dropped
+            free = self._free.pop()
+            if all(free[name].shape[-1] >= width for name, width in self.block_width.items()):
+                self.buffers = free
+                break
+        if self.buffers is None:
             self.buffers = {}
             for name, spec in self.specs.items():
                 rest = self.shape.shape_of(spec)[2:]
                 if name in self.key_chunk:
-                    rest = (*rest[:-1], self.buffer_keys[name])
+                    rest = (*rest[:-1], self._buffer_width(name))
                 self.buffers[name] = np.empty((B, self.chunk, *rest), dtype=spec.dtype)
         self.written: set[str] = set()
         first_context = self.padded_prompt + s0  # keys the block's first step reaches (up to position s0)
@@ -181,6 +190,16 @@ class BlockSink:
         for name, dtype in self.scalar_dtypes.items():  # ids (lens_top1) are filled with -1, floats with NaN
             self.scalars[name] = np.full((B, self.chunk, L), -1 if dtype.kind == "i" else np.nan, dtype=dtype)
         self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
+
+    def _buffer_width(self, name: str) -> int:
+        """Keys of a new buffer of a `key_chunked` array: this block's width, or half again the
+        widest allocated so far (so that a long run reallocates O(log) times), in whole key chunks,
+        at most the run's last block's width."""
+        chunk = self.key_chunk[name]
+        grown = max(self.block_width[name], self._widest[name] * 3 // 2)
+        width = min(self.buffer_keys[name], -(-grown // chunk) * chunk)
+        self._widest[name] = max(self._widest[name], width)
+        return width
 
     def _text(self, token_id: int) -> str:
         """The token's text alone (decoding one id always gives the same text: cached per sink)."""

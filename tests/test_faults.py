@@ -370,3 +370,87 @@ def test_a_load_error_is_reported_whole(tmp_path, tiny_llama_dir):
     assert out.returncode == 1
     line = out.stderr.strip()
     assert "\n" not in line and not line.rstrip().endswith(("one of:", ":")), line
+
+
+# ---- memory follows the work, not max_new_tokens ------------------------------------------------
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """The tiny Llama with 200,000 positions (its weights do not depend on them: rotary positions)."""
+    import shutil
+
+    path = Path(shutil.copytree(tiny_llama_dir, tmp_path_factory.mktemp("long") / "model"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 200_000}))
+    return path
+
+
+# VmHWM: the peak RSS of this process image (ru_maxrss would include the forking pytest process's)
+_PEAK = ("import runpy, sys\n"
+         "sys.argv = ['lmtrace', *sys.argv[2:]]\n"
+         "try:\n    runpy.run_module('lmtrace.cli', run_name='__main__')\n"
+         "finally:\n"
+         "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+         "    open(OUT, 'w').write(hwm.split()[1])\n")
+
+
+def _peak_rss_kb(args, runs: Path, out: Path) -> int:
+    """Peak RSS (KB) of one `lmtrace` process."""
+    proc = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + _PEAK, "-", *args, "-q"],
+                          env=_env(runs), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
+def test_peak_memory_follows_the_tokens_generated_not_max_new_tokens(tmp_path, long_llama_dir):
+    from tests.conftest import run_spec
+
+    spec = {"model": str(long_llama_dir), "prompts": ["Count slowly:"], "output": {"chunk_steps": 16},
+            "generation": {"max_new_tokens": 64, "temperature": 1.0, "seed": 3}}
+    # an eos id that ends the run after ~30 tokens: the first new token from step 25 on
+    probe = run_spec(tmp_path / "probe", {**spec, "output": {**spec["output"], "run_id": "probe"}})
+    ids = probe.tokens().to_pandas().query("not is_prompt").token_id.tolist()
+    step = next(i for i in range(25, len(ids)) if ids[i] not in ids[:i])
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**spec, "generation": {**spec["generation"], "eos_token_id": ids[step]}}))
+    runs = tmp_path / "runs"
+    peak = {}
+    for n in (64, 100_000):
+        peak[n] = _peak_rss_kb(["generate", str(path), "--run-id", f"n{n}", "--set", f"generation.max_new_tokens={n}"],
+                               runs, tmp_path / f"peak{n}")
+        assert len(Run(runs / f"n{n}").tokens().to_pandas().query("not is_prompt")) == step + 1
+    assert peak[100_000] <= 1.05 * peak[64], peak
+
+
+def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, long_llama_dir):
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000, batch_size=1, eos_token_id=[])
+    proc = _start(["generate", str(spec), "--run-id", "huge"], runs)
+    beat = runs / "huge" / "heartbeats" / "shard-0-of-1.json"
+    deadline = time.time() + 120
+    while not beat.is_file():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1)  # into the loop
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    took = time.time() - sent
+    assert proc.returncode == 3, err
+    assert took < 10, took
+    assert Run(runs / "huge").status == "interrupted"
+
+
+def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_the_free_space(tmp_path, long_llama_dir,
+                                                                                            monkeypatch):
+    import lmtrace.validate as validate
+
+    spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000)
+    monkeypatch.setattr(validate, "_free_bytes", lambda root: 50 * 2**30)
+    report = validate.validate_spec(spec, [])
+    assert "archive at most ~" in report["summary"] and "if every prompt stops after 1000 new tokens" in report["summary"]
+    assert report["estimate"]["bytes_first_1000_steps"] < report["estimate"]["tensor_bytes_max"] / 100
+    assert len(report["warnings"]) == 1 and "exceeds the 50.0 GB free" in report["warnings"][0], report["warnings"]
+    small = validate.validate_spec(_spec(tmp_path, long_llama_dir, max_new_tokens=64), [])
+    assert small["warnings"] == [] and "stops after" not in small["summary"]
