@@ -575,13 +575,9 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool, owned: b
 
 
 def _pause_for_tests() -> None:
-    """Test-only: LMTRACE_TEST_PAUSE_AFTER_CREATE=SECONDS widens the window after a writer has created
-    (or reopened) its run directory, so the fault suite can race two writers deterministically."""
-    import os
+    from .liveness import pause_for_tests
 
-    pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
-    if pause:
-        time.sleep(float(pause))
+    pause_for_tests()
 
 
 def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool, fresh: bool = False):
@@ -773,7 +769,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                loaded, prompts, rendered, prompt_ids, replay, progress, t_start) -> GenerateResult:
     """Generate and stream into a run whose manifest exists; every failure ends in `failed` (or
     `interrupted`) with the error recorded in the manifest and the shard's status file."""
-    from .liveness import Heartbeat
+    from .liveness import Heartbeat, kill_point
 
     shard = rd.shard
     g = spec.generation
@@ -852,6 +848,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                 if probes is not None and probes.kernel_args:  # what the attention kernel was called with
                     manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
                 rows = writer_core.compact_tables()
+                kill_point("finalize-compacted")
                 writer_core.consolidate()
                 manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
                                            tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
@@ -860,6 +857,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
 
                 manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
                                 table_rows=rows, checksums=record(run_dir))
+                kill_point("finalize-checksums")
                 status = "complete"
                 write_manifest(run_dir, manifest)
                 log.event("complete", tokens=n_generated)

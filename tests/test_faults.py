@@ -454,3 +454,60 @@ def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_th
     assert len(report["warnings"]) == 1 and "exceeds the 50.0 GB free" in report["warnings"][0], report["warnings"]
     small = validate.validate_spec(_spec(tmp_path, long_llama_dir, max_new_tokens=64), [])
     assert small["warnings"] == [] and "stops after" not in small["summary"]
+
+
+# ---- one writer for `lmtrace lens` / `lmtrace explain`; kill points in finalisation and the lens ---
+def test_lens_and_explain_have_one_writer_at_a_time(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    winner = _one_wrote_one_refused(_race(["lens", a.name], ["lens", a.name], runs, pause=3.0))
+    assert Run(a).manifest["lens"]["computed"]["by"] == "lmtrace lens", winner.err
+    explain = ["explain", a.name, "--steps", "1"]
+    _one_wrote_one_refused(_race(explain, explain, runs, pause=3.0))
+    assert len(Run(a).manifest["explain"]) == 1  # one invocation's entry, the refused one wrote nothing
+    assert _run(["verify", a.name], runs, quiet=False).returncode == 0
+
+
+def _killed_at(point: str, args, runs: Path) -> None:
+    out = _run(args, runs, LMTRACE_TEST_KILL_AT=point)
+    assert out.returncode == -signal.SIGKILL, (point, out.returncode, out.stderr[-2000:])
+
+
+def test_sigkill_during_finalisation_never_leaves_a_false_complete_and_a_resume_completes(complete_runs, tmp_path):
+    from tests.test_batch_ops import assert_same_archive
+
+    runs = tmp_path / "runs"
+    reference = Run(complete_runs[0])
+    import yaml
+
+    data = yaml.safe_load(reference.path.joinpath("spec.yaml").read_text())
+    data["output"] = {k: v for k, v in data["output"].items() if k not in ("run_id", "runs_dir")}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    # killed after the tables are compacted, then (on the resume) after the checksums are recorded:
+    # in both the manifest has not said `complete`; the next resume finishes it
+    _killed_at("finalize-compacted", ["generate", str(spec), "--run-id", "k"], runs)
+    assert json.loads((runs / "k" / "manifest.json").read_text())["status"] == "running"
+    _killed_at("finalize-checksums", ["generate", "--resume", "k"], runs)
+    assert json.loads((runs / "k" / "manifest.json").read_text())["status"] == "running"
+    out = _run(["generate", "--resume", "k"], runs)
+    assert out.returncode == 0, out.stderr
+    assert _run(["verify", "k"], runs, quiet=False).returncode == 0
+    assert_same_archive(reference, Run(runs / "k"))
+
+
+def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(complete_runs, tmp_path):
+    from lmtrace.archive.reader import lens_state
+    from tests.conftest import with_lens
+    from tests.test_batch_ops import assert_same_archive
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    for point in ("lens-batch", "lens-checksums"):  # ("lens-written" lies between: the same state)
+        _killed_at(point, ["lens", a.name], runs)
+        run = Run(a)  # not damaged: the files the lens rewrites are not checked while it is pending
+        assert run.status == "complete" and lens_state(run.manifest) == "pending", point
+    out = _run(["lens", a.name], runs)
+    assert out.returncode == 0, out.stderr
+    assert _run(["verify", a.name], runs, quiet=False).returncode == 0
+    assert_same_archive(with_lens(Run(_copy(complete_runs[0], tmp_path / "clean"))), Run(a))
