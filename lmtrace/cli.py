@@ -224,6 +224,8 @@ def validate(
 
     typer.echo(yaml.safe_dump(report["resolved"], sort_keys=False).rstrip())
     typer.echo(f"# {report['summary']}")
+    for line in report["warnings"]:
+        typer.echo(f"warning: {line}", err=True)
 
 
 @app.command("ls")

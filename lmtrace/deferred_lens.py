@@ -22,6 +22,7 @@ The whole computation holds the run's lock, so two `lmtrace lens` on one run do 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -34,15 +35,29 @@ from .archive import layout
 from .archive.reader import Run, lens_state
 from .errors import ArchiveError
 
+
 def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None) -> dict:
     """Compute and archive the deferred lens of a complete run; a no-op when it is already there."""
-    from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
-    from .runs import now_iso, read_manifest, write_manifest
+    from .liveness import OwnerLock, pause_for_tests
 
     state = lens_state(run.manifest)
     if state == "none":
         raise ArchiveError(f"run {run.id} captured no logit lens (capture.lens.enabled: false, or capture: none); "
                          f"generate it again with the lens enabled")
+    # One lens writer at a time: a second `lmtrace lens` of the run exits 2 naming the holder's pid.
+    owner = OwnerLock(run.path, "lens", run.id).acquire()
+    try:
+        pause_for_tests()
+        return _compute_owned(run, device, note)
+    finally:
+        owner.release()
+
+
+def _compute_owned(run: Run, device: str | None, note) -> dict:
+    from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
+    from .liveness import kill_point
+    from .runs import now_iso, read_manifest, write_manifest
+
     with RunDir(run.path, Shard()).lock():
         manifest = read_manifest(run.path)
         if lens_state(manifest) == "ready":
@@ -53,6 +68,7 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
         note(f"computing the logit lens of {run.id}")  # only now: a refusal stays one line
         t0 = time.time()
         rows = _compute(Run(run.path), manifest, device, note)
+        kill_point("lens-written")
         manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
                                         "model_load_s": rows["model_load_s"], "device": rows.pop("device"),
                                         "rows": rows["rows"]}
@@ -61,6 +77,7 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
         from .archive.integrity import record
 
         manifest["checksums"] = record(run.path)  # the lens arrays, the new steps.parquet and metadata
+        kill_point("lens-checksums")
         write_manifest(run.path, manifest)
     run.manifest = manifest  # the caller's Run sees the lens without reopening the run
     run.__dict__.pop("tensors", None)
@@ -96,6 +113,8 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     n_seq, n_steps = resid.shape[:2]
     L, k = len(layers), lens.k
     chunk = int(spec["output"]["chunk_steps"])
+    for s in layout.LENS_ARRAYS:  # what an interrupted `lmtrace lens` left (not recorded): computed again
+        shutil.rmtree(run.path / layout.TENSORS / s.name, ignore_errors=True)
     group = _writable_group(run.path)
     codec, level = spec["output"]["codec"], int(spec["output"]["level"])
     out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors_for(codec, level, s))
@@ -106,6 +125,8 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     top1_prob = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
     margin = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
     n_rows = 0
+    from .liveness import kill_point
+
     for seqs in _batches(run):
         B = len(seqs)
         n_of = np.maximum(gen_len[seqs], 0).astype(int)  # steps each sequence generated
@@ -135,6 +156,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
                 top1[seq, s0:s1], top1_prob[seq, s0:s1] = ids[b, :, :, 0], probs[b, :, :, 0]
                 margin[seq, s0:s1] = margins[b]
         note(f"lens: sequences {seqs[0]}..{seqs[-1]} ({n} steps)")
+        kill_point("lens-batch")
     _add_step_columns(run, dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin))), layers)
     consolidate(run.path)
     return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}
@@ -152,7 +174,8 @@ def _batches(run: Run) -> list[list[int]]:
 def _writable_group(path: Path):
     import zarr
 
-    return zarr.open_group(str(path / layout.TENSORS), mode="a", zarr_format=3)
+    # not the consolidated metadata: it lists the lens arrays of an interrupted lens, removed by _compute
+    return zarr.open_group(str(path / layout.TENSORS), mode="a", zarr_format=3, use_consolidated=False)
 
 
 def _add_step_columns(run: Run, values: dict[str, np.ndarray], layers: list[int]) -> None:

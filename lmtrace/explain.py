@@ -734,6 +734,20 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
     run, open_notes = _open(run_ref, runs_dir)
     for text in open_notes:
         note_(text)
+    from .liveness import OwnerLock, pause_for_tests
+
+    # One explain writer of a run at a time: a second exits 2 naming the holder's pid.
+    owner = OwnerLock(run.path, "explain", run.id).acquire()
+    try:
+        pause_for_tests()
+        return _explain_owned(run, notes, note_, progress, steps, sequence, settings, names, device)
+    finally:
+        owner.release()
+
+
+def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence: int, settings: Settings,
+                   names: list[str], device: str | None) -> ExplainResult:
+    """explain_run's work once this process owns the run's explain writer key."""
     prompt, gen = _sequence_tokens(run, sequence)
     step_list = parse_steps(",".join(map(str, steps)) if isinstance(steps, (list, tuple)) else steps, len(gen))
     for name in names:  # archived-data requirements are checked before any weights are loaded

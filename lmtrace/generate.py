@@ -183,12 +183,17 @@ class BlockSink:
         # Block buffers are recycled: the writer hands a block's buffers back once it is written
         # (appended on its thread), and the next block reuses them. They are never filled as a
         # whole (`_new_block`): filling a new block's buffers with NaN took ~5 ms of wall time a
-        # block at 512 tokens, while each step writes its own rows anyway (`on_step`). Attention
-        # buffers are as wide as the batch's last block.
+        # block at 512 tokens, while each step writes its own rows anyway (`on_step`).
+        # Attention buffers follow the context actually reached, not the run's maximum: a block's
+        # buffers are as wide as its context (`block_width`), grown by half when a block needs
+        # more, at most as wide as the run's last block. (Sized to the last block up front, a
+        # max_new_tokens of 100,000 made every buffer 100,000 keys wide: numpy asks for huge pages
+        # on large arrays, so even the few keys written made tens of MB resident per buffer.)
         self._free: list[dict[str, np.ndarray]] = []
         last_s0 = (shape.n_steps - 1) // chunk_steps * chunk_steps
         self.buffer_keys = {name: layout.block_keys(self.padded_prompt, last_s0, chunk_steps, width, shape.max_len)
                             for name, width in self.key_chunk.items()}
+        self._widest = dict.fromkeys(self.key_chunk, 0)  # key width of the widest buffers allocated
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
         self.scalar_dtypes = {f.name: np.dtype(f.type.to_pandas_dtype()) for f in self.schema or []}
@@ -205,14 +210,18 @@ class BlockSink:
                             for name, width in self.key_chunk.items()}
         # Not filled as a whole: `on_step` writes every step's rows, and only the keys that the
         # block's first step does not reach yet are filled here (a later step overwrites its own).
-        if self._free:
-            self.buffers = self._free.pop()
-        else:
+        self.buffers = None
+        while self._free:  # buffers too narrow for this block's context are dropped
+            free = self._free.pop()
+            if all(free[name].shape[-1] >= width for name, width in self.block_width.items()):
+                self.buffers = free
+                break
+        if self.buffers is None:
             self.buffers = {}
             for name, spec in self.specs.items():
                 rest = self.shape.shape_of(spec)[2:]
                 if name in self.key_chunk:
-                    rest = (*rest[:-1], self.buffer_keys[name])
+                    rest = (*rest[:-1], self._buffer_width(name))
                 self.buffers[name] = np.empty((B, self.chunk, *rest), dtype=spec.dtype)
         self.written: set[str] = set()
         first_context = self.padded_prompt + s0  # keys the block's first step reaches (up to position s0)
@@ -223,6 +232,16 @@ class BlockSink:
         for name, dtype in self.scalar_dtypes.items():  # ids (lens_top1) are filled with -1, floats with NaN
             self.scalars[name] = np.full((B, self.chunk, L), -1 if dtype.kind == "i" else np.nan, dtype=dtype)
         self.token_rows: dict[str, list] = {f.name: [] for f in layout.token_schema()}
+
+    def _buffer_width(self, name: str) -> int:
+        """Keys of a new buffer of a `key_chunked` array: this block's width, or half again the
+        widest allocated so far (so that a long run reallocates O(log) times), in whole key chunks,
+        at most the run's last block's width."""
+        chunk = self.key_chunk[name]
+        grown = max(self.block_width[name], self._widest[name] * 3 // 2)
+        width = min(self.buffer_keys[name], -(-grown // chunk) * chunk)
+        self._widest[name] = max(self._widest[name], width)
+        return width
 
     def _text(self, token_id: int) -> str:
         """The token's text alone (decoding one id always gives the same text: cached per sink)."""
@@ -598,13 +617,9 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool, owned: b
 
 
 def _pause_for_tests() -> None:
-    """Test-only: LMTRACE_TEST_PAUSE_AFTER_CREATE=SECONDS widens the window after a writer has created
-    (or reopened) its run directory, so the fault suite can race two writers deterministically."""
-    import os
+    from .liveness import pause_for_tests
 
-    pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
-    if pause:
-        time.sleep(float(pause))
+    pause_for_tests()
 
 
 def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool, fresh: bool = False):
@@ -804,7 +819,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                loaded, prompts, rendered, prompt_ids, replay, progress, t_start) -> GenerateResult:
     """Generate and stream into a run whose manifest exists; every failure ends in `failed` (or
     `interrupted`) with the error recorded in the manifest and the shard's status file."""
-    from .liveness import Heartbeat
+    from .liveness import Heartbeat, kill_point
 
     shard = rd.shard
     g = spec.generation
@@ -883,6 +898,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                 if probes is not None and probes.kernel_args:  # what the attention kernel was called with
                     manifest["attention"]["layers"] = {str(k): v for k, v in sorted(probes.kernel_args.items())}
                 rows = writer_core.compact_tables()
+                kill_point("finalize-compacted")
                 writer_core.consolidate()
                 manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
                                            tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
@@ -891,6 +907,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
 
                 manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
                                 table_rows=rows, checksums=record(run_dir))
+                kill_point("finalize-checksums")
                 status = "complete"
                 write_manifest(run_dir, manifest)
                 log.event("complete", tokens=n_generated)

@@ -188,3 +188,20 @@ class Heartbeat:
         except OSError:
             pass
         return False
+
+
+def kill_point(name: str) -> None:
+    """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME
+    (the fault suite's deterministic kill points: finalisation, `lmtrace lens`)."""
+    if os.environ.get("LMTRACE_TEST_KILL_AT") == name:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_for_tests() -> None:
+    """Test-only: LMTRACE_TEST_PAUSE_AFTER_CREATE=SECONDS widens the window after a writer has taken
+    ownership, so the fault suite can race two writers deterministically."""
+    pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
+    if pause:
+        time.sleep(float(pause))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .errors import ModelLoadError, SpecError
 from .prompts import load_prompts
+from .runs import runs_root
 from .spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
 
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
@@ -256,6 +257,19 @@ def _human(n: float) -> str:
     return f"{n:.1f} PB"
 
 
+def _free_bytes(root: Path) -> int | None:
+    """Free bytes on the file system that holds (or will hold) `root`; None if unknown."""
+    import shutil
+
+    existing = root.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
+
+
 def validate_spec(path: Path, overrides: list[str]) -> dict:
     spec, _, _ = load_spec(path, overrides)
     prompts = load_prompts(spec.prompts)
@@ -270,26 +284,52 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
     # Prompt lengths are estimated from characters (3 per token) so no tokenizer is loaded.
     max_prompt = max(len(p) for p in prompts) // 3 + (32 if spec.prompts.chat else 1)
     cap = spec.capture
-    shape = RunShape(
-        n_sequences=len(prompts), n_steps=spec.generation.max_new_tokens, max_prompt=max_prompt, layers=tuple(layers),
-        resid_layers=tuple(resid_layers), n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-        head_dim=cfg.get("head_dim") or d_model // n_heads, d_model=d_model,
-        d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model, kv_head_of_head=(),
-        k_attn=cap.attention.top_k, k_ffn=cap.ffn.top_k, k_lens=cap.lens.top_k, attention=cap.attention.enabled and bool(layers),
-        prefill_attention=cap.prefill_attention, qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
-        lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
-    )
-    per_step = shape.estimate_bytes_per_step(spec.output.chunk_steps, spec.output.chunk_keys)
+
+    def shape_for(n_steps: int) -> RunShape:
+        return RunShape(
+            n_sequences=len(prompts), n_steps=n_steps, max_prompt=max_prompt, layers=tuple(layers),
+            resid_layers=tuple(resid_layers), n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or d_model // n_heads, d_model=d_model,
+            d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model, kv_head_of_head=(),
+            k_attn=cap.attention.top_k, k_ffn=cap.ffn.top_k, k_lens=cap.lens.top_k,
+            attention=cap.attention.enabled and bool(layers), prefill_attention=cap.prefill_attention,
+            qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
+            lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
+        )
+
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
-    tensors = per_step * shape.n_sequences * shape.n_steps
-    tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt)
+
+    def size(shape: RunShape) -> tuple[int, int, int]:
+        per_step = shape.estimate_bytes_per_step(spec.output.chunk_steps, spec.output.chunk_keys)
+        tensors = per_step * shape.n_sequences * shape.n_steps
+        tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt)
+        return per_step, tensors, tables
+
+    shape = shape_for(spec.generation.max_new_tokens)
+    per_step, tensors, tables = size(shape)
+    # The archive (and memory) grow with the tokens actually generated: a run that stops at an eos
+    # token or a stop string after a few hundred tokens writes a tiny part of the maximum. Say both.
+    first = min(spec.generation.max_new_tokens, 1000)
+    _, first_tensors, first_tables = size(shape_for(first))
     summary = (f"{len(prompts)} prompt(s), up to {shape.n_steps} new tokens each, {len(layers)} of {n_layers} layers captured; "
                f"archive at most ~{_human(tensors + tables)} before compression "
                f"({_human(per_step)} of tensors per sequence-step)")
+    warnings = []
+    if first < spec.generation.max_new_tokens:
+        summary += (f"; it grows with the tokens actually generated: ~{_human(first_tensors + first_tables)} "
+                    f"if every prompt stops after {first} new tokens (at an eos token or a stop string), "
+                    f"the maximum only if every prompt runs to max_new_tokens={shape.n_steps}")
+    free = _free_bytes(runs_root(None, spec.output.runs_dir))
+    if free is not None and tensors + tables > free:
+        warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{_human(tensors + tables)}) "
+                        f"exceeds the {_human(free)} free under the runs directory: the run would fail for lack of "
+                        f"space; lower generation.max_new_tokens unless an eos token or a stop string ends it sooner")
     return {
         "resolved": spec.model_dump(mode="json"),
         "model": {"kind": kind, "source": source, "layers": n_layers, "heads": n_heads, "d_model": d_model},
         "prompts": len(prompts),
-        "estimate": {"bytes_per_sequence_step": per_step, "tensor_bytes_max": tensors, "table_bytes_max": tables},
+        "estimate": {"bytes_per_sequence_step": per_step, "tensor_bytes_max": tensors, "table_bytes_max": tables,
+                     f"bytes_first_{first}_steps": first_tensors + first_tables},
         "summary": summary,
+        "warnings": warnings,
     }

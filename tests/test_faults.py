@@ -370,3 +370,146 @@ def test_a_load_error_is_reported_whole(tmp_path, tiny_llama_dir):
     assert out.returncode == 1
     line = out.stderr.strip()
     assert "\n" not in line and not line.rstrip().endswith(("one of:", ":")), line
+
+
+# ---- memory follows the work, not max_new_tokens ------------------------------------------------
+@pytest.fixture(scope="module")
+def long_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """The tiny Llama with 200,000 positions (its weights do not depend on them: rotary positions)."""
+    import shutil
+
+    path = Path(shutil.copytree(tiny_llama_dir, tmp_path_factory.mktemp("long") / "model"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 200_000}))
+    return path
+
+
+# VmHWM: the peak RSS of this process image (ru_maxrss would include the forking pytest process's)
+_PEAK = ("import runpy, sys\n"
+         "sys.argv = ['lmtrace', *sys.argv[2:]]\n"
+         "try:\n    runpy.run_module('lmtrace.cli', run_name='__main__')\n"
+         "finally:\n"
+         "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+         "    open(OUT, 'w').write(hwm.split()[1])\n")
+
+
+def _peak_rss_kb(args, runs: Path, out: Path) -> int:
+    """Peak RSS (KB) of one `lmtrace` process."""
+    proc = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + _PEAK, "-", *args, "-q"],
+                          env=_env(runs), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
+def test_peak_memory_follows_the_tokens_generated_not_max_new_tokens(tmp_path, long_llama_dir):
+    from tests.conftest import run_spec
+
+    spec = {"model": str(long_llama_dir), "prompts": ["Count slowly:"], "output": {"chunk_steps": 16},
+            "generation": {"max_new_tokens": 64, "temperature": 1.0, "seed": 3}}
+    # an eos id that ends the run after ~30 tokens: the first new token from step 25 on
+    probe = run_spec(tmp_path / "probe", {**spec, "output": {**spec["output"], "run_id": "probe"}})
+    ids = probe.tokens().to_pandas().query("not is_prompt").token_id.tolist()
+    step = next(i for i in range(25, len(ids)) if ids[i] not in ids[:i])
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({**spec, "generation": {**spec["generation"], "eos_token_id": ids[step]}}))
+    runs = tmp_path / "runs"
+    peak = {}
+    for n in (64, 100_000):
+        peak[n] = _peak_rss_kb(["generate", str(path), "--run-id", f"n{n}", "--set", f"generation.max_new_tokens={n}"],
+                               runs, tmp_path / f"peak{n}")
+        assert len(Run(runs / f"n{n}").tokens().to_pandas().query("not is_prompt")) == step + 1
+    assert peak[100_000] <= 1.05 * peak[64], peak
+
+
+def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, long_llama_dir):
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000, batch_size=1, eos_token_id=[])
+    proc = _start(["generate", str(spec), "--run-id", "huge"], runs)
+    beat = runs / "huge" / "heartbeats" / "shard-0-of-1.json"
+    deadline = time.time() + 120
+    while not beat.is_file():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1)  # into the loop
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    took = time.time() - sent
+    assert proc.returncode == 3, err
+    assert took < 10, took
+    assert json.loads((runs / "huge" / "manifest.json").read_text())["status"] == "interrupted"
+
+
+def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_the_free_space(tmp_path, long_llama_dir,
+                                                                                            monkeypatch):
+    import lmtrace.validate as validate
+
+    spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000)
+    monkeypatch.setattr(validate, "_free_bytes", lambda root: 50 * 2**30)
+    report = validate.validate_spec(spec, [])
+    assert "archive at most ~" in report["summary"] and "if every prompt stops after 1000 new tokens" in report["summary"]
+    assert report["estimate"]["bytes_first_1000_steps"] < report["estimate"]["tensor_bytes_max"] / 100
+    assert len(report["warnings"]) == 1 and "exceeds the 50.0 GB free" in report["warnings"][0], report["warnings"]
+    small = validate.validate_spec(_spec(tmp_path, long_llama_dir, max_new_tokens=64), [])
+    assert small["warnings"] == [] and "stops after" not in small["summary"]
+
+
+# ---- one writer for `lmtrace lens` / `lmtrace explain`; kill points in finalisation and the lens ---
+def test_lens_and_explain_have_one_writer_at_a_time(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    winner = _one_wrote_one_refused(_race(["lens", a.name], ["lens", a.name], runs, pause=3.0))
+    assert Run(a).manifest["lens"]["computed"]["by"] == "lmtrace lens", winner.err
+    explain = ["explain", a.name, "--steps", "1"]
+    _one_wrote_one_refused(_race(explain, explain, runs, pause=3.0))
+    assert len(Run(a).manifest["explain"]) == 1  # one invocation's entry, the refused one wrote nothing
+    assert _run(["verify", a.name], runs, quiet=False).returncode == 0
+
+
+def _killed_at(point: str, args, runs: Path) -> None:
+    out = _run(args, runs, LMTRACE_TEST_KILL_AT=point)
+    assert out.returncode == -signal.SIGKILL, (point, out.returncode, out.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_sigkill_during_finalisation_never_leaves_a_false_complete_and_a_resume_completes(complete_runs, tmp_path):
+    from tests.test_batch_ops import assert_same_archive
+
+    runs = tmp_path / "runs"
+    reference = Run(complete_runs[0])
+    import yaml
+
+    data = yaml.safe_load(reference.path.joinpath("spec.yaml").read_text())
+    data["output"] = {k: v for k, v in data["output"].items() if k not in ("run_id", "runs_dir")}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    # killed after the tables are compacted, then (on the resume) after the checksums are recorded:
+    # in both the manifest has not said `complete`; the next resume finishes it
+    _killed_at("finalize-compacted", ["generate", str(spec), "--run-id", "k"], runs)
+    assert json.loads((runs / "k" / "manifest.json").read_text())["status"] == "running"
+    _killed_at("finalize-checksums", ["generate", "--resume", "k"], runs)
+    assert json.loads((runs / "k" / "manifest.json").read_text())["status"] == "running"
+    out = _run(["generate", "--resume", "k"], runs)
+    assert out.returncode == 0, out.stderr
+    assert _run(["verify", "k"], runs, quiet=False).returncode == 0
+    assert_same_archive(reference, Run(runs / "k"))
+
+
+@pytest.mark.slow
+def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(complete_runs, tmp_path):
+    from lmtrace.archive.reader import lens_state
+    from tests.conftest import with_lens
+    from tests.test_batch_ops import assert_same_archive
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    for point in ("lens-batch", "lens-checksums"):  # ("lens-written" lies between: the same state)
+        _killed_at(point, ["lens", a.name], runs)
+        run = Run(a)  # not damaged: the files the lens rewrites are not checked while it is pending
+        assert run.status == "complete" and lens_state(run.manifest) == "pending", point
+    out = _run(["lens", a.name], runs)
+    assert out.returncode == 0, out.stderr
+    assert _run(["verify", a.name], runs, quiet=False).returncode == 0
+    assert_same_archive(with_lens(Run(_copy(complete_runs[0], tmp_path / "clean"))), Run(a))
