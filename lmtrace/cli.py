@@ -349,6 +349,25 @@ def lens(
 
 
 @app.command()
+def heads(
+    run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
+    per_sequence: bool = typer.Option(False, "--per-sequence", help="Also write per-sequence scores "
+                                      "(analysis/heads_per_sequence.parquet)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write heads.parquet here instead of RUN/analysis/."),
+    top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
+    from .heads import heads_command
+
+    try:
+        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
+
+
+@app.command()
 def compare(
     run_a: str = typer.Argument(..., metavar="A", help="Run id (or unique prefix) or run directory."),
     run_b: str = typer.Argument(..., metavar="B", help="Run id (or unique prefix) or run directory."),
