@@ -298,6 +298,8 @@ def explain(
     ig_steps: int = typer.Option(32, "--ig-steps", help="Integrated gradients: interpolation steps."),
     ig_rule: str = typer.Option("midpoint", "--ig-rule", help="Integrated gradients: midpoint | trapezoid."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
+    rollout_exclude: str = typer.Option("", "--rollout-exclude", help="Attention rollout: leave out these key "
+                                        "positions and renormalise: `sink` (position 0) or 0,3,..."),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
@@ -310,7 +312,7 @@ def explain(
     try:
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
                         settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
-                                          ig_rule=ig_rule, batch_size=batch_size),
+                                          ig_rule=ig_rule, batch_size=batch_size, rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
