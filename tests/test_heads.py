@@ -215,3 +215,19 @@ def test_incomplete_run_is_scored_on_its_committed_steps_with_a_note(base, tmp_p
     want = sum(int(p) - 2 for p in P) + 4 * len(P)  # prefill rows 1..P-2, then 4 committed steps each
     assert (got.n_rows == want).all()
 
+
+
+@pytest.mark.slow
+def test_embedded_model_scores_equal_the_tests_own_computation(tmp_path):
+    """The embedded model's own rows (float16 `attn`, generated steps only), no prefill matrices."""
+    spec = {"prompts": [PROMPTS[0]], "generation": {"max_new_tokens": 6},
+            "capture": {"qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False}}}
+    run = run_spec(tmp_path, spec)
+    proc = lmtrace(tmp_path, "heads", str(run.path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = _heads_table(run.path)
+    assert len(got) == 30 * 9 and (got.n_rows == 6).all()
+    own = _own_scores(run.path)
+    for s in SCORES:
+        np.testing.assert_allclose(got[s].to_numpy(), own[s].reshape(-1), rtol=1e-4, atol=1e-5, err_msg=s)
+    assert set(got.label) <= {"sink", "previous-token", "induction", "local", "focused", "diffuse"}
