@@ -307,16 +307,13 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
                "rows": result["rows"], "notes": result["notes"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
-               "heads": table.to_pylist()}
+               "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
+                         for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
-        print(json.dumps(summary, default=_nan_none))
+        print(json.dumps(summary))
     else:
         _print(run, table, result, folder, top)
     return summary
-
-
-def _nan_none(x):
-    return None
 
 
 def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> None:

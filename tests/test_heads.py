@@ -144,7 +144,7 @@ def test_hand_set_heads_get_their_labels_and_the_tests_own_scores(base, tmp_path
     expected = _set_rows_by_hand(path)
     proc = lmtrace(tmp_path, "heads", str(path), "--json", "--per-sequence")
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads(proc.stdout)
+    summary = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
     got = _heads_table(path)
     assert len(got) == 4 * 4 and summary["path"] == str(path / "analysis" / "heads.parquet")
     for (layer, head), label in expected.items():
