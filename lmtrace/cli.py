@@ -343,6 +343,8 @@ def explain(
     ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
+    rollout_exclude: str = typer.Option("", "--rollout-exclude", help="Attention rollout: leave out these key "
+                                        "positions and renormalise: `sink` (position 0) or 0,3,..."),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
@@ -356,7 +358,7 @@ def explain(
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
                         settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
                                           ig_rule=ig_rule, batch_size=batch_size, ig_tolerance=ig_tolerance,
-                                          ig_max_points=ig_max_points),
+                                          ig_max_points=ig_max_points, rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
@@ -392,6 +394,25 @@ def lens(
         reporter.stop()
         _fail(err)
     reporter.stop()
+
+
+@app.command()
+def heads(
+    run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
+    per_sequence: bool = typer.Option(False, "--per-sequence", help="Also write per-sequence scores "
+                                      "(analysis/heads_per_sequence.parquet)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write heads.parquet here instead of RUN/analysis/."),
+    top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
+    from .heads import heads_command
+
+    try:
+        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
 
 
 @app.command()

@@ -87,7 +87,7 @@ def _compute_owned(run: Run, device: str | None, note) -> dict:
 def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     from .arch import adapter_for
     from .archive.writer import compressors_for, consolidate, create_array
-    from .lens import LogitLens
+    from .lens import LogitLens, lens_target_columns
     from .models import load_run_model
 
     spec = manifest["spec_resolved"]
@@ -124,6 +124,9 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     top1 = np.full((n_seq, n_steps, L), -1, dtype=np.int32)
     top1_prob = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
     margin = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
+    targets = _targets(run, n_seq, n_steps)  # [seq, step, 2]: chosen, runner-up (as the inline lens had them)
+    t_rank = np.full((n_seq, n_steps, L, 2), -1, dtype=np.int32)
+    t_prob = np.full((n_seq, n_steps, L, 2), np.nan, dtype=np.float32)
     n_rows = 0
     from .liveness import kill_point
 
@@ -145,10 +148,14 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
                 # its place in the product (e.g. the last rows of a tile), so only the same rows in
                 # the same places give the inline values bit for bit.
                 rows = np.where(live[:, None, None], x[:, j], np.float32(0))
-                i, p, m = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1))
+                tg = np.repeat(targets[seqs, s0 + j], L, 0)  # the rows' (chosen, runner-up); 0 for finished ones
+                i, p, m, tr, tp = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1),
+                                                    torch.from_numpy(tg))
                 ids[live, j] = i.reshape(B, L, k)[live]
                 probs[live, j] = p.reshape(B, L, k)[live]
                 margins[live, j] = m.reshape(B, L)[live]
+                t_rank[np.asarray(seqs)[live], s0 + j] = tr.reshape(B, L, 2)[live]
+                t_prob[np.asarray(seqs)[live], s0 + j] = tp.reshape(B, L, 2)[live]
                 n_rows += int(live.sum()) * L
             for b, seq in enumerate(seqs):  # steps a sequence did not generate keep the fill values
                 out["lens_ids"][seq:seq + 1, s0:s1] = ids[b][None]
@@ -157,9 +164,25 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
                 margin[seq, s0:s1] = margins[b]
         note(f"lens: sequences {seqs[0]}..{seqs[-1]} ({n} steps)")
         kill_point("lens-batch")
-    _add_step_columns(run, dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin))), layers)
+    columns = dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin)))
+    columns.update(lens_target_columns(t_rank, t_prob, layers))
+    _add_step_columns(run, columns, layers)
     consolidate(run.path)
     return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}
+
+
+def _targets(run: Run, n_seq: int, n_steps: int) -> np.ndarray:
+    """[sequence, step, 2] int64: the chosen token and the runner-up (the most likely other token at
+    T=1, from `alt_ids`) of every generated step, from tokens.parquet; 0 where no step was generated."""
+    from .lens import lens_targets
+
+    t = run.tokens().select(["sequence", "step", "is_prompt", "token_id", "alt_ids"]).to_pandas()
+    t = t[~t.is_prompt]
+    out = np.zeros((n_seq, n_steps, 2), dtype=np.int64)
+    if len(t):
+        alt = np.stack([np.asarray(a[:2]) for a in t.alt_ids])
+        out[t.sequence.to_numpy().astype(np.int64), t.step.to_numpy().astype(np.int64)] = lens_targets(t.token_id.to_numpy(), alt)
+    return out
 
 
 def _batches(run: Run) -> list[list[int]]:

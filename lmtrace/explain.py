@@ -67,11 +67,32 @@ class Settings:
     batch_size: int = 8
     ig_tolerance: float = 0.01
     ig_max_points: int = 1024
+    rollout_exclude: str = ""  # attention rollout: "sink" (position 0) or positions "0,3" left out
+
+    @property
+    def rollout_excluded(self) -> tuple[int, ...]:
+        """Key positions attention rollout leaves out (`--rollout-exclude`): sink = position 0."""
+        out = set()
+        for part in str(self.rollout_exclude).replace(" ", "").split(","):
+            if not part:
+                continue
+            if part == "sink":
+                out.add(0)
+                continue
+            try:
+                value = int(part)
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise SpecError(f"--rollout-exclude {self.rollout_exclude!r}: expected `sink` or positions like 0,3")
+            out.add(value)
+        return tuple(sorted(out))
 
     def check(self) -> "Settings":
         if self.ig_rule == "trapezoid":
             raise SpecError("--ig-rule trapezoid: removed, it evaluates the gradient at the baseline (α = 0), where "
                             "RMSNorm/LayerNorm models are singular for the zero baseline; use adaptive (default) or midpoint")
+        self.rollout_excluded  # noqa: B018 (refuses a bad --rollout-exclude before anything runs)
         for name, value, allowed in (("--target", self.target, TARGETS), ("--quantity", self.quantity, QUANTITIES),
                                      ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES)):
             if value not in allowed:
@@ -393,18 +414,23 @@ def occlusion(ctx: StepContext) -> MethodResult:
 
 
 # ---- attention rollout ------------------------------------------------------------------------
-def rollout(attn: np.ndarray) -> np.ndarray:
+def rollout(attn: np.ndarray, exclude: tuple[int, ...] = ()) -> np.ndarray:
     """Attention rollout (Abnar & Zuidema 2020) of full attention matrices.
 
     attn [layer, head, n, n] (row = query, column = key, rows sum to 1) ->
     R = Â_{L−1} · … · Â_1 · Â_0 with Â_l = rownorm(mean_h attn[l, h] + I); R[q, k] is the share
-    of position k in the output of position q.
+    of position k in the output of position q. `exclude`: key positions (e.g. the attention sink, 0)
+    whose columns are zeroed in every Ā_l before the identity is added and rows renormalised, so
+    they get no share (R[q, k] = 0 for q ≠ k) and the rest is spread over the other positions.
     """
     attn = np.asarray(attn, dtype=np.float64)
     L, _, n, _ = attn.shape
+    drop = [k for k in exclude if k < n]
     R = np.eye(n)
     for layer in range(L):
-        a = attn[layer].mean(0) + np.eye(n)
+        a = attn[layer].mean(0)
+        a[:, drop] = 0.0
+        a = a + np.eye(n)
         a = a / a.sum(-1, keepdims=True)
         R = a @ R
     return R
@@ -458,10 +484,11 @@ def archived_attention(run: Run, sequence: int, step: int) -> np.ndarray:
 
 @register("attention_rollout", needs_model=False, requirements=rollout_requirements,
           settings=lambda s: {"head_fusion": "mean", "residual": "add identity, renormalise rows",
-                              "source": "archived prefill_attn + attn rows"},
+                              "source": "archived prefill_attn + attn rows",
+                              "excluded_positions": list(s.rollout_excluded)},
           description="attention rollout over every layer from the archived attention (no model needed)")
 def attention_rollout(ctx: StepContext) -> MethodResult:
-    R = rollout(archived_attention(ctx.run, ctx.sequence, ctx.step))
+    R = rollout(archived_attention(ctx.run, ctx.sequence, ctx.step), ctx.settings.rollout_excluded)
     scores = R[-1]
     return MethodResult(scores.astype(np.float32), {"sum_scores": float(scores.sum())})
 

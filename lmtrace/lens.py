@@ -58,32 +58,67 @@ class LogitLens:
         return self._cap(torch.nn.functional.linear(x, self.weight32, self.bias))
 
     @torch.inference_mode()
-    def of_residuals(self, resid: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def of_residuals(self, resid: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[np.ndarray, ...]:
         """resid [N, d] float32 residual streams (before the final norm) -> as `__call__`. The final
         norm runs in the model's dtype, as in the forward; inline and deferred lenses both call this."""
-        return self(self.final_norm(resid.to(self.device, self.model_dtype)).float())
+        return self(self.final_norm(resid.to(self.device, self.model_dtype)).float(), targets)
 
     @torch.inference_mode()
-    def __call__(self, normed: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """normed [N, d] (final-normed residuals) -> ids [N, k] int32, probs [N, k] f32, margin [N] f32."""
+    def __call__(self, normed: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[np.ndarray, ...]:
+        """normed [N, d] (final-normed residuals) -> ids [N, k] int32, probs [N, k] f32, margin [N] f32;
+        with targets [N, T] token ids also their ranks [N, T] int32 (tokens with a strictly larger lens
+        logit) and probabilities [N, T] f32 (softmax over the whole vocabulary)."""
         x_all = normed.float().to(self.device)
         N = x_all.shape[0]
         ids = np.empty((N, self.k), dtype=np.int32)
         probs = np.empty((N, self.k), dtype=np.float32)
         margin = np.empty(N, dtype=np.float32)
+        if targets is not None:
+            targets = targets.to(self.device, torch.int64)
+            t_rank = np.empty(tuple(targets.shape), dtype=np.int32)
+            t_prob = np.empty(tuple(targets.shape), dtype=np.float32)
         for r0 in range(0, N, ROWS_PER_MATMUL):
             x = x_all[r0: r0 + ROWS_PER_MATMUL]
+            rows = slice(r0, r0 + x.shape[0])
             if self.approximate:
-                top_ids, top_logits, lse = self._candidates(x)
+                top_ids, top_logits, lse, ranked = self._candidates(x)
             else:
                 logits = self._exact(x)
                 top = logits.topk(self.k, dim=-1)
-                top_ids, top_logits, lse = top.indices, top.values, logits.logsumexp(-1)
-            rows = slice(r0, r0 + x.shape[0])
+                top_ids, top_logits, lse, ranked = top.indices, top.values, logits.logsumexp(-1), logits
             ids[rows] = top_ids.cpu().numpy()
             probs[rows] = (top_logits - lse[:, None]).exp().cpu().numpy()
             margin[rows] = (top_logits[:, 0] - top_logits[:, 1]).cpu().numpy()
-        return ids, probs, margin
+            if targets is not None:
+                r, p = self._targets(x, ranked, lse, targets[rows])
+                t_rank[rows], t_prob[rows] = r, p
+        if targets is None:
+            return ids, probs, margin
+        return ids, probs, margin, t_rank, t_prob
+
+    def _targets(self, x: torch.Tensor, ranked, lse: torch.Tensor, targets: torch.Tensor):
+        """Rank and probability of given token ids [n, T] in rows x [n, d]. float32: against the full
+        logits. bfloat16: the target's logit is computed exactly in float32 and compared with the exact
+        candidates' and the bfloat16 logits of the rest (the target's own bfloat16 value excluded)."""
+        if not self.approximate:
+            t_logit = ranked.gather(-1, targets)  # [n, T]
+            rank = (ranked[:, None, :] > t_logit[:, :, None]).sum(-1)
+            return rank.to(torch.int32).cpu().numpy(), (t_logit - lse[:, None]).exp().cpu().numpy()
+        cand, exact, rest = ranked
+        t_logit = torch.einsum("nd,ntd->nt", x, self.weight32[targets])
+        if self.bias is not None:
+            t_logit = t_logit + self.bias[targets]
+        t_logit = self._cap(t_logit)
+        ranks = []
+        for j in range(targets.shape[1]):
+            # a candidate's logit as the candidates' product gave it (the same value bit for bit)
+            match = cand == targets[:, j: j + 1]
+            t_logit[:, j] = torch.where(match.any(-1), (exact * match).sum(-1), t_logit[:, j])
+            t = t_logit[:, j: j + 1]
+            others = rest.scatter(-1, targets[:, j: j + 1], float("-inf"))
+            ranks.append((exact > t).sum(-1) + (others > t).sum(-1))
+        rank = torch.stack(ranks, -1)
+        return rank.to(torch.int32).cpu().numpy(), (t_logit - lse[:, None]).exp().cpu().numpy()
 
     def _candidates(self, x: torch.Tensor):
         approx = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight_bf16, self.bias_bf16).float()
@@ -98,5 +133,35 @@ class LogitLens:
         rest = approx.scatter(-1, cand, float("-inf"))  # bfloat16-ranked logits outside the candidates
         lse = torch.logaddexp(exact.logsumexp(-1), rest.logsumexp(-1)) if c < self.vocab else exact.logsumexp(-1)
         top = exact.topk(self.k, dim=-1)
-        return cand.gather(-1, top.indices), top.values, lse
+        return cand.gather(-1, top.indices), top.values, lse, (cand, exact, rest)
 
+
+def runner_up(token: np.ndarray, alt_ids: np.ndarray) -> np.ndarray:
+    """[...] chosen ids, [..., ≥2] the model's most likely ids at T=1, best first -> [...] the runner-up:
+    the most likely token other than the chosen one."""
+    return np.where(alt_ids[..., 0] == token, alt_ids[..., 1], alt_ids[..., 0])
+
+
+def settle_layer(target_rank: np.ndarray, layers) -> np.ndarray:
+    """[..., L] lens rank of the chosen token at the captured layers -> [...] the first captured
+    layer (model index) from which the chosen token is the lens's top-1 at every captured layer up to
+    the last; -1 when it is not top-1 at the last captured layer."""
+    top1 = target_rank == 0
+    stays = np.flip(np.logical_and.accumulate(np.flip(top1, -1), -1), -1)  # top-1 here and at every later layer
+    first = stays.argmax(-1)
+    return np.where(stays.any(-1), np.asarray(layers, dtype=np.int32)[first], -1).astype(np.int32)
+
+
+
+def lens_targets(token: np.ndarray, alt_ids: np.ndarray) -> np.ndarray:
+    """[B] chosen ids, [B, ≥2] alternatives -> [B, 2] int64 (chosen, runner-up), the lens's targets."""
+    token = np.asarray(token, dtype=np.int64)
+    return np.stack([token, runner_up(token, np.asarray(alt_ids, dtype=np.int64))], -1)
+
+
+def lens_target_columns(rank: np.ndarray, prob: np.ndarray, layers) -> dict[str, np.ndarray]:
+    """rank, prob [..., L, 2] (chosen, runner-up) -> the steps.parquet columns, each [..., L]."""
+    settle = settle_layer(rank[..., 0], layers)
+    return {"lens_target_rank": rank[..., 0], "lens_target_prob": prob[..., 0],
+            "lens_runner_up_rank": rank[..., 1], "lens_runner_up_prob": prob[..., 1],
+            "settle_layer": np.broadcast_to(settle[..., None], rank.shape[:-1]).astype(np.int32)}

@@ -18,7 +18,7 @@ from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
 from .arch import Adapter
 from .archive.layout import RunShape
-from .lens import LogitLens
+from .lens import LogitLens, lens_target_columns, lens_targets
 from .sampling import Choice
 from .taps import tap
 
@@ -308,11 +308,14 @@ class Probes:
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
-            ids, probs, margin = self.lens.of_residuals(resid_out.transpose(0, 1).reshape(B * L, -1))
+            targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
+            ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
+                resid_out.transpose(0, 1).reshape(B * L, -1), torch.from_numpy(np.repeat(targets, L, 0)))
             arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
             scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
             scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
             scalars["lens_margin"] = margin.reshape(B, L)
+            scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
         if self.margin_contributions:
             top2 = choice.alt_ids[:, :2].to(self.adapter.unembed.weight.device)
             direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]

@@ -42,7 +42,9 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
     lens_probs = run.array("lens_probs")[seq]
     ffn_idx, ffn_val = run.array("ffn_idx")[seq], run.array("ffn_val")[seq]
     W = ref.model.lm_head.weight.float()
+    W_norm = W.norm(dim=-1)  # per token
     norm = ref.model.model.norm
+    lens_ranks: dict[int, list] = {}
     for s in range(n):
         qpos = P - 1 + s
         row = gen.iloc[s]
@@ -56,6 +58,8 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
         ent = -(logprobs.exp() * logprobs).sum().item()
         assert abs(row.entropy - ent) < 10 * tol
         st = steps[steps.step == s].sort_values("layer")
+        order = logprobs.topk(2).indices.tolist()
+        runner = order[1] if order[0] == row.token_id else order[0]  # the runner-up: the best other token
         for li, layer in enumerate(layers):
             # attention row of the query position over every key so far
             if attn is not None:
@@ -69,7 +73,9 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             assert abs(st.resid_norm.iloc[li] - resid.norm().item()) < tol * max(1.0, resid.norm().item())
             assert abs(st.delta_norm.iloc[li] - (resid - before).norm().item()) < tol * max(1.0, resid.norm().item())
             # logit lens: final norm + unembedding of this layer's residual
-            lens_logits = norm(resid[None])[0].float() @ W.T
+            normed = norm(resid[None])[0].float()
+            lens_logits = normed @ W.T
+            absdot = (normed.norm() * W_norm).numpy()  # ≥ Σ|x_i·w_i| (Cauchy-Schwarz): bounds a product's rounding, per token
             lens = lens_logits.log_softmax(-1)
             lt = lens.topk(lens_ids.shape[-1])
             assert lens_ids[s, li, 0] == lt.indices[0].item()
@@ -81,6 +87,25 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             top2 = lens_logits.topk(2).values
             assert abs(st.lens_margin.iloc[li] - (top2[0] - top2[1]).item()) < tol * 10
             assert st.lens_top1.iloc[li] == lt.indices[0].item()
+            # the chosen token's and the runner-up's (the model's most likely other token) lens rank and prob
+            # (numpy: comparisons over the vocabulary are several times cheaper than torch's here)
+            logits_np, lens_np = lens_logits.numpy(), lens.numpy()
+            for tok, rank_col, prob_col in ((row.token_id, "lens_target_rank", "lens_target_prob"),
+                                            (runner, "lens_runner_up_rank", "lens_runner_up_prob")):
+                diff = logits_np - logits_np[tok]
+                want_rank = int(np.count_nonzero(diff > 0))
+                got_rank = int(st[rank_col].iloc[li])
+                # A token whose logit is within rounding of the target's may land on either side: the
+                # archived residual differs from this forward's by ~1e-5 relative, and in bfloat16 mode
+                # tokens outside the re-scored candidates are compared by their bfloat16 logits (2^-8
+                # relative per product term). Elsewhere the rank is exact.
+                band = (2.0 ** -7 if not lens_exact else 1e-4) * (absdot + absdot[tok])
+                lo, hi = int(np.count_nonzero(diff > band)), int(np.count_nonzero(diff > -band)) - 1
+                assert lo <= got_rank <= hi, (s, layer, rank_col, got_rank, want_rank, lo, hi)
+                assert abs(st[prob_col].iloc[li] - np.exp(lens_np[tok])) <= tol + (
+                    0 if lens_exact else LENS_BF16_RTOL * np.exp(lens_np[tok])), (s, layer, prob_col)
+                if rank_col == "lens_target_rank":  # (checked just above against this forward's ranks)
+                    lens_ranks.setdefault(s, []).append(got_rank)
             # margin contribution of this layer's delta to the final top-1 vs top-2
             t2 = r["logits"][qpos].topk(2).indices
             contrib = ((W[t2[0]] - W[t2[1]]) @ (resid - before)).item()
@@ -92,6 +117,14 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             assert set(ffn_idx[s, li].tolist()) == set(top_abs.tolist())
             np.testing.assert_allclose(ffn_val[s, li], act[ffn_idx[s, li]].numpy(), rtol=1e-5, atol=tol)
             assert np.all(np.diff(np.abs(ffn_val[s, li])) <= 0)  # in descending order of |a| (docs/archive.md)
+        # settle layer: the first captured layer from which the chosen token stays the lens's top-1
+        chosen_ranks = lens_ranks[s]
+        want_settle = -1
+        for li in range(len(layers) - 1, -1, -1):
+            if chosen_ranks[li] != 0:
+                break
+            want_settle = layers[li]
+        assert (st.settle_layer == want_settle).all(), (s, st.settle_layer.tolist(), want_settle, chosen_ranks)
         # the last layer's lens is the model's own output distribution
         if layers[-1] == len(r["resid"]) - 1:
             np.testing.assert_allclose(lens_probs[s, -1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(),

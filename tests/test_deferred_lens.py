@@ -30,7 +30,8 @@ from test_cli_errors import assert_one_line_error, lmtrace
 LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 1, not captured:
 VECTORS_AT = [1]  # so `resid` holds layers 0..3 and the lens reads rows 0, 2, 3 of it
 N = 7  # new tokens; chunk_steps 3: blocks of 3, 3 and a partial 1
-LENS_COLUMNS = ["lens_top1", "lens_top1_prob", "lens_margin"]
+LENS_COLUMNS = ["lens_top1", "lens_top1_prob", "lens_margin", "lens_target_rank", "lens_target_prob",
+                "lens_runner_up_rank", "lens_runner_up_prob", "settle_layer"]
 
 
 def _spec(model_dir, *, lens: dict | None = None, **gen) -> dict:

@@ -99,6 +99,41 @@ def test_rollout_from_archive_equals_rollout_of_the_models_attention(attention_r
         assert abs(got.sum() - 1) < 1e-4
 
 
+def test_rollout_without_the_sink_matches_hand_computation():
+    attn = np.array([
+        [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]],
+         [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
+        [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]],
+         [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
+    ])
+    # by hand, column 0 zeroed in each head mean before + I and row-normalising:
+    #   Â0 last row [0, .25, 1.35] / 1.6;  Â1 = [[1,0,0],[0,1,0],[0,1/3,2/3]]
+    #   last row of R = 1/3*[0,1,0] + 2/3*[0,.15625,.84375] = [0, .4375, .5625]
+    R = ex.rollout(attn, exclude=(0,))
+    np.testing.assert_allclose(R[-1], [0, 0.4375, 0.5625], atol=1e-12)
+    assert R[0, 0] == 1.0
+
+
+def test_rollout_leaving_out_the_sink_from_the_archive(attention_run, model):
+    settings = ex.Settings(rollout_exclude="sink")
+    result = ex.explain_run(attention_run.path, "3", methods=["attention_rollout"], settings=settings)
+    ids, _, _ = context(attention_run, 0, 3)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    n = len(ids)
+    R = np.eye(n)  # the test's own rollout, position 0's column left out of every layer's head mean
+    for a in out.attentions:
+        m = a[0].double().numpy().mean(0)
+        m[:, 0] = 0
+        m = m + np.eye(n)
+        R = (m / m.sum(-1, keepdims=True)) @ R
+    got = scores_of(result, "attention_rollout", 3).scores
+    np.testing.assert_allclose(got, R[-1], atol=TOL)
+    assert got[0] == 0 and abs(got.sum() - 1) < 1e-4
+    with pytest.raises(SpecError, match="--rollout-exclude"):
+        ex.Settings(rollout_exclude="first").check()
+
+
 def test_rollout_needs_no_weights_and_gradients_do(attention_run, tmp_path):
     moved = tmp_path / attention_run.path.name
     shutil.copytree(attention_run.path, moved)

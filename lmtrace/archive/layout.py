@@ -109,7 +109,12 @@ def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, ma
 # written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
 LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
                ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
-LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin")
+LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
+                     # the chosen token's and the runner-up's lens rank and probability, and the first
+                     # captured layer from which the chosen token stays the lens's top-1 (per step,
+                     # repeated on its layers' rows)
+                     "lens_target_rank", "lens_target_prob", "lens_runner_up_rank", "lens_runner_up_prob",
+                     "settle_layer")
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,8 @@ class RunShape:
 # Per-layer scalars in steps.parquet (one row per sequence, step, captured layer).
 STEP_COLUMNS = (
     "sequence", "step", "layer", "resid_norm", "delta_norm", "attn_norm", "mlp_norm",
-    "lens_top1", "lens_top1_prob", "lens_margin", "margin_contrib",
+    "lens_top1", "lens_top1_prob", "lens_margin", "lens_target_rank", "lens_target_prob",
+    "lens_runner_up_rank", "lens_runner_up_prob", "settle_layer", "margin_contrib",
 )
 
 
@@ -239,7 +245,8 @@ def token_schema():
 def step_schema(columns: list[str]):
     import pyarrow as pa
 
-    types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32()}
+    types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32(),
+             "lens_target_rank": pa.int32(), "lens_runner_up_rank": pa.int32(), "settle_layer": pa.int32()}
     return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
 
 
