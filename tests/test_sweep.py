@@ -35,19 +35,37 @@ def _run(tmp, model_dir, prompts, run_id):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_llama_dir):
+def sharp_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """conftest's tiny Llama with larger random weights: peaked distributions, so that ablating one head moves
+    probabilities and KL far beyond the tolerance (with the default init every effect is below 1e-4)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3 if "embed" not in name else 1.0)
+    path = tmp_path_factory.mktemp("sharp-llama")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, sharp_llama_dir):
     tmp = tmp_path_factory.mktemp("sweep")
-    clean = _run(tmp, tiny_llama_dir, CLEAN, "clean")
-    corrupt = _run(tmp, tiny_llama_dir, CORRUPT, "corrupt")
+    clean = _run(tmp, sharp_llama_dir, CLEAN, "clean")
+    corrupt = _run(tmp, sharp_llama_dir, CORRUPT, "corrupt")
     assert list(clean.prompt_len()) == list(corrupt.prompt_len())  # patching pairs positions
     return clean, corrupt
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llama_dir):
+def model(sharp_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(sharp_llama_dir, attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def _seq(run, seq):
@@ -186,6 +204,8 @@ def test_ablation_cells_equal_the_tests_own_edited_forward(runs, model, over, mo
         np.testing.assert_allclose(r.to_numpy(), own_base["logprob"], atol=1e-4, rtol=0)
         for cell in sample:
             _compare(df, cell, _metrics(_logits(model, p + g, _own_edit(model, cell, mode, means)), base, len(p), g), seq)
+    # the edits matter far beyond the tolerance, so a wrong edit or metric cannot pass
+    assert df[df.metric == "kl"].effect.max() > 1e-2 and df[df.metric == "logprob"].effect.abs().max() > 1e-1
     # the effect column is value - baseline and the mean table / Zarr array agree with it
     np.testing.assert_allclose(df.effect, df.value - df.baseline, atol=1e-12)
     info = json.loads((result.path / "sweep.json").read_text())
@@ -382,14 +402,14 @@ def _sweep_names(run):
 
 
 @pytest.mark.parametrize("args,fragment", BAD)
-def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, tiny_llama_dir, args, fragment):
+def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir, args, fragment):
     from typer.testing import CliRunner
 
     from lmtrace.cli import app
 
     clean, _ = runs
     if "short" in args and not (clean.path.parent / "short").exists():
-        _run(clean.path.parent.parent, tiny_llama_dir, ["The fox", "Paris is"], "short")
+        _run(clean.path.parent.parent, sharp_llama_dir, ["The fox", "Paris is"], "short")
     before = _sweep_names(clean)
     result = CliRunner().invoke(app, ["sweep", str(clean.path), "--runs-dir", str(clean.path.parent), *args])
     lines = [line for line in result.stderr.splitlines() if line.strip()]
