@@ -693,6 +693,8 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     given = {"parent": parent.id, "source": source_run.id if source_run else None, **spec.model_dump(mode="json")}
     root = parent.path / SWEEPS_DIR
     index, count = shard
+    if resume and sweep_id is None:
+        raise SpecError("--resume needs --run-id ID: the id of the unfinished sweep (sweeps/.partial-ID)")
     if count > 1 and sweep_id is None:
         raise SpecError("a sharded sweep needs a shared id: pass --run-id (with --shard auto it is slurm-<job id>)")
     sweep_id = sweep_id or new_run_id()

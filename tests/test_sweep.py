@@ -426,3 +426,45 @@ def test_a_bad_sweep_in_a_real_process_prints_one_line_without_traceback(runs, t
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "outside the vocabulary" in lines[0], err
     assert "Traceback" not in out + err and _sweep_names(clean) == before
+
+
+@pytest.mark.slow
+def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path):
+    """Clean -> corrupted residual patching at every layer and prompt position of SmolLM2-135M."""
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    def run(prompts, run_id):
+        return run_spec(tmp_path, {"prompts": prompts, "capture": "none", "output": {"run_id": run_id},
+                                   "generation": {"max_new_tokens": 2, "temperature": 0}})
+    clean = run(["The Eiffel Tower is located in the city of"], "clean")
+    corrupt = run(["The Colosseum is located in the city of"], "corrupt")
+    assert list(clean.prompt_len()) == list(corrupt.prompt_len())
+    P = int(clean.prompt_len()[0])
+    paris = _seq(clean, 0)[1][0]
+    rome = _seq(corrupt, 0)[1][0]
+    assert paris != rome
+    metric = f"logit_diff:{paris},{rome}"
+    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:0-29", edit="patch", source="clean", steps="0",
+                                                    metrics=[metric, "logprob"]))
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    assert len(df) == 30 * P * 2
+    model = load_model(ModelSpec(attn_implementation="eager")).model
+    layers = model.model.layers
+    cp = _seq(clean, 0)[0]
+    p, g = _seq(corrupt, 0)
+    saved = {}
+    _logits(model, cp, [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
+        L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in range(30)])
+    grid = df[df.metric == metric].set_index(["layer", "position"]).value
+    for L in list(range(0, 30, 3)) + [29]:
+        for pos in range(P):
+            def patch(m, a, o, L=L, pos=pos):
+                x = (o[0] if isinstance(o, tuple) else o).clone()
+                x[0, pos] = saved[L][pos]
+                return (x, *o[1:]) if isinstance(o, tuple) else x
+            logits = _logits(model, p, [(layers[L], "fwd", patch)])[P - 1]
+            assert abs(grid[(L, pos)] - (logits[paris] - logits[rome]).item()) < 1e-3, (L, pos)
+    # the classic picture: patching the last layer at the last position restores the clean answer
+    baseline = df[df.metric == metric].baseline.iloc[0]
+    assert baseline < 0 < grid[(29, P - 1)]
