@@ -353,8 +353,9 @@ class _Patches:
 
 
 @torch.inference_mode()
-def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]]) -> dict:
-    """The source sequence's unedited values at every position: (kind, layer) -> [T, width]."""
+def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: int = 1) -> tuple[dict, torch.Tensor]:
+    """The source sequence's unedited values at every position: (kind, layer) -> [T, width]; and its logits
+    [keep, V] at the last `keep` positions."""
     out: dict = {}
     handles = []
     a = adapter
@@ -370,11 +371,11 @@ def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]]) -> dic
                     lambda m, args, o, key=key: out.__setitem__(key, _first(o)[0].detach().clone())))
         device = next(a.model.parameters()).device
         x = torch.tensor([ids], dtype=torch.long, device=device)
-        a.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, logits_to_keep=1)
+        logits = a.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, logits_to_keep=keep).logits
     finally:
         for h in handles:
             h.remove()
-    return out
+    return out, logits[0].float()
 
 
 class Engine:
@@ -734,6 +735,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
             os.replace(tmp, partial)
     stop = _Stop()
     baseline_check = {}
+    source_baseline: dict[str, dict] = {}  # patch: the source's own unedited logit_diff per measured step
     t_model = time.time()
     n_done = 0
     mine = [blk for k, blk in enumerate(blocks) if k % count == index]
@@ -762,7 +764,11 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
                 if spec.edit == "patch":
                     wanted = {(c.component, c.layer) for c in cells}
                     sids = source_view.prompt_ids[s] + source_view.generated[s]
-                    source = capture_source(adapter, sids[: len(ids)], wanted)
+                    source, src_logits = capture_source(adapter, sids[: len(ids)], wanted, keep)
+                    if len(sids) >= len(ids):  # the source's logits at the same positions: steps 0..keep-1
+                        source_baseline[str(s)] = {
+                            Engine.key(m): [float(src_logits[st, m.tokens[0]] - src_logits[st, m.tokens[1]]) for st in steps]
+                            for m in metrics if m.tokens}
                 current = (s, ids, keep, steps, tokens, base, base_metrics, source)
             _, ids, keep, steps, tokens, base, base_metrics, source = current
             logits = engine.run_cells(ids, keep, block_cells, source)
@@ -776,6 +782,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     t_done = time.time()
     status_file = partial / f"shard-{index}-of-{count}.json"
     atomic_write_json(status_file, {"status": "complete", "blocks": n_done, "baseline_max_abs_diff": baseline_check,
+                                    "source_baseline": source_baseline,
                                     "seconds": round(t_done - t0, 3), "prefix_skip": engine.skip_ok})
     with _flock(root / ".lock"):
         files = sorted((partial / "blocks").glob("*.parquet"))
@@ -795,6 +802,8 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
             "packages": package_versions(), "host": host_info(), "created": now_iso(),
             "baseline_max_abs_diff": max([v for sh in shards for v in sh["baseline_max_abs_diff"].values()] or [0.0]),
             "prefix_skip": all(sh.get("prefix_skip", True) for sh in shards),
+            "source_baseline": ({k: v for sh in shards for k, v in sh.get("source_baseline", {}).items()}
+                                if source_run else None),
             "timings": {"model_load_s": round(t_model - t0, 3), "sweep_s": round(t_done - t_model, 3),
                         "shards": len(shards)},
             "top": ranking(table, primary, top),

@@ -266,9 +266,17 @@ def test_residual_patching_grid_equals_the_tests_own_causal_tracing(runs, model)
                     r = r[r.metric == metric].sort_values("step")
                     np.testing.assert_allclose(r.value.to_numpy(), own[metric][:2], atol=1e-4, rtol=0,
                                                err_msg=f"{seq} {L} {pos} {metric}")
-    # patching the last layer at the last prompt position gives step 0 exactly the clean run's prediction
-    r = _cell_rows(df, "resid", 3, position=min(clean.prompt_len()) - 1, seq=0)
-    assert r[r.metric == "logprob"].value.notna().all()
+    # the source's own logit difference (the normaliser of patching effects) is in sweep.json; patching
+    # the last layer at the last prompt position gives step 0 exactly that value
+    info = json.loads((result.path / "sweep.json").read_text())
+    for seq in range(2):
+        cp, cg = _seq(clean, seq)
+        own = _metrics(_logits(model, cp + cg), _logits(model, cp + cg), len(cp), cg)["logit_diff:42,7"][:2]
+        np.testing.assert_allclose(info["source_baseline"][str(seq)]["logit_diff:42,7"], own, atol=1e-4, rtol=0)
+        if len(cp) == min(clean.prompt_len()):
+            r = _cell_rows(df, "resid", 3, position=len(cp) - 1, seq=seq)
+            r = r[(r.metric == "logit_diff:42,7") & (r.step == 0)]
+            assert abs(r.value.item() - own[0]) < 1e-4
 
 
 def test_head_and_block_patching_at_every_position_equals_the_tests_own(runs, model):
