@@ -398,7 +398,7 @@ BAD = [
     (["--over", "resid:0-9", "--edit", "patch", "--source", "corrupt"], "layer 4 is out of range"),
     (["--over", "heads", "--edit", "patch", "--source", "short"], "same token length"),
     (["--over", "heads", "--metric", "logit_diff:\" Paris is\",7"], "not one"),
-    (["--over", "heads", "--sequences", ""], "empty"),
+    (["--over", "heads", "--sequences", ""], "--sequences"),  # an empty sweep
     (["--over", "heads", "--metric", "entropy"], "unknown"),
     (["--over", "neurons:1", "--edit", "patch", "--source", "corrupt"], "zero or mean"),
     (["--over", "heads", "--spec", "missing.yaml"], "not found"),
