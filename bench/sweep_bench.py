@@ -40,6 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--intervene-samples", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="smoke test: the 30 attention blocks instead of the 270 heads")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sweep.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +49,8 @@ def main() -> None:
         spec.write_text(json.dumps({"prompts": [PROMPT], "capture": "none",
                                     "generation": {"max_new_tokens": 16, "temperature": 0}}))
         lmtrace(runs, "generate", str(spec), "--run-id", "parent", "-q")
-        sweep_s, out = lmtrace(runs, "sweep", "parent", "--over", "heads", "--edit", "zero", "--metric", "logprob",
+        over = "attn" if args.quick else "heads"
+        sweep_s, out = lmtrace(runs, "sweep", "parent", "--over", over, "--edit", "zero", "--metric", "logprob",
                                "--batch", str(args.batch), "--run-id", "heads", "--json")
         summary = json.loads(out)
         import pandas as pd
@@ -58,15 +60,17 @@ def main() -> None:
         cells = [(0, 0), (14, 4), (29, 8)][: args.intervene_samples]
         times, worst = [], 0.0
         for layer, head in cells:
-            t, out = lmtrace(runs, "intervene", "parent", "--ablate-head", f"{layer}.{head}", "--json")
+            flag = ["--ablate-attn", str(layer)] if args.quick else ["--ablate-head", f"{layer}.{head}"]
+            t, out = lmtrace(runs, "intervene", "parent", *flag, "--json")
             times.append(t)
             child = json.loads(out)["children"][0]["run_id"]
             eff = pd.read_parquet(runs / child / "effects.parquet").sort_values("step")
-            mine = table[(table.layer == layer) & (table.head == head)].sort_values("step")
+            mine = table[(table["layer"] == layer) & ((table["head"] == head) if not args.quick else True)]
+            mine = mine.sort_values("step")
             worst = max(worst, float((mine.value.to_numpy() - eff.child_logprob_of_parent_token.to_numpy()).__abs__().max()))
         per_intervene = sum(times) / len(times)
         result = {
-            "cells": n_cells, "prompt_tokens": None, "steps": 16, "batch": args.batch,
+            "over": over, "cells": n_cells, "prompt_tokens": None, "steps": 16, "batch": args.batch,
             "sweep_s": round(sweep_s, 2), "sweep_compute_s": summary["sweep_s"],
             "sweep_cells_per_s": round(n_cells / sweep_s, 3),
             "intervene_s_per_cell": round(per_intervene, 2), "intervene_cells_per_s": round(1 / per_intervene, 4),
