@@ -36,6 +36,7 @@ test-fast: venv
 
 bench: venv
 	$(BIN)/python bench/bench.py
+	$(BIN)/python bench/sweep_bench.py
 
 # Regenerates docs/architectures.md from the architecture tests.
 support-table: venv

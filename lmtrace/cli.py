@@ -325,6 +325,44 @@ def intervene(
 
 
 @app.command()
+def sweep(
+    run_ref: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
+    over: Optional[str] = typer.Option(None, "--over", help="heads | attn | mlp | layers | neurons:LAYER | positions | resid:A-B"),
+    edit: Optional[str] = typer.Option(None, "--edit", help="zero | mean | patch (default zero)."),
+    source: Optional[str] = typer.Option(None, "--source", help="Patch: the run whose activations are patched in."),
+    metric: list[str] = typer.Option([], "--metric", "-m", help="logprob, prob, kl, rank, logit_diff:A,B (repeatable; "
+                                     "the first ranks). Default: logprob, prob, kl, rank."),
+    steps: Optional[str] = typer.Option(None, "--steps", help="Steps measured: 0,4,9 or 2-5 or all (default all)."),
+    sequences: Optional[str] = typer.Option(None, "--sequences", help="Sequences: 0,2 or 0-3 or all (default all)."),
+    positions: Optional[str] = typer.Option(None, "--positions", help="Edit one position at a time: 3-9 or 0,4 "
+                                            "(default: every position at once; resid and positions: each prompt position)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Cells per forward (batch rows; default 32)."),
+    spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML sweep spec (the same keys; flags override)."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N or auto (SLURM array): split the cells over processes."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Sweep id (shared by shards; reused to continue)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the unfinished sweep --run-id."),
+    top: int = typer.Option(20, "--top", help="Cells in the ranked table."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+):
+    """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
+    from .sweep_cli import sweep_command
+
+    reporter = _Reporter(quiet or json_out)
+    try:
+        sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
+                                                               steps=steps, sequences=sequences, positions=positions,
+                                                               batch=batch),
+                      runs_dir=runs_dir, run_id=run_id, shard=shard, resume=resume, top=top, json_out=json_out,
+                      quiet=quiet, note=reporter.message)
+    except BaseException as err:  # noqa: BLE001
+        reporter.stop()
+        _fail(err)
+    reporter.stop()
+
+
+@app.command()
 def explain(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     steps: str = typer.Option(..., "--steps", help="Generated steps to explain: 0,4,9 or 2-5 or all."),

@@ -4,7 +4,7 @@ At completion (and again after `lmtrace lens` adds its arrays) the writer record
 sha256 of every committed file — `spec.yaml`, every top-level `*.parquet` table, every file under
 `tensors.zarr/` (chunk files and metadata) — in `checksums.json`, and the manifest records that
 file's own sha256 under `checksums`. Files that change after completion by design (manifest,
-log, progress, shard status, heartbeats, locks, `explain/`) are not covered.
+log, progress, shard status, heartbeats, locks, `explain/`, `sweeps/`) are not covered.
 
 - `verify` (`lmtrace verify RUN`) hashes everything: missing, truncated (another size) and
   changed (same size, another sha256) files.

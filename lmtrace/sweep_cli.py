@@ -1,0 +1,57 @@
+"""The `sweep` command's glue: flags and/or a YAML sweep spec -> `run_sweep` -> a ranked table or JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import SpecError
+from .sweep import build_sweep_spec, load_sweep_spec, run_sweep
+
+
+def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir: str | None, run_id: str | None,
+                  shard: str | None, resume: bool, top: int, json_out: bool, quiet: bool, note) -> dict:
+    data = load_sweep_spec(spec_path) if spec_path is not None else {}
+    for key, value in flags.items():  # flags override the file
+        if value is not None and value != []:
+            data[key] = value
+    if "over" not in data:
+        raise SpecError("give --over (heads, attn, mlp, layers, neurons:LAYER, positions, resid:A-B) or --spec FILE")
+    where = str(spec_path) if spec_path is not None else "sweep"
+    spec = build_sweep_spec(data, where)
+    index, count = 0, 1
+    if shard is not None:
+        from .generate import parse_shard
+
+        shard_obj, slurm_id = parse_shard(shard)
+        index, count = shard_obj.index, shard_obj.count
+        run_id = run_id or slurm_id
+    result = run_sweep(run_ref, spec, runs_dir=runs_dir, sweep_id=run_id, shard=(index, count), resume=resume,
+                       top=top, note=note)
+    summary = {"status": result.status, **result.summary}
+    if json_out:
+        print(json.dumps(summary, default=str))
+    elif not quiet:
+        _print(summary, spec)
+    return summary
+
+
+def _print(summary: dict, spec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if summary["status"] != "complete":
+        console.print(f"sweep {summary['sweep_id']}: this shard is complete; the sweep is assembled when the others are")
+        return
+    t = Table(title=f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
+                    f"top {len(summary['top'])} by |mean effect| on {summary['metric']}")
+    for col in ("component", "layer", "head", "neuron", "position", "baseline", "value", "effect"):
+        t.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    for r in summary["top"]:
+        t.add_row(r["component"], *(fmt(r[k]) for k in ("layer", "head", "neuron", "position", "baseline", "value",
+                                                         "effect")))
+    console.print(t)
+    console.print(f"{summary['n_cells']} cells in {summary['sweep_s']:.1f} s (model load excluded); baseline matches "
+                  f"the archived log-probs within {summary['baseline_max_abs_diff']:.1e}; tables in {summary['path']}")

@@ -1,0 +1,478 @@
+"""`lmtrace sweep`: every cell is a real edit of the forward; each kind equals the test's own edited forward.
+
+References are the tiny model's own transformers forward (eager attention, float32) over the parent's
+final sequence, edited with the test's own hooks; never lmtrace's edit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_spec
+from lmtrace.archive.reader import Run
+from lmtrace.sweep import SweepSpec, read_sweep, run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+CLEAN = ["The quick brown fox", "Paris is the capital of"]
+CORRUPT = ["The slow brown cat", "Rome is the capital of"]
+METRICS = ["logprob", "prob", "kl", "rank", "logit_diff:42,7"]
+
+
+def _run(tmp, model_dir, prompts, run_id):
+    return run_spec(tmp, {"model": str(model_dir), "prompts": prompts, "capture": "none",
+                          "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5},
+                          "output": {"run_id": run_id}})
+
+
+@pytest.fixture(scope="module")
+def sharp_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """conftest's tiny Llama with larger random weights: peaked distributions, so that ablating one head moves
+    probabilities and KL far beyond the tolerance (with the default init every effect is below 1e-4)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3 if "embed" not in name else 1.0)
+    path = tmp_path_factory.mktemp("sharp-llama")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, sharp_llama_dir):
+    tmp = tmp_path_factory.mktemp("sweep")
+    clean = _run(tmp, sharp_llama_dir, CLEAN, "clean")
+    corrupt = _run(tmp, sharp_llama_dir, CORRUPT, "corrupt")
+    assert list(clean.prompt_len()) == list(corrupt.prompt_len())  # patching pairs positions
+    return clean, corrupt
+
+
+@pytest.fixture(scope="module")
+def model(sharp_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sharp_llama_dir, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _seq(run, seq):
+    t = run.tokens().to_pandas()
+    t = t[t.sequence == seq]
+    prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
+    gen = t[~t.is_prompt].sort_values("step").token_id.tolist()
+    return prompt, gen
+
+
+@torch.inference_mode()
+def _logits(model, ids, hooks=()):
+    """The test's own forward; hooks: (module, kind, fn) registered here and removed after."""
+    handles = []
+    for module, kind, fn in hooks:
+        handles.append(module.register_forward_pre_hook(fn) if kind == "pre" else module.register_forward_hook(fn))
+    try:
+        return model(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _metrics(logits, base, P, gen):
+    """metric -> [step] from the test's own logits at positions P-1+s."""
+    rows = logits[P - 1: P - 1 + len(gen)]
+    brow = base[P - 1: P - 1 + len(gen)]
+    lp, blp = rows.log_softmax(-1), brow.log_softmax(-1)
+    tok = torch.tensor(gen)[:, None]
+    return {
+        "logprob": lp.gather(-1, tok)[:, 0].numpy(),
+        "prob": lp.gather(-1, tok)[:, 0].exp().numpy(),
+        "rank": (rows > rows.gather(-1, tok)).sum(-1).float().numpy(),
+        "kl": (blp.exp() * (blp - lp)).sum(-1).numpy(),
+        "logit_diff:42,7": (rows[:, 42] - rows[:, 7]).numpy(),
+    }
+
+
+def _own_means(model, run, wanted):
+    """(kind, layer) -> mean over every position of every final sequence, float64 (test's own hooks)."""
+    sums, counts = {}, {}
+    layers = model.model.layers
+
+    def add(key, x):
+        x = x.reshape(-1, x.shape[-1]).double()
+        sums[key] = sums.get(key, 0) + x.sum(0)
+        counts[key] = counts.get(key, 0) + x.shape[0]
+    hooks = []
+    for kind, L in wanted:
+        key = (kind, L)
+        if kind == "head":
+            hooks.append((layers[L].self_attn.o_proj, "pre", lambda m, a, key=key: add(key, a[0])))
+        elif kind == "attn":
+            hooks.append((layers[L].self_attn, "fwd", lambda m, a, o, key=key: add(key, o[0])))
+        elif kind == "mlp":
+            hooks.append((layers[L].mlp, "fwd", lambda m, a, o, key=key: add(key, o)))
+        elif kind == "layer":
+            hooks.append((layers[L], "fwd", lambda m, a, o, key=key: add(key, (o[0] if isinstance(o, tuple) else o) - a[0])))
+    for s in range(2):
+        p, g = _seq(run, s)
+        _logits(model, p + g, hooks)
+    return {k: (sums[k] / counts[k]).float() for k in sums}
+
+
+def _own_edit(model, cell, mode, means):
+    """The test's own hook for one cell (zero or mean ablation at every position)."""
+    comp, L, h = cell
+    layer = model.model.layers[L]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    if comp == "head":
+        def fn(m, a):
+            x = a[0].clone()
+            x[..., h * d:(h + 1) * d] = 0 if mode == "zero" else means[("head", L)][h * d:(h + 1) * d]
+            return (x,)
+        return [(layer.self_attn.o_proj, "pre", fn)]
+    if comp == "attn":
+        return [(layer.self_attn, "fwd", lambda m, a, o: (torch.zeros_like(o[0]) if mode == "zero" else
+                                                          means[("attn", L)].expand_as(o[0]).clone(), *o[1:]))]
+    if comp == "mlp":
+        return [(layer.mlp, "fwd", lambda m, a, o: torch.zeros_like(o) if mode == "zero" else
+                 means[("mlp", L)].expand_as(o).clone())]
+    if comp == "layer":
+        def skip(m, a, o):
+            x = a[0] if mode == "zero" else a[0] + means[("layer", L)]
+            return (x, *o[1:]) if isinstance(o, tuple) else x
+        return [(layer, "fwd", skip)]
+    if comp == "neuron":
+        def neuron(m, a):
+            x = a[0].clone()
+            x[..., h] = 0
+            return (x,)
+        return [(layer.mlp.down_proj, "pre", neuron)]
+    raise AssertionError(comp)
+
+
+def _cell_rows(df, comp, L, h=None, position=None, seq=0):
+    rows = df[(df.component == comp) & (df.layer == L) & (df.sequence == seq)]
+    col = "neuron" if comp == "neuron" else "head"
+    rows = rows[rows[col] == h] if h is not None else rows
+    rows = rows[rows.position == position] if position is not None else rows[rows.position.isna()]
+    return rows
+
+
+def _compare(df, cell, own, seq):
+    comp, L, h = cell
+    for metric, values in own.items():
+        r = _cell_rows(df, comp, L, h, seq=seq)
+        r = r[r.metric == metric].sort_values("step")
+        assert len(r) == len(values), (cell, metric)
+        np.testing.assert_allclose(r.value.to_numpy(), values, atol=1e-4, rtol=0, err_msg=f"{cell} {metric}")
+
+
+@pytest.mark.parametrize("over,mode,sample", [
+    ("heads", "zero", [("head", 0, 1), ("head", 2, 3), ("head", 3, 0)]),
+    ("heads", "mean", [("head", 1, 2), ("head", 3, 3)]),
+    ("attn", "mean", [("attn", 0, None), ("attn", 3, None)]),
+    ("mlp", "zero", [("mlp", 1, None), ("mlp", 2, None)]),
+    ("layers", "mean", [("layer", 0, None), ("layer", 2, None)]),
+    ("layers", "zero", [("layer", 1, None)]),
+    ("neurons:2", "zero", [("neuron", 2, 5), ("neuron", 2, 77)]),
+])
+def test_ablation_cells_equal_the_tests_own_edited_forward(runs, model, over, mode, sample):
+    clean, _ = runs
+    seqs = [1] if over.startswith("neurons") else [0, 1]  # 128 neurons: one sequence is enough
+    result = run_sweep(str(clean.path), SweepSpec(over=over, edit=mode, metrics=METRICS, batch=32 if seqs == [1] else 5,
+                                                  sequences=",".join(map(str, seqs))))
+    df = read_sweep(clean, result.sweep_id).to_pandas()
+    n_cells = {"heads": 16, "attn": 4, "mlp": 4, "layers": 4, "neurons:2": 128}[over]
+    assert len(df) == n_cells * len(seqs) * 4 * len(METRICS)  # cells x sequences x steps x metrics
+    means = _own_means(model, clean, {(c[0], c[1]) for c in sample}) if mode == "mean" else {}
+    for seq in seqs:
+        p, g = _seq(clean, seq)
+        base = _logits(model, p + g)
+        own_base = _metrics(base, base, len(p), g)
+        r = df[(df.sequence == seq) & (df.metric == "logprob")].groupby("step").baseline.first()
+        np.testing.assert_allclose(r.to_numpy(), own_base["logprob"], atol=1e-4, rtol=0)
+        for cell in sample:
+            _compare(df, cell, _metrics(_logits(model, p + g, _own_edit(model, cell, mode, means)), base, len(p), g), seq)
+    # the edits matter far beyond the tolerance, so a wrong edit or metric cannot pass
+    assert df[df.metric == "kl"].effect.max() > 1e-2 and df[df.metric == "logprob"].effect.abs().max() > 1e-1
+    # the effect column is value - baseline and the mean table / Zarr array agree with it
+    np.testing.assert_allclose(df.effect, df.value - df.baseline, atol=1e-12)
+    info = json.loads((result.path / "sweep.json").read_text())
+    assert info["kind"] == "sweep" and info["parent"]["run_id"] == "clean" and info["baseline_max_abs_diff"] < 1e-4
+    assert Run(clean.path).manifest["sweeps"][-1]["id"] == result.sweep_id
+
+
+def test_a_sweep_cell_equals_the_intervene_child(runs):
+    from lmtrace.intervene import run_intervene
+
+    clean, _ = runs
+    result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="mean", metrics=["logprob"], batch=16))
+    df = read_sweep(clean, result.sweep_id).to_pandas()
+    _, effects = run_intervene(str(clean.path), [{"kind": "ablate_head", "layer": 2, "head": 1, "mode": "mean"}])
+    effects = effects.to_pandas()
+    for seq in range(2):
+        child = effects[effects.sequence == seq].sort_values("step").child_logprob_of_parent_token.to_numpy()
+        cell = _cell_rows(df, "head", 2, 1, seq=seq).sort_values("step").value.to_numpy()
+        np.testing.assert_allclose(cell, child, atol=1e-4, rtol=0)
+        assert np.abs(cell - _cell_rows(df, "head", 2, 0, seq=seq).sort_values("step").value.to_numpy()).max() > 1e-6
+
+
+def test_batched_rows_equal_unbatched_rows(runs):
+    clean, _ = runs
+    a = run_sweep(str(clean.path), SweepSpec(over="heads", edit="zero", metrics=METRICS, batch=1, sequences="1"))
+    b = run_sweep(str(clean.path), SweepSpec(over="heads", edit="zero", metrics=METRICS, batch=16, sequences="1"))
+    key = ["component", "layer", "head", "sequence", "step", "metric"]
+    da = read_sweep(clean, a.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
+    db = read_sweep(clean, b.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
+    assert len(da) == len(db) == 16 * 4 * len(METRICS)
+    np.testing.assert_allclose(da.value, db.value, atol=1e-5, rtol=0)  # docs/sweep.md: batched within 1e-5
+
+
+def test_residual_patching_grid_equals_the_tests_own_causal_tracing(runs, model):
+    clean, corrupt = runs
+    # corrupted run, clean activations patched in (clean -> corrupted), at every layer and prompt position
+    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:0-3", edit="patch", source="clean",
+                                                    metrics=["logit_diff:42,7", "logprob"], steps="0,1"))
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    layers = model.model.layers
+    for seq in range(2):
+        cp, cg = _seq(clean, seq)
+        p, g = _seq(corrupt, seq)
+        P = len(p)
+        saved = {}
+        _logits(model, (cp + cg)[: P + 1], [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
+            L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in range(4)])
+        base = _logits(model, p + g)
+        for L in range(4):
+            for pos in range(min(clean.prompt_len())):
+                def patch(m, a, o, L=L, pos=pos):
+                    x = (o[0] if isinstance(o, tuple) else o).clone()
+                    x[0, pos] = saved[L][pos]
+                    return (x, *o[1:]) if isinstance(o, tuple) else x
+                own = _metrics(_logits(model, p + g, [(layers[L], "fwd", patch)]), base, P, g)
+                for metric in ("logit_diff:42,7", "logprob"):
+                    r = _cell_rows(df, "resid", L, position=pos, seq=seq)
+                    r = r[r.metric == metric].sort_values("step")
+                    np.testing.assert_allclose(r.value.to_numpy(), own[metric][:2], atol=1e-4, rtol=0,
+                                               err_msg=f"{seq} {L} {pos} {metric}")
+    # the source's own logit difference (the normaliser of patching effects) is in sweep.json; patching
+    # the last layer at the last prompt position gives step 0 exactly that value
+    info = json.loads((result.path / "sweep.json").read_text())
+    for seq in range(2):
+        cp, cg = _seq(clean, seq)
+        own = _metrics(_logits(model, cp + cg), _logits(model, cp + cg), len(cp), cg)["logit_diff:42,7"][:2]
+        np.testing.assert_allclose(info["source_baseline"][str(seq)]["logit_diff:42,7"], own, atol=1e-4, rtol=0)
+        if len(cp) == min(clean.prompt_len()):
+            r = _cell_rows(df, "resid", 3, position=len(cp) - 1, seq=seq)
+            r = r[(r.metric == "logit_diff:42,7") & (r.step == 0)]
+            assert abs(r.value.item() - own[0]) < 1e-4
+
+
+def test_head_and_block_patching_at_every_position_equals_the_tests_own(runs, model):
+    clean, corrupt = runs
+    layers = model.model.layers
+    d = model.config.hidden_size // model.config.num_attention_heads
+    for over, cell in (("heads", ("head", 1, 2)), ("mlp", ("mlp", 2, None))):
+        result = run_sweep(str(corrupt.path), SweepSpec(over=over, edit="patch", source="clean", metrics=METRICS))
+        df = read_sweep(corrupt, result.sweep_id).to_pandas()
+        comp, L, h = cell
+        for seq in range(2):
+            cp, cg = _seq(clean, seq)
+            p, g = _seq(corrupt, seq)
+            T = len(p) + len(g) - 1  # the sweep's input: up to the last step's query position
+            src = {}
+            module = layers[L].self_attn.o_proj if comp == "head" else layers[L].mlp
+            if comp == "head":
+                _logits(model, (cp + cg)[:T], [(module, "pre", lambda m, a: src.__setitem__("x", a[0][0].clone()))])
+
+                def fn(m, a):
+                    x = a[0].clone()
+                    n = min(x.shape[1], T)
+                    x[0, :n, h * d:(h + 1) * d] = src["x"][:n, h * d:(h + 1) * d]
+                    return (x,)
+                hooks = [(module, "pre", fn)]
+            else:
+                _logits(model, (cp + cg)[:T], [(module, "fwd", lambda m, a, o: src.__setitem__("x", o[0].clone()))])
+
+                def fn(m, a, o):
+                    x = o.clone()
+                    n = min(x.shape[1], T)
+                    x[0, :n] = src["x"][:n]
+                    return x
+                hooks = [(module, "fwd", fn)]
+            base = _logits(model, p + g)
+            _compare(df, cell, _metrics(_logits(model, p + g, hooks), base, len(p), g), seq)
+
+
+def test_a_run_patched_from_itself_changes_nothing(runs):
+    clean, _ = runs
+    result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="patch", source="clean", metrics=["logprob", "kl"]))
+    df = read_sweep(clean, result.sweep_id).to_pandas()
+    assert np.abs(df.effect).max() < 1e-5
+
+
+def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
+    import lmtrace.sweep as sweep_mod
+
+    clean, _ = runs
+    spec = SweepSpec(over="mlp", edit="zero", metrics=METRICS, batch=1)
+    whole = read_sweep(clean, run_sweep(str(clean.path), spec).sweep_id).to_pandas()
+    key = ["component", "layer", "sequence", "step", "metric"]
+
+    def same(a, b):
+        a, b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
+        np.testing.assert_array_equal(a.value.to_numpy(), b.value.to_numpy())
+
+    first = run_sweep(str(clean.path), spec, sweep_id="sharded", shard=(0, 2))
+    assert first.status == "shard-complete" and first.path is None
+    second = run_sweep(str(clean.path), spec, sweep_id="sharded", shard=(1, 2))
+    assert second.status == "complete"
+    same(whole, read_sweep(clean, "sharded").to_pandas())
+
+    # a sweep that dies after 3 committed blocks continues from them
+    calls = {"n": 0}
+
+    def dying(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    real = sweep_mod._atomic_parquet
+    monkeypatch.setattr(sweep_mod, "_atomic_parquet", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(str(clean.path), spec, sweep_id="killed")
+    monkeypatch.setattr(sweep_mod, "_atomic_parquet", real)
+    partial = clean.path / "sweeps" / ".partial-killed" / "blocks"
+    assert len(list(partial.glob("*.parquet"))) == 3
+    done = run_sweep(str(clean.path), spec, sweep_id="killed", resume=True)
+    assert done.status == "complete" and not partial.parent.exists()
+    same(whole, read_sweep(clean, "killed").to_pandas())
+
+
+def _cli(tmp, *args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs):
+    from lmtrace.errors import EXIT_INTERRUPTED, Interrupted
+
+    clean, _ = runs
+    spec = SweepSpec(over="heads", edit="zero", batch=1)
+    seen = {"blocks": 0}
+
+    def note(text):  # SIGTERM arrives while the sweep runs, after its second block
+        if text.startswith("block"):
+            seen["blocks"] += 1
+            if seen["blocks"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(Interrupted) as err:
+        run_sweep(str(clean.path), spec, sweep_id="term", note=note)
+    assert err.value.exit_code == EXIT_INTERRUPTED == 3 and "--resume" in str(err.value)
+    blocks = clean.path / "sweeps" / ".partial-term" / "blocks"
+    assert len(list(blocks.glob("*.parquet"))) == 2  # the block in flight was committed, nothing after it
+    done = run_sweep(str(clean.path), spec, sweep_id="term", resume=True)
+    assert done.status == "complete"
+    whole = run_sweep(str(clean.path), spec)
+    key = ["component", "layer", "head", "sequence", "step", "metric"]
+    a = read_sweep(clean, "term").to_pandas().sort_values(key).reset_index(drop=True)
+    b = read_sweep(clean, whole.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
+    assert len(a) == 16 * 2 * 4 * 4
+    np.testing.assert_array_equal(a.value.to_numpy(), b.value.to_numpy())
+
+
+BAD = [
+    (["--over", "resid:0-9", "--edit", "patch", "--source", "corrupt"], "layer 4 is out of range"),
+    (["--over", "heads", "--edit", "patch", "--source", "short"], "same token length"),
+    (["--over", "heads", "--metric", "logit_diff:\" Paris is\",7"], "not one"),
+    (["--over", "heads", "--sequences", ""], "--sequences"),  # an empty sweep
+    (["--over", "heads", "--metric", "entropy"], "unknown"),
+    (["--over", "neurons:1", "--edit", "patch", "--source", "corrupt"], "zero or mean"),
+    (["--over", "heads", "--spec", "missing.yaml"], "not found"),
+]
+
+
+def _sweep_names(run):
+    return sorted(p.name for p in (run.path / "sweeps").iterdir()) if (run.path / "sweeps").exists() else []
+
+
+@pytest.mark.parametrize("args,fragment", BAD)
+def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir, args, fragment):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    clean, _ = runs
+    if "short" in args and not (clean.path.parent / "short").exists():
+        _run(clean.path.parent.parent, sharp_llama_dir, ["The fox", "Paris is"], "short")
+    before = _sweep_names(clean)
+    result = CliRunner().invoke(app, ["sweep", str(clean.path), "--runs-dir", str(clean.path.parent), *args])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], \
+        result.stderr
+    assert _sweep_names(clean) == before
+
+
+def test_a_bad_sweep_in_a_real_process_prints_one_line_without_traceback(runs, tmp_path):
+    clean, _ = runs
+    before = _sweep_names(clean)
+    proc = _cli(tmp_path, "sweep", str(clean.path), "--over", "heads", "--metric", "logit_diff:7,99999999")
+    out, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "outside the vocabulary" in lines[0], err
+    assert "Traceback" not in out + err and _sweep_names(clean) == before
+
+
+@pytest.mark.slow
+def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path):
+    """Clean -> corrupted residual patching at every layer and prompt position of SmolLM2-135M."""
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    def run(prompts, run_id):
+        return run_spec(tmp_path, {"prompts": prompts, "capture": "none", "output": {"run_id": run_id},
+                                   "generation": {"max_new_tokens": 2, "temperature": 0}})
+    clean = run(["The Eiffel Tower is located in the city of"], "clean")
+    corrupt = run(["The Colosseum is located in the city of"], "corrupt")
+    assert list(clean.prompt_len()) == list(corrupt.prompt_len())
+    P = int(clean.prompt_len()[0])
+    paris = _seq(clean, 0)[1][0]
+    rome = _seq(corrupt, 0)[1][0]
+    assert paris != rome
+    metric = f"logit_diff:{paris},{rome}"
+    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:0-29", edit="patch", source="clean", steps="0",
+                                                    metrics=[metric, "logprob"]))
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    assert len(df) == 30 * P * 2
+    model = load_model(ModelSpec(attn_implementation="eager")).model
+    layers = model.model.layers
+    cp = _seq(clean, 0)[0]
+    p, g = _seq(corrupt, 0)
+    saved = {}
+    _logits(model, cp, [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
+        L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in range(30)])
+    grid = df[df.metric == metric].set_index(["layer", "position"]).value
+    for L in list(range(0, 30, 3)) + [29]:
+        for pos in range(P):
+            def patch(m, a, o, L=L, pos=pos):
+                x = (o[0] if isinstance(o, tuple) else o).clone()
+                x[0, pos] = saved[L][pos]
+                return (x, *o[1:]) if isinstance(o, tuple) else x
+            logits = _logits(model, p, [(layers[L], "fwd", patch)])[P - 1]
+            assert abs(grid[(L, pos)] - (logits[paris] - logits[rome]).item()) < 1e-3, (L, pos)
+    # the classic picture: patching the last layer at the last position restores the clean answer
+    baseline = df[df.metric == metric].baseline.iloc[0]
+    assert baseline < 0 < grid[(29, P - 1)]
