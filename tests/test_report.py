@@ -395,3 +395,41 @@ def test_every_view_of_every_figure_draws_in_the_browser(tiny_report, tmp_path):
     body = re.search(r"<body[^>]*>", visit.dom).group(0)
     assert f'data-views-tried="{views}"' in body, body
     assert "data-errors" not in body and visit.console == [], visit.console
+
+
+def test_head_classification_is_drawn_from_heads_parquet(tiny_run, tmp_path):
+    from lmtrace.report import report_run
+    from lmtrace.report.analysis_sections import HEAD_LABELS
+
+    assert "lmtrace heads" in html.unescape(report_run(str(tiny_run.path), out=tmp_path / "before.html")
+                                            .path.read_text())  # the note names the command
+    proc = lmtrace(tmp_path, "heads", str(tiny_run.path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    page = report_run(str(tiny_run.path), out=tmp_path / "after.html").path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    heads = pq.read_table(tiny_run.path / "analysis" / "heads.parquet").to_pylist()
+    label, sink = blob(blobs, "heads_label"), blob(blobs, "heads_sink_score")
+    for r in heads:
+        assert label[r["layer"], r["head"]] == HEAD_LABELS.index(r["label"])
+        assert sink[r["layer"], r["head"]] == np.float32(r["sink_score"])
+
+
+def test_sweep_results_are_drawn_as_a_layer_by_head_heatmap(tiny_run, tmp_path):
+    import shutil as _shutil
+
+    from lmtrace.report import report_run
+
+    run_dir = Path(_shutil.copytree(tiny_run.path, tmp_path / tiny_run.path.name))
+    proc = lmtrace(tmp_path, "sweep", str(run_dir), "--over", "heads", "--edit", "zero", "--metric", "logprob",
+                   "--metric", "kl", "--steps", "0-2", "-q")
+    assert proc.returncode == 0, proc.stderr
+    page = report_run(str(run_dir), out=tmp_path / "r.html").path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    figs = {f["id"]: f for f in page_json(page, "lmtrace-figures")}
+    assert [v["label"].split(":")[0] for v in figs["sweep-0"]["variants"]] == ["logprob", "kl"]
+    mean = pq.read_table(next((run_dir / "sweeps").glob("*/sweep_mean.parquet"))).to_pandas()
+    for metric in ("logprob", "kl"):
+        m = mean[mean.metric == metric].groupby(["layer", "head"]).effect.mean()
+        grid = blob(blobs, f"sweep_0_{metric}")
+        for (layer, head), value in m.items():
+            assert grid[int(layer), int(head)] == np.float32(value)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecError
+from .analysis_sections import heads_section, sweeps_section
 from .blobs import Blobs
 from .page import render_page
 from .run_data import RunData
@@ -87,10 +88,15 @@ def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[i
         router = router_section(data, sel, blobs)
         if router is not None:
             sections.append(router)
+        if {"attn", "attn_topk_idx"} & data.arrays:
+            sections.append(heads_section(data, blobs))
     inter = intervention_section(data, sel, blobs)
     if inter is not None:
         sections.append(inter)
     sections.append(explain_section(data, sel, blobs))
+    sweeps = sweeps_section(data, blobs)
+    if sweeps is not None:
+        sections.append(sweeps)
     m = data.manifest
     subtitle = (f"{(m.get('model') or {}).get('reference')} · {m.get('kind')} · {data.run.status} · "
                 f"created {m.get('created')}")

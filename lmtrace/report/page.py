@@ -27,7 +27,7 @@ main { padding: 8px 24px 40px; }
 section { background: white; border: 1px solid #ddd; border-radius: 6px; padding: 10px 16px; margin: 14px 0; }
 section h2 { font-size: 17px; margin: 6px 0 10px; } h3 { font-size: 14px; margin: 14px 0 6px; }
 h3 small { font-weight: normal; color: #666; }
-.note { color: #555; font-size: 13px; margin: 4px 0; } .note::before { content: "ⓘ "; color: #1f77b4; }
+.note { color: #555; font-size: 13px; margin: 4px 0; } .note::before { content: "note: "; color: #1f77b4; font-weight: 600; }
 .banner { background: #fff3cd; border: 1px solid #e0c060; padding: 8px 12px; border-radius: 4px; margin: 10px 0; }
 .strip { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 13px; line-height: 1.9;
          white-space: pre-wrap; word-break: break-word; }
