@@ -394,6 +394,46 @@ def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs
     np.testing.assert_array_equal(a.value.to_numpy(), b.value.to_numpy())
 
 
+def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
+    """`--shard 0/2` and `--shard 1/2` with one --run-id, as two real processes at once: both exit 0, exactly one
+    assembles, `sweeps/<id>/` appears once and whole, and its sweep.parquet equals the unsharded sweep bit for bit
+    (same --batch, so the same blocks: docs/sweep.md, "Equal to the unsharded sweep, bit for bit")."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    clean, _ = runs
+    sweep_id = "cli-two-shards"
+    args = ["--over", "mlp", "--edit", "zero", "--batch", "2", "--steps", "0-2", "--run-id", sweep_id, "--json",
+            *[a for m in METRICS for a in ("--metric", m)]]
+    procs = [_cli(clean.path.parent, "sweep", str(clean.path), *args, "--shard", f"{i}/2") for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "Traceback" not in out + err, err
+    # exactly one of the two assembled (the other finished first, or found the sweep done)
+    statuses = sorted(json.loads(out.strip().splitlines()[-1])["status"] for out, _ in outs)
+    assert statuses == ["complete", "shard-complete"], outs
+    root = clean.path / "sweeps"
+    assert sorted(p.name for p in root.iterdir() if sweep_id in p.name) == [sweep_id]  # no partial / temp left
+    assert [e["id"] for e in Run(clean.path).manifest["sweeps"]].count(sweep_id) == 1
+    info = json.loads((root / sweep_id / "sweep.json").read_text())
+    assert info["timings"]["shards"] == 2 and info["n_cells"] == 4
+
+    whole = run_sweep(str(clean.path), SweepSpec(over="mlp", edit="zero", metrics=METRICS, batch=2, steps="0-2"))
+    key = ["component", "layer", "head", "neuron", "position", "sequence", "step", "metric"]
+
+    def table(path):
+        return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)
+    sharded, unsharded = table(root / sweep_id), table(whole.path)
+    assert len(sharded) == 4 * 2 * 3 * len(METRICS)  # MLP blocks x sequences x steps x metrics
+    pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
+    assert unsharded[unsharded.metric == "kl"].effect.max() > 1e-2  # the cells differ: a wrong cell cannot pass
+
+
 BAD = [
     (["--over", "resid:0-9", "--edit", "patch", "--source", "corrupt"], "layer 4 is out of range"),
     (["--over", "heads", "--edit", "patch", "--source", "short"], "same token length"),
