@@ -726,12 +726,32 @@ def _pair_summary(k: int, A: _Side, B: _Side, sa: int, sb: int, matched_by: str,
     return {
         "pair": k, "seq_a": sa, "seq_b": sb, "matched_by": matched_by, "prompt": A.prompt_text[sa],
         "prompt_b": B.prompt_text[sb], "same_prompt_ids": same_prompt, "first_step": first_step,
+        "step0_logit_diff": step0_logit_diff(ga, gb) if na and nb else None,
         "same_text": text_a == text_b, "generated_len_a": na, "generated_len_b": nb,
         "stop_reason_a": A.stop_reason(sa), "stop_reason_b": B.stop_reason(sb),
         "paired_steps": n_paired, "first_divergence": div, "note": note,
         "text": {"common": "".join(text_a[:cut]), "a": "".join(text_a[cut:]), "b": "".join(text_b[cut:])},
         "paired_figures": figures, "after_divergence": after,
     }
+
+
+def step0_logit_diff(ga: dict, gb: dict) -> dict | None:
+    """logit(A's step-0 token) − logit(B's step-0 token) in each run's own step-0 distribution.
+
+    The quantity activation patching normalises by (clean vs corrupted prompt: the clean answer's
+    logit minus the corrupted answer's). Within one distribution a logit difference equals the
+    logprob difference, so it is read from the stored top-k; null on a side whose stored top-k
+    lacks one of the two tokens. None when both runs chose the same token (the difference is 0)."""
+    x, y = int(ga["token_id"][0]), int(gb["token_id"][0])
+    if x == y:
+        return None
+    known_a, known_b = _known(ga, 0), _known(gb, 0)
+
+    def diff(known: dict[int, float]) -> float | None:
+        return _f(known[x] - known[y]) if x in known and y in known else None
+
+    return {"token_a": x, "text_a": ga["token_text"][0], "token_b": y, "text_b": gb["token_text"][0],
+            "under_a": diff(known_a), "under_b": diff(known_b)}
 
 
 # ---- rankings ----------------------------------------------------------------------------------
@@ -911,6 +931,8 @@ def _pairs_table(pairs: list[dict]) -> pa.Table:
             "mean_kl_ab": f.get("mean_kl_ab"), "mean_js": f.get("mean_js"), "max_js": f.get("max_js"),
             "top1_agreement": f.get("top1_agreement"),
             "text_common": p["text"]["common"], "text_a": p["text"]["a"], "text_b": p["text"]["b"],
+            "step0_logit_diff_under_a": (p.get("step0_logit_diff") or {}).get("under_a"),
+            "step0_logit_diff_under_b": (p.get("step0_logit_diff") or {}).get("under_b"),
         })
     schema = pa.schema([("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("matched_by", pa.string()),
                         ("prompt", pa.string()), ("same_prompt_ids", pa.bool_()), ("generated_len_a", pa.int32()),
@@ -918,7 +940,8 @@ def _pairs_table(pairs: list[dict]) -> pa.Table:
                         ("first_divergence_step", pa.int32()), ("divergence_kind", pa.string()),
                         ("token_a", pa.int32()), ("token_b", pa.int32()), ("mean_kl_ab", pa.float64()),
                         ("mean_js", pa.float64()), ("max_js", pa.float64()), ("top1_agreement", pa.float64()),
-                        ("text_common", pa.string()), ("text_a", pa.string()), ("text_b", pa.string())])
+                        ("text_common", pa.string()), ("text_a", pa.string()), ("text_b", pa.string()),
+                        ("step0_logit_diff_under_a", pa.float64()), ("step0_logit_diff_under_b", pa.float64())])
     return pa.Table.from_pylist(_clean(rows), schema=schema)
 
 

@@ -432,6 +432,11 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
         console.print(texts)
         if d is not None and d.get("explanation"):
             console.print(Text(f"  step {d['step']}: {d['explanation']}", style="dim"))
+        ld = p.get("step0_logit_diff")
+        if ld is not None:
+            console.print(Text(f"  step-0 logit difference, A's {ld['text_a']!r} − B's {ld['text_b']!r}: under A "
+                               f"{_cmp_num(ld['under_a'])}, under B {_cmp_num(ld['under_b'])} nats "
+                               f"(– = a token outside that run's stored top-k)", style="dim"))
 
     steps = _cmp_top_steps(cmp, top)
     exact = any(r.get("exact_js") is not None for r in steps)

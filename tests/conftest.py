@@ -34,6 +34,18 @@ def run_spec(tmp_path: Path, data: dict) -> Run:
     return Run(result.run_dir)
 
 
+def rerecord_checksums(path: Path) -> None:
+    """After a test has edited a complete run's files on purpose (a hand-made archive, not a damaged
+    one): record their checksums again, as the writer does at completion."""
+    import json
+
+    from lmtrace.archive.integrity import record
+
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    manifest["checksums"] = record(Path(path))
+    (Path(path) / "manifest.json").write_text(json.dumps(manifest))
+
+
 def with_lens(run: Run) -> Run:
     """The run after `lmtrace lens` (the deferred logit lens, the default), reopened.
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import PROMPTS, run_spec, with_lens
+from conftest import PROMPTS, rerecord_checksums, run_spec, with_lens
 from lmtrace.cli import app
 from lmtrace.compare import compare_runs
 
@@ -325,6 +325,7 @@ def test_cli_json_out_and_refusals(runs, tmp_path):
     texts = ["@@" + texts[0]] + texts[1:]
     pq.write_table(tokens.set_column(tokens.schema.get_field_index("token_text"), "token_text",
                                      pa.array(texts, pa.string())), renamed / "tokens.parquet")
+    rerecord_checksums(renamed)  # a run whose tokenizer decodes differently, not a damaged one
     res = cli.invoke(app, ["compare", str(a.path), str(renamed)])
     assert res.exit_code == 2 and "decode differently" in res.stderr
     res = cli.invoke(app, ["compare", str(a.path), str(b.path), "--pair", "nearest"])
@@ -383,6 +384,7 @@ def test_a_sequence_that_stopped_earlier_diverges_by_length(runs, tmp_path):
     df = tokens.to_pandas()
     keep = ~((df.sequence == 0) & (df.step >= 3))  # sequence 0 stopped after 3 tokens (say, on eos)
     pq.write_table(tokens.filter(pa.array(keep.to_numpy())), short / "tokens.parquet")
+    rerecord_checksums(short)  # an archive made this way, not a damaged one
     cmp = compare_runs(a.path, short)
     p = cmp.pairs[0]
     assert p["first_divergence"]["step"] == 3 and p["first_divergence"]["kind"] == "length"
@@ -491,3 +493,36 @@ def test_exact_kl_equals_the_full_vocabulary_kl_of_the_two_models(runs):
         checked += 1
     assert checked >= 3 and any("--exact" in n for n in cmp.notes)
     assert CliRunner().invoke(app, ["compare", str(a.path), str(b.path), "--exact-steps", "1"]).exit_code == 2
+
+
+@pytest.mark.slow
+def test_clean_and_corrupted_prompts_report_the_step0_logit_difference(tmp_path):
+    """The patching normaliser: logit(clean answer) − logit(corrupted answer) in each run's step 0,
+    against the model's own forward on each prompt."""
+    import torch
+
+    from conftest import Reference
+
+    spec = {"prompts": ["The capital of France is the city of"], "generation": {"max_new_tokens": 1},
+            "capture": {"alternatives": 1000, "attention": {"enabled": False}, "qkv": False, "ffn": {"enabled": False},
+                        "lens": {"enabled": False}}}
+    clean = run_spec(tmp_path / "clean", spec)
+    corrupt = run_spec(tmp_path / "corrupt", {**spec, "prompts": ["The capital of Italy is the city of"]})
+    ga, gb = _gen(clean, 0), _gen(corrupt, 0)
+    x, y = int(ga.token_id.iloc[0]), int(gb.token_id.iloc[0])
+    assert x != y, (ga.token_text.iloc[0], gb.token_text.iloc[0])
+    cmp = compare_runs(clean.path, corrupt.path, pair="index")
+    d = cmp.pairs[0]["step0_logit_diff"]
+    assert (d["token_a"], d["token_b"]) == (x, y)
+    ref = Reference("embedded:smollm2-135m")
+    for run, key in ((clean, "under_a"), (corrupt, "under_b")):
+        t = run.tokens().to_pandas()
+        ids = t[t.is_prompt].sort_values("position").token_id.tolist()
+        with torch.inference_mode():
+            logits = ref.forward(ids)["logits"][-1]
+        assert d[key] == pytest.approx(float(logits[x] - logits[y]), abs=1e-3)
+    # with the default 10 alternatives the corrupted run does not store the clean answer: null, not a guess
+    few = compare_runs(clean.path, run_spec(tmp_path / "few", {**spec, "capture": "none",
+                                                                 "prompts": ["The capital of Italy is the city of"]}).path,
+                       pair="index").pairs[0]["step0_logit_diff"]
+    assert few["under_a"] == pytest.approx(d["under_a"], abs=1e-5) and few["under_b"] is None

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from conftest import run_spec
+from conftest import rerecord_checksums, run_spec
 from test_cli_errors import assert_one_line_error, lmtrace
 
 # A random word sequence said several times: the second half repeats the first (induction targets).
@@ -136,17 +136,8 @@ def _set_rows_by_hand(path: Path) -> dict[tuple[int, int], str]:
                     A[seq, step, li, h, :] = np.nan
                     A[seq, step, li, h, : q + 1] = row(kind, q, t)
     attn[...], pre[...] = A, PA
-    _rerecord_checksums(path)  # a run made this way, not a damaged one
+    rerecord_checksums(path)  # a run made this way, not a damaged one
     return {(li, h): labels[k] for li, heads in kinds.items() for h, k in enumerate(heads)}
-
-
-def _rerecord_checksums(path) -> None:
-    """The archive's checksums as if its rows had been written by generate (lmtrace verify passes)."""
-    from lmtrace.archive.integrity import record
-
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["checksums"] = record(path)
-    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_hand_set_heads_get_their_labels_and_the_tests_own_scores(base, tmp_path):

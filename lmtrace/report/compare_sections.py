@@ -48,6 +48,11 @@ def pairs_section(cmp, blobs: Blobs) -> Section:
                      f"</tr></table>")
         if d is not None and d.get("explanation"):
             sec.html += f"<p class='note'>{esc(d['explanation'])}</p>"
+        ld = p.get("step0_logit_diff")
+        if ld is not None:
+            sec.html += (f"<p>step-0 logit difference, A's {esc(repr(ld['text_a']))} − B's {esc(repr(ld['text_b']))}: "
+                         f"under A {esc(_fmt(ld['under_a']))}, under B {esc(_fmt(ld['under_b']))} nats "
+                         f"(– where a run did not store one of the tokens; docs/compare.md)</p>")
         idx = [i for i, pk in enumerate(steps.get("pair", [])) if pk == k]
         if not idx:
             continue
