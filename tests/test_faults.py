@@ -513,3 +513,37 @@ def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(com
     assert out.returncode == 0, out.stderr
     assert _run(["verify", a.name], runs, quiet=False).returncode == 0
     assert_same_archive(with_lens(Run(_copy(complete_runs[0], tmp_path / "clean"))), Run(a))
+
+
+def test_a_killed_intervene_child_is_never_complete_and_keeps_its_flushed_steps(tmp_path, tiny_llama_dir):
+    """SIGKILL while an intervention child is being written: the child says it is not complete, is
+    readable up to its last committed block, and its id stays taken (a second child with it is refused)."""
+    import warnings
+
+    from lmtrace.archive.reader import IncompleteRunWarning
+
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=400, batch_size=1, temperature=0.0)
+    assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
+    proc = _start(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
+    deadline, committed = time.time() + 120, 0
+    while time.time() < deadline and committed < 8:
+        try:
+            batches = json.loads((runs / "kid" / "progress" / "shard-0-of-1.json").read_text())["batches"]
+            committed = min(b["committed_steps"] for b in batches.values())
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert committed >= 8, "the child never committed a block"
+    manifest = json.loads((runs / "kid" / "manifest.json").read_text())
+    assert manifest["status"] != "complete" and manifest["kind"] == "intervene"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        kid = Run(runs / "kid")
+        gen = kid.tokens().to_pandas()
+    steps = sorted(gen[(gen.sequence == 0) & ~gen.is_prompt].step.tolist())
+    assert steps[:8] == list(range(8))
+    again = _run(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
+    assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
