@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import Interrupted, LmtraceError, SpecError
+from .generate import StopFlag
 from .interventions import EditSet, component_means, parse_entries, parse_range_list
 
 SWEEPS_DIR = "sweeps"
@@ -530,26 +530,6 @@ def _flock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-class _Stop:
-    """SIGTERM / SIGINT: finish the current block, then stop (exit 3)."""
-
-    def __init__(self):
-        self.signal = None
-
-    @contextmanager
-    def installed(self):
-        def handler(signum, frame):
-            if self.signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.signal = signum
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-
 @dataclass
 class SweepResult:
     sweep_id: str
@@ -733,7 +713,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
                                                   "n_cells": len(cells), "created": now_iso()})
             (tmp / "blocks").mkdir()
             os.replace(tmp, partial)
-    stop = _Stop()
+    stop = StopFlag()  # SIGTERM / SIGINT: finish the current block, then stop (exit 3)
     baseline_check = {}
     source_baseline: dict[str, dict] = {}  # patch: the source's own unedited logit_diff per measured step
     t_model = time.time()
