@@ -11,7 +11,7 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
                 accounts for. No target.
-  default       `lmtrace.generate.run_generate` with the default capture (attention rows, q/k/v,
+  default       `lmtrace.commands.generate.run_generate` with the default capture (attention rows, q/k/v,
                 FFN top-k, norms, margin contributions, and the float32 residual at every layer for
                 the deferred logit lens) streamed to a run archive. Its deferred lens is then
                 computed as `lmtrace lens` does, and that time (model load excluded) is reported
@@ -105,10 +105,10 @@ import yaml  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()  # read before anything can change it
 
-from lmtrace.generate import Progress, run_generate  # noqa: E402
-from lmtrace.kv_cache import StackedCache  # noqa: E402
+from lmtrace.commands.generate import Progress, run_generate  # noqa: E402
+from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
 from lmtrace.models import load_model  # noqa: E402
-from lmtrace.runs import dir_size, package_versions  # noqa: E402
+from lmtrace.archive.runs import dir_size, package_versions  # noqa: E402
 from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
@@ -311,7 +311,7 @@ def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: s
     }
     if deferred_lens and config == "default":
         from lmtrace.archive.reader import Run
-        from lmtrace.deferred_lens import compute_lens
+        from lmtrace.commands.lens import compute_lens
 
         summary = compute_lens(Run(run_dir))
         info["lens_s"] = summary["seconds"] - summary["model_load_s"]

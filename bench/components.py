@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 import yaml  # noqa: E402
 
-from lmtrace import attention, attention_rows, probes, tracer  # noqa: E402
-from lmtrace import generate as gen  # noqa: E402
+from lmtrace.capture import attention, attention_rows, probes, tracer  # noqa: E402
+from lmtrace.commands import generate as gen  # noqa: E402
 from lmtrace.archive import writer  # noqa: E402
 from lmtrace.models import load_model  # noqa: E402
 from lmtrace.spec import ModelSpec, build_spec  # noqa: E402

@@ -29,7 +29,7 @@ PROMPT = ("The history of the city of Paris begins with a small settlement of a 
 def lmtrace(runs: Path, *args: str) -> tuple[float, str]:
     env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli.main", *args], env=env, capture_output=True, text=True,
                           cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"lmtrace {' '.join(args)} failed: {proc.stderr.strip()}")

@@ -118,7 +118,7 @@ class LensCapture(_Strict):
     # `lmtrace lens RUN` computes the lens from it later, exactly as inline would; inline: per step
     # during generation (~20 ms a step on a 2-core CPU, see docs/archive.md "Cost").
     when: Literal["deferred", "inline"] = "deferred"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.lens)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.capture.lens)
 
 
 class CaptureSpec(_Strict):

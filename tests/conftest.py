@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
 
 from lmtrace.archive.reader import Run  # noqa: E402
-from lmtrace.generate import run_generate  # noqa: E402
+from lmtrace.commands.generate import run_generate  # noqa: E402
 from lmtrace.spec import build_spec  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three, four, five, six, seven,"]
@@ -52,7 +52,7 @@ def with_lens(run: Run) -> Run:
     Checks it really was deferred and pending, so a test that reads lens arrays through this
     helper exercises lmtrace/deferred_lens.py, not the inline lens."""
     from lmtrace.archive.reader import lens_state
-    from lmtrace.deferred_lens import compute_lens
+    from lmtrace.commands.lens import compute_lens
 
     assert run.manifest["lens"]["when"] == "deferred" and lens_state(run.manifest) == "pending", run.manifest["lens"]
     assert compute_lens(run)["computed"] is True

@@ -504,7 +504,7 @@ def test_family_with_missing_modules_fails_naming_the_class():
     """A model_type we know with a module tree we do not: refused at adapter time, not half-way."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lmtrace.arch import adapter_for
+    from lmtrace.capture.arch import adapter_for
     from lmtrace.errors import UnsupportedArchitectureError
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -516,7 +516,7 @@ def test_family_with_missing_modules_fails_naming_the_class():
 
 # ---------------------------------------------------------------------------------------------
 def render_table(results: dict[str, dict]) -> str:
-    from lmtrace.arch import FAMILIES
+    from lmtrace.capture.arch import FAMILIES
 
     lines = [
         "# Supported architectures",

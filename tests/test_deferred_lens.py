@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from conftest import PROMPTS, Reference, run_spec
 from lmtrace.archive.reader import IncompleteRunWarning, Run, lens_state
-from lmtrace.cli import app
-from lmtrace.compare import compare_runs
-from lmtrace.deferred_lens import compute_lens
+from lmtrace.cli.main import app
+from lmtrace.commands.compare import compare_runs
+from lmtrace.commands.lens import compute_lens
 from lmtrace.errors import ArchiveError
 from test_cli_errors import assert_one_line_error, lmtrace
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import run_spec
-from lmtrace import explain as ex
+from lmtrace.commands import explain as ex
 from lmtrace.errors import ArchiveError, ModelLoadError, SpecError
 
 TOL = 1e-4
@@ -296,7 +296,7 @@ def test_bad_requests_fail_clearly(forward_only_run):
 def test_cli_shows_context_and_top_contributors(forward_only_run):
     from typer.testing import CliRunner
 
-    from lmtrace.cli import app
+    from lmtrace.cli.main import app
 
     runner = CliRunner()
     out = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "1", "-m", "grad_x_input",
@@ -383,7 +383,7 @@ def test_integrated_gradients_never_take_a_gradient_at_the_baseline_and_report_n
 def test_cli_strict_exits_1_when_not_converged_and_json_is_strict(forward_only_run):
     from typer.testing import CliRunner
 
-    from lmtrace.cli import app
+    from lmtrace.cli.main import app
 
     runner = CliRunner()
     args = ["explain", str(forward_only_run.path), "--steps", "2", "-m", "ig", "--baseline", "zero", "--ig-rule",
@@ -403,7 +403,7 @@ def test_cli_strict_exits_1_when_not_converged_and_json_is_strict(forward_only_r
 @pytest.fixture(scope="module")
 def ablated_child(tmp_path_factory, tiny_llama_dir):
     from lmtrace.archive.reader import Run
-    from lmtrace.intervene import run_intervene
+    from lmtrace.commands.intervene import run_intervene
 
     root = tmp_path_factory.mktemp("child")
     parent = run_spec(root, {"model": str(tiny_llama_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
@@ -458,7 +458,7 @@ def test_explain_on_an_ablation_child_replays_its_edits(ablated_child, model):
 def test_explain_refuses_a_child_whose_edits_cannot_be_replayed(ablated_child, tmp_path):
     from typer.testing import CliRunner
 
-    from lmtrace.cli import app
+    from lmtrace.cli.main import app
 
     _, child = ablated_child
     moved = tmp_path / child.path.name

@@ -131,7 +131,7 @@ def test_shard_without_run_id_is_refused_before_the_model_load(tmp_path, tiny_ll
 
 
 def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_llama_dir, monkeypatch):
-    import lmtrace.generate as gen
+    import lmtrace.commands.generate as gen
     from lmtrace.errors import LmtraceError
     from tests.conftest import run_spec
 
@@ -164,7 +164,7 @@ def test_sigterm_while_loading_exits_3_and_writes_nothing(tmp_path, tiny_llama_d
 def _cli(args, runs: Path):
     from typer.testing import CliRunner
 
-    from lmtrace.cli import app
+    from lmtrace.cli.main import app
 
     result = CliRunner().invoke(app, [*args], env={"LMTRACE_RUNS_DIR": str(runs)})
     return result.exit_code, result.stdout, result.stderr
@@ -328,7 +328,7 @@ def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny
 def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
     import warnings
 
-    import lmtrace.generate as gen
+    import lmtrace.commands.generate as gen
     from lmtrace.archive import layout
     from tests.conftest import run_spec
 
@@ -349,7 +349,7 @@ def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_
 def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_dir):
     import yaml
 
-    from lmtrace.generate import Shard, run_generate
+    from lmtrace.commands.generate import Shard, run_generate
     from lmtrace.spec import build_spec
 
     data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],
@@ -444,7 +444,7 @@ def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, lo
 
 def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_the_free_space(tmp_path, long_llama_dir,
                                                                                             monkeypatch):
-    import lmtrace.validate as validate
+    import lmtrace.commands.validate as validate
 
     spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000)
     monkeypatch.setattr(validate, "_free_bytes", lambda root: 50 * 2**30)

@@ -9,7 +9,7 @@ import torch
 from conftest import PROMPTS, run_spec, with_lens
 from lmtrace.archive.reader import Run
 from lmtrace.errors import SpecError
-from lmtrace.intervene import run_intervene
+from lmtrace.commands.intervene import run_intervene
 from lmtrace.models import load_model
 from lmtrace.spec import ModelSpec
 
@@ -444,7 +444,7 @@ def test_expert_masking_needs_experts(parent):
 
 
 def test_shorthands_take_mean_and_span_names():
-    from lmtrace.interventions import shorthand_entries
+    from lmtrace.capture.interventions import shorthand_entries
 
     got = shorthand_entries(["1.2:mean", "0.1"], ["3:mean"], ["2"], ["1:mean"], ["0:4,6-7:mean"], ["user", "1-2"])
     assert got == [

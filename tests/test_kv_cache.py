@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmtrace.kv_cache import StackedCache, StackedLayer
+from lmtrace.capture.kv_cache import StackedCache, StackedLayer
 
 D = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
          max_position_embeddings=128)
@@ -92,7 +92,7 @@ def test_llama_rows_come_from_one_product_over_the_stack(tmp_path, tiny_llama_di
     for sliding windows): otherwise the rows stay right (other tests) but cost ~3 ms more a step."""
     from conftest import PROMPTS, run_spec
 
-    from lmtrace.attention_rows import BatchedRows
+    from lmtrace.capture.attention_rows import BatchedRows
 
     served: list[list[int]] = []
     rows = BatchedRows.rows

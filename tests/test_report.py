@@ -199,8 +199,8 @@ def test_deferred_lens_not_computed_names_the_command(tmp_path, tiny_llama_dir):
 def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_llama_dir):
     import pyarrow.parquet as pq
 
-    from lmtrace.explain import explain_run
-    from lmtrace.intervene import run_intervene
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.commands.intervene import run_intervene
     from lmtrace.report import report_run
 
     result, effects = run_intervene(str(tiny_run.path), [{"kind": "ablate_head", "layer": 1, "head": 2}])
@@ -229,7 +229,7 @@ def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_l
     page = out.read_text()
     ids = {f["id"] for f in page_json(page, "lmtrace-figures")}
     assert {"cmp-timeline-0", "cmp-timeline-1", "cmp-layers", "cmp-heads"} <= ids
-    from lmtrace.compare import compare_runs
+    from lmtrace.commands.compare import compare_runs
 
     cmp = compare_runs(str(a.path), str(b.path))
     js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from lmtrace.sampling import Sampler, choose, draw_seed, stability_class, uniforms
+from lmtrace.capture.sampling import Sampler, choose, draw_seed, stability_class, uniforms
 
 
 def _reference_filter(logits, temperature, top_k, top_p):

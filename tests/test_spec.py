@@ -305,7 +305,7 @@ def test_relative_prompt_file_is_resolved_against_the_spec_directory(tmp_path, m
 # ---- validate's model inspection (no weights) ------------------------------------------------
 def test_gguf_header_gives_the_embedded_model_sizes():
     from lmtrace.models import _embedded_gguf
-    from lmtrace.validate import _gguf_config
+    from lmtrace.commands.validate import _gguf_config
 
     cfg = _gguf_config(_embedded_gguf("smollm2-135m"))
     assert cfg["num_hidden_layers"] == 30 and cfg["num_attention_heads"] == 9 and cfg["hidden_size"] == 576
@@ -315,7 +315,7 @@ def test_gguf_header_gives_the_embedded_model_sizes():
 def test_classify_model_agrees_with_locate(tmp_path):
     from lmtrace.models import locate
     from lmtrace.spec import ModelSpec
-    from lmtrace.validate import classify_model
+    from lmtrace.commands.validate import classify_model
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
@@ -332,7 +332,7 @@ def test_classify_model_agrees_with_locate(tmp_path):
 
 
 def test_validate_spec_checks_layers_against_the_model(tmp_path):
-    from lmtrace.validate import validate_spec
+    from lmtrace.commands.validate import validate_spec
 
     path = tmp_path / "s.yaml"
     path.write_text("prompts: [hi]\ncapture:\n  layers: [0, -1]\n")

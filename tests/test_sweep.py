@@ -20,7 +20,7 @@ import torch
 
 from conftest import run_spec
 from lmtrace.archive.reader import Run
-from lmtrace.sweep import SweepSpec, read_sweep, run_sweep
+from lmtrace.commands.sweep import SweepSpec, read_sweep, run_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 CLEAN = ["The quick brown fox", "Paris is the capital of"]
@@ -214,7 +214,7 @@ def test_ablation_cells_equal_the_tests_own_edited_forward(runs, model, over, mo
 
 
 def test_a_sweep_cell_equals_the_intervene_child(runs):
-    from lmtrace.intervene import run_intervene
+    from lmtrace.commands.intervene import run_intervene
 
     clean, _ = runs
     result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="mean", metrics=["logprob"], batch=16))
@@ -323,7 +323,7 @@ def test_a_run_patched_from_itself_changes_nothing(runs):
 
 
 def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
-    import lmtrace.sweep as sweep_mod
+    import lmtrace.commands.sweep as sweep_mod
 
     clean, _ = runs
     spec = SweepSpec(over="mlp", edit="zero", metrics=METRICS, batch=1)
@@ -453,7 +453,7 @@ def _sweep_names(run):
 def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir, args, fragment):
     from typer.testing import CliRunner
 
-    from lmtrace.cli import app
+    from lmtrace.cli.main import app
 
     clean, _ = runs
     if "short" in args and not (clean.path.parent / "short").exists():

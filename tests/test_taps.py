@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lmtrace.taps import tap
+from lmtrace.capture.taps import tap
 
 
 class Double(torch.nn.Module):

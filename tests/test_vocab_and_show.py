@@ -105,7 +105,7 @@ def test_a_run_without_vocab_parquet_reads_the_texts_its_tokens_table_saw(run, d
 def test_shards_and_a_run_that_lacks_it_get_vocab_parquet(tiny_llama_dir, tmp_path, decoded):
     import yaml
 
-    from lmtrace.generate import Shard, run_generate
+    from lmtrace.commands.generate import Shard, run_generate
     from lmtrace.spec import build_spec
 
     data = {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
@@ -121,7 +121,7 @@ def test_shards_and_a_run_that_lacks_it_get_vocab_parquet(tiny_llama_dir, tmp_pa
 
 
 def test_an_intervene_child_has_a_vocabulary_and_effects_as_text(run, decoded):
-    from lmtrace.intervene import run_intervene
+    from lmtrace.commands.intervene import run_intervene
 
     result, effects = run_intervene(str(run.path), [{"kind": "ablate_layer", "layer": 1}])
     assert pq.read_table(result.run_dir / "vocab.parquet").column("text").to_pylist() == decoded

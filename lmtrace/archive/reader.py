@@ -26,7 +26,7 @@ class Run:
     """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
 
     def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True):
-        from ..runs import read_manifest
+        from .runs import read_manifest
 
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
@@ -297,7 +297,7 @@ def lens_state(manifest: dict) -> str:
 
 def open_run(path_or_id: str | Path, runs_dir: str | Path | None = None, *, require_complete: bool = False) -> Run:
     """Open a run by directory path or by id (prefix) under `runs_dir` / $LMTRACE_RUNS_DIR / ./runs."""
-    from ..runs import find_run, runs_root
+    from .runs import find_run, runs_root
 
     root = Path(runs_dir) if runs_dir is not None else runs_root()
     return Run(find_run(str(path_or_id), root), require_complete=require_complete)

@@ -40,12 +40,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .archive import layout
-from .archive.reader import IncompleteRunWarning, Run
-from .errors import ArchiveError, LmtraceError, SpecError
-from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, EditSet, MaskExperts, MaskPositions, Steer, _Ablation,
+from ..archive import layout
+from ..archive.reader import IncompleteRunWarning, Run
+from ..errors import ArchiveError, LmtraceError, SpecError
+from ..capture.interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, EditSet, MaskExperts, MaskPositions, Steer, _Ablation,
                             component_means, load_steer_vector, parse_entries, routing_rule)
-from .runs import find_run, new_run_id, now_iso, read_manifest, runs_root
+from ..archive.runs import find_run, new_run_id, now_iso, read_manifest, runs_root
 
 EXPLAIN_DIR = "explain"
 SCORES_PARTS = "scores.parts"  # explain/scores.parts/<explain_id>.parquet: one Parquet dataset for all invocations
@@ -577,7 +577,7 @@ def _runner_up(chosen: int, alt_ids) -> int:
 # Model loading
 def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda text: None) -> tuple[Scorer, dict]:
     """The run's model in float32 with eager attention (gradients and masks behave the same everywhere)."""
-    from .models import load_run_model
+    from ..models import load_run_model
 
     needing = ", ".join(m for m in methods if METHODS[m].needs_model)
     loaded = load_run_model(run.manifest, run.id, purpose=f"method(s) {needing} (attention_rollout does not need them)",
@@ -646,8 +646,8 @@ class ContextEdits(EditSet):
 def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> ContextEdits | None:
     """The edits an intervention child was generated under, ready to install on the explain model
     (None for an ordinary run). Refuses (exit 2) edit kinds that cannot be replayed under gradients."""
-    from .arch import adapter_for
-    from .archive.reader import open_run
+    from ..capture.arch import adapter_for
+    from ..archive.reader import open_run
     from .intervene import ParentView, _chat_span_ranges, _tokenizer_of
 
     m = run.manifest
@@ -761,7 +761,7 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
     run, open_notes = _open(run_ref, runs_dir)
     for text in open_notes:
         note_(text)
-    from .liveness import OwnerLock, pause_for_tests
+    from ..archive.liveness import OwnerLock, pause_for_tests
 
     # One explain writer of a run at a time: a second exits 2 naming the holder's pid.
     owner = OwnerLock(run.path, "explain", run.id).acquire()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .errors import EXIT_RUN_FAILED, LmtraceError
+from ..errors import EXIT_RUN_FAILED, LmtraceError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Trace what happens inside a causal language model while it generates.")
@@ -56,7 +56,7 @@ def _interrupt_on_signals() -> None:
     the loop replaces these handlers with its own finish-the-step flag (generate.StopFlag)."""
     import signal
 
-    from .errors import Interrupted
+    from ..errors import Interrupted
 
     def handler(signum, frame):
         raise Interrupted(f"interrupted by signal {signum} outside the generation loop (loading, starting or finishing)")
@@ -135,39 +135,39 @@ def generate(
     log_json: bool = typer.Option(False, "--log-json", help="Progress and events as JSON lines on stderr."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
-    from .spec import load_spec
+    from ..spec import load_spec
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
         _interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
-            from .generate import parse_shard
+            from ..commands.generate import parse_shard
 
             shard_obj, slurm_run_id = parse_shard(shard)
         if resume:
-            from .resume import spec_for_resume
+            from ..commands.resume import spec_for_resume
 
             spec, text = spec_for_resume(resume, runs_dir, set_)
             run_id = spec.output.run_id
         else:
             if spec_path is None:
-                from .errors import SpecError
+                from ..errors import SpecError
 
                 raise SpecError("give a SPEC file, or --resume RUN_ID")
             run_id = run_id or slurm_run_id
             overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
             spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
         if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
-            from .errors import SpecError
+            from ..errors import SpecError
 
             raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
                             "slurm-<SLURM_ARRAY_JOB_ID>)")
-        from .validate import preflight
+        from ..commands.validate import preflight
 
         preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
-        from .generate import Progress, check_target, parse_shard, run_generate
-        from .runs import runs_root
+        from ..commands.generate import Progress, check_target, parse_shard, run_generate
+        from ..archive.runs import runs_root
 
         if shard_obj is None:
             shard_obj, _ = parse_shard(None)
@@ -185,7 +185,7 @@ def generate(
     if log_json:
         reporter.message(f"run {result.run_id}: {result.status}", event="finished", **summary)
     if result.status.startswith("shard-complete-others-failed:"):
-        from .errors import EXIT_PARTIAL_SHARDS
+        from ..errors import EXIT_PARTIAL_SHARDS
 
         others = result.status.split(":", 1)[1]
         typer.echo(f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
@@ -211,7 +211,7 @@ def validate(
     json_out: bool = typer.Option(False, "--json", help="Print the resolved spec and estimate as JSON."),
 ):
     """Check a spec, print it resolved with an archive-size estimate. Loads no model weights."""
-    from .validate import validate_spec
+    from ..commands.validate import validate_spec
 
     try:
         report = validate_spec(spec_path, list(set_))
@@ -234,7 +234,7 @@ def ls_(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """List runs: id, status, model, prompts, tokens, size, created."""
-    from .views import list_table
+    from ..commands.views import list_table
 
     try:
         list_table(runs_dir, json_out)
@@ -260,7 +260,7 @@ def show(
     entropy, stability, its alternatives and (once `lmtrace lens` has run) the logit lens of every
     captured layer, ids read as text.
     """
-    from .views import show_run
+    from ..commands.views import show_run
 
     try:
         show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence)
@@ -275,7 +275,7 @@ def verify(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
-    from .views import verify_run
+    from ..commands.views import verify_run
 
     try:
         code = verify_run(run, runs_dir, json_out)
@@ -303,8 +303,8 @@ def intervene(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
-    from .generate import Progress
-    from .intervene_cli import intervene_command
+    from ..commands.generate import Progress
+    from .intervene import intervene_command
 
     reporter = _Reporter(quiet or json_out)
     try:
@@ -347,7 +347,7 @@ def sweep(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
-    from .sweep_cli import sweep_command
+    from .sweep import sweep_command
 
     reporter = _Reporter(quiet or json_out)
     try:
@@ -390,7 +390,7 @@ def explain(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Attribute archived generated tokens to their context positions; results go into the run."""
-    from .explain import Settings, explain_command
+    from ..commands.explain import Settings, explain_command
 
     try:
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
@@ -413,8 +413,8 @@ def lens(
     """Compute the deferred logit lens of complete runs from their archived residual stream."""
     import warnings
 
-    from .archive.reader import IncompleteRunWarning, open_run
-    from .deferred_lens import compute_lens
+    from ..archive.reader import IncompleteRunWarning, open_run
+    from ..commands.lens import compute_lens
 
     reporter = _Reporter(quiet or json_out)
     try:
@@ -445,7 +445,7 @@ def heads(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
-    from .heads import heads_command
+    from ..commands.heads import heads_command
 
     try:
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
@@ -472,7 +472,7 @@ def compare(
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ):
     """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
-    from .views import compare_view
+    from ..commands.views import compare_view
 
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
@@ -506,10 +506,10 @@ def report(
 ):
     """Write a self-contained HTML report of a run (or of two runs compared); works offline."""
     try:
-        from .report import report_compare, report_run
+        from ..report import report_compare, report_run
 
         if png is not None and svg is not None:
-            from .errors import SpecError
+            from ..errors import SpecError
 
             raise SpecError("give --png DIR or --svg DIR, not both")
         images, fmt = (svg, "svg") if svg is not None else (png, "png")
@@ -520,7 +520,7 @@ def report(
             result = report_compare(runs[0], runs[1], runs_dir=runs_dir, out=out, pair=pair,
                                     allow_incomplete=allow_incomplete, png_dir=images, image_format=fmt)
         else:
-            from .errors import SpecError
+            from ..errors import SpecError
 
             raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
     except BaseException as err:  # noqa: BLE001

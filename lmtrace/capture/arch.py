@@ -6,7 +6,7 @@ Standard names (used by probes, interventions and the archive):
   layers[i]        decoder block i             output: residual stream after block i   [batch, pos, d_model]
   attn(i)          attention module of block i  output[0]: attention output (after o_proj) [batch, pos, d_model]
   q/k/v            what the block hands to the attention kernel (post-rotary, post q/k-norm, before any
-                   GQA repetition), observed in `lmtrace.attention`, whatever the projection layout
+                   GQA repetition), observed in `lmtrace.capture.attention`, whatever the projection layout
                    (separate q/k/v_proj, fused c_attn / query_key_value / qkv_proj)
   o_proj(i)        output projection            input: concatenated head outputs        [batch, pos, heads*head_dim]
   mlp(i)           MLP block                    output: MLP output                      [batch, pos, d_model]
@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .errors import UnsupportedArchitectureError
+from ..errors import UnsupportedArchitectureError
 
 
 def _get(obj, path: str):

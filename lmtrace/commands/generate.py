@@ -16,20 +16,20 @@ import pyarrow as pa
 import torch
 import yaml
 
-from . import attention
-from .arch import adapter_for, sdpa_refused
-from .archive import layout
-from .archive.layout import RunShape
-from .archive.writer import ArchiveWriter, BackgroundWriter, write_vocab
-from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
-from .models import LoadedModel, check_run_model, load_model
-from .lens import CANDIDATES as LENS_CANDIDATES
-from .probes import Probes
-from .prompts import load_prompts
-from .runs import RunLog, create_run_dir, host_info, now_iso, package_versions, runs_root, write_manifest
-from .sampling import Sampler, stability_class
-from .spec import RunSpec, resolve_layers, resolve_vector_layers
-from .tracer import ForcedTokens, StepResult, Tracer
+from ..capture import attention
+from ..capture.arch import adapter_for, sdpa_refused
+from ..archive import layout
+from ..archive.layout import RunShape
+from ..archive.writer import ArchiveWriter, BackgroundWriter, write_vocab
+from ..errors import Interrupted, LmtraceError, ModelLoadError, SpecError
+from ..models import LoadedModel, check_run_model, load_model
+from ..capture.lens import CANDIDATES as LENS_CANDIDATES
+from ..capture.probes import Probes
+from ..prompts import load_prompts
+from ..archive.runs import RunLog, create_run_dir, host_info, now_iso, package_versions, runs_root, write_manifest
+from ..capture.sampling import Sampler, stability_class
+from ..spec import RunSpec, resolve_layers, resolve_vector_layers
+from ..capture.tracer import ForcedTokens, StepResult, Tracer
 from .validate import check_context, model_positions
 
 
@@ -547,7 +547,7 @@ class RunDir:
         import os
         import socket
 
-        from .runs import write_status
+        from ..archive.runs import write_status
 
         self.shard_file().parent.mkdir(exist_ok=True)
         write_status(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
@@ -578,8 +578,8 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool, owned: b
     Called before the model is loaded (a quick refusal) and again once this process owns the
     writer key (`owned`: the answer can no longer change under it).
     """
-    from .liveness import busy_message, live_writers
-    from .runs import read_manifest
+    from ..archive.liveness import busy_message, live_writers
+    from ..archive.runs import read_manifest
 
     run_id = spec.output.run_id
     if run_id is None or not (root / run_id / layout.MANIFEST).is_file():
@@ -617,7 +617,7 @@ def check_target(root: Path, spec: RunSpec, shard: Shard, resume: bool, owned: b
 
 
 def _pause_for_tests() -> None:
-    from .liveness import pause_for_tests
+    from ..archive.liveness import pause_for_tests
 
     pause_for_tests()
 
@@ -630,7 +630,7 @@ def _open_run_dir(root: Path, spec: RunSpec, shard: Shard, resume: bool, fresh: 
     about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
     (intervene's children): the run id must not exist at all.
     """
-    from .liveness import OwnerLock
+    from ..archive.liveness import OwnerLock
 
     run_id = spec.output.run_id
     if run_id is None or fresh:
@@ -780,7 +780,7 @@ def _start_run(spec, given_text, rd: "RunDir", existing, new_manifest, root, res
                 write_manifest(run_dir, manifest)
                 (run_dir / layout.SPEC).write_text(given_text)
             else:
-                from .runs import read_manifest
+                from ..archive.runs import read_manifest
 
                 if existing is None:  # another shard created the run meanwhile: it must be this one
                     check_target(root, spec, rd.shard, resume, owned=True)
@@ -798,7 +798,7 @@ def _start_run(spec, given_text, rd: "RunDir", existing, new_manifest, root, res
         if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
             _finish_failed(None, rd, RunLog(run_dir / layout.LOG), *_outcome(err))
         if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
-            from .archive.writer import space_note
+            from ..archive.writer import space_note
 
             raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
         raise
@@ -809,7 +809,7 @@ def _outcome(err: BaseException) -> tuple[str, str]:
     if isinstance(err, Interrupted):
         return "interrupted", str(err)
     if isinstance(err, OSError):
-        from .archive.writer import space_note
+        from ..archive.writer import space_note
 
         return "failed", space_note(Path("."), err)
     return "failed", str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"
@@ -819,7 +819,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                loaded, prompts, rendered, prompt_ids, replay, progress, t_start) -> GenerateResult:
     """Generate and stream into a run whose manifest exists; every failure ends in `failed` (or
     `interrupted`) with the error recorded in the manifest and the shard's status file."""
-    from .liveness import Heartbeat, kill_point
+    from ..archive.liveness import Heartbeat, kill_point
 
     shard = rd.shard
     g = spec.generation
@@ -892,7 +892,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
             else:
                 if replay is not None and replay.finalize is not None:
                     replay.finalize(run_dir)
-                from .runs import read_manifest
+                from ..archive.runs import read_manifest
 
                 manifest = read_manifest(run_dir)
                 if probes is not None and probes.kernel_args:  # what the attention kernel was called with
@@ -903,7 +903,7 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
                 manifest["timings"].update(generate_s=round(t_done - t_gen, 3), finalize_s=round(time.time() - t_done, 3),
                                            tokens_per_s=round(n_tokens / max(t_done - t_gen, 1e-9), 3))
                 n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
-                from .archive.integrity import record
+                from ..archive.integrity import record
 
                 manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
                                 table_rows=rows, checksums=record(run_dir))
@@ -932,14 +932,14 @@ def _write_run(spec, run_id, run_dir, existing, rd, log, shape, probes, step_col
 
 def _finish_failed(writer, rd: RunDir, log, status, message) -> None:
     """Flush what can be flushed, then record the outcome; never claims `complete`."""
-    from .runs import read_manifest
+    from ..archive.runs import read_manifest
 
     if writer is not None:
         try:
             writer.drain()
         except BaseException as err:  # the original error is what the user needs to see
             message += f" (and flushing failed: {err})"
-    from .runs import write_status
+    from ..archive.runs import write_status
 
     message = message if len(message) <= 2000 else message[:2000] + "..."  # fits the status files' slack
     # Each record separately: on a full disk the status files are rewritten in place (write_status),
@@ -953,7 +953,7 @@ def _finish_failed(writer, rd: RunDir, log, status, message) -> None:
 
 
 def _record_manifest(rd: RunDir, status: str, message: str) -> None:
-    from .runs import read_manifest, write_status
+    from ..archive.runs import read_manifest, write_status
 
     with rd.lock():
         manifest = read_manifest(rd.path)

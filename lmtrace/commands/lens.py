@@ -31,14 +31,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .archive import layout
-from .archive.reader import Run, lens_state
-from .errors import ArchiveError
+from ..archive import layout
+from ..archive.reader import Run, lens_state
+from ..errors import ArchiveError
 
 
 def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None) -> dict:
     """Compute and archive the deferred lens of a complete run; a no-op when it is already there."""
-    from .liveness import OwnerLock, pause_for_tests
+    from ..archive.liveness import OwnerLock, pause_for_tests
 
     state = lens_state(run.manifest)
     if state == "none":
@@ -55,8 +55,8 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
 
 def _compute_owned(run: Run, device: str | None, note) -> dict:
     from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
-    from .liveness import kill_point
-    from .runs import now_iso, read_manifest, write_manifest
+    from ..archive.liveness import kill_point
+    from ..archive.runs import now_iso, read_manifest, write_manifest
 
     with RunDir(run.path, Shard()).lock():
         manifest = read_manifest(run.path)
@@ -74,7 +74,7 @@ def _compute_owned(run: Run, device: str | None, note) -> dict:
                                         "rows": rows["rows"]}
         for spec in layout.LENS_ARRAYS:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
-        from .archive.integrity import record
+        from ..archive.integrity import record
 
         manifest["checksums"] = record(run.path)  # the lens arrays, the new steps.parquet and metadata
         kill_point("lens-checksums")
@@ -85,10 +85,10 @@ def _compute_owned(run: Run, device: str | None, note) -> dict:
 
 
 def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
-    from .arch import adapter_for
-    from .archive.writer import compressors_for, consolidate, create_array
-    from .lens import LogitLens, lens_target_columns
-    from .models import load_run_model
+    from ..capture.arch import adapter_for
+    from ..archive.writer import compressors_for, consolidate, create_array
+    from ..capture.lens import LogitLens, lens_target_columns
+    from ..models import load_run_model
 
     spec = manifest["spec_resolved"]
     t_load = time.time()
@@ -128,7 +128,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     t_rank = np.full((n_seq, n_steps, L, 2), -1, dtype=np.int32)
     t_prob = np.full((n_seq, n_steps, L, 2), np.nan, dtype=np.float32)
     n_rows = 0
-    from .liveness import kill_point
+    from ..archive.liveness import kill_point
 
     for seqs in _batches(run):
         B = len(seqs)
@@ -174,7 +174,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
 def _targets(run: Run, n_seq: int, n_steps: int) -> np.ndarray:
     """[sequence, step, 2] int64: the chosen token and the runner-up (the most likely other token at
     T=1, from `alt_ids`) of every generated step, from tokens.parquet; 0 where no step was generated."""
-    from .lens import lens_targets
+    from ..capture.lens import lens_targets
 
     t = run.tokens().select(["sequence", "step", "is_prompt", "token_id", "alt_ids"]).to_pandas()
     t = t[~t.is_prompt]

@@ -40,8 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .archive.reader import IncompleteRunWarning, Run, open_run
-from .errors import ArchiveError, SpecError
+from ..archive.reader import IncompleteRunWarning, Run, open_run
+from ..errors import ArchiveError, SpecError
 
 LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q
 THRESHOLDS = {"sink": 0.5, "previous-token": 0.4, "induction": 0.3, "local": 0.5, "focused": 0.5}

@@ -11,10 +11,10 @@ import json
 import struct
 from pathlib import Path
 
-from .errors import ModelLoadError, SpecError
-from .prompts import load_prompts
-from .runs import runs_root
-from .spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
+from ..errors import ModelLoadError, SpecError
+from ..prompts import load_prompts
+from ..archive.runs import runs_root
+from ..spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
 
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -104,7 +104,7 @@ def classify_model(model: ModelSpec) -> tuple[str, str]:
     """
     ref = model.ref
     if ref.startswith("embedded:"):
-        from .models import _embedded_gguf
+        from ..models import _embedded_gguf
 
         return "embedded", str(_embedded_gguf(ref.split(":", 1)[1]))
     path = Path(ref).expanduser()
@@ -116,7 +116,7 @@ def classify_model(model: ModelSpec) -> tuple[str, str]:
             return "local", str(path.resolve())
     elif not path.exists() and not ref.startswith((".", "/", "~")):
         return "hub", ref
-    from .models import locate
+    from ..models import locate
 
     kind, source, _, _ = locate(model)
     return kind, source
@@ -237,7 +237,7 @@ def _check_generation(spec: RunSpec, cfg: dict) -> None:
 def preflight(spec: RunSpec, runs_dir_flag: str | None = None) -> None:
     """Checks `generate` can make before loading the model: prompts, runs directory, model, layers,
     eos ids and context length."""
-    from .runs import check_runs_root, runs_root
+    from ..archive.runs import check_runs_root, runs_root
 
     load_prompts(spec.prompts)
     check_runs_root(runs_root(runs_dir_flag, spec.output.runs_dir))
@@ -279,7 +279,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         raise SpecError(f"model {spec.model.ref}: cannot read layer/head sizes from its config")
     layers, resid_layers = _check_layers(spec, n_layers)
     _check_generation(spec, cfg)
-    from .archive.layout import RunShape
+    from ..archive.layout import RunShape
 
     # Prompt lengths are estimated from characters (3 per token) so no tokenizer is loaded.
     max_prompt = max(len(p) for p in prompts) // 3 + (32 if spec.prompts.chat else 1)

@@ -47,9 +47,9 @@ import pyarrow.parquet as pq
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import Interrupted, LmtraceError, SpecError
+from ..errors import Interrupted, LmtraceError, SpecError
 from .generate import StopFlag
-from .interventions import EditSet, component_means, parse_entries, parse_range_list
+from ..capture.interventions import EditSet, component_means, parse_entries, parse_range_list
 
 SWEEPS_DIR = "sweeps"
 METRICS = ("logprob", "prob", "kl", "rank", "logit_diff")
@@ -328,7 +328,7 @@ class _Patches:
 
     @contextmanager
     def attached(self):
-        from .taps import tap
+        from ..capture.taps import tap
 
         a = self.adapter
         handles = []
@@ -613,14 +613,14 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
 def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, sweep_id: str | None = None,
               shard: tuple[int, int] = (0, 1), resume: bool = False, top: int = 20,
               note=lambda text: None) -> SweepResult:
-    from .archive.reader import open_run
-    from .arch import adapter_for
-    from .archive.writer import atomic_write_json
+    from ..archive.reader import open_run
+    from ..capture.arch import adapter_for
+    from ..archive.writer import atomic_write_json
     from .explain import parse_steps
     from .intervene import ParentView
-    from .models import load_run_model, load_tokenizer
-    from .runs import host_info, new_run_id, now_iso, package_versions, read_manifest
-    from .spec import build_spec
+    from ..models import load_run_model, load_tokenizer
+    from ..archive.runs import host_info, new_run_id, now_iso, package_versions, read_manifest
+    from ..spec import build_spec
 
     t0 = time.time()
     parent = open_run(parent_ref, runs_dir, require_complete=True)
@@ -793,7 +793,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
         entry = {"id": sweep_id, "path": f"{SWEEPS_DIR}/{sweep_id}", "over": spec.over, "edit": spec.edit,
                  "source": info["source"]["run_id"] if source_run else None, "metrics": metric_keys,
                  "n_cells": len(cells), "created": info["created"]}
-        from .archive import layout
+        from ..archive import layout
 
         with _flock(parent.path / layout.LOCK):
             manifest = read_manifest(parent.path)
@@ -818,7 +818,7 @@ def _check_source(parent, source) -> None:
 
 def read_sweep(run, sweep_id: str | None = None) -> pa.Table:
     """A sweep's long table (the latest sweep of the run when no id is given)."""
-    from .errors import ArchiveError
+    from ..errors import ArchiveError
 
     path = Path(run.path if hasattr(run, "path") else run)
     entries = json.loads((path / "manifest.json").read_text()).get("sweeps") or []

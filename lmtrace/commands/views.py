@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .errors import LmtraceError, RunNotFoundError, SpecError
-from .runs import dir_size, find_run, list_runs, read_manifest, runs_root
+from ..errors import LmtraceError, RunNotFoundError, SpecError
+from ..archive.runs import dir_size, find_run, list_runs, read_manifest, runs_root
 
 
 def _console(table: bool = False) -> Console:
@@ -47,7 +47,7 @@ def _shards_done(path, m: dict) -> str | None:
 
 
 def run_summary(path) -> dict:
-    from .archive.integrity import quick_problem
+    from ..archive.integrity import quick_problem
 
     m = read_manifest(path)
     shards = _shards_done(path, m)
@@ -67,7 +67,7 @@ def run_summary(path) -> dict:
 def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
     """`lmtrace verify RUN`: every committed file against the checksums recorded at completion.
     Returns the exit code: 0 intact, 2 damaged (or nothing to verify: the run is not complete)."""
-    from .archive.integrity import verify
+    from ..archive.integrity import verify
 
     path = find_run(ref, runs_root(runs_dir))
     m = read_manifest(path)
@@ -159,7 +159,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
              step: int | None = None, sequence: int | None = None) -> None:
     """`lmtrace show`: the run's summary and texts; with `step`, that step of `sequence` (default 0) in detail."""
     # the reader (zarr, pandas: ~1 s to import) only here: `lmtrace ls` reads manifests alone
-    from .archive.reader import IncompleteRunWarning, Run
+    from ..archive.reader import IncompleteRunWarning, Run
 
     path = find_run(ref, runs_root(runs_dir))
     with warnings.catch_warnings():
@@ -203,7 +203,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
 
 
 def _print_header(run, summary: dict, console: Console) -> None:
-    from .archive.reader import lens_state
+    from ..archive.reader import lens_state
 
     m = run.manifest
     model = m.get("model") or {}
@@ -247,7 +247,7 @@ def step_detail(run, sequence: int, step: int) -> dict:
     """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
     import numpy as np
 
-    from .archive.reader import lens_state
+    from ..archive.reader import lens_state
 
     _check_sequence(run, sequence)
     try:
@@ -568,7 +568,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
             print(text, file=sys.stderr)
 
     if exact_steps is not None and not exact:
-        from .errors import SpecError
+        from ..errors import SpecError
 
         raise SpecError("--exact-steps needs --exact")
     cmp = compare_runs(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair, exact=exact,
@@ -577,7 +577,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
         cmp.write_tables(out_dir)
         (Path(out_dir) / "report.md").write_text(comparison_markdown(cmp, top=max(top, 10)))
     if html_path is not None:
-        from .report import report_compare
+        from ..report import report_compare
 
         report_compare(run_a, run_b, out=html_path, comparison=cmp)
     if json_out:

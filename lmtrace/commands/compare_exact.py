@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from .errors import SpecError
+from ..errors import SpecError
 
 
 def _parse_steps(text: str | None) -> set[int] | None:
@@ -39,7 +39,7 @@ def _parse_steps(text: str | None) -> set[int] | None:
 
 def _load(side, device):
     from .explain import Scorer
-    from .models import load_run_model
+    from ..models import load_run_model
 
     loaded = load_run_model(side.run.manifest, side.run.id, purpose="compare --exact (without it compare loads no model)",
                             overrides={"dtype": "float32", "attn_implementation": "eager", "device": device})
@@ -76,7 +76,7 @@ def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], ste
                   note=lambda text: None) -> dict:
     """Fill the exact_* columns of the paired rows of `step_rows` (in place); return a summary with a note."""
     from .explain import NOT_REPLAYABLE
-    from .interventions import parse_entries
+    from ..capture.interventions import parse_entries
 
     for side in (A, B):  # refuse before loading anything
         m = side.run.manifest

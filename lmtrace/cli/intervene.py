@@ -8,9 +8,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from .errors import SpecError
-from .interventions import shorthand_entries
-from .intervene import run_intervene
+from ..errors import SpecError
+from ..capture.interventions import shorthand_entries
+from ..commands.intervene import run_intervene
 
 
 def _read_edit_spec(path: Path) -> dict:

@@ -13,8 +13,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .archive import layout
-from .errors import LmtraceError, RunNotFoundError, SpecError
+from . import layout
+from ..errors import LmtraceError, RunNotFoundError, SpecError
 
 PACKAGES = ("lmtrace", "torch", "transformers", "zarr", "numcodecs", "pyarrow", "numpy", "tokenizers", "gguf", "typer", "pydantic")
 
@@ -113,7 +113,7 @@ class RunLog:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    from .archive.writer import STATUS_SLACK, atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
+    from .writer import STATUS_SLACK, atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
 
     atomic_write_json(run_dir / layout.MANIFEST, manifest, slack=STATUS_SLACK)
 
@@ -123,7 +123,7 @@ def write_status(path: Path, obj: dict) -> None:
     space, in place within the file's reserved slack."""
     import errno
 
-    from .archive.writer import STATUS_SLACK, atomic_write_json, rewrite_in_place
+    from .writer import STATUS_SLACK, atomic_write_json, rewrite_in_place
 
     try:
         atomic_write_json(path, obj, slack=STATUS_SLACK)

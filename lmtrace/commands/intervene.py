@@ -30,13 +30,13 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from .archive.reader import Run, Vocabulary, open_run
-from .errors import SpecError
+from ..archive.reader import Run, Vocabulary, open_run
+from ..errors import SpecError
 from .generate import GenerateResult, Progress, Replay, run_generate
-from .interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeurons, EditSet, MaskExperts, MaskPositions,
+from ..capture.interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeurons, EditSet, MaskExperts, MaskPositions,
                             PatchHead, PatchResidual, Steer, _Ablation, component_means, load_steer_vector, parse_entries,
                             patch_source, routing_rule, validate_against)
-from .spec import build_spec
+from ..spec import build_spec
 
 EFFECTS = "effects.parquet"
 TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
@@ -187,13 +187,13 @@ def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperatu
 
 def _tokenizer_of(run: Run):
     """The run's tokenizer, as `generate` loaded it (no weights are loaded)."""
-    from .models import load_tokenizer
+    from ..models import load_tokenizer
 
     return load_tokenizer(build_spec(run.manifest["spec_resolved"], f"spec of run {run.id}").model)
 
 
 def _chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, tokenizer) -> dict[int, tuple[int, int]]:
-    from .prompts import chat_spans
+    from ..prompts import chat_spans
 
     prompts = parent.manifest["spec_resolved"]["prompts"]
     if not prompts.get("chat"):
@@ -277,10 +277,10 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     and stop strings, and the attention kernel its capture settings installed. A run patched with
     itself therefore changes nothing, bit for bit.
     """
-    from . import attention
+    from ..capture import attention
     from .generate import capture_kernel, eager_kernel_reason, eos_ids
-    from .sampling import Sampler
-    from .tracer import ForcedTokens, Tracer
+    from ..capture.sampling import Sampler
+    from ..capture.tracer import ForcedTokens, Tracer
 
     spec = build_spec(source.manifest["spec_resolved"], f"spec of source run {source.id}")
     view = ParentView.read(source)

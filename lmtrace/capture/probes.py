@@ -17,7 +17,7 @@ import torch
 from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
 from .arch import Adapter
-from .archive.layout import RunShape
+from ..archive.layout import RunShape
 from .lens import LogitLens, lens_target_columns, lens_targets
 from .sampling import Choice
 from .taps import tap

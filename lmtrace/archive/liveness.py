@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from .archive import layout
-from .archive.writer import atomic_write_json
-from .errors import SpecError
+from . import layout
+from .writer import atomic_write_json
+from ..errors import SpecError
 
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_S = 5.0

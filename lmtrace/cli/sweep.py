@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import SpecError
-from .sweep import build_sweep_spec, load_sweep_spec, run_sweep
+from ..errors import SpecError
+from ..commands.sweep import build_sweep_spec, load_sweep_spec, run_sweep
 
 
 def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir: str | None, run_id: str | None,
@@ -21,7 +21,7 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
     spec = build_sweep_spec(data, where)
     index, count = 0, 1
     if shard is not None:
-        from .generate import parse_shard
+        from ..commands.generate import parse_shard
 
         shard_obj, slurm_id = parse_shard(shard)
         index, count = shard_obj.index, shard_obj.count

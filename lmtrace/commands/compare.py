@@ -32,9 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .archive.reader import LENS_NOT_COMPUTED, IncompleteRunWarning, Run, lens_state
-from .errors import ArchiveError, SpecError
-from .runs import find_run, runs_root
+from ..archive.reader import LENS_NOT_COMPUTED, IncompleteRunWarning, Run, lens_state
+from ..errors import ArchiveError, SpecError
+from ..archive.runs import find_run, runs_root
 
 PAIRING_MODES = ("auto", "index", "prompt")
 TAIL_FLOOR = 1e-12  # tail masses below this (float32 rounding of 1 - sum) are set to it, so KL stays finite
