@@ -3,10 +3,10 @@
 Array names follow one scheme and are used unchanged by probes, writer, reader and docs:
 
   per step, leading dims (sequence, step):
-    attn           [sequence, step, layer, head, key]        post-softmax query row, key = token position
-    attn_topk_idx  [sequence, step, layer, head, k_attn]     (attention.top_k set) key positions, -1 = none
-    attn_topk_prob [sequence, step, layer, head, k_attn]
-    q              [sequence, step, layer, head, head_dim]   post-rotary query of the query position
+    attn           [sequence, step, layer, q_head, key]        post-softmax query row, key = token position
+    attn_topk_idx  [sequence, step, layer, q_head, k_attn]     (attention.top_k set) key positions, -1 = none
+    attn_topk_prob [sequence, step, layer, q_head, k_attn]
+    q              [sequence, step, layer, q_head, head_dim]   post-rotary query of the query position
     k, v           [sequence, step, layer, kv_head, head_dim] post-rotary key / value of the query position
     ffn_idx        [sequence, step, layer, k_ffn]            top-|a| neurons of the MLP intermediate activation
     ffn_val        [sequence, step, layer, k_ffn]            their signed values
@@ -16,11 +16,11 @@ Array names follow one scheme and are used unchanged by probes, writer, reader a
     router_topk_idx    [sequence, step, layer, k_router]     (mixture-of-experts models) experts the router chose, -1 = dense layer
     router_topk_weight [sequence, step, layer, k_router]     the weight the MoE block gives each chosen expert
   prompt time:
-    prefill_attn   [sequence, layer, head, query_pos, key_pos]
+    prefill_attn   [sequence, layer, q_head, query_pos, key_pos]
     prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
   coordinates and per-sequence:
-    layer [layer], resid_layer [resid_layer], head [head], kv_head [kv_head],
-    kv_head_of_head [head], prompt_len [sequence], generated_len [sequence]
+    layer [layer], resid_layer [resid_layer], q_head [q_head], kv_head [kv_head], key, prompt_pos, query_pos, key_pos (positions),
+    kv_head_of_head [q_head], prompt_len [sequence], generated_len [sequence]
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FORMAT_VERSION = 1
+# 2: the query-head dimension is `q_head` (was `head`, which hides xarray's Dataset.head()), and
+# the position dimensions (key, prompt_pos, query_pos, key_pos) carry coordinates. Readers take both.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 MANIFEST = "manifest.json"
 SPEC = "spec.yaml"
@@ -151,7 +154,7 @@ class RunShape:
     def dim_sizes(self) -> dict[str, int]:
         return {
             "sequence": self.n_sequences, "step": self.n_steps, "layer": len(self.layers),
-            "resid_layer": len(self.resid_layers), "head": self.n_heads, "kv_head": self.n_kv_heads,
+            "resid_layer": len(self.resid_layers), "q_head": self.n_heads, "kv_head": self.n_kv_heads,
             "key": self.max_len, "k_attn": self.k_attn or 0, "head_dim": self.head_dim,
             "d_model": self.d_model, "k_ffn": self.k_ffn, "k_lens": self.k_lens,
             "k_router": self.k_router, "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
@@ -161,12 +164,12 @@ class RunShape:
         f = self.float_dtype
         out: list[ArraySpec] = []
         if self.attention and self.k_attn is None:
-            out.append(ArraySpec("attn", ("sequence", "step", "layer", "head", "key"), f, True, auto_codec="lz4"))
+            out.append(ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), f, True, auto_codec="lz4"))
         if self.attention and self.k_attn is not None:
-            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "head", "k_attn"), "int32", True))
-            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "head", "k_attn"), f, True))
+            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "q_head", "k_attn"), "int32", True))
+            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "q_head", "k_attn"), f, True))
         if self.qkv:
-            out.append(ArraySpec("q", ("sequence", "step", "layer", "head", "head_dim"), f, True, auto_codec="none"))
+            out.append(ArraySpec("q", ("sequence", "step", "layer", "q_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"))
@@ -182,7 +185,7 @@ class RunShape:
             out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True))
             out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True))
         if self.prefill_attention:
-            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False))
+            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "q_head", "query_pos", "key_pos"), f, False))
         return out
 
     def shape_of(self, spec: ArraySpec) -> tuple[int, ...]:

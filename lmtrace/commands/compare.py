@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..archive import layout
 from ..archive.reader import LENS_NOT_COMPUTED, IncompleteRunWarning, Run, lens_state
 from ..errors import ArchiveError, SpecError
 from ..archive.runs import find_run, runs_root
@@ -227,9 +228,10 @@ def _load_side(label: str, run: Run) -> _Side:
 def _compatibility(A: _Side, B: _Side) -> dict:
     ma, mb = A.run.manifest, B.run.manifest
     for side in (A, B):
-        if side.run.manifest.get("format_version") != 1:
+        if side.run.manifest.get("format_version") not in layout.READABLE_FORMAT_VERSIONS:
             raise IncomparableRunsError(f"run {side.label} ({side.run.id}) has archive format "
-                                        f"{side.run.manifest.get('format_version')!r}; this lmtrace reads format 1")
+                                        f"{side.run.manifest.get('format_version')!r}; this lmtrace reads formats "
+                                        f"{', '.join(map(str, layout.READABLE_FORMAT_VERSIONS))}")
     ta, tb = ma.get("tokenizer") or {}, mb.get("tokenizer") or {}
     if ta.get("vocab_size") != tb.get("vocab_size"):
         raise IncomparableRunsError(
