@@ -230,19 +230,44 @@ STEP_COLUMNS = (
 )
 
 
+def with_pandas_types(schema, always_present: tuple[str, ...]):
+    """Attach pandas metadata so that `pandas.read_parquet` reads the documented types.
+
+    Without it pandas turns an int32 column holding nulls into float64 and a bool column into
+    object. Every integer and boolean column not in `always_present` is marked as pandas'
+    nullable `Int32` / `Int64` / `boolean`; the others read as numpy int32 / bool as before."""
+    import json
+
+    import pyarrow as pa
+
+    columns = []
+    for f in schema:
+        if f.name in always_present:
+            continue
+        if pa.types.is_boolean(f.type):
+            columns.append((f.name, "bool", "boolean"))
+        elif pa.types.is_integer(f.type):
+            bits = f.type.bit_width
+            columns.append((f.name, f"int{bits}", f"Int{bits}"))
+    meta = {"index_columns": [], "column_indexes": [], "creator": {"library": "lmtrace"},
+            "columns": [{"name": n, "field_name": n, "pandas_type": pt, "numpy_type": nt, "metadata": None}
+                        for n, pt, nt in columns]}
+    return schema.with_metadata({b"pandas": json.dumps(meta).encode()})
+
+
 def token_schema():
     """tokens.parquet: one row per token of every sequence (prompt rows have null step statistics)."""
     import pyarrow as pa
 
     f32, i32 = pa.float32(), pa.int32()
-    return pa.schema([
+    return with_pandas_types(pa.schema([
         ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
         ("token_id", i32), ("token_text", pa.string()),
         ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
         ("rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
         ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
         ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
-    ])
+    ]), ("sequence", "position", "is_prompt", "token_id"))
 
 
 def step_schema(columns: list[str]):
@@ -250,7 +275,7 @@ def step_schema(columns: list[str]):
 
     types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32(),
              "lens_target_rank": pa.int32(), "lens_runner_up_rank": pa.int32(), "settle_layer": pa.int32()}
-    return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
+    return with_pandas_types(pa.schema([(c, types.get(c, pa.float32())) for c in columns]), ("sequence", "step", "layer"))
 
 
 def vocab_schema():
