@@ -10,6 +10,7 @@ import secrets
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -94,6 +95,26 @@ def host_info() -> dict:
     if slurm:
         info["slurm"] = slurm
     return info
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive flock on `path` (created if missing) for the block's duration.
+
+    The kernel releases it when the holder dies, so a killed process cannot leave a run locked.
+    Without advisory locks (Windows) it is a no-op: the callers re-read what they rewrite just
+    before writing, which narrows the window."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def now_iso() -> str:

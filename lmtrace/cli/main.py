@@ -12,15 +12,28 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_RUN_FAILED, LmtraceError
+from ..jsonout import json_line
+from . import help_format
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Trace what happens inside a causal language model while it generates.")
 
 _state = {"debug": False}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"lmtrace {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")):
+def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+         version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                      help="Print the version and exit.")):
     _state["debug"] = debug
 
 
@@ -142,7 +155,7 @@ def generate(
         _interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
-            from ..commands.generate import parse_shard
+            from ..archive.rundir import parse_shard
 
             shard_obj, slurm_run_id = parse_shard(shard)
         if resume:
@@ -166,7 +179,10 @@ def generate(
         from ..commands.validate import preflight
 
         preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
-        from ..commands.generate import Progress, check_target, parse_shard, run_generate
+        reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
+        from ..archive.rundir import check_target, parse_shard
+        from ..commands.generate import run_generate
+        from ..progress import Progress
         from ..archive.runs import runs_root
 
         if shard_obj is None:
@@ -192,7 +208,7 @@ def generate(
                    f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`", err=True)
         raise typer.Exit(EXIT_PARTIAL_SHARDS)
     if json_out:
-        typer.echo(json.dumps(summary))
+        typer.echo(json_line(summary))
     elif not quiet:
         what = ("this shard is complete; the run completes when its other shards do"
                 if result.status == "shard-complete" else result.status)
@@ -206,7 +222,7 @@ def generate(
 
 @app.command()
 def validate(
-    spec_path: Path = typer.Argument(..., metavar="SPEC"),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="YAML run spec."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved spec and estimate as JSON."),
 ):
@@ -218,7 +234,7 @@ def validate(
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     if json_out:
-        typer.echo(json.dumps(report, indent=2, default=str))
+        typer.echo(json_line(report))
         return
     import yaml
 
@@ -303,7 +319,7 @@ def intervene(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
-    from ..commands.generate import Progress
+    from ..progress import Progress
     from .intervene import intervene_command
 
     reporter = _Reporter(quiet or json_out)
@@ -321,7 +337,7 @@ def intervene(
         _fail(err)
     reporter.stop()
     if json_out:
-        typer.echo(json.dumps(summary, default=str))
+        typer.echo(json_line(summary))
 
 
 @app.command()
@@ -424,7 +440,7 @@ def lens(
                 run = open_run(ref, runs_dir)
             summary = compute_lens(run, device=device, note=reporter.message)
             if json_out:
-                typer.echo(json.dumps(summary, default=str))
+                typer.echo(json_line(summary))
             elif not quiet:
                 typer.echo(f"{run.id}: " + (f"logit lens computed ({summary['rows']} rows, {summary['seconds']:.1f} s)"
                                             if summary["computed"] else "logit lens already present"))
@@ -526,13 +542,17 @@ def report(
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     if json_out:
-        typer.echo(json.dumps(result.summary()))
+        typer.echo(json_line(result.summary()))
     elif not quiet:
         typer.echo(str(result.path))
     if open_:
         import webbrowser
 
         webbrowser.open(result.path.resolve().as_uri())
+
+
+help_format.fill_in(app)
+help_format.install()
 
 
 def run() -> None:

@@ -54,7 +54,7 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
 
 
 def _compute_owned(run: Run, device: str | None, note) -> dict:
-    from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
+    from ..archive.rundir import RunDir, Shard
     from ..archive.liveness import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
 

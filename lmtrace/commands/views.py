@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import LmtraceError, RunNotFoundError, SpecError
+from ..jsonout import json_line
 from ..archive.runs import dir_size, find_run, list_runs, read_manifest, runs_root
 
 
@@ -91,7 +92,7 @@ def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
                                  f"its tables are present")
         code = 2 if problems else 0
     if json_out:
-        print(json.dumps(result, indent=2))
+        print(json_line(result))
     elif code:
         import sys
 
@@ -114,7 +115,7 @@ def list_table(runs_dir: str | None, json_out: bool) -> None:
     root = runs_root(runs_dir)
     rows = [_summary_or_damaged(p) for p in list_runs(root)]
     if json_out:
-        print(json.dumps(rows, indent=2))
+        print(json_line(rows))
         return
     console = _console(table=True)
     if not rows:
@@ -168,7 +169,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
     if step is not None:
         detail = step_detail(run, 0 if sequence is None else sequence, step)
         if json_out:
-            print(json.dumps(detail, indent=2))
+            print(json_line(detail))
         else:
             _print_step(detail, _console())
         return
@@ -178,8 +179,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
         _check_sequence(run, sequence)
         seqs = [s for s in seqs if s["sequence"] == sequence]
     if json_out:
-        print(json.dumps({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest},
-                         indent=2, default=str))
+        print(json_line({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest}))
         return
     colour = colour_wanted(no_color)
     console = _console() if colour else Console(color_system=None, soft_wrap=True)
@@ -581,7 +581,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
 
         report_compare(run_a, run_b, out=html_path, comparison=cmp)
     if json_out:
-        print(json.dumps(cmp.summary(), indent=2, allow_nan=False))
+        print(json_line(cmp.summary()))
         return
     console = Console() if Console().is_terminal else Console(width=160)
     render_comparison(cmp, console, top)
