@@ -16,6 +16,7 @@ import torch
 
 from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
+from .devices import execution_device, stack_on
 from .arch import Adapter
 from ..archive.layout import RunShape
 from .lens import LogitLens, lens_target_columns, lens_targets
@@ -30,7 +31,7 @@ class ForwardContext:
     pads: list[int]  # left padding of each row
     total_len: int  # padded context length after this call
     prefill: bool
-    kv: object = None  # the KV cache's KVStack (lmtrace/kv_cache.py), if the cache has one
+    kv: object = None  # the KV cache's KVStacks (lmtrace/capture/kv_cache.py), if the cache has them
 
 
 def _last(t, batch: int) -> torch.Tensor:
@@ -43,15 +44,16 @@ def _last(t, batch: int) -> torch.Tensor:
     return t[:, -1]
 
 
-def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool) -> torch.Tensor:
-    """[n, B, ...]: the query position of n kept tensors, which at a decode step are the modules'
-    outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query position
-    [B, ...] (`Probes._keep`). One stack and one slice for all of them."""
+def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool, device: torch.device | None = None) -> torch.Tensor:
+    """[n, B, ...] on `device`: the query position of n kept tensors, which at a decode step are the
+    modules' outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query
+    position [B, ...] (`Probes._keep`). One stack and one slice for all of them (one stack and one
+    copy per device when the layers live on several)."""
     if prefill:
-        return torch.stack(tensors, 0)
+        return stack_on(tensors, device)
     if len({t.dim() for t in tensors}) > 1:  # e.g. OPT: attention [B, 1, d] next to a flattened fc2 [B, d]
         tensors = [t.reshape(batch, -1, t.shape[-1]) for t in tensors]
-    t = torch.stack(tensors, 0)
+    t = stack_on(tensors, device)
     return t.reshape(len(tensors), batch, -1, t.shape[-1])[:, :, -1]
 
 
@@ -98,6 +100,9 @@ class Probes:
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
         self.torch_float = {"float16": torch.float16, "float32": torch.float32}[shape.float_dtype]
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
+        # where a step's per-layer tensors are assembled: next to the final norm and unembedding,
+        # which the lens and the margin contributions need (the model's one device, unless spread)
+        self.device = execution_device(adapter.unembed)
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -243,7 +248,7 @@ class Probes:
         if s.attention:
             all_rows = None  # [L, B, H, kv] when every captured layer's row came from the batched product
             if self.batched is not None:
-                layers, probs, kv_len = self.batched.rows()
+                layers, probs, kv_len = self.batched.rows(self.device)
                 if layers == self.layers:
                     all_rows = probs
                 self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
@@ -254,7 +259,7 @@ class Probes:
                 kv_lens = {self.rows[layer][1] for layer in self.layers}
                 if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
                     if all_rows is None:
-                        all_rows = torch.stack([self.rows[layer][0] for layer in self.layers], 0)
+                        all_rows = stack_on([self.rows[layer][0] for layer in self.layers], self.device)
                     self._realign_keys(all_rows.transpose(0, 1), kv_lens.pop(), out)  # [B, L, H, kv]
                 else:
                     for li, layer in enumerate(self.layers):
@@ -304,7 +309,8 @@ class Probes:
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
         if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
             outputs = _at_query([self.attn_out[layer] for layer in self.layers]
-                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill)  # [2L, B, d]
+                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill,
+                                self.device)  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
@@ -317,14 +323,15 @@ class Probes:
             scalars["lens_margin"] = margin.reshape(B, L)
             scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
         if self.margin_contributions:
-            top2 = choice.alt_ids[:, :2].to(self.adapter.unembed.weight.device)
-            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
+            top2 = choice.alt_ids[:, :2].to(self.device)
+            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1]).to(self.device)  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
 
     def _at_query(self, store: dict[int, torch.Tensor], layers: list[int] | None = None) -> torch.Tensor:
         """[L, B, ...]: the query position of a kept per-layer output, for `layers` (default: the captured ones)."""
-        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill)
+        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill,
+                         self.device)
 
     def _new_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value of the query position, every captured layer: [L, B, heads, D] each.
@@ -333,14 +340,14 @@ class Probes:
         holds every captured layer; otherwise one slice per layer.
         """
         layers = self.layers
-        q = torch.stack([self.qkv[layer][0] for layer in layers], 0)[:, :, :, -1]  # one query position kept
+        q = stack_on([self.qkv[layer][0] for layer in layers], self.device)[:, :, :, -1]  # one query position kept
         kv = self.ctx.kv
         T = self.qkv[layers[0]][1].shape[2]
         if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
                                   for layer in layers):
-            return (q, *kv.column(layers, T - 1))
-        k = torch.stack([self.qkv[layer][1][:, :, -1] for layer in layers], 0)
-        v = torch.stack([self.qkv[layer][2][:, :, -1] for layer in layers], 0)
+            return (q, *kv.column(layers, T - 1, self.device))
+        k = stack_on([self.qkv[layer][1][:, :, -1] for layer in layers], self.device)
+        v = stack_on([self.qkv[layer][2][:, :, -1] for layer in layers], self.device)
         return q, k, v
 
     def collect_prefill(self) -> dict[str, np.ndarray]:

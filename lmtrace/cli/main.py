@@ -240,6 +240,8 @@ def validate(
 
     typer.echo(yaml.safe_dump(report["resolved"], sort_keys=False).rstrip())
     typer.echo(f"# {report['summary']}")
+    if report.get("placement"):
+        typer.echo(f"# placement ({report['placement']['dtype']}): {report['placement']['text']}")
     for line in report["warnings"]:
         typer.echo(f"warning: {line}", err=True)
 

@@ -28,6 +28,7 @@ from ..archive.vocab import store_vocab
 from ..archive.writer import ArchiveWriter, BackgroundWriter
 from ..capture import attention
 from ..capture.arch import adapter_for, sdpa_refused
+from ..capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
 from ..capture.probes import Probes
 from ..capture.sampling import Sampler
 from ..capture.tracer import ForcedTokens, Tracer
@@ -309,6 +310,7 @@ class _Generated:
     texts: dict[int, str]
     n_tokens: int
     seconds: float
+    peak_gpu_memory: dict[str, int] = field(default_factory=dict)  # bytes per CUDA device, when on CUDA
 
 
 def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progress, t_start) -> GenerateResult:
@@ -360,7 +362,9 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
     tracer = Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
                     max_new_tokens=g.max_new_tokens, eos_ids=setup.eos, stop_strings=g.stop,
                     n_alternatives=spec.capture.alternatives, probes=setup.probes, pad_id=tokenizer.pad_token_id,
-                    device=setup.loaded.device)
+                    device=setup.loaded.device, layer_devices=layer_devices(setup.adapter))
+    gpus = cuda_devices(setup.loaded.model, setup.loaded.device)
+    reset_peak_memory(gpus)
     stop = StopFlag()
     texts: dict[int, str] = {}
     n_tokens = 0
@@ -401,7 +405,7 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
             log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
         writer.drain()
-    return _Generated(texts, n_tokens, time.time() - t_gen)
+    return _Generated(texts, n_tokens, time.time() - t_gen, peak_memory(gpus))
 
 
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:
@@ -428,6 +432,8 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
         writer_core.consolidate()
         manifest["timings"].update(generate_s=round(generated.seconds, 3), finalize_s=round(time.time() - t_done, 3),
                                    tokens_per_s=round(generated.n_tokens / max(generated.seconds, 1e-9), 3))
+        if generated.peak_gpu_memory:  # this process's peak, per CUDA device (docs/devices.md)
+            manifest["timings"]["peak_gpu_memory_bytes"] = generated.peak_gpu_memory
         n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
         manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
                         table_rows=rows, checksums=record(rd.path))

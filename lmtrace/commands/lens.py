@@ -93,10 +93,14 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     spec = manifest["spec_resolved"]
     t_load = time.time()
     # The run's own dtype and device (not the spec's `auto`, which could pick another), so the lens
-    # is what inline would have computed; --device overrides the device only. Eager attention: the
-    # lens never runs attention, and eager loads every family (Gemma 2, GPT-OSS refuse sdpa).
+    # is what inline would have computed; --device overrides the device only. A run spread over
+    # devices (model.device_map) is loaded with its placement again, unless --device names one.
+    # Eager attention: the lens never runs attention, and eager loads every family (Gemma 2,
+    # GPT-OSS refuse sdpa).
+    spread = spec["model"].get("device_map") is not None
     loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
-                            overrides={"device": device or manifest.get("device"), "dtype": manifest.get("dtype"),
+                            overrides={"device": device or (None if spread else manifest.get("device")),
+                                       "dtype": manifest.get("dtype"),
                                        "attn_implementation": "eager"}, note=note)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
