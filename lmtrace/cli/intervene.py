@@ -46,8 +46,17 @@ def summarize(effects) -> dict:
     return {"sequences": out}
 
 
+def _with_lens(result, lens: bool, progress) -> dict:
+    """`--lens`: the child's deferred lens, computed with the model still in memory."""
+    if not lens:
+        return {}
+    from ..commands.generate import lens_after
+
+    return {"lens": lens_after(result, note=progress.message)}
+
+
 def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, temperatures, runs_dir, run_id,
-                      progress, json_out: bool, quiet: bool) -> dict:
+                      progress, json_out: bool, quiet: bool, lens: bool = False) -> dict:
     entries = shorthand_entries(**flags)
     file_mode = None
     if spec_path is not None:
@@ -76,13 +85,17 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
         for t in temps:
             result, effects = run_intervene(run_ref, entries, mode="regenerate", from_step=from_step or 0,
                                             runs_dir=runs_dir, temperature=t, progress=progress)
-            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas())})
+            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas()),
+                             **_with_lens(result, lens, progress)})
     else:
         result, effects = run_intervene(run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir,
                                         run_id=run_id, progress=progress)
         children.append({"run_id": result.run_id, "mode": mode, "run_dir": str(result.run_dir),
-                         **summarize(effects.to_pandas())})
-    if not (json_out or quiet):
+                         **summarize(effects.to_pandas()), **_with_lens(result, lens, progress)})
+    if quiet and not json_out:  # the child ids alone, one per line, for scripts
+        for child in children:
+            print(child["run_id"])
+    elif not json_out:
         _print(children)
     return {"parent": run_ref, "children": children}
 
@@ -99,3 +112,8 @@ def _print(children: list[dict]) -> None:
             table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), fmt(s["winner_changes"]),
                           fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"]))
         console.print(table)
+        if child.get("lens"):
+            lens = child["lens"]
+            console.print(f"child {child['run_id']}: " + (f"logit lens computed ({lens['rows']} rows, "
+                                                         f"{lens['seconds']:.1f} s)" if lens["computed"]
+                                                         else lens["reason"]), markup=False)
