@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import SpecError
@@ -36,9 +37,12 @@ def summarize(effects) -> dict:
     for seq, e in effects.groupby("sequence"):
         changed = e[e.child_token != e.parent_token]
         same = e[e.context_identical]
+        first = changed.sort_values("step").iloc[0] if len(changed) else None
         out.append({
             "sequence": int(seq),
-            "first_divergence_step": int(changed.step.min()) if len(changed) else None,
+            "first_divergence_step": int(first.step) if first is not None else None,
+            "first_divergence": (None if first is None or "parent_token_text" not in e else
+                                 {"parent": first.parent_token_text, "child": first.child_token_text}),
             "winner_changes": int(same.winner_changed.fillna(False).sum()),
             "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
             "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
@@ -105,11 +109,14 @@ def _print(children: list[dict]) -> None:
     for child in children:
         label = f"temperature {child['temperature']}" if "temperature" in child else child.get("mode")
         table = Table(title=f"child {child['run_id']} ({label}) — effects.parquet has every step")
-        for col in ("sequence", "first divergence", "winner changes", "mean Δlogprob", "max KL(top-k)"):
+        for col in ("sequence", "first divergence", "parent → child token", "winner changes", "mean Δlogprob",
+                    "max KL(top-k)"):
             table.add_column(col)
         for s in child["sequences"]:
             fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), fmt(s["winner_changes"]),
+            tokens = s.get("first_divergence")
+            swap = "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}"
+            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), escape(swap), fmt(s["winner_changes"]),
                           fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"]))
         console.print(table)
         if child.get("lens"):

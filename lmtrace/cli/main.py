@@ -348,10 +348,11 @@ def intervene(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
+    reporter = _Reporter(quiet or json_out)
+    reporter.message("importing torch")  # the first line within a second; the imports take seconds
     from ..progress import Progress
     from .intervene import intervene_command
 
-    reporter = _Reporter(quiet or json_out)
     try:
         summary = intervene_command(
             run_ref, spec_path, dict(ablate_head=ablate_head, ablate_layer=ablate_layer, ablate_mlp=ablate_mlp,
@@ -392,9 +393,10 @@ def sweep(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
+    reporter = _Reporter(quiet or json_out)
+    reporter.message("importing torch")
     from .sweep import sweep_command
 
-    reporter = _Reporter(quiet or json_out)
     try:
         sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
                                                                steps=steps, sequences=sequences, positions=positions,
@@ -435,6 +437,7 @@ def explain(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Attribute archived generated tokens to their context positions; results go into the run."""
+    _Reporter(quiet or json_out).message("importing torch")
     from ..commands.explain import Settings, explain_command
 
     try:
