@@ -67,17 +67,17 @@ def run_summary(path) -> dict:
 
 
 def edits_label(m: dict) -> str | None:
-    """An intervene child's edits in a few words: `ablate_head 3.2; mask_positions 0-4 (rescore from 5)`."""
+    """An intervene child's edits in a few words: `ablate_head 3.2; mask_positions positions=0-4 (rescore from 5)`."""
     if m.get("kind") != "intervene":
         return None
     parts = []
     for e in m.get("interventions") or []:
-        values = [f"{v}" if k in ("layer", "head") else f"{k}={v}" for k, v in e.items()
-                  if k not in ("kind", "mode") and v not in (None, [], {})]
-        label = e.get("kind", "?") + (" " + ".".join(values) if all(k in ("layer", "head") for k in e
-                                                                    if k not in ("kind", "mode") and e[k] is not None)
-                                      else " " + ",".join(values)) if values else e.get("kind", "?")
-        parts.append(label + (":mean" if e.get("mode") == "mean" else ""))
+        fields = {k: v for k, v in e.items() if k not in ("kind", "mode") and v not in (None, [], {}, "all")}
+        if fields and set(fields) <= {"layer", "head"}:
+            target = ".".join(str(fields[k]) for k in ("layer", "head") if k in fields)
+        else:
+            target = ",".join(f"{k}={v}" for k, v in fields.items())
+        parts.append(e.get("kind", "?") + (f" {target}" if target else "") + (":mean" if e.get("mode") == "mean" else ""))
     temperature = ((m.get("spec_resolved") or {}).get("generation") or {}).get("temperature")
     if not parts:
         parts.append(f"temperature {temperature}")
