@@ -109,7 +109,7 @@ def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, ma
     return min(max_len, -(-reached // key_chunk) * key_chunk)
 
 
-# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
+# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/commands/lens.py)
 LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
                ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
 LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
@@ -196,7 +196,7 @@ class RunShape:
         """Keys per step that arrays over `key` (attention rows) write, averaged over the run.
 
         A block of `chunk_steps` steps writes whole key chunks up to the last key its context
-        reaches (`block_keys`, as generate.BlockSink buffers them), each holding `chunk_steps`
+        reaches (`block_keys`, as archive.sink.BlockSink buffers them), each holding `chunk_steps`
         steps, also in a partial last block. Without key chunks: every key.
         These are the key columns stored, so chunk padding is counted.
         """

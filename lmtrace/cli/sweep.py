@@ -31,7 +31,9 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
     summary = {"status": result.status, **result.summary}
     if json_out:
         print(json_line(summary))
-    elif not quiet:
+    elif quiet:  # the id alone, for scripts
+        print(summary["sweep_id"])
+    else:
         _print(summary, spec)
     return summary
 

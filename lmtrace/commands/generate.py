@@ -131,6 +131,7 @@ class GenerateResult:
     n_tokens: int
     seconds: float
     texts: list[str] = field(default_factory=list)
+    loaded: LoadedModel | None = field(default=None, repr=False)  # the model, for `--lens` in the same process
 
 
 def _load(model_spec, note) -> tuple[LoadedModel, str | None]:
@@ -350,7 +351,8 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
             except BaseException:
                 pass
     ordered = [generated.texts.get(i, "") for i in my_seqs]
-    return GenerateResult(run_id, run_dir, status, len(my_seqs), generated.n_tokens, time.time() - t_start, ordered)
+    return GenerateResult(run_id, run_dir, status, len(my_seqs), generated.n_tokens, time.time() - t_start, ordered,
+                          setup.loaded)
 
 
 def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progress, batches, writer) -> _Generated:
@@ -441,3 +443,24 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
         write_manifest(rd.path, manifest)
         log.event("complete", tokens=n_generated)
         return "complete"
+
+
+def lens_after(result: GenerateResult, note=lambda text: None) -> dict | None:
+    """`generate --lens` / `intervene --lens`: the deferred lens of the run just written, with the
+    model already in memory (no second load). None when this process did not complete the run
+    (a shard whose siblings are still running: the last one to finish computes it)."""
+    if result.status != "complete":
+        return None
+    import warnings
+
+    from ..archive.reader import IncompleteRunWarning, open_run
+    from .lens import compute_lens
+
+    from ..archive.runs import lens_state
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        run = open_run(result.run_dir)
+    if lens_state(run.manifest) == "none":  # (intervene children inherit their parent's capture)
+        return {"run_id": run.id, "computed": False, "reason": "no logit lens captured in this run"}
+    return compute_lens(run, note=note, loaded=result.loaded)
