@@ -1,7 +1,7 @@
 """What `capture.head_dla` costs per decode step, against the decode step itself (min of N timings).
 
 On the embedded model (float32, batch 1, 64-token prompt, torch threads as bench.py sets them):
-times one KV-cached decode forward without probes, the same forward with only the head_dla taps
+times one KV-cached decode forward without probes, interleaved with the same forward with only the head_dla taps
 attached (the output projections' inputs, block 0's input, the final norm's input, the attention and
 MLP outputs), and `Probes._direct_logit_attribution` on what that forward left (the per-step
 arithmetic in `collect`). Each is the minimum of --repeats timings, which is robust to other
@@ -72,12 +72,16 @@ def main() -> None:
               logits_to_keep=1)
         pos[0] += 1
 
-    plain = best_ms(decode, args.repeats)
+    def tapped():
+        probes.begin(ForwardContext(pads=[0], total_len=pos[0] + 1, prefill=False, kv=cache.stack))
+        decode()
+
+    plain = with_taps = float("inf")
+    for _ in range(args.repeats):  # interleaved, so that both see the same load
+        plain = min(plain, best_ms(decode, 1))
+        with probes.attached():
+            with_taps = min(with_taps, best_ms(tapped, 1))
     with probes.attached():
-        def tapped():
-            probes.begin(ForwardContext(pads=[0], total_len=pos[0] + 1, prefill=False, kv=cache.stack))
-            decode()
-        with_taps = best_ms(tapped, args.repeats)
         tapped()
         logits = out.logits[:, -1].float()
         choice = choose(logits, Sampler(0.0, 0, 1.0), None, 10)

@@ -133,14 +133,12 @@ def tokenizer():
 
 def test_embedded_head_dla_matches_hooked_forward(tmp_path):
     """SmolLM2-135M: head_dla equals the hook-based computation to 1e-4, and the sum identity holds."""
-    from lmtrace.models import load_model
     from lmtrace.spec import ModelSpec
 
     run = run_spec(tmp_path, _spec(ModelSpec().ref, n=3))
     ref = FullForward(ModelSpec().ref, BY_ID["llama"])
     _check_against_reference(run, ref, 1e-4)
     _sum_identity(run, 1e-4)
-    assert load_model  # noqa: the reference loads through the same loader as the test table
 
 
 @pytest.mark.parametrize("case_id", ["llama", "gpt2", "phi", "opt_projected", "gpt_neox"])
@@ -217,3 +215,25 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
     assert [got[k]["rank"] for k in order] == list(range(1, len(order) + 1))
     table = pd.read_parquet(run.path / "analysis" / "heads.parquet")
     assert {"importance", "dla_rank", "sweep_effect", "sweep_rank", "rank"} <= set(table.columns)
+
+
+def test_layers_left_out_are_the_rest_term(tiny_llama_dir, tmp_path):
+    """With `capture.layers` a subset, `rest_dla` is what the other layers wrote: the same steps of a run
+    capturing every layer attribute exactly that to those layers; the identity still holds."""
+    full = run_spec(tmp_path / "full", _spec(str(tiny_llama_dir)))
+    data = _spec(str(tiny_llama_dir))
+    data["capture"] = {**CAPTURE, "layers": [0, 2]}
+    part = run_spec(tmp_path / "part", data)
+    assert part.tokens().column("token_id").to_pylist() == full.tokens().column("token_id").to_pylist()
+    for suffix in ("", "_logit"):
+        left_out = (full.array("attn_dla" + suffix)[:][..., [1, 3]].sum(-1)
+                    + full.array("mlp_dla" + suffix)[:][..., [1, 3]].sum(-1))
+        np.testing.assert_allclose(part.array("rest_dla" + suffix)[:], left_out, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(part.array("head_dla" + suffix)[:], full.array("head_dla" + suffix)[:][:, :, [0, 2]],
+                                   atol=1e-5, rtol=0)
+    tok = part.tokens().to_pandas()
+    gen = tok[~tok.is_prompt]
+    total = (part.array("embed_dla")[:] + part.array("attn_dla")[:].sum(-1) + part.array("mlp_dla")[:].sum(-1)
+             + part.array("bias_dla")[:] + part.array("rest_dla")[:])
+    for r in gen.itertuples():
+        assert abs(total[r.sequence, int(r.step)] - r.margin) <= 1e-4 * max(1.0, abs(r.margin))

@@ -16,7 +16,7 @@ import torch
 
 from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
-from .arch import Adapter, _get
+from .arch import Adapter
 from .dla import FrozenNormDLA
 from ..archive.layout import RunShape
 from .lens import LogitLens, lens_target_columns, lens_targets
@@ -70,8 +70,6 @@ def _is_plain_eager(fn) -> bool:
 class Probes:
     def __init__(self, adapter: Adapter, shape: RunShape, *, component_norms: bool, margin_contributions: bool,
                  lens_dtype: str = "float32", inner_attention=None):
-        # shape.head_dla: per-head direct logit attribution (lmtrace/capture/dla.py); refused here,
-        # before any run directory exists, for a model where it cannot be exact
         self.adapter = adapter
         self.shape = shape
         self.layers = list(shape.layers)
@@ -101,6 +99,8 @@ class Probes:
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
         self.torch_float = {"float16": torch.float16, "float32": torch.float32}[shape.float_dtype]
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
+        # per-head direct logit attribution (lmtrace/capture/dla.py): refused here, before any run
+        # directory exists, for a model where it cannot be exact
         self.dla = FrozenNormDLA(adapter) if shape.head_dla and self.layers else None
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
