@@ -34,7 +34,7 @@ import yaml  # noqa: E402
 
 from lmtrace.capture import attention, attention_rows, probes, tracer  # noqa: E402
 from lmtrace.commands import generate as gen  # noqa: E402
-from lmtrace.archive import writer  # noqa: E402
+from lmtrace.archive import sink, writer  # noqa: E402
 from lmtrace.models import load_model  # noqa: E402
 from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
 
@@ -69,8 +69,8 @@ def instrument() -> None:
     attention_rows.BatchedRows.offer = timed("  BatchedRows.offer (in the observer)", attention_rows.BatchedRows.offer)
     attention._lmtrace_attention = timed("lmtrace attention fn (sdpa + observer)", attention._lmtrace_attention)
     tracer.choose = timed("token statistics (sampling.choose)", tracer.choose)
-    gen.BlockSink.on_step = timed("step sink (BlockSink.on_step)", gen.BlockSink.on_step)
-    gen.BlockSink._write = timed("writer thread: block (tables + arrays + commit)", gen.BlockSink._write)
+    sink.BlockSink.on_step = timed("step sink (BlockSink.on_step)", sink.BlockSink.on_step)
+    sink.BlockSink._write = timed("writer thread: block (tables + arrays + commit)", sink.BlockSink._write)
     writer.ArchiveWriter._put = timed("  writer thread: array chunks", writer.ArchiveWriter._put)
     writer.ArchiveWriter._write_part = timed("  writer thread: parquet parts", writer.ArchiveWriter._write_part)
     writer.ArchiveWriter._commit = timed("  writer thread: sync + progress", writer.ArchiveWriter._commit)

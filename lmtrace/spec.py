@@ -247,7 +247,16 @@ def apply_override(data: dict, assignment: str) -> dict:
         node[part] = child
         node = child
     node[parts[-1]] = value
+    # The prompts come from one source: setting one clears the other, so that
+    # `--set prompts.file=more.txt` replaces a spec's inline texts (and the other way round).
+    if parts[:1] == ["prompts"] and len(parts) == 2 and parts[1] in _PROMPT_SOURCES:
+        for other in _PROMPT_SOURCES:
+            if other != parts[1]:
+                node.pop(other, None)
     return data
+
+
+_PROMPT_SOURCES = ("texts", "file")
 
 
 # Messages for values that match none of a union's alternatives (pydantic would list each alternative).

@@ -41,6 +41,15 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
         steps = pd.read_parquet({str(run.path / 'steps.parquet')!r})
         seqs = pd.read_parquet({str(run.path / 'sequences.parquet')!r})
         assert set(tokens.columns) >= {{"sequence", "position", "step", "token_id", "logprob", "alt_ids"}}
+        # the documented types, nulls on prompt rows included (not float64 / object)
+        dtypes = {{c: str(t) for c, t in tokens.dtypes.items()}}
+        for col in ("step", "rank", "greedy_id", "eligible"):
+            assert dtypes[col] == "Int32", (col, dtypes[col])
+        for col in ("filter_changed", "is_eos"):
+            assert dtypes[col] == "boolean", (col, dtypes[col])
+        assert dtypes["sequence"] == dtypes["position"] == dtypes["token_id"] == "int32" and dtypes["is_prompt"] == "bool"
+        assert tokens.step.isna().sum() == tokens.is_prompt.sum()
+        assert str(steps.dtypes["layer"]) == "int32" and "object" not in set(map(str, steps.dtypes))
         assert len(steps) == int((~tokens.is_prompt).sum()) * 4
         assert json.load(open({str(run.path / 'manifest.json')!r}))["status"] == "complete"
         assert "lmtrace" not in sys.modules

@@ -115,7 +115,7 @@ def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, ma
     return min(max_len, -(-reached // key_chunk) * key_chunk)
 
 
-# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
+# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/commands/lens.py)
 LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
                ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
 LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
@@ -167,7 +167,7 @@ class RunShape:
     lens: bool = True
     float_dtype: str = "float16"
     k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
-    head_dla: bool = False  # direct logit attribution arrays (DLA_ARRAYS)
+    head_dla: bool = False  # direct logit attribution arrays (dla_arrays())
     extra: dict = field(default_factory=dict)
 
     @property
@@ -221,7 +221,7 @@ class RunShape:
         """Keys per step that arrays over `key` (attention rows) write, averaged over the run.
 
         A block of `chunk_steps` steps writes whole key chunks up to the last key its context
-        reaches (`block_keys`, as generate.BlockSink buffers them), each holding `chunk_steps`
+        reaches (`block_keys`, as archive.sink.BlockSink buffers them), each holding `chunk_steps`
         steps, also in a partial last block. Without key chunks: every key.
         These are the key columns stored, so chunk padding is counted.
         """
@@ -255,19 +255,44 @@ STEP_COLUMNS = (
 )
 
 
+def with_pandas_types(schema, always_present: tuple[str, ...]):
+    """Attach pandas metadata so that `pandas.read_parquet` reads the documented types.
+
+    Without it pandas turns an int32 column holding nulls into float64 and a bool column into
+    object. Every integer and boolean column not in `always_present` is marked as pandas'
+    nullable `Int32` / `Int64` / `boolean`; the others read as numpy int32 / bool as before."""
+    import json
+
+    import pyarrow as pa
+
+    columns = []
+    for f in schema:
+        if f.name in always_present:
+            continue
+        if pa.types.is_boolean(f.type):
+            columns.append((f.name, "bool", "boolean"))
+        elif pa.types.is_integer(f.type):
+            bits = f.type.bit_width
+            columns.append((f.name, f"int{bits}", f"Int{bits}"))
+    meta = {"index_columns": [], "column_indexes": [], "creator": {"library": "lmtrace"},
+            "columns": [{"name": n, "field_name": n, "pandas_type": pt, "numpy_type": nt, "metadata": None}
+                        for n, pt, nt in columns]}
+    return schema.with_metadata({b"pandas": json.dumps(meta).encode()})
+
+
 def token_schema():
     """tokens.parquet: one row per token of every sequence (prompt rows have null step statistics)."""
     import pyarrow as pa
 
     f32, i32 = pa.float32(), pa.int32()
-    return pa.schema([
+    return with_pandas_types(pa.schema([
         ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
         ("token_id", i32), ("token_text", pa.string()),
         ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
         ("rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
         ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
         ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
-    ])
+    ]), ("sequence", "position", "is_prompt", "token_id"))
 
 
 def step_schema(columns: list[str]):
@@ -275,7 +300,7 @@ def step_schema(columns: list[str]):
 
     types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32(),
              "lens_target_rank": pa.int32(), "lens_runner_up_rank": pa.int32(), "settle_layer": pa.int32()}
-    return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
+    return with_pandas_types(pa.schema([(c, types.get(c, pa.float32())) for c in columns]), ("sequence", "step", "layer"))
 
 
 def vocab_schema():

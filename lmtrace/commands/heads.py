@@ -45,6 +45,7 @@ import pyarrow.parquet as pq
 
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..errors import ArchiveError, SpecError
+from ..jsonout import json_line
 
 LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q
 THRESHOLDS = {"sink": 0.5, "previous-token": 0.4, "induction": 0.3, "local": 0.5, "focused": 0.5}
@@ -356,7 +357,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
                          for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
-        print(json.dumps(summary))
+        print(json_line(summary))
     else:
         _print(run, table, result, folder, top)
     return summary
