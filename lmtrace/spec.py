@@ -224,6 +224,8 @@ class CaptureSpec(_Strict):
     lens: LensCapture = Field(default_factory=LensCapture)
     alternatives: int = Field(10, ge=2, le=1000)
     margin_contributions: bool = True
+    # per-head direct logit attribution with the final norm frozen (lmtrace/capture/dla.py)
+    head_dla: bool = False
 
     @property
     def lens_inline(self) -> bool:
@@ -238,14 +240,14 @@ class CaptureSpec(_Strict):
         return not (
             self.attention.enabled or self.prefill_attention or self.qkv or self.ffn.enabled
             or self.component_norms or self.lens.enabled or self.residual.vectors_at
-            or self.margin_contributions
+            or self.margin_contributions or self.head_dla
         )
 
 
 def forward_only_capture() -> CaptureSpec:
     return CaptureSpec(
         attention=AttentionCapture(enabled=False), qkv=False, ffn=FfnCapture(enabled=False),
-        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False,
+        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False, head_dla=False,
     )
 
 

@@ -15,6 +15,12 @@ Array names follow one scheme and are used unchanged by probes, writer, reader a
     lens_probs     [sequence, step, layer, k_lens]           and their probabilities
     router_topk_idx    [sequence, step, layer, k_router]     (mixture-of-experts models) experts the router chose, -1 = dense layer
     router_topk_weight [sequence, step, layer, k_router]     the weight the MoE block gives each chosen expert
+    head_dla       [sequence, step, layer, q_head]           (capture.head_dla) direct logit attribution of each
+                                                             query head to logit(chosen) − logit(runner-up)
+    attn_dla, mlp_dla [sequence, step, layer]                of each layer's attention / MLP output
+    embed_dla, bias_dla, rest_dla [sequence, step]           embedding; constant (norm / unembedding biases); rest
+    *_dla_logit    the same six, attributing logit(chosen)
+    dla_runner_up  [sequence, step]                          the runner-up token id
   prompt time:
     prefill_attn   [sequence, layer, q_head, query_pos, key_pos]
     prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
@@ -120,6 +126,22 @@ LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
                      "settle_layer")
 
 
+# Direct logit attribution (lmtrace/capture/dla.py, docs/archive.md): per target, heads [layer, q_head],
+# blocks [layer] and the per-step terms, which sum to the model's final logit (difference)
+DLA_TERMS = ("embed_dla", "bias_dla", "rest_dla")
+
+
+def dla_arrays() -> list[ArraySpec]:
+    out = []
+    for suffix in ("", "_logit"):
+        out.append(ArraySpec(f"head_dla{suffix}", ("sequence", "step", "layer", "q_head"), "float32", True, auto_codec="none"))
+        out += [ArraySpec(f"{part}_dla{suffix}", ("sequence", "step", "layer"), "float32", True, auto_codec="none")
+                for part in ("attn", "mlp")]
+        out += [ArraySpec(f"{term}{suffix}", ("sequence", "step"), "float32", True, auto_codec="none") for term in DLA_TERMS]
+    out.append(ArraySpec("dla_runner_up", ("sequence", "step"), "int32", True))
+    return out
+
+
 @dataclass(frozen=True)
 class RunShape:
     """The sizes that fix every array's shape for one run."""
@@ -145,6 +167,7 @@ class RunShape:
     lens: bool = True
     float_dtype: str = "float16"
     k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
+    head_dla: bool = False  # direct logit attribution arrays (dla_arrays())
     extra: dict = field(default_factory=dict)
 
     @property
@@ -184,6 +207,8 @@ class RunShape:
         if self.k_router and self.layers:
             out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True))
             out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True))
+        if self.head_dla and self.layers:
+            out.extend(dla_arrays())
         if self.prefill_attention:
             out.append(ArraySpec("prefill_attn", ("sequence", "layer", "q_head", "query_pos", "key_pos"), f, False))
         return out

@@ -68,7 +68,7 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
         k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0), k_lens=cap.lens.top_k,
         attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
         ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens_inline, float_dtype=spec.output.float_dtype,
-        k_router=adapter.router_top_k if not forward_only else 0,
+        k_router=adapter.router_top_k if not forward_only else 0, head_dla=cap.head_dla and not forward_only,
     )
 
 
