@@ -391,10 +391,11 @@ def check_run_model(manifest: dict, run_id: str, loaded: LoadedModel, ref) -> No
 
 
 def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict | None = None,
-                   note=lambda text: None) -> LoadedModel:
+                   note=lambda text: None, spread_ok: bool = False) -> LoadedModel:
     """The model an archived run was generated with (its `spec_resolved.model`, with `overrides`),
     refused when the weights or the tokenizer changed since (`check_run_model`).
-    `purpose` finishes "... needed for" in the error messages."""
+    `purpose` finishes "... needed for" in the error messages. `spread_ok`: the caller works with a
+    model spread by `model.device_map` (the lens does); the others get one device or a refusal."""
     given = dict(manifest.get("spec_resolved", {}).get("model") or {})
     if not given:
         raise ModelLoadError(f"run {run_id}: the manifest has no spec_resolved.model; cannot tell which model to load")
@@ -402,6 +403,8 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
     if (overrides or {}).get("device") is not None:  # one given device replaces the run's placement
         for key in ("device_map", "max_memory", "offload_folder"):
             given.pop(key, None)
+    if given.get("device_map") is not None and not spread_ok:
+        refuse_spread(run_id, purpose, device_option="device" in (overrides or {}))  # callers with --device pass it
     try:
         loaded = load_model(ModelSpec(**given), note=note)
     except LmtraceError as err:
@@ -412,3 +415,14 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
     check_run_model(manifest, run_id, loaded, given.get("ref"))
     return loaded
+
+
+def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> None:
+    """Interventions, sweeps, attribution and exact compare edit or differentiate a model loaded on
+    one device; a model spread by `model.device_map` (several devices, disk offload) is not
+    supported there yet, so they stop before loading rather than fail midway."""
+    from .errors import SpecError
+
+    hint = ("give --device DEVICE to load the whole model on one device, or " if device_option else "")
+    raise SpecError(f"run {run_id} was generated with model.device_map (spread over devices): {purpose} runs on "
+                    f"one device only; {hint}generate the run with model.device instead")

@@ -102,7 +102,7 @@ def test_generate_lens_equals_a_separate_lens_run_bit_for_bit(tmp_path, tiny_lla
 def test_ls_tells_runs_and_children_apart_and_intervene_quiet_prints_child_ids(tmp_path, tiny_llama_dir):
     spec = _tiny_spec(tmp_path, tiny_llama_dir)
     assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "parent").returncode == 0
-    proc = lmtrace(tmp_path, "intervene", "parent", "--ablate-head", "1.2", "-q")
+    proc = lmtrace(tmp_path, "intervene", "parent", "--ablate-head", "1.2", "-q", "--lens")
     assert proc.returncode == 0, proc.stderr
     child = proc.stdout.strip()
     assert child and "\n" not in child and (tmp_path / "runs" / child / "manifest.json").is_file()
@@ -115,6 +115,7 @@ def test_ls_tells_runs_and_children_apart_and_intervene_quiet_prints_child_ids(t
     assert rows["parent"]["lens"] == "pending"
     assert rows[child]["kind"] == "intervene" and rows[child]["parent_id"] == "parent"
     assert rows[child]["edits"] == "ablate_head 1.2 (rescore)"
+    assert rows[child]["lens"] == "ready"  # intervene --lens, with the model the child was written with
     kinds = {r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls", "--kind", "intervene", "--json").stdout)}
     assert kinds == set(rows) - {"parent"} and len(kinds) == 3
     table = lmtrace(tmp_path, "ls", env={"COLUMNS": "250"}).stdout

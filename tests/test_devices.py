@@ -103,6 +103,19 @@ def test_explicit_map_gives_the_single_device_archive(tmp_path, wide_llama_dir, 
                              "offload_folder": str(tmp_path / "offload")})
     assert spread.manifest["model"]["placement"]["device_map"] == device_map
     assert_same_archive(single_run, spread)
+    # commands that edit or differentiate the model run on one device: a spread run is refused in
+    # one line before any model is loaded (explain loads it on one device with --device)
+    from lmtrace.commands.intervene import run_intervene
+    from lmtrace.errors import SpecError
+    from lmtrace.models import load_run_model
+
+    with pytest.raises(SpecError, match=r"model.device_map .* lmtrace intervene runs on one device only"):
+        run_intervene(str(spread.path), [{"kind": "ablate_head", "layer": 1, "head": 0}])
+    with pytest.raises(SpecError, match=r"the sweep runs on one device only; generate the run with model.device"):
+        load_run_model(spread.manifest, spread.id, purpose="the sweep")
+    with pytest.raises(SpecError, match=r"give --device DEVICE"):
+        load_run_model(spread.manifest, spread.id, purpose="explain", overrides={"device": None})
+    assert load_run_model(spread.manifest, spread.id, purpose="explain", overrides={"device": "cpu"}).device.type == "cpu"
 
 
 def test_layers_in_several_kv_stacks_give_the_same_archive(tmp_path, wide_llama_dir, single_run, monkeypatch):

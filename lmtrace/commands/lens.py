@@ -112,7 +112,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
         loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
                                 overrides={"device": device or (None if spread else manifest.get("device")),
                                            "dtype": manifest.get("dtype"), "attn_implementation": "eager"},
-                                note=note)
+                                note=note, spread_ok=True)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])
