@@ -297,6 +297,15 @@ class RunSpec(_Strict):
                              "or write `capture: none` to capture nothing (forward only)")
         return data
 
+    @model_validator(mode="after")
+    def _dla_on_one_device(self) -> "RunSpec":
+        # direct logit attribution reads o_proj and unembedding weights itself, which a model spread
+        # by device_map may hold offloaded (placeholders): not supported together yet
+        if self.capture.head_dla and self.model.device_map is not None:
+            raise ValueError("capture.head_dla with model.device_map is not supported yet: capture direct logit "
+                             "attribution with the model on one device (model.device)")
+        return self
+
 
 def _parse_yaml(text: str, source: str) -> Any:
     try:

@@ -360,3 +360,8 @@ def test_validate_spec_checks_layers_against_the_model(tmp_path):
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}))
     assert validate_spec(path, [f"model={cfg}", "capture.layers=all"])["model"]["layers"] == 2
+
+
+def test_head_dla_needs_the_model_on_one_device():
+    assert "capture.head_dla with model.device_map is not supported" in spec_error(
+        {"prompts": ["a"], "model": {"device_map": "auto"}, "capture": {"head_dla": True}})
