@@ -337,6 +337,8 @@ def sweep(
     positions: Optional[str] = typer.Option(None, "--positions", help="Edit one position at a time: 3-9 or 0,4 "
                                             "(default: every position at once; resid and positions: each prompt position)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Cells per forward (batch rows; default 32)."),
+    from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on; the unedited "
+                                            "prefix is computed once and its KV cache shared (steps >= it are measured)."),
     spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML sweep spec (the same keys; flags override)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N or auto (SLURM array): split the cells over processes."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Sweep id (shared by shards; reused to continue)."),
@@ -353,7 +355,7 @@ def sweep(
     try:
         sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
                                                                steps=steps, sequences=sequences, positions=positions,
-                                                               batch=batch),
+                                                               batch=batch, from_step=from_step),
                       runs_dir=runs_dir, run_id=run_id, shard=shard, resume=resume, top=top, json_out=json_out,
                       quiet=quiet, note=reporter.message)
     except BaseException as err:  # noqa: BLE001
