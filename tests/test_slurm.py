@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,22 +103,24 @@ def test_array_job_with_a_preempted_task_resumes_to_the_single_process_result(sl
 
 def test_sweep_as_an_array_job_equals_the_unsharded_sweep(slurm, tmp_path, sharp_llama_dir):  # noqa: F811
     """`lmtrace sweep --shard auto` in a 3-task array: one sweep `slurm-<job id>`, assembled once by the last task,
-    equal to the unsharded sweep bit for bit (same --batch, so the same blocks)."""
+    equal to the unsharded sweep bit for bit (same --batch, so the same blocks; one thread in both, as float sums
+    depend on the thread count)."""
     import pandas as pd
     import pyarrow.parquet as pq
 
     from conftest import run_spec
-    from lmtrace.commands.sweep import SweepSpec, run_sweep
 
     parent = run_spec(tmp_path, {"model": str(sharp_llama_dir), "prompts": ["The quick brown fox", "Paris is the"],
                                  "capture": "none", "output": {"run_id": "parent"},
                                  "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5}})
     metrics = ["logprob", "kl", "logit_diff:42,7"]
-    flags = " ".join(f"--metric {m}" for m in metrics)
+    args = ["--over", "heads", "--edit", "zero", "--batch", "3", "--from-step", "1", "--json",
+            *[a for m in metrics for a in ("--metric", m)]]
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = tmp_path / "task.sh"
-    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexport OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false\n"
-                      f"exec {sys.executable} -m lmtrace.cli sweep {parent.path} --over heads --edit zero --batch 3 "
-                      f"--from-step 1 {flags} --shard auto --json\n")
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexport {' '.join(f'{k}={v}' for k, v in env.items())}\n"
+                      f"exec {sys.executable} -m lmtrace.cli sweep {parent.path} {' '.join(map(shlex.quote, args))} "
+                      f"--shard auto\n")
     job = _sbatch(slurm, "--array=0-2", "-o", str(tmp_path / "task-%a.out"), "--cpus-per-task=1", str(script))
     _wait_gone(slurm, job)
     logs = [(tmp_path / f"task-{i}.out").read_text() for i in range(3)]
@@ -133,12 +136,14 @@ def test_sweep_as_an_array_job_equals_the_unsharded_sweep(slurm, tmp_path, sharp
     info = json.loads((root / sweep_id / "sweep.json").read_text())
     assert info["timings"]["shards"] == 3 and info["n_cells"] == 16
 
-    whole = run_sweep(str(parent.path), SweepSpec(over="heads", edit="zero", batch=3, from_step=1, metrics=metrics))
+    single = subprocess.run([sys.executable, "-m", "lmtrace.cli", "sweep", str(parent.path), *args, "--run-id", "single"],
+                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env})
+    assert single.returncode == 0, single.stderr
     key = ["component", "layer", "head", "neuron", "position", "sequence", "step", "metric"]
 
     def table(path):
         return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)
-    sharded, unsharded = table(root / sweep_id), table(whole.path)
+    sharded, unsharded = table(root / sweep_id), table(root / "single")
     assert len(sharded) == 16 * 2 * 3 * len(metrics)  # heads x sequences x steps 1..3 x metrics
     pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
     assert unsharded[unsharded.metric == "kl"].effect.max() > 1e-2  # the cells differ: a wrong cell cannot pass
