@@ -58,9 +58,11 @@ def main() -> None:
         spec.write_text(json.dumps({"prompts": [PROMPT], "capture": "none",
                                     "generation": {"max_new_tokens": 16, "temperature": 0}}))
         lmtrace(runs, "generate", str(spec), "--run-id", "parent", "-q")
-        result = {}
+        out = Path(args.out)
+        # one case alone updates its part of an earlier result file
+        result = json.loads(out.read_text()) if args.case != "all" and out.is_file() else {}
         if args.case in ("all", "heads"):
-            result = every_step_case(runs, args)
+            result = {**result, **every_step_case(runs, args)}
         if args.case in ("all", "from-step"):
             result["from_step"] = from_step_case(runs, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
