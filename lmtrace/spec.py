@@ -132,6 +132,8 @@ class CaptureSpec(_Strict):
     lens: LensCapture = Field(default_factory=LensCapture)
     alternatives: int = Field(10, ge=2, le=1000)
     margin_contributions: bool = True
+    # per-head direct logit attribution with the final norm frozen (lmtrace/capture/dla.py)
+    head_dla: bool = False
 
     @property
     def lens_inline(self) -> bool:
@@ -146,14 +148,14 @@ class CaptureSpec(_Strict):
         return not (
             self.attention.enabled or self.prefill_attention or self.qkv or self.ffn.enabled
             or self.component_norms or self.lens.enabled or self.residual.vectors_at
-            or self.margin_contributions
+            or self.margin_contributions or self.head_dla
         )
 
 
 def forward_only_capture() -> CaptureSpec:
     return CaptureSpec(
         attention=AttentionCapture(enabled=False), qkv=False, ffn=FfnCapture(enabled=False),
-        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False,
+        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False, head_dla=False,
     )
 
 
@@ -245,7 +247,16 @@ def apply_override(data: dict, assignment: str) -> dict:
         node[part] = child
         node = child
     node[parts[-1]] = value
+    # The prompts come from one source: setting one clears the other, so that
+    # `--set prompts.file=more.txt` replaces a spec's inline texts (and the other way round).
+    if parts[:1] == ["prompts"] and len(parts) == 2 and parts[1] in _PROMPT_SOURCES:
+        for other in _PROMPT_SOURCES:
+            if other != parts[1]:
+                node.pop(other, None)
     return data
+
+
+_PROMPT_SOURCES = ("texts", "file")
 
 
 # Messages for values that match none of a union's alternatives (pydantic would list each alternative).

@@ -17,6 +17,7 @@ import torch
 from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
 from .arch import Adapter
+from .dla import FrozenNormDLA
 from ..archive.layout import RunShape
 from .lens import LogitLens, lens_target_columns, lens_targets
 from .sampling import Choice
@@ -98,6 +99,9 @@ class Probes:
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
         self.torch_float = {"float16": torch.float16, "float32": torch.float32}[shape.float_dtype]
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
+        # per-head direct logit attribution (lmtrace/capture/dla.py): refused here, before any run
+        # directory exists, for a model where it cannot be exact
+        self.dla = FrozenNormDLA(adapter) if shape.head_dla and self.layers else None
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -116,6 +120,8 @@ class Probes:
         self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_rows: dict[int, torch.Tensor] = {}
         self.router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (expert ids, weights) [B, k]
+        self.o_in: dict[int, torch.Tensor] = {}  # layer -> output projection input (heads concatenated) [B, pos, H*D]
+        self.ends: dict[str, torch.Tensor] = {}  # "embed" (block 0's input), "final" (the final norm's input)
 
     def begin(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
@@ -130,15 +136,20 @@ class Probes:
         try:
             for layer in self.layers:
                 handles.append(tap(a.layers[layer], self._block_tap(layer)))
-                if self.component_norms:
+                if self.component_norms or self.dla is not None:
                     handles.append(tap(a.attn(layer), self._output_tap("attn_out", layer)))
                     handles.append(tap(a.mlp(layer), self._output_tap("mlp_out", layer)))
+                if self.dla is not None:
+                    handles.append(tap(a.o_proj(layer), self._input_tap("o_in", layer)))
                 if self.shape.ffn:
                     handles.append(tap(a.mlp_down(layer), self._ffn_tap(layer)))
                 if self.shape.k_router and a.routers[layer] is not None:
                     handles.append(tap(a.routers[layer], self._router_tap(layer)))
             for layer in sorted(set(self.shape.resid_layers) - set(self.layers)):  # `residual.vectors_at` only
                 handles.append(tap(a.layers[layer], self._block_tap(layer, keep_input=False)))
+            if self.dla is not None:  # the residual stream's two ends: the embedding and the final norm's input
+                handles.append(tap(a.layers[0], self._input_tap("ends", "embed")))
+                handles.append(tap(self.dla.norm_module, self._input_tap("ends", "final")))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
@@ -164,6 +175,11 @@ class Probes:
         def output(module, args, kwargs, out):
             getattr(self, store)[layer] = self._keep(out[0] if type(out) is tuple else out)
         return output
+
+    def _input_tap(self, store: str, key):
+        def first_input(module, args, kwargs, output):
+            getattr(self, store)[key] = self._keep(args[0] if args else next(iter(kwargs.values())))
+        return first_input
 
     def _ffn_tap(self, layer):
         def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
@@ -307,6 +323,8 @@ class Probes:
                                 + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill)  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
+        if self.dla is not None:  # before the inline lens, whose call of the final norm would pass its tap
+            arrays.update(self._direct_logit_attribution(choice))
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
             ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
@@ -321,6 +339,32 @@ class Probes:
             direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
+
+    def _direct_logit_attribution(self, choice: Choice) -> dict[str, np.ndarray]:
+        """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,
+        first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen)."""
+        B, prefill = len(self.ctx.pads), self.ctx.prefill
+        targets = torch.from_numpy(lens_targets(choice.token.numpy(), choice.alt_ids.numpy()))  # [B, 2]
+        final = _at_query([self.ends["final"]], B, prefill)[0].float()  # [B, d]
+        embed = _at_query([self.ends["embed"]], B, prefill)[0].float()
+        u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
+        u = u.to(final.device)
+        L = len(self.layers)
+        outputs = _at_query([self.attn_out[layer] for layer in self.layers]
+                            + [self.mlp_out[layer] for layer in self.layers], B, prefill).float()  # [2L, B, d]
+        rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)
+        blocks = torch.einsum("lbd,btd->lbt", outputs, u)  # [2L, B, 2]: attention outputs, then MLP outputs
+        ends = torch.einsum("nbd,btd->nbt", torch.stack([embed, rest], 0), u)  # [2, B, 2]
+        heads = self.dla.heads(self.layers, self._at_query(self.o_in), u)  # [L, B, 2, H]
+        out = {"dla_runner_up": targets[:, 1].numpy().astype(np.int32)}
+        for suffix, t in (("", 0), ("_logit", 1)):
+            out["head_dla" + suffix] = heads[:, :, t].transpose(0, 1).cpu().numpy()
+            out["attn_dla" + suffix] = blocks[:L, :, t].T.cpu().numpy()
+            out["mlp_dla" + suffix] = blocks[L:, :, t].T.cpu().numpy()
+            out["embed_dla" + suffix] = ends[0, :, t].cpu().numpy()
+            out["rest_dla" + suffix] = ends[1, :, t].cpu().numpy()
+            out["bias_dla" + suffix] = const[:, t].cpu().numpy()
+        return out
 
     def _at_query(self, store: dict[int, torch.Tensor], layers: list[int] | None = None) -> torch.Tensor:
         """[L, B, ...]: the query position of a kept per-layer output, for `layers` (default: the captured ones)."""

@@ -295,6 +295,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
             attention=cap.attention.enabled and bool(layers), prefill_attention=cap.prefill_attention,
             qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
             lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
+            head_dla=cap.head_dla and bool(layers),
         )
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
