@@ -574,6 +574,13 @@ BAD = [
 ]
 
 
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the progress lines (`[HH:MM:SS] importing torch`, printed before any check runs)."""
+    import re
+
+    return [line for line in stderr.splitlines() if line.strip() and not re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+
+
 def _sweep_names(run):
     return sorted(p.name for p in (run.path / "sweeps").iterdir()) if (run.path / "sweeps").exists() else []
 
@@ -589,7 +596,7 @@ def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir
         _run(clean.path.parent.parent, sharp_llama_dir, ["The fox", "Paris is"], "short")
     before = _sweep_names(clean)
     result = CliRunner().invoke(app, ["sweep", str(clean.path), "--runs-dir", str(clean.path.parent), *args])
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = _error_lines(result.stderr)
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], \
         result.stderr
     assert _sweep_names(clean) == before
@@ -600,7 +607,7 @@ def test_a_bad_sweep_in_a_real_process_prints_one_line_without_traceback(runs, t
     before = _sweep_names(clean)
     proc = _cli(tmp_path, "sweep", str(clean.path), "--over", "heads", "--metric", "logit_diff:7,99999999")
     out, err = proc.communicate(timeout=120)
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = _error_lines(err)
     assert proc.returncode == 2 and len(lines) == 1 and "outside the vocabulary" in lines[0], err
     assert "Traceback" not in out + err and _sweep_names(clean) == before
 
