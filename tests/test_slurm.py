@@ -1,4 +1,5 @@
-"""A real one-node SLURM: an array job with --shard auto, one task preempted with SIGTERM and resumed.
+"""A real one-node SLURM: an array job with --shard auto, one task preempted with SIGTERM and resumed; a sweep
+as an array job.
 
 Needs root and Debian's slurmctld/slurmd/slurm-client/munge (`.ci/run` installs them with
 `scripts/slurm-cluster.sh install`); skipped with the reason otherwise.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 
 from lmtrace.archive.reader import Run
 from test_batch_ops import assert_same_archive
+from test_sweep import sharp_llama_dir  # noqa: F401  (a fixture: the tiny Llama with peaked distributions)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +99,51 @@ def test_array_job_with_a_preempted_task_resumes_to_the_single_process_result(sl
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr
     assert_same_archive(Run(runs / "single"), Run(run_dir))
+
+
+def test_sweep_as_an_array_job_equals_the_unsharded_sweep(slurm, tmp_path, sharp_llama_dir):  # noqa: F811
+    """`lmtrace sweep --shard auto` in a 3-task array: one sweep `slurm-<job id>`, assembled once by the last task,
+    equal to the unsharded sweep bit for bit (same --batch, so the same blocks; one thread in both, as float sums
+    depend on the thread count)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from conftest import run_spec
+
+    parent = run_spec(tmp_path, {"model": str(sharp_llama_dir), "prompts": ["The quick brown fox", "Paris is the"],
+                                 "capture": "none", "output": {"run_id": "parent"},
+                                 "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5}})
+    metrics = ["logprob", "kl", "logit_diff:42,7"]
+    args = ["--over", "heads", "--edit", "zero", "--batch", "3", "--from-step", "1", "--json",
+            *[a for m in metrics for a in ("--metric", m)]]
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = tmp_path / "task.sh"
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexport {' '.join(f'{k}={v}' for k, v in env.items())}\n"
+                      f"exec {sys.executable} -m lmtrace.cli sweep {parent.path} {' '.join(map(shlex.quote, args))} "
+                      f"--shard auto\n")
+    job = _sbatch(slurm, "--array=0-2", "-o", str(tmp_path / "task-%a.out"), "--cpus-per-task=1", str(script))
+    _wait_gone(slurm, job)
+    logs = [(tmp_path / f"task-{i}.out").read_text() for i in range(3)]
+    statuses = []
+    for log in logs:
+        assert "Traceback" not in log and "error" not in log.lower(), log
+        statuses.append(json.loads(log.strip().splitlines()[-1])["status"])
+    assert sorted(statuses) == ["complete", "shard-complete", "shard-complete"], logs  # exactly one assembled
+    sweep_id = f"slurm-{job}"
+    root = parent.path / "sweeps"
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock")) == [sweep_id]  # no partial left
+    assert [e["id"] for e in Run(parent.path).manifest["sweeps"]] == [sweep_id]
+    info = json.loads((root / sweep_id / "sweep.json").read_text())
+    assert info["timings"]["shards"] == 3 and info["n_cells"] == 16
+
+    single = subprocess.run([sys.executable, "-m", "lmtrace.cli", "sweep", str(parent.path), *args, "--run-id", "single"],
+                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env})
+    assert single.returncode == 0, single.stderr
+    key = ["component", "layer", "head", "neuron", "position", "sequence", "step", "metric"]
+
+    def table(path):
+        return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)
+    sharded, unsharded = table(root / sweep_id), table(root / "single")
+    assert len(sharded) == 16 * 2 * 3 * len(metrics)  # heads x sequences x steps 1..3 x metrics
+    pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
+    assert unsharded[unsharded.metric == "kl"].effect.max() > 1e-2  # the cells differ: a wrong cell cannot pass

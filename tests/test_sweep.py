@@ -315,6 +315,130 @@ def test_head_and_block_patching_at_every_position_equals_the_tests_own(runs, mo
             _compare(df, cell, _metrics(_logits(model, p + g, hooks), base, len(p), g), seq)
 
 
+FROM = 2  # the from-step tests: edits at steps 2 and 3 of the 4 generated ones
+
+
+def _embedded_lengths(monkeypatch) -> list[tuple[int, int]]:
+    """Records the (rows, tokens) of every forward the model runs (its token embedding's input)."""
+    seen = []
+    real = torch.nn.Embedding.forward
+
+    def forward(self, ids):
+        seen.append(tuple(ids.shape))
+        return real(self, ids)
+    monkeypatch.setattr(torch.nn.Embedding, "forward", forward)
+    return seen
+
+
+def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_the_tests_own(runs, model, tmp_path,
+                                                                                             monkeypatch):
+    """--from-step S: edits only at the positions of steps >= S. Each cell equals the `lmtrace intervene --from-step S`
+    child (its KV-cached loop) and the test's own full forward (no cache) edited at positions >= P - 1 + S; the
+    prefix is run once per sequence and every batch computes only the suffix."""
+    from typer.testing import CliRunner
+
+    from lmtrace.cli.main import app
+    from lmtrace.commands.intervene import run_intervene
+
+    clean, _ = runs
+    spec = tmp_path / "sweep.yaml"  # the YAML spec's from_step
+    spec.write_text(f"over: heads\nedit: zero\nfrom_step: {FROM}\nbatch: 6\nmetrics: {json.dumps(METRICS)}\n")
+    seen = _embedded_lengths(monkeypatch)
+    out = CliRunner().invoke(app, ["sweep", str(clean.path), "--spec", str(spec), "--run-id", "from2", "--json"])
+    monkeypatch.undo()
+    assert out.exit_code == 0, out.output
+    df = read_sweep(clean, "from2").to_pandas()
+    assert sorted(df.step.unique()) == [2, 3] and len(df) == 16 * 2 * 2 * len(METRICS)  # only steps >= S are reported
+    lengths = {s: len(_seq(clean, s)[0]) for s in range(2)}
+    # one prefix forward per sequence (prompt + steps < S: P - 1 + S tokens), then only the 2-token suffix
+    prefixes = sorted(n for rows, n in seen if n > 2)
+    assert prefixes == sorted(P - 1 + FROM for P in lengths.values()), seen
+    assert {n for rows, n in seen if n <= 2} == {2} and max(rows for rows, _ in seen) == 6, seen
+    info = json.loads((clean.path / "sweeps" / "from2" / "sweep.json").read_text())
+    assert info["spec"]["from_step"] == FROM and info["baseline_max_abs_diff"] < 1e-4
+
+    d = model.config.hidden_size // model.config.num_attention_heads
+    every_step = None
+    for seq in range(2):
+        p, g = _seq(clean, seq)
+        P = len(p)
+        base = _logits(model, p + g)
+        for L, h in ((0, 1), (2, 3), (3, 0)):
+            def fn(m, a, L=L, h=h):
+                x = a[0].clone()
+                x[0, P - 1 + FROM:, h * d:(h + 1) * d] = 0  # the positions of steps >= S only
+                return (x,)
+            own = _metrics(_logits(model, p + g, [(model.model.layers[L].self_attn.o_proj, "pre", fn)]), base, P, g)
+            _compare(df, ("head", L, h), {k: v[FROM:] for k, v in own.items()}, seq)
+    # the same head, edited at every step, is another experiment: the values differ far beyond the tolerance
+    every_step = read_sweep(clean, run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], steps="2-3",
+                                                                       sequences="0")).sweep_id).to_pandas()
+    later = read_sweep(clean, run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], from_step=FROM,
+                                                                  sequences="0")).sweep_id).to_pandas()
+    key = ["layer", "step"]
+    assert np.abs(every_step.sort_values(key).value.to_numpy() - later.sort_values(key).value.to_numpy()).max() > 1e-2
+
+    # intervene --from-step 2 children: a head ablation and a position hidden from the later queries
+    _, effects = run_intervene(str(clean.path), [{"kind": "ablate_head", "layer": 2, "head": 3}], from_step=FROM)
+    masked = run_sweep(str(clean.path), SweepSpec(over="positions", positions="1", metrics=["logprob"], from_step=FROM))
+    mdf = read_sweep(clean, masked.sweep_id).to_pandas()
+    _, mask_effects = run_intervene(str(clean.path), [{"kind": "mask_positions", "mask": [1]}], from_step=FROM)
+    for eff, rows, cell in ((effects.to_pandas(), df[df.metric == "logprob"], ("head", 2, 3)),
+                            (mask_effects.to_pandas(), mdf, ("position", None, None))):
+        for seq in range(2):
+            child = eff[(eff.sequence == seq) & (eff.step >= FROM)].sort_values("step")
+            if cell[0] == "head":
+                mine = _cell_rows(rows, "head", 2, 3, seq=seq)
+            else:
+                mine = rows[(rows.sequence == seq) & (rows.position == 1)]
+            mine = mine.sort_values("step")
+            assert mine.step.tolist() == child.step.tolist() == [2, 3]
+            np.testing.assert_allclose(mine.value.to_numpy(), child.child_logprob_of_parent_token.to_numpy(), atol=1e-4,
+                                       rtol=0, err_msg=f"{cell} {seq}")
+            # steps before S are the parent's own in the child: the edit really starts at S
+            early = eff[(eff.sequence == seq) & (eff.step < FROM)]
+            np.testing.assert_allclose(early.child_logprob_of_parent_token, early.parent_logprob, atol=1e-4, rtol=0)
+    assert mdf.effect.abs().max() > 1e-3  # hiding the position matters
+
+
+def test_from_step_residual_patching_equals_the_tests_own_forward_without_a_cache(runs, model):
+    clean, corrupt = runs
+    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:1-2", edit="patch", source="clean", from_step=FROM,
+                                                    metrics=["logit_diff:42,7", "logprob"], batch=4))
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    P0 = min(corrupt.prompt_len())
+    longest = max(corrupt.prompt_len()) + 3  # the longest measured context: prompt + steps 0..2 as input
+    assert sorted(df.position.unique()) == list(range(P0 - 1 + FROM, longest))  # the suffix positions by default
+    layers = model.model.layers
+    checked = 0
+    for seq in range(2):
+        cp, cg = _seq(clean, seq)
+        p, g = _seq(corrupt, seq)
+        P = len(p)
+        saved = {}
+        _logits(model, cp + cg, [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
+            L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in (1, 2)])
+        base = _logits(model, p + g)
+        for L in (1, 2):
+            for pos in sorted(df.position.unique()):
+                r = _cell_rows(df, "resid", L, position=int(pos), seq=seq)
+                if not P - 1 + FROM <= pos < P + 3:  # in this sequence's unedited prefix or past it: nothing changes
+                    assert r.effect.abs().max() < 1e-5
+                    continue
+
+                def patch(m, a, o, L=L, pos=int(pos)):
+                    x = (o[0] if isinstance(o, tuple) else o).clone()
+                    x[0, pos] = saved[L][pos]
+                    return (x, *o[1:]) if isinstance(o, tuple) else x
+                own = _metrics(_logits(model, p + g, [(layers[L], "fwd", patch)]), base, P, g)
+                for metric in ("logit_diff:42,7", "logprob"):
+                    mine = r[r.metric == metric].sort_values("step")
+                    np.testing.assert_allclose(mine.value.to_numpy(), own[metric][FROM:], atol=1e-4, rtol=0,
+                                               err_msg=f"{seq} {L} {pos} {metric}")
+                checked += 1
+    assert checked == 8 and df[df.metric == "logprob"].effect.abs().max() > 1e-2
+
+
 def test_a_run_patched_from_itself_changes_nothing(runs):
     clean, _ = runs
     result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="patch", source="clean", metrics=["logprob", "kl"]))
@@ -442,7 +566,19 @@ BAD = [
     (["--over", "heads", "--metric", "entropy"], "unknown"),
     (["--over", "neurons:1", "--edit", "patch", "--source", "corrupt"], "zero or mean"),
     (["--over", "heads", "--spec", "missing.yaml"], "not found"),
+    (["--over", "heads", "--from-step", "4"], "none is edited"),
+    (["--over", "heads", "--from-step", "2", "--steps", "1-3"], "before --from-step"),
+    (["--over", "resid:0-1", "--edit", "patch", "--source", "corrupt", "--from-step", "2", "--positions", "0-2"],
+     "unedited prefix"),
+    (["--over", "heads", "--from-step", "-1"], "from_step"),
 ]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the progress lines (`[HH:MM:SS] importing torch`, printed before any check runs)."""
+    import re
+
+    return [line for line in stderr.splitlines() if line.strip() and not re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
 
 
 def _sweep_names(run):
@@ -460,7 +596,7 @@ def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir
         _run(clean.path.parent.parent, sharp_llama_dir, ["The fox", "Paris is"], "short")
     before = _sweep_names(clean)
     result = CliRunner().invoke(app, ["sweep", str(clean.path), "--runs-dir", str(clean.path.parent), *args])
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = _error_lines(result.stderr)
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], \
         result.stderr
     assert _sweep_names(clean) == before
@@ -471,7 +607,7 @@ def test_a_bad_sweep_in_a_real_process_prints_one_line_without_traceback(runs, t
     before = _sweep_names(clean)
     proc = _cli(tmp_path, "sweep", str(clean.path), "--over", "heads", "--metric", "logit_diff:7,99999999")
     out, err = proc.communicate(timeout=120)
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = _error_lines(err)
     assert proc.returncode == 2 and len(lines) == 1 and "outside the vocabulary" in lines[0], err
     assert "Traceback" not in out + err and _sweep_names(clean) == before
 

@@ -21,6 +21,8 @@ layer whose keys do not fit the stack (another head count, head size or dtype).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -209,3 +211,31 @@ class StackedCache(DynamicCache):
             return up_front if (stack_device or device).type == "cpu" else 0
 
         return cls(config, capacity_hint=hint, layer_devices=layer_devices)
+
+
+def expand_prefix(cache: DynamicCache, rows: int) -> DynamicCache:
+    """A cache for `rows` batch rows that all continue the one-row prefix held in `cache`.
+
+    `lmtrace sweep --from-step` computes the unedited prefix of a sequence once and runs many edited
+    continuations of it, one per batch row. Each layer's keys and values become expanded views of
+    the prefix's (no copy, no recomputation); the continuation's forward appends with `torch.cat`
+    into new tensors, so `cache` itself is never written and serves every batch. Layer kinds that
+    hold something else (linear-attention states) are copied and repeated with their own
+    `batch_repeat_interleave`; `StackedLayer`, which appends in place, refuses (the prefix would be
+    overwritten), so the prefix is computed with a plain DynamicCache.
+    """
+    out = copy.copy(cache)
+    out.layers = [_expand_layer(layer, rows) for layer in cache.layers]
+    return out
+
+
+def _expand_layer(layer, rows: int):
+    if isinstance(layer, DynamicLayer) and not isinstance(layer, StackedLayer):
+        new = copy.copy(layer)
+        if layer.is_initialized and layer.keys.numel():
+            new.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
+            new.values = layer.values.expand(rows, *layer.values.shape[1:])
+        return new
+    new = copy.deepcopy(layer)
+    new.batch_repeat_interleave(rows)
+    return new

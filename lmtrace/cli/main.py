@@ -100,6 +100,12 @@ class _Reporter:
         else:
             typer.echo(f"[{time.strftime('%H:%M:%S')}] {text}", err=True)
 
+    def starting(self, text: str = "importing torch") -> None:
+        """A first line within a second on a terminal, before imports that take seconds; not in
+        scripts, cron or SLURM, where an early bad-input error stays the only line on stderr."""
+        if self.tty:
+            self.message(text)
+
     def start(self, n_prompts: int, max_tokens: int) -> None:
         self.t0 = self.last_line = time.time()
         if self.quiet:
@@ -351,7 +357,7 @@ def intervene(
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
     reporter = _Reporter(quiet or json_out)
-    reporter.message("importing torch")  # the first line within a second; the imports take seconds
+    reporter.starting()
     from ..progress import Progress
     from .intervene import intervene_command
 
@@ -385,6 +391,8 @@ def sweep(
     positions: Optional[str] = typer.Option(None, "--positions", help="Edit one position at a time: 3-9 or 0,4 "
                                             "(default: every position at once; resid and positions: each prompt position)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Cells per forward (batch rows; default 32)."),
+    from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on; the unedited "
+                                            "prefix is computed once and its KV cache shared (steps >= it are measured)."),
     spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML sweep spec (the same keys; flags override)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N or auto (SLURM array): split the cells over processes."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Sweep id (shared by shards; reused to continue)."),
@@ -396,13 +404,13 @@ def sweep(
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
     reporter = _Reporter(quiet or json_out)
-    reporter.message("importing torch")
+    reporter.starting()
     from .sweep import sweep_command
 
     try:
         sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
                                                                steps=steps, sequences=sequences, positions=positions,
-                                                               batch=batch),
+                                                               batch=batch, from_step=from_step),
                       runs_dir=runs_dir, run_id=run_id, shard=shard, resume=resume, top=top, json_out=json_out,
                       quiet=quiet, note=reporter.message)
     except BaseException as err:  # noqa: BLE001
@@ -439,7 +447,7 @@ def explain(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Attribute archived generated tokens to their context positions; results go into the run."""
-    _Reporter(quiet or json_out).message("importing torch")
+    _Reporter(quiet or json_out).starting()
     from ..commands.explain import Settings, explain_command
 
     try:

@@ -12,6 +12,9 @@ What a sweep computes (docs/sweep.md has the full text):
             (teacher-forced); the edit applies at every position the forward computes (intervene's
             `steps: all`), or at the one swept position. One full forward per batch of cells
             computes every measured step at once (step s is read at position prompt_len - 1 + s).
+            `from_step` S (intervene's --from-step): the edits apply to the positions of steps >= S
+            only; the unedited prefix before them is computed once per sequence and its KV cache
+            is shared by every batch row, so each forward computes only the edited suffix.
   metrics   per (cell, sequence, step): logprob / prob / rank of the parent's chosen token, KL(baseline
             || edited) over the full vocabulary, and logit_diff between two given tokens; `effect` =
             value - baseline (the unedited forward, computed once and checked against the archived
@@ -76,6 +79,8 @@ class SweepSpec(BaseModel):
     sequences: str = "all"
     positions: str | None = None  # None: every position at once (resid/positions: every prompt position, one by one)
     batch: int = Field(32, ge=1)
+    # edits apply from this step on (intervene's --from-step): the unedited prefix is computed once per sequence
+    from_step: int | None = Field(None, ge=0)
 
 
 def load_sweep_spec(path: Path) -> dict:
@@ -88,7 +93,8 @@ def load_sweep_spec(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: malformed YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping (over, edit, source, metrics, steps, sequences, positions, batch)")
+        raise SpecError(f"{path}: expected a mapping (over, edit, source, metrics, steps, sequences, positions, batch, "
+                        f"from_step)")
     return data
 
 
@@ -184,8 +190,12 @@ def _positions(text: str | None, what: str) -> list[int] | None:
     return sorted(set(parse_range_list(text, what)))
 
 
-def build_cells(spec: SweepSpec, n_layers: int, n_heads: int, d_ffn: int, prompt_len: int) -> list[Cell]:
-    """The swept cells, validated against the model; sorted by layer (batches then skip more layers)."""
+def build_cells(spec: SweepSpec, n_layers: int, n_heads: int, d_ffn: int, prompt_len: int,
+                edited: range | None = None) -> list[Cell]:
+    """The swept cells, validated against the model; sorted by layer (batches then skip more layers).
+
+    `edited`: the positions an edit can reach when it starts at a later step (`from_step`); `resid`
+    goes over them by default instead of the prompt positions."""
     over, edit = spec.over.strip(), spec.edit
     positions = _positions(spec.positions, "positions")
     if positions is not None:
@@ -237,8 +247,9 @@ def build_cells(spec: SweepSpec, n_layers: int, n_heads: int, d_ffn: int, prompt
             raise SpecError(f"--over {over!r}: expected resid:A-B, e.g. resid:0-29")
         for layer in layers:
             layer_ok(layer)
+        default = edited if edited is not None else range(prompt_len)
         for layer in sorted(set(layers)):
-            for p in positions if positions is not None else range(prompt_len):
+            for p in positions if positions is not None else default:
                 cells.append(Cell("resid", layer, position=p))
     else:
         raise SpecError(f"--over {over!r}: expected heads, attn, mlp, layers, neurons:LAYER, positions or resid:A-B")
@@ -307,23 +318,26 @@ class _Patches:
     """Patch edits: row b's component gets the source's value at its position(s).
 
     source[(kind, layer)] -> [T_src, width] tensor from the source's own unedited forward
-    (kind: head = o_proj input, attn / mlp = block output, resid = layer output)."""
+    (kind: head = o_proj input, attn / mlp = block output, resid = layer output). The forward
+    computes positions `offset`.. (after a shared prefix, `from_step`); only those are patched."""
 
-    def __init__(self, adapter, cells: list[Cell], source: dict, T: int):
-        self.adapter, self.cells, self.source, self.T = adapter, cells, source, T
+    def __init__(self, adapter, cells: list[Cell], source: dict, offset: int = 0):
+        self.adapter, self.cells, self.source, self.offset = adapter, cells, source, offset
 
     def _rows(self, kind: str, layer: int):
         return [(b, c) for b, c in enumerate(self.cells) if c.component == kind and c.layer == layer]
 
     def _apply(self, x: torch.Tensor, rows, src: torch.Tensor, cols: dict[int, slice]) -> torch.Tensor:
-        n = min(x.shape[1], src.shape[0])
+        lo = self.offset  # x[:, i] is position lo + i
+        end = min(lo + x.shape[1], src.shape[0])  # positions both sequences have
         x = x.clone()
         for b, c in rows:
             sl = cols.get(b, slice(None))
             if c.position is None:
-                x[b, :n, sl] = src[:n, sl].to(x.dtype)
-            elif c.position < n:
-                x[b, c.position, sl] = src[c.position, sl].to(x.dtype)
+                if end > lo:
+                    x[b, : end - lo, sl] = src[lo:end, sl].to(x.dtype)
+            elif lo <= c.position < end:
+                x[b, c.position - lo, sl] = src[c.position, sl].to(x.dtype)
         return x
 
     @contextmanager
@@ -378,47 +392,83 @@ def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: 
     return out, logits[0].float()
 
 
-class Engine:
-    """Runs one sequence's batches of cells: the baseline once, then one forward per batch."""
+@dataclass
+class SequenceInput:
+    """One sequence as the engine runs it: what each forward computes and which steps its logits are."""
 
-    def __init__(self, adapter, edit: str, means: dict | None, metrics: list[Metric]):
+    ids: torch.Tensor  # [1, T]: prompt + generated tokens up to the last measured step's query position
+    first_step: int  # logits row i is step first_step + i
+    n_logits: int
+    start: int = 0  # the first position a forward computes: 0, or prompt_len - 1 + from_step
+    prefix: object | None = None  # the unedited KV cache of positions < start (a DynamicCache, batch 1)
+
+
+class Engine:
+    """Runs one sequence's batches of cells: the baseline once, then one forward per batch.
+
+    With `from_step` S > 0 the edits apply to the positions of steps >= S only (intervene's
+    `--from-step`: step s computes position prompt_len - 1 + s): the positions before are the
+    unedited prefix, run once per sequence; every batch continues its KV cache (expanded to the
+    batch's rows, `kv_cache.expand_prefix`) and computes only the edited suffix."""
+
+    def __init__(self, adapter, edit: str, means: dict | None, metrics: list[Metric], from_step: int = 0):
         self.adapter = adapter
         self.model = adapter.model
         self.device = next(self.model.parameters()).device
         self.edit = edit
         self.means = means or {}
         self.metrics = metrics
+        self.from_step = from_step
         self.skip = _PrefixSkip(adapter.layers)
         self.skip_ok = True
 
-    def _forward(self, ids: torch.Tensor, rows: int, keep: int, start: int = 0, edits=None, patches=None):
-        """Logits [rows, keep, V] (float32) of the last `keep` positions."""
-        T = ids.shape[1]
-        x = ids.expand(rows, T)
-        mask = torch.ones((rows, T), dtype=torch.long, device=self.device)
-        positions = torch.arange(T, device=self.device)[None].expand(rows, T)
+    @torch.inference_mode()
+    def sequence(self, ids: list[int], prompt_len: int, last_step: int) -> SequenceInput:
+        """The input for steps up to `last_step`; with from_step, the unedited prefix is computed here, once."""
+        x = torch.tensor([ids[: prompt_len + last_step]], dtype=torch.long, device=self.device)
+        if not self.from_step:
+            return SequenceInput(x, 0, last_step + 1)
+        from transformers import DynamicCache
+
+        start = prompt_len - 1 + self.from_step
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
+                   position_ids=torch.arange(start, device=self.device)[None], cache=cache, use_cache=True,
+                   logits_to_keep=1)
+        return SequenceInput(x, self.from_step, last_step - self.from_step + 1, start, cache)
+
+    def _forward(self, seq: SequenceInput, rows: int, start: int = 0, edits=None, patches=None):
+        """Logits [rows, n_logits, V] (float32) of the last n_logits positions; `start`: the lowest edited layer."""
+        from ..capture.kv_cache import expand_prefix
+
+        T = seq.ids.shape[1]
+        x = seq.ids[:, seq.start:].expand(rows, -1)
+        mask = torch.ones((rows, T), dtype=torch.long, device=self.device)  # the prefix's positions too
+        positions = torch.arange(seq.start, T, device=self.device)[None].expand(rows, -1)
+        cache = {"cache": expand_prefix(seq.prefix, rows), "use_cache": True} if seq.prefix is not None else {
+            "use_cache": False}
         with ExitStack() as stack:
             if start > 0 and self.skip_ok:
                 stack.enter_context(self.skip.skipping(start, rows))
             if edits is not None:
                 stack.enter_context(edits.attached())
-                edits.begin(0, list(range(rows)), positions, True)
-                mask = edits.edit_mask(mask, [0] * rows, list(range(rows)), 0)
+                # every computed position belongs to a step >= from_step: all are edited
+                edits.begin(self.from_step, list(range(rows)), positions, seq.prefix is None)
+                mask = edits.edit_mask(mask, [0] * rows, list(range(rows)), self.from_step)
             if patches is not None:
                 stack.enter_context(patches.attached())
-            out = self.model(input_ids=x, attention_mask=mask, position_ids=positions, use_cache=False,
-                             logits_to_keep=keep)
+            out = self.model(input_ids=x, attention_mask=mask, position_ids=positions, logits_to_keep=seq.n_logits,
+                             **cache)
         return out.logits.float()
 
     @torch.inference_mode()
-    def baseline(self, ids: list[int], keep: int) -> torch.Tensor:
-        """Unedited logits [keep, V]; saves every layer's output for the prefix shortcut and checks it."""
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+    def baseline(self, seq: SequenceInput) -> torch.Tensor:
+        """Unedited logits [n_logits, V]; saves every layer's output for the prefix shortcut and checks it."""
         with self.skip.recording():
-            base = self._forward(x, 1, keep)[0]
+            base = self._forward(seq, 1)[0]
         if self.skip_ok:
             half = max(1, len(self.adapter.layers) // 2)
-            short = self._forward(x, 1, keep, start=half)[0]
+            short = self._forward(seq, 1, start=half)[0]
             if not torch.allclose(short, base, atol=1e-5, rtol=0):
                 self.skip_ok = False  # the family does something between layers: compute every layer
         return base
@@ -427,9 +477,12 @@ class Engine:
         data, resources = [], {}
         for b, c in enumerate(cells):
             if c.component == "position":
-                data.append({"kind": "mask_positions", "mask": [c.position], "sequences": [b]})
+                data.append({"kind": "mask_positions", "mask": [c.position], "sequences": [b],
+                             **({"steps": {"from": self.from_step}} if self.from_step else {})})
                 continue
             e = {"kind": ENTRY_KIND[c.component], "layer": c.layer, "mode": self.edit, "sequences": [b]}
+            if self.from_step:
+                e["steps"] = {"from": self.from_step}
             if c.component == "head":
                 e["head"] = c.head
             if c.component == "neuron":
@@ -447,20 +500,20 @@ class Engine:
         return EditSet(entries, self.adapter, {b: 0 for b in range(len(cells))}, resources)
 
     @torch.inference_mode()
-    def run_cells(self, ids: list[int], keep: int, cells: list[Cell], source: dict | None) -> torch.Tensor:
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+    def run_cells(self, seq: SequenceInput, cells: list[Cell], source: dict | None) -> torch.Tensor:
         start = min(c.start_layer() for c in cells)
         if self.edit == "patch":
-            return self._forward(x, len(cells), keep, start, patches=_Patches(self.adapter, cells, source, len(ids)))
-        return self._forward(x, len(cells), keep, start, edits=self.entries_for(cells))
+            return self._forward(seq, len(cells), start, patches=_Patches(self.adapter, cells, source, seq.start))
+        return self._forward(seq, len(cells), start, edits=self.entries_for(cells))
 
-    def measure(self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int]) -> dict[str, np.ndarray]:
-        """logits [R, keep, V], base [keep, V] -> metric -> [R, len(steps)] (float64)."""
-        idx = torch.tensor(steps)
+    def measure(self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int],
+                first_step: int = 0) -> dict[str, np.ndarray]:
+        """logits [R, n, V], base [n, V] (row i = step first_step + i); tokens by step -> metric -> [R, len(steps)]."""
+        idx = torch.tensor(steps) - first_step
         lg = logits[:, idx]
         lp = lg.log_softmax(-1)
         base_lp = base[idx].log_softmax(-1)
-        tok = torch.tensor(tokens)[idx][None, :, None].expand(lg.shape[0], -1, 1)
+        tok = torch.tensor([tokens[s] for s in steps])[None, :, None].expand(lg.shape[0], -1, 1)
         out = {}
         for m in self.metrics:
             if m.name == "logprob":
@@ -616,7 +669,6 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     from ..archive.reader import open_run
     from ..capture.arch import adapter_for
     from ..archive.writer import atomic_write_json
-    from .explain import parse_steps
     from .intervene import ParentView
     from ..models import load_run_model, load_tokenizer
     from ..archive.runs import host_info, new_run_id, now_iso, package_versions, read_manifest
@@ -634,19 +686,22 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
         raise SpecError(f"--sequences: {bad} out of range: run {parent.id} has sequences 0..{n_seq - 1}")
     if not seqs:
         raise SpecError("--sequences: the sweep is empty (no sequences)")
-    seq_steps = {}
-    for s in seqs:
-        n = len(view.generated[s])
-        if n == 0:
-            raise SpecError(f"sequence {s} of run {parent.id} generated no tokens: nothing to measure")
-        seq_steps[s] = parse_steps(spec.steps if spec.steps != "all" else "all", n)
+    from_step = spec.from_step or 0
+    seq_steps = {s: measured_steps(spec.steps, from_step, len(view.generated[s]), s, parent.id) for s in seqs}
     prompt_len = min(len(view.prompt_ids[s]) for s in seqs)
-    cells = build_cells(spec, n_layers, shape["n_heads"], shape.get("d_ffn") or 0, prompt_len)
+    longest = max(len(view.prompt_ids[s]) + max(seq_steps[s]) for s in seqs)  # the longest measured context
+    edited = range(prompt_len - 1 + from_step, longest) if from_step else None
+    cells = build_cells(spec, n_layers, shape["n_heads"], shape.get("d_ffn") or 0, prompt_len, edited)
+    first_edited = min(len(view.prompt_ids[s]) - 1 + from_step for s in seqs)
     for c in cells:
-        if c.position is not None:
-            longest = max(len(view.prompt_ids[s]) + max(seq_steps[s]) for s in seqs)
-            if c.position >= longest:
-                raise SpecError(f"positions: {c.position} is past every measured context (longest {longest} tokens)")
+        if c.position is None:
+            continue
+        if c.position >= longest:
+            raise SpecError(f"positions: {c.position} is past every measured context (longest {longest} tokens)")
+        if from_step and c.component != "position" and c.position < first_edited:
+            raise SpecError(f"positions: {c.position} is in the unedited prefix of every sequence: with --from-step "
+                            f"{from_step} edits apply at positions {first_edited} and later (step s is computed at "
+                            f"position prompt length - 1 + s)")
     tokenizer = load_tokenizer(build_spec(parent.manifest["spec_resolved"], f"spec of run {parent.id}").model)
     vocab = len(tokenizer)
     metrics = parse_metrics(spec.metrics, tokenizer, vocab)
@@ -700,7 +755,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
         wanted = {(MEAN_KIND[c.component], c.layer) for c in cells}
         note(f"mean values: one forward over each of the parent's {n_seq} sequences")
         means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
-    engine = Engine(adapter, spec.edit, means, metrics)
+    engine = Engine(adapter, spec.edit, means, metrics, from_step)
     metric_keys = [Engine.key(m) for m in metrics]
 
     # only now is anything written
@@ -726,33 +781,32 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
             if path.exists():
                 continue
             if current is None or current[0] != s:
-                ids = view.prompt_ids[s] + view.generated[s]
                 P, steps = len(view.prompt_ids[s]), seq_steps[s]
-                keep = max(steps) + 1
-                ids = ids[: P + max(steps)]
-                base = engine.baseline(ids, keep)
+                seq_in = engine.sequence(view.prompt_ids[s] + view.generated[s], P, max(steps))
+                base = engine.baseline(seq_in)
                 base_lp = base.log_softmax(-1)
-                tokens = view.generated[s][:keep]
-                diff = max(abs(float(base_lp[st, tokens[st]]) - view.logprob[s][st]) for st in steps)
+                tokens, first = view.generated[s], seq_in.first_step
+                diff = max(abs(float(base_lp[st - first, tokens[st]]) - view.logprob[s][st]) for st in steps)
                 tol = 1e-3 if parent.manifest.get("dtype") == "float32" else 5e-2
                 if diff > tol:
                     raise SweepError(f"sequence {s}: the unedited forward's log-probs differ from the archived ones by "
                                      f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}")
                 baseline_check[s] = diff
-                base_metrics = {k: v[0] for k, v in engine.measure(base[None], base, steps, tokens).items()}
+                base_metrics = {k: v[0] for k, v in engine.measure(base[None], base, steps, tokens, first).items()}
                 source = None
                 if spec.edit == "patch":
                     wanted = {(c.component, c.layer) for c in cells}
                     sids = source_view.prompt_ids[s] + source_view.generated[s]
-                    source, src_logits = capture_source(adapter, sids[: len(ids)], wanted, keep)
-                    if len(sids) >= len(ids):  # the source's logits at the same positions: steps 0..keep-1
+                    T = seq_in.ids.shape[1]
+                    source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
+                    if len(sids) >= T:  # the source's logits at the same positions: steps 0..max(steps)
                         source_baseline[str(s)] = {
                             Engine.key(m): [float(src_logits[st, m.tokens[0]] - src_logits[st, m.tokens[1]]) for st in steps]
                             for m in metrics if m.tokens}
-                current = (s, ids, keep, steps, tokens, base, base_metrics, source)
-            _, ids, keep, steps, tokens, base, base_metrics, source = current
-            logits = engine.run_cells(ids, keep, block_cells, source)
-            values = engine.measure(logits, base, steps, tokens)
+                current = (s, seq_in, steps, tokens, base, base_metrics, source)
+            _, seq_in, steps, tokens, base, base_metrics, source = current
+            logits = engine.run_cells(seq_in, block_cells, source)
+            values = engine.measure(logits, base, steps, tokens, seq_in.first_step)
             _atomic_parquet(_block_table(block_cells, s, steps, values, base_metrics), path)
             n_done += 1
             note(f"block {n_done}/{len(mine)} ({len(block_cells)} cells of sequence {s})")
@@ -775,7 +829,9 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
             "kind": "sweep", "id": sweep_id, "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
             "source": ({"run_id": source_run.id, "path": str(source_run.path.resolve())} if source_run else None),
             "spec": given, "metrics": metric_keys, "n_cells": len(cells), "sequences": seqs,
-            "steps": {str(s): seq_steps[s] for s in seqs}, "semantics": "rescore (teacher-forced parent tokens)",
+            "steps": {str(s): seq_steps[s] for s in seqs}, "semantics": "rescore (teacher-forced parent tokens)" + (
+                f"; edits from step {from_step} on, the unedited prefix's KV cache shared by every row"
+                if from_step else ""),
             "model": {"reference": loaded.reference, "weights_sha256": loaded.weights_sha256,
                       "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
                       "attn_implementation": loaded.model.config._attn_implementation},
@@ -803,6 +859,25 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
                "metric": primary, "baseline_max_abs_diff": info["baseline_max_abs_diff"],
                "seconds": round(time.time() - t0, 3), "sweep_s": info["timings"]["sweep_s"], "top": info["top"]}
     return SweepResult(sweep_id, final, "complete", summary, time.time() - t0)
+
+
+def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:
+    """The steps measured in a sequence of n generated tokens; with from_step, only steps >= from_step exist."""
+    from .explain import parse_steps
+
+    if n == 0:
+        raise SpecError(f"sequence {seq} of run {run_id} generated no tokens: nothing to measure")
+    if from_step >= n:
+        raise SpecError(f"--from-step {from_step}: sequence {seq} of run {run_id} has steps 0..{n - 1}, none is edited; "
+                        f"choose a smaller step or other --sequences")
+    steps = parse_steps(text, n)
+    if text.strip() == "all":
+        return [st for st in steps if st >= from_step]
+    early = [st for st in steps if st < from_step]
+    if early:
+        raise SpecError(f"--steps: step(s) {early} come before --from-step {from_step}; their forward is the unedited "
+                        f"prefix, so measure steps {from_step} and later")
+    return steps
 
 
 def _check_source(parent, source) -> None:
