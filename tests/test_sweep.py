@@ -226,6 +226,13 @@ def test_a_sweep_cell_equals_the_intervene_child(runs):
         cell = _cell_rows(df, "head", 2, 1, seq=seq).sort_values("step").value.to_numpy()
         np.testing.assert_allclose(cell, child, atol=1e-4, rtol=0)
         assert np.abs(cell - _cell_rows(df, "head", 2, 0, seq=seq).sort_values("step").value.to_numpy()).max() > 1e-6
+    # effects.zarr as xarray reads it: [layer, q_head] (`head` would hide Dataset.head()), the mean of the table
+    import xarray as xr
+
+    ds = xr.open_zarr(result.path / "effects.zarr")
+    assert ds.effect_logprob.dims == ("layer", "q_head")
+    mean = df[(df.component == "head") & (df.layer == 2) & (df["head"] == 1)].effect.mean()
+    assert abs(float(ds.effect_logprob.sel(layer=2, q_head=1)) - mean) < 1e-5
 
 
 def test_batched_rows_equal_unbatched_rows(runs):

@@ -592,6 +592,11 @@ class SweepResult:
     seconds: float
 
 
+# Zarr dimension names where the table's column name would collide with xarray (`Dataset.head()`),
+# as in tensors.zarr
+ZARR_DIM = {"head": "q_head"}
+
+
 def _reduce_over_coords(table, metric: str, cells: list[Cell]):
     """Mean effect per cell over sequences and steps -> (dims, coords, array)."""
     import pandas as pd
@@ -627,17 +632,18 @@ def _write_final(final: Path, tmp: Path, table: pa.Table, cells: list[Cell], met
     arrays = {}
     for metric in metric_keys:
         names, coords, arr = _reduce_over_coords(table, metric, cells)
-        for n in names:
-            if n not in group:
+        dims = [ZARR_DIM.get(n, n) for n in names]
+        for n, dim in zip(names, dims):
+            if dim not in group:
                 c = np.asarray(coords[n], dtype=np.int32)
-                ca = group.create_array(n, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(n,))
+                ca = group.create_array(dim, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(dim,))
                 ca[...] = c
         name = "effect_" + metric.split(":")[0]
-        a = group.create_array(name, shape=arr.shape, dtype="float32", chunks=arr.shape, dimension_names=tuple(names),
+        a = group.create_array(name, shape=arr.shape, dtype="float32", chunks=arr.shape, dimension_names=tuple(dims),
                                fill_value=np.nan)
         a[...] = arr
         a.attrs.update({"metric": metric, "meaning": "mean over sequences and steps of value - baseline"})
-        arrays[metric] = {"array": f"effects.zarr/{name}", "dims": names}
+        arrays[metric] = {"array": f"effects.zarr/{name}", "dims": dims}
     import warnings
 
     with warnings.catch_warnings():
