@@ -51,6 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import Interrupted, LmtraceError, SpecError
+from ..archive.runs import locked
 from .generate import StopFlag
 from ..capture.interventions import EditSet, component_means, parse_entries, parse_range_list
 
@@ -571,18 +572,6 @@ def _atomic_parquet(table: pa.Table, path: Path) -> None:
     os.replace(tmp, path)
 
 
-@contextmanager
-def _flock(path: Path):
-    import fcntl
-
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 @dataclass
 class SweepResult:
     sweep_id: str
@@ -766,7 +755,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
 
     # only now is anything written
     root.mkdir(exist_ok=True)
-    with _flock(root / ".lock"):
+    with locked(root / ".lock"):
         if not partial.exists():
             tmp = root / f".plan-{sweep_id}.{os.getpid()}"
             tmp.mkdir()
@@ -824,7 +813,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     atomic_write_json(status_file, {"status": "complete", "blocks": n_done, "baseline_max_abs_diff": baseline_check,
                                     "source_baseline": source_baseline,
                                     "seconds": round(t_done - t0, 3), "prefix_skip": engine.skip_ok})
-    with _flock(root / ".lock"):
+    with locked(root / ".lock"):
         files = sorted((partial / "blocks").glob("*.parquet"))
         if len(files) < len(blocks) or final.exists():
             return SweepResult(sweep_id, None, "shard-complete", {"sweep_id": sweep_id, "blocks": n_done}, t_done - t0)
@@ -857,7 +846,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
                  "n_cells": len(cells), "created": info["created"]}
         from ..archive import layout
 
-        with _flock(parent.path / layout.LOCK):
+        with locked(parent.path / layout.LOCK):
             manifest = read_manifest(parent.path)
             manifest.setdefault("sweeps", []).append(entry)
             atomic_write_json(parent.path / layout.MANIFEST, manifest)
