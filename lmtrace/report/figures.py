@@ -60,9 +60,10 @@ def lines(fig_id: str, title: str, series: list[dict], *, xtitle: str, ytitle: s
             trace["hovertemplate"] = "%{text}<extra>" + s["name"] + "</extra>"
         data.append(trace)
     layout = {"title": {"text": title, "font": {"size": 14}}, "height": height,
-              "margin": {"l": 70, "r": 30, "t": 40, "b": 50},
+              "margin": {"l": 70, "r": 30, "t": 40, "b": 100},
               "xaxis": {"title": {"text": xtitle}}, "yaxis": {"title": {"text": ytitle}, "type": "log" if ylog else "linear"},
-              "legend": {"orientation": "h", "y": -0.2}}
+              # below the x axis title, not over it (anchored by its top edge, in the enlarged bottom margin)
+              "legend": {"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}}
     if shapes:
         layout["shapes"] = shapes
     return {"id": fig_id, "title": title, "data": data, "layout": layout, "variants": []}
