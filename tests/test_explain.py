@@ -549,6 +549,6 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
         assert r.entries[0]["settings"]["ig_keep"] == kept and r.entries[0]["settings"]["ig_dtype"] == dtype
         # grad × input in the same invocation, after IG, still matches the float32 model
         x32 = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(f_of(model, x32, chosen, runner).sum(), x32)
+        (grad,) = torch.autograd.grad(f_of(model, x32, chosen, runner, "contrast", "logprob").sum(), x32)
         np.testing.assert_allclose(scores_of(r, "grad_x_input", 2).scores, (grad * x32).sum(-1)[0].detach().numpy(),
                                    atol=TOL, rtol=1e-3)
