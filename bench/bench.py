@@ -703,7 +703,7 @@ def extra_breakdown(floor: pstats.Stats, default: pstats.Stats) -> list[tuple[st
         ("probes.collect", 0.0, d("probes.py", "collect")),
         ("  in it: probes._logit_lens", 0.0, d("probes.py", "_logit_lens")),
         ("sampling.choose", 0.0, d("sampling.py", "choose")),
-        ("BlockSink.on_step", 0.0, d("generate.py", "on_step")),
+        ("BlockSink.on_step", 0.0, d("sink.py", "on_step")),
         ("probes.begin", 0.0, d("probes.py", "begin")),
     ]
     loop_floor, loop_default = _cum(floor, "bench", "floor_generate"), d("tracer.py", "run_batch")

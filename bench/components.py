@@ -9,6 +9,8 @@ thread: they overlap the forward, but compete with it for the CPU). The timers a
 
     .venv/bin/python bench/components.py            # N=96, two repeats
     .venv/bin/python bench/components.py --tokens 256 --repeats 3
+    .venv/bin/python bench/components.py --head-dla   # the default capture plus capture.head_dla: its
+                                                      # own pieces are the lines marked "head_dla"
 
 docs/archive.md ("Cost") quotes this script's output. Like `bench.py`, it is only meaningful on an
 otherwise idle machine.
@@ -32,7 +34,7 @@ import yaml  # noqa: E402
 
 from lmtrace.capture import attention, attention_rows, probes, tracer  # noqa: E402
 from lmtrace.commands import generate as gen  # noqa: E402
-from lmtrace.archive import writer  # noqa: E402
+from lmtrace.archive import sink, writer  # noqa: E402
 from lmtrace.models import load_model  # noqa: E402
 from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
 
@@ -58,13 +60,17 @@ def instrument() -> None:
     make_output = P._output_tap
     P._output_tap = lambda self, store, layer: timed("tap _output_tap (attn/mlp outputs)", make_output(self, store, layer))
     P.observe = timed("attention observer (Probes.observe)", P.observe)
+    make_input = P._input_tap  # only with capture.head_dla: o_proj inputs, block 0's input, the final norm's input
+    P._input_tap = lambda self, store, key: timed("head_dla: input taps", make_input(self, store, key))
+    P._direct_logit_attribution = timed("head_dla: Probes._direct_logit_attribution (in collect)",
+                                        P._direct_logit_attribution)
     P.collect = timed("Probes.collect (incl. batched rows)", P.collect)
     attention_rows.BatchedRows.rows = timed("  BatchedRows.rows", attention_rows.BatchedRows.rows)
     attention_rows.BatchedRows.offer = timed("  BatchedRows.offer (in the observer)", attention_rows.BatchedRows.offer)
     attention._lmtrace_attention = timed("lmtrace attention fn (sdpa + observer)", attention._lmtrace_attention)
     tracer.choose = timed("token statistics (sampling.choose)", tracer.choose)
-    gen.BlockSink.on_step = timed("step sink (BlockSink.on_step)", gen.BlockSink.on_step)
-    gen.BlockSink._write = timed("writer thread: block (tables + arrays + commit)", gen.BlockSink._write)
+    sink.BlockSink.on_step = timed("step sink (BlockSink.on_step)", sink.BlockSink.on_step)
+    sink.BlockSink._write = timed("writer thread: block (tables + arrays + commit)", sink.BlockSink._write)
     writer.ArchiveWriter._put = timed("  writer thread: array chunks", writer.ArchiveWriter._put)
     writer.ArchiveWriter._write_part = timed("  writer thread: parquet parts", writer.ArchiveWriter._write_part)
     writer.ArchiveWriter._commit = timed("  writer thread: sync + progress", writer.ArchiveWriter._commit)
@@ -83,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--head-dla", action="store_true", help="also capture per-head direct logit attribution")
     args = p.parse_args()
     n = args.tokens
     instrument()
@@ -96,6 +103,8 @@ def main() -> None:
         for rep in range(args.repeats):
             floor_s = min(bench.floor_generate(loaded.model, prompt_ids, n)[1] for _ in range(2))
             data = bench.spec_data("default", prompt, n, eos, runs)
+            if args.head_dla:
+                data["capture"] = {"head_dla": True}
             SECONDS.clear()
             result = gen.run_generate(build_spec(data, "components"), yaml.safe_dump(data), progress=gen.Progress())
             generate_s = json.loads((Path(result.run_dir) / "manifest.json").read_text())["timings"]["generate_s"]

@@ -149,6 +149,9 @@ def _quiet_transformers():
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # accelerate warns that offloaded weights sit on the meta device: that is the plan, which
+    # lmtrace reports itself (a progress line and the manifest's model.placement)
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
 def _convert_gguf(gguf: Path, sha: str) -> Path:
@@ -285,24 +288,87 @@ def _page_in(model) -> None:
 
     with torch.inference_mode():
         for t in [*model.parameters(), *model.buffers()]:
-            if t.numel():
+            if t.numel() and t.device.type == "cpu":  # not the meta stand-ins of offloaded weights
                 t.reshape(-1)[:: max(1, 4096 // t.element_size())].sum()
 
 
+def load_config(spec: ModelSpec):
+    """The transformers config of `spec`'s model, loading no weights: from the checkpoint directory,
+    the hub cache, or a GGUF's converted copy (if it was never converted, from the GGUF header)."""
+    _quiet_transformers()
+    from transformers import AutoConfig
+
+    kind, source, sha, _ = locate(spec)
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    with _load_errors(kind, source):
+        if kind in ("embedded", "gguf"):
+            converted = cache_dir() / "models" / f"gguf-{sha[:24]}"
+            if (converted / ".complete").is_file():
+                return AutoConfig.from_pretrained(str(converted))
+            return AutoConfig.from_pretrained(str(Path(source).parent), gguf_file=Path(source).name)
+        return AutoConfig.from_pretrained(source, local_files_only=kind == "hub", **kwargs)
+
+
+def set_tf32(allowed: bool) -> None:
+    """TensorFloat-32 for float32 matrix products and convolutions on CUDA: off unless the spec asks
+    (`model.tf32`), so float32 on a GPU means float32 (TF32 rounds inputs to 10 mantissa bits)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+
+
+def _spread(spec: ModelSpec, source: str, kwargs: dict, dtype):
+    """from_pretrained's placement arguments for `spec.device_map`, and the `Placement` planned."""
+    from transformers import AutoConfig
+
+    from .placement import plan
+
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    placement = plan(spec, config, dtype)
+    args = {"device_map": placement.for_transformers()}
+    if placement.offloads_to_disk:
+        Path(spec.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
+        args["offload_folder"] = str(Path(spec.offload_folder).expanduser())
+    return args, placement
+
+
 def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
-    """Load model and tokenizer; `note` receives one-line progress messages (e.g. a GGUF conversion)."""
+    """Load model and tokenizer; `note` receives one-line progress messages (e.g. a GGUF conversion).
+
+    With `spec.device_map` the model is spread by transformers/accelerate (docs/devices.md): the
+    loaded model's `device` is then where its inputs go (the input embedding's execution device)."""
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
+    from .capture.devices import execution_device
+
     kind, source, sha, extra, kwargs = _source(spec, note)
-    device = resolve_device(spec.device)
-    dtype = resolve_dtype(spec.dtype, device)
+    if spec.device_map is None:
+        device = resolve_device(spec.device)
+        dtype = resolve_dtype(spec.dtype, device)
+        placement_args = {}
+    else:
+        from .placement import planning_dtype
+
+        dtype = planning_dtype(spec)
+        with _load_errors(kind, source):
+            placement_args, placement = _spread(spec, source, kwargs, dtype)
+        note(f"placement: {placement.text()}")
+        extra["placement"] = {"device_map": placement.device_map, "devices": placement.summary()}
     with _load_errors(kind, source):
         tokenizer = _tokenizer(source, kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation, **kwargs)
-    model.to(device)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation,
+                                                     **placement_args, **kwargs)
+    if spec.device_map is None:
+        model.to(device)
+    else:
+        device = execution_device(model.get_input_embeddings())
     model.eval()
     model.requires_grad_(False)
+    planned = extra.get("placement", {}).get("device_map", {}).values()
+    if device.type == "cuda" or any(d.startswith("cuda") for d in planned):
+        set_tf32(spec.tf32)
     if device.type == "cpu":
         _page_in(model)
     return LoadedModel(model, tokenizer, spec.ref, source, kind, sha, device, dtype, extra)
@@ -325,14 +391,20 @@ def check_run_model(manifest: dict, run_id: str, loaded: LoadedModel, ref) -> No
 
 
 def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict | None = None,
-                   note=lambda text: None) -> LoadedModel:
+                   note=lambda text: None, spread_ok: bool = False) -> LoadedModel:
     """The model an archived run was generated with (its `spec_resolved.model`, with `overrides`),
     refused when the weights or the tokenizer changed since (`check_run_model`).
-    `purpose` finishes "... needed for" in the error messages."""
+    `purpose` finishes "... needed for" in the error messages. `spread_ok`: the caller works with a
+    model spread by `model.device_map` (the lens does); the others get one device or a refusal."""
     given = dict(manifest.get("spec_resolved", {}).get("model") or {})
     if not given:
         raise ModelLoadError(f"run {run_id}: the manifest has no spec_resolved.model; cannot tell which model to load")
     given.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if (overrides or {}).get("device") is not None:  # one given device replaces the run's placement
+        for key in ("device_map", "max_memory", "offload_folder"):
+            given.pop(key, None)
+    if given.get("device_map") is not None and not spread_ok:
+        refuse_spread(run_id, purpose, device_option="device" in (overrides or {}))  # callers with --device pass it
     try:
         loaded = load_model(ModelSpec(**given), note=note)
     except LmtraceError as err:
@@ -343,3 +415,14 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
                              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
     check_run_model(manifest, run_id, loaded, given.get("ref"))
     return loaded
+
+
+def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> None:
+    """Interventions, sweeps, attribution and exact compare edit or differentiate a model loaded on
+    one device; a model spread by `model.device_map` (several devices, disk offload) is not
+    supported there yet, so they stop before loading rather than fail midway."""
+    from .errors import SpecError
+
+    hint = ("give --device DEVICE to load the whole model on one device, or " if device_option else "")
+    raise SpecError(f"run {run_id} was generated with model.device_map (spread over devices): {purpose} runs on "
+                    f"one device only; {hint}generate the run with model.device instead")

@@ -125,7 +125,7 @@ _SENTINEL = "\ue000lmtrace-span\ue001"  # private-use characters: no template re
 
 
 def chat_messages(prompt: str, system: str | None) -> list[dict]:
-    """The conversation `generate` renders for a chat prompt (see generate.render_prompts)."""
+    """The conversation `generate` renders for a chat prompt (see render_prompts)."""
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
 
 
@@ -170,3 +170,22 @@ def chat_spans(tokenizer, prompt: str, system: str | None, prompt_ids: list[int]
                                 f"without offsets); mask the positions explicitly with `mask`")
         out[message["role"]] = (first, last)
     return out
+
+
+def render_prompts(tokenizer, prompts: list[str], chat: bool, system: str | None) -> tuple[list[str], list[list[int]]]:
+    """Apply the chat template when asked, then tokenise each prompt on its own (no padding yet)."""
+    rendered, ids = [], []
+    for text in prompts:
+        if chat:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise SpecError("prompts.chat: true but the model's tokenizer has no chat template; set chat: false")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            r = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered.append(r)
+            ids.append(tokenizer(r, add_special_tokens=False)["input_ids"])
+        else:
+            rendered.append(text)
+            ids.append(tokenizer(text)["input_ids"])
+        if not ids[-1]:
+            raise SpecError(f"prompt {len(ids) - 1} tokenises to nothing; give it some text")
+    return rendered, ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +55,15 @@ class ModelSpec(_Strict):
     revision: str | None = None
     trust_remote_code: bool = False
 
+    # Placement over several devices (docs/devices.md): accelerate's planner (auto | balanced |
+    # sequential) or an explicit {module: device} map, optional per-device memory caps, and the
+    # folder for weights offloaded to disk. `device` (other than its default, auto) is the
+    # single-device alternative.
+    device_map: Any = None
+    max_memory: Any = None
+    offload_folder: str | None = None
+    tf32: bool = False  # TensorFloat-32 matrix products on CUDA: faster, ~1e-3 relative error
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
@@ -61,6 +71,88 @@ class ModelSpec(_Strict):
         if not ok:
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps (got {v!r})")
         return v
+
+    @field_validator("device_map", mode="before")
+    @classmethod
+    def _device_map(cls, v: Any) -> Any:
+        if v is None or v in DEVICE_MAP_PLANNERS:
+            return v
+        if isinstance(v, dict):
+            if not v:
+                raise ValueError("an explicit map needs at least one `module: device` entry")
+            out = {}
+            for module, device in v.items():
+                if not isinstance(module, str):
+                    raise ValueError(f"module names are strings such as model.layers.0 (got {module!r})")
+                out[module] = placement_device(device, f"device of {module or '(whole model)'!r}", disk=True)
+            return out
+        raise ValueError(f"expected {', '.join(DEVICE_MAP_PLANNERS)} or a mapping {{module: device}} (got {v!r})")
+
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _max_memory(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, dict) or not v:
+            raise ValueError(f"expected a mapping {{device: size}}, e.g. {{cuda:0: 20GiB, cpu: 64GiB}} (got {v!r})")
+        out = {}
+        for device, size in v.items():
+            name = placement_device(device, f"device {device!r}", disk=False)
+            if not isinstance(size, int) or isinstance(size, bool):
+                if not isinstance(size, str) or memory_bytes(size) is None:
+                    raise ValueError(f"{name}: expected a size such as 20GiB, 512MB or a number of bytes (got {size!r})")
+            elif size <= 0:
+                raise ValueError(f"{name}: the size must be positive (got {size})")
+            out[name] = size
+        return out
+
+    @model_validator(mode="after")
+    def _placement(self) -> "ModelSpec":
+        if self.device_map is not None and self.device != "auto":
+            raise ValueError(f"model.device ({self.device}) and model.device_map are exclusive: give device for one "
+                             f"device, device_map to spread the model over several")
+        if self.device_map is None:
+            for key in ("max_memory", "offload_folder"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"model.{key} needs model.device_map (auto, balanced, sequential or a map)")
+        elif isinstance(self.device_map, dict):
+            if self.max_memory is not None:
+                raise ValueError("model.max_memory applies to device_map auto, balanced or sequential; an explicit "
+                                 "{module: device} map places every module itself")
+            if "disk" in self.device_map.values() and not self.offload_folder:
+                raise ValueError("model.device_map puts modules on disk: give model.offload_folder (a directory "
+                                 "for the offloaded weights)")
+        return self
+
+
+DEVICE_MAP_PLANNERS = ("auto", "balanced", "sequential")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def memory_bytes(size: str | int) -> int | None:
+    """A `max_memory` size (20GiB, 512MB, 1.5GB, or bytes) in bytes; None when it is not one."""
+    if isinstance(size, int):
+        return size
+    match = _SIZE.match(size)
+    if not match:
+        return None
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def placement_device(value: Any, what: str, *, disk: bool) -> str:
+    """A device of `device_map` / `max_memory` in canonical form: cpu, mps, cuda:N (an integer N
+    means GPU N, as in accelerate; cuda means cuda:0), and disk where offloading is meant."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"cuda:{value}"
+    if isinstance(value, str):
+        if value == "cuda":
+            return "cuda:0"
+        if value in ("cpu", "mps") or (value.startswith("cuda:") and value[5:].isdigit()) or (disk and value == "disk"):
+            return value
+    allowed = "cpu, cuda:N, N (GPU N), mps" + (" or disk" if disk else "")
+    raise ValueError(f"{what}: expected {allowed} (got {value!r})")
 
 
 class PromptsSpec(_Strict):
@@ -132,6 +224,8 @@ class CaptureSpec(_Strict):
     lens: LensCapture = Field(default_factory=LensCapture)
     alternatives: int = Field(10, ge=2, le=1000)
     margin_contributions: bool = True
+    # per-head direct logit attribution with the final norm frozen (lmtrace/capture/dla.py)
+    head_dla: bool = False
 
     @property
     def lens_inline(self) -> bool:
@@ -146,14 +240,14 @@ class CaptureSpec(_Strict):
         return not (
             self.attention.enabled or self.prefill_attention or self.qkv or self.ffn.enabled
             or self.component_norms or self.lens.enabled or self.residual.vectors_at
-            or self.margin_contributions
+            or self.margin_contributions or self.head_dla
         )
 
 
 def forward_only_capture() -> CaptureSpec:
     return CaptureSpec(
         attention=AttentionCapture(enabled=False), qkv=False, ffn=FfnCapture(enabled=False),
-        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False,
+        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False, head_dla=False,
     )
 
 
@@ -203,6 +297,15 @@ class RunSpec(_Strict):
                              "or write `capture: none` to capture nothing (forward only)")
         return data
 
+    @model_validator(mode="after")
+    def _dla_on_one_device(self) -> "RunSpec":
+        # direct logit attribution reads o_proj and unembedding weights itself, which a model spread
+        # by device_map may hold offloaded (placeholders): not supported together yet
+        if self.capture.head_dla and self.model.device_map is not None:
+            raise ValueError("capture.head_dla with model.device_map is not supported yet: capture direct logit "
+                             "attribution with the model on one device (model.device)")
+        return self
+
 
 def _parse_yaml(text: str, source: str) -> Any:
     try:
@@ -245,7 +348,16 @@ def apply_override(data: dict, assignment: str) -> dict:
         node[part] = child
         node = child
     node[parts[-1]] = value
+    # The prompts come from one source: setting one clears the other, so that
+    # `--set prompts.file=more.txt` replaces a spec's inline texts (and the other way round).
+    if parts[:1] == ["prompts"] and len(parts) == 2 and parts[1] in _PROMPT_SOURCES:
+        for other in _PROMPT_SOURCES:
+            if other != parts[1]:
+                node.pop(other, None)
     return data
+
+
+_PROMPT_SOURCES = ("texts", "file")
 
 
 # Messages for values that match none of a union's alternatives (pydantic would list each alternative).

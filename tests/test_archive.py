@@ -29,14 +29,27 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
     code = textwrap.dedent(f"""
         import sys, pandas as pd, xarray as xr, json
         ds = xr.open_zarr({str(run.path / 'tensors.zarr')!r})
-        assert ds["attn"].dims == ("sequence", "step", "layer", "head", "key"), ds["attn"].dims
+        assert ds["attn"].dims == ("sequence", "step", "layer", "q_head", "key"), ds["attn"].dims
         assert list(ds["layer"].values) == [0, 1, 2, 3]
+        assert list(ds.q_head.values) == list(range(ds.sizes["q_head"]))  # `head` would be Dataset.head()
+        assert list(ds.key.values) == list(range(ds.sizes["key"]))  # positions carry coordinates
+        assert list(ds.prompt_pos.values) == list(range(ds.sizes["prompt_pos"]))
+        assert ds["kv_head_of_head"].dims == ("q_head",)
         row = ds["attn"].sel(layer=2).isel(sequence=0, step=1).values
         assert abs(float(__import__("numpy").nansum(row[0])) - 1.0) < 1e-3
         tokens = pd.read_parquet({str(run.path / 'tokens.parquet')!r})
         steps = pd.read_parquet({str(run.path / 'steps.parquet')!r})
         seqs = pd.read_parquet({str(run.path / 'sequences.parquet')!r})
         assert set(tokens.columns) >= {{"sequence", "position", "step", "token_id", "logprob", "alt_ids"}}
+        # the documented types, nulls on prompt rows included (not float64 / object)
+        dtypes = {{c: str(t) for c, t in tokens.dtypes.items()}}
+        for col in ("step", "rank", "greedy_id", "eligible"):
+            assert dtypes[col] == "Int32", (col, dtypes[col])
+        for col in ("filter_changed", "is_eos"):
+            assert dtypes[col] == "boolean", (col, dtypes[col])
+        assert dtypes["sequence"] == dtypes["position"] == dtypes["token_id"] == "int32" and dtypes["is_prompt"] == "bool"
+        assert tokens.step.isna().sum() == tokens.is_prompt.sum()
+        assert str(steps.dtypes["layer"]) == "int32" and "object" not in set(map(str, steps.dtypes))
         assert len(steps) == int((~tokens.is_prompt).sum()) * 4
         assert json.load(open({str(run.path / 'manifest.json')!r}))["status"] == "complete"
         assert "lmtrace" not in sys.modules
@@ -264,3 +277,46 @@ def test_log_json_emits_one_json_object_per_stderr_line(tmp_path, tiny_llama_dir
     events = [json.loads(line) for line in err.strip().splitlines()]
     assert [e["event"] for e in events][-1] == "finished" and events[-1]["status"] == "complete"
     assert any(e["event"] == "start" for e in events)
+
+
+def test_format_1_archives_still_read_and_compare(tmp_path, tiny_llama_dir):
+    """Format 1 named the query-head dimension `head` and had no position coordinates: rewrite a
+    fresh run into that shape on disk and check lmtrace still opens and compares it."""
+    import json
+    import shutil
+
+    from conftest import rerecord_checksums
+    from lmtrace.commands.compare import compare_runs
+
+    run = run_spec(tmp_path / "v2", _tiny(tiny_llama_dir))
+    old = tmp_path / "v1"
+    shutil.copytree(run.path, old)
+    zarr_dir = old / "tensors.zarr"
+    for meta in zarr_dir.rglob("zarr.json"):
+        data = json.loads(meta.read_text())
+        if data.get("dimension_names"):
+            data["dimension_names"] = ["head" if d == "q_head" else d for d in data["dimension_names"]]
+            meta.write_text(json.dumps(data))
+    (zarr_dir / "q_head").rename(zarr_dir / "head")
+    for name in ("key", "prompt_pos", "query_pos", "key_pos"):
+        shutil.rmtree(zarr_dir / name, ignore_errors=True)
+    group = json.loads((zarr_dir / "zarr.json").read_text())
+    members = group["consolidated_metadata"]["metadata"]
+    members["head"] = members.pop("q_head")
+    for name in ("key", "prompt_pos", "query_pos", "key_pos"):
+        members.pop(name, None)
+    for meta in members.values():
+        if meta.get("dimension_names"):
+            meta["dimension_names"] = ["head" if d == "q_head" else d for d in meta["dimension_names"]]
+    (zarr_dir / "zarr.json").write_text(json.dumps(group))
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rerecord_checksums(old)
+
+    from lmtrace import open_run
+
+    v1 = open_run(old)
+    np.testing.assert_array_equal(v1.array("attn")[:], run.array("attn")[:])
+    result = compare_runs(str(old), str(run.path))
+    assert result.identical, result.verdict

@@ -64,7 +64,7 @@ def test_logits_equal_dynamic_cache_bit_for_bit(name, hint):
     sliding = [i for i, t in enumerate(getattr(model.config, "layer_types", None) or []) if t != "full_attention"]
     assert stacked == [i for i in range(model.config.num_hidden_layers) if i not in sliding]
     if hint == 0:  # 7 prompt positions, grown by half each time it fills: several reallocations
-        assert cache.stack.capacity >= 7 + 11 and cache.stack.length[stacked[0]] == 7 + 11
+        assert cache.stack.stacks[0].capacity >= 7 + 11 and cache.stack.stacks[0].length[stacked[0]] == 7 + 11
 
 
 def test_kernel_keys_are_views_of_the_stack():
@@ -76,7 +76,7 @@ def test_kernel_keys_are_views_of_the_stack():
         assert cache.stack.holds(i, layer.keys)
         assert not cache.stack.holds(i, layer.keys.clone())
         assert not cache.stack.holds((i + 1) % len(cache.layers), layer.keys)
-    assert torch.equal(cache.stack.keys_of([0, 2], 9)[1], cache.layers[2].keys)
+    assert torch.equal(cache.stack.stacks[0].keys_of([0, 2], 9)[1], cache.layers[2].keys)
 
 
 def test_beam_reordering_is_refused():
@@ -97,8 +97,8 @@ def test_llama_rows_come_from_one_product_over_the_stack(tmp_path, tiny_llama_di
     served: list[list[int]] = []
     rows = BatchedRows.rows
 
-    def counting(self):
-        layers, probs, T = rows(self)
+    def counting(self, device=None):
+        layers, probs, T = rows(self, device)
         served.append(layers)
         return layers, probs, T
 

@@ -57,7 +57,7 @@ def tiny_run(tmp_path_factory, tiny_llama_dir):
     run = run_spec(tmp_path_factory.mktemp("report"), {
         "model": str(tiny_llama_dir), "prompts": PROMPTS,
         "generation": {"max_new_tokens": 7, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3},
-        "capture": {"prefill_attention": True}, "output": {"chunk_steps": 3},
+        "capture": {"prefill_attention": True, "head_dla": True}, "output": {"chunk_steps": 3},
     })
     return with_lens(run)
 
@@ -303,7 +303,7 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     if CHROMIUM is None:
         pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
     proc = lmtrace(tmp_path, "generate", str(REPO / "configs" / "demo.yaml"), "--run-id", "demo",
-                   "--set", "capture.prefill_attention=true", "-q")
+                   "--set", "capture.prefill_attention=true", "--set", "capture.head_dla=true", "-q")
     assert proc.returncode == 0, proc.stderr
     assert lmtrace(tmp_path, "lens", "demo", "-q").returncode == 0
     proc = lmtrace(tmp_path, "report", "demo", "--json")
@@ -316,7 +316,7 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     assert " Paris" in html.unescape(visit.dom)
     assert distinct_colours(visit.screenshot) > 50
     shots = section_shots(path, tmp_path / "sections", {f"report-{name}.png": f"sec-{name}"
-                                                        for name in ("attention", "lens", "layers")})
+                                                        for name in ("attention", "lens", "layers", "dla")})
     for shot in shots.values():
         assert distinct_colours(shot) > 50
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
@@ -412,6 +412,26 @@ def test_head_classification_is_drawn_from_heads_parquet(tiny_run, tmp_path):
     for r in heads:
         assert label[r["layer"], r["head"]] == HEAD_LABELS.index(r["label"])
         assert sink[r["layer"], r["head"]] == np.float32(r["sink_score"])
+
+
+def test_head_dla_is_drawn_mean_and_at_the_attention_step_and_renders(tiny_report, tmp_path):
+    """The DLA section's layer × head grids are the archive's `head_dla` / `head_dla_logit` (read with
+    zarr): mean over each sequence's steps and at the attention grid's step (the browser tests above draw
+    every figure and view of this page, the demo test screenshots the section)."""
+    run, page = tiny_report
+    blobs = page_json(page, "lmtrace-blobs")
+    figures = {f["id"]: f for f in page_json(page, "lmtrace-figures")}
+    tokens = pq.read_table(run.path / "tokens.parquet").to_pandas()
+    for seq in (0, 2):
+        n = int((~tokens[tokens.sequence == seq].is_prompt).sum())
+        labels = [v["label"] for v in figures[f"dla-{seq}"]["variants"]]
+        assert len(labels) == 4 and labels[0].endswith(f"mean over {n} steps"), labels
+        step = int(labels[1].rsplit(" ", 1)[1])
+        assert step == n - 1  # the attention grid's default step: the last one shown
+        for name in ("head_dla", "head_dla_logit"):
+            archived = zarr.open_array(str(run.path / "tensors.zarr" / name), mode="r")[seq, :n]
+            np.testing.assert_allclose(blob(blobs, f"{name}_{seq}_mean"), archived.mean(0), rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(blob(blobs, f"{name}_{seq}_step{step}"), archived[step])
 
 
 def test_sweep_results_are_drawn_as_a_layer_by_head_heatmap(tiny_run, tmp_path):

@@ -302,6 +302,21 @@ def test_relative_prompt_file_is_resolved_against_the_spec_directory(tmp_path, m
     assert load_prompts(spec.prompts) == ["from the cwd"]
 
 
+def test_setting_one_prompts_source_replaces_the_other(tmp_path, monkeypatch):
+    """`--set prompts.file=x.txt` on a spec with inline texts (and the reverse) takes the new source
+    instead of failing with "give either prompts.texts or prompts.file"."""
+    (tmp_path / "more.txt").write_text("one\ntwo\n")
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("prompts: [a, b, c]\n")
+    from_file = tmp_path / "file.yaml"
+    from_file.write_text("prompts:\n  file: more.txt\n  chat: true\n")
+    monkeypatch.chdir(tmp_path)
+    spec, _, _ = load_spec(inline, ["prompts.file=more.txt"])
+    assert spec.prompts.texts is None and load_prompts(spec.prompts) == ["one", "two"]
+    spec, _, _ = load_spec(from_file, ["prompts.texts=[x]"])
+    assert spec.prompts.file is None and spec.prompts.texts == ["x"] and spec.prompts.chat is True
+
+
 # ---- validate's model inspection (no weights) ------------------------------------------------
 def test_gguf_header_gives_the_embedded_model_sizes():
     from lmtrace.models import _embedded_gguf
@@ -345,3 +360,8 @@ def test_validate_spec_checks_layers_against_the_model(tmp_path):
     cfg.mkdir()
     (cfg / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}))
     assert validate_spec(path, [f"model={cfg}", "capture.layers=all"])["model"]["layers"] == 2
+
+
+def test_head_dla_needs_the_model_on_one_device():
+    assert "capture.head_dla with model.device_map is not supported" in spec_error(
+        {"prompts": ["a"], "model": {"device_map": "auto"}, "capture": {"head_dla": True}})

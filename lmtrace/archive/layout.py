@@ -3,10 +3,10 @@
 Array names follow one scheme and are used unchanged by probes, writer, reader and docs:
 
   per step, leading dims (sequence, step):
-    attn           [sequence, step, layer, head, key]        post-softmax query row, key = token position
-    attn_topk_idx  [sequence, step, layer, head, k_attn]     (attention.top_k set) key positions, -1 = none
-    attn_topk_prob [sequence, step, layer, head, k_attn]
-    q              [sequence, step, layer, head, head_dim]   post-rotary query of the query position
+    attn           [sequence, step, layer, q_head, key]        post-softmax query row, key = token position
+    attn_topk_idx  [sequence, step, layer, q_head, k_attn]     (attention.top_k set) key positions, -1 = none
+    attn_topk_prob [sequence, step, layer, q_head, k_attn]
+    q              [sequence, step, layer, q_head, head_dim]   post-rotary query of the query position
     k, v           [sequence, step, layer, kv_head, head_dim] post-rotary key / value of the query position
     ffn_idx        [sequence, step, layer, k_ffn]            top-|a| neurons of the MLP intermediate activation
     ffn_val        [sequence, step, layer, k_ffn]            their signed values
@@ -15,12 +15,18 @@ Array names follow one scheme and are used unchanged by probes, writer, reader a
     lens_probs     [sequence, step, layer, k_lens]           and their probabilities
     router_topk_idx    [sequence, step, layer, k_router]     (mixture-of-experts models) experts the router chose, -1 = dense layer
     router_topk_weight [sequence, step, layer, k_router]     the weight the MoE block gives each chosen expert
+    head_dla       [sequence, step, layer, q_head]           (capture.head_dla) direct logit attribution of each
+                                                             query head to logit(chosen) − logit(runner-up)
+    attn_dla, mlp_dla [sequence, step, layer]                of each layer's attention / MLP output
+    embed_dla, bias_dla, rest_dla [sequence, step]           embedding; constant (norm / unembedding biases); rest
+    *_dla_logit    the same six, attributing logit(chosen)
+    dla_runner_up  [sequence, step]                          the runner-up token id
   prompt time:
-    prefill_attn   [sequence, layer, head, query_pos, key_pos]
+    prefill_attn   [sequence, layer, q_head, query_pos, key_pos]
     prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
   coordinates and per-sequence:
-    layer [layer], resid_layer [resid_layer], head [head], kv_head [kv_head],
-    kv_head_of_head [head], prompt_len [sequence], generated_len [sequence]
+    layer [layer], resid_layer [resid_layer], q_head [q_head], kv_head [kv_head], key, prompt_pos, query_pos, key_pos (positions),
+    kv_head_of_head [q_head], prompt_len [sequence], generated_len [sequence]
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-FORMAT_VERSION = 1
+# 2: the query-head dimension is `q_head` (was `head`, which hides xarray's Dataset.head()), and
+# the position dimensions (key, prompt_pos, query_pos, key_pos) carry coordinates. Readers take both.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 MANIFEST = "manifest.json"
 SPEC = "spec.yaml"
@@ -106,7 +115,7 @@ def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, ma
     return min(max_len, -(-reached // key_chunk) * key_chunk)
 
 
-# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/deferred_lens.py)
+# written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/commands/lens.py)
 LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
                ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
 LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
@@ -115,6 +124,22 @@ LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
                      # repeated on its layers' rows)
                      "lens_target_rank", "lens_target_prob", "lens_runner_up_rank", "lens_runner_up_prob",
                      "settle_layer")
+
+
+# Direct logit attribution (lmtrace/capture/dla.py, docs/archive.md): per target, heads [layer, q_head],
+# blocks [layer] and the per-step terms, which sum to the model's final logit (difference)
+DLA_TERMS = ("embed_dla", "bias_dla", "rest_dla")
+
+
+def dla_arrays() -> list[ArraySpec]:
+    out = []
+    for suffix in ("", "_logit"):
+        out.append(ArraySpec(f"head_dla{suffix}", ("sequence", "step", "layer", "q_head"), "float32", True, auto_codec="none"))
+        out += [ArraySpec(f"{part}_dla{suffix}", ("sequence", "step", "layer"), "float32", True, auto_codec="none")
+                for part in ("attn", "mlp")]
+        out += [ArraySpec(f"{term}{suffix}", ("sequence", "step"), "float32", True, auto_codec="none") for term in DLA_TERMS]
+    out.append(ArraySpec("dla_runner_up", ("sequence", "step"), "int32", True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -142,6 +167,7 @@ class RunShape:
     lens: bool = True
     float_dtype: str = "float16"
     k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
+    head_dla: bool = False  # direct logit attribution arrays (dla_arrays())
     extra: dict = field(default_factory=dict)
 
     @property
@@ -151,7 +177,7 @@ class RunShape:
     def dim_sizes(self) -> dict[str, int]:
         return {
             "sequence": self.n_sequences, "step": self.n_steps, "layer": len(self.layers),
-            "resid_layer": len(self.resid_layers), "head": self.n_heads, "kv_head": self.n_kv_heads,
+            "resid_layer": len(self.resid_layers), "q_head": self.n_heads, "kv_head": self.n_kv_heads,
             "key": self.max_len, "k_attn": self.k_attn or 0, "head_dim": self.head_dim,
             "d_model": self.d_model, "k_ffn": self.k_ffn, "k_lens": self.k_lens,
             "k_router": self.k_router, "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
@@ -161,12 +187,12 @@ class RunShape:
         f = self.float_dtype
         out: list[ArraySpec] = []
         if self.attention and self.k_attn is None:
-            out.append(ArraySpec("attn", ("sequence", "step", "layer", "head", "key"), f, True, auto_codec="lz4"))
+            out.append(ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), f, True, auto_codec="lz4"))
         if self.attention and self.k_attn is not None:
-            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "head", "k_attn"), "int32", True))
-            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "head", "k_attn"), f, True))
+            out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "q_head", "k_attn"), "int32", True))
+            out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "q_head", "k_attn"), f, True))
         if self.qkv:
-            out.append(ArraySpec("q", ("sequence", "step", "layer", "head", "head_dim"), f, True, auto_codec="none"))
+            out.append(ArraySpec("q", ("sequence", "step", "layer", "q_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"))
@@ -181,8 +207,10 @@ class RunShape:
         if self.k_router and self.layers:
             out.append(ArraySpec("router_topk_idx", ("sequence", "step", "layer", "k_router"), "int32", True))
             out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True))
+        if self.head_dla and self.layers:
+            out.extend(dla_arrays())
         if self.prefill_attention:
-            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "head", "query_pos", "key_pos"), f, False))
+            out.append(ArraySpec("prefill_attn", ("sequence", "layer", "q_head", "query_pos", "key_pos"), f, False))
         return out
 
     def shape_of(self, spec: ArraySpec) -> tuple[int, ...]:
@@ -193,7 +221,7 @@ class RunShape:
         """Keys per step that arrays over `key` (attention rows) write, averaged over the run.
 
         A block of `chunk_steps` steps writes whole key chunks up to the last key its context
-        reaches (`block_keys`, as generate.BlockSink buffers them), each holding `chunk_steps`
+        reaches (`block_keys`, as archive.sink.BlockSink buffers them), each holding `chunk_steps`
         steps, also in a partial last block. Without key chunks: every key.
         These are the key columns stored, so chunk padding is counted.
         """
@@ -227,19 +255,44 @@ STEP_COLUMNS = (
 )
 
 
+def with_pandas_types(schema, always_present: tuple[str, ...]):
+    """Attach pandas metadata so that `pandas.read_parquet` reads the documented types.
+
+    Without it pandas turns an int32 column holding nulls into float64 and a bool column into
+    object. Every integer and boolean column not in `always_present` is marked as pandas'
+    nullable `Int32` / `Int64` / `boolean`; the others read as numpy int32 / bool as before."""
+    import json
+
+    import pyarrow as pa
+
+    columns = []
+    for f in schema:
+        if f.name in always_present:
+            continue
+        if pa.types.is_boolean(f.type):
+            columns.append((f.name, "bool", "boolean"))
+        elif pa.types.is_integer(f.type):
+            bits = f.type.bit_width
+            columns.append((f.name, f"int{bits}", f"Int{bits}"))
+    meta = {"index_columns": [], "column_indexes": [], "creator": {"library": "lmtrace"},
+            "columns": [{"name": n, "field_name": n, "pandas_type": pt, "numpy_type": nt, "metadata": None}
+                        for n, pt, nt in columns]}
+    return schema.with_metadata({b"pandas": json.dumps(meta).encode()})
+
+
 def token_schema():
     """tokens.parquet: one row per token of every sequence (prompt rows have null step statistics)."""
     import pyarrow as pa
 
     f32, i32 = pa.float32(), pa.int32()
-    return pa.schema([
+    return with_pandas_types(pa.schema([
         ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
         ("token_id", i32), ("token_text", pa.string()),
         ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
         ("rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
         ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
         ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
-    ])
+    ]), ("sequence", "position", "is_prompt", "token_id"))
 
 
 def step_schema(columns: list[str]):
@@ -247,7 +300,7 @@ def step_schema(columns: list[str]):
 
     types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32(),
              "lens_target_rank": pa.int32(), "lens_runner_up_rank": pa.int32(), "settle_layer": pa.int32()}
-    return pa.schema([(c, types.get(c, pa.float32())) for c in columns])
+    return with_pandas_types(pa.schema([(c, types.get(c, pa.float32())) for c in columns]), ("sequence", "step", "layer"))
 
 
 def vocab_schema():

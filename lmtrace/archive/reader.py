@@ -16,6 +16,7 @@ import zarr
 from ..errors import ArchiveError
 from . import layout
 from .integrity import damaged_message, quick_problem, verify
+from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 
 
 class IncompleteRunWarning(UserWarning):
@@ -283,16 +284,6 @@ EMPTY_SCHEMAS = {"tokens": layout.token_schema, "sequences": layout.sequence_sch
 
 LENS_ARRAY_NAMES = {s.name for s in layout.LENS_ARRAYS}
 LENS_NOT_COMPUTED = "its logit lens is deferred and not computed yet: run `lmtrace lens {run_id}`"
-
-
-def lens_state(manifest: dict) -> str:
-    """none (no lens captured) | pending (deferred, not computed yet) | ready."""
-    lens = manifest.get("lens")
-    if not lens:
-        return "none"
-    if lens.get("when", "inline") == "deferred" and not lens.get("computed"):
-        return "pending"
-    return "ready"
 
 
 def open_run(path_or_id: str | Path, runs_dir: str | Path | None = None, *, require_complete: bool = False) -> Run:

@@ -10,6 +10,7 @@ import secrets
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def check_runs_root(root: Path, run_id: str | None = None) -> None:
         raise SpecError(f"runs directory {root} is not writable ({existing} is read-only for this user); "
                         f"pass another --runs-dir or set LMTRACE_RUNS_DIR")
     # An existing run id is not an error here: the same spec and run id again resumes the run
-    # (generate._check_target decides, before the model is loaded).
+    # (archive.rundir.check_target decides, before the model is loaded).
 
 
 def new_run_id() -> str:
@@ -96,6 +97,26 @@ def host_info() -> dict:
     return info
 
 
+@contextmanager
+def locked(path: Path):
+    """An exclusive flock on `path` (created if missing) for the block's duration.
+
+    The kernel releases it when the holder dies, so a killed process cannot leave a run locked.
+    Without advisory locks (Windows) it is a no-op: the callers re-read what they rewrite just
+    before writing, which narrows the window."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -141,6 +162,16 @@ def read_manifest(run_dir: Path) -> dict:
         raise RunNotFoundError(f"{run_dir} is not an lmtrace run (no {layout.MANIFEST})") from None
     except (json.JSONDecodeError, OSError) as err:
         raise RunNotFoundError(f"{path} is unreadable ({err}); the run archive is damaged") from None
+
+
+def lens_state(manifest: dict) -> str:
+    """none (no lens captured) | pending (deferred, not computed yet) | ready."""
+    lens = manifest.get("lens")
+    if not lens:
+        return "none"
+    if lens.get("when", "inline") == "deferred" and not lens.get("computed"):
+        return "pending"
+    return "ready"
 
 
 def find_run(ref: str, root: Path | None = None) -> Path:

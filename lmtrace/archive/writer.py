@@ -266,13 +266,18 @@ class ArchiveWriter:
         s = self.shape
         coords = {
             "layer": np.asarray(s.layers, dtype=np.int32),
-            "head": np.arange(s.n_heads, dtype=np.int32),
+            "q_head": np.arange(s.n_heads, dtype=np.int32),
             "kv_head": np.arange(s.n_kv_heads, dtype=np.int32),
             "kv_head_of_head": np.asarray(s.kv_head_of_head, dtype=np.int32),
             "step": np.arange(s.n_steps, dtype=np.int32),
             "sequence": np.arange(s.n_sequences, dtype=np.int32),
+            # token positions (left-aligned: position p is the p-th token of the sequence)
+            "key": np.arange(s.max_len, dtype=np.int32),
         }
-        dims = {"kv_head_of_head": ("head",)}
+        if s.prefill_attention or s.qkv:
+            for name in ("prompt_pos", "query_pos", "key_pos"):
+                coords[name] = np.arange(s.max_prompt, dtype=np.int32)
+        dims = {"kv_head_of_head": ("q_head",)}
         if s.resid_layers:
             coords["resid_layer"] = np.asarray(s.resid_layers, dtype=np.int32)
         for name, values in coords.items():

@@ -5,7 +5,8 @@ the whole cache of the layer every step: O(context) bytes per layer and step, ~6
 SmolLM2 at 128 tokens of context and ~15 MB at 320, a growing share of a decode step on a CPU.
 
 `StackedCache` keeps the keys (and the values) of every full-attention layer in one tensor
-[layer, batch, kv_head, capacity, head_dim]. On a CPU the tracer allocates it for the run up front
+[layer, batch, kv_head, capacity, head_dim] (one such pair per device when the model is spread
+over several, `KVStacks`). On a CPU the tracer allocates it for the run up front
 (prompt + max_new_tokens positions, at most 4096 new ones; pages never written cost no memory);
 it grows by half whenever it is full. A step writes only its new column; each layer gets a view
 of its first T positions, so the attention kernel sees exactly the values DynamicCache would give
@@ -26,21 +27,27 @@ from transformers.cache_utils import DynamicLayer
 
 
 class KVStack:
-    """Keys and values of the stacked layers: two tensors [layer, batch, kv_head, capacity, head_dim]."""
+    """Keys and values of the stacked layers of one device: two tensors [layer, batch, kv_head,
+    capacity, head_dim]. Methods take model layer indices; `layers` says which ones the stack holds."""
 
-    def __init__(self, n_layers: int, capacity_hint: int = 0):
-        self.n_layers = n_layers
+    def __init__(self, layers: list[int], capacity_hint: int = 0, device: torch.device | None = None):
+        self.layers = list(layers)
+        self.n_layers = len(self.layers)
+        self.slot = {layer: i for i, layer in enumerate(self.layers)}
         self.capacity_hint = capacity_hint
+        self.device = device  # where the layers' keys are made (None: wherever the first ones are)
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.length = [0] * n_layers  # positions held per layer
+        self.length = [0] * self.n_layers  # positions held per slot
         # the key view of all its positions each layer last got from `append` (what its kernel is
         # handed): `holds` is then one identity test, called per layer and step
-        self._views: list[torch.Tensor | None] = [None] * n_layers
+        self._views: list[torch.Tensor | None] = [None] * self.n_layers
 
     def fits(self, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether a layer with these first keys and values can live in the stack."""
         if key.dim() != 4 or value.shape[:-1] != key.shape[:-1]:
+            return False
+        if self.device is not None and key.device != self.device:
             return False
         if self.keys is None:
             return True
@@ -70,21 +77,23 @@ class KVStack:
         end = start + key.shape[2]
         if end > self.capacity:
             self._allocate(key, value, end)
-        self.keys[layer, :, :, start:end] = key
-        self.values[layer, :, :, start:end] = value
-        self.length[layer] = end
-        key_view = self._views[layer] = self.keys[layer, :, :, :end]
-        return key_view, self.values[layer, :, :, :end]
+        i = self.slot[layer]
+        self.keys[i, :, :, start:end] = key
+        self.values[i, :, :, start:end] = value
+        self.length[i] = end
+        key_view = self._views[i] = self.keys[i, :, :, :end]
+        return key_view, self.values[i, :, :, :end]
 
     def holds(self, layer: int, key: torch.Tensor) -> bool:
         """Whether `key` is this stack's view of all of `layer`'s positions (what the kernel got)."""
-        return key is self._views[layer]
+        i = self.slot.get(layer)
+        return i is not None and key is self._views[i]
 
-    @staticmethod
-    def _pick(layers: list[int]):
-        """Index of `layers` (ascending model layer indices) in the layer dim: contiguous ones as a
+    def _pick(self, layers: list[int]):
+        """Index of `layers` (ascending model layer indices) in the layer dim: contiguous slots as a
         slice, so that indexing gives a view, not a copy."""
-        return slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else layers
+        slots = [self.slot[layer] for layer in layers]
+        return slice(slots[0], slots[-1] + 1) if slots == list(range(slots[0], slots[-1] + 1)) else slots
 
     def keys_of(self, layers: list[int], length: int) -> torch.Tensor:
         """Keys of `layers`, first `length` positions: [n, B, kvh, T, D]."""
@@ -94,6 +103,56 @@ class KVStack:
         """Keys and values of `layers` at one position: [n, B, kvh, D] each."""
         pick = self._pick(layers)
         return self.keys[pick, :, :, position], self.values[pick, :, :, position]
+
+
+class KVStacks:
+    """One `KVStack` per device: each layer's keys stay on the device that runs its attention (a
+    model spread over GPUs), so the rows computed from them are computed there too. A model on one
+    device has one stack holding every layer."""
+
+    def __init__(self, groups: list[tuple[torch.device | None, list[int]]], capacity_hint):
+        """groups: (device, its layers) per stack; capacity_hint(device) -> positions to allocate up front."""
+        self.stacks = [KVStack(layers, capacity_hint(device), device) for device, layers in groups]
+        self.of_layer = {layer: stack for stack in self.stacks for layer in stack.layers}
+
+    def holds(self, layer: int, key: torch.Tensor) -> bool:
+        stack = self.of_layer.get(layer)
+        return stack is not None and stack.holds(layer, key)
+
+    def groups(self, layers: list[int]) -> list[tuple[KVStack, list[int]]]:
+        """`layers` split by the stack holding them (each part ascending), stacks in model order."""
+        parts: dict[int, list[int]] = {}
+        for layer in layers:
+            parts.setdefault(id(self.of_layer[layer]), []).append(layer)
+        return [(self.of_layer[part[0]], part) for part in parts.values()]
+
+    def column(self, layers: list[int], position: int, device: torch.device | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `layers` at one position, [n, B, kvh, D] each, on `device` (one copy per stack)."""
+        groups = self.groups(layers)
+        if len(groups) == 1:
+            k, v = groups[0][0].column(layers, position)
+            return (k, v) if device is None else (k.to(device), v.to(device))
+        parts = [(part, *stack.column(part, position)) for stack, part in groups]
+        order = [layer for part, _, _ in parts for layer in part]
+        # per-stack columns moved to `device` once each, then put in the order of `layers`
+        keys = torch.cat([k.to(device) for _, k, _ in parts], 0)
+        values = torch.cat([v.to(device) for _, _, v in parts], 0)
+        if order != layers:
+            index = torch.tensor([order.index(layer) for layer in layers], device=device)
+            keys, values = keys[index], values[index]
+        return keys, values
+
+
+def _device_groups(layer_devices: list[torch.device] | None, n_layers: int) -> list[tuple[torch.device | None, list[int]]]:
+    """One group per device, in model order; one group of every layer when the devices are unknown
+    (or are not one per cache layer: each layer then joins the stack only if its keys fit)."""
+    if layer_devices is None or len(layer_devices) != n_layers:
+        return [(None, list(range(n_layers)))]
+    by_device: dict[torch.device, list[int]] = {}
+    for layer, device in enumerate(layer_devices):
+        by_device.setdefault(device, []).append(layer)
+    return list(by_device.items())
 
 
 class StackedLayer(DynamicLayer):
@@ -123,17 +182,30 @@ class StackedLayer(DynamicLayer):
 
 
 class StackedCache(DynamicCache):
-    """DynamicCache (per layer kinds from the model config) with the full-attention layers stacked."""
+    """DynamicCache (per layer kinds from the model config) with the full-attention layers stacked,
+    one stack per device (`layer_devices`: each layer's attention device; None: one device)."""
 
-    def __init__(self, config, capacity_hint: int = 0):
+    def __init__(self, config, capacity_hint: int = 0, layer_devices: list[torch.device] | None = None,
+                 groups: list[tuple[torch.device | None, list[int]]] | None = None):
+        """groups (rather than layer_devices) sets the stacks directly: tests split one device's layers
+        over several stacks to run the multi-device code on a CPU."""
         super().__init__(config=config)
-        self.stack = KVStack(len(self.layers), capacity_hint)
-        self.layers = [StackedLayer(self.stack, i) if type(layer) is DynamicLayer else layer
+        hint = capacity_hint if callable(capacity_hint) else (lambda device: capacity_hint)
+        if groups is None:
+            groups = _device_groups(layer_devices, len(self.layers))
+        self.stack = KVStacks(groups, hint)
+        self.layers = [StackedLayer(self.stack.of_layer[i], i) if type(layer) is DynamicLayer else layer
                        for i, layer in enumerate(self.layers)]
 
     @classmethod
-    def for_generation(cls, config, prompt_len: int, max_new_tokens: int, device: torch.device) -> "StackedCache":
+    def for_generation(cls, config, prompt_len: int, max_new_tokens: int, device: torch.device,
+                       layer_devices: list[torch.device] | None = None) -> "StackedCache":
         """The cache of one batch: on a CPU the run's positions up front, where pages never written
         cost nothing; capped at 4096 new ones, so that a huge max_new_tokens does not ask the kernel
         for more address space than it grants. Beyond it (and on accelerators) it grows by half."""
-        return cls(config, capacity_hint=prompt_len + min(max_new_tokens, 4096) if device.type == "cpu" else 0)
+        up_front = prompt_len + min(max_new_tokens, 4096)
+
+        def hint(stack_device: torch.device | None) -> int:
+            return up_front if (stack_device or device).type == "cpu" else 0
+
+        return cls(config, capacity_hint=hint, layer_devices=layer_devices)

@@ -15,7 +15,7 @@ Two precisions (`capture.lens.dtype`):
 
 When it runs: with `capture.lens.when: inline` the probes call it once per step for all captured
 layers; with `deferred` (the default) `lmtrace lens` calls it later on the archived float32
-residuals, one product per step over the same rows the inline lens had (lmtrace/deferred_lens.py),
+residuals, one product per step over the same rows the inline lens had (lmtrace/commands/lens.py),
 which gives the same values bit for bit. Computing
 the inline lens per block on the archive writer's thread was tried and measured no faster on a
 2-core CPU: the ~25 ms of single-core work per step competes with the forward for the same cores
@@ -33,11 +33,11 @@ ROWS_PER_MATMUL = 256  # bounds the [rows, vocab] logits buffer (256 Ã— 49,152 Ã
 
 class LogitLens:
     def __init__(self, adapter, k: int, dtype: str):
-        head = adapter.unembed
-        self.weight = head.weight.detach()
+        head = adapter.resident(adapter.unembed)  # its weights, also where they were offloaded (docs/devices.md)
+        self.weight = head["weight"]
         self.device = self.weight.device
-        bias = getattr(head, "bias", None)
-        self.bias = None if bias is None else bias.detach().float()
+        bias = head.get("bias")
+        self.bias = None if bias is None else bias.float()
         self.softcap = adapter.final_softcap
         self.k = k
         self.vocab, self.d_in = self.weight.shape  # d_in: after the final norm (OPT's project_out included)

@@ -16,7 +16,9 @@ import torch
 
 from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
+from .devices import execution_device, stack_on
 from .arch import Adapter
+from .dla import FrozenNormDLA
 from ..archive.layout import RunShape
 from .lens import LogitLens, lens_target_columns, lens_targets
 from .sampling import Choice
@@ -30,7 +32,7 @@ class ForwardContext:
     pads: list[int]  # left padding of each row
     total_len: int  # padded context length after this call
     prefill: bool
-    kv: object = None  # the KV cache's KVStack (lmtrace/kv_cache.py), if the cache has one
+    kv: object = None  # the KV cache's KVStacks (lmtrace/capture/kv_cache.py), if the cache has them
 
 
 def _last(t, batch: int) -> torch.Tensor:
@@ -43,15 +45,16 @@ def _last(t, batch: int) -> torch.Tensor:
     return t[:, -1]
 
 
-def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool) -> torch.Tensor:
-    """[n, B, ...]: the query position of n kept tensors, which at a decode step are the modules'
-    outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query position
-    [B, ...] (`Probes._keep`). One stack and one slice for all of them."""
+def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool, device: torch.device | None = None) -> torch.Tensor:
+    """[n, B, ...] on `device`: the query position of n kept tensors, which at a decode step are the
+    modules' outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query
+    position [B, ...] (`Probes._keep`). One stack and one slice for all of them (one stack and one
+    copy per device when the layers live on several)."""
     if prefill:
-        return torch.stack(tensors, 0)
+        return stack_on(tensors, device)
     if len({t.dim() for t in tensors}) > 1:  # e.g. OPT: attention [B, 1, d] next to a flattened fc2 [B, d]
         tensors = [t.reshape(batch, -1, t.shape[-1]) for t in tensors]
-    t = torch.stack(tensors, 0)
+    t = stack_on(tensors, device)
     return t.reshape(len(tensors), batch, -1, t.shape[-1])[:, :, -1]
 
 
@@ -98,6 +101,12 @@ class Probes:
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
         self.torch_float = {"float16": torch.float16, "float32": torch.float32}[shape.float_dtype]
         self.lens = LogitLens(adapter, shape.k_lens, lens_dtype) if shape.lens else None
+        # where a step's per-layer tensors are assembled: next to the final norm and unembedding,
+        # which the lens and the margin contributions need (the model's one device, unless spread)
+        self.device = execution_device(adapter.unembed)
+        # per-head direct logit attribution (lmtrace/capture/dla.py): refused here, before any run
+        # directory exists, for a model where it cannot be exact
+        self.dla = FrozenNormDLA(adapter) if shape.head_dla and self.layers else None
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -116,6 +125,8 @@ class Probes:
         self.prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_rows: dict[int, torch.Tensor] = {}
         self.router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (expert ids, weights) [B, k]
+        self.o_in: dict[int, torch.Tensor] = {}  # layer -> output projection input (heads concatenated) [B, pos, H*D]
+        self.ends: dict[str, torch.Tensor] = {}  # "embed" (block 0's input), "final" (the final norm's input)
 
     def begin(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
@@ -130,15 +141,20 @@ class Probes:
         try:
             for layer in self.layers:
                 handles.append(tap(a.layers[layer], self._block_tap(layer)))
-                if self.component_norms:
+                if self.component_norms or self.dla is not None:
                     handles.append(tap(a.attn(layer), self._output_tap("attn_out", layer)))
                     handles.append(tap(a.mlp(layer), self._output_tap("mlp_out", layer)))
+                if self.dla is not None:
+                    handles.append(tap(a.o_proj(layer), self._input_tap("o_in", layer)))
                 if self.shape.ffn:
                     handles.append(tap(a.mlp_down(layer), self._ffn_tap(layer)))
                 if self.shape.k_router and a.routers[layer] is not None:
                     handles.append(tap(a.routers[layer], self._router_tap(layer)))
             for layer in sorted(set(self.shape.resid_layers) - set(self.layers)):  # `residual.vectors_at` only
                 handles.append(tap(a.layers[layer], self._block_tap(layer, keep_input=False)))
+            if self.dla is not None:  # the residual stream's two ends: the embedding and the final norm's input
+                handles.append(tap(a.layers[0], self._input_tap("ends", "embed")))
+                handles.append(tap(self.dla.norm_module, self._input_tap("ends", "final")))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
@@ -164,6 +180,11 @@ class Probes:
         def output(module, args, kwargs, out):
             getattr(self, store)[layer] = self._keep(out[0] if type(out) is tuple else out)
         return output
+
+    def _input_tap(self, store: str, key):
+        def first_input(module, args, kwargs, output):
+            getattr(self, store)[key] = self._keep(args[0] if args else next(iter(kwargs.values())))
+        return first_input
 
     def _ffn_tap(self, layer):
         def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
@@ -243,7 +264,7 @@ class Probes:
         if s.attention:
             all_rows = None  # [L, B, H, kv] when every captured layer's row came from the batched product
             if self.batched is not None:
-                layers, probs, kv_len = self.batched.rows()
+                layers, probs, kv_len = self.batched.rows(self.device)
                 if layers == self.layers:
                     all_rows = probs
                 self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
@@ -254,7 +275,7 @@ class Probes:
                 kv_lens = {self.rows[layer][1] for layer in self.layers}
                 if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
                     if all_rows is None:
-                        all_rows = torch.stack([self.rows[layer][0] for layer in self.layers], 0)
+                        all_rows = stack_on([self.rows[layer][0] for layer in self.layers], self.device)
                     self._realign_keys(all_rows.transpose(0, 1), kv_lens.pop(), out)  # [B, L, H, kv]
                 else:
                     for li, layer in enumerate(self.layers):
@@ -304,9 +325,12 @@ class Probes:
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
         if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
             outputs = _at_query([self.attn_out[layer] for layer in self.layers]
-                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill)  # [2L, B, d]
+                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill,
+                                self.device)  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
+        if self.dla is not None:  # before the inline lens, whose call of the final norm would pass its tap
+            arrays.update(self._direct_logit_attribution(choice))
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
             ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
@@ -317,14 +341,42 @@ class Probes:
             scalars["lens_margin"] = margin.reshape(B, L)
             scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
         if self.margin_contributions:
-            top2 = choice.alt_ids[:, :2].to(self.adapter.unembed.weight.device)
-            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1])  # [B, d]
+            top2 = choice.alt_ids[:, :2].to(self.device)
+            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1]).to(self.device)  # [B, d]
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
 
+    def _direct_logit_attribution(self, choice: Choice) -> dict[str, np.ndarray]:
+        """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,
+        first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen)."""
+        B, prefill = len(self.ctx.pads), self.ctx.prefill
+        targets = torch.from_numpy(lens_targets(choice.token.numpy(), choice.alt_ids.numpy()))  # [B, 2]
+        final = _at_query([self.ends["final"]], B, prefill, self.device)[0].float()  # [B, d]
+        embed = _at_query([self.ends["embed"]], B, prefill, self.device)[0].float()
+        u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
+        u = u.to(final.device)
+        L = len(self.layers)
+        outputs = _at_query([self.attn_out[layer] for layer in self.layers]
+                            + [self.mlp_out[layer] for layer in self.layers], B, prefill,
+                            self.device).float()  # [2L, B, d]
+        rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)
+        blocks = torch.einsum("lbd,btd->lbt", outputs, u)  # [2L, B, 2]: attention outputs, then MLP outputs
+        ends = torch.einsum("nbd,btd->nbt", torch.stack([embed, rest], 0), u)  # [2, B, 2]
+        heads = self.dla.heads(self.layers, self._at_query(self.o_in), u)  # [L, B, 2, H]
+        out = {"dla_runner_up": targets[:, 1].numpy().astype(np.int32)}
+        for suffix, t in (("", 0), ("_logit", 1)):
+            out["head_dla" + suffix] = heads[:, :, t].transpose(0, 1).cpu().numpy()
+            out["attn_dla" + suffix] = blocks[:L, :, t].T.cpu().numpy()
+            out["mlp_dla" + suffix] = blocks[L:, :, t].T.cpu().numpy()
+            out["embed_dla" + suffix] = ends[0, :, t].cpu().numpy()
+            out["rest_dla" + suffix] = ends[1, :, t].cpu().numpy()
+            out["bias_dla" + suffix] = const[:, t].cpu().numpy()
+        return out
+
     def _at_query(self, store: dict[int, torch.Tensor], layers: list[int] | None = None) -> torch.Tensor:
         """[L, B, ...]: the query position of a kept per-layer output, for `layers` (default: the captured ones)."""
-        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill)
+        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill,
+                         self.device)
 
     def _new_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value of the query position, every captured layer: [L, B, heads, D] each.
@@ -333,14 +385,14 @@ class Probes:
         holds every captured layer; otherwise one slice per layer.
         """
         layers = self.layers
-        q = torch.stack([self.qkv[layer][0] for layer in layers], 0)[:, :, :, -1]  # one query position kept
+        q = stack_on([self.qkv[layer][0] for layer in layers], self.device)[:, :, :, -1]  # one query position kept
         kv = self.ctx.kv
         T = self.qkv[layers[0]][1].shape[2]
         if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
                                   for layer in layers):
-            return (q, *kv.column(layers, T - 1))
-        k = torch.stack([self.qkv[layer][1][:, :, -1] for layer in layers], 0)
-        v = torch.stack([self.qkv[layer][2][:, :, -1] for layer in layers], 0)
+            return (q, *kv.column(layers, T - 1, self.device))
+        k = stack_on([self.qkv[layer][1][:, :, -1] for layer in layers], self.device)
+        v = stack_on([self.qkv[layer][2][:, :, -1] for layer in layers], self.device)
         return q, k, v
 
     def collect_prefill(self) -> dict[str, np.ndarray]:

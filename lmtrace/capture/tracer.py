@@ -79,7 +79,7 @@ class BatchOutcome:
 class Tracer:
     def __init__(self, model: torch.nn.Module, tokenizer, *, sampler: Sampler, seed: int, max_new_tokens: int,
                  eos_ids: set[int], stop_strings: list[str], n_alternatives: int, probes: Probes | None,
-                 pad_id: int, device: torch.device):
+                 pad_id: int, device: torch.device, layer_devices: list[torch.device] | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -91,7 +91,8 @@ class Tracer:
         self.n_alternatives = n_alternatives
         self.probes = probes
         self.pad_id = pad_id
-        self.device = device
+        self.device = device  # where the inputs go: the input embedding's device
+        self.layer_devices = layer_devices  # each layer's attention device, for a model spread over several
         self.generator = torch.Generator(device="cpu")
 
     def _hit_stop_string(self, tokens: list[int]) -> bool:
@@ -119,7 +120,7 @@ class Tracer:
             mask[b, pads[b]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device)
+        cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device, self.layer_devices)
         generated: list[list[int]] = [[] for _ in range(B)]
         stop_reason = ["max_new_tokens"] * B
         active = np.ones(B, dtype=bool)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import SpecError
@@ -36,9 +37,12 @@ def summarize(effects) -> dict:
     for seq, e in effects.groupby("sequence"):
         changed = e[e.child_token != e.parent_token]
         same = e[e.context_identical]
+        first = changed.sort_values("step").iloc[0] if len(changed) else None
         out.append({
             "sequence": int(seq),
-            "first_divergence_step": int(changed.step.min()) if len(changed) else None,
+            "first_divergence_step": int(first.step) if first is not None else None,
+            "first_divergence": (None if first is None or "parent_token_text" not in e else
+                                 {"parent": first.parent_token_text, "child": first.child_token_text}),
             "winner_changes": int(same.winner_changed.fillna(False).sum()),
             "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
             "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
@@ -46,8 +50,17 @@ def summarize(effects) -> dict:
     return {"sequences": out}
 
 
+def _with_lens(result, lens: bool, progress) -> dict:
+    """`--lens`: the child's deferred lens, computed with the model still in memory."""
+    if not lens:
+        return {}
+    from ..commands.generate import lens_after
+
+    return {"lens": lens_after(result, note=progress.message)}
+
+
 def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, temperatures, runs_dir, run_id,
-                      progress, json_out: bool, quiet: bool) -> dict:
+                      progress, json_out: bool, quiet: bool, lens: bool = False) -> dict:
     entries = shorthand_entries(**flags)
     file_mode = None
     if spec_path is not None:
@@ -76,13 +89,17 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
         for t in temps:
             result, effects = run_intervene(run_ref, entries, mode="regenerate", from_step=from_step or 0,
                                             runs_dir=runs_dir, temperature=t, progress=progress)
-            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas())})
+            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas()),
+                             **_with_lens(result, lens, progress)})
     else:
         result, effects = run_intervene(run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir,
                                         run_id=run_id, progress=progress)
         children.append({"run_id": result.run_id, "mode": mode, "run_dir": str(result.run_dir),
-                         **summarize(effects.to_pandas())})
-    if not (json_out or quiet):
+                         **summarize(effects.to_pandas()), **_with_lens(result, lens, progress)})
+    if quiet and not json_out:  # the child ids alone, one per line, for scripts
+        for child in children:
+            print(child["run_id"])
+    elif not json_out:
         _print(children)
     return {"parent": run_ref, "children": children}
 
@@ -92,10 +109,18 @@ def _print(children: list[dict]) -> None:
     for child in children:
         label = f"temperature {child['temperature']}" if "temperature" in child else child.get("mode")
         table = Table(title=f"child {child['run_id']} ({label}) — effects.parquet has every step")
-        for col in ("sequence", "first divergence", "winner changes", "mean Δlogprob", "max KL(top-k)"):
+        for col in ("sequence", "first divergence", "parent → child token", "winner changes", "mean Δlogprob",
+                    "max KL(top-k)"):
             table.add_column(col)
         for s in child["sequences"]:
             fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), fmt(s["winner_changes"]),
+            tokens = s.get("first_divergence")
+            swap = "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}"
+            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), escape(swap), fmt(s["winner_changes"]),
                           fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"]))
         console.print(table)
+        if child.get("lens"):
+            lens = child["lens"]
+            console.print(f"child {child['run_id']}: " + (f"logit lens computed ({lens['rows']} rows, "
+                                                         f"{lens['seconds']:.1f} s)" if lens["computed"]
+                                                         else lens["reason"]), markup=False)

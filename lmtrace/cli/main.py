@@ -12,15 +12,28 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_RUN_FAILED, LmtraceError
+from ..jsonout import json_line
+from . import help_format
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Trace what happens inside a causal language model while it generates.")
 
 _state = {"debug": False}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"lmtrace {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")):
+def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+         version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                      help="Print the version and exit.")):
     _state["debug"] = debug
 
 
@@ -52,7 +65,7 @@ def _fail(err: BaseException) -> None:
 def _interrupt_on_signals() -> None:
     """SIGINT/SIGTERM before the generation loop starts (imports, model load): stop at once, exit 3.
 
-    Nothing has been written by then, or the run is recorded `interrupted` (generate._start_run);
+    Nothing has been written by then, or the run is recorded `interrupted` (commands.generate._start_run);
     the loop replaces these handlers with its own finish-the-step flag (generate.StopFlag)."""
     import signal
 
@@ -130,9 +143,11 @@ def generate(
                                          "unfinished run with the same spec is resumed."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the run id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     log_json: bool = typer.Option(False, "--log-json", help="Progress and events as JSON lines on stderr."),
+    lens: bool = typer.Option(False, "--lens", help="Compute the deferred logit lens right after generating, in "
+                              "this process (no second model load; as `lmtrace lens RUN`)."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..spec import load_spec
@@ -142,7 +157,7 @@ def generate(
         _interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
-            from ..commands.generate import parse_shard
+            from ..archive.rundir import parse_shard
 
             shard_obj, slurm_run_id = parse_shard(shard)
         if resume:
@@ -166,22 +181,38 @@ def generate(
         from ..commands.validate import preflight
 
         preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
-        from ..commands.generate import Progress, check_target, parse_shard, run_generate
+        reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
+        from ..archive.rundir import check_target, parse_shard
+        from ..commands.generate import run_generate
+        from ..progress import Progress
         from ..archive.runs import runs_root
 
         if shard_obj is None:
             shard_obj, _ = parse_shard(None)
 
+        if lens and not spec.capture.lens_deferred:
+            from ..errors import SpecError
+
+            if not spec.capture.lens_inline:
+                raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
+                                "capture: none); drop --lens or enable the lens")
+            lens = False  # an inline lens is computed during generation anyway
         check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume))
         result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
                               progress=Progress(reporter.start, reporter.advance, reporter.message))
+        reporter.stop()
+        lens_summary = None
+        if lens:
+            from ..commands.generate import lens_after
+
+            lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
         _fail(err)
     reporter.stop()
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
                "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
-               "seconds": round(result.seconds, 2)}
+               "seconds": round(result.seconds, 2), **({"lens": lens_summary} if lens else {})}
     if log_json:
         reporter.message(f"run {result.run_id}: {result.status}", event="finished", **summary)
     if result.status.startswith("shard-complete-others-failed:"):
@@ -192,8 +223,10 @@ def generate(
                    f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`", err=True)
         raise typer.Exit(EXIT_PARTIAL_SHARDS)
     if json_out:
-        typer.echo(json.dumps(summary))
-    elif not quiet:
+        typer.echo(json_line(summary))
+    elif quiet:  # the run id alone, for scripts: RUN=$(lmtrace generate spec.yaml -q)
+        typer.echo(result.run_id)
+    else:
         what = ("this shard is complete; the run completes when its other shards do"
                 if result.status == "shard-complete" else result.status)
         typer.echo(f"run {result.run_id}: {what}, {result.n_sequences} sequence(s), "
@@ -202,11 +235,20 @@ def generate(
             typer.echo(f"  [{i}] {text!r}")
         if len(result.texts) > 5:
             typer.echo(f"  ... {len(result.texts) - 5} more (lmtrace show {result.run_id})")
+        if lens_summary is not None:
+            typer.echo(f"  {_lens_line(lens_summary)}")
+
+
+def _lens_line(summary: dict) -> str:
+    """The words `lmtrace lens` prints for a run, also after `generate --lens` / `intervene --lens`."""
+    if summary["computed"]:
+        return f"logit lens computed ({summary['rows']} rows, {summary['seconds']:.1f} s)"
+    return summary["reason"]
 
 
 @app.command()
 def validate(
-    spec_path: Path = typer.Argument(..., metavar="SPEC"),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="YAML run spec."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved spec and estimate as JSON."),
 ):
@@ -218,26 +260,29 @@ def validate(
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     if json_out:
-        typer.echo(json.dumps(report, indent=2, default=str))
+        typer.echo(json_line(report))
         return
     import yaml
 
     typer.echo(yaml.safe_dump(report["resolved"], sort_keys=False).rstrip())
     typer.echo(f"# {report['summary']}")
+    if report.get("placement"):
+        typer.echo(f"# placement ({report['placement']['dtype']}): {report['placement']['text']}")
     for line in report["warnings"]:
         typer.echo(f"warning: {line}", err=True)
 
 
 @app.command("ls")
 def ls_(
+    kind: Optional[str] = typer.Option(None, "--kind", help="Only runs of this kind: generate | intervene."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """List runs: id, status, model, prompts, tokens, size, created."""
+    """List runs: id, kind, status, model, prompts, tokens, lens, parent, edits, size, created."""
     from ..commands.views import list_table
 
     try:
-        list_table(runs_dir, json_out)
+        list_table(runs_dir, json_out, kind)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -297,22 +342,25 @@ def intervene(
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on."),
     mode: Optional[str] = typer.Option(None, "--mode", help="rescore (teacher-force the parent's tokens) or regenerate."),
     temperatures: Optional[str] = typer.Option(None, "--temperatures", help="Sweep: one regenerated child per temperature, e.g. 0.5,1.0"),
+    lens: bool = typer.Option(False, "--lens", help="Compute each child's deferred logit lens right after it is "
+                              "written, in this process (no second model load)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     run_id: Optional[str] = typer.Option(None, "--run-id"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the child run id(s), one per line."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
-    from ..commands.generate import Progress
+    reporter = _Reporter(quiet or json_out)
+    reporter.message("importing torch")  # the first line within a second; the imports take seconds
+    from ..progress import Progress
     from .intervene import intervene_command
 
-    reporter = _Reporter(quiet or json_out)
     try:
         summary = intervene_command(
             run_ref, spec_path, dict(ablate_head=ablate_head, ablate_layer=ablate_layer, ablate_mlp=ablate_mlp,
                                      ablate_attn=ablate_attn, ablate_neurons=ablate_neurons,
                                      mask_positions=mask_positions),
-            from_step=from_step, mode=mode, temperatures=temperatures, runs_dir=runs_dir, run_id=run_id,
+            from_step=from_step, mode=mode, temperatures=temperatures, runs_dir=runs_dir, run_id=run_id, lens=lens,
             progress=Progress(reporter.start, reporter.advance, reporter.message), json_out=json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
@@ -321,7 +369,7 @@ def intervene(
         _fail(err)
     reporter.stop()
     if json_out:
-        typer.echo(json.dumps(summary, default=str))
+        typer.echo(json_line(summary))
 
 
 @app.command()
@@ -343,13 +391,14 @@ def sweep(
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished sweep --run-id."),
     top: int = typer.Option(20, "--top", help="Cells in the ranked table."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the sweep id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
+    reporter = _Reporter(quiet or json_out)
+    reporter.message("importing torch")
     from .sweep import sweep_command
 
-    reporter = _Reporter(quiet or json_out)
     try:
         sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
                                                                steps=steps, sequences=sequences, positions=positions,
@@ -394,6 +443,7 @@ def explain(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Attribute archived generated tokens to their context positions; results go into the run."""
+    _Reporter(quiet or json_out).message("importing torch")
     from ..commands.explain import Settings, explain_command
 
     try:
@@ -429,10 +479,9 @@ def lens(
                 run = open_run(ref, runs_dir)
             summary = compute_lens(run, device=device, note=reporter.message)
             if json_out:
-                typer.echo(json.dumps(summary, default=str))
+                typer.echo(json_line(summary))
             elif not quiet:
-                typer.echo(f"{run.id}: " + (f"logit lens computed ({summary['rows']} rows, {summary['seconds']:.1f} s)"
-                                            if summary["computed"] else "logit lens already present"))
+                typer.echo(f"{run.id}: {_lens_line(summary)}")
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
         _fail(err)
@@ -531,13 +580,17 @@ def report(
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     if json_out:
-        typer.echo(json.dumps(result.summary()))
+        typer.echo(json_line(result.summary()))
     elif not quiet:
         typer.echo(str(result.path))
     if open_:
         import webbrowser
 
         webbrowser.open(result.path.resolve().as_uri())
+
+
+help_format.fill_in(app)
+help_format.install()
 
 
 def run() -> None:

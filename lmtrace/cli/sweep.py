@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import SpecError
+from ..jsonout import json_line
 from ..commands.sweep import build_sweep_spec, load_sweep_spec, run_sweep
 
 
@@ -21,7 +21,7 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
     spec = build_sweep_spec(data, where)
     index, count = 0, 1
     if shard is not None:
-        from ..commands.generate import parse_shard
+        from ..archive.rundir import parse_shard
 
         shard_obj, slurm_id = parse_shard(shard)
         index, count = shard_obj.index, shard_obj.count
@@ -30,8 +30,10 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
                        top=top, note=note)
     summary = {"status": result.status, **result.summary}
     if json_out:
-        print(json.dumps(summary, default=str))
-    elif not quiet:
+        print(json_line(summary))
+    elif quiet:  # the id alone, for scripts
+        print(summary["sweep_id"])
+    else:
         _print(summary, spec)
     return summary
 

@@ -32,90 +32,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ..archive.reader import LENS_NOT_COMPUTED, IncompleteRunWarning, Run, lens_state
+from ..archive.reader import IncompleteRunWarning, Run
 from ..errors import ArchiveError, SpecError
 from ..archive.runs import find_run, runs_root
+from .compare_divergence import TAIL_FLOOR, attention_js_dense, attention_js_sparse, topk_divergence  # noqa: F401
+from .compare_pairing import PAIRING_MODES, compatibility, pair_sequences, spec_differences
 
-PAIRING_MODES = ("auto", "index", "prompt")
-TAIL_FLOOR = 1e-12  # tail masses below this (float32 rounding of 1 - sum) are set to it, so KL stays finite
 STEP_CHUNK = 16  # attention rows are compared this many steps at a time (bounded memory)
 JSON_MAX_STEP_ROWS = 20000  # larger per-step tables go to --out only
 FLOAT_NOISE_KL = 1e-6  # nats: paired distributions closer than this (both KL directions) are "the same up to float noise"
-MAX_PROMPT_DIFFS = 20  # prompt texts listed one by one in the spec differences
-
-
-class IncomparableRunsError(ArchiveError):
-    """The two runs cannot be compared (different tokenizers, unknown archive format)."""
-
-
-# ---- divergences -----------------------------------------------------------------------------
-def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """KL(p‖q) along the last axis in nats; 0·log 0 = 0, and p > 0 where q = 0 gives inf."""
-    p = np.asarray(p, np.float64)
-    q = np.asarray(q, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(p > 0, p * (np.log(np.where(p > 0, p, 1.0)) - np.log(np.where(q > 0, q, 1.0))), 0.0)
-        terms = np.where((p > 0) & (q <= 0), np.inf, terms)
-    return terms.sum(-1)
-
-
-def _js(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Jensen–Shannon divergence along the last axis, nats (0 ≤ JS ≤ ln 2)."""
-    p = np.asarray(p, np.float64)
-    q = np.asarray(q, np.float64)
-    m = 0.5 * (p + q)
-    return np.maximum(0.5 * _kl(p, m) + 0.5 * _kl(q, m), 0.0)
-
-
-def topk_divergence(known_a: dict[int, float], known_b: dict[int, float]) -> dict:
-    """KL(A‖B), KL(B‖A) and JS between two next-token distributions known only at some token ids.
-
-    `known_x` maps token id -> logprob (the stored top-k alternatives plus the chosen token). The
-    partition: one bucket per id known on both sides, plus one tail bucket with the rest of each
-    side's mass (floored at TAIL_FLOOR). Exact on that partition; a lower bound on the full vocabulary.
-    With no id known on both sides the partition is a single bucket: KL/JS are then None (unknown).
-    """
-    common = sorted(set(known_a) & set(known_b))
-    if not common:
-        return {"kl_ab": None, "kl_ba": None, "js": None, "tail_a": 1.0, "tail_b": 1.0, "n_common": 0}
-    pa_ = np.exp(np.asarray([known_a[i] for i in common], np.float64))
-    pb_ = np.exp(np.asarray([known_b[i] for i in common], np.float64))
-    tail_a = max(1.0 - float(pa_.sum()), 0.0)
-    tail_b = max(1.0 - float(pb_.sum()), 0.0)
-    P = np.append(pa_, max(tail_a, TAIL_FLOOR))
-    Q = np.append(pb_, max(tail_b, TAIL_FLOOR))
-    return {"kl_ab": float(_kl(P, Q)), "kl_ba": float(_kl(Q, P)), "js": float(_js(P, Q)),
-            "tail_a": tail_a, "tail_b": tail_b, "n_common": len(common)}
-
-
-def attention_js_dense(a: np.ndarray, b: np.ndarray, n_keys: np.ndarray) -> np.ndarray:
-    """JS per row between full attention rows [step, ..., key]; keys >= n_keys[step] are ignored.
-
-    Rows are renormalised to sum to 1 first (float16 storage does not sum exactly to 1).
-    """
-    K = a.shape[-1]
-    mask = (np.arange(K)[None, :] < np.asarray(n_keys)[:, None]).reshape((len(n_keys),) + (1,) * (a.ndim - 2) + (K,))
-    rows = []
-    for x in (a, b):
-        x = np.where(mask, np.nan_to_num(np.asarray(x, np.float64)), 0.0)
-        total = x.sum(-1, keepdims=True)
-        rows.append(np.divide(x, total, out=np.zeros_like(x), where=total > 0))
-    return _js(rows[0], rows[1])
-
-
-def attention_js_sparse(idx_a: np.ndarray, p_a: np.ndarray, idx_b: np.ndarray, p_b: np.ndarray) -> np.ndarray:
-    """JS between attention rows of which only some keys are stored ([..., k] key ids, -1 = none).
-
-    Same partition as `topk_divergence`: keys stored on both sides, plus one tail bucket.
-    """
-    p_a = np.nan_to_num(np.asarray(p_a, np.float64))
-    p_b = np.nan_to_num(np.asarray(p_b, np.float64))
-    match = (idx_a[..., :, None] == idx_b[..., None, :]) & (idx_a[..., :, None] >= 0) & (idx_b[..., None, :] >= 0)
-    pa_c = np.where(match.any(-1), p_a, 0.0)
-    pb_c = np.where(match, p_b[..., None, :], 0.0).sum(-1)
-    tail_a = np.maximum(np.maximum(1.0 - pa_c.sum(-1), 0.0), TAIL_FLOOR)
-    tail_b = np.maximum(np.maximum(1.0 - pb_c.sum(-1), 0.0), TAIL_FLOOR)
-    return _js(np.concatenate([pa_c, tail_a[..., None]], -1), np.concatenate([pb_c, tail_b[..., None]], -1))
 
 
 # ---- one side: what a run archive holds, per sequence --------------------------------------------
@@ -223,155 +148,6 @@ def _load_side(label: str, run: Run) -> _Side:
     return _Side(label, run, n_seq, prompt_text, prompt_ids, gen, seq_rows, steps, token_text)
 
 
-# ---- compatibility, spec differences, pairing --------------------------------------------------
-def _compatibility(A: _Side, B: _Side) -> dict:
-    ma, mb = A.run.manifest, B.run.manifest
-    for side in (A, B):
-        if side.run.manifest.get("format_version") != 1:
-            raise IncomparableRunsError(f"run {side.label} ({side.run.id}) has archive format "
-                                        f"{side.run.manifest.get('format_version')!r}; this lmtrace reads format 1")
-    ta, tb = ma.get("tokenizer") or {}, mb.get("tokenizer") or {}
-    if ta.get("vocab_size") != tb.get("vocab_size"):
-        raise IncomparableRunsError(
-            f"runs use different tokenizers ({ta.get('class')} with {ta.get('vocab_size')} tokens vs "
-            f"{tb.get('class')} with {tb.get('vocab_size')}): token ids, top-k lists and texts cannot be compared")
-    shared = sorted(set(A.token_text) & set(B.token_text))
-    conflicts = [i for i in shared if A.token_text[i] != B.token_text[i]]
-    if conflicts:
-        ex = ", ".join(f"id {i}: {A.token_text[i]!r} vs {B.token_text[i]!r}" for i in conflicts[:3])
-        raise IncomparableRunsError(f"runs use different tokenizers: {len(conflicts)} token id(s) decode differently "
-                                    f"({ex}); token ids cannot be compared")
-    notes = []
-    if ta.get("class") != tb.get("class"):
-        notes.append(f"tokenizer classes differ ({ta.get('class')} vs {tb.get('class')}) but the vocabulary size "
-                     f"and all {len(shared)} token texts seen in both runs agree: compared as one tokenizer")
-    if not shared:
-        notes.append("the runs share no token ids, so token texts could not be cross-checked")
-    ca = (ma.get("model") or {}).get("config") or {}
-    cb = (mb.get("model") or {}).get("config") or {}
-    if ca.get("vocab_size") != cb.get("vocab_size"):
-        notes.append(f"model vocabularies differ in size ({ca.get('vocab_size')} vs {cb.get('vocab_size')}): "
-                     f"distributions cover different id ranges")
-    sa, sb = ma["shape"], mb["shape"]
-    arch_keys = ("n_heads", "n_kv_heads", "head_dim", "d_model")
-    same_arch = (ca.get("num_hidden_layers") == cb.get("num_hidden_layers")
-                 and all(sa.get(k) == sb.get(k) for k in arch_keys))
-    if not same_arch:
-        notes.append("the models differ in shape (layers, heads or width): per-layer and per-head figures are skipped")
-    wa, wb = (ma.get("model") or {}).get("weights_sha256"), (mb.get("model") or {}).get("weights_sha256")
-    same_weights = wa is not None and wa == wb
-    common_layers = [x for x in sa["layers"] if x in sb["layers"]] if same_arch else []
-    if same_arch and not common_layers:
-        notes.append("the runs captured no layer in common: per-layer figures are skipped")
-    for side in (A, B):
-        if side.steps is None and same_arch:
-            notes.append(f"run {side.label} has no per-layer table (capture: none): per-layer figures are skipped")
-        elif side.steps is not None and lens_state(side.run.manifest) == "pending":
-            notes.append(f"run {side.label}: " + LENS_NOT_COMPUTED.format(run_id=side.run.id)
-                         + " to include lens winner changes")
-    return {
-        "tokenizer": {"class_a": ta.get("class"), "class_b": tb.get("class"), "vocab_size": ta.get("vocab_size"),
-                      "token_ids_cross_checked": len(shared)},
-        "model_vocab_size": [ca.get("vocab_size"), cb.get("vocab_size")],
-        "same_architecture": same_arch, "same_weights": same_weights,
-        "common_layers": common_layers if (A.steps is not None and B.steps is not None) else [],
-        "notes": notes,
-    }
-
-
-def _flatten(d, prefix: str = "") -> dict:
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = d
-    return out
-
-
-def spec_differences(ma: dict, mb: dict) -> list[dict]:
-    """Resolved-spec keys that differ (output.* excluded), the prompt texts one by one, plus weights and tokenizer."""
-    fa, fb = _flatten(ma.get("spec_resolved") or {}), _flatten(mb.get("spec_resolved") or {})
-    out = []
-    for key in sorted(set(fa) | set(fb)):
-        if key.startswith("output."):
-            continue
-        if key == "prompts.texts":
-            out += prompt_differences(fa.get(key), fb.get(key))
-            continue
-        if fa.get(key) != fb.get(key):
-            out.append({"key": key, "a": fa.get(key), "b": fb.get(key)})
-    wa, wb = (ma.get("model") or {}).get("weights_sha256"), (mb.get("model") or {}).get("weights_sha256")
-    if wa != wb:
-        out.append({"key": "model.weights_sha256", "a": (wa or "")[:16] or None, "b": (wb or "")[:16] or None})
-    ta, tb = (ma.get("tokenizer") or {}).get("sha256"), (mb.get("tokenizer") or {}).get("sha256")
-    if ta and tb and ta != tb:  # e.g. a model directory whose tokenizer files changed (absent in older runs)
-        out.append({"key": "tokenizer.sha256", "a": ta[:16], "b": tb[:16]})
-    for key in MANIFEST_RUN_KEYS:  # how the run was made beyond its spec (e.g. an intervention child)
-        va, vb = ma.get(key), mb.get(key)
-        if va != vb:
-            out.append({"key": key, "a": _short(va), "b": _short(vb)})
-    return out
-
-
-MANIFEST_RUN_KEYS = ("kind", "interventions", "mode", "from_step")
-
-
-def prompt_differences(ta, tb) -> list[dict]:
-    """Prompt texts that differ: `prompts.texts[i]` per index (null = absent on that side), or one
-    `prompts.order` entry when both runs hold the same texts in another order."""
-    if ta == tb:
-        return []
-    if not (isinstance(ta, list) and isinstance(tb, list)):
-        return [{"key": "prompts.texts", "a": ta, "b": tb}]
-    if sorted(map(str, ta)) == sorted(map(str, tb)):
-        return [{"key": "prompts.order", "a": "as in A", "b": "the same texts reordered: "
-                 + ", ".join(str(ta.index(t)) for t in tb) + " (A's index of each of B's prompts)"}]
-    out = []
-    for i in range(max(len(ta), len(tb))):
-        x = ta[i] if i < len(ta) else None
-        y = tb[i] if i < len(tb) else None
-        if x != y:
-            out.append({"key": f"prompts.texts[{i}]", "a": x, "b": y})
-    if len(out) > MAX_PROMPT_DIFFS:
-        more = len(out) - MAX_PROMPT_DIFFS
-        out = out[:MAX_PROMPT_DIFFS] + [{"key": "prompts.texts[…]", "a": f"{more} more differ", "b": f"{more} more differ"}]
-    return out
-
-
-def _short(value):
-    """A list of edit records as one readable line (`ablate_head layer=2 head=1`); other values unchanged."""
-    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        return "; ".join(" ".join(f"{k}={x}" if k != "kind" else str(x) for k, x in v.items()
-                                  if x not in ("all", None)) for v in value)
-    return value
-
-
-def pair_sequences(prompts_a: list[str | None], prompts_b: list[str | None], mode: str = "auto") -> dict:
-    """Pairs (seq_a, seq_b) by index or by prompt text; which were made and which were left unpaired."""
-    if mode not in PAIRING_MODES:
-        raise SpecError(f"--pair must be one of {', '.join(PAIRING_MODES)} (got {mode!r})")
-    na, nb = len(prompts_a), len(prompts_b)
-    if mode == "auto":
-        same = na == nb and all(x == y or x is None or y is None for x, y in zip(prompts_a, prompts_b))
-        mode = "index" if same else "prompt"
-    pairs: list[tuple[int, int]] = []
-    if mode == "index":
-        pairs = [(i, i) for i in range(min(na, nb))]
-    else:
-        used: set[int] = set()
-        for i, text in enumerate(prompts_a):
-            if text is None:
-                continue
-            for j, other in enumerate(prompts_b):
-                if j not in used and other == text:
-                    pairs.append((i, j))
-                    used.add(j)
-                    break
-    pa_ = {i for i, _ in pairs}
-    pb_ = {j for _, j in pairs}
-    return {"method": mode, "pairs": pairs, "unpaired_a": [i for i in range(na) if i not in pa_],
-            "unpaired_b": [j for j in range(nb) if j not in pb_]}
 
 
 # ---- per pair ---------------------------------------------------------------------------------
@@ -976,7 +752,7 @@ def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_inco
     root = Path(runs_dir) if runs_dir is not None else runs_root()
     A = _load_side("A", _open("A", ref_a, root, allow_incomplete))
     B = _load_side("B", _open("B", ref_b, root, allow_incomplete))
-    compat = _compatibility(A, B)
+    compat = compatibility(A, B)
     notes = list(compat["notes"])
     for side in (A, B):
         if side.run.status != "complete":

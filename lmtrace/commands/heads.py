@@ -21,9 +21,12 @@ Label (THRESHOLDS): among sink / previous-token / induction, the one whose score
 threshold with the highest score (equal scores: that order); else `local` if local_score reaches
 its threshold; else `focused` if concentration does; else `diffuse`.
 
-Importance: with per-head direct logit attribution in the run (`head_dla`), `importance` is the mean
-|head_dla| over the rows and heads are ranked by it; otherwise by label (the order above) and the
-label's score.
+Importance: with per-head direct logit attribution in the run (`capture.head_dla`), `importance` is
+the mean |head_dla| over the rows (`dla_rank` ranks by it); with a head sweep of the run (`lmtrace
+sweep RUN --over heads`, the latest one), `sweep_effect` is the head's mean measured effect on the
+sweep's first metric over all its (sequence, step) rows (`sweep_rank` ranks by |sweep_effect|).
+`rank` follows the measured effect when there is a sweep, else the DLA, else the label (the order
+above) and the label's score.
 
 Written to RUN/analysis/heads.parquet (and heads_per_sequence.parquet) atomically: a temporary file
 renamed into place, so a re-run replaces it and a reader never sees half a file.
@@ -42,6 +45,7 @@ import pyarrow.parquet as pq
 
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..errors import ArchiveError, SpecError
+from ..jsonout import json_line
 
 LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q
 THRESHOLDS = {"sink": 0.5, "previous-token": 0.4, "induction": 0.3, "local": 0.5, "focused": 0.5}
@@ -223,15 +227,43 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32) -> dict
     if dla is not None:
         with np.errstate(invalid="ignore"):
             importance = np.where(dla_n > 0, dla_sum / np.maximum(dla_n, 1), np.nan)
-    table = _table(layers, H, total, importance, ranked=True)
+    sweep = head_sweep_effects(run, notes)
+    table = _table(layers, H, total, importance, ranked=True, sweep=sweep)
     per = None
     if per_sequence:
         parts = [_table(layers, H, acc, d, ranked=False, sequence=seq) for seq, acc, d, _ in per_seq]
         per = pa.concat_tables(parts)
-    return {"table": table, "per_sequence": per, "notes": notes, "rows": n_rows, "dla": dla is not None}
+    return {"table": table, "per_sequence": per, "notes": notes, "rows": n_rows, "dla": dla is not None,
+            "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
 
 
-def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None) -> pa.Table:
+def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
+    """The run's latest head sweep (`lmtrace sweep RUN --over heads`): {"id", "edit", "metric", "effects":
+    {(layer, head): mean effect over every (sequence, step) row}}, or None without one. A sweep that hid
+    heads at single positions (`--positions`) measures something else and is not used."""
+    from .sweep import SWEEPS_DIR
+
+    entries = [e for e in (run.manifest.get("sweeps") or []) if e.get("over") == "heads"]
+    if not entries:
+        return None
+    entry = entries[-1]
+    path = run.path / entry.get("path", f"{SWEEPS_DIR}/{entry['id']}") / "sweep.parquet"
+    metric = entry["metrics"][0]
+    try:
+        df = pq.read_table(path, columns=["component", "layer", "head", "position", "metric", "effect"]).to_pandas()
+    except (OSError, pa.ArrowInvalid) as err:
+        raise ArchiveError(f"run {run.id}: cannot read sweep {entry['id']} ({path}): {err}") from None
+    df = df[(df.component == "head") & df.position.isna() & (df.metric == metric)]
+    if df.empty:
+        notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
+        return None
+    means = df.groupby(["layer", "head"]).effect.mean()
+    return {"id": entry["id"], "edit": entry.get("edit"), "metric": metric,
+            "effects": {(int(layer), int(head)): float(v) for (layer, head), v in means.items()}}
+
+
+def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None,
+           sweep: dict | None = None) -> pa.Table:
     means = acc.means()
     rows = []
     for li, layer in enumerate(layers):
@@ -245,15 +277,30 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
                 "n_induction_rows": int(acc.counts["induction_score"][li, h]),
                 "importance": None if importance is None or np.isnan(importance[li, h]) else float(importance[li, h]),
             })
+            if ranked:
+                rows[-1]["sweep_effect"] = None if sweep is None else sweep["effects"].get((layer, h))
     if ranked:
-        def key(r):
-            if r["importance"] is not None:
-                return (0, -r["importance"])
-            return (1, LABELS.index(r["label"]), -_label_score(r))
+        _rank_by(rows, "dla_rank", lambda r: r["importance"])
+        _rank_by(rows, "sweep_rank", lambda r: None if r["sweep_effect"] is None else abs(r["sweep_effect"]))
+
+        def key(r):  # measured effect first, then direct attribution, then what the attention looks like
+            for n, name in enumerate(("sweep_rank", "dla_rank")):
+                if r[name] is not None:
+                    return (n, r[name], 0.0)
+            return (2, LABELS.index(r["label"]), -_label_score(r))
         rows.sort(key=key)
         for i, r in enumerate(rows):
             r["rank"] = i + 1
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
+
+
+def _rank_by(rows: list[dict], column: str, value) -> None:
+    """rows[column] = 1 for the largest value(row), 2 for the next...; None where value is None."""
+    scored = sorted((r for r in rows if value(r) is not None), key=lambda r: -value(r))
+    for r in rows:
+        r[column] = None
+    for i, r in enumerate(scored):
+        r[column] = i + 1
 
 
 def _label_score(r: dict) -> float:
@@ -270,7 +317,7 @@ def _schema(per_sequence: bool, ranked: bool) -> pa.Schema:
     fields += [(s, f32) for s in SCORES]
     fields += [("n_rows", i32), ("n_induction_rows", i32), ("importance", f32)]
     if ranked:
-        fields.append(("rank", i32))
+        fields += [("dla_rank", i32), ("sweep_effect", f32), ("sweep_rank", i32), ("rank", i32)]
     return pa.schema(fields)
 
 
@@ -305,12 +352,12 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
     table = result["table"]
     summary = {"run_id": run.id, "path": str(folder / HEADS_FILE),
                "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
-               "rows": result["rows"], "notes": result["notes"],
+               "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
                          for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
-        print(json.dumps(summary))
+        print(json_line(summary))
     else:
         _print(run, table, result, folder, top)
     return summary
@@ -324,13 +371,17 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     console = Console() if Console().is_terminal else Console(width=160)
     labels = table.column("label").to_pylist()
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
-    by = "mean |head DLA|" if result["dla"] else "label, then the label's score"
+    sweep = result.get("sweep")
+    by = (f"measured effect on {sweep['metric']} (sweep {sweep['id']}, edit {sweep['edit']})" if sweep
+          else "mean |head DLA|" if result["dla"] else "label, then the label's score")
     t = Table(title=escape(f"heads of {run.id}, ranked by {by} (top {min(top, len(labels))} of {len(labels)}: {counts})"),
               title_justify="left")
     for col in ("rank", "layer", "head", "label", "sink", "prev", "local", "induct", "dup", "entropy", "max w"):
         t.add_column(col, justify="left" if col == "label" else "right")
     if result["dla"]:
         t.add_column("|DLA|", justify="right")
+    if sweep:
+        t.add_column(f"Δ{sweep['metric']}", justify="right")
 
     def f(v):
         return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
@@ -340,7 +391,9 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
                  f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
                  f(r["entropy"]), f(r["concentration"])]
         if result["dla"]:
-            cells.append(f(r["importance"]))
+            cells.append(f(r["importance"]) + (f" #{r['dla_rank']}" if sweep and r["dla_rank"] else ""))
+        if sweep:
+            cells.append("-" if r["sweep_effect"] is None else f"{r['sweep_effect']:+.3f}")
         t.add_row(*cells)
     console.print(t)
     console.print(escape(f"{result['rows']} attention rows per head; written to {folder / HEADS_FILE}"))

@@ -356,6 +356,10 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
     if mode not in ("rescore", "regenerate"):
         raise SpecError(f"--mode {mode!r}: use rescore or regenerate")
     parent = open_run(parent_ref, runs_dir, require_complete=True)
+    if (parent.manifest.get("spec_resolved", {}).get("model") or {}).get("device_map") is not None:
+        from ..models import refuse_spread
+
+        refuse_spread(parent.id, "lmtrace intervene")
     root = Path(runs_dir) if runs_dir else parent.path.parent
     if run_id is not None and (root / run_id).exists():
         raise SpecError(f"--run-id {run_id}: a run {run_id} exists in {root}; intervene writes a new child run, "

@@ -29,18 +29,22 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from ..archive import layout
 from ..archive.reader import Run, lens_state
 from ..errors import ArchiveError
 
 
-def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None) -> dict:
-    """Compute and archive the deferred lens of a complete run; a no-op when it is already there."""
+def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None, loaded=None) -> dict:
+    """Compute and archive the deferred lens of a complete run; a no-op when it is already there.
+
+    `loaded`: the run's model, already in memory (`generate --lens`, `intervene --lens`: the process
+    that just generated the run), so it is not loaded again."""
     from ..archive.liveness import OwnerLock, pause_for_tests
 
     state = lens_state(run.manifest)
+    if state == "ready":  # answered before taking any lock or importing torch
+        return _already(run)
     if state == "none":
         raise ArchiveError(f"run {run.id} captured no logit lens (capture.lens.enabled: false, or capture: none); "
                          f"generate it again with the lens enabled")
@@ -48,26 +52,30 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None)
     owner = OwnerLock(run.path, "lens", run.id).acquire()
     try:
         pause_for_tests()
-        return _compute_owned(run, device, note)
+        return _compute_owned(run, device, note, loaded)
     finally:
         owner.release()
 
 
-def _compute_owned(run: Run, device: str | None, note) -> dict:
-    from .generate import RunDir, Shard  # generate imports the tracer stack: only when the lens is needed
+def _already(run: Run) -> dict:
+    return {"run_id": run.id, "computed": False, "reason": "logit lens already present"}
+
+
+def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
+    from ..archive.rundir import RunDir, Shard
     from ..archive.liveness import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
 
     with RunDir(run.path, Shard()).lock():
         manifest = read_manifest(run.path)
-        if lens_state(manifest) == "ready":
-            return {"run_id": run.id, "computed": False, "reason": "already computed"}
+        if lens_state(manifest) == "ready":  # another `lmtrace lens` finished it meanwhile
+            return _already(run)
         if manifest.get("status") != "complete":
             raise ArchiveError(f"run {run.id} is {manifest.get('status')}: the deferred lens is computed on complete "
                              f"runs; finish it first (`lmtrace generate --resume {run.id}`)")
         note(f"computing the logit lens of {run.id}")  # only now: a refusal stays one line
         t0 = time.time()
-        rows = _compute(Run(run.path), manifest, device, note)
+        rows = _compute(Run(run.path), manifest, device, note, loaded)
         kill_point("lens-written")
         manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
                                         "model_load_s": rows["model_load_s"], "device": rows.pop("device"),
@@ -84,7 +92,9 @@ def _compute_owned(run: Run, device: str | None, note) -> dict:
     return {"run_id": run.id, "computed": True, **rows, "seconds": manifest["lens"]["computed"]["seconds"]}
 
 
-def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
+def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) -> dict:
+    import torch  # here, not at the top: a no-op `lmtrace lens` answers without importing it (seconds)
+
     from ..capture.arch import adapter_for
     from ..archive.writer import compressors_for, consolidate, create_array
     from ..capture.lens import LogitLens, lens_target_columns
@@ -93,11 +103,16 @@ def _compute(run: Run, manifest: dict, device: str | None, note) -> dict:
     spec = manifest["spec_resolved"]
     t_load = time.time()
     # The run's own dtype and device (not the spec's `auto`, which could pick another), so the lens
-    # is what inline would have computed; --device overrides the device only. Eager attention: the
-    # lens never runs attention, and eager loads every family (Gemma 2, GPT-OSS refuse sdpa).
-    loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
-                            overrides={"device": device or manifest.get("device"), "dtype": manifest.get("dtype"),
-                                       "attn_implementation": "eager"}, note=note)
+    # is what inline would have computed; --device overrides the device only. A run spread over
+    # devices (model.device_map) is loaded with its placement again, unless --device names one.
+    # Eager attention: the lens never runs attention, and eager loads every family (Gemma 2,
+    # GPT-OSS refuse sdpa).
+    if loaded is None:
+        spread = spec["model"].get("device_map") is not None
+        loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
+                                overrides={"device": device or (None if spread else manifest.get("device")),
+                                           "dtype": manifest.get("dtype"), "attn_implementation": "eager"},
+                                note=note, spread_ok=True)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])

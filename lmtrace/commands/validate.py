@@ -270,6 +270,21 @@ def _free_bytes(root: Path) -> int | None:
         return None
 
 
+def planned_placement(model: ModelSpec) -> dict | None:
+    """For `model.device_map`: the planned placement (which modules on which device, the bytes of
+    their weights), planned by accelerate on an empty-weights model built from the config; None
+    for a model on one device."""
+    if model.device_map is None:
+        return None
+    from ..models import load_config
+    from ..placement import plan, planning_dtype
+
+    dtype = planning_dtype(model)
+    placement = plan(model, load_config(model), dtype)
+    return {"dtype": str(dtype).replace("torch.", ""), "device_map": placement.device_map,
+            "devices": placement.summary(), "text": placement.text()}
+
+
 def validate_spec(path: Path, overrides: list[str]) -> dict:
     spec, _, _ = load_spec(path, overrides)
     prompts = load_prompts(spec.prompts)
@@ -295,6 +310,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
             attention=cap.attention.enabled and bool(layers), prefill_attention=cap.prefill_attention,
             qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
             lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
+            head_dla=cap.head_dla and bool(layers),
         )
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
@@ -324,8 +340,10 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{_human(tensors + tables)}) "
                         f"exceeds the {_human(free)} free under the runs directory: the run would fail for lack of "
                         f"space; lower generation.max_new_tokens unless an eos token or a stop string ends it sooner")
+    placement = planned_placement(spec.model)
     return {
         "resolved": spec.model_dump(mode="json"),
+        "placement": placement,
         "model": {"kind": kind, "source": source, "layers": n_layers, "heads": n_heads, "d_model": d_model},
         "prompts": len(prompts),
         "estimate": {"bytes_per_sequence_step": per_step, "tensor_bytes_max": tensors, "table_bytes_max": tables,

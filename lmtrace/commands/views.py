@@ -13,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import LmtraceError, RunNotFoundError, SpecError
-from ..archive.runs import dir_size, find_run, list_runs, read_manifest, runs_root
+from ..jsonout import json_line
+from ..archive.runs import dir_size, find_run, lens_state, list_runs, read_manifest, runs_root
 
 
 def _console(table: bool = False) -> Console:
@@ -60,8 +61,30 @@ def run_summary(path) -> dict:
         else f"{status} ({shards} shards done)", "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
         "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path), "created": m.get("created"),
-        "parent": m.get("parent"), "path": str(path), **({"error": f"{problem}"} if problem is not None else {}),
+        "parent": m.get("parent"), "parent_id": (m.get("parent") or {}).get("run_id"), "edits": edits_label(m),
+        "lens": lens_state(m), "path": str(path), **({"error": f"{problem}"} if problem is not None else {}),
     }
+
+
+def edits_label(m: dict) -> str | None:
+    """An intervene child's edits in a few words: `ablate_head 3.2; mask_positions positions=0-4 (rescore from 5)`."""
+    if m.get("kind") != "intervene":
+        return None
+    parts = []
+    for e in m.get("interventions") or []:
+        fields = {k: v for k, v in e.items() if k not in ("kind", "mode") and v not in (None, [], {}, "all")}
+        if fields and set(fields) <= {"layer", "head"}:
+            target = ".".join(str(fields[k]) for k in ("layer", "head") if k in fields)
+        else:
+            target = ",".join(f"{k}={v}" for k, v in fields.items())
+        parts.append(e.get("kind", "?") + (f" {target}" if target else "") + (":mean" if e.get("mode") == "mean" else ""))
+    temperature = ((m.get("spec_resolved") or {}).get("generation") or {}).get("temperature")
+    if not parts:
+        parts.append(f"temperature {temperature}")
+    where = m.get("mode") or "rescore"
+    if m.get("from_step"):
+        where += f" from {m['from_step']}"
+    return "; ".join(parts) + f" ({where})"
 
 
 def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
@@ -91,7 +114,7 @@ def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
                                  f"its tables are present")
         code = 2 if problems else 0
     if json_out:
-        print(json.dumps(result, indent=2))
+        print(json_line(result))
     elif code:
         import sys
 
@@ -106,15 +129,22 @@ def _summary_or_damaged(path) -> dict:
         return run_summary(path)
     except RunNotFoundError as err:  # one damaged manifest must not hide every other run
         return {"run_id": path.name, "status": "damaged", "kind": None, "model": None, "prompts": None,
-                "tokens": None, "size_bytes": dir_size(path), "created": None, "parent": None, "path": str(path),
-                "error": str(err)}
+                "tokens": None, "size_bytes": dir_size(path), "created": None, "parent": None, "parent_id": None,
+                "edits": None, "lens": None, "path": str(path), "error": str(err)}
 
 
-def list_table(runs_dir: str | None, json_out: bool) -> None:
+KINDS = ("generate", "intervene")
+
+
+def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) -> None:
     root = runs_root(runs_dir)
+    if kind is not None and kind not in KINDS:
+        raise SpecError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
     rows = [_summary_or_damaged(p) for p in list_runs(root)]
+    if kind is not None:
+        rows = [r for r in rows if r["kind"] == kind]
     if json_out:
-        print(json.dumps(rows, indent=2))
+        print(json_line(rows))
         return
     console = _console(table=True)
     if not rows:
@@ -122,13 +152,15 @@ def list_table(runs_dir: str | None, json_out: bool) -> None:
         return
     table = Table(title=escape(f"runs in {root}"))
     table.add_column("run id", no_wrap=True, min_width=max(len(r["run_id"]) for r in rows))
-    for col in ("status", "model", "prompts", "tokens", "size", "created"):
+    for col in ("kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created"):
         table.add_column(col, overflow="fold")
     colours = {"complete": "green", "running": "yellow", "interrupted": "magenta", "failed": "red", "damaged": "red"}
+    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
     for r in rows:
-        table.add_row(Text(r["run_id"]), Text(str(r["status"]), style=colours.get(r["status"], "")), Text(str(r["model"])),
-                      str(r["prompts"]), str(r["tokens"] if r["tokens"] is not None else "-"),
-                      _human(r["size_bytes"]), Text(str(r["created"])))
+        table.add_row(Text(r["run_id"]), dash(r["kind"]), Text(str(r["status"]), style=colours.get(r["status"], "")),
+                      Text(str(r["model"])), str(r["prompts"]), dash(r["tokens"]), dash(r["lens"]),
+                      Text(dash(r["parent_id"])), Text(dash(r["edits"])), _human(r["size_bytes"]),
+                      Text(str(r["created"])))
     console.print(table)
 
 
@@ -168,7 +200,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
     if step is not None:
         detail = step_detail(run, 0 if sequence is None else sequence, step)
         if json_out:
-            print(json.dumps(detail, indent=2))
+            print(json_line(detail))
         else:
             _print_step(detail, _console())
         return
@@ -178,8 +210,7 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
         _check_sequence(run, sequence)
         seqs = [s for s in seqs if s["sequence"] == sequence]
     if json_out:
-        print(json.dumps({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest},
-                         indent=2, default=str))
+        print(json_line({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest}))
         return
     colour = colour_wanted(no_color)
     console = _console() if colour else Console(color_system=None, soft_wrap=True)
@@ -203,7 +234,6 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
 
 
 def _print_header(run, summary: dict, console: Console) -> None:
-    from ..archive.reader import lens_state
 
     m = run.manifest
     model = m.get("model") or {}
@@ -247,7 +277,6 @@ def step_detail(run, sequence: int, step: int) -> dict:
     """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
     import numpy as np
 
-    from ..archive.reader import lens_state
 
     _check_sequence(run, sequence)
     try:
@@ -581,7 +610,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
 
         report_compare(run_a, run_b, out=html_path, comparison=cmp)
     if json_out:
-        print(json.dumps(cmp.summary(), indent=2, allow_nan=False))
+        print(json_line(cmp.summary()))
         return
     console = Console() if Console().is_terminal else Console(width=160)
     render_comparison(cmp, console, top)

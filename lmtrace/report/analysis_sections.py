@@ -146,3 +146,43 @@ def sweeps_section(data: RunData, blobs: Blobs) -> Section | None:
                         xtitle="", ytitle="", hover="%{y} %{x}<br>effect %{z:.4g}", variants=variants, zlabel="effect")
         sec.figures.append(fig)
     return sec
+
+
+def dla_section(data: RunData, sel, blobs: Blobs) -> Section | None:
+    """Per-head direct logit attribution (`head_dla`, docs/archive.md "Direct logit attribution"):
+    a layer × head heatmap per shown sequence, mean over its committed steps and at the step of the
+    attention grid (`sel.attention_step`), toward the logit difference and toward the chosen logit."""
+    if "head_dla" not in data.arrays:
+        return None
+    sec = Section("dla", "Direct logit attribution per head")
+    sec.html = ("<p class='legend'>What each query head writes to the residual stream, projected on "
+                "W<sub>U</sub>[chosen] − W<sub>U</sub>[runner-up] (or W<sub>U</sub>[chosen]) through the final norm "
+                "frozen at its actual scale, in logits: blue pushes toward the chosen token, red away "
+                "(docs/archive.md, “Direct logit attribution”).</p>")
+    layers = data.layers
+    ylabels = blobs.add_texts("dla_layers", [f"L{layer}" for layer in layers])
+    xlabels = blobs.add_texts("dla_heads", [f"H{h}" for h in range(data.n_heads)])
+    for seq in sel.sequences:
+        n = data.committed.get(seq, 0)
+        if n <= 0:
+            continue
+        a = sel.attention_step[seq]
+        variants = []
+        for name, what in (("head_dla", "logit(chosen) − logit(runner-up)"), ("head_dla_logit", "logit(chosen)")):
+            if name not in data.arrays:
+                continue
+            values = np.asarray(data.run.array(name)[seq, :n], dtype=np.float32)  # [step, layer, q_head]
+            with np.errstate(invalid="ignore"):
+                mean = np.nanmean(values, axis=0) if np.isfinite(values).any() else values[0]
+            for grid, when in ((mean, f"mean over {n} steps"), (values[a], f"step {a}")):
+                lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+                key = f"{name}_{seq}_{'mean' if grid is mean else f'step{a}'}"
+                variants.append({"label": f"{what}, {when}", "z": blobs.add(key, grid, "float32"),
+                                 "zmin": -(lim or 1.0), "zmax": lim or 1.0})
+        first = variants[0]
+        fig = F.heatmap(f"dla-{seq}", f"sequence {seq}: head DLA toward the chosen token", first["z"], xlabels, ylabels,
+                        zmin=first["zmin"], zmax=first["zmax"], colorscale=F.DIVERGING, n_rows=len(layers),
+                        xtitle="query head", ytitle="layer", hover="%{y}.%{x}<br>%{z:.4g} logits", variants=variants,
+                        zlabel="logits")
+        sec.figures.append(fig)
+    return sec

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpecError
-from .analysis_sections import heads_section, sweeps_section
+from .analysis_sections import dla_section, heads_section, sweeps_section
 from .blobs import Blobs
 from .page import render_page
 from .run_data import RunData
@@ -90,6 +90,9 @@ def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[i
             sections.append(router)
         if {"attn", "attn_topk_idx"} & data.arrays:
             sections.append(heads_section(data, blobs))
+        dla = dla_section(data, sel, blobs)
+        if dla is not None:
+            sections.append(dla)
     inter = intervention_section(data, sel, blobs)
     if inter is not None:
         sections.append(inter)

@@ -1,0 +1,135 @@
+"""The CLI as a new user meets it: help that reads as POSIX usage, -h / --version, one compact
+JSON line for every --json, ids printed with -q, `ls` telling runs and children apart, the lens
+computed in the generating process, and a no-op `lmtrace lens` that never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from test_cli_errors import REPO, lmtrace
+
+COMMANDS = ("generate", "validate", "ls", "show", "verify", "intervene", "sweep", "explain", "lens", "heads",
+            "compare", "report")
+
+
+def _tiny_spec(tmp_path: Path, model_dir: Path, name: str = "tiny.yaml", **over) -> Path:
+    data = {"model": str(model_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
+            "generation": {"max_new_tokens": 5, "batch_size": 2},
+            "capture": {"residual": {"vectors_at": "all"}}}
+    data.update(over)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_help_shows_no_python_types_and_posix_arguments(tmp_path):
+    env = {"COLUMNS": "200"}
+    for command in COMMANDS:
+        proc = lmtrace(tmp_path, command, "-h", env=env)
+        assert proc.returncode == 0, (command, proc.stderr)
+        text = proc.stdout
+        # typer's default prints `<bool>`, `<list[str]>`, `<str>` after every option and `{RUN}` in usage
+        assert not re.search(r"<(bool|str|int|float|path|list\[[a-z]+\])>", text), (command, text)
+        usage = next(line for line in text.splitlines() if "Usage:" in line)
+        assert "{" not in usage, usage
+        for line in text.splitlines():  # every option row has a help text after its metavar
+            m = re.match(r"^\W*(--[a-z-]+)(?:\s+-\w)?\s+(\S.*?)\s*\W*$", line)
+            if m:
+                assert len(m.group(2).split()) >= 2 or m.group(2).isupper(), (command, line)
+    assert "Usage: python -m lmtrace.cli generate [OPTIONS] [SPEC]" in lmtrace(tmp_path, "generate", "--help",
+                                                                                 env=env).stdout
+    assert "RUN..." in lmtrace(tmp_path, "lens", "--help", env=env).stdout
+    flags = lmtrace(tmp_path, "generate", "-h", env=env).stdout
+    assert re.search(r"--json\s+Print", flags) and re.search(r"--set\s+KEY=VALUE\s+Override", flags), flags
+
+
+def test_version_and_short_help(tmp_path):
+    from lmtrace import __version__
+
+    proc = lmtrace(tmp_path, "--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"lmtrace {__version__}", proc
+    proc = lmtrace(tmp_path, "-h")
+    assert proc.returncode == 0 and "Commands" in proc.stdout
+
+
+def test_a_no_op_lens_answers_without_importing_torch(tmp_path, tiny_llama_dir):
+    spec = _tiny_spec(tmp_path, tiny_llama_dir)
+    gen = lmtrace(tmp_path, "generate", str(spec), "--lens", "--json")
+    assert gen.returncode == 0, gen.stderr
+    summary = json.loads(gen.stdout)
+    assert summary["lens"]["computed"] is True and summary["status"] == "complete"
+    code = (f"import sys; sys.argv = ['lmtrace', 'lens', {summary['run_id']!r}, '--json']\n"
+            "from lmtrace.cli.main import app\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    env = {**os.environ, "LMTRACE_RUNS_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"run_id": summary["run_id"], "computed": False,
+                                       "reason": "logit lens already present"}
+    text = lmtrace(tmp_path, "lens", summary["run_id"])
+    assert text.stdout.strip() == f"{summary['run_id']}: logit lens already present"  # the same words as JSON
+
+
+def test_generate_lens_equals_a_separate_lens_run_bit_for_bit(tmp_path, tiny_llama_dir):
+    from lmtrace.archive.reader import Run
+    from lmtrace.commands.lens import compute_lens
+
+    spec = _tiny_spec(tmp_path, tiny_llama_dir)
+    inline = lmtrace(tmp_path, "generate", str(spec), "--lens", "-q", "--run-id", "same-process")
+    assert inline.returncode == 0, inline.stderr
+    assert inline.stdout.strip() == "same-process"  # -q prints the run id alone
+    later = lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "later")
+    assert later.returncode == 0, later.stderr
+    a, b = Run(tmp_path / "runs" / "same-process"), Run(tmp_path / "runs" / "later")
+    assert a.manifest["lens"]["computed"]["model_load_s"] < 0.5  # the generating process's model, not a reload
+    assert compute_lens(b)["computed"] is True
+    b = Run(b.path)
+    for name in ("lens_ids", "lens_probs"):
+        np.testing.assert_array_equal(a.array(name)[:], b.array(name)[:])
+    sa, sb = a.steps().to_pandas(), b.steps().to_pandas()
+    assert sa.equals(sb)
+
+
+def test_ls_tells_runs_and_children_apart_and_intervene_quiet_prints_child_ids(tmp_path, tiny_llama_dir):
+    spec = _tiny_spec(tmp_path, tiny_llama_dir)
+    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "parent").returncode == 0
+    proc = lmtrace(tmp_path, "intervene", "parent", "--ablate-head", "1.2", "-q", "--lens")
+    assert proc.returncode == 0, proc.stderr
+    child = proc.stdout.strip()
+    assert child and "\n" not in child and (tmp_path / "runs" / child / "manifest.json").is_file()
+    temps = lmtrace(tmp_path, "intervene", "parent", "--temperatures", "0.5,1.0", "-q")
+    assert temps.returncode == 0, temps.stderr
+    assert len(temps.stdout.split()) == 2
+
+    rows = {r["run_id"]: r for r in json.loads(lmtrace(tmp_path, "ls", "--json").stdout)}
+    assert rows["parent"]["kind"] == "generate" and rows["parent"]["parent_id"] is None
+    assert rows["parent"]["lens"] == "pending"
+    assert rows[child]["kind"] == "intervene" and rows[child]["parent_id"] == "parent"
+    assert rows[child]["edits"] == "ablate_head 1.2 (rescore)"
+    assert rows[child]["lens"] == "ready"  # intervene --lens, with the model the child was written with
+    kinds = {r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls", "--kind", "intervene", "--json").stdout)}
+    assert kinds == set(rows) - {"parent"} and len(kinds) == 3
+    table = lmtrace(tmp_path, "ls", env={"COLUMNS": "250"}).stdout
+    assert "intervene" in table and "ablate_head 1.2" in table and "pending" in table
+
+
+def test_every_json_output_is_one_compact_line(tmp_path, tiny_llama_dir):
+    spec = _tiny_spec(tmp_path, tiny_llama_dir)
+    outputs = [lmtrace(tmp_path, "generate", str(spec), "--json", "--run-id", "r")]
+    for args in (("validate", str(spec)), ("ls",), ("show", "r"), ("verify", "r"), ("heads", "r"),
+                 ("compare", "r", "r"), ("report", "r")):
+        outputs.append(lmtrace(tmp_path, *args, "--json"))
+    for proc in outputs:
+        assert proc.returncode == 0, (proc.args, proc.stderr)
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 1, (proc.args, proc.stdout[:500])
+        json.loads(lines[0])
