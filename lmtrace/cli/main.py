@@ -429,13 +429,17 @@ def explain(
                                           "(repeat or comma-separate)."),
     target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
     quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
-    baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | pad | zero embedding."),
+    baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | scaled-mean | pad | zero embedding."),
     ig_steps: int = typer.Option(16, "--ig-steps", help="Integrated gradients: initial intervals (adaptive) or "
                                                          "points (midpoint)."),
     ig_rule: str = typer.Option("adaptive", "--ig-rule", help="Integrated gradients: adaptive | midpoint (fixed grid)."),
     ig_tolerance: float = typer.Option(0.01, "--ig-tolerance", help="Integrated gradients: completeness error allowed, "
                                                                      "relative to |f(x) − f(baseline)|."),
     ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
+    ig_keep: str = typer.Option("sink", "--ig-keep", help="Integrated gradients: positions kept at their own "
+                                "embedding in the baseline: `sink` (position 0, default), none, or 0,3,..."),
+    ig_dtype: str = typer.Option("float32", "--ig-dtype", help="Integrated gradients: float32 | float64 forwards and "
+                                 "gradients (float64: twice the memory, a remedy when not converged)."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
     rollout_exclude: str = typer.Option("", "--rollout-exclude", help="Attention rollout: leave out these key "
@@ -454,7 +458,8 @@ def explain(
         explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
                         settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
                                           ig_rule=ig_rule, batch_size=batch_size, ig_tolerance=ig_tolerance,
-                                          ig_max_points=ig_max_points, rollout_exclude=rollout_exclude),
+                                          ig_max_points=ig_max_points, ig_keep=ig_keep, ig_dtype=ig_dtype,
+                                          rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
         _fail(err)

@@ -53,6 +53,7 @@ TARGETS = ("chosen", "runner-up", "contrast")
 QUANTITIES = ("logit", "logprob")
 BASELINES = ("mean", "scaled-mean", "pad", "zero")
 IG_RULES = ("adaptive", "midpoint")
+IG_DTYPES = ("float32", "float64")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,34 +68,29 @@ class Settings:
     batch_size: int = 8
     ig_tolerance: float = 0.01
     ig_max_points: int = 1024
+    ig_keep: str = "sink"  # integrated gradients: positions whose baseline is their own embedding ("none", "sink", "0,3")
+    ig_dtype: str = "float32"  # integrated gradients: precision of the path's forwards and gradients
     rollout_exclude: str = ""  # attention rollout: "sink" (position 0) or positions "0,3" left out
 
     @property
     def rollout_excluded(self) -> tuple[int, ...]:
         """Key positions attention rollout leaves out (`--rollout-exclude`): sink = position 0."""
-        out = set()
-        for part in str(self.rollout_exclude).replace(" ", "").split(","):
-            if not part:
-                continue
-            if part == "sink":
-                out.add(0)
-                continue
-            try:
-                value = int(part)
-            except ValueError:
-                value = -1
-            if value < 0:
-                raise SpecError(f"--rollout-exclude {self.rollout_exclude!r}: expected `sink` or positions like 0,3")
-            out.add(value)
-        return tuple(sorted(out))
+        return _positions(self.rollout_exclude, "--rollout-exclude")
+
+    @property
+    def ig_kept(self) -> tuple[int, ...]:
+        """Positions integrated gradients keeps at their own embedding in the baseline (`--ig-keep`)."""
+        return () if str(self.ig_keep).strip() == "none" else _positions(self.ig_keep, "--ig-keep")
 
     def check(self) -> "Settings":
         if self.ig_rule == "trapezoid":
             raise SpecError("--ig-rule trapezoid: removed, it evaluates the gradient at the baseline (α = 0), where "
                             "RMSNorm/LayerNorm models are singular for the zero baseline; use adaptive (default) or midpoint")
         self.rollout_excluded  # noqa: B018 (refuses a bad --rollout-exclude before anything runs)
+        self.ig_kept  # noqa: B018
         for name, value, allowed in (("--target", self.target, TARGETS), ("--quantity", self.quantity, QUANTITIES),
-                                     ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES)):
+                                     ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES),
+                                     ("--ig-dtype", self.ig_dtype, IG_DTYPES)):
             if value not in allowed:
                 raise SpecError(f"{name} {value!r}: expected one of {', '.join(allowed)}")
         if self.ig_steps < 1:
@@ -106,6 +102,25 @@ class Settings:
         if self.ig_max_points < 4:
             raise SpecError(f"--ig-max-points {self.ig_max_points}: must be at least 4")
         return self
+
+
+def _positions(text: str, option: str) -> tuple[int, ...]:
+    """'sink' (= position 0) and/or positions like '0,3' -> sorted unique positions."""
+    out = set()
+    for part in str(text).replace(" ", "").split(","):
+        if not part:
+            continue
+        if part == "sink":
+            out.add(0)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise SpecError(f"{option} {text!r}: expected `sink` or positions like 0,3")
+        out.add(value)
+    return tuple(sorted(out))
 
 
 @dataclass
@@ -161,7 +176,7 @@ def register(name: str, *, needs_model: bool, description: str, settings: Callab
 
 def target_values(logits: torch.Tensor, chosen: int, runner_up: int, target: str, quantity: str) -> torch.Tensor:
     """[B, vocab] logits of the last position -> [B] target quantity f."""
-    values = logits.float()
+    values = logits.double() if logits.dtype == torch.float64 else logits.float()
     if quantity == "logprob":
         values = values.log_softmax(-1)
     if target == "chosen":
@@ -224,6 +239,7 @@ def grad_x_input(ctx: StepContext) -> MethodResult:
 def _ig_settings(s: Settings) -> dict:
     return {"target": s.target, "quantity": s.quantity, "baseline": s.baseline, "ig_steps": s.ig_steps,
             "ig_rule": s.ig_rule, "ig_tolerance": s.ig_tolerance, "ig_max_points": s.ig_max_points,
+            "ig_keep": list(s.ig_kept), "ig_dtype": s.ig_dtype,
             "path": "straight line b + α(e − b), α ∈ [0, 1]", "batch_size": s.batch_size}
 
 
@@ -240,7 +256,20 @@ def ig_alphas(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def baseline_embeddings(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
-    """[n, d] baseline b: zero, the pad token's embedding, or the mean embedding row, at every position."""
+    """[n, d] baseline b: zero, the pad token's embedding, or the mean embedding row, at every position except the
+    kept ones (`--ig-keep`, default the first), which keep their own embedding.
+
+    Why keep the first position: in pre-norm LMs it is the attention sink, with a massive residual activation
+    (norm ~2e4 on SmolLM2-135M) whatever its token. A baseline of one repeated vector makes later positions sinks
+    too; the path then switches those massive activations off, which shows as cliffs in f (docs/explain.md)."""
+    b = _uniform_baseline(ctx, e)
+    kept = [i for i in ctx.settings.ig_kept if i < e.shape[0]]
+    if kept:
+        b[kept] = e[kept]
+    return b
+
+
+def _uniform_baseline(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
     if ctx.settings.baseline == "zero":
         return torch.zeros_like(e)
     if ctx.settings.baseline in ("mean", "scaled-mean"):
@@ -254,7 +283,7 @@ def baseline_embeddings(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
     pad = ctx.scorer.pad_id
     if pad is None:
         raise SpecError("--baseline pad: the model's tokenizer has no pad token; use --baseline mean or zero")
-    return ctx.scorer.embeddings([pad])[0].expand_as(e).clone()
+    return ctx.scorer.embeddings([pad])[0].to(e.dtype).expand_as(e).clone()
 
 
 class _IGPath:
@@ -366,20 +395,35 @@ def _ig_adaptive(path: _IGPath, s: Settings, scale: float) -> tuple[np.ndarray, 
                    "min_interval": min(widths), "path_total_variation": tv}
 
 
+@contextmanager
+def _model_dtype(model: torch.nn.Module, dtype: torch.dtype):
+    """The float32 model cast to `dtype` for the duration (float32 -> float64 -> float32 is exact)."""
+    if dtype == torch.float32:
+        yield
+        return
+    model.to(dtype)
+    try:
+        yield
+    finally:
+        model.to(torch.float32)
+
+
 @register("integrated_gradients", needs_model=True, settings=_ig_settings,
           description="integrated gradients along the straight path from a baseline (mean, pad or zero embedding), "
                       "adaptive until completeness holds to --ig-tolerance")
 def integrated_gradients(ctx: StepContext) -> MethodResult:
     sc, s = ctx.scorer, ctx.settings
-    e = sc.embeddings(ctx.ids)
-    b = baseline_embeddings(ctx, e)
-    path = _IGPath(ctx, e, b)
-    fb, fx = path.f([0.0, 1.0]).tolist()  # exact forwards at the baseline and the input
-    scale = max(abs(fx - fb), IG_SCALE_FLOOR) if math.isfinite(fx - fb) else math.inf
-    if s.ig_rule == "adaptive":
-        total, extra = _ig_adaptive(path, s, scale)
-    else:
-        total, extra = _ig_fixed(path, s)
+    dtype = getattr(torch, s.ig_dtype)
+    with _model_dtype(sc.model, dtype):
+        e = sc.embeddings(ctx.ids).to(dtype)
+        b = baseline_embeddings(ctx, e)
+        path = _IGPath(ctx, e, b)
+        fb, fx = path.f([0.0, 1.0]).tolist()  # exact forwards at the baseline and the input
+        scale = max(abs(fx - fb), IG_SCALE_FLOOR) if math.isfinite(fx - fb) else math.inf
+        if s.ig_rule == "adaptive":
+            total, extra = _ig_adaptive(path, s, scale)
+        else:
+            total, extra = _ig_fixed(path, s)
     scores = total.astype(np.float64)
     total_attr = float(scores.sum())
     finite = bool(np.isfinite(scores).all() and math.isfinite(fx) and math.isfinite(fb))
