@@ -11,30 +11,21 @@ gives both sides' next-token distributions at every paired step: position P−1+
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from ..errors import SpecError
+from ..steps import parse_steps
 
 
 def _parse_steps(text: str | None) -> set[int] | None:
+    """--exact-steps: None for every paired step; the range is checked against the pairs later."""
     if text is None or str(text).strip() in ("", "all"):
         return None
-    out: set[int] = set()
-    for part in str(text).replace(" ", "").split(","):
-        try:
-            if "-" in part[1:]:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                out.update(range(lo, hi + 1))
-            elif part:
-                out.add(int(part))
-        except ValueError:
-            raise SpecError(f"--exact-steps {text!r}: expected step numbers like 0,4,9, ranges like 2-5, or all") from None
-    return out
+    return set(parse_steps(text, sys.maxsize, option="--exact-steps"))
 
 
 def _load(side, device):

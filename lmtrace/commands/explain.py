@@ -43,9 +43,11 @@ import torch
 from ..archive import layout
 from ..archive.reader import IncompleteRunWarning, Run
 from ..errors import ArchiveError, LmtraceError, SpecError
+from ..steps import parse_steps
+from ..jsonout import json_line, strict
 from ..capture.interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, EditSet, MaskExperts, MaskPositions, Steer, _Ablation,
                             component_means, load_steer_vector, parse_entries, routing_rule)
-from ..archive.runs import find_run, new_run_id, now_iso, read_manifest, runs_root
+from ..archive.runs import find_run, locked, new_run_id, now_iso, read_manifest, runs_root
 
 EXPLAIN_DIR = "explain"
 SCORES_PARTS = "scores.parts"  # explain/scores.parts/<explain_id>.parquet: one Parquet dataset for all invocations
@@ -539,34 +541,6 @@ def attention_rollout(ctx: StepContext) -> MethodResult:
 
 # ---------------------------------------------------------------------------------------------
 # Parsing and validation
-def parse_steps(text: str, available: int) -> list[int]:
-    """'0,4,9', '2-5', 'all' (or a mix) -> sorted unique steps, checked against the generated steps."""
-    steps: set[int] = set()
-    for part in str(text).replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            if part == "all":
-                steps.update(range(available))
-            elif "-" in part[1:]:
-                a, b = part.split("-", 1) if not part.startswith("-") else (part, "")
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-                steps.update(range(lo, hi + 1))
-            else:
-                steps.add(int(part))
-        except ValueError:
-            raise SpecError(f"--steps {text!r}: expected step numbers like 0,4,9, ranges like 2-5, or all") from None
-    if not steps:
-        raise SpecError(f"--steps {text!r}: no steps given")
-    bad = sorted(s for s in steps if not 0 <= s < available)
-    if bad:
-        have = f"steps 0..{available - 1}" if available else "no generated steps"
-        raise SpecError(f"--steps: step(s) {bad} out of range: this sequence has {available} generated token(s) ({have})")
-    return sorted(steps)
-
-
 def parse_methods(methods: list[str] | str) -> list[str]:
     if isinstance(methods, str):
         methods = [methods]
@@ -976,12 +950,12 @@ def _write_files(run: Run, tmp: Path, explain_id: str, names: list[str], steps: 
             "path": rel, "table": table_rel, "array": f"{rel}/scores.zarr/{name}",
             "model": model_info if m.needs_model else None,
             "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
-                         **{k: _num(v) for k, v in e.info.items()}} for e in explanations if e.method == name],
+                         **{k: strict(v) for k, v in e.info.items()}} for e in explanations if e.method == name],
         })
         flags = [e.info["converged"] for e in explanations if e.method == name and "converged" in e.info]
         if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
             entries[-1]["converged"] = all(flags)
-    _atomic_json(tmp / "explain.json", strict_json({"id": explain_id, "run_id": run.id, "created": created,
+    _atomic_json(tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created,
                                                     "entries": entries}))
     return entries
 
@@ -1005,28 +979,6 @@ def _table(explain_id: str, settings: Settings, explanations: list[StepExplanati
         cols["is_prompt"] += list(e.is_prompt)
         cols["score"] += e.scores.tolist()
     return pa.table(cols, schema=scores_schema())
-
-
-def _num(v):
-    if isinstance(v, (float, np.floating)):
-        v = float(v)
-        return v if math.isfinite(v) else None
-    if isinstance(v, np.bool_):
-        return bool(v)
-    if isinstance(v, np.integer):
-        return int(v)
-    return v
-
-
-def strict_json(x):
-    """NaN/±inf -> None, numpy scalars -> Python, tuples -> lists: values `json.dumps(..., allow_nan=False)` accepts."""
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return [strict_json(v) for v in x.tolist()]
-    return _num(x)
 
 
 def _atomic_json(path: Path, obj) -> None:
@@ -1059,26 +1011,11 @@ def _umask() -> int:
     return 0o022
 
 
-@contextmanager
-def _locked(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # no advisory locks (Windows): the re-read just before writing still narrows the window
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def record_entries(run_dir: Path, entries: list[dict]) -> None:
     """Append entries to manifest["explain"]: under a lock file, re-reading the manifest just before an atomic write.
     Nothing else in the manifest (status included) is changed."""
     (run_dir / EXPLAIN_DIR).mkdir(exist_ok=True)
-    with _locked(run_dir / layout.LOCK):  # the same flock generate takes to rewrite the manifest
+    with locked(run_dir / layout.LOCK):  # the same flock generate takes to rewrite the manifest
         manifest = read_manifest(run_dir)
         manifest.setdefault("explain", []).extend(entries)
         _atomic_json(run_dir / layout.MANIFEST, manifest)
@@ -1183,7 +1120,7 @@ def summary(result: ExplainResult, top: int = 10) -> dict:
             if key in e.info:
                 item[key] = e.info[key]
         out["top"].append(item)
-    return strict_json(out)
+    return strict(out)
 
 
 def converged(result: ExplainResult) -> bool | None:
@@ -1205,7 +1142,7 @@ def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[st
     result = explain_run(run_ref, steps, sequence=sequence, methods=methods, settings=settings, device=device,
                          runs_dir=runs_dir, note=note)
     if json_out:
-        print(json.dumps(summary(result, top), default=str, allow_nan=False))
+        print(json_line(summary(result, top)))
     elif not quiet:
         render(result, top=top)
     if strict and converged(result) is False:

@@ -858,7 +858,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
 
 def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:
     """The steps measured in a sequence of n generated tokens; with from_step, only steps >= from_step exist."""
-    from .explain import parse_steps
+    from ..steps import parse_steps
 
     if n == 0:
         raise SpecError(f"sequence {seq} of run {run_id} generated no tokens: nothing to measure")

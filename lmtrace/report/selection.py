@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
+from ..steps import parse_steps
 
 DEFAULT_SEQUENCES = 2
 MAX_STEPS = 256
@@ -38,40 +39,6 @@ class Selection:
     heatmap_steps: dict[int, list[int]]  # sequence -> rows of the step × key heatmaps (≤ MAX_HEATMAP_ROWS)
     attention_step: dict[int, int]  # sequence -> the step of the layer × head grid
     notes: list[str] = field(default_factory=list)
-
-
-def parse_steps(text: str, available: int) -> list[int]:
-    """'0,4,9', '2-5', 'all', with an optional ':STRIDE' on a range or on all ('0-511:4', 'all:8')."""
-    steps: set[int] = set()
-    for part in str(text).replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            body, _, stride_text = part.partition(":")
-            stride = int(stride_text) if stride_text else 1
-            if stride < 1:
-                raise ValueError
-            if body == "all":
-                lo, hi = 0, available - 1
-            elif "-" in body[1:]:
-                a, b = body.split("-", 1)
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-            else:
-                if stride_text:
-                    raise ValueError
-                lo = hi = int(body)
-            steps.update(range(lo, hi + 1, stride))
-        except ValueError:
-            raise SpecError(f"--steps {text!r}: expected steps like 0,4,9, ranges like 2-5, all, "
-                            f"or a stride like 0-255:4 or all:8") from None
-    bad = sorted(s for s in steps if not 0 <= s < available)
-    if bad:
-        have = f"steps 0..{available - 1}" if available else "no readable steps"
-        raise SpecError(f"--steps: step(s) {bad[:5]}{' …' if len(bad) > 5 else ''} out of range "
-                        f"(this sequence has {have})")
-    return sorted(steps)
 
 
 def default_steps(available: int, max_steps: int = MAX_STEPS) -> list[int]:
@@ -104,7 +71,7 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
     shown: dict[int, list[int]] = {}
     for s in chosen:
         if steps is not None:
-            shown[s] = parse_steps(steps, available[s])
+            shown[s] = parse_steps(steps, available[s], stride=True, noun="readable step(s)")
         else:
             shown[s] = default_steps(available[s])
             if len(shown[s]) < available[s]:
