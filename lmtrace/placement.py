@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from .archive.runs import human_bytes
 from .errors import SpecError
 from .spec import ModelSpec, memory_bytes
 
@@ -49,16 +50,8 @@ class Placement:
 
     def text(self) -> str:
         """One line: `cpu: model.embed_tokens, model.layers.0-13 (1.2 GB); disk: ...`."""
-        return "; ".join(f"{row['device']}: {', '.join(row['modules'])} ({_human(row['bytes'])})"
+        return "; ".join(f"{row['device']}: {', '.join(row['modules'])} ({human_bytes(row['bytes'])})"
                          for row in self.summary())
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PB"
 
 
 def _accelerate_device(device: str) -> int | str:

@@ -206,6 +206,15 @@ def list_runs(root: Path) -> list[Path]:
         raise SpecError(f"cannot list runs directory {root} ({err.strerror or err})") from None
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KB' (binary multiples), for sizes shown to people."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PB"
+
+
 def dir_size(path: Path) -> int:
     total = 0
     for base, _, files in os.walk(path):

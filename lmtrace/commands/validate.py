@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError, SpecError
 from ..prompts import load_prompts
-from ..archive.runs import runs_root
+from ..archive.runs import human_bytes, runs_root
 from ..spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
 
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
@@ -249,14 +249,6 @@ def preflight(spec: RunSpec, runs_dir_flag: str | None = None) -> None:
         _check_generation(spec, cfg)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PB"
-
-
 def _free_bytes(root: Path) -> int | None:
     """Free bytes on the file system that holds (or will hold) `root`; None if unknown."""
     import shutil
@@ -328,17 +320,17 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
     first = min(spec.generation.max_new_tokens, 1000)
     _, first_tensors, first_tables = size(shape_for(first))
     summary = (f"{len(prompts)} prompt(s), up to {shape.n_steps} new tokens each, {len(layers)} of {n_layers} layers captured; "
-               f"archive at most ~{_human(tensors + tables)} before compression "
-               f"({_human(per_step)} of tensors per sequence-step)")
+               f"archive at most ~{human_bytes(tensors + tables)} before compression "
+               f"({human_bytes(per_step)} of tensors per sequence-step)")
     warnings = []
     if first < spec.generation.max_new_tokens:
-        summary += (f"; it grows with the tokens actually generated: ~{_human(first_tensors + first_tables)} "
+        summary += (f"; it grows with the tokens actually generated: ~{human_bytes(first_tensors + first_tables)} "
                     f"if every prompt stops after {first} new tokens (at an eos token or a stop string), "
                     f"the maximum only if every prompt runs to max_new_tokens={shape.n_steps}")
     free = _free_bytes(runs_root(None, spec.output.runs_dir))
     if free is not None and tensors + tables > free:
-        warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{_human(tensors + tables)}) "
-                        f"exceeds the {_human(free)} free under the runs directory: the run would fail for lack of "
+        warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{human_bytes(tensors + tables)}) "
+                        f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
                         f"space; lower generation.max_new_tokens unless an eos token or a stop string ends it sooner")
     placement = planned_placement(spec.model)
     return {

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ..errors import LmtraceError, RunNotFoundError, SpecError
 from ..jsonout import json_line
-from ..archive.runs import dir_size, find_run, lens_state, list_runs, read_manifest, runs_root
+from ..archive.runs import dir_size, find_run, human_bytes, lens_state, list_runs, read_manifest, runs_root
 
 
 def _console(table: bool = False) -> Console:
@@ -23,14 +23,6 @@ def _console(table: bool = False) -> Console:
     if console.is_terminal:
         return console
     return Console(width=400) if table else Console(soft_wrap=True)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "K", "M", "G", "T"):
-        if n < 1024:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}P"
 
 
 def _shards_done(path, m: dict) -> str | None:
@@ -159,7 +151,7 @@ def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) ->
     for r in rows:
         table.add_row(Text(r["run_id"]), dash(r["kind"]), Text(str(r["status"]), style=colours.get(r["status"], "")),
                       Text(str(r["model"])), str(r["prompts"]), dash(r["tokens"]), dash(r["lens"]),
-                      Text(dash(r["parent_id"])), Text(dash(r["edits"])), _human(r["size_bytes"]),
+                      Text(dash(r["parent_id"])), Text(dash(r["edits"])), human_bytes(r["size_bytes"]),
                       Text(str(r["created"])))
     console.print(table)
 
@@ -264,7 +256,7 @@ def _print_header(run, summary: dict, console: Console) -> None:
         console.print(f"committed steps per sequence: {committed}", markup=False)
     if m.get("parent"):
         console.print(f"parent: {m['parent']}", markup=False)
-    console.print(f"size: {_human(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {run.path}", markup=False)
+    console.print(f"size: {human_bytes(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {run.path}", markup=False)
 
 
 def _check_sequence(run, sequence: int) -> None:
