@@ -91,7 +91,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
     kills = 0
     run_dir = runs / "killed"
     args = ["generate", str(spec), "--run-id", "killed"]
-    while kills < 20:
+    while kills < 12:
         proc = _start(args, runs)
         started = _wait_writing(run_dir, proc.pid)
         if started:

@@ -382,7 +382,7 @@ def test_a_sequence_that_stopped_earlier_diverges_by_length(runs, tmp_path):
     short = shutil.copytree(a.path, tmp_path / "short")
     tokens = pq.read_table(short / "tokens.parquet")
     df = tokens.to_pandas()
-    keep = ~((df.sequence == 0) & (df.step >= 3))  # sequence 0 stopped after 3 tokens (say, on eos)
+    keep = ~((df.sequence == 0) & (df.step >= 3)).fillna(False)  # sequence 0 stopped after 3 tokens (say, on eos)
     pq.write_table(tokens.filter(pa.array(keep.to_numpy())), short / "tokens.parquet")
     rerecord_checksums(short)  # an archive made this way, not a damaged one
     cmp = compare_runs(a.path, short)
