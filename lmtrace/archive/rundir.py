@@ -160,12 +160,6 @@ def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = Fal
     return existing
 
 
-def _pause_for_tests() -> None:
-    from .liveness import pause_for_tests
-
-    pause_for_tests()
-
-
 def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = False):
     """Create or reopen the run directory and take ownership of this writer's key in it.
 
@@ -174,7 +168,7 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
     about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
     (intervene's children): the run id must not exist at all.
     """
-    from .liveness import OwnerLock
+    from .liveness import OwnerLock, pause_for_tests
 
     run_id = spec.output.run_id
     if run_id is None or fresh:
@@ -190,7 +184,7 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
             raise SpecError(f"cannot create run directory {path} ({err.strerror})") from None
     owner = OwnerLock(path, shard.key, run_id).acquire()
     try:
-        _pause_for_tests()
+        pause_for_tests()
         existing = None if spec.output.run_id is None or fresh else check_target(root, spec, shard, resume, owned=True)
     except BaseException:
         owner.release()

@@ -523,6 +523,28 @@ def component_means(adapter, sequences: list[list[int]], wanted: set[tuple[str, 
     return {key: (sums[key] / counts[key]) for key in sums}
 
 
+def mean_ablation_values(entries: list, adapter, sequences, note=None) -> dict[int, torch.Tensor]:
+    """For each mean-ablation entry (by index): the value it puts in place of its component, the
+    component's mean over `sequences()` (`component_means`; a head's own slice for ablate_head).
+
+    `sequences` is called only when some entry needs a mean; `note(text)` is told before the forwards."""
+    wanted = {(MEAN_COMPONENT[e.kind], e.layer) for e in entries if isinstance(e, _Ablation) and e.mode == "mean"}
+    if not wanted:
+        return {}
+    seqs = sequences()
+    if note is not None:
+        note(f"mean values: one forward over each of the parent's {len(seqs)} sequences")
+    means = component_means(adapter, seqs, wanted)
+    out = {}
+    for i, e in enumerate(entries):
+        if isinstance(e, _Ablation) and e.mode == "mean":
+            mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
+            if isinstance(e, AblateHead):
+                mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
+            out[i] = mean
+    return out
+
+
 # --- MoE routing --------------------------------------------------------------------------------
 def _route_mixtral(router, logits):
     """MixtralTopKRouter: softmax (float32) -> top-k -> renormalise the k weights."""

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from ..archive.reader import IncompleteRunWarning, Run
 from ..errors import ArchiveError, SpecError
 from ..archive.runs import find_run, runs_root
-from .compare_divergence import TAIL_FLOOR, attention_js_dense, attention_js_sparse, topk_divergence  # noqa: F401
+from .compare_divergence import TAIL_FLOOR, attention_js_dense, attention_js_sparse, topk_divergence
 from .compare_pairing import PAIRING_MODES, compatibility, pair_sequences, spec_differences
 
 STEP_CHUNK = 16  # attention rows are compared this many steps at a time (bounded memory)

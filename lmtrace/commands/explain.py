@@ -45,8 +45,8 @@ from ..archive.reader import IncompleteRunWarning, Run
 from ..errors import ArchiveError, LmtraceError, SpecError
 from ..steps import parse_steps
 from ..jsonout import json_line, strict
-from ..capture.interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, EditSet, MaskExperts, MaskPositions, Steer, _Ablation,
-                            component_means, load_steer_vector, parse_entries, routing_rule)
+from ..capture.interventions import (CHAT_SPANS, EditSet, MaskExperts, MaskPositions, Steer, load_steer_vector,
+                                     mean_ablation_values, parse_entries, routing_rule)
 from ..archive.runs import find_run, locked, new_run_id, now_iso, read_manifest, runs_root
 
 EXPLAIN_DIR = "explain"
@@ -698,20 +698,13 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
         return state["view"]
 
     adapter = adapter_for(scorer.model)
-    resources: dict[int, object] = {}
-    wanted = {(MEAN_COMPONENT[e.kind], e.layer) for e in entries if isinstance(e, _Ablation) and e.mode == "mean"}
-    means = {}
-    if wanted:
-        v = view()
-        means = component_means(adapter, [v.prompt_ids[s] + v.generated[s] for s in range(len(v.prompt_ids))], wanted)
+    resources: dict[int, object] = mean_ablation_values(
+        entries, adapter, lambda: [view().prompt_ids[s] + view().generated[s] for s in range(len(view().prompt_ids))])
     for i, e in enumerate(entries):
         where = f"run {run.id} interventions[{i}] ({e.kind})"
-        if isinstance(e, _Ablation) and e.mode == "mean":
-            mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
-            if isinstance(e, AblateHead):
-                mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
-            resources[i] = mean
-        elif isinstance(e, Steer):
+        if i in resources:  # a mean value
+            continue
+        if isinstance(e, Steer):
             resources[i] = load_steer_vector(e, int(run.shape["d_model"]), lambda ref: open_run(ref, parent().path.parent))
         elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
             resources[i] = _chat_span_ranges(parent(), view(), e.span, where, _tokenizer_of(parent()))

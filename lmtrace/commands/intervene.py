@@ -33,9 +33,9 @@ import yaml
 from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import SpecError
 from .generate import GenerateResult, Progress, Replay, run_generate
-from ..capture.interventions import (CHAT_SPANS, MEAN_COMPONENT, AblateHead, AblateNeurons, EditSet, MaskExperts, MaskPositions,
-                            PatchHead, PatchResidual, Steer, _Ablation, component_means, load_steer_vector, parse_entries,
-                            patch_source, routing_rule, validate_against)
+from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
+                                     PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
+                                     patch_source, routing_rule, validate_against)
 from ..spec import build_spec
 
 EFFECTS = "effects.parquet"
@@ -409,19 +409,12 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
 
     def prepare(adapter) -> None:
         """Runs once the child's model is loaded, before its run directory exists: what needs the model."""
-        wanted = {(MEAN_COMPONENT[e.kind], e.layer) for e in entries if isinstance(e, _Ablation) and e.mode == "mean"}
-        if wanted:
-            if progress is not None:
-                progress.message(f"mean values: one forward over each of the parent's {n_seq} sequences")
-            means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
+        resources.update(mean_ablation_values(entries, adapter,
+                                              lambda: [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)],
+                                              progress.message if progress is not None else None))
         for i, e in enumerate(entries):
             where = f"interventions[{i}] ({e.kind})"
-            if isinstance(e, _Ablation) and e.mode == "mean":
-                mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
-                if isinstance(e, AblateHead):
-                    mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
-                resources[i] = mean
-            elif isinstance(e, PatchHead):
+            if isinstance(e, PatchHead):
                 if progress is not None:
                     progress.message(f"replaying source run {sources[i].id} for head {e.layer}.{e.head}")
                 resources[i] = head_patch_source(e, sources[i], adapter, tokenizer, n_seq)

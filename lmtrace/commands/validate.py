@@ -41,14 +41,16 @@ def _gguf_metadata(path: Path) -> dict | None:
         elif vtype == _GGUF_STRING:
             fh.seek(read(fh, "<Q"), 1)
         elif vtype == _GGUF_ARRAY:
-            etype, count = read(fh, "<I"), read(fh, "<Q")
-            if etype in _GGUF_SCALARS:
-                fh.seek(struct.calcsize(_GGUF_SCALARS[etype]) * count, 1)
-            else:
-                for _ in range(count):
-                    skip_value(fh, etype)
+            skip_array(fh, read(fh, "<I"), read(fh, "<Q"))
         else:
             raise ValueError(f"unknown GGUF value type {vtype}")
+
+    def skip_array(fh, etype: int, count: int) -> None:
+        if etype in _GGUF_SCALARS:
+            fh.seek(struct.calcsize(_GGUF_SCALARS[etype]) * count, 1)
+        else:
+            for _ in range(count):
+                skip_value(fh, etype)
 
     try:
         with open(path, "rb") as fh:
@@ -67,11 +69,7 @@ def _gguf_metadata(path: Path) -> dict | None:
                 elif vtype == _GGUF_ARRAY:  # skipped, but its length kept (the vocabulary's size)
                     etype, count = read(fh, "<I"), read(fh, "<Q")
                     out[f"{key}#len"] = count
-                    if etype in _GGUF_SCALARS:
-                        fh.seek(struct.calcsize(_GGUF_SCALARS[etype]) * count, 1)
-                    else:
-                        for _ in range(count):
-                            skip_value(fh, etype)
+                    skip_array(fh, etype, count)
                 else:
                     skip_value(fh, vtype)
             return out
