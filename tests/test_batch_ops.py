@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import warnings
 from pathlib import Path

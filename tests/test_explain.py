@@ -553,3 +553,16 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
         (grad,) = torch.autograd.grad(f_of(model, x32, chosen, runner, "contrast", "logprob").sum(), x32)
         np.testing.assert_allclose(scores_of(r, "grad_x_input", 2).scores, (grad * x32).sum(-1)[0].detach().numpy(),
                                    atol=TOL, rtol=1e-3)
+
+
+def test_not_converged_says_which_condition_was_missed():
+    """A result can meet completeness by cancellation while its intervals' own checks fail: the message must name
+    the bound then, never claim the completeness error exceeded the tolerance (it did not)."""
+    base = {"nonfinite": False, "gradient_points": 1024}
+    on_bound = ex.ig_shortfall({**base, "completeness_error_relative": 0.0003, "error_bound_relative": 0.049}, 0.01)
+    assert "0.03% ≤ 1%" in on_bound and "error bound 4.90% > 1%" in on_bound and "1024 gradient points" in on_bound
+    on_total = ex.ig_shortfall({**base, "completeness_error_relative": 0.2, "error_bound_relative": 0.3}, 0.01)
+    assert "completeness error 20.00% > 1%" in on_total and "bound" not in on_total
+    nonfinite = ex.ig_shortfall({**base, "nonfinite": True, "completeness_error_relative": None,
+                                 "error_bound_relative": None}, 0.01)
+    assert nonfinite.startswith("non-finite values")

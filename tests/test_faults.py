@@ -219,7 +219,8 @@ def test_verify_passes_an_intact_run_and_names_each_kind_of_damage(complete_runs
 @pytest.mark.parametrize("damage", ["missing-table", "truncated-chunk"])
 def test_every_reading_command_refuses_a_damaged_complete_run_in_one_line(complete_runs, tmp_path, damage):
     runs = tmp_path / "runs"
-    a, b = _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
+    a = _copy(complete_runs[0], runs)
+    _copy(complete_runs[1], runs)  # a second, intact run beside the damaged one
     if damage == "missing-table":
         (a / "tokens.parquet").unlink()
         named = "tokens.parquet is missing"

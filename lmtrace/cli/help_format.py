@@ -51,7 +51,7 @@ METAVARS = {
     "--temperatures": "T,T..", "--over": "COMPONENTS", "--edit": "zero|mean|patch", "--source": "RUN",
     "--metric": "METRIC", "--steps": "STEPS", "--sequences": "SEQUENCES", "--positions": "POSITIONS",
     "--batch": "N", "--top": "N", "--step": "STEP", "--sequence": "N", "--method": "METHOD",
-    "--target": "chosen|runner-up|contrast", "--quantity": "logit|logprob", "--baseline": "mean|pad|zero",
+    "--target": "chosen|runner-up|contrast", "--quantity": "logit|logprob", "--baseline": "mean|scaled-mean|pad|zero",
     "--ig-steps": "N", "--ig-rule": "adaptive|midpoint", "--ig-tolerance": "FRACTION", "--ig-max-points": "N",
     "--batch-size": "N", "--rollout-exclude": "POSITIONS", "--device": "DEVICE", "--out": "PATH",
     "--pair": "auto|index|prompt", "--html": "FILE", "--exact-steps": "STEPS", "--layer": "LAYER",

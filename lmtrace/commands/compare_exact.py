@@ -14,7 +14,6 @@ import math
 import sys
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 
 from ..errors import SpecError

@@ -434,7 +434,8 @@ def integrated_gradients(ctx: StepContext) -> MethodResult:
     bound = extra.get("error_bound", err)
     converged = finite and rel <= s.ig_tolerance and bound <= s.ig_tolerance * scale * (1 + 1e-9)
     info = {"f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
-            "completeness_error_relative": rel, "converged": converged, "nonfinite": not finite,
+            "completeness_error_relative": rel, "error_bound_relative": bound / scale if finite else math.inf,
+            "converged": converged, "nonfinite": not finite,
             "ig_tolerance": s.ig_tolerance, "gradient_points": path.points, "forwards": path.forwards + 2, **extra}
     return MethodResult(scores.astype(np.float32), info)
 
@@ -855,11 +856,9 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
                         raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
                     info = {**res.info, **(check if METHODS[name].needs_model else {})}
                     if res.info.get("converged") is False:
-                        note_(f"sequence {sequence} step {step}: {name} did not converge: completeness error "
-                              f"{_pct(res.info.get('completeness_error_relative'))} of |f(x) − f(baseline)| (tolerance "
-                              f"{settings.ig_tolerance:.0%}){'; non-finite values on the path' if res.info.get('nonfinite') else ''}"
-                              f" after {res.info.get('gradient_points')} gradient points: treat these scores as "
-                              f"approximate (raise --ig-max-points, or see docs/explain.md)")
+                        note_(f"sequence {sequence} step {step}: {name} did not converge: "
+                              f"{ig_shortfall(res.info, settings.ig_tolerance)}: treat these scores as approximate "
+                              f"(docs/explain.md, 'When a result did not converge')")
                     explanations.append(StepExplanation(
                         name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
                         prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
@@ -877,6 +876,22 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
 
 def _pct(x) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.2%}"
+
+
+def ig_shortfall(info: dict, tolerance: float) -> str:
+    """Which convergence condition an integrated-gradients result missed, in words (docs/explain.md).
+
+    Converged needs finite values, the completeness error ≤ tolerance and, for the adaptive rule, the per-interval
+    error bound ≤ tolerance (all relative to |f(x) − f(baseline)|). The completeness error alone can be small by
+    cancellation between intervals whose own checks fail, so a result can miss on the bound only."""
+    tol, rel, bound = f"{tolerance:.0%}", info.get("completeness_error_relative"), info.get("error_bound_relative")
+    after = f"after {info.get('gradient_points')} gradient points"
+    if info.get("nonfinite"):
+        return f"non-finite values on the path {after}"
+    if rel is not None and rel > tolerance:
+        return f"completeness error {_pct(rel)} > {tol} of |f(x) − f(baseline)| {after}"
+    return (f"completeness error {_pct(rel)} ≤ {tol}, but the per-interval error bound {_pct(bound)} > {tol} {after} "
+            f"(the intervals' own checks fail; their errors cancel in the total)")
 
 
 @contextmanager
@@ -1071,10 +1086,8 @@ def render(result: ExplainResult, console=None, top: int = 10) -> None:
                 console.print(Text(f"converged: completeness error {_pct(rel)} ≤ {s.ig_tolerance:.0%} of "
                                    f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)", style="dim"))
             else:
-                console.print(Text(f"NOT CONVERGED: completeness error {_pct(rel)} > {s.ig_tolerance:.0%}"
-                                   f"{' (NaN/inf on the path)' if e.info.get('nonfinite') else ''} after "
-                                   f"{e.info.get('gradient_points')} gradient points: the scores do not add up to "
-                                   f"f(x) − f(baseline); raise --ig-max-points (docs/explain.md)", style="bold yellow"))
+                console.print(Text(f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
+                                   f"'When a result did not converge'", style="bold yellow"))
         finite = np.abs(e.scores[np.isfinite(e.scores)])
         scale = float(finite.max()) if finite.size else 0.0
         text = Text()
@@ -1109,7 +1122,7 @@ def summary(result: ExplainResult, top: int = 10) -> dict:
         item = {"method": e.method, "sequence": e.sequence, "step": e.step,
                 "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
                               for i in order]}
-        for key in ("converged", "completeness_error", "completeness_error_relative"):
+        for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative"):
             if key in e.info:
                 item[key] = e.info[key]
         out["top"].append(item)

@@ -331,7 +331,6 @@ def _write_atomic(table: pa.Table, target: Path) -> None:
 def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
                   json_out: bool = False, top: int = 20) -> dict:
     """`lmtrace heads`: compute, write analysis/heads.parquet, print a ranked table (or JSON)."""
-    import json
     import sys
 
     if top < 1:

@@ -546,7 +546,7 @@ def block_schema() -> pa.Schema:
 
 
 def _block_table(cells: list[Cell], seq: int, steps: list[int], values: dict, baseline: dict) -> pa.Table:
-    R, S = len(cells), len(steps)
+    S = len(steps)
     cols: dict[str, list] = {f.name: [] for f in block_schema()}
     for name, v in values.items():
         b = baseline[name]  # [S]
