@@ -217,6 +217,22 @@ def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_l
     np.testing.assert_array_equal(raw[1, :len(step2)], step2.score.to_numpy())
 
 
+def test_attributions_that_did_not_converge_are_marked(tiny_run):
+    """An integrated-gradients result whose completeness check failed is labelled so on its row, with a note."""
+    from lmtrace.commands.explain import Settings, explain_run
+    from lmtrace.report import report_run
+
+    explain_run(str(tiny_run.path), "1", sequence=0, methods=["grad_x_input"])
+    explain_run(str(tiny_run.path), "1", sequence=0, methods=["integrated_gradients"],  # a 2-point grid cannot meet 1e-9
+                settings=Settings(ig_rule="midpoint", ig_steps=2, ig_tolerance=1e-9))
+    manifest = json.loads((tiny_run.path / "manifest.json").read_text())
+    assert [r["converged"] for e in manifest["explain"] for r in e["results"] if e["method"] != "grad_x_input"] == [False]
+    page = report_run(str(tiny_run.path), sequences=[0]).path.read_text()
+    rows = list(blob(page_json(page, "lmtrace-blobs"), "explain_rows_0"))
+    assert [r.startswith("NOT CONVERGED") for r in rows] == ["integrated_gradients" in r for r in rows] and len(rows) == 2
+    assert "rows marked NOT CONVERGED" in page
+
+
 def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_llama_dir):
     base = {"model": str(tiny_llama_dir), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 5, "batch_size": 2}}
     a = run_spec(tmp_path / "a", {**base, "output": {"run_id": "cmp-a"}})

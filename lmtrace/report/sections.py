@@ -459,6 +459,7 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
     import pyarrow.parquet as pq
 
     t = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default").to_pydict()
+    failed = _unconverged(data.manifest)
     sec = Section("explain", "Attributions (lmtrace explain)")
     for seq in sorted(set(t["sequence"])):
         rows: dict[tuple, dict[int, float]] = {}
@@ -479,8 +480,12 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
                 raw[i, p] = v
             scale = np.nanmax(np.abs(raw[i])) if np.isfinite(raw[i]).any() else 0.0
             z[i] = raw[i] / scale if scale else raw[i]
-        labels = [f"s{k[0]} {k[1]} ({k[3]} {k[4]}) {display(tok.gen['token_text'][k[0]]) if k[0] < tok.n_steps else ''}"
-                  f" #{k[2][-4:]}" for k in keys]
+        labels = [f"{'NOT CONVERGED ' if (k[2], k[1], seq, k[0]) in failed else ''}s{k[0]} {k[1]} ({k[3]} {k[4]}) "
+                  f"{display(tok.gen['token_text'][k[0]]) if k[0] < tok.n_steps else ''} #{k[2][-4:]}" for k in keys]
+        if any((k[2], k[1], seq, k[0]) in failed for k in keys):
+            sec.notes.append(f"sequence {seq}: rows marked NOT CONVERGED are integrated-gradients results whose scores "
+                             f"do not add up to f(x) − f(baseline) within the tolerance; trust them no further than "
+                             f"their completeness error in manifest.json (docs/explain.md)")
         sec.figures.append(F.heatmap(
             f"explain-{seq}", f"sequence {seq}: attribution of each explained step to its context "
                               f"(rows scaled to their largest |score|)",
@@ -490,6 +495,16 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
             customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"), n_rows=len(keys), ytitle="step method (target)",
             hover="%{y}<br>%{x}<br>score %{customdata:.4g}", zlabel="score / max|score|"))
     return sec
+
+
+def _unconverged(manifest: dict) -> set[tuple]:
+    """(explain id, method, sequence, step) of every attribution whose manifest result says converged: false."""
+    out = set()
+    for entry in manifest.get("explain") or []:
+        for r in entry.get("results") or []:
+            if r.get("converged") is False:
+                out.add((entry.get("id"), entry.get("method"), entry.get("sequence"), r.get("step")))
+    return out
 
 
 def banner(data: RunData, sel: Selection) -> str:
