@@ -367,7 +367,7 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=160)
+    console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
     labels = table.column("label").to_pylist()
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
     sweep = result.get("sweep")

@@ -409,7 +409,7 @@ def _cmp_top_steps(cmp, top: int) -> list[dict]:
 def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None:
     """The terminal summary of a `compare.Comparison`: verdict, pairs, texts, the layers and heads that changed most."""
     if console is None:
-        console = Console() if Console().is_terminal else Console(width=160)
+        console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
     console.print(Text(_cmp_run_line("A", cmp.a)))
     console.print(Text(_cmp_run_line("B", cmp.b)))
     if cmp.spec_differences:
@@ -604,7 +604,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
     if json_out:
         print(json_line(cmp.summary()))
         return
-    console = Console() if Console().is_terminal else Console(width=160)
+    console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
     render_comparison(cmp, console, top)
     if out_dir is not None:
         console.print(Text(f"wrote per_step/per_layer/per_head/pairs.parquet, summary.json and report.md to {out_dir}"))
