@@ -555,6 +555,31 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
                                    atol=TOL, rtol=1e-3)
 
 
+def test_integrated_gradients_keep_special_tokens_of_a_chat_context(tmp_path, tiny_llama_dir, model):
+    """--ig-keep special: position 0 and every position whose token the tokenizer calls special (found here from
+    the tokenizer itself) keep their embedding; f(baseline) equals the test's own forward on that baseline."""
+    from transformers import AutoTokenizer
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": {"texts": ["Name a colour."], "chat": True},
+                              "capture": "none", "generation": {"max_new_tokens": 3}})
+    ids, chosen, runner = context(run, 0, 2)
+    special = set(AutoTokenizer.from_pretrained(str(tiny_llama_dir)).all_special_ids)
+    kept = sorted({0} | {i for i, t in enumerate(ids) if t in special})
+    assert len(kept) >= 4  # the chat template's <|im_start|> / <|im_end|> tokens
+    r = ex.explain_run(run.path, "2", methods=["ig"], settings=ex.Settings(ig_keep="special", ig_rule="midpoint",
+                                                                           ig_steps=4))
+    e = scores_of(r, "integrated_gradients", 2)
+    assert e.info["kept_positions"] == kept and r.entries[0]["settings"]["ig_keep_special"] is True
+    assert all(e.scores[k] == 0.0 for k in kept) and all(e.scores[k] != 0.0 for k in range(len(ids)) if k not in kept)
+    with torch.no_grad():
+        x = model.get_input_embeddings()(torch.tensor([ids]))
+        b = model.get_input_embeddings().weight.double().mean(0).float().expand_as(x).clone()
+        b[:, kept] = x[:, kept]
+        assert e.info["f_baseline"] == pytest.approx(f_of(model, b, chosen, runner).item(), abs=1e-4)
+    with pytest.raises(SpecError, match="`special`"):
+        ex.Settings(ig_keep="specials").check()
+
+
 def test_not_converged_says_which_condition_was_missed():
     """A result can meet completeness by cancellation while its intervals' own checks fail: the message must name
     the bound then, never claim the completeness error exceeded the tolerance (it did not)."""

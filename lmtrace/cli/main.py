@@ -437,7 +437,8 @@ def explain(
                                                                      "relative to |f(x) − f(baseline)|."),
     ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
     ig_keep: str = typer.Option("sink", "--ig-keep", help="Integrated gradients: positions kept at their own "
-                                "embedding in the baseline: `sink` (position 0, default), none, or 0,3,..."),
+                                "embedding in the baseline: `sink` (position 0, default), `special` (position 0 and every "
+                                "special token, e.g. a chat template's), none, or 0,3,..."),
     ig_dtype: str = typer.Option("float32", "--ig-dtype", help="Integrated gradients: float32 | float64 forwards and "
                                  "gradients (float64: twice the memory, a remedy when not converged)."),
     strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),

@@ -70,7 +70,8 @@ class Settings:
     batch_size: int = 8
     ig_tolerance: float = 0.01
     ig_max_points: int = 1024
-    ig_keep: str = "sink"  # integrated gradients: positions whose baseline is their own embedding ("none", "sink", "0,3")
+    ig_keep: str = "sink"  # integrated gradients: positions whose baseline is their own embedding ("none", "sink",
+    #                        "special" = position 0 and every special token of the context, "0,3", or a mix)
     ig_dtype: str = "float32"  # integrated gradients: precision of the path's forwards and gradients
     rollout_exclude: str = ""  # attention rollout: "sink" (position 0) or positions "0,3" left out
 
@@ -81,8 +82,16 @@ class Settings:
 
     @property
     def ig_kept(self) -> tuple[int, ...]:
-        """Positions integrated gradients keeps at their own embedding in the baseline (`--ig-keep`)."""
-        return () if str(self.ig_keep).strip() == "none" else _positions(self.ig_keep, "--ig-keep")
+        """Positions integrated gradients keeps at their own embedding in the baseline (`--ig-keep`), besides the
+        special tokens that `special` adds per context (`ig_keep_special`)."""
+        if str(self.ig_keep).strip() == "none":
+            return ()
+        return _positions(self.ig_keep, "--ig-keep", words={"special": (0,)})
+
+    @property
+    def ig_keep_special(self) -> bool:
+        """`--ig-keep special`: also keep every position whose token is one of the tokenizer's special tokens."""
+        return "special" in str(self.ig_keep).replace(" ", "").split(",")
 
     def check(self) -> "Settings":
         if self.ig_rule == "trapezoid":
@@ -106,21 +115,22 @@ class Settings:
         return self
 
 
-def _positions(text: str, option: str) -> tuple[int, ...]:
-    """'sink' (= position 0) and/or positions like '0,3' -> sorted unique positions."""
+def _positions(text: str, option: str, words: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:
+    """'sink' (= position 0) and/or positions like '0,3' (and the option's own `words`) -> sorted unique positions."""
+    words = {"sink": (0,), **(words or {})}
     out = set()
     for part in str(text).replace(" ", "").split(","):
         if not part:
             continue
-        if part == "sink":
-            out.add(0)
+        if part in words:
+            out.update(words[part])
             continue
         try:
             value = int(part)
         except ValueError:
             value = -1
         if value < 0:
-            raise SpecError(f"{option} {text!r}: expected `sink` or positions like 0,3")
+            raise SpecError(f"{option} {text!r}: expected {' or '.join(f'`{w}`' for w in words)} or positions like 0,3")
         out.add(value)
     return tuple(sorted(out))
 
@@ -241,7 +251,7 @@ def grad_x_input(ctx: StepContext) -> MethodResult:
 def _ig_settings(s: Settings) -> dict:
     return {"target": s.target, "quantity": s.quantity, "baseline": s.baseline, "ig_steps": s.ig_steps,
             "ig_rule": s.ig_rule, "ig_tolerance": s.ig_tolerance, "ig_max_points": s.ig_max_points,
-            "ig_keep": list(s.ig_kept), "ig_dtype": s.ig_dtype,
+            "ig_keep": list(s.ig_kept), "ig_keep_special": s.ig_keep_special, "ig_dtype": s.ig_dtype,
             "path": "straight line b + α(e − b), α ∈ [0, 1]", "batch_size": s.batch_size}
 
 
@@ -265,10 +275,20 @@ def baseline_embeddings(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
     (norm ~2e4 on SmolLM2-135M) whatever its token. A baseline of one repeated vector makes later positions sinks
     too; the path then switches those massive activations off, which shows as cliffs in f (docs/explain.md)."""
     b = _uniform_baseline(ctx, e)
-    kept = [i for i in ctx.settings.ig_kept if i < e.shape[0]]
+    kept = kept_positions(ctx)
     if kept:
         b[kept] = e[kept]
     return b
+
+
+def kept_positions(ctx: StepContext) -> list[int]:
+    """The context positions whose baseline is their own embedding: `--ig-keep` positions and, with `special`, every
+    position holding a special token of the tokenizer (a chat template's <|im_start|>, <|im_end|>, ...)."""
+    kept = {i for i in ctx.settings.ig_kept if i < ctx.n}
+    if ctx.settings.ig_keep_special:
+        special = set(getattr(ctx.scorer.tokenizer, "all_special_ids", None) or ())
+        kept.update(i for i, t in enumerate(ctx.ids) if t in special)
+    return sorted(kept)
 
 
 def _uniform_baseline(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
@@ -436,7 +456,8 @@ def integrated_gradients(ctx: StepContext) -> MethodResult:
     info = {"f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
             "completeness_error_relative": rel, "error_bound_relative": bound / scale if finite else math.inf,
             "converged": converged, "nonfinite": not finite,
-            "ig_tolerance": s.ig_tolerance, "gradient_points": path.points, "forwards": path.forwards + 2, **extra}
+            "ig_tolerance": s.ig_tolerance, "gradient_points": path.points, "forwards": path.forwards + 2,
+            "kept_positions": kept_positions(ctx), **extra}
     return MethodResult(scores.astype(np.float32), info)
 
 
