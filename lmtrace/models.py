@@ -154,11 +154,16 @@ def _quiet_transformers():
     logging.getLogger("accelerate").setLevel(logging.ERROR)
 
 
+def _converted_dir(sha: str) -> Path:
+    """Where the dequantised copy of the GGUF with this sha256 lives (complete once `.complete` exists)."""
+    return cache_dir() / "models" / f"gguf-{sha[:24]}"
+
+
 def _convert_gguf(gguf: Path, sha: str) -> Path:
     """Dequantise a GGUF once and keep a safetensors copy keyed by its sha256."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / "models" / f"gguf-{sha[:24]}"
+    target = _converted_dir(sha)
     if (target / "config.json").is_file() and (target / ".complete").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +252,7 @@ def _source(spec: ModelSpec, note) -> tuple[str, str, str | None, dict, dict]:
     kind, source, sha, extra = locate(spec)
     kwargs = dict(revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     if kind in ("embedded", "gguf"):
-        if not (cache_dir() / "models" / f"gguf-{sha[:24]}" / ".complete").is_file():
+        if not (_converted_dir(sha) / ".complete").is_file():
             note(f"converting {Path(source).name} once (~15 s); cached under {cache_dir() / 'models'}")
         with _load_errors(kind, source):
             source = str(_convert_gguf(Path(source), sha))
@@ -302,7 +307,7 @@ def load_config(spec: ModelSpec):
     kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     with _load_errors(kind, source):
         if kind in ("embedded", "gguf"):
-            converted = cache_dir() / "models" / f"gguf-{sha[:24]}"
+            converted = _converted_dir(sha)
             if (converted / ".complete").is_file():
                 return AutoConfig.from_pretrained(str(converted))
             return AutoConfig.from_pretrained(str(Path(source).parent), gguf_file=Path(source).name)

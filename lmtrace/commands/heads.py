@@ -241,18 +241,18 @@ def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
     """The run's latest head sweep (`lmtrace sweep RUN --over heads`): {"id", "edit", "metric", "effects":
     {(layer, head): mean effect over every (sequence, step) row}}, or None without one. A sweep that hid
     heads at single positions (`--positions`) measures something else and is not used."""
-    from .sweep import SWEEPS_DIR
+    from .sweep import read_sweep
 
     entries = [e for e in (run.manifest.get("sweeps") or []) if e.get("over") == "heads"]
     if not entries:
         return None
     entry = entries[-1]
-    path = run.path / entry.get("path", f"{SWEEPS_DIR}/{entry['id']}") / "sweep.parquet"
     metric = entry["metrics"][0]
     try:
-        df = pq.read_table(path, columns=["component", "layer", "head", "position", "metric", "effect"]).to_pandas()
-    except (OSError, pa.ArrowInvalid) as err:
-        raise ArchiveError(f"run {run.id}: cannot read sweep {entry['id']} ({path}): {err}") from None
+        df = read_sweep(run, entry["id"]).select(["component", "layer", "head", "position", "metric",
+                                                  "effect"]).to_pandas()
+    except (OSError, KeyError, pa.ArrowInvalid) as err:
+        raise ArchiveError(f"run {run.id}: cannot read sweep {entry['id']} ({entry.get('path')}): {err}") from None
     df = df[(df.component == "head") & df.position.isna() & (df.metric == metric)]
     if df.empty:
         notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
