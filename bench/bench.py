@@ -11,7 +11,7 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
                 accounts for. No target.
-  default       `lmtrace.commands.generate.run_generate` with the default capture (attention rows, q/k/v,
+  default       `lmtrace.generation.run_generate` with the default capture (attention rows, q/k/v,
                 FFN top-k, norms, margin contributions, and the float32 residual at every layer for
                 the deferred logit lens) streamed to a run archive. Its deferred lens is then
                 computed as `lmtrace lens` does, and that time (model load excluded) is reported
@@ -105,7 +105,7 @@ import yaml  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()  # read before anything can change it
 
-from lmtrace.commands.generate import Progress, run_generate  # noqa: E402
+from lmtrace.generation import Progress, run_generate  # noqa: E402
 from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
 from lmtrace.models import load_model  # noqa: E402
 from lmtrace.archive.runs import dir_size, package_versions  # noqa: E402

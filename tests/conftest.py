@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
 
 from lmtrace.archive.reader import Run  # noqa: E402
-from lmtrace.commands.generate import run_generate  # noqa: E402
+from lmtrace.generation import run_generate  # noqa: E402
 from lmtrace.spec import build_spec  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three, four, five, six, seven,"]

@@ -131,7 +131,7 @@ def test_shard_without_run_id_is_refused_before_the_model_load(tmp_path, tiny_ll
 
 
 def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_llama_dir, monkeypatch):
-    import lmtrace.commands.generate as gen
+    import lmtrace.generation as gen
     from lmtrace.errors import LmtraceError
     from tests.conftest import run_spec
 
@@ -329,7 +329,7 @@ def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny
 def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
     import warnings
 
-    import lmtrace.commands.generate as gen
+    import lmtrace.generation as gen
     from lmtrace.archive import layout
     from tests.conftest import run_spec
 
@@ -350,7 +350,7 @@ def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_
 def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_dir):
     import yaml
 
-    from lmtrace.commands.generate import Shard, run_generate
+    from lmtrace.generation import Shard, run_generate
     from lmtrace.spec import build_spec
 
     data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],

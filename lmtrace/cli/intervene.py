@@ -54,7 +54,7 @@ def _with_lens(result, lens: bool, progress) -> dict:
     """`--lens`: the child's deferred lens, computed with the model still in memory."""
     if not lens:
         return {}
-    from ..commands.generate import lens_after
+    from ..commands.lens import lens_after
 
     return {"lens": lens_after(result, note=progress.message)}
 

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from ..errors import EXIT_RUN_FAILED, LmtraceError
+from ..interrupts import interrupt_on_signals
 from ..jsonout import json_line
 from . import help_format
 
@@ -60,22 +61,6 @@ def _fail(err: BaseException) -> None:
     message = _one_line(f"{type(err).__name__}: {err}")
     typer.echo(f"error: internal error: {message} (rerun with --debug for the traceback)", err=True)
     raise typer.Exit(EXIT_RUN_FAILED)
-
-
-def _interrupt_on_signals() -> None:
-    """SIGINT/SIGTERM before the generation loop starts (imports, model load): stop at once, exit 3.
-
-    Nothing has been written by then, or the run is recorded `interrupted` (commands.generate._start_run);
-    the loop replaces these handlers with its own finish-the-step flag (generate.StopFlag)."""
-    import signal
-
-    from ..errors import Interrupted
-
-    def handler(signum, frame):
-        raise Interrupted(f"interrupted by signal {signum} outside the generation loop (loading, starting or finishing)")
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
 
 
 class _Reporter:
@@ -160,7 +145,7 @@ def generate(
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
-        _interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
+        interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
             from ..archive.rundir import parse_shard
@@ -189,7 +174,7 @@ def generate(
         preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
-        from ..commands.generate import run_generate
+        from ..generation import run_generate
         from ..progress import Progress
         from ..archive.runs import runs_root
 
@@ -209,7 +194,7 @@ def generate(
         reporter.stop()
         lens_summary = None
         if lens:
-            from ..commands.generate import lens_after
+            from ..commands.lens import lens_after
 
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code

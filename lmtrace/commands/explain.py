@@ -688,7 +688,7 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
     (None for an ordinary run). Refuses (exit 2) edit kinds that cannot be replayed under gradients."""
     from ..capture.arch import adapter_for
     from ..archive.reader import open_run
-    from .intervene import ParentView, _chat_span_ranges, _tokenizer_of
+    from ..parent import ParentView, chat_span_ranges, tokenizer_of
 
     m = run.manifest
     if m.get("kind") != "intervene" or not m.get("interventions"):
@@ -729,7 +729,7 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
         if isinstance(e, Steer):
             resources[i] = load_steer_vector(e, int(run.shape["d_model"]), lambda ref: open_run(ref, parent().path.parent))
         elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
-            resources[i] = _chat_span_ranges(parent(), view(), e.span, where, _tokenizer_of(parent()))
+            resources[i] = chat_span_ranges(parent(), view(), e.span, where, tokenizer_of(parent()))
         elif isinstance(e, MaskExperts):
             resources[i] = routing_rule(adapter, e.layer, where)
     return ContextEdits(entries, adapter, sequence, prompt_len, resources)

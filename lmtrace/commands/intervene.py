@@ -21,7 +21,6 @@ forced) and each MoE router's routing rule (`routing_rule`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,8 @@ import yaml
 
 from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import SpecError
-from .generate import GenerateResult, Progress, Replay, run_generate
+from ..generation import GenerateResult, Progress, Replay, run_generate
+from ..parent import ParentView, chat_span_ranges, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
                                      PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
                                      patch_source, routing_rule, validate_against)
@@ -40,41 +40,6 @@ from ..spec import build_spec
 
 EFFECTS = "effects.parquet"
 TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
-
-
-@dataclass
-class ParentView:
-    """What a child needs from its parent archive, read once."""
-
-    run: Run
-    prompts: list[str]
-    rendered: list[str]
-    prompt_ids: list[list[int]]
-    generated: list[list[int]]
-    alts: list[list[list[int]]]  # [seq][step] -> alt ids
-    alt_logprobs: list[list[list[float]]]
-    logprob: list[list[float]]
-    margin: list[list[float]]
-    greedy: list[list[int]]
-
-    @classmethod
-    def read(cls, run: Run) -> "ParentView":
-        seqs = run.sequences().to_pandas().sort_values("sequence")
-        tokens = run.tokens().to_pandas()
-        n = len(seqs)
-        prompt_ids, generated, alts, alt_lp, logprob, margin, greedy = ([[] for _ in range(n)] for _ in range(7))
-        for seq, t in tokens.groupby("sequence"):
-            t = t.sort_values("position")
-            prompt_ids[seq] = t[t.is_prompt].token_id.tolist()
-            g = t[~t.is_prompt].sort_values("step")
-            generated[seq] = g.token_id.tolist()
-            alts[seq] = [list(x) for x in g.alt_ids]
-            alt_lp[seq] = [list(x) for x in g.alt_logprobs]
-            logprob[seq] = g.logprob.tolist()
-            margin[seq] = g.margin.tolist()
-            greedy[seq] = g.greedy_id.tolist()
-        return cls(run, seqs.prompt.tolist(), seqs.prompt_rendered.tolist(), prompt_ids, generated, alts, alt_lp,
-                   logprob, margin, greedy)
 
 
 class ParentTeacher:
@@ -185,30 +150,6 @@ def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperatu
     return build_spec(data, f"spec of parent run {parent.id}")
 
 
-def _tokenizer_of(run: Run):
-    """The run's tokenizer, as `generate` loaded it (no weights are loaded)."""
-    from ..models import load_tokenizer
-
-    return load_tokenizer(build_spec(run.manifest["spec_resolved"], f"spec of run {run.id}").model)
-
-
-def _chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, tokenizer) -> dict[int, tuple[int, int]]:
-    from ..prompts import chat_spans
-
-    prompts = parent.manifest["spec_resolved"]["prompts"]
-    if not prompts.get("chat"):
-        raise SpecError(f"{where}: span {span} needs a chat run, but parent run {parent.id} was not chat-templated "
-                        f"(prompts.chat: false); use span: prompt or explicit positions (mask)")
-    if span == "system" and not prompts.get("system"):
-        raise SpecError(f"{where}: span system needs a system prompt, but parent run {parent.id} has none "
-                        f"(prompts.system is not set)")
-    out = {}
-    for seq in range(len(view.prompt_ids)):
-        spans = chat_spans(tokenizer, view.prompts[seq], prompts.get("system"), view.prompt_ids[seq])
-        out[seq] = spans[span]
-    return out
-
-
 class _HeadCapture:
     """An `Edits` that edits nothing: records one head's slice of the output projection's input at the
     query position of every forward."""
@@ -278,7 +219,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     itself therefore changes nothing, bit for bit.
     """
     from ..capture import attention
-    from .generate import capture_kernel, eager_kernel_reason, eos_ids
+    from ..generation import capture_kernel, eager_kernel_reason, eos_ids
     from ..capture.sampling import Sampler
     from ..capture.tracer import ForcedTokens, Tracer
 
@@ -392,10 +333,10 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         elif isinstance(e, PatchHead):
             sources[i] = check_patch_head_source(e, parent, n_seq, where)
         elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
-            tokenizer = tokenizer or _tokenizer_of(parent)
-            resources[i] = _chat_span_ranges(parent, view, e.span, where, tokenizer)
+            tokenizer = tokenizer or tokenizer_of(parent)
+            resources[i] = chat_span_ranges(parent, view, e.span, where, tokenizer)
     if sources and tokenizer is None:
-        tokenizer = _tokenizer_of(parent)
+        tokenizer = tokenizer_of(parent)
 
     first_edit = min((e.first_step() for e in entries), default=from_step or 0)
     if mode == "rescore":

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +34,9 @@ import pyarrow.parquet as pq
 from ..archive import layout
 from ..archive.reader import Run, lens_state
 from ..errors import ArchiveError
+
+if TYPE_CHECKING:
+    from ..generation import GenerateResult
 
 
 def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None, loaded=None) -> dict:
@@ -229,3 +233,21 @@ def _add_step_columns(run: Run, values: dict[str, np.ndarray], layers: list[int]
     tmp = target.with_name(f".{target.name}.lens.tmp")
     pq.write_table(out, tmp, row_group_size=65536)
     os.replace(tmp, target)
+
+
+def lens_after(result: "GenerateResult", note=lambda text: None) -> dict | None:
+    """`generate --lens` / `intervene --lens`: the deferred lens of the run just written, with the
+    model already in memory (no second load). None when this process did not complete the run
+    (a shard whose siblings are still running: the last one to finish computes it)."""
+    if result.status != "complete":
+        return None
+    import warnings
+
+    from ..archive.reader import IncompleteRunWarning, open_run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        run = open_run(result.run_dir)
+    if lens_state(run.manifest) == "none":  # (intervene children inherit their parent's capture)
+        return {"run_id": run.id, "computed": False, "reason": "no logit lens captured in this run"}
+    return compute_lens(run, note=note, loaded=result.loaded)

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import Interrupted, LmtraceError, SpecError
 from ..archive.runs import locked
-from .generate import StopFlag
+from ..interrupts import StopFlag
 from ..capture.interventions import EditSet, component_means, parse_entries, parse_range_list
 
 SWEEPS_DIR = "sweeps"
@@ -664,7 +664,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     from ..archive.reader import open_run
     from ..capture.arch import adapter_for
     from ..archive.writer import atomic_write_json
-    from .intervene import ParentView
+    from ..parent import ParentView
     from ..models import load_run_model, load_tokenizer
     from ..archive.runs import host_info, new_run_id, now_iso, package_versions, read_manifest
     from ..spec import build_spec

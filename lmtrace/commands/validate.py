@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import ModelLoadError, SpecError
 from ..prompts import load_prompts
 from ..archive.runs import human_bytes, runs_root
+from ..context_length import check_context, model_positions
 from ..spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
 
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
@@ -183,40 +184,6 @@ def _check_layers(spec: RunSpec, n_layers: int) -> tuple[list[int], list[int]]:
     layers = resolve_layers(spec.capture.layers, n_layers)
     resid_layers = resolve_vector_layers(spec.capture, n_layers)
     return ([] if spec.capture.forward_only else layers), resid_layers
-
-
-# Config keys that give a model's position limit, in order (GPT-2: n_positions, some: n_ctx).
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
-
-
-def model_positions(config) -> int | None:
-    """The number of positions the model was built for, from its (text) config; None when it does not say.
-
-    Taken as the config declares it: with rope scaling, transformers' configs carry the scaled
-    length in max_position_embeddings; sliding windows limit attention, not positions.
-    """
-    if not isinstance(config, dict):
-        config = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else config.to_dict()
-    config = config.get("text_config") or config
-    for key in POSITION_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_context(prompt_lens: list[int], max_new_tokens: int, positions: int | None, model_ref: str,
-                  estimated: bool = False) -> None:
-    """Refuse (exit 2) a run whose longest prompt + max_new_tokens exceeds the model's positions."""
-    if positions is None or not prompt_lens:
-        return
-    longest = max(prompt_lens)
-    if longest + max_new_tokens > positions:
-        room = positions - longest
-        what = "at least " if estimated else ""
-        raise SpecError(f"generation.max_new_tokens: {max_new_tokens} new tokens after a prompt of {what}{longest} "
-                        f"token(s) exceed the {positions} positions of model {model_ref}; "
-                        + (f"use max_new_tokens <= {room}" if room > 0 else "shorten the prompt"))
 
 
 def _check_generation(spec: RunSpec, cfg: dict) -> None:

@@ -8,9 +8,7 @@ reopens the manifest), `_generate_batches` (the tracer loop streaming into the a
 
 from __future__ import annotations
 
-import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,26 +16,27 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from ..archive import layout
-from ..archive.layout import RunShape
-from ..archive.manifest import manifest_base
-from ..archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
-from ..archive.runs import RunLog, now_iso, runs_root, write_manifest
-from ..archive.sink import BlockSink
-from ..archive.vocab import store_vocab
-from ..archive.writer import ArchiveWriter, BackgroundWriter
-from ..capture import attention
-from ..capture.arch import adapter_for, sdpa_refused
-from ..capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
-from ..capture.probes import Probes
-from ..capture.sampling import Sampler
-from ..capture.tracer import ForcedTokens, Tracer
-from ..errors import Interrupted, LmtraceError, ModelLoadError, SpecError
-from ..models import LoadedModel, check_run_model, load_model
-from ..progress import Progress
-from ..prompts import load_prompts, render_prompts
-from ..spec import RunSpec, resolve_layers, resolve_vector_layers
-from .validate import check_context, model_positions
+from .archive import layout
+from .archive.layout import RunShape
+from .archive.manifest import manifest_base
+from .archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
+from .archive.runs import RunLog, now_iso, runs_root, write_manifest
+from .archive.sink import BlockSink
+from .archive.vocab import store_vocab
+from .archive.writer import ArchiveWriter, BackgroundWriter
+from .capture import attention
+from .capture.arch import adapter_for, sdpa_refused
+from .capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
+from .capture.probes import Probes
+from .capture.sampling import Sampler
+from .capture.tracer import ForcedTokens, Tracer
+from .context_length import check_context, model_positions
+from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
+from .interrupts import StopFlag
+from .models import LoadedModel, check_run_model, load_model
+from .progress import Progress
+from .prompts import load_prompts, render_prompts
+from .spec import RunSpec, resolve_layers, resolve_vector_layers
 
 
 def eos_ids(spec_value, model, tokenizer) -> set[int]:
@@ -73,30 +72,6 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
 
 
 # ---------------------------------------------------------------------------------------------
-class StopFlag:
-    """SIGINT/SIGTERM ask the loop to finish the current step, flush and exit as interrupted."""
-
-    def __init__(self):
-        self.signal: int | None = None
-
-    def __call__(self) -> bool:
-        return self.signal is not None
-
-    @contextmanager
-    def installed(self):
-        def handler(signum, frame):
-            if self.signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C aborts at once
-            self.signal = signum
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-
 @dataclass
 class Replay:
     """How `intervene` drives the same loop: the parent's exact prompt ids, teacher forcing, edits."""
@@ -282,7 +257,7 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
                 write_manifest(run_dir, manifest)
                 (run_dir / layout.SPEC).write_text(given_text)
             else:
-                from ..archive.runs import read_manifest
+                from .archive.runs import read_manifest
 
                 if existing is None:  # another shard created the run meanwhile: it must be this one
                     check_target(root, spec, rd.shard, resume, owned=True)
@@ -300,7 +275,7 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
         if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
             finish_failed(None, rd, RunLog(run_dir / layout.LOG), *outcome(err))
         if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
-            from ..archive.writer import space_note
+            from .archive.writer import space_note
 
             raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
         raise
@@ -358,7 +333,7 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
 def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progress, batches, writer) -> _Generated:
     """The tracer loop over this shard's batches, each streamed block by block into the archive;
     batches already committed are skipped, a partly committed one resumes after its last block."""
-    from ..archive.liveness import Heartbeat
+    from .archive.liveness import Heartbeat
 
     g, tokenizer, writer_core = spec.generation, setup.loaded.tokenizer, writer.writer
     tracer = Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
@@ -413,9 +388,9 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:
     """This shard is complete. The last shard to finish (or the only one) compacts the tables,
     consolidates the Zarr metadata, records checksums and marks the run complete; the status."""
-    from ..archive.integrity import record
-    from ..archive.liveness import kill_point
-    from ..archive.runs import read_manifest
+    from .archive.integrity import record
+    from .archive.liveness import kill_point
+    from .archive.runs import read_manifest
 
     t_done = time.time()
     with rd.lock():
@@ -443,24 +418,3 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
         write_manifest(rd.path, manifest)
         log.event("complete", tokens=n_generated)
         return "complete"
-
-
-def lens_after(result: GenerateResult, note=lambda text: None) -> dict | None:
-    """`generate --lens` / `intervene --lens`: the deferred lens of the run just written, with the
-    model already in memory (no second load). None when this process did not complete the run
-    (a shard whose siblings are still running: the last one to finish computes it)."""
-    if result.status != "complete":
-        return None
-    import warnings
-
-    from ..archive.reader import IncompleteRunWarning, open_run
-    from .lens import compute_lens
-
-    from ..archive.runs import lens_state
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", IncompleteRunWarning)
-        run = open_run(result.run_dir)
-    if lens_state(run.manifest) == "none":  # (intervene children inherit their parent's capture)
-        return {"run_id": run.id, "computed": False, "reason": "no logit lens captured in this run"}
-    return compute_lens(run, note=note, loaded=result.loaded)
