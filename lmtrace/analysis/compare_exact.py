@@ -28,7 +28,7 @@ def _parse_steps(text: str | None) -> set[int] | None:
 
 
 def _load(side, device):
-    from .explain import Scorer
+    from ..commands.explain import Scorer
     from ..models import load_run_model
 
     loaded = load_run_model(side.run.manifest, side.run.id, purpose="compare --exact (without it compare loads no model)",
@@ -46,7 +46,7 @@ def _same_model(A, B) -> bool:
 
 def _logits(scorer, side, seq: int, ids: list[int], prompt_len: int, wanted: list[int]) -> torch.Tensor:
     """[len(wanted), vocab] float64 logits of the side's model (its edits replayed) at steps `wanted`."""
-    from .explain import child_edits
+    from ..commands.explain import child_edits
 
     edits = child_edits(side.run, scorer, seq, prompt_len)
     n = len(ids)
@@ -65,7 +65,7 @@ def _logits(scorer, side, seq: int, ids: list[int], prompt_len: int, wanted: lis
 def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], steps: str | None, device: str | None,
                   note=lambda text: None) -> dict:
     """Fill the exact_* columns of the paired rows of `step_rows` (in place); return a summary with a note."""
-    from .explain import NOT_REPLAYABLE
+    from ..commands.explain import NOT_REPLAYABLE
     from ..capture.interventions import parse_entries
 
     for side in (A, B):  # refuse before loading anything
