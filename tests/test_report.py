@@ -248,13 +248,48 @@ def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_l
     from lmtrace.analysis.compare import compare_runs
 
     cmp = compare_runs(str(a.path), str(b.path))
-    js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0]
+    js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0 and r["context_identical"]]
     np.testing.assert_allclose(blob(page_json(page, "lmtrace-blobs"), "cmp_js_0"),
                                np.asarray([np.nan if v is None else v for v in js], dtype=np.float32))
     out2 = tmp_path / "c2.html"
     proc = lmtrace(tmp_path, "compare", str(a.path), str(b.path), "--html", str(out2))
     assert proc.returncode == 0, proc.stderr
     assert {f["id"] for f in page_json(out2.read_text(), "lmtrace-figures")} == ids
+
+
+def test_compare_page_draws_the_paired_steps_only(tmp_path, tiny_llama_dir):
+    """The divergence timeline compares identical contexts only: up to and including the first divergence.
+    Checked against both archives' tokens.parquet read with pyarrow."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps({"model": str(tiny_llama_dir), "prompts": PROMPTS[:2],
+                                "generation": {"max_new_tokens": 6, "batch_size": 2}}))
+    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "greedy").returncode == 0
+    proc = lmtrace(tmp_path, "intervene", "greedy", "--temperatures", "1.5", "--from-step", "2", "-q")
+    assert proc.returncode == 0, proc.stderr
+    child = proc.stdout.strip()
+    out = tmp_path / "c.html"
+    assert lmtrace(tmp_path, "report", "greedy", child, "--out", str(out), "-q").returncode == 0
+    blobs = page_json(out.read_text(), "lmtrace-blobs")
+    titles = {f["id"]: f["title"] for f in page_json(out.read_text(), "lmtrace-figures")}
+
+    def generated(run_id):
+        t = pq.read_table(tmp_path / "runs" / run_id / "tokens.parquet").to_pandas()
+        return t[~t.is_prompt].sort_values(["sequence", "step"])
+
+    a, b = generated("greedy"), generated(child)
+    for seq in (0, 1):
+        ta, tb = a[a.sequence == seq].reset_index(drop=True), b[b.sequence == seq].reset_index(drop=True)
+        differ = np.flatnonzero(ta.token_id.to_numpy() != tb.token_id.to_numpy())
+        assert differ.size and 2 <= differ[0] < len(ta) - 1, differ  # steps after the divergence exist
+        first = int(differ[0])
+        np.testing.assert_array_equal(blob(blobs, f"cmp_steps_{seq}"), np.arange(first + 1))
+        expected = [float(tb.logprob[s] - ta.logprob[s]) for s in range(first)]  # the same token on both sides
+        under_b = dict(zip(tb.alt_ids[first], tb.alt_logprobs[first]))  # A's token in B's distribution
+        expected.append(float(under_b[ta.token_id[first]] - ta.logprob[first]) if ta.token_id[first] in under_b
+                        else np.nan)
+        np.testing.assert_allclose(blob(blobs, f"cmp_dlp_{seq}"), np.asarray(expected, np.float32), rtol=1e-5,
+                                   atol=1e-6)
+        assert "identical contexts" in titles[f"cmp-timeline-{seq}"]
 
 
 def test_report_cli_errors_are_one_line(tmp_path, tiny_run):

@@ -53,7 +53,9 @@ def pairs_section(cmp, blobs: Blobs) -> Section:
             sec.html += (f"<p>step-0 logit difference, A's {esc(repr(ld['text_a']))} − B's {esc(repr(ld['text_b']))}: "
                          f"under A {esc(_fmt(ld['under_a']))}, under B {esc(_fmt(ld['under_b']))} nats "
                          f"(– where a run did not store one of the tokens; docs/compare.md)</p>")
-        idx = [i for i, pk in enumerate(steps.get("pair", [])) if pk == k]
+        # paired steps only (identical contexts: up to and including the first divergence); after it each side
+        # saw its own text and a difference would compare two contexts
+        idx = [i for i, pk in enumerate(steps.get("pair", [])) if pk == k and steps["context_identical"][i]]
         if not idx:
             continue
         x = blobs.add(f"cmp_steps_{k}", np.asarray([steps["step"][i] for i in idx], dtype=np.int32))
@@ -64,13 +66,14 @@ def pairs_section(cmp, blobs: Blobs) -> Section:
                    "text": labels},
                   {"name": "KL(A‖B) (nats)", "x": x,
                    "y": blobs.add(f"cmp_kl_{k}", _nan(steps["kl_ab"][i] for i in idx), "float32"), "text": labels}]
-        lp_a, lp_b = _nan(steps["logprob_a"][i] for i in idx), _nan(steps["logprob_b"][i] for i in idx)
-        series.append({"name": "Δ logprob of the chosen token (B − A)", "x": x,
-                       "y": blobs.add(f"cmp_dlp_{k}", lp_b - lp_a, "float32"), "text": labels})
+        # A's token in both distributions: the same token on both sides before the divergence, A's choice at it
+        lp_a, lp_a_b = _nan(steps["logprob_a"][i] for i in idx), _nan(steps["logprob_a_under_b"][i] for i in idx)
+        series.append({"name": "Δ logprob of A's token (B − A)", "x": x,
+                       "y": blobs.add(f"cmp_dlp_{k}", lp_a_b - lp_a, "float32"), "text": labels})
         shapes = [F.vline(d["step"], "first divergence")] if d is not None else None
-        sec.figures.append(F.lines(f"cmp-timeline-{k}", f"pair {k}: next-token distribution shift per step "
-                                   "(paired steps: identical contexts)", series, xtitle="step", ytitle="nats",
-                                   shapes=shapes))
+        sec.figures.append(F.lines(f"cmp-timeline-{k}", f"pair {k}: next-token distribution shift per paired step "
+                                   "(identical contexts; steps after the first divergence are not compared)", series,
+                                   xtitle="step", ytitle="nats", shapes=shapes))
     if len(cmp.pairs) > 10:
         sec.notes.append(f"{len(cmp.pairs) - 10} more pair(s): see `lmtrace compare --json` or `--out DIR`")
     return sec
