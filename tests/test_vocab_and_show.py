@@ -227,3 +227,77 @@ def test_show_refuses_a_step_or_sequence_the_run_lacks(run, args, fragment):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert fragment in lines[0] and "Traceback" not in proc.stderr
+
+
+# ---- colours a colour-blind reader can tell apart ------------------------------------------------------
+# Machado, Oliveira & Fernandes (2009) at full severity, on linear RGB; the difference in CIE L*a*b* (ΔE76)
+CVD = {"protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 0.951998]],
+       "deuteranopia": [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]],
+       "tritanopia": [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]]}
+XTERM = {30: (0, 0, 0), 31: (205, 0, 0), 32: (0, 205, 0), 33: (205, 205, 0), 34: (0, 0, 238), 35: (205, 0, 205),
+         36: (0, 205, 205), 37: (229, 229, 229)}
+
+
+def _lab_as_seen(rgb, matrix) -> np.ndarray:
+    c = np.asarray(rgb, np.float64) / 255
+    linear = np.clip(np.asarray(matrix) @ np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4), 0, 1)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    t = xyz / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(t > (6 / 29) ** 3, np.cbrt(t), t / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def _apart_for_every_deficiency(a, b) -> float:
+    return min(float(np.linalg.norm(_lab_as_seen(a, m) - _lab_as_seen(b, m))) for m in CVD.values())
+
+
+def _ansi_rgb(codes: str):
+    """The foreground colour of an SGR sequence: 24-bit, the 256-colour cube, or xterm's standard colours."""
+    parts = [int(x) for x in codes.split(";") if x]
+    for i, x in enumerate(parts):
+        if x == 38 and parts[i + 1] == 2:
+            return tuple(parts[i + 2:i + 5])
+        if x == 38 and parts[i + 1] == 5 and 16 <= parts[i + 2] < 232:
+            n = parts[i + 2] - 16
+            return tuple(0 if v == 0 else 55 + 40 * v for v in (n // 36, n // 6 % 6, n % 6))
+        if x in XTERM:
+            return XTERM[x]
+    return None
+
+
+def test_probability_colours_stay_apart_for_colour_blind_readers(run, tmp_path):
+    proc = lmtrace("show", str(run.path), env={"FORCE_COLOR": "1", "COLORTERM": "truecolor"})
+    assert proc.returncode == 0, proc.stderr
+    legend = next(line for line in proc.stdout.splitlines() if "token colour = probability" in line)
+    steps = [_ansi_rgb(codes) for codes, label in re.findall(r"\x1b\[([0-9;]*)m([<>]=?[0-9.]+)", legend)]
+    assert len(steps) == 4 and None not in steps, legend
+    for i in range(4):  # the terminal's four steps, each pair told apart under protan-, deuter- and tritanopia
+        for j in range(i + 1, 4):
+            assert _apart_for_every_deficiency(steps[i], steps[j]) >= 15, (steps[i], steps[j])
+    strip = {_ansi_rgb(codes) for codes in re.findall(r"\x1b\[([0-9;]*)m", proc.stdout.split(legend)[0])}
+    assert set(steps) & strip  # the tokens are drawn in the legend's colours
+
+    from lmtrace.report import report_run
+
+    page = report_run(str(run.path), out=tmp_path / "r.html").path.read_text()
+    spans = re.findall(r"<span class='tok' style='background:([^']*)' data-seq='\d+' data-step='\d+' "
+                       r"data-prob='([^']*)'", page)
+    assert spans, "no coloured token on the page"
+    least_likely = _css_rgb(min(spans, key=lambda s: float(s[1]))[0])
+    assert min(float(p) for _, p in spans) < 0.1  # a sampled tiny model: unlikely tokens on the page
+    legend = re.search(r"background:([^']*)'>p≈0</span>.*?background:([^']*)'>1</span>", page)
+    assert legend, "the page's colour legend"
+    unlikely, certain = (_css_rgb(c) for c in legend.groups())
+    assert _apart_for_every_deficiency(unlikely, certain) >= 40
+    assert _apart_for_every_deficiency(least_likely, certain) >= 30  # the least likely token shown vs a certain one
+
+
+def _css_rgb(css: str):
+    """`#rrggbb` or `hsl(h,s%,l%)` as (r, g, b) 0..255."""
+    import colorsys
+
+    if css.startswith("#"):
+        return tuple(int(css[i:i + 2], 16) for i in (1, 3, 5))
+    h, sat, light = (float(x.strip("%")) for x in re.fullmatch(r"hsl\((.*)\)", css).group(1).split(","))
+    return tuple(255 * x for x in colorsys.hls_to_rgb(h / 360, light / 100, sat / 100))
+

@@ -15,23 +15,13 @@ from ..archive.runs import find_run, human_bytes, lens_state, runs_root
 from ..archive.summary import run_summary
 from ..errors import LmtraceError, SpecError
 from ..jsonout import json_line
+from ..prob_colours import terminal_colour, terminal_legend
 
 
 def _console() -> Console:
     """The terminal's width on a terminal; when piped, lines are not wrapped or cut at 80 columns."""
     console = Console()
     return console if console.is_terminal else Console(soft_wrap=True)
-
-
-def _prob_style(p: float) -> str:
-    """Green for confident tokens through yellow to red for unlikely ones."""
-    if p >= 0.8:
-        return "green"
-    if p >= 0.4:
-        return "yellow"
-    if p >= 0.1:
-        return "dark_orange"
-    return "red"
 
 
 def colour_wanted(no_color: bool = False) -> bool:
@@ -82,14 +72,17 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
         if colour:
             text = Text()
             for tok, lp in zip(t.token_text, t.logprob):
-                text.append(tok, style=_prob_style(math.exp(lp)))
+                text.append(tok, style=terminal_colour(math.exp(lp)))
             console.print(text)
         else:  # the token texts exactly (rich would expand tabs and drop control characters)
             console.file.write("".join(f"{tok}[{prob_label(math.exp(lp))}]" for tok, lp in zip(t.token_text, t.logprob))
                                + "\n")
     if colour:
-        console.print(Text("token colour = probability: ", style="dim") + Text(">=0.8 ", style="green")
-                      + Text(">=0.4 ", style="yellow") + Text(">=0.1 ", style="dark_orange") + Text("<0.1", style="red"))
+        legend = Text()
+        legend.append("token colour = probability: ", style="dim")
+        for label, colour in terminal_legend():
+            legend.append(label + " ", style=colour)
+        console.print(legend)
 
 
 def _print_header(run, summary: dict, console: Console) -> None:
@@ -135,7 +128,6 @@ def _check_sequence(run, sequence: int) -> None:
 def step_detail(run, sequence: int, step: int) -> dict:
     """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
     import numpy as np
-
 
     _check_sequence(run, sequence)
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
+from ..prob_colours import page_colour
 from . import figures as F
 from .blobs import Blobs
 from .run_data import RunData, display, stack_steps, token_prob
@@ -96,10 +97,8 @@ def manifest_section(data: RunData) -> Section:
 
 # ---- generated text --------------------------------------------------------------------------
 def prob_colour(p: float) -> str:
-    """Red (unlikely) through yellow to green (confident), light enough to read text on."""
-    if not math.isfinite(p):
-        return "#eeeeee"
-    return f"hsl({120 * max(0.0, min(1.0, p)):.0f},75%,80%)"
+    """Orange (unlikely) through near-white to blue (confident): colour-blind safe, light enough to read text on."""
+    return page_colour(p)
 
 
 def _token_info(data: RunData, g: dict, s: int, alt_texts: list[str]) -> str:
