@@ -229,6 +229,31 @@ def test_show_refuses_a_step_or_sequence_the_run_lacks(run, args, fragment):
     assert fragment in lines[0] and "Traceback" not in proc.stderr
 
 
+def test_show_step_counts_ranks_from_1_labels_both_margins_and_explains_stability(tiny_llama_dir, tmp_path, decoded):
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,  # top-k 5: ranks 0..4 are stored
+                              "generation": {"max_new_tokens": 8, "batch_size": 3, "temperature": 1.0, "top_k": 5,
+                                             "seed": 2}})
+    g = generated(run)
+    # a sampled step whose chosen token is not the top-1 but is among the stored alternatives
+    row = next(r for r in g.itertuples() if 0 < r.rank < len(r.alt_ids) and r.alt_ids[r.rank] == r.token_id)
+    text = lmtrace("show", str(run.path), "--step", str(row.step), "--sequence", str(row.sequence)).stdout
+    numbered = {int(n): t for n, t in re.findall(r"^\s+(\d+)\. (\S.*?)\s{2}", text, re.M)}
+    assert numbered[row.rank + 1] == repr(decoded[row.token_id])  # the alternatives count from 1 ...
+    assert f"rank {row.rank + 1} (1 = the model's top-1)" in text  # ... and so does the chosen token's rank
+    chosen = row.logprob - row.alt_logprobs[0]  # vs the best other token: the top-1, the first alternative
+    m = re.search(r"the model's top-1 − top-2 (\S+) nats; the chosen token − the best other token (\S+) nats", text)
+    assert m, text
+    assert float(m.group(1)) == pytest.approx(row.margin, rel=1e-3)
+    assert float(m.group(2)) == pytest.approx(chosen, rel=1e-3) and float(m.group(2)) < 0
+    d = json.loads(lmtrace("show", str(run.path), "--step", str(row.step), "--sequence", str(row.sequence),
+                           "--json").stdout)
+    assert d["token"]["margin_chosen"] == pytest.approx(chosen, rel=1e-6)
+    stability = re.search(r"^stability: (\w+) \((.*)\)$", text, re.M)
+    assert stability and stability.group(1) == row.stability, text
+    for word in ("locked", "stable", "fragile", "tie"):  # every class is explained where it is shown
+        assert f"{word} = " in stability.group(2)
+
+
 # ---- colours a colour-blind reader can tell apart ------------------------------------------------------
 # Machado, Oliveira & Fernandes (2009) at full severity, on linear RGB; the difference in CIE L*a*b* (ΔE76)
 CVD = {"protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 0.951998]],

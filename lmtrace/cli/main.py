@@ -292,9 +292,10 @@ def show(
 
     Without colour (stdout not a terminal, NO_COLOR set, or --no-color) each generated token is
     followed by its probability in brackets, 2 significant digits: `Paris[0.93]`, and no colour
-    legend is printed. --step S [--sequence K] prints that step's token, probability, rank, margin,
-    entropy, stability, its alternatives and (once `lmtrace lens` has run) the logit lens of every
-    captured layer, ids read as text.
+    legend is printed. --step S [--sequence K] prints that step's token, probability, rank (1 =
+    the model's top-1, as the alternatives are numbered), the model's top-1 − top-2 margin and the
+    chosen token's own margin, entropy, stability (explained in the output), its alternatives and
+    (once `lmtrace lens` has run) the logit lens of every captured layer, ids read as text.
     """
     from ..commands.show import show_run
 

@@ -17,6 +17,10 @@ from ..errors import LmtraceError, SpecError
 from ..jsonout import json_line
 from ..prob_colours import terminal_colour, terminal_legend
 
+# what `stability` means (capture.sampling.stability_class), said under --step
+STABILITY_LEGEND = ("of the model's top-1, whatever was chosen: locked = top-1 prob ≥ 0.9, stable = top-1 − top-2 "
+                    "margin ≥ 1 nat, fragile = margin ≥ 0.1 nat, tie = margin < 0.1 nat")
+
 
 def _console() -> Console:
     """The terminal's width on a terminal; when piped, lines are not wrapped or cut at 80 columns."""
@@ -147,9 +151,15 @@ def step_detail(run, sequence: int, step: int) -> dict:
     alt_ids = [int(i) for i in r.alt_ids]
     alternatives = [{"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
                     for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)]
+    rank = int(r["rank"])
+    # the chosen token's logprob minus the best other token's: the model's margin when it chose its top-1,
+    # else minus the top-1's logprob (the first alternative); unknown when no alternative was stored
+    chosen_margin = (float(r.margin) if rank == 0 else
+                     float(r.logprob) - alternatives[0]["logprob"] if alternatives else None)
     token = {
         "id": int(r.token_id), "text": r.token_text, "prob": float(r.prob), "logprob": float(r.logprob),
-        "rank": int(r["rank"]), "margin": float(r.margin), "entropy": float(r.entropy), "stability": r.stability,
+        "rank": rank, "margin": float(r.margin), "margin_chosen": chosen_margin, "entropy": float(r.entropy),
+        "stability": r.stability,
         "sampling_prob": float(r.sampling_prob), "filter_changed": bool(r.filter_changed),
         "greedy_id": int(r.greedy_id), "greedy_text": run.text([int(r.greedy_id)])[0], "is_eos": bool(r.is_eos),
     }
@@ -178,7 +188,11 @@ def _print_step(d: dict, console: Console) -> None:
     out(f"run {d['run_id']}  sequence {d['sequence']}  step {d['step']} (position {d['position']})")
     out("context: " + ("…" if len(context) > 200 else "") + repr(context[-200:]))
     out(f"chosen: {tok['text']!r} (id {tok['id']})  prob {tok['prob']:.4g}  logprob {tok['logprob']:.4g}  "
-        f"rank {tok['rank']}  margin {tok['margin']:.4g}  entropy {tok['entropy']:.4g} nats  {tok['stability']}")
+        f"rank {tok['rank'] + 1} (1 = the model's top-1)  entropy {tok['entropy']:.4g} nats")
+    chosen = "unknown (no alternative stored)" if tok["margin_chosen"] is None else f"{tok['margin_chosen']:.4g} nats"
+    out(f"margins: the model's top-1 − top-2 {tok['margin']:.4g} nats; the chosen token − the best other token "
+        f"{chosen}")
+    out(f"stability: {tok['stability']} ({STABILITY_LEGEND})")
     if tok["rank"] != 0:
         out(f"model's top-1: {tok['greedy_text']!r} (id {tok['greedy_id']}); sampled with prob "
             f"{tok['sampling_prob']:.4g}" + ("; top-k/top-p changed the choice" if tok["filter_changed"] else ""))

@@ -101,11 +101,17 @@ def prob_colour(p: float) -> str:
     return page_colour(p)
 
 
+def _rank_1(rank):
+    """The archive's rank (0 = top-1) counted from 1, as every view shows it; None stays None."""
+    return None if rank is None or (isinstance(rank, float) and not math.isfinite(rank)) else int(rank) + 1
+
+
 def _token_info(data: RunData, g: dict, s: int, alt_texts: list[str]) -> str:
     lp = g["logprob"][s]
     lines = [f"{display(g['token_text'][s])!r}  step {s}  (id {g['token_id'][s]})",
-             f"p = {_fmt(g['prob'][s], 4)}   logprob = {_fmt(lp, 4)}   rank {_fmt(g['rank'][s])}",
-             f"margin {_fmt(g['margin'][s])} nats   stability {g['stability'][s]}   entropy {_fmt(g['entropy'][s])} nats"]
+             f"p = {_fmt(g['prob'][s], 4)}   logprob = {_fmt(lp, 4)}   rank {_fmt(_rank_1(g['rank'][s]))} (1 = top-1)",
+             f"top-1 − top-2 margin {_fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
+             f"entropy {_fmt(g['entropy'][s])} nats"]
     sp = g.get("sampling_prob", [None] * (s + 1))[s]
     if sp is not None and sp != 1.0:
         lines.append(f"sampled with p = {_fmt(sp, 4)} (after temperature/top-k/top-p), "
