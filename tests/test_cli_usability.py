@@ -114,12 +114,12 @@ def test_ls_tells_runs_and_children_apart_and_intervene_quiet_prints_child_ids(t
     assert rows["parent"]["kind"] == "generate" and rows["parent"]["parent_id"] is None
     assert rows["parent"]["lens"] == "pending"
     assert rows[child]["kind"] == "intervene" and rows[child]["parent_id"] == "parent"
-    assert rows[child]["edits"] == "ablate_head 1.2 (rescore)"
+    assert rows[child]["edits"] == "ablate-head 1.2 (rescore)"
     assert rows[child]["lens"] == "ready"  # intervene --lens, with the model the child was written with
     kinds = {r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls", "--kind", "intervene", "--json").stdout)}
     assert kinds == set(rows) - {"parent"} and len(kinds) == 3
     table = lmtrace(tmp_path, "ls", env={"COLUMNS": "250"}).stdout
-    assert "intervene" in table and "ablate_head 1.2" in table and "pending" in table
+    assert "intervene" in table and "ablate-head 1.2" in table and "pending" in table
 
 
 def test_every_json_output_is_one_compact_line(tmp_path, tiny_llama_dir):
@@ -133,3 +133,89 @@ def test_every_json_output_is_one_compact_line(tmp_path, tiny_llama_dir):
         lines = proc.stdout.splitlines()
         assert len(lines) == 1, (proc.args, proc.stdout[:500])
         json.loads(lines[0])
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _many_runs(tmp_path: Path, tiny_llama_dir: Path, n: int = 29) -> dict[str, dict]:
+    """A parent, three intervene children, and copies of them under other ids: n runs, as `ls --json` lists them."""
+    import shutil
+
+    spec = _tiny_spec(tmp_path, tiny_llama_dir, capture="none")
+    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "parent").returncode == 0
+    for args in (("--ablate-head", "1.2", "--from-step", "1"),
+                 ("--ablate-mlp", "2:mean", "--mask-positions", "0-2", "--mode", "regenerate"),
+                 ("--ablate-neurons", "3:1,2,3,7", "--mask-positions", "prompt")):
+        proc = lmtrace(tmp_path, "intervene", "parent", *args, "-q")
+        assert proc.returncode == 0, proc.stderr
+    runs = tmp_path / "runs"
+    originals = sorted(p for p in runs.iterdir() if p.is_dir())
+    for i in range(n - len(originals)):
+        copy = shutil.copytree(originals[i % len(originals)], runs / f"20300101-{i:06d}-copy{i:05d}")
+        manifest = json.loads((copy / "manifest.json").read_text())
+        (copy / "manifest.json").write_text(json.dumps({**manifest, "run_id": copy.name}))
+    rows = {r["run_id"]: r for r in json.loads(lmtrace(tmp_path, "ls", "--json").stdout)}
+    assert len(rows) == n
+    return rows
+
+
+def test_ls_fits_80_columns_and_a_pipe_gets_one_whole_line_per_run(tmp_path, tiny_llama_dir):
+    from lmtrace.capture.interventions import parse_entries, shorthand_entries
+
+    rows = _many_runs(tmp_path, tiny_llama_dir)
+    # a terminal 80 columns wide (rich takes FORCE_COLOR as a terminal, COLUMNS as its width)
+    term = lmtrace(tmp_path, "ls", env={"COLUMNS": "80", "FORCE_COLOR": "1"})
+    assert term.returncode == 0, term.stderr
+    lines = ANSI.sub("", term.stdout).splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert len(lines) <= len(rows) + 5, term.stdout  # a title, the header, one line per run, a note
+    for run_id, r in rows.items():
+        mine = [line for line in lines if line.split(" ")[0] == run_id]
+        assert len(mine) == 1, (run_id, lines)
+        assert r["status"] in mine[0] and r["kind"] in mine[0]
+        if r["edits"]:
+            shown = mine[0].rstrip().rsplit("  ", 1)[-1]
+            assert r["edits"] == shown or (shown.endswith("…") and r["edits"].startswith(shown[:-1])), (r, shown)
+    assert "not shown at 80 columns:" in ANSI.sub("", term.stdout)
+    wide = ANSI.sub("", lmtrace(tmp_path, "ls", env={"COLUMNS": "250", "FORCE_COLOR": "1"}).stdout)
+    assert "not shown" not in wide and all(r["edits"] in wide for r in rows.values() if r["edits"])
+
+    # piped: a header, then one whole line per run, tab-separated, every column
+    piped = lmtrace(tmp_path, "ls", env={"COLUMNS": "80"})
+    lines = piped.stdout.splitlines()
+    header = lines[0].split("\t")
+    assert header[:3] == ["run id", "kind", "status"] and len(lines) == len(rows) + 1
+    for line in lines[1:]:
+        cells = dict(zip(header, line.split("\t")))
+        assert len(line.split("\t")) == len(header)
+        r = rows[cells["run id"]]
+        assert (cells["model"], cells["edits"], cells["parent"]) == (r["model"], r["edits"] or "-", r["parent_id"] or "-")
+
+    # edits in the CLI's own words: each label read back by intervene's own flag parser gives the stored entries
+    flags = {"ablate-head": "ablate_head", "ablate-layer": "ablate_layer", "ablate-mlp": "ablate_mlp",
+             "ablate-attn": "ablate_attn", "ablate-neurons": "ablate_neurons", "mask-positions": "mask_positions"}
+    for r in rows.values():
+        if r["kind"] != "intervene":
+            continue
+        m = json.loads((Path(r["path"]) / "manifest.json").read_text())
+        label, mode = re.fullmatch(r"(.*) \((rescore|regenerate)\)", r["edits"]).groups()
+        assert mode == m["mode"] and "{" not in label, r["edits"]
+        from_step = None
+        if m.get("from_step"):
+            label, from_step = re.fullmatch(r"(.*) from (\d+)", label).groups()
+            assert int(from_step) == m["from_step"]
+        given = {name: [] for name in flags.values()}
+        for part in label.split("; "):
+            flag, value = part.split(" ")
+            given[flags[flag]].append(value)
+        entries = shorthand_entries(**given)
+        if from_step is not None:
+            entries = [{"steps": {"from": int(from_step)}, **e} for e in entries]
+        key = lambda e: json.dumps(e, sort_keys=True)  # noqa: E731
+        assert sorted(map(key, (e.model_dump(mode="json") for e in parse_entries(entries, "test")))) == \
+            sorted(map(key, m["interventions"])), (r["edits"], m["interventions"])
+    child = next(r["run_id"] for r in rows.values() if (r["edits"] or "").startswith("ablate-head"))
+    diffs = json.loads(lmtrace(tmp_path, "compare", "parent", child, "--json").stdout)["spec_differences"]
+    assert {"key": "interventions", "a": None, "b": "ablate-head 1.2 from 1"} in diffs  # compare says it alike
+

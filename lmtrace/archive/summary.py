@@ -44,26 +44,69 @@ def run_summary(path) -> dict:
     }
 
 
+# An intervention kind's flag on `lmtrace intervene`; kinds without one (YAML only) are written as their kind
+FLAGS = {"ablate_head": "ablate-head", "ablate_layer": "ablate-layer", "ablate_mlp": "ablate-mlp",
+         "ablate_attention": "ablate-attn", "ablate_neurons": "ablate-neurons", "mask_positions": "mask-positions"}
+
+
+def ranges(values) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8': the range syntax the CLI reads (`--mask-positions 0-2,5`)."""
+    xs = sorted({int(v) for v in values})
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def edit_label(e: dict, run_from_step: int | None = None) -> str:
+    """One stored intervention entry in the CLI's words: `ablate-head 12.3:mean`, `mask-positions 3-9`,
+    `ablate-neurons 7:120,455 steps 0-3`; a `from N` equal to the run's --from-step is left to the run's label."""
+    kind = str(e.get("kind", "?"))
+    words = [FLAGS.get(kind, kind.replace("_", "-"))]
+    mean = ":mean" if e.get("mode") == "mean" else ""
+    layer = e.get("layer")
+    if kind in ("ablate_head", "patch_head"):
+        words.append(f"{layer}.{e.get('head')}{mean}")
+    elif kind == "ablate_neurons":
+        words.append(f"{layer}:{ranges(e.get('neurons') or [])}{mean}")
+    elif kind == "mask_experts":
+        words.append(f"{layer}:{ranges(e.get('experts') or [])}")
+    elif kind == "mask_positions":
+        words.append(str(e["span"]) if e.get("span") else ranges(e.get("mask") or []))
+    elif layer is not None:
+        words.append(f"{layer}{mean}")
+    if kind in ("patch_residual", "patch_head"):
+        words.append(f"source {e.get('source_run')}" + (f" sequence {e['source_sequence']}"
+                                                        if e.get("source_sequence") is not None else ""))
+    if kind == "steer":
+        words.append(f"alpha {e.get('alpha')}")
+        words.append(f"vector {e['vector']}" if e.get("vector") else "from-runs " + ",".join(map(str, e.get("from_runs") or [])))
+    steps = e.get("steps", "all")
+    if isinstance(steps, dict) and steps.get("from") is not None and steps["from"] != run_from_step:
+        words.append(f"from {steps['from']}")
+    elif isinstance(steps, list):
+        words.append(f"steps {ranges(steps)}")
+    for key in ("sequences", "positions"):
+        if isinstance(e.get(key), list):
+            words.append(f"{key} {ranges(e[key])}")
+    return " ".join(words)
+
+
 def edits_label(m: dict) -> str | None:
-    """An intervene child's edits in a few words: `ablate_head 3.2; mask_positions positions=0-4 (rescore from 5)`."""
+    """An intervene child's edits in the CLI's words: `ablate-head 12.3 from 2 (rescore)`,
+    `ablate-mlp 4:mean; mask-positions 0-4 (regenerate)`, `temperature 0.5 (regenerate)`; None for other runs."""
     if m.get("kind") != "intervene":
         return None
-    parts = []
-    for e in m.get("interventions") or []:
-        fields = {k: v for k, v in e.items() if k not in ("kind", "mode") and v not in (None, [], {}, "all")}
-        if fields and set(fields) <= {"layer", "head"}:
-            target = ".".join(str(fields[k]) for k in ("layer", "head") if k in fields)
-        else:
-            target = ",".join(f"{k}={v}" for k, v in fields.items())
-        parts.append(e.get("kind", "?") + (f" {target}" if target else "") + (":mean" if e.get("mode") == "mean" else ""))
-    temperature = ((m.get("spec_resolved") or {}).get("generation") or {}).get("temperature")
+    from_step = m.get("from_step")
+    parts = [edit_label(e, from_step) for e in m.get("interventions") or []]
     if not parts:
+        temperature = ((m.get("spec_resolved") or {}).get("generation") or {}).get("temperature")
         parts.append(f"temperature {temperature}")
-    where = m.get("mode") or "rescore"
-    if m.get("from_step"):
-        where += f" from {m['from_step']}"
-    return "; ".join(parts) + f" ({where})"
-
+    return "; ".join(parts) + (f" from {from_step}" if from_step else "") + f" ({m.get('mode') or 'rescore'})"
 
 
 def summary_or_damaged(path) -> dict:

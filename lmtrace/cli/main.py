@@ -269,7 +269,14 @@ def ls_(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """List runs: id, kind, status, model, prompts, tokens, lens, parent, edits, size, created."""
+    """List runs: id, kind, status, model, prompts, tokens, lens, parent, edits, size, created.
+
+    On a terminal the table fits its width: columns are left out in this order: lens, prompts,
+    size, created, tokens, parent, model; then the edits cells are cut (…); a last line names
+    what was left out. Piped: a header line, then one whole line per run, cells separated by
+    tabs. Edits are written as the intervene flags that make them (`ablate-head 12.3 from 2
+    (rescore)`).
+    """
     from ..commands.ls import list_table
 
     try:

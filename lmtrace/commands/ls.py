@@ -1,10 +1,17 @@
-"""`lmtrace ls`: the runs under the runs directory as a table (or JSON lines)."""
+"""`lmtrace ls`: the runs under the runs directory, one line per run.
+
+On a terminal the table fits the terminal's width: columns are left out, lowest priority first
+(`PRIORITY`), down to run id, status, kind and edits, whose edits cells are then cut (…); the
+model is shown by its last path component and `created` to the minute; a last line names what
+was left out. Piped, every run is one whole line of tab-separated cells
+under a header line (every column, nothing cut: `cut -f1`, `column -t -s $'\\t'`). `--json` gives
+the full rows.
+"""
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from ..archive.runs import human_bytes, list_runs, runs_root
@@ -12,17 +19,78 @@ from ..archive.summary import summary_or_damaged
 from ..errors import SpecError
 from ..jsonout import json_line
 
-
-def _console() -> Console:
-    """The terminal's width on a terminal; when piped, lines are not wrapped or cut at 80 columns."""
-    console = Console()
-    return console if console.is_terminal else Console(width=400)
-
-
 KINDS = ("generate", "intervene")
+COLUMNS = ("run id", "kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created")
+# what a narrow terminal keeps, most important first: columns are left out from the end of this list, down to
+# the first `ALWAYS`; then the edits cells are cut (…)
+PRIORITY = ("run id", "status", "kind", "edits", "model", "parent", "tokens", "created", "size", "prompts", "lens")
+ALWAYS = 4
+GAP = 2  # spaces between columns
+STATUS_STYLE = {"complete": "green", "running": "yellow", "interrupted": "magenta", "failed": "red", "damaged": "red"}
+
+
+def _cells(r: dict, *, short: bool) -> dict[str, str]:
+    """One run's cells; `short` (terminal): the model's last path component, `created` to the minute."""
+    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
+    model, created = dash(r["model"]), dash(r["created"])
+    if short:
+        model = model.rstrip("/").rsplit("/", 1)[-1] or model
+        created = created[:16].replace("T", " ")
+    return {"run id": str(r["run_id"]), "kind": dash(r["kind"]), "status": dash(r["status"]), "model": model,
+            "prompts": dash(r["prompts"]), "tokens": dash(r["tokens"]), "lens": dash(r["lens"]),
+            "parent": dash(r["parent_id"]), "edits": dash(r["edits"]), "size": human_bytes(r["size_bytes"]),
+            "created": created}
+
+
+def fit_columns(natural: dict[str, int], width: int) -> dict[str, int]:
+    """Column -> width for a terminal `width` cells wide, in `COLUMNS` order: columns are left out by `PRIORITY`
+    while more than `ALWAYS` remain, then the edits column is cut. Every other cell is whole: the run id alone
+    may exceed a very narrow terminal."""
+    kept = list(PRIORITY)
+    while True:
+        widths = {c: natural[c] for c in kept}
+        excess = sum(widths.values()) + GAP * (len(kept) - 1) - width
+        if excess <= 0:
+            break
+        if len(kept) > ALWAYS:
+            kept.pop()
+            continue
+        widths["edits"] -= min(excess, max(0, widths["edits"] - len("edits")))
+        break
+    return {c: widths[c] for c in COLUMNS if c in widths}
+
+
+def _terminal_table(rows: list[dict], root, console: Console) -> None:
+    cells = [_cells(r, short=True) for r in rows]
+    natural = {c: max([len(c)] + [cell_len(x[c]) for x in cells]) for c in COLUMNS}
+    widths = fit_columns(natural, console.width)
+    title = f"runs in {root}"
+    if cell_len(title) > console.width:
+        title = "runs in …" + str(root)[-(console.width - 9):]
+    console.print(Text(title, style="bold"), no_wrap=True, crop=True)
+
+    def line(values: dict[str, str], styles: dict[str, str]) -> Text:
+        out = Text()
+        for i, (column, w) in enumerate(widths.items()):
+            cell = Text(values[column], style=styles.get(column, ""))
+            cell.truncate(w, overflow="ellipsis", pad=True)
+            out.append_text(cell)
+            if i < len(widths) - 1:
+                out.append(" " * GAP)
+        out.rstrip()
+        return out
+
+    console.print(line({c: c for c in widths}, {c: "bold" for c in widths}), no_wrap=True, crop=True)
+    for x in cells:
+        console.print(line(x, {"status": STATUS_STYLE.get(x["status"], "")}), no_wrap=True, crop=True)
+    hidden = [c for c in COLUMNS if c not in widths]
+    if hidden:
+        console.print(Text(f"not shown at {console.width} columns: {', '.join(hidden)} (a wider terminal, "
+                           f"`lmtrace ls | cat` or --json shows every column)", style="dim"))
 
 
 def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) -> None:
+    """`lmtrace ls`: a table fitted to the terminal, tab-separated lines when piped, or JSON."""
     root = runs_root(runs_dir)
     if kind is not None and kind not in KINDS:
         raise SpecError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
@@ -32,19 +100,12 @@ def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) ->
     if json_out:
         print(json_line(rows))
         return
-    console = _console()
+    console = Console()
     if not rows:
-        console.print(f"no runs in {root}", markup=False, highlight=False)
-        return
-    table = Table(title=escape(f"runs in {root}"))
-    table.add_column("run id", no_wrap=True, min_width=max(len(r["run_id"]) for r in rows))
-    for col in ("kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created"):
-        table.add_column(col, overflow="fold")
-    colours = {"complete": "green", "running": "yellow", "interrupted": "magenta", "failed": "red", "damaged": "red"}
-    dash = lambda v: "-" if v is None else str(v)  # noqa: E731
-    for r in rows:
-        table.add_row(Text(r["run_id"]), dash(r["kind"]), Text(str(r["status"]), style=colours.get(r["status"], "")),
-                      Text(str(r["model"])), str(r["prompts"]), dash(r["tokens"]), dash(r["lens"]),
-                      Text(dash(r["parent_id"])), Text(dash(r["edits"])), human_bytes(r["size_bytes"]),
-                      Text(str(r["created"])))
-    console.print(table)
+        console.print(f"no runs in {root}", markup=False, highlight=False, soft_wrap=True)
+    elif console.is_terminal:
+        _terminal_table(rows, root, console)
+    else:  # whole lines: tabs never occur in the cells (ids, paths, labels, numbers)
+        print("\t".join(COLUMNS))
+        for r in rows:
+            print("\t".join(_cells(r, short=False).values()))

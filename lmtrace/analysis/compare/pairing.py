@@ -7,6 +7,7 @@ from __future__ import annotations
 from ...archive import layout
 from ...archive.reader import LENS_NOT_COMPUTED
 from ...archive.runs import lens_state
+from ...archive.summary import edit_label
 from ...errors import ArchiveError, SpecError
 
 PAIRING_MODES = ("auto", "index", "prompt")
@@ -132,10 +133,10 @@ def prompt_differences(ta, tb) -> list[dict]:
 
 
 def _short(value):
-    """A list of edit records as one readable line (`ablate_head layer=2 head=1`); other values unchanged."""
+    """A list of edit records as one line in the CLI's words, as `lmtrace ls` writes them
+    (`ablate-head 2.1 from 3; mask-positions 0-4`); other values unchanged."""
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-        return "; ".join(" ".join(f"{k}={x}" if k != "kind" else str(x) for k, x in v.items()
-                                  if x not in ("all", None)) for v in value)
+        return "; ".join(edit_label(v) for v in value)
     return value
 
 
