@@ -1,11 +1,33 @@
-"""One way to name steps on the command line, for every command that takes them.
+"""One way to name steps (and sequences) on the command line, for every command that takes them.
 
 `0,4,9`, ranges `2-5`, `all`, or a mix; where a command allows it, a stride on a range or on all:
-`0-255:4`, `all:8`. Steps are checked against the steps the sequence has."""
+`0-255:4`, `all:8`. Steps are checked against the steps the sequence has, sequences against the run's."""
 
 from __future__ import annotations
 
 from .errors import SpecError
+
+
+def _expand(part: str, available: int, stride: bool) -> range:
+    """One comma-separated part (`4`, `2-5`, `all`, with `stride`: `0-255:4`, `all:8`); ValueError if malformed."""
+    body, colon, stride_text = part.partition(":")
+    if colon and not stride:
+        raise ValueError
+    step = int(stride_text) if stride_text else 1
+    if step < 1:
+        raise ValueError
+    if body == "all":
+        lo, hi = 0, available - 1
+    elif "-" in body[1:]:
+        a, b = body.split("-", 1)
+        lo, hi = int(a), int(b)
+        if hi < lo:
+            raise ValueError
+    else:
+        if colon:  # a stride on a single step means nothing
+            raise ValueError
+        lo = hi = int(body)
+    return range(lo, hi + 1, step)
 
 
 def parse_steps(text: str, available: int, *, option: str = "--steps", stride: bool = False,
@@ -16,24 +38,7 @@ def parse_steps(text: str, available: int, *, option: str = "--steps", stride: b
         if not part:
             continue
         try:
-            body, colon, stride_text = part.partition(":")
-            if colon and not stride:
-                raise ValueError
-            step = int(stride_text) if stride_text else 1
-            if step < 1:
-                raise ValueError
-            if body == "all":
-                lo, hi = 0, available - 1
-            elif "-" in body[1:]:
-                a, b = body.split("-", 1)
-                lo, hi = int(a), int(b)
-                if hi < lo:
-                    raise ValueError
-            else:
-                if colon:  # a stride on a single step means nothing
-                    raise ValueError
-                lo = hi = int(body)
-            steps.update(range(lo, hi + 1, step))
+            steps.update(_expand(part, available, stride))
         except ValueError:
             strides = ", or a stride like 0-255:4 or all:8" if stride else ""
             raise SpecError(f"{option} {text!r}: expected step numbers like 0,4,9, ranges like 2-5, or all"
@@ -46,3 +51,24 @@ def parse_steps(text: str, available: int, *, option: str = "--steps", stride: b
         shown = f"{bad[:5]}{' …' if len(bad) > 5 else ''}"
         raise SpecError(f"{option}: step(s) {shown} out of range: this sequence has {available} {noun} ({have})")
     return sorted(steps)
+
+
+def parse_sequences(texts, n_sequences: int, *, option: str = "--sequence") -> list[int]:
+    """Sorted unique sequences named by `texts` (each `0,3`, `0-15` or `all`, as steps are named), each in
+    0 .. n_sequences - 1 (else a one-line SpecError)."""
+    chosen: set[int] = set()
+    for text in texts:
+        for part in str(text).replace(" ", "").split(","):
+            if not part:
+                continue
+            try:
+                chosen.update(_expand(part, n_sequences, stride=False))
+            except ValueError:
+                raise SpecError(f"{option} {text!r}: expected sequence numbers like 0,3, ranges like 0-15, "
+                                f"or all") from None
+    if not chosen:
+        raise SpecError(f"{option} {' '.join(map(str, texts))!r}: no sequences given")
+    bad = sorted(s for s in chosen if not 0 <= s < n_sequences)
+    if bad:
+        raise SpecError(f"{option} {bad[0]} out of range: the run has sequences 0..{n_sequences - 1}")
+    return sorted(chosen)

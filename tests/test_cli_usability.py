@@ -219,3 +219,32 @@ def test_ls_fits_80_columns_and_a_pipe_gets_one_whole_line_per_run(tmp_path, tin
     diffs = json.loads(lmtrace(tmp_path, "compare", "parent", child, "--json").stdout)["spec_differences"]
     assert {"key": "interventions", "a": None, "b": "ablate-head 1.2 from 1"} in diffs  # compare says it alike
 
+
+def test_every_command_takes_q_and_it_means_what_its_help_says(tmp_path, tiny_llama_dir):
+    for command in COMMANDS:  # the README: every command has -q
+        text = lmtrace(tmp_path, command, "-h", env={"COLUMNS": "200"}).stdout
+        assert re.search(r"--quiet\s+-q\s", text), (command, text)
+    spec = _tiny_spec(tmp_path, tiny_llama_dir)
+    valid = lmtrace(tmp_path, "validate", str(spec), "-q")
+    assert (valid.returncode, valid.stdout) == (0, ""), valid
+    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "r").returncode == 0
+    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "s", "--set", "generation.temperature=1.5"
+                   ).returncode == 0
+
+    ls = lmtrace(tmp_path, "ls", "-q")
+    assert ls.returncode == 0 and ls.stdout.split() == [r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls",
+                                                                                                  "--json").stdout)]
+    verify = lmtrace(tmp_path, "verify", "r", "-q")
+    assert (verify.returncode, verify.stdout, verify.stderr) == (0, "", "")
+    heads = lmtrace(tmp_path, "heads", "r", "-q")
+    assert (heads.returncode, heads.stdout, heads.stderr) == (0, "", "")
+    assert (tmp_path / "runs" / "r" / "analysis" / "heads.parquet").is_file()
+    compare = lmtrace(tmp_path, "compare", "r", "s", "-q")
+    verdict = json.loads(lmtrace(tmp_path, "compare", "r", "s", "--json").stdout)["verdict"]
+    assert compare.returncode == 0 and compare.stdout == verdict + "\n", compare.stdout
+
+    tokens = tmp_path / "runs" / "r" / "tokens.parquet"
+    tokens.write_bytes(tokens.read_bytes()[:-100])  # damaged: nothing on stdout, one error line, exit 2
+    damaged = lmtrace(tmp_path, "verify", "r", "-q")
+    assert damaged.returncode == 2 and damaged.stdout == "" and damaged.stderr.startswith("error: "), damaged
+

@@ -292,9 +292,20 @@ def test_compare_page_draws_the_paired_steps_only(tmp_path, tiny_llama_dir):
         assert "identical contexts" in titles[f"cmp-timeline-{seq}"]
 
 
+def test_report_sequence_takes_ranges_and_all_as_steps_do(tmp_path, tiny_run):
+    for given, expected in ((["all"], {0, 1, 2}), (["1-2"], {1, 2}), (["0,2"], {0, 2}), (["2", "0-1"], {0, 1, 2})):
+        out = tmp_path / "r.html"
+        args = [a for x in given for a in ("-s", x)]
+        proc = lmtrace(tmp_path, "report", str(tiny_run.path), *args, "--out", str(out), "-q")
+        assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+        assert {t["seq"] for t in token_spans(out.read_text())} == expected, given
+
+
 def test_report_cli_errors_are_one_line(tmp_path, tiny_run):
     assert_one_line_error(lmtrace(tmp_path, "report", "no-such-run"), 2, "no-such-run")
     assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--sequence", "9"), 2, "--sequence 9")
+    assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--sequence", "0-9"), 2, "--sequence 3")
+    assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "-s", "x"), 2, "--sequence 'x'")
     assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--steps", "0-99"), 2, "out of range")
     assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--layer", "17"), 2, "--layer 17")
 

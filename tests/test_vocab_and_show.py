@@ -326,3 +326,12 @@ def _css_rgb(css: str):
     h, sat, light = (float(x.strip("%")) for x in re.fullmatch(r"hsl\((.*)\)", css).group(1).split(","))
     return tuple(255 * x for x in colorsys.hls_to_rgb(h / 360, light / 100, sat / 100))
 
+
+def test_show_quiet_prints_the_generated_text_only(run):
+    seqs = pq.read_table(run.path / "sequences.parquet").to_pylist()
+    proc = lmtrace("show", str(run.path), "-q")
+    assert proc.returncode == 0 and proc.stdout == "".join(s["generated_text"] + "\n" for s in seqs), proc.stdout
+    one = lmtrace("show", str(run.path), "-q", "--sequence", "1")
+    assert one.stdout == seqs[1]["generated_text"] + "\n"
+    row = generated(run).query("sequence == 1 and step == 2").iloc[0]
+    assert lmtrace("show", str(run.path), "-q", "--step", "2", "--sequence", "1").stdout == row.token_text + "\n"

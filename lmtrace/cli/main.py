@@ -242,6 +242,8 @@ def validate(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="YAML run spec."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved spec and estimate as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors and warnings: the exit "
+                               "code says whether the spec is valid."),
 ):
     """Check a spec, print it resolved with an archive-size estimate. Loads no model weights."""
     from ..commands.validate import validate_spec
@@ -252,6 +254,10 @@ def validate(
         _fail(err)
     if json_out:
         typer.echo(json_line(report))
+        return
+    if quiet:
+        for line in report["warnings"]:
+            typer.echo(f"warning: {line}", err=True)
         return
     import yaml
 
@@ -268,6 +274,7 @@ def ls_(
     kind: Optional[str] = typer.Option(None, "--kind", help="Only runs of this kind: generate | intervene."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the run ids only, one per line."),
 ):
     """List runs: id, kind, status, model, prompts, tokens, lens, parent, edits, size, created.
 
@@ -280,7 +287,7 @@ def ls_(
     from ..commands.ls import list_table
 
     try:
-        list_table(runs_dir, json_out, kind)
+        list_table(runs_dir, json_out, kind, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -294,6 +301,8 @@ def show(
     step: Optional[int] = typer.Option(None, "--step", help="Show this generated step in detail: chosen token, "
                                        "alternatives and logit lens as text."),
     sequence: Optional[int] = typer.Option(None, "--sequence", help="Only this sequence (with --step: default 0)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the generated text only (with --step: the "
+                               "chosen token's text only)."),
 ):
     """Show a run's manifest summary and its generated text coloured by token probability.
 
@@ -307,7 +316,7 @@ def show(
     from ..commands.show import show_run
 
     try:
-        show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence)
+        show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -317,12 +326,14 @@ def verify(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on stdout: the exit code says it (0 "
+                               "intact, 2 damaged, with the one error line)."),
 ):
     """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
     from ..commands.verify import verify_run
 
     try:
-        code = verify_run(run, runs_dir, json_out)
+        code = verify_run(run, runs_dir, json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     raise typer.Exit(code)
@@ -499,12 +510,14 @@ def heads(
     top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; heads.parquet is written."),
 ):
     """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
     from ..commands.heads import heads_command
 
     try:
-        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
+        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
+                      quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -526,6 +539,8 @@ def compare(
     device: Optional[str] = typer.Option(None, "--device", help="With --exact: device for the model(s)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the verdict line only (--out and --html are "
+                               "still written)."),
 ):
     """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
     from ..commands.compare import compare_view
@@ -533,7 +548,7 @@ def compare(
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
                      json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
-                     exact_steps=exact_steps, device=device)
+                     exact_steps=exact_steps, device=device, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -544,7 +559,8 @@ def report(
                                      "two runs: a comparison report (as `lmtrace compare A B --html`)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file to write (default: RUN_DIR/report.html; "
                                        "for two runs A_DIR/compare-B.html)."),
-    sequence: list[int] = typer.Option([], "--sequence", "-s", help="Sequence to show (repeatable; default: the first 2)."),
+    sequence: list[str] = typer.Option([], "--sequence", "-s", metavar="SEQUENCES", help="Sequences to show: 0,3 or "
+                                       "0-15 or all (repeatable; default: the first 2)."),
     steps: Optional[str] = typer.Option(None, "--steps", help="Steps to show: 0,4,9 or 2-5 or all, with an optional "
                                         "stride 0-255:4 (default: all up to 256 steps, else a stride)."),
     layer: list[int] = typer.Option([], "--layer", "-l", help="Layer with per-head step × key heatmaps (repeatable; "

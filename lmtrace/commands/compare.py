@@ -37,10 +37,12 @@ def write_tables(cmp: Comparison, out_dir: str | Path) -> list[Path]:
 
 def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_incomplete: bool = False,
                  pair: str = "auto", json_out: bool = False, out_dir=None, top: int = 5, html_path=None,
-                 exact: bool = False, exact_steps: str | None = None, device: str | None = None) -> None:
-    """`lmtrace compare`: compute, optionally write the tables and report, then print the summary or JSON."""
+                 exact: bool = False, exact_steps: str | None = None, device: str | None = None,
+                 quiet: bool = False) -> None:
+    """`lmtrace compare`: compute, optionally write the tables and report, then print the summary, the JSON,
+    or (`quiet`) the verdict line alone."""
     def note(text: str) -> None:
-        if not json_out:
+        if not (json_out or quiet):
             print(text, file=sys.stderr)
 
     if exact_steps is not None and not exact:
@@ -56,6 +58,9 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
         report_compare(run_a, run_b, out=html_path, comparison=cmp)
     if json_out:
         print(json_line(cmp.summary()))
+        return
+    if quiet:
+        print(cmp.verdict)
         return
     console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
     render_comparison(cmp, console, top)

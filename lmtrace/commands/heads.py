@@ -329,8 +329,8 @@ def _write_atomic(table: pa.Table, target: Path) -> None:
 
 
 def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
-                  json_out: bool = False, top: int = 20) -> dict:
-    """`lmtrace heads`: compute, write analysis/heads.parquet, print a ranked table (or JSON)."""
+                  json_out: bool = False, top: int = 20, quiet: bool = False) -> dict:
+    """`lmtrace heads`: compute, write analysis/heads.parquet, print a ranked table (or JSON; `quiet`: nothing)."""
     import sys
 
     if top < 1:
@@ -346,7 +346,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
             _write_atomic(result["per_sequence"], folder / PER_SEQUENCE_FILE)
     except OSError as err:
         raise SpecError(f"cannot write {folder} ({err.strerror}); pass another --out") from None
-    for note in result["notes"]:
+    for note in [] if quiet else result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     table = result["table"]
     summary = {"run_id": run.id, "path": str(folder / HEADS_FILE),
@@ -357,7 +357,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                          for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
         print(json_line(summary))
-    else:
+    elif not quiet:
         _print(run, table, result, folder, top)
     return summary
 

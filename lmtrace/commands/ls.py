@@ -5,7 +5,7 @@ On a terminal the table fits the terminal's width: columns are left out, lowest 
 model is shown by its last path component and `created` to the minute; a last line names what
 was left out. Piped, every run is one whole line of tab-separated cells
 under a header line (every column, nothing cut: `cut -f1`, `column -t -s $'\\t'`). `--json` gives
-the full rows.
+the full rows, `-q` the run ids alone.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def _terminal_table(rows: list[dict], root, console: Console) -> None:
                            f"`lmtrace ls | cat` or --json shows every column)", style="dim"))
 
 
-def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) -> None:
-    """`lmtrace ls`: a table fitted to the terminal, tab-separated lines when piped, or JSON."""
+def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None, quiet: bool = False) -> None:
+    """`lmtrace ls`: a table fitted to the terminal, tab-separated lines when piped, JSON, or ids (`quiet`)."""
     root = runs_root(runs_dir)
     if kind is not None and kind not in KINDS:
         raise SpecError(f"--kind {kind!r}: expected one of {', '.join(KINDS)}")
@@ -99,6 +99,10 @@ def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None) ->
         rows = [r for r in rows if r["kind"] == kind]
     if json_out:
         print(json_line(rows))
+        return
+    if quiet:
+        for r in rows:
+            print(r["run_id"])
         return
     console = Console()
     if not rows:

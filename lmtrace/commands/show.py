@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 
 from rich.console import Console
@@ -41,8 +42,9 @@ def prob_label(p: float) -> str:
 
 
 def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool = False,
-             step: int | None = None, sequence: int | None = None) -> None:
-    """`lmtrace show`: the run's summary and texts; with `step`, that step of `sequence` (default 0) in detail."""
+             step: int | None = None, sequence: int | None = None, quiet: bool = False) -> None:
+    """`lmtrace show`: the run's summary and texts; with `step`, that step of `sequence` (default 0) in detail.
+    `quiet`: the generated texts alone, one per sequence (with `step`: the chosen token's text)."""
     # the reader (zarr, pandas: ~1 s to import) only here: `lmtrace ls` reads manifests alone
     from ..archive.reader import IncompleteRunWarning, Run
 
@@ -54,6 +56,8 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
         detail = step_detail(run, 0 if sequence is None else sequence, step)
         if json_out:
             print(json_line(detail))
+        elif quiet:
+            sys.stdout.write(detail["token"]["text"] + "\n")
         else:
             _print_step(detail, _console())
         return
@@ -64,6 +68,10 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
         seqs = [s for s in seqs if s["sequence"] == sequence]
     if json_out:
         print(json_line({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest}))
+        return
+    if quiet:  # the texts exactly as decoded (special tokens removed), for scripts
+        for s in seqs:
+            sys.stdout.write(s["generated_text"] + "\n")
         return
     colour = colour_wanted(no_color)
     console = _console() if colour else Console(color_system=None, soft_wrap=True)

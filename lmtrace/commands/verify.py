@@ -8,9 +8,10 @@ from ..archive.runs import find_run, read_manifest, runs_root
 from ..jsonout import json_line
 
 
-def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
+def verify_run(ref: str, runs_dir: str | None, json_out: bool, quiet: bool = False) -> int:
     """`lmtrace verify RUN`: every committed file against the checksums recorded at completion.
-    Returns the exit code: 0 intact, 2 damaged (or nothing to verify: the run is not complete)."""
+    Returns the exit code: 0 intact, 2 damaged (or nothing to verify: the run is not complete).
+    `quiet`: nothing on stdout; a damaged run still gets its one error line on stderr."""
     from ..archive.integrity import verify
 
     path = find_run(ref, runs_root(runs_dir))
@@ -38,6 +39,6 @@ def verify_run(ref: str, runs_dir: str | None, json_out: bool) -> int:
         print(json_line(result))
     elif code:
         print(f"error: {result['message']}", file=sys.stderr)
-    else:
+    elif not quiet:
         print(result["message"])
     return code

@@ -67,7 +67,7 @@ def _finish(title: str, subtitle: str, sections: list[Section], blobs: Blobs, ou
     return ReportResult(Path(out), size, time.perf_counter() - t0, sum(len(s.figures) for s in sections), images, notes)
 
 
-def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[int] | None = None,
+def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[int | str] | None = None,
                steps: str | None = None, layers: list[int] | None = None, attention_step: int | None = None,
                png_dir: Path | None = None, image_format: str = "png") -> ReportResult:
     """Write the report of one run (default: RUN_DIR/report.html)."""

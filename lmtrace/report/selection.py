@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from ..steps import parse_steps
+from ..steps import parse_sequences, parse_steps
 
 DEFAULT_SEQUENCES = 2
 MAX_STEPS = 256
@@ -54,14 +54,11 @@ def default_layers(captured: list[int]) -> list[int]:
 
 
 def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list[int],
-           sequences: list[int] | None = None, steps: str | None = None, layers: list[int] | None = None,
+           sequences: list[int | str] | None = None, steps: str | None = None, layers: list[int] | None = None,
            attention_step: int | None = None) -> Selection:
     notes = []
     if sequences:
-        bad = [s for s in sequences if not 0 <= s < n_sequences]
-        if bad:
-            raise SpecError(f"--sequence {bad[0]} out of range: the run has sequences 0..{n_sequences - 1}")
-        chosen = sorted(set(sequences))
+        chosen = parse_sequences(sequences, n_sequences)
     else:
         chosen = list(range(min(DEFAULT_SEQUENCES, n_sequences)))
         if n_sequences > len(chosen):
