@@ -30,45 +30,50 @@ def _expand(part: str, available: int, stride: bool) -> range:
     return range(lo, hi + 1, step)
 
 
+def _indices(text: str, available: int, stride: bool) -> set[int]:
+    """Every index the comma-separated parts of `text` name; ValueError if a part is malformed."""
+    out: set[int] = set()
+    for part in str(text).replace(" ", "").split(","):
+        if part:
+            out.update(_expand(part, available, stride))
+    return out
+
+
+def _parse(texts, available: int, *, stride: bool, syntax, empty: str, out_of_range) -> list[int]:
+    """Sorted unique indices named by `texts`, each in 0 .. available - 1; else a SpecError with the line
+    `syntax(text)`, `empty` or `out_of_range(sorted bad indices)`."""
+    chosen: set[int] = set()
+    for text in texts:
+        try:
+            chosen |= _indices(text, available, stride)
+        except ValueError:
+            raise SpecError(syntax(text)) from None
+    if not chosen:
+        raise SpecError(empty)
+    bad = sorted(x for x in chosen if not 0 <= x < available)
+    if bad:
+        raise SpecError(out_of_range(bad))
+    return sorted(chosen)
+
+
 def parse_steps(text: str, available: int, *, option: str = "--steps", stride: bool = False,
                 noun: str = "generated token(s)") -> list[int]:
     """Sorted unique steps named by `text`, each in 0 .. available - 1 (else a one-line SpecError)."""
-    steps: set[int] = set()
-    for part in str(text).replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            steps.update(_expand(part, available, stride))
-        except ValueError:
-            strides = ", or a stride like 0-255:4 or all:8" if stride else ""
-            raise SpecError(f"{option} {text!r}: expected step numbers like 0,4,9, ranges like 2-5, or all"
-                            f"{strides}") from None
-    if not steps:
-        raise SpecError(f"{option} {text!r}: no steps given")
-    bad = sorted(s for s in steps if not 0 <= s < available)
-    if bad:
-        have = f"steps 0..{available - 1}" if available else "no steps"
-        shown = f"{bad[:5]}{' …' if len(bad) > 5 else ''}"
-        raise SpecError(f"{option}: step(s) {shown} out of range: this sequence has {available} {noun} ({have})")
-    return sorted(steps)
+    strides = ", or a stride like 0-255:4 or all:8" if stride else ""
+    have = f"steps 0..{available - 1}" if available else "no steps"
+    return _parse([text], available, stride=stride,
+                  syntax=lambda t: f"{option} {t!r}: expected step numbers like 0,4,9, ranges like 2-5, or all"
+                                   f"{strides}",
+                  empty=f"{option} {text!r}: no steps given",
+                  out_of_range=lambda bad: f"{option}: step(s) {bad[:5]}{' …' if len(bad) > 5 else ''} out of range: "
+                                           f"this sequence has {available} {noun} ({have})")
 
 
 def parse_sequences(texts, n_sequences: int, *, option: str = "--sequence") -> list[int]:
     """Sorted unique sequences named by `texts` (each `0,3`, `0-15` or `all`, as steps are named), each in
     0 .. n_sequences - 1 (else a one-line SpecError)."""
-    chosen: set[int] = set()
-    for text in texts:
-        for part in str(text).replace(" ", "").split(","):
-            if not part:
-                continue
-            try:
-                chosen.update(_expand(part, n_sequences, stride=False))
-            except ValueError:
-                raise SpecError(f"{option} {text!r}: expected sequence numbers like 0,3, ranges like 0-15, "
-                                f"or all") from None
-    if not chosen:
-        raise SpecError(f"{option} {' '.join(map(str, texts))!r}: no sequences given")
-    bad = sorted(s for s in chosen if not 0 <= s < n_sequences)
-    if bad:
-        raise SpecError(f"{option} {bad[0]} out of range: the run has sequences 0..{n_sequences - 1}")
-    return sorted(chosen)
+    return _parse(list(texts), n_sequences, stride=False,
+                  syntax=lambda t: f"{option} {t!r}: expected sequence numbers like 0,3, ranges like 0-15, or all",
+                  empty=f"{option} {' '.join(map(str, texts))!r}: no sequences given",
+                  out_of_range=lambda bad: f"{option} {bad[0]} out of range: the run has sequences "
+                                           f"0..{n_sequences - 1}")

@@ -84,7 +84,8 @@ def edit_label(e: dict, run_from_step: int | None = None) -> str:
                                                         if e.get("source_sequence") is not None else ""))
     if kind == "steer":
         words.append(f"alpha {e.get('alpha')}")
-        words.append(f"vector {e['vector']}" if e.get("vector") else "from-runs " + ",".join(map(str, e.get("from_runs") or [])))
+        words.append(f"vector {e['vector']}" if e.get("vector")
+                     else "from-runs " + ",".join(map(str, e.get("from_runs") or [])))
     steps = e.get("steps", "all")
     if isinstance(steps, dict) and steps.get("from") is not None and steps["from"] != run_from_step:
         words.append(f"from {steps['from']}")

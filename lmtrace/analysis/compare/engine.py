@@ -82,7 +82,8 @@ def _first_divergence(A: Side, B: Side, sa: int, sb: int) -> tuple[bool, int | N
         shorter_finished = A.finished(sa) if na < nb else B.finished(sb)
         if shorter_finished:
             return True, n_min, "length", n_min, None
-        return True, None, None, n_min, f"no divergence in the {n_min} steps both archives hold (one archive is incomplete)"
+        return True, None, None, n_min, (f"no divergence in the {n_min} steps both archives hold "
+                                         f"(one archive is incomplete)")
     return True, None, None, na, None
 
 
