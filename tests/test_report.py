@@ -219,7 +219,8 @@ def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_l
 
 def test_attributions_that_did_not_converge_are_marked(tiny_run):
     """An integrated-gradients result whose completeness check failed is labelled so on its row, with a note."""
-    from lmtrace.commands.explain import Settings, explain_run
+    from lmtrace.analysis.attribution import Settings
+    from lmtrace.commands.explain import explain_run
     from lmtrace.report import report_run
 
     explain_run(str(tiny_run.path), "1", sequence=0, methods=["grad_x_input"])

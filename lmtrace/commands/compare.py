@@ -798,7 +798,7 @@ def compare_runs(ref_a, ref_b, *, runs_dir: str | Path | None = None, allow_inco
 
     exact_info = None
     if exact:
-        from .compare_exact import exact_figures
+        from ..analysis.compare_exact import exact_figures
 
         exact_info = exact_figures(A, B, pairing["pairs"], step_rows, exact_steps, device, progress)
         notes.append(exact_info["note"])
