@@ -185,7 +185,8 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
 
     from lmtrace.archive.reader import Run
     from lmtrace.commands.heads import heads_command
-    from lmtrace.commands.sweep import SweepSpec, run_sweep
+    from lmtrace.commands.sweep import run_sweep
+    from lmtrace.sweep_spec import SweepSpec
 
     data = _spec(str(tiny_llama_dir), n=4)
     data["capture"] = {"head_dla": True}

@@ -19,7 +19,9 @@ import torch
 
 from conftest import run_spec
 from lmtrace.archive.reader import Run
-from lmtrace.commands.sweep import SweepSpec, read_sweep, run_sweep
+from lmtrace.archive.sweeps import read_sweep
+from lmtrace.commands.sweep import run_sweep
+from lmtrace.sweep_spec import SweepSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CLEAN = ["The quick brown fox", "Paris is the capital of"]
@@ -478,11 +480,11 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
         if calls["n"] > 3:
             raise KeyboardInterrupt
         return real(*a, **k)
-    real = sweep_mod._atomic_parquet
-    monkeypatch.setattr(sweep_mod, "_atomic_parquet", dying)
+    real = sweep_mod.write_block
+    monkeypatch.setattr(sweep_mod, "write_block", dying)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(str(clean.path), spec, sweep_id="killed")
-    monkeypatch.setattr(sweep_mod, "_atomic_parquet", real)
+    monkeypatch.setattr(sweep_mod, "write_block", real)
     partial = clean.path / "sweeps" / ".partial-killed" / "blocks"
     assert len(list(partial.glob("*.parquet"))) == 3
     done = run_sweep(str(clean.path), spec, sweep_id="killed", resume=True)
