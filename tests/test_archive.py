@@ -286,7 +286,7 @@ def test_format_1_archives_still_read_and_compare(tmp_path, tiny_llama_dir):
     import shutil
 
     from conftest import rerecord_checksums
-    from lmtrace.commands.compare import compare_runs
+    from lmtrace.analysis.compare import compare_runs
 
     run = run_spec(tmp_path / "v2", _tiny(tiny_llama_dir))
     old = tmp_path / "v1"

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from conftest import PROMPTS, rerecord_checksums, run_spec, with_lens
 from lmtrace.cli.main import app
-from lmtrace.commands.compare import compare_runs
+from lmtrace.analysis.compare import compare_runs
 
 ABLATED_LAYER, ABLATED_HEAD = 2, 1
 N = 5  # generated tokens per sequence
@@ -335,7 +335,7 @@ def test_cli_json_out_and_refusals(runs, tmp_path):
 def test_compare_loads_no_model(runs):
     code = textwrap.dedent(f"""
         import sys
-        from lmtrace.commands.views import compare_view
+        from lmtrace.commands.compare import compare_view
         compare_view({str(runs['parent'].path)!r}, {str(runs['child'].path)!r}, json_out=True)
         assert "torch" not in sys.modules and "transformers" not in sys.modules, "a model library was imported"
     """)
@@ -346,7 +346,7 @@ def test_compare_loads_no_model(runs):
 
 def test_topk_figures_are_lower_bounds_and_sparse_attention_matches_dense():
     """The stored-top-k partition never exceeds the full-vocabulary KL/JS; sparse rows agree with dense."""
-    from lmtrace.commands.compare import attention_js_dense, attention_js_sparse, topk_divergence
+    from lmtrace.analysis.compare.divergence import attention_js_dense, attention_js_sparse, topk_divergence
 
     rng = np.random.default_rng(0)
     for _ in range(20):

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from conftest import PROMPTS, Reference, run_spec
 from lmtrace.archive.reader import IncompleteRunWarning, Run, lens_state
 from lmtrace.cli.main import app
-from lmtrace.commands.compare import compare_runs
+from lmtrace.analysis.compare import compare_runs
 from lmtrace.commands.lens import compute_lens
 from lmtrace.errors import ArchiveError
 from test_cli_errors import assert_one_line_error, lmtrace

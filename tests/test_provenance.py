@@ -11,7 +11,7 @@ import json
 import shutil
 
 from conftest import PROMPTS, run_spec
-from lmtrace.commands.compare import compare_runs
+from lmtrace.analysis.compare import compare_runs
 from test_cli_errors import assert_one_line_error, lmtrace
 
 

@@ -246,7 +246,7 @@ def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_l
     page = out.read_text()
     ids = {f["id"] for f in page_json(page, "lmtrace-figures")}
     assert {"cmp-timeline-0", "cmp-timeline-1", "cmp-layers", "cmp-heads"} <= ids
-    from lmtrace.commands.compare import compare_runs
+    from lmtrace.analysis.compare import compare_runs
 
     cmp = compare_runs(str(a.path), str(b.path))
     js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0]

@@ -270,7 +270,7 @@ def ls_(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """List runs: id, kind, status, model, prompts, tokens, lens, parent, edits, size, created."""
-    from ..commands.views import list_table
+    from ..commands.ls import list_table
 
     try:
         list_table(runs_dir, json_out, kind)
@@ -296,7 +296,7 @@ def show(
     entropy, stability, its alternatives and (once `lmtrace lens` has run) the logit lens of every
     captured layer, ids read as text.
     """
-    from ..commands.views import show_run
+    from ..commands.show import show_run
 
     try:
         show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence)
@@ -311,7 +311,7 @@ def verify(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
-    from ..commands.views import verify_run
+    from ..commands.verify import verify_run
 
     try:
         code = verify_run(run, runs_dir, json_out)
@@ -520,7 +520,7 @@ def compare(
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
 ):
     """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
-    from ..commands.views import compare_view
+    from ..commands.compare import compare_view
 
     try:
         compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,

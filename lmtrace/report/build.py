@@ -112,7 +112,7 @@ def report_compare(ref_a, ref_b, *, runs_dir=None, out: Path | None = None, pair
                    allow_incomplete: bool = False, png_dir: Path | None = None, image_format: str = "png",
                    comparison=None) -> ReportResult:
     """Write the report of `lmtrace compare A B` (default: A's run directory, compare-<B>.html)."""
-    from ..commands.compare import compare_runs
+    from ..analysis.compare import compare_runs
     from .compare_sections import compare_sections
 
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """The sections of a comparison report (`lmtrace report A B`, `lmtrace compare A B --html PATH`),
-drawn from a `compare.Comparison`: nothing is recomputed here."""
+drawn from a `Comparison` (lmtrace.analysis.compare): nothing is recomputed here."""
 
 from __future__ import annotations
 

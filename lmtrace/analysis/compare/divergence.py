@@ -1,4 +1,4 @@
-"""The divergences `lmtrace compare` reports, as pure functions of stored distributions.
+"""The divergences a comparison reports, as pure functions of stored distributions.
 
 KL and JS between two next-token distributions known only on their stored top-k (each side's
 tail mass kept as one bucket: exact on that partition, a lower bound on the full vocabulary), and

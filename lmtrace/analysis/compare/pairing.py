@@ -1,11 +1,13 @@
-"""Whether two runs can be compared, how their specs and prompts differ, and which sequences pair."""
+"""Whether two runs can be compared, how their specs and prompts differ, and which sequences pair.
+
+The sides `A` and `B` taken here are `sides.Side` objects (a run reader with its tokens read per sequence)."""
 
 from __future__ import annotations
 
-from ..archive import layout
-from ..archive.reader import LENS_NOT_COMPUTED
-from ..archive.runs import lens_state
-from ..errors import ArchiveError, SpecError
+from ...archive import layout
+from ...archive.reader import LENS_NOT_COMPUTED
+from ...archive.runs import lens_state
+from ...errors import ArchiveError, SpecError
 
 PAIRING_MODES = ("auto", "index", "prompt")
 MANIFEST_RUN_KEYS = ("kind", "interventions", "mode", "from_step")

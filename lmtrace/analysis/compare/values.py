@@ -1,0 +1,46 @@
+"""Small numeric helpers of the comparison's figures: finite-or-null floats, means that skip
+missing values, and strict-JSON values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def finite(x) -> float | None:
+    """A finite float or None (for JSON and nullable columns)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def mean_of(x) -> float | None:
+    """The mean of the finite values among x (None and NaN skipped); None when there is none."""
+    x = np.asarray([v for v in x if v is not None], np.float64)
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else None
+
+
+def abs_mean(x: np.ndarray) -> float | None:
+    """The mean absolute value of the finite entries of x; None when there is none."""
+    x = np.abs(np.asarray(x, np.float64))
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if x.size else None
+
+
+def json_ready(x):
+    """NaN/inf -> None, numpy scalars -> Python, tuples -> lists (strict JSON)."""
+    if isinstance(x, dict):
+        return {k: json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_ready(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return finite(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
+

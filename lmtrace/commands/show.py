@@ -1,0 +1,206 @@
+"""`lmtrace show RUN`: a run's summary and its generated text coloured by token probability; with
+--step, one generated step in detail (chosen token, alternatives, logit lens)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
+
+from ..archive.runs import find_run, human_bytes, lens_state, runs_root
+from ..archive.summary import run_summary
+from ..errors import LmtraceError, SpecError
+from ..jsonout import json_line
+
+
+def _console() -> Console:
+    """The terminal's width on a terminal; when piped, lines are not wrapped or cut at 80 columns."""
+    console = Console()
+    return console if console.is_terminal else Console(soft_wrap=True)
+
+
+def _prob_style(p: float) -> str:
+    """Green for confident tokens through yellow to red for unlikely ones."""
+    if p >= 0.8:
+        return "green"
+    if p >= 0.4:
+        return "yellow"
+    if p >= 0.1:
+        return "dark_orange"
+    return "red"
+
+
+def colour_wanted(no_color: bool = False) -> bool:
+    """Colour only on a terminal, and not with --no-color or NO_COLOR set (https://no-color.org)."""
+    if no_color or os.environ.get("NO_COLOR"):
+        return False
+    return Console().is_terminal
+
+
+def prob_label(p: float) -> str:
+    """A token's probability as `show` prints it without colour: 2 significant digits (0.93, 0.0012, 1)."""
+    return f"{p:.2g}"
+
+
+def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool = False,
+             step: int | None = None, sequence: int | None = None) -> None:
+    """`lmtrace show`: the run's summary and texts; with `step`, that step of `sequence` (default 0) in detail."""
+    # the reader (zarr, pandas: ~1 s to import) only here: `lmtrace ls` reads manifests alone
+    from ..archive.reader import IncompleteRunWarning, Run
+
+    path = find_run(ref, runs_root(runs_dir))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        run = Run(path)
+    if step is not None:
+        detail = step_detail(run, 0 if sequence is None else sequence, step)
+        if json_out:
+            print(json_line(detail))
+        else:
+            _print_step(detail, _console())
+        return
+    summary = run_summary(path)
+    seqs = run.sequences().to_pylist()  # (empty while no batch has finished; a damaged table is refused)
+    if sequence is not None:
+        _check_sequence(run, sequence)
+        seqs = [s for s in seqs if s["sequence"] == sequence]
+    if json_out:
+        print(json_line({**summary, "sequences": seqs, "shards": run.shard_status, "manifest": run.manifest}))
+        return
+    colour = colour_wanted(no_color)
+    console = _console() if colour else Console(color_system=None, soft_wrap=True)
+    _print_header(run, summary, console)
+    tokens = run.tokens().to_pandas()  # (empty before the first committed block; a damaged table is refused)
+    for s in seqs:
+        console.rule(f"sequence {s['sequence']} ({s['generated_len']} tokens, stop: {s['stop_reason']})")
+        console.print(Text(s["prompt"], style="dim"))
+        t = tokens[(tokens.sequence == s["sequence"]) & (~tokens.is_prompt)].sort_values("step")
+        if colour:
+            text = Text()
+            for tok, lp in zip(t.token_text, t.logprob):
+                text.append(tok, style=_prob_style(math.exp(lp)))
+            console.print(text)
+        else:  # the token texts exactly (rich would expand tabs and drop control characters)
+            console.file.write("".join(f"{tok}[{prob_label(math.exp(lp))}]" for tok, lp in zip(t.token_text, t.logprob))
+                               + "\n")
+    if colour:
+        console.print(Text("token colour = probability: ", style="dim") + Text(">=0.8 ", style="green")
+                      + Text(">=0.4 ", style="yellow") + Text(">=0.1 ", style="dark_orange") + Text("<0.1", style="red"))
+
+
+def _print_header(run, summary: dict, console: Console) -> None:
+
+    m = run.manifest
+    model = m.get("model") or {}
+    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(run.status))}  "
+                  f"created: {escape(str(m.get('created')))}")
+    console.print(escape(f"model: {model.get('reference')} ({model.get('class')}, {m.get('dtype')} on {m.get('device')}, "
+                         f"attention kernel {(m.get('attention') or {}).get('kernel')})"))
+    gen = (m.get("spec_resolved") or {}).get("generation") or {}
+    console.print(f"generation: max_new_tokens={gen.get('max_new_tokens')} temperature={gen.get('temperature')} "
+                  f"top_k={gen.get('top_k')} top_p={gen.get('top_p')} seed={gen.get('seed')}", markup=False)
+    console.print(f"captured layers: {len((m.get('shape') or {}).get('layers') or [])}  "
+                  f"arrays: {', '.join(m.get('arrays') or {}) or 'none'}", markup=False)
+    lens = m.get("lens")
+    if lens:
+        state = {"pending": f"deferred, not computed yet (`lmtrace lens {run.id}`)",
+                 "ready": "computed " + ("during generation" if lens.get("when", "inline") == "inline"
+                                         else f"afterwards ({(lens.get('computed') or {}).get('at')})")}
+        console.print(f"logit lens: {state[lens_state(m)]}", markup=False)
+    if m.get("error"):
+        console.print(Text(f"error: {m['error']}", style="red"))
+    shards = run.shard_status
+    if m.get("shards", 1) > 1 or len(shards) > 1:
+        parts = [f"{k}: {v.get('status')}" for k, v in sorted(shards.items())]
+        missing = m.get("shards", 1) - len(shards)
+        console.print("shards: " + ", ".join(parts) + (f", {missing} not started" if missing > 0 else ""), markup=False)
+    elif run.status != "complete":
+        committed = run.committed_steps()
+        console.print(f"committed steps per sequence: {committed}", markup=False)
+    if m.get("parent"):
+        console.print(f"parent: {m['parent']}", markup=False)
+    console.print(f"size: {human_bytes(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {run.path}", markup=False)
+
+
+def _check_sequence(run, sequence: int) -> None:
+    n = int(run.shape["n_sequences"])
+    if not 0 <= sequence < n:
+        raise SpecError(f"--sequence {sequence}: run {run.id} has sequences 0..{n - 1}")
+
+
+def step_detail(run, sequence: int, step: int) -> dict:
+    """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
+    import numpy as np
+
+
+    _check_sequence(run, sequence)
+    try:
+        t = run.tokens().to_pandas()
+    except LmtraceError:
+        t = None
+    if t is not None:
+        t = t[t.sequence == sequence].sort_values("position")
+    gen = t[~t.is_prompt] if t is not None else None
+    rows = gen[gen.step == step] if gen is not None else []
+    if len(rows) == 0:
+        have = (f"steps 0..{len(gen) - 1} ({len(gen)} generated tokens archived)" if gen is not None and len(gen)
+                else "no generated token archived yet")
+        raise SpecError(f"--step {step}: sequence {sequence} of run {run.id} has {have}")
+    r = rows.iloc[0]
+    before = t[t.position < r.position].token_text.tolist()
+    alt_ids = [int(i) for i in r.alt_ids]
+    alternatives = [{"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
+                    for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)]
+    token = {
+        "id": int(r.token_id), "text": r.token_text, "prob": float(r.prob), "logprob": float(r.logprob),
+        "rank": int(r["rank"]), "margin": float(r.margin), "entropy": float(r.entropy), "stability": r.stability,
+        "sampling_prob": float(r.sampling_prob), "filter_changed": bool(r.filter_changed),
+        "greedy_id": int(r.greedy_id), "greedy_text": run.text([int(r.greedy_id)])[0], "is_eos": bool(r.is_eos),
+    }
+    state = lens_state(run.manifest)
+    lens: dict = {"state": state}
+    if state == "pending":
+        lens["note"] = f"not computed yet (deferred): run `lmtrace lens {run.id}`"
+    elif state == "ready" and "lens_ids" in run.array_names():
+        ids = np.asarray(run.array("lens_ids")[sequence, step])  # [layer, k_lens]
+        probs = np.asarray(run.array("lens_probs")[sequence, step])
+        texts = run.text(ids)
+        lens["layers"] = [
+            {"layer": int(layer), "top": [{"id": int(i), "text": x, "prob": float(p)}
+                                          for i, x, p in zip(ids[li], texts[li], probs[li]) if i >= 0]}
+            for li, layer in enumerate(run.layers)]
+    return {"run_id": run.id, "sequence": sequence, "step": step, "position": int(r.position),
+            "context": "".join(before), "token": token, "alternatives": alternatives, "lens": lens}
+
+
+def _print_step(d: dict, console: Console) -> None:
+    def out(line: str) -> None:
+        console.print(line, markup=False, highlight=False)
+
+    tok = d["token"]
+    context = d["context"]
+    out(f"run {d['run_id']}  sequence {d['sequence']}  step {d['step']} (position {d['position']})")
+    out("context: " + ("…" if len(context) > 200 else "") + repr(context[-200:]))
+    out(f"chosen: {tok['text']!r} (id {tok['id']})  prob {tok['prob']:.4g}  logprob {tok['logprob']:.4g}  "
+        f"rank {tok['rank']}  margin {tok['margin']:.4g}  entropy {tok['entropy']:.4g} nats  {tok['stability']}")
+    if tok["rank"] != 0:
+        out(f"model's top-1: {tok['greedy_text']!r} (id {tok['greedy_id']}); sampled with prob "
+            f"{tok['sampling_prob']:.4g}" + ("; top-k/top-p changed the choice" if tok["filter_changed"] else ""))
+    out("alternatives (top tokens at T=1):")
+    width = max((len(repr(a["text"])) for a in d["alternatives"]), default=0)
+    for n, a in enumerate(d["alternatives"], 1):
+        out(f"  {n:2d}. {repr(a['text']).ljust(width)}  {a['prob']:.4g}  (id {a['id']})")
+    lens = d["lens"]
+    if lens["state"] == "none":
+        out("logit lens: not captured in this run (capture.lens)")
+    elif lens["state"] == "pending":
+        out(f"logit lens: {lens['note']}")
+    else:
+        out("logit lens (top tokens of each captured layer's residual, with probabilities):")
+        for row in lens.get("layers", []):
+            cells = "  ".join(f"{c['text']!r} {c['prob']:.2g}" for c in row["top"]) or "(not archived)"
+            out(f"  layer {row['layer']:3d}: {cells}")
