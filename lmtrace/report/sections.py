@@ -343,17 +343,18 @@ def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
             lim = float(np.nanmax(np.abs(grid))) or 1.0
             tok = data.tokens(seq)
             sec.figures.append(F.heatmap(
-                f"margin-{seq}", f"sequence {seq}: each layer's direct contribution to the final top-1 − top-2 margin",
+                f"margin-{seq}", f"sequence {seq}: each layer's share of the final top-1 − top-2 logit margin "
+                "(through the final norm at its actual scale; with the embedding's share they sum to the margin)",
                 blobs.add(f"margin_contrib_{seq}", grid, "float32"),
                 blobs.add_texts(f"margin_steps_{seq}", _step_labels(step_list, tok.gen["token_text"])),
                 blobs.add_texts(f"margin_layers_{seq}", [f"L{li}" for li in order]), zmin=-lim, zmax=lim,
                 colorscale=F.DIVERGING, n_rows=len(order), n_cols=len(step_list), cell_px=14,
-                xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} nats", zlabel="nats"))
+                xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} logits", zlabel="logits"))
             means = np.nanmean(grid, axis=1)
             sec.figures.append(F.lines(f"margin-mean-{seq}", f"sequence {seq}: mean margin contribution per layer",
                                        [{"name": "mean over steps", "x": x,
                                          "y": blobs.add(f"margin_mean_{seq}", means, "float32")}],
-                                       xtitle="layer", ytitle="nats"))
+                                       xtitle="layer", ytitle="logits"))
     return sec
 
 
