@@ -594,3 +594,131 @@ def test_not_converged_says_which_condition_was_missed():
     nonfinite = attr.ig_shortfall({**base, "nonfinite": True, "completeness_error_relative": None,
                                  "error_bound_relative": None}, 0.01)
     assert nonfinite.startswith("non-finite values")
+
+
+# ---- integrated gradients on a model that scales its embeddings (Gemma) -----------------------------------
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, tiny_llama_dir):
+    """A tiny random Gemma 3: its embedding module multiplies the table rows by √d_model = 8. A direction common to
+    every row (as trained embeddings have) makes the mean row clearly non-zero, so its scale matters."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    m = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        w = m.get_input_embeddings().weight
+        w += torch.randn(w.shape[1]) * float(w.std())
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    m.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_integrated_gradients_mean_baseline_is_on_the_inputs_scale_on_gemma(tmp_path, gemma_dir, monkeypatch):
+    """The default `mean` baseline is the mean of what the embedding module outputs (the inputs' scale, √d_model
+    included), computed here over every token id; the path's end points, f(baseline) and completeness are checked
+    against the test's own embeddings and forwards."""
+    from transformers import AutoModelForCausalLM
+
+    paths = []  # (e, b) of every integrated-gradients path, as the method built them
+    init = attr.IGPath.__init__
+
+    def recording_init(self, ctx, e, b):
+        paths.append((e, b))
+        init(self, ctx, e, b)
+
+    monkeypatch.setattr(attr.IGPath, "__init__", recording_init)
+
+    run = run_spec(tmp_path, {"model": str(gemma_dir), "prompts": ["The quick brown fox"], "capture": "none",
+                              "generation": {"max_new_tokens": 4}, "output": {"float_dtype": "float32"}})
+    model = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        mean = emb(torch.arange(emb.weight.shape[0])[None])[0].double().mean(0).float()  # the module's own outputs
+    raw = emb.weight.double().mean(0).norm().item()
+    assert mean.norm().item() == pytest.approx(8 * raw, rel=1e-4)  # the module scales: a raw table row is 8× smaller
+    result = explain_run(run.path, "1,3", methods=["ig"],
+                         settings=attr.Settings(target="contrast", quantity="logprob", batch_size=16))
+    assert len(paths) == 2
+    for e, (e_path, b_path) in zip(result.explanations, paths):
+        ids, chosen, runner = context(run, 0, e.step)
+        with torch.no_grad():
+            x = emb(torch.tensor([ids]))
+            b = mean.expand_as(x).clone()
+            b[:, 0] = x[:, 0]  # the default --ig-keep sink
+            assert b[0, 1:].norm(dim=-1).mean() > 0.3 * x[0, 1:].norm(dim=-1).mean()  # on the inputs' scale
+            torch.testing.assert_close(e_path, x[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(b_path, b[0], rtol=1e-5, atol=1e-6)
+            fx, fb = (f_of(model, v, chosen, runner, "contrast", "logprob").item() for v in (x, b))
+        assert e.info["f_x"] == pytest.approx(fx, abs=TOL)
+        assert e.info["f_baseline"] == pytest.approx(fb, abs=TOL)
+        assert e.info["converged"] is True, e.info
+        assert abs(float(e.scores.astype(np.float64).sum()) - (fx - fb)) <= 0.01 * max(abs(fx - fb), 0.01) + TOL
+
+
+# ---- refusals before any work (one line, exit 2) -----------------------------------------------------------
+def _cli_explain(*args):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli.main import app
+
+    out = CliRunner().invoke(app, ["explain", *map(str, args)])
+    return out, [line for line in out.output.splitlines() if line.startswith("error:")]
+
+
+def test_a_bad_device_is_refused_in_one_line_naming_the_choices(forward_only_run):
+    out, errors = _cli_explain(forward_only_run.path, "--steps", "0", "--device", "bogus")
+    assert out.exit_code == 2 and len(errors) == 1, out.output
+    assert "'bogus'" in errors[0] and "cpu, cuda, cuda:N" in errors[0] and "loading model" not in out.output
+
+
+def test_kept_positions_outside_the_context_are_refused_before_any_work(forward_only_run, attention_run):
+    n = len(context(forward_only_run, 0, 2)[0])  # step 2's context: positions 0..n-1
+    out, errors = _cli_explain(forward_only_run.path, "--steps", "0,2", "-m", "ig", "--ig-keep", f"0,{n},999")
+    assert out.exit_code == 2 and len(errors) == 1 and "loading model" not in out.output, out.output
+    assert f"positions {n}, 999 are outside" in errors[0] and f"0..{n - 1}" in errors[0]
+    out, errors = _cli_explain(attention_run.path, "--steps", "1", "-m", "rollout", "--rollout-exclude", "999")
+    assert out.exit_code == 2 and len(errors) == 1 and "--rollout-exclude '999'" in errors[0], out.output
+    kept = explain_run(forward_only_run.path, "0,2", methods=["ig"], settings=attr.Settings(
+        ig_keep=f"0,{n - 1}", ig_rule="midpoint", ig_steps=2))  # inside step 2's context: kept there, not at step 0
+    assert [e.info["kept_positions"] for e in kept.explanations] == [[0], [0, n - 1]]
+
+
+@pytest.mark.parametrize("status", ["interrupted", "failed", "running"])
+def test_a_run_that_is_not_complete_is_refused(forward_only_run, tmp_path, status):
+    moved = tmp_path / forward_only_run.path.name
+    shutil.copytree(forward_only_run.path, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["status"] = status
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    before = (moved / "manifest.json").read_text(), sorted(moved.rglob("*"))
+    out, errors = _cli_explain(moved, "--steps", "0")
+    assert out.exit_code == 2 and len(errors) == 1, out.output
+    assert f"is {status}, not complete" in errors[0] and f"lmtrace generate --resume {moved.name}" in errors[0]
+    assert ((moved / "manifest.json").read_text(), sorted(moved.rglob("*"))) == before  # nothing written
+
+
+# ---- what the terminal prints ---------------------------------------------------------------------------
+def test_the_legend_matches_what_is_printed_with_and_without_colour(forward_only_run):
+    import io
+
+    from rich.console import Console
+
+    from lmtrace.commands.explain_render import render
+
+    out, _ = _cli_explain(forward_only_run.path, "--steps", "1", "-m", "gxi")  # not a terminal: no colours
+    assert out.exit_code == 0, out.output
+    assert "green" not in out.output and "red =" not in out.output
+    assert "+ supports the target, − opposes it" in out.output
+    result = explain_run(forward_only_run.path, "1", methods=["gxi"])
+    for colour, expected in ((None, "score sign: + supports"), ("truecolor", "green = supports the target")):
+        buf = io.StringIO()
+        render(result, Console(file=buf, force_terminal=colour is not None, color_system=colour, width=200))
+        text = buf.getvalue()
+        assert expected in text
+        assert ("\x1b[" in text) is (colour is not None)  # colours printed exactly when the legend speaks of them

@@ -234,6 +234,32 @@ def test_attributions_that_did_not_converge_are_marked(tiny_run):
     assert "rows marked NOT CONVERGED" in page
 
 
+def test_attribution_rows_are_labelled_by_method_and_target_with_the_ids_in_a_note(tiny_run):
+    """Rows say step, method, target and the explained token, never an unexplained id; two invocations of one
+    method at one step are numbered, and a note says which explain id each number is."""
+    from lmtrace.analysis.attribution import Settings
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.report import report_run
+
+    seq = 2  # a sequence no other test explains
+    first = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input", "rollout"])
+    second = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"])
+    contrast = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"],
+                           settings=Settings(target="contrast", quantity="logprob"))
+    page = html.unescape(report_run(str(tiny_run.path), sequences=[seq]).path.read_text())
+    rows = list(blob(page_json(page, "lmtrace-blobs"), f"explain_rows_{seq}"))
+    token = first.explanations[0].target_text.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍") or "∅"
+    ids = [first.explain_id, second.explain_id, contrast.explain_id]
+    assert len(rows) == 4 and len(set(rows)) == 4
+    assert not any(i[-4:] in r or i in r for r in rows for i in ids), rows  # no id fragments in the labels
+    assert sorted(r for r in rows if "(chosen logit)" in r) == [f"s1 grad_x_input (chosen logit) {token} [1]",
+                                                                 f"s1 grad_x_input (chosen logit) {token} [2]"]
+    assert [r for r in rows if "contrast" in r] == [f"s1 grad_x_input (contrast logprob) {token}"]
+    assert [r for r in rows if "rollout" in r] == [f"s1 attention_rollout {token}"]
+    order = sorted(ids[:2])  # invocations are numbered in the order of their ids (creation time)
+    assert f"[1] = explain {order[0]}, [2] = explain {order[1]}" in page
+
+
 def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_llama_dir):
     base = {"model": str(tiny_llama_dir), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 5, "batch_size": 2}}
     a = run_spec(tmp_path / "a", {**base, "output": {"run_id": "cmp-a"}})

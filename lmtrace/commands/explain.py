@@ -37,6 +37,7 @@ from ..archive.reader import IncompleteRunWarning, Run
 from ..archive.runs import find_run, new_run_id, runs_root
 from ..errors import ArchiveError, LmtraceError, SpecError
 from ..jsonout import json_line
+from ..spec import check_device_option
 from ..steps import parse_steps
 from .explain_render import converged, render, summary
 
@@ -55,16 +56,22 @@ class ExplainResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _open(run_ref: str | Path, runs_dir: str | None) -> tuple[Run, list[str]]:
-    notes = []
+def _open(run_ref: str | Path, runs_dir: str | None) -> Run:
+    """The run, refused unless complete: explain writes into complete runs only (docs/batch.md)."""
     path = find_run(str(run_ref), runs_root(runs_dir))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", IncompleteRunWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)  # refused below, in one line
         run = Run(path)
-    for w in caught:
-        if issubclass(w.category, IncompleteRunWarning):
-            notes.append(str(w.message))
-    return run, notes
+    if run.status != "complete":
+        if run.manifest.get("kind") == "intervene":
+            how = "run the intervention again (`lmtrace intervene` on its parent)"
+        elif run.status == "running":
+            how = (f"wait until it completes (if its writer is gone, finish it with "
+                   f"`lmtrace generate --resume {run.id}`)")
+        else:
+            how = f"finish it first with `lmtrace generate --resume {run.id}`"
+        raise ArchiveError(f"run {run.id} is {run.status}, not complete: explain writes into complete runs only; {how}")
+    return run
 
 
 def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda text: None) -> tuple[Scorer, dict]:
@@ -85,15 +92,14 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
     """Explain generated steps of an archived run; write the results into the run and return them."""
     settings = (settings or Settings()).check()
     names = parse_methods(list(methods) if not isinstance(methods, str) else methods)
+    check_device_option(device)
     notes: list[str] = []
 
     def note_(text: str) -> None:  # kept for the result (terminal and --json), and passed on
         notes.append(text)
         note(text)
 
-    run, open_notes = _open(run_ref, runs_dir)
-    for text in open_notes:
-        note_(text)
+    run = _open(run_ref, runs_dir)
     from ..archive.liveness import OwnerLock, pause_for_tests
 
     # One explain writer of a run at a time: a second exits 2 naming the holder's pid.
@@ -110,6 +116,7 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
     """explain_run's work once this process owns the run's explain writer key."""
     prompt, gen = sequence_tokens(run, sequence)
     step_list = parse_steps(",".join(map(str, steps)) if isinstance(steps, (list, tuple)) else steps, len(gen))
+    settings.check_positions(len(prompt) + max(step_list), max(step_list), names)
     for name in names:  # archived-data requirements are checked before any weights are loaded
         req = METHODS[name].requirements
         missing = req(run) if req is not None else []

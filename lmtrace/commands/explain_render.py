@@ -91,8 +91,14 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
             table.add_row(str(rank + 1), str(int(i)) + ("" if e.is_prompt[i] else "*"), repr(e.token_texts[i]),
                           Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"), f"{abs(sc) / denom:.0%}")
         console.print(table)
-    console.print(Text("background: green = supports the target, red = opposes it; underlined / * = generated token",
-                       style="dim"))
+    console.print(Text(legend(console.color_system is not None), style="dim"))
+
+
+def legend(colour: bool) -> str:
+    """The key to what `render` printed: colours only where the console shows them (not piped, not NO_COLOR)."""
+    if colour:
+        return "background: green = supports the target, red = opposes it; underlined / * = generated token"
+    return "score sign: + supports the target, − opposes it; * after a position = generated token"
 
 
 def summary(result: "ExplainResult", top: int = 10) -> dict:

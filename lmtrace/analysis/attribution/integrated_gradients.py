@@ -66,8 +66,9 @@ def _uniform_baseline(ctx: StepContext, e: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(e)
     if ctx.settings.baseline in ("mean", "scaled-mean"):
         with torch.no_grad():
-            w = ctx.scorer.embed.weight
-            mean = w.double().mean(0).to(e.dtype).to(e.device)
+            # through the embedding module, like the inputs e: a raw weight row would miss a scale the module
+            # applies (Gemma's √d_model) and put the baseline on another scale than e and the pad baseline
+            mean = ctx.scorer.mean_embedding(e.dtype).to(e.device)
             if ctx.settings.baseline == "mean":
                 return mean.expand_as(e).clone()
             # the mean direction at each position's own norm: the path keeps the norm away from 0

@@ -69,6 +69,20 @@ class Settings:
             raise SpecError(f"--ig-max-points {self.ig_max_points}: must be at least 4")
         return self
 
+    def check_positions(self, longest: int, last_step: int, methods: list[str]) -> None:
+        """Refuse `--ig-keep` / `--rollout-exclude` positions outside every explained context (the longest, at
+        step `last_step`, has positions 0..longest−1) for the methods that use them, before any work."""
+        for option, text, positions, method in (
+                ("--ig-keep", self.ig_keep, self.ig_kept, "integrated_gradients"),
+                ("--rollout-exclude", self.rollout_exclude, self.rollout_excluded, "attention_rollout")):
+            outside = [p for p in positions if p >= longest]
+            if method in methods and outside:
+                which = f"position {outside[0]} is" if len(outside) == 1 else \
+                    f"positions {', '.join(map(str, outside))} are"
+                raise SpecError(f"{option} {text!r}: {which} outside every "
+                                f"explained context (step {last_step}'s context has positions 0..{longest - 1}); "
+                                f"give positions below {longest}")
+
 
 def _positions(text: str, option: str, words: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:
     """'sink' (= position 0) and/or positions like '0,3' (and the option's own `words`) -> sorted unique positions."""

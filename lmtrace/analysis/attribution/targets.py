@@ -35,6 +35,7 @@ class Scorer:
         self.tokenizer = tokenizer
         self.pad_id = getattr(tokenizer, "pad_token_id", None)
         self.edits: "ContextEdits | None" = None  # an intervention child's edits, installed while explaining it
+        self._mean: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def of(cls, loaded) -> "Scorer":
@@ -45,6 +46,21 @@ class Scorer:
         """ids [n] -> [n, d] the embedding module's output (what the model's first layer receives)."""
         with torch.no_grad():
             return self.embed(torch.tensor([ids], device=self.device))[0].float().detach()
+
+    def mean_embedding(self, dtype: torch.dtype = torch.float32, chunk: int = 4096) -> torch.Tensor:
+        """[d] the mean of the embedding module's output over every token id of the vocabulary: the mean row of
+        the embedding matrix as the model's first layer receives it, on the inputs' scale (Gemma multiplies by
+        √d_model inside its embedding module). Summed in float64 in chunks of ids; cached per model dtype."""
+        key = self.embed.weight.dtype
+        if key not in self._mean:
+            vocab = self.embed.weight.shape[0]
+            total = torch.zeros(self.embed.weight.shape[1], dtype=torch.float64, device=self.device)
+            with torch.no_grad():
+                for lo in range(0, vocab, chunk):
+                    ids = torch.arange(lo, min(lo + chunk, vocab), device=self.device)
+                    total += self.embed(ids[None])[0].double().sum(0)
+            self._mean[key] = total / vocab
+        return self._mean[key].to(dtype)
 
     def logits(self, embeds: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """embeds [B, n, d] (mask [B, n], 1 = attend) -> last-position logits [B, vocab]."""
