@@ -492,7 +492,8 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
                                         "generation": gen})
     t = base.tokens().to_pandas()
     eos = int(t[(t.sequence == 0) & ~t.is_prompt].sort_values("step").token_id.iloc[1])
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {**gen, "eos_token_id": eos},
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,
+                              "generation": {**gen, "eos_token_id": eos},
                               "capture": {"lens": {"enabled": False}}, "output": {"run_id": "ragged"}})
     lengths = run.sequences().to_pandas().generated_len.tolist()
     assert len(set(lengths)) > 1, lengths  # the point of the test: sequences with different numbers of steps

@@ -492,9 +492,9 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
     same(whole, read_sweep(clean, "killed").to_pandas())
 
 
-def _cli(tmp, *args):
+def _cli(tmp, *args, env: dict | None = None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -564,6 +564,41 @@ def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
     assert len(sharded) == 4 * 2 * 3 * len(METRICS)  # MLP blocks x sequences x steps x metrics
     pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
     assert unsharded[unsharded.metric == "kl"].effect.max() > 1e-2  # the cells differ: a wrong cell cannot pass
+
+
+def test_a_second_process_of_the_same_sweep_exits_2_naming_the_first(runs):
+    """Two `lmtrace sweep --run-id S` of one run: the first holds the sweep (a test-only pause keeps it
+    inside, after it took ownership), the second exits 2 at once with one line naming the first's pid,
+    while the first is still running; the first then completes the sweep alone. (Shards of one sweep
+    hold keys of their own: test_two_shard_processes_started_together_equal_the_unsharded_sweep.)"""
+    import time
+
+    clean, _ = runs
+    sweep_id = "one-writer"
+    args = ["sweep", str(clean.path), "--over", "attn", "--edit", "zero", "--steps", "0-1", "--run-id", sweep_id,
+            "--json"]
+    first = _cli(clean.path.parent, *args, env={"LMTRACE_TEST_PAUSE_AFTER_CREATE": "45"})
+    try:
+        lock = clean.path / "owners" / f"sweep-{sweep_id}.lock"
+        deadline = time.time() + 180
+        while not (lock.is_file() and f'"pid": {first.pid}' in lock.read_text()):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = _cli(clean.path.parent, *args)
+        out, err = second.communicate(timeout=120)
+        lines = _error_lines(err)
+        assert second.returncode == 2 and len(lines) == 1, err
+        assert lines[0].startswith("error: ") and f"pid {first.pid}" in lines[0] and f"sweep-{sweep_id}" in lines[0], err
+        assert "Traceback" not in out + err and out == ""
+        assert first.poll() is None  # refused while the first one runs, not after it
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "complete"
+    assert [e["id"] for e in Run(clean.path).manifest["sweeps"]].count(sweep_id) == 1
+    assert sorted(p.name for p in (clean.path / "sweeps").iterdir() if sweep_id in p.name) == [sweep_id]
 
 
 BAD = [

@@ -25,8 +25,8 @@ Importance: with per-head direct logit attribution in the run (`capture.head_dla
 the mean |head_dla| over the rows (`dla_rank` ranks by it); with a head sweep of the run (`lmtrace
 sweep RUN --over heads`, the latest one), `sweep_effect` is the head's mean measured effect on the
 sweep's first metric over all its (sequence, step) rows (`sweep_rank` ranks by |sweep_effect|).
-`rank` follows the measured effect when there is a sweep, else the DLA, else the label (the order
-above) and the label's score.
+`rank` follows the measured effect when there is a sweep, else the DLA, else the label in
+RANK_ORDER and, within a label, the label's score (largest first).
 
 No printing, no paths: `lmtrace heads` (commands/heads.py) writes the tables through
 `archive/heads.py` and prints them.
@@ -47,6 +47,11 @@ from .sweep.effects import cell_effects
 LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q
 THRESHOLDS = {"sink": 0.5, "previous-token": 0.4, "induction": 0.3, "local": 0.5, "focused": 0.5}
 LABELS = ("sink", "previous-token", "induction", "local", "focused", "diffuse")
+# Without a sweep or DLA, heads rank by label in this order: the heads that implement a specific
+# mechanism first (induction copies what followed an earlier occurrence; previous-token heads feed
+# it), then positional patterns, and last what many heads of a trained model do and what tells
+# least about a head (sinks: twenty or more of SmolLM2-135M's 270 heads; diffuse).
+RANK_ORDER = ("induction", "previous-token", "local", "focused", "sink", "diffuse")
 SCORES = ("sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score",
           "entropy", "concentration")
 
@@ -277,7 +282,7 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
             for n, name in enumerate(("sweep_rank", "dla_rank")):
                 if r[name] is not None:
                     return (n, r[name], 0.0)
-            return (2, LABELS.index(r["label"]), -_label_score(r))
+            return (2, RANK_ORDER.index(r["label"]), -_label_score(r))
         rows.sort(key=key)
         for i, r in enumerate(rows):
             r["rank"] = i + 1

@@ -35,6 +35,13 @@ SWEEPS_DIR = "sweeps"
 ZARR_DIM = {"head": "q_head"}
 
 
+def writer_key(sweep_id: str, index: int, count: int) -> str:
+    """The owner-lock key (`RUN/owners/<key>.lock`, liveness.OwnerLock) of one process of a sweep:
+    one per sweep id and shard, so a second process of the same sweep and shard is refused while the
+    shards of one sweep run side by side."""
+    return f"sweep-{sweep_id}" + (f"-shard-{index}-of-{count}" if count > 1 else "")
+
+
 def block_schema() -> pa.Schema:
     return pa.schema([("component", pa.string()), ("layer", pa.int32()), ("head", pa.int32()),
                       ("neuron", pa.int32()), ("position", pa.int32()), ("sequence", pa.int32()),
@@ -178,7 +185,7 @@ def read_effects(sweep_dir: Path, info: dict | None = None) -> list[EffectArray]
             group = zarr.open_group(str(sweep_dir / "effects.zarr"), mode="r")
             values = np.asarray(zarr.open_array(str(path), mode="r")[...], dtype=np.float32)
             coords = {d: [int(v) for v in group[d][...]] for d in where["dims"]}
-        except (OSError, ValueError, LookupError, RuntimeError) as err:  # zarr's kinds of missing / damaged: name the file
+        except (OSError, ValueError, LookupError, RuntimeError) as err:  # zarr's ways to say missing or damaged
             raise ArchiveError(f"{path} is unreadable ({type(err).__name__}: {err}); the sweep is damaged: "
                                f"run it again") from None
         out.append(EffectArray(metric, list(where["dims"]), coords, values))

@@ -489,6 +489,9 @@ def heads(
                                       "(analysis/heads_per_sequence.parquet)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write heads.parquet here instead of RUN/analysis/."),
     top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
+    label: list[str] = typer.Option([], "--label", metavar="LABEL", help="Show only heads with this label (repeatable, or "
+                                    "comma-separated): induction, previous-token, local, focused, sink, diffuse. "
+                                    "The files keep every head."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
@@ -496,7 +499,8 @@ def heads(
     from ..commands.heads import heads_command
 
     try:
-        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
+        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
+                      labels=label)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 

@@ -10,18 +10,31 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.heads import LABELS, compute_heads
+from ..analysis.heads import LABELS, RANK_ORDER, compute_heads
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, write_heads
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..errors import SpecError
 from ..jsonout import json_line
 
 
+def parse_labels(given: list[str] | None) -> list[str] | None:
+    """`--label` values (repeatable, or comma-separated) -> the labels asked for, or None for all."""
+    names = [n.strip() for item in given or [] for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LABELS]
+    if unknown:
+        raise SpecError(f"--label {unknown[0]!r}: unknown; labels: {', '.join(LABELS)}")
+    if given and not names:
+        raise SpecError(f"--label: no label given; labels: {', '.join(LABELS)}")
+    return list(dict.fromkeys(names)) or None
+
+
 def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
-                  json_out: bool = False, top: int = 20) -> dict:
-    """`lmtrace heads`: compute, write analysis/heads.parquet, print a ranked table (or JSON)."""
+                  json_out: bool = False, top: int = 20, labels: list[str] | None = None) -> dict:
+    """`lmtrace heads`: compute, write analysis/heads.parquet (every head), print a ranked table (or
+    JSON) of every head or of those with the `labels` asked for."""
     if top < 1:
         raise SpecError(f"--top must be ≥ 1 (got {top})")
+    wanted = parse_labels(labels)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)  # said in the notes, in one line
         run = open_run(ref, runs_dir)
@@ -34,20 +47,23 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     table = result["table"]
+    shown = [r for r in table.to_pylist() if wanted is None or r["label"] in wanted]  # in rank order
     summary = {"run_id": run.id, "path": str(folder / HEADS_FILE),
                "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
                "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
+               "label_filter": wanted,
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
-                         for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
+                         for r in shown]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
         print(json_line(summary))
     else:
-        _print(run, table, result, folder, top)
+        _print(run, table, shown, wanted, result, folder, top)
     return summary
 
 
-def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> None:
+def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path,
+           top: int) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -57,9 +73,10 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
     sweep = result.get("sweep")
     by = (f"measured effect on {sweep['metric']} (sweep {sweep['id']}, edit {sweep['edit']})" if sweep
-          else "mean |head DLA|" if result["dla"] else "label, then the label's score")
-    t = Table(title=escape(f"heads of {run.id}, ranked by {by} (top {min(top, len(labels))} of {len(labels)}: {counts})"),
-              title_justify="left")
+          else "mean |head DLA|" if result["dla"] else f"label ({', '.join(RANK_ORDER)}), then the label's score")
+    which = (f"top {min(top, len(shown))} of {len(shown)} {' / '.join(wanted)} heads; all {len(labels)}: {counts}"
+             if wanted else f"top {min(top, len(labels))} of {len(labels)}: {counts}")
+    t = Table(title=escape(f"heads of {run.id}, ranked by {by} ({which})"), title_justify="left")
     for col in ("rank", "layer", "head", "label", "sink", "prev", "local", "induct", "dup", "entropy", "max w"):
         t.add_column(col, justify="left" if col == "label" else "right")
     if result["dla"]:
@@ -70,7 +87,7 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     def f(v):
         return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
 
-    for r in table.to_pylist()[:top]:
+    for r in shown[:top]:
         cells = [str(r["rank"]), str(r["layer"]), str(r["head"]), r["label"], f(r["sink_score"]),
                  f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
                  f(r["entropy"]), f(r["concentration"])]

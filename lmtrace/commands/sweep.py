@@ -28,9 +28,10 @@ from pathlib import Path
 from ..analysis.sweep.cells import Cell, build_cells
 from ..analysis.sweep.effects import cell_effects, effect_array, ranking, sequence_means
 from ..analysis.sweep.metrics import Metric, parse_metrics
+from ..archive.liveness import OwnerLock, pause_for_tests
 from ..archive.runs import locked
 from ..archive.sweeps import (SWEEPS_DIR, ZARR_DIM, EffectArray, block_table, create_partial, read_blocks,
-                              record_sweep, write_block, write_sweep)
+                              record_sweep, write_block, write_sweep, writer_key)
 from ..archive.writer import atomic_write_json
 from ..capture.interventions import parse_range_list
 from ..errors import Interrupted, LmtraceError, SpecError
@@ -126,36 +127,52 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
 def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, sweep_id: str | None = None,
               shard: tuple[int, int] = (0, 1), resume: bool = False, top: int = 20,
               note=lambda text: None) -> SweepResult:
-    from ..analysis.sweep.engine import MEAN_KIND, Engine
-    from ..archive.runs import new_run_id, now_iso
-    from ..capture.arch import adapter_for
-    from ..capture.interventions import component_means
-    from ..models import load_run_model
+    from ..archive.runs import new_run_id
 
     t0 = time.time()
     inp = _inputs(parent_ref, spec, runs_dir)
-    parent, view, cells = inp.parent, inp.view, inp.cells
+    parent, cells = inp.parent, inp.cells
 
     # the plan: blocks of cells, per sequence; a shard takes every N-th block
     blocks = [(s, j, cells[i: i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))]
     given = {"parent": parent.id, "source": inp.source_run.id if inp.source_run else None,
              **spec.model_dump(mode="json")}
-    root = parent.path / SWEEPS_DIR
     index, count = shard
     if resume and sweep_id is None:
         raise SpecError("--resume needs --run-id ID: the id of the unfinished sweep (sweeps/.partial-ID)")
     if count > 1 and sweep_id is None:
         raise SpecError("a sharded sweep needs a shared id: pass --run-id (with --shard auto it is slurm-<job id>)")
     sweep_id = sweep_id or new_run_id()
+    # One process per sweep id and shard: a second `lmtrace sweep --run-id S` (with the same --shard)
+    # exits 2 at once naming the holder's pid; the shards of one sweep hold keys of their own.
+    owner = OwnerLock(parent.path, writer_key(sweep_id, index, count), parent.id).acquire()
+    try:
+        pause_for_tests()
+        return _sweep_owned(inp, spec, blocks, given, sweep_id, shard, resume, top, note, t0)
+    finally:
+        owner.release()
+
+
+def _sweep_owned(inp: _Inputs, spec: SweepSpec, blocks: list, given: dict, sweep_id: str, shard: tuple[int, int],
+                 resume: bool, top: int, note, t0: float) -> SweepResult:
+    """run_sweep's work once this process owns the sweep id and shard: check what exists, load the
+    model, run this shard's blocks, and assemble when every block is committed."""
+    from ..analysis.sweep.engine import MEAN_KIND, Engine
+    from ..archive.runs import now_iso
+    from ..capture.arch import adapter_for
+    from ..capture.interventions import component_means
+    from ..models import load_run_model
+
+    parent, view, cells = inp.parent, inp.view, inp.cells
+    index, count = shard
+    root = parent.path / SWEEPS_DIR
     final = root / sweep_id
     partial = root / f".partial-{sweep_id}"
+    plan = {"spec": given, "shards": count}
     if final.exists():
         raise SpecError(f"sweep {sweep_id} of run {parent.id} already exists ({final}); choose another --run-id")
     if partial.exists():
-        plan = json.loads((partial / "plan.json").read_text())
-        if plan["spec"] != given or plan["shards"] != count:
-            raise SpecError(f"sweep {sweep_id} exists unfinished with different settings; use another --run-id, or "
-                            f"the same settings to continue it")
+        _check_plan(partial, plan, sweep_id)
     elif resume:
         raise SpecError(f"no unfinished sweep {sweep_id} of run {parent.id} to resume")
 
@@ -171,12 +188,13 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
         means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
     engine = Engine(adapter, spec.edit, means, inp.metrics, inp.from_step)
 
-    # only now is anything written
+    # only now is anything written into sweeps/
     root.mkdir(exist_ok=True)
     with locked(root / ".lock"):
-        if not partial.exists():
-            create_partial(partial, {"spec": given, "shards": count, "n_blocks": len(blocks), "n_cells": len(cells),
-                                     "created": now_iso()})
+        if partial.exists():  # another shard created it meanwhile: it must be this sweep
+            _check_plan(partial, plan, sweep_id)
+        else:
+            create_partial(partial, {**plan, "n_blocks": len(blocks), "n_cells": len(cells), "created": now_iso()})
     t_model = time.time()
     mine = [blk for k, blk in enumerate(blocks) if k % count == index]
     done = _run_blocks(inp, spec, engine, adapter, mine, partial, sweep_id, note)
@@ -196,6 +214,14 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
                "metric": inp.metrics[0].key, "baseline_max_abs_diff": info["baseline_max_abs_diff"],
                "seconds": round(time.time() - t0, 3), "sweep_s": info["timings"]["sweep_s"], "top": info["top"]}
     return SweepResult(sweep_id, final, "complete", summary, time.time() - t0)
+
+
+def _check_plan(partial: Path, plan: dict, sweep_id: str) -> None:
+    """An unfinished sweep continues only with the settings it was started with."""
+    started = json.loads((partial / "plan.json").read_text())
+    if started["spec"] != plan["spec"] or started["shards"] != plan["shards"]:
+        raise SpecError(f"sweep {sweep_id} exists unfinished with different settings; use another --run-id, or "
+                        f"the same settings to continue it")
 
 
 def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, partial: Path, sweep_id: str,
