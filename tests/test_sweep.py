@@ -454,6 +454,22 @@ def test_a_run_patched_from_itself_changes_nothing(runs):
     assert np.abs(df.effect).max() < 1e-5
 
 
+def test_two_logit_diff_metrics_each_get_their_own_effects_array(runs):
+    """Several logit_diff:A,B in one sweep: each has its own effects.zarr array, equal to the test's own
+    mean over every row of sweep.parquet (one array name per metric used to make the second fail)."""
+    import zarr
+
+    clean, _ = runs
+    metrics = ["logit_diff:42,7", "logit_diff:3,9"]
+    result = run_sweep(str(clean.path), SweepSpec(over="attn", edit="zero", metrics=metrics, sequences="0"))
+    df = read_sweep(clean, result.sweep_id).to_pandas()
+    folder = clean.path / "sweeps" / result.sweep_id
+    for metric, name in zip(metrics, ["effect_logit_diff_42_7", "effect_logit_diff_3_9"]):
+        stored = zarr.open_array(str(folder / "effects.zarr" / name), mode="r")[...]
+        own = df[df.metric == metric].groupby("layer").effect.mean().sort_index().to_numpy()
+        np.testing.assert_allclose(stored, own, atol=1e-6, rtol=0)
+
+
 def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
     import lmtrace.commands.sweep as sweep_mod
 

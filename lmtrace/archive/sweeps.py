@@ -101,6 +101,15 @@ class EffectArray:
     values: np.ndarray  # float32, NaN where no cell was measured
 
 
+def effect_array_name(metric: str, bases: list[str]) -> str:
+    """effects.zarr's name for a metric: `effect_<metric>`; where a sweep measures several
+    `logit_diff:A,B`, each is `effect_logit_diff_A_B` (token ids), so none overwrites another."""
+    base = metric.split(":")[0]
+    if bases.count(base) > 1:
+        return "effect_" + metric.replace(":", "_").replace(",", "_")
+    return "effect_" + base
+
+
 def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects: list[EffectArray],
                 info: dict) -> None:
     """Assemble `<id>/` (sweep.parquet, sweep_mean.parquet, effects.zarr, sweep.json) in a temporary
@@ -113,13 +122,14 @@ def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects:
     pq.write_table(sequence_means, tmp / "sweep_mean.parquet")
     group = zarr.open_group(str(tmp / "effects.zarr"), mode="w", zarr_format=3)
     arrays = {}
+    bases = [e.metric.split(":")[0] for e in effects]
     for e in effects:
         for dim in e.dims:
             if dim not in group:
                 c = np.asarray(e.coords[dim], dtype=np.int32)
                 ca = group.create_array(dim, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(dim,))
                 ca[...] = c
-        name = "effect_" + e.metric.split(":")[0]
+        name = effect_array_name(e.metric, bases)
         a = group.create_array(name, shape=e.values.shape, dtype="float32", chunks=e.values.shape,
                                dimension_names=tuple(e.dims), fill_value=np.nan)
         a[...] = e.values
