@@ -41,6 +41,9 @@
   const enc = encodeURIComponent;
   const runUrl = (id) => `/api/runs/${enc(id)}`;
   const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+  // a probability: fixed decimals, or 2 significant digits when it would read as 0
+  const fmtP = (x, d = 3) => (x === null || x === undefined ? "–"
+    : x !== 0 && Math.abs(x) < 0.5 * 10 ** -d ? Number(x).toExponential(1) : Number(x).toFixed(d));
   // newlines and tabs as visible marks, so one token stays on one line
   const shown = (t) => (t === null || t === undefined ? "" : String(t).replace(/\n/g, "↵").replace(/\t/g, "⇥"));
 
@@ -59,6 +62,9 @@
     const c = x < 0.5 ? mix(WHITE, MID, x / 0.5) : mix(MID, DARK, (x - 0.5) / 0.5);
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
+
+  // replaceChildren writes null as the text "null": leave absent parts out
+  function put(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined && c !== false)); }
 
   function setCrumbs(...items) {
     crumbs.replaceChildren(...items.map((it) => (it.href ? el("a", { href: it.href, text: it.text }) : el("span", { text: it.text }))));
@@ -172,7 +178,7 @@
     sortSel.addEventListener("change", () => go(0));
     const body = el("div", {}, el("p", { class: "note", text: "loading…" }));
     const running = info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: it is shown up to its last committed block.` }) : null;
-    app.replaceChildren(title, runHeader(info), running,
+    put(app, title, runHeader(info), running,
       el("div", { class: "controls" }, search, el("button", { onclick: () => go(0), text: "search" }), sortSel), body);
 
     const data = await api(`${runUrl(runId)}/sequences?${new URLSearchParams({ page, q, sort })}`);
@@ -190,7 +196,7 @@
       el("td", { class: "clip prompt", text: shown(r.prompt), title: r.prompt }),
       el("td", { class: "clip", text: shown(r.generated_text), title: r.generated_text }),
       ...metaCols.map((c) => el("td", { text: r.metadata[c] ?? "–" })),
-      el("td", { class: "num", text: r.generated_len ?? "–" }), el("td", { class: "num", text: fmt(r.min_prob) }),
+      el("td", { class: "num", text: r.generated_len ?? "–" }), el("td", { class: "num", text: fmtP(r.min_prob) }),
       el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || "–" })));
     body.replaceChildren(pager, data.rows.length ? el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows))
       : el("p", { class: "note", text: "no sequence matches" }));
@@ -209,13 +215,13 @@
     const strip = el("div", { class: "strip", id: "strip", tabindex: "0" }, ...data.tokens.map((t) => t.step === null
       ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
       : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
-        title: `step ${t.step} · p ${fmt(t.prob)} · rank ${t.rank ?? "–"} · entropy ${fmt(t.entropy)}`,
+        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${t.rank ?? "–"} · entropy ${fmt(t.entropy)}`,
         style: { background: probColour(t.prob) }, onclick: () => select(t.step) })));
     const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
       ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
       " · click a generated token or use ", el("kbd", { text: "←" }), " ", el("kbd", { text: "→" }));
     const detail = el("div", { id: "detail" });
-    app.replaceChildren(el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
+    put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
       info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: ${data.steps} committed step(s) shown.` }) : null,
       el("h2", { text: "Prompt" }), el("p", { class: "mono", id: "prompt", text: data.prompt ?? "" }),
       el("h2", { text: "Tokens" }), legend, strip, detail);
@@ -264,13 +270,13 @@
     const t = d.token;
     if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
     const facts = el("table", { class: "list" }, el("tbody", {},
-      ...[["step", d.step], ["position", t.position], ["probability", fmt(t.prob, 4)], ["rank", t.rank ?? "–"],
+      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank", t.rank ?? "–"],
         ["entropy", fmt(t.entropy)], ["margin", fmt(t.margin)], ["greedy choice", t.greedy]].map(([k, v]) =>
         el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: v ?? "–" })))));
     const alts = el("table", { class: "list", id: "alternatives" },
       el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
       el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono", text: shown(a.text) }),
-        el("td", { class: "num", text: fmt(a.prob, 4) })))));
+        el("td", { class: "num", text: fmtP(a.prob, 4) })))));
     return el("div", { class: "panel", id: "token-panel" }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shown(t.token) })),
       facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
   }
@@ -280,10 +286,10 @@
     if (lens.state === "none") { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
     if (lens.state === "pending") { box.appendChild(el("p", { class: "note", text: lens.note })); return box; }
     box.appendChild(el("table", { class: "list", id: "lens" },
-      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen: rank", "chosen: p"].map((h) => el("th", { text: h })))),
+      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank", "chosen p"].map((h) => el("th", { text: h })))),
       el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
-        el("td", { class: "mono", text: shown(r.top1) }), el("td", { class: "num", text: fmt(r.top1_prob) }),
-        el("td", { class: "num", text: r.target_rank ?? "–" }), el("td", { class: "num", text: fmt(r.target_prob) }))))));
+        el("td", { class: "mono", text: shown(r.top1) }), el("td", { class: "num", text: fmtP(r.top1_prob) }),
+        el("td", { class: "num", text: r.target_rank ?? "–" }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
     return box;
   }
 
