@@ -407,3 +407,59 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
         for shot in shots.iterdir():
             shutil.copy(shot, REPO / "docs" / "img" / shot.name)
+
+
+def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0"],
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
+        with urllib.request.urlopen(url + "api/runs", timeout=30) as r:
+            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == ["damaged", "tiny"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_serve_help_shows_no_python_types(tmp_path, monkeypatch):
+    import test_cli_usability
+
+    monkeypatch.setattr(test_cli_usability, "COMMANDS", ("serve",))
+    test_cli_usability.test_help_shows_no_python_types_and_posix_arguments(tmp_path)
+
+
+def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama_dir):
+    import signal
+
+    from test_archive import _cli, _wait_committed
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"
+                    "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n")
+    runs = tmp_path / "runs"
+    proc = _cli(["generate", str(spec)], runs)
+    run_dir = _wait_committed(runs, 8)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    committed = json.loads((run_dir / "progress" / "shard-0-of-1.json").read_text())["batches"]["0"]["committed_steps"]
+    s = LiveServer(runs)
+    try:
+        [row] = s.json("/api/runs")["runs"]
+        assert row["status"] == "running" and row["live"] is False
+        assert s.json(f"/api/runs/{run_dir.name}/sequences/0")["steps"] == committed
+        grid = s.json(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed - 1}")["attention"]
+        attn = archive_attention(run_dir, 0, committed - 1)
+        assert [[c["weight"] for c in cells] for cells in grid["cells"]] == attn.max(axis=-1).tolist()
+        status, _, body = s.request(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed}")
+        assert status == 404 and f"steps 0-{committed - 1} committed" in json.loads(body)["error"]
+    finally:
+        s.stop()

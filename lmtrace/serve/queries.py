@@ -166,8 +166,10 @@ def sequence_tokens(run: Run, seq: int) -> dict:
     _check_sequence(run, seq)
     t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "rank"],
                    where=pc.field("sequence") == seq).sort_by("position")
+    ready = _steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
     tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": _clean(r["prob"]),
-               "entropy": _clean(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()]
+               "entropy": _clean(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
+              if r["step"] is None or r["step"] < ready]
     prompt = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq).column("prompt").to_pylist()
     return {"sequence": seq, "prompt": prompt[0] if prompt else None, "tokens": tokens,
             "steps": sum(1 for x in tokens if x["step"] is not None)}
