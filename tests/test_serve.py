@@ -438,19 +438,24 @@ def test_serve_help_shows_no_python_types(tmp_path, monkeypatch):
 
 
 def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama_dir):
+    """A writer SIGKILLed mid-run: the page shows the steps its progress record commits, no more."""
     import signal
+
+    import yaml
 
     from test_archive import _cli, _wait_committed
 
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"
-                    "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n")
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": ["Count slowly from one to one hundred:"],
+                                    "generation": {"max_new_tokens": 400, "eos_token_id": 0},
+                                    "output": {"chunk_steps": 4}}))
     runs = tmp_path / "runs"
-    proc = _cli(["generate", str(spec)], runs)
+    writer = _cli(["generate", str(spec)], runs)
     run_dir = _wait_committed(runs, 8)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    committed = json.loads((run_dir / "progress" / "shard-0-of-1.json").read_text())["batches"]["0"]["committed_steps"]
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate(timeout=60)
+    [progress] = (run_dir / "progress").glob("*.json")
+    committed = json.loads(progress.read_text())["batches"]["0"]["committed_steps"]
     s = LiveServer(runs)
     try:
         [row] = s.json("/api/runs")["runs"]
