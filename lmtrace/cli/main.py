@@ -587,6 +587,26 @@ def report(
         webbrowser.open(result.path.resolve().as_uri())
 
 
+@app.command()
+def serve(
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; any but loopback needs --token."),
+    port: int = typer.Option(8765, "--port", metavar="N", help="Port to listen on (0: a free one, printed)."),
+    token: Optional[str] = typer.Option(None, "--token", metavar="TOKEN", help="Access token every request must carry (the printed "
+                                        "address sets it as a cookie); required with a non-loopback --host."),
+    open_: bool = typer.Option(False, "--open", help="Open the address in the default browser."),
+):
+    """Explore the runs in a local, read-only web page: runs, sequences, and per token its attention, lens and alternatives."""
+    try:
+        from ..commands.serve import serve as serve_command
+
+        serve_command(runs_dir, host, port, token, open_)
+    except BaseException as err:  # noqa: BLE001
+        if isinstance(err, KeyboardInterrupt):
+            raise typer.Exit(0)
+        _fail(err)
+
+
 help_format.fill_in(app)
 help_format.install()
 
