@@ -67,9 +67,8 @@ class ModelSpec(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        ok = v in ("auto", "cpu", "cuda", "mps") or (v.startswith("cuda:") and v[5:].isdigit())
-        if not ok:
-            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps (got {v!r})")
+        if not is_device(v):
+            raise ValueError(f"device must be {DEVICES} (got {v!r})")
         return v
 
     @field_validator("device_map", mode="before")
@@ -139,6 +138,21 @@ def memory_bytes(size: str | int) -> int | None:
     if not match:
         return None
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+DEVICES = "auto, cpu, cuda, cuda:N or mps"  # what `model.device` and a command's --device accept
+
+
+def is_device(value: str) -> bool:
+    """Whether `value` names a single device lmtrace can load a model on (one of DEVICES)."""
+    return value in ("auto", "cpu", "cuda", "mps") or (value.startswith("cuda:") and value[5:].isdigit())
+
+
+def check_device_option(value: str | None, option: str = "--device") -> str | None:
+    """A command's --device value, refused in one line (exit 2) before any work when it names no device."""
+    if value is not None and not is_device(value):
+        raise SpecError(f"{option} {value!r}: not a device; expected {DEVICES}")
+    return value
 
 
 def placement_device(value: Any, what: str, *, disk: bool) -> str:

@@ -220,14 +220,39 @@ class FullForward:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def margin_direction(self, a: int, b: int) -> torch.Tensor:
+    def through_final(self, x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+        """parts [..., d] of the final residual x [d] -> their images in the unembedding's input space:
+        the final norm (where the model has one) as the linear map it is with its scale fixed at x, then
+        the linear maps after it (OPT's project_out) without their bias, a constant term."""
+        mods = [m for m in (_get(self.model, p) for p in self.case.final) if m is not None]
+        if mods and not isinstance(mods[0], torch.nn.Linear):
+            parts = frozen_norm(mods[0], x, parts)
+            mods = mods[1:]
+        for m in mods:
+            parts = parts @ m.weight.float().T
+        return parts
+
+    def margin_share(self, x: torch.Tensor, part: torch.Tensor, a: int, b: int) -> tuple[float, float]:
+        """A part [d] of the final residual x [d] -> its share of logit(a) − logit(b) (before any final
+        soft-capping), and that dot product's own scale |image| |W_a − W_b| (for a tolerance)."""
         W = self.model.lm_head.weight.float()
-        d = W[a] - W[b]
-        for path in reversed(self.case.final):
-            m = _get(self.model, path)
-            if isinstance(m, torch.nn.Linear):
-                d = d @ m.weight.float()
-        return d
+        image, d = self.through_final(x, part), W[a] - W[b]
+        return (image @ d).item(), (image.norm() * d.norm()).item()
+
+
+def frozen_norm(norm: torch.nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm/RMSNorm as the linear map it is with its scale fixed at the actual input x [d]: c [..., d]
+    -> its image (without the LayerNorm's bias, a constant term). Gemma's RMSNorms scale by 1 + weight."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        xc = x - x.mean()
+        sigma = torch.sqrt((xc * xc).mean() + norm.eps)
+        c = c - c.mean(-1, keepdim=True)
+        return c / sigma * (norm.weight.float() if norm.weight is not None else 1.0)
+    weight = norm.weight.float()
+    if "Gemma" in type(norm).__name__:
+        weight = 1.0 + weight
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return c / torch.sqrt((x.float() ** 2).mean() + eps) * weight
 
 
 def route(kind: str, logits: torch.Tensor, k: int, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,7 +332,8 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
             ent = -(logprobs.exp() * logprobs).sum().item()
             assert abs(row.entropy - ent) < 10 * tol.logprob
             st = steps[steps.step == s].sort_values("layer")
-            direction = ref.margin_direction(int(row.alt_ids[0]), int(row.alt_ids[1]))  # the run's own top-2
+            top2 = int(row.alt_ids[0]), int(row.alt_ids[1])  # the run's own top-2
+            x_final = r["resid"][-1][qpos]  # the final norm's input
             for li, layer in enumerate(layers):
                 # attention row of the query position over every key so far (0 = masked / outside the window)
                 expected = r["attn"][layer][:, qpos, : qpos + 1].numpy()
@@ -361,8 +387,9 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
                     p_ref = lens.exp()[torch.as_tensor(lens_ids[s, li].astype(np.int64))].numpy()
                     tol.seen("lens", np.abs(lens_probs[s, li] - p_ref).max())
                     _close(lens_probs[s, li], p_ref, tol.lens, f"lens layer {layer}")
-                contrib = (direction @ (resid - before)).item()
-                scale = max(1.0, (direction.norm() * (resid - before).norm()).item())  # a dot product's own scale
+                # the layer's share of the top-1 − top-2 logit difference, through the final norm frozen at x_final
+                contrib, scale = ref.margin_share(x_final, resid - before, *top2)
+                scale = max(1.0, scale)  # a dot product's own scale
                 tol.seen("margin", abs(st.margin_contrib.iloc[li] - contrib) / scale)
                 assert abs(st.margin_contrib.iloc[li] - contrib) < tol.norm * scale, ("margin_contrib", layer, s)
                 # FFN top-|a| neurons of the intermediate activation, signed

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, Reference, run_spec, with_lens
+from test_architectures import frozen_norm
 
 TOL = 1e-4
 LENS_BF16_RTOL = 0.02  # documented bound ~1 % (normaliser error <= 0.011 measured on SmolLM2)
@@ -58,6 +59,13 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
         ent = -(logprobs.exp() * logprobs).sum().item()
         assert abs(row.entropy - ent) < 10 * tol
         st = steps[steps.step == s].sort_values("layer")
+        t2 = r["logits"][qpos].topk(2).indices
+        margin_row, x_final = W[t2[0]] - W[t2[1]], r["resid"][-1][qpos]
+        if len(layers) == len(r["resid"]):  # every layer: with the embedding's share they sum to the logit margin
+            total = st.margin_contrib.sum() + (frozen_norm(norm, x_final, r["embed"][qpos]) @ margin_row).item()
+            margin = (r["logits"][qpos][t2[0]] - r["logits"][qpos][t2[1]]).item()
+            assert abs(total - margin) < tol * max(1.0, abs(margin)) * 10, (s, total, margin)
+            assert abs(row.margin - margin) < tol * max(1.0, abs(margin)) * 10  # tokens.parquet's margin
         order = logprobs.topk(2).indices.tolist()
         runner = order[1] if order[0] == row.token_id else order[0]  # the runner-up: the best other token
         for li, layer in enumerate(layers):
@@ -106,9 +114,9 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
                     0 if lens_exact else LENS_BF16_RTOL * np.exp(lens_np[tok])), (s, layer, prob_col)
                 if rank_col == "lens_target_rank":  # (checked just above against this forward's ranks)
                     lens_ranks.setdefault(s, []).append(got_rank)
-            # margin contribution of this layer's delta to the final top-1 vs top-2
-            t2 = r["logits"][qpos].topk(2).indices
-            contrib = ((W[t2[0]] - W[t2[1]]) @ (resid - before)).item()
+            # margin contribution of this layer's delta to the final top-1 vs top-2 logit difference
+            # (through the final norm, its scale frozen at the final residual)
+            contrib = (frozen_norm(norm, x_final, resid - before) @ margin_row).item()
             assert abs(st.margin_contrib.iloc[li] - contrib) < tol * max(1.0, abs(contrib)) * 10
             # FFN top-k of the intermediate activation, signed
             act = r["ffn_act"][layer][qpos]

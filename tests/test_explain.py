@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from conftest import run_spec
-from lmtrace.commands import explain as ex
+from lmtrace.analysis import attribution as attr
+from lmtrace.archive.explanations import record_entries
+from lmtrace.commands.explain import explain_run
+from lmtrace.commands.explain_render import summary
 from lmtrace.errors import ArchiveError, ModelLoadError, SpecError
 
 TOL = 1e-4
@@ -84,18 +87,18 @@ def test_rollout_matches_hand_computation():
     #   Â0 = [[1,0,0],[.375,.625,0],[.2,.125,.675]];  Â1 = [[1,0,0],[0,1,0],[.25,.25,.5]]
     #   R = Â1 Â0: last row = .25*[1,0,0] + .25*[.375,.625,0] + .5*[.2,.125,.675]
     expected = np.array([[1, 0, 0], [0.375, 0.625, 0], [0.44375, 0.21875, 0.3375]])
-    np.testing.assert_allclose(ex.rollout(attn), expected, atol=1e-12)
+    np.testing.assert_allclose(attr.rollout(attn), expected, atol=1e-12)
 
 
 def test_rollout_from_archive_equals_rollout_of_the_models_attention(attention_run, model):
-    result = ex.explain_run(attention_run.path, "0,4", methods=["attention_rollout"])
+    result = explain_run(attention_run.path, "0,4", methods=["attention_rollout"])
     for step in (0, 4):
         ids, _, _ = context(attention_run, 0, step)
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_attentions=True)
         full = np.stack([a[0].numpy() for a in out.attentions])  # [layer, head, n, n]
         got = scores_of(result, "attention_rollout", step).scores
-        np.testing.assert_allclose(got, ex.rollout(full)[-1], atol=TOL)
+        np.testing.assert_allclose(got, attr.rollout(full)[-1], atol=TOL)
         assert abs(got.sum() - 1) < 1e-4
 
 
@@ -109,14 +112,14 @@ def test_rollout_without_the_sink_matches_hand_computation():
     # by hand, column 0 zeroed in each head mean before + I and row-normalising:
     #   Â0 last row [0, .25, 1.35] / 1.6;  Â1 = [[1,0,0],[0,1,0],[0,1/3,2/3]]
     #   last row of R = 1/3*[0,1,0] + 2/3*[0,.15625,.84375] = [0, .4375, .5625]
-    R = ex.rollout(attn, exclude=(0,))
+    R = attr.rollout(attn, exclude=(0,))
     np.testing.assert_allclose(R[-1], [0, 0.4375, 0.5625], atol=1e-12)
     assert R[0, 0] == 1.0
 
 
 def test_rollout_leaving_out_the_sink_from_the_archive(attention_run, model):
-    settings = ex.Settings(rollout_exclude="sink")
-    result = ex.explain_run(attention_run.path, "3", methods=["attention_rollout"], settings=settings)
+    settings = attr.Settings(rollout_exclude="sink")
+    result = explain_run(attention_run.path, "3", methods=["attention_rollout"], settings=settings)
     ids, _, _ = context(attention_run, 0, 3)
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_attentions=True)
@@ -131,7 +134,7 @@ def test_rollout_leaving_out_the_sink_from_the_archive(attention_run, model):
     np.testing.assert_allclose(got, R[-1], atol=TOL)
     assert got[0] == 0 and abs(got.sum() - 1) < 1e-4
     with pytest.raises(SpecError, match="--rollout-exclude"):
-        ex.Settings(rollout_exclude="first").check()
+        attr.Settings(rollout_exclude="first").check()
 
 
 def test_rollout_needs_no_weights_and_gradients_do(attention_run, tmp_path):
@@ -140,15 +143,15 @@ def test_rollout_needs_no_weights_and_gradients_do(attention_run, tmp_path):
     manifest = json.loads((moved / "manifest.json").read_text())
     manifest["spec_resolved"]["model"]["ref"] = str(tmp_path / "gone-model")
     (moved / "manifest.json").write_text(json.dumps(manifest))
-    result = ex.explain_run(moved, "2", methods=["rollout"])
+    result = explain_run(moved, "2", methods=["rollout"])
     assert result.explanations[0].scores.shape == (len(context(attention_run, 0, 2)[0]),)
     with pytest.raises(ModelLoadError, match=r"gone-model.*not available.*grad_x_input.*attention_rollout does not"):
-        ex.explain_run(moved, "2", methods=["grad_x_input"])
+        explain_run(moved, "2", methods=["grad_x_input"])
 
 
 def test_rollout_on_a_forward_only_run_names_what_is_missing(forward_only_run):
     with pytest.raises(ArchiveError) as err:
-        ex.explain_run(forward_only_run.path, "1", methods=["attention_rollout"])
+        explain_run(forward_only_run.path, "1", methods=["attention_rollout"])
     msg = str(err.value)
     assert "capture.attention.enabled: true" in msg and "capture.prefill_attention: true" in msg
 
@@ -156,8 +159,8 @@ def test_rollout_on_a_forward_only_run_names_what_is_missing(forward_only_run):
 # ---- gradient methods -----------------------------------------------------------------------------
 @pytest.mark.parametrize("seq,steps,target,quantity", [(1, [0, 5], "chosen", "logit"), (0, [3], "contrast", "logprob")])
 def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, target, quantity):
-    result = ex.explain_run(forward_only_run.path, steps, sequence=seq, methods=["grad_x_input"],
-                            settings=ex.Settings(target=target, quantity=quantity))
+    result = explain_run(forward_only_run.path, steps, sequence=seq, methods=["grad_x_input"],
+                            settings=attr.Settings(target=target, quantity=quantity))
     for step in steps:
         ids, chosen, runner = context(forward_only_run, seq, step)
         e = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
@@ -172,8 +175,8 @@ def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, targ
 
 @pytest.mark.parametrize("baseline", ["zero", "pad"])
 def test_integrated_gradients_sum_to_the_output_difference_within_the_reported_error(forward_only_run, model, baseline):
-    settings = ex.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16, ig_max_points=128)
-    result = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=settings)
+    settings = attr.Settings(target="contrast", quantity="logprob", baseline=baseline, ig_steps=16, ig_max_points=128)
+    result = explain_run(forward_only_run.path, "2", methods=["ig"], settings=settings)
     ids, chosen, runner = context(forward_only_run, 0, 2)
     emb = model.get_input_embeddings()
     with torch.no_grad():
@@ -209,22 +212,22 @@ def smooth_run(tmp_path_factory, tiny_llama_dir):
 def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
     errors = {}
     for m in (4, 32):
-        r = ex.explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
-                           settings=ex.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33))
+        r = explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
+                           settings=attr.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33))
         info = r.explanations[0].info
         errors[m] = info["completeness_error"]
         assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[m] + 1e-5
     assert errors[32] < errors[4]
     assert errors[32] / abs(info["f_x"] - info["f_baseline"]) < 5e-3
     # on a smooth path the adaptive rule needs no refinement beyond its initial intervals
-    r = ex.explain_run(smooth_run.path, "3", methods=["ig"], settings=ex.Settings(baseline="pad", ig_steps=4))
+    r = explain_run(smooth_run.path, "3", methods=["ig"], settings=attr.Settings(baseline="pad", ig_steps=4))
     assert r.explanations[0].info["converged"] and r.explanations[0].info["completeness_error_relative"] < 0.01
 
 
 # ---- occlusion ---------------------------------------------------------------------------------------
 def test_occlusion_equals_the_change_of_a_masked_forward(forward_only_run, model):
-    result = ex.explain_run(forward_only_run.path, "4", sequence=1, methods=["occlusion"],
-                            settings=ex.Settings(target="chosen", quantity="logprob", batch_size=3))
+    result = explain_run(forward_only_run.path, "4", sequence=1, methods=["occlusion"],
+                            settings=attr.Settings(target="chosen", quantity="logprob", batch_size=3))
     ids, chosen, runner = context(forward_only_run, 1, 4)
     x = model.get_input_embeddings()(torch.tensor([ids]))
     got = scores_of(result, "occlusion", 4).scores
@@ -241,7 +244,7 @@ def test_occlusion_equals_the_change_of_a_masked_forward(forward_only_run, model
 def test_results_are_written_into_the_run(forward_only_run):
     before = json.loads((forward_only_run.path / "manifest.json").read_text())
     mode = (forward_only_run.path / "manifest.json").stat().st_mode
-    r = ex.explain_run(forward_only_run.path, "1,2", methods=["grad_x_input,occlusion"])
+    r = explain_run(forward_only_run.path, "1,2", methods=["grad_x_input,occlusion"])
     assert (forward_only_run.path / "manifest.json").stat().st_mode == mode  # rewritten, same permissions
     manifest = json.loads((forward_only_run.path / "manifest.json").read_text())
     assert manifest["status"] == before["status"] == "complete"
@@ -270,7 +273,7 @@ def test_concurrent_manifest_writers_lose_nothing(forward_only_run, tmp_path):
 
     def writer(i):
         for j in range(5):
-            ex.record_entries(run_dir, [{"id": f"w{i}-{j}"}])
+            record_entries(run_dir, [{"id": f"w{i}-{j}"}])
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
     for t in threads:
@@ -285,13 +288,13 @@ def test_concurrent_manifest_writers_lose_nothing(forward_only_run, tmp_path):
 
 def test_bad_requests_fail_clearly(forward_only_run):
     with pytest.raises(SpecError, match=r"\[6, 9\] out of range.*6 generated token\(s\) \(steps 0\.\.5\)"):
-        ex.explain_run(forward_only_run.path, "0,6,9")
+        explain_run(forward_only_run.path, "0,6,9")
     with pytest.raises(SpecError, match="--sequence 2 out of range"):
-        ex.explain_run(forward_only_run.path, "0", sequence=2)
+        explain_run(forward_only_run.path, "0", sequence=2)
     with pytest.raises(SpecError, match="unknown; available: grad_x_input"):
-        ex.explain_run(forward_only_run.path, "0", methods=["shap"])
+        explain_run(forward_only_run.path, "0", methods=["shap"])
     with pytest.raises(SpecError, match="--target"):
-        ex.explain_run(forward_only_run.path, "0", settings=ex.Settings(target="best"))
+        explain_run(forward_only_run.path, "0", settings=attr.Settings(target="best"))
 
 
 def test_cli_shows_context_and_top_contributors(forward_only_run):
@@ -330,56 +333,56 @@ def _ig_reference(model, ids, chosen, runner, target, quantity, baseline):
                                                       ("zero", "runner-up", "logprob")])
 def test_integrated_gradients_converge_to_completeness_or_say_they_did_not(forward_only_run, model, baseline, target,
                                                                             quantity):
-    settings = ex.Settings(target=target, quantity=quantity, baseline=baseline, batch_size=16)
-    result = ex.explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"], settings=settings)
+    settings = attr.Settings(target=target, quantity=quantity, baseline=baseline, batch_size=16)
+    result = explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"], settings=settings)
     for e in result.explanations:
         ids, chosen, runner = context(forward_only_run, 1, e.step)
         change = _ig_reference(model, ids, chosen, runner, target, quantity, baseline)
-        scale = max(abs(change), ex.IG_SCALE_FLOOR)
+        scale = max(abs(change), attr.IG_SCALE_FLOOR)
         error = abs(float(e.scores.astype(np.float64).sum()) - change) / scale
         assert e.info["converged"] is True, e.info  # the adaptive rule reaches 1 % on this model
         assert error <= 0.01 + 1e-4, (e.step, error)
         assert e.info["completeness_error_relative"] == pytest.approx(error, abs=1e-4)
     # the fixed grid with as many gradient points does not meet the tolerance everywhere, and says so
-    fixed = ex.explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"],
-                           settings=ex.Settings(target=target, quantity=quantity, baseline=baseline, ig_rule="midpoint",
+    fixed = explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"],
+                           settings=attr.Settings(target=target, quantity=quantity, baseline=baseline, ig_rule="midpoint",
                                                 ig_steps=16, batch_size=16))
     for e in fixed.explanations:
         ids, chosen, runner = context(forward_only_run, 1, e.step)
         change = _ig_reference(model, ids, chosen, runner, target, quantity, baseline)
-        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), ex.IG_SCALE_FLOOR)
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), attr.IG_SCALE_FLOOR)
         assert e.info["converged"] is (error <= 0.01 + 1e-6) or abs(error - 0.01) < 1e-4
 
 
 def test_integrated_gradients_never_take_a_gradient_at_the_baseline_and_report_nan(forward_only_run, monkeypatch):
     seen = []
-    original = ex._IGPath.density
+    original = attr.IGPath.density
 
     def density(self, alphas):
         seen.extend(np.asarray(alphas).tolist())
         return original(self, alphas)
 
-    monkeypatch.setattr(ex._IGPath, "density", density)
-    r = ex.explain_run(forward_only_run.path, "2", methods=["ig"], settings=ex.Settings(baseline="zero", batch_size=16))
+    monkeypatch.setattr(attr.IGPath, "density", density)
+    r = explain_run(forward_only_run.path, "2", methods=["ig"], settings=attr.Settings(baseline="zero", batch_size=16))
     assert seen and min(seen) > 0 and max(seen) < 1
     # a model whose output is NaN near the baseline: the result is flagged, never a silent NaN
-    logits = ex.Scorer.logits
+    logits = attr.Scorer.logits
 
     def poisoned(self, embeds, mask=None):
         out = logits(self, embeds, mask)
         small = embeds.detach().abs().mean(dim=(1, 2)) < 0.3 * self.embed.weight.abs().mean()
         return torch.where(small[:, None], torch.full_like(out, float("nan")), out)
 
-    monkeypatch.setattr(ex.Scorer, "logits", poisoned)
-    monkeypatch.setattr(ex._IGPath, "density", original)
-    r = ex.explain_run(forward_only_run.path, "2", methods=["ig"],
-                       settings=ex.Settings(baseline="zero", ig_rule="midpoint", ig_steps=8))
+    monkeypatch.setattr(attr.Scorer, "logits", poisoned)
+    monkeypatch.setattr(attr.IGPath, "density", original)
+    r = explain_run(forward_only_run.path, "2", methods=["ig"],
+                       settings=attr.Settings(baseline="zero", ig_rule="midpoint", ig_steps=8))
     e = r.explanations[0]
     assert e.info["converged"] is False and e.info["nonfinite"] is True
     entry = [x for x in json.loads((r.path / "explain.json").read_text())["entries"]][0]
     assert entry["converged"] is False and entry["results"][0]["completeness_error"] is None
     assert any("did not converge" in n for n in r.notes)
-    text = json.dumps(ex.summary(r), allow_nan=False)  # strict JSON: null, never NaN
+    text = json.dumps(summary(r), allow_nan=False)  # strict JSON: null, never NaN
     assert "NaN" not in text and json.loads(text)["converged"] is False
 
 
@@ -420,7 +423,7 @@ def ablated_child(tmp_path_factory, tiny_llama_dir):
 
 def test_explain_on_an_ablation_child_replays_its_edits(ablated_child, model):
     parent, child = ablated_child
-    result = ex.explain_run(child.path, "0,3", sequence=1, methods=["grad_x_input"])
+    result = explain_run(child.path, "0,3", sequence=1, methods=["grad_x_input"])
     # the test's own edits: layer 1's MLP output zeroed everywhere; head 2.1's o_proj input set to its mean over
     # the parent's final sequences (computed here), at positions computed at steps >= 2 (P-1+2 onwards)
     hd = model.config.hidden_size // model.config.num_attention_heads
@@ -513,15 +516,15 @@ def _kept_first_mean_baseline(model, ids):
 def test_integrated_gradients_converge_on_the_embedded_model(embedded_run, embedded_model64, target, quantity):
     """Default settings on SmolLM2-135M: every step converges, and the scores add up to f(x) − f(b) from the
     test's own float64 forwards within 1 %."""
-    settings = ex.Settings(target=target, quantity=quantity, batch_size=16)
-    result = ex.explain_run(embedded_run.path, "0,3", methods=["ig"], settings=settings)
+    settings = attr.Settings(target=target, quantity=quantity, batch_size=16)
+    result = explain_run(embedded_run.path, "0,3", methods=["ig"], settings=settings)
     for e in result.explanations:
         ids, chosen, runner = context(embedded_run, 0, e.step)
         x, b = _kept_first_mean_baseline(embedded_model64, ids)
         with torch.no_grad():
             change = (f_of(embedded_model64, x, chosen, runner, target, quantity)
                       - f_of(embedded_model64, b, chosen, runner, target, quantity)).item()
-        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), ex.IG_SCALE_FLOOR)
+        error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), attr.IG_SCALE_FLOOR)
         assert e.info["converged"] is True, (e.step, e.info)
         assert error <= 0.01, (e.step, error, e.info)
         assert e.info["completeness_error_relative"] == pytest.approx(error, abs=1e-3)
@@ -536,7 +539,7 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
     m64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     emb = m64.get_input_embeddings()
     for keep, kept, dtype, tol in (("none", [], "float64", 1e-9), ("0,2", [0, 2], "float32", 1e-4)):
-        r = ex.explain_run(forward_only_run.path, "2", methods=["ig", "gxi"], settings=ex.Settings(
+        r = explain_run(forward_only_run.path, "2", methods=["ig", "gxi"], settings=attr.Settings(
             target="contrast", quantity="logprob", ig_keep=keep, ig_dtype=dtype, batch_size=16))
         with torch.no_grad():
             x = emb(torch.tensor([ids]))
@@ -566,7 +569,7 @@ def test_integrated_gradients_keep_special_tokens_of_a_chat_context(tmp_path, ti
     special = set(AutoTokenizer.from_pretrained(str(tiny_llama_dir)).all_special_ids)
     kept = sorted({0} | {i for i, t in enumerate(ids) if t in special})
     assert len(kept) >= 4  # the chat template's <|im_start|> / <|im_end|> tokens
-    r = ex.explain_run(run.path, "2", methods=["ig"], settings=ex.Settings(ig_keep="special", ig_rule="midpoint",
+    r = explain_run(run.path, "2", methods=["ig"], settings=attr.Settings(ig_keep="special", ig_rule="midpoint",
                                                                            ig_steps=4))
     e = scores_of(r, "integrated_gradients", 2)
     assert e.info["kept_positions"] == kept and r.entries[0]["settings"]["ig_keep_special"] is True
@@ -577,17 +580,145 @@ def test_integrated_gradients_keep_special_tokens_of_a_chat_context(tmp_path, ti
         b[:, kept] = x[:, kept]
         assert e.info["f_baseline"] == pytest.approx(f_of(model, b, chosen, runner).item(), abs=1e-4)
     with pytest.raises(SpecError, match="`special`"):
-        ex.Settings(ig_keep="specials").check()
+        attr.Settings(ig_keep="specials").check()
 
 
 def test_not_converged_says_which_condition_was_missed():
     """A result can meet completeness by cancellation while its intervals' own checks fail: the message must name
     the bound then, never claim the completeness error exceeded the tolerance (it did not)."""
     base = {"nonfinite": False, "gradient_points": 1024}
-    on_bound = ex.ig_shortfall({**base, "completeness_error_relative": 0.0003, "error_bound_relative": 0.049}, 0.01)
+    on_bound = attr.ig_shortfall({**base, "completeness_error_relative": 0.0003, "error_bound_relative": 0.049}, 0.01)
     assert "0.03% ≤ 1%" in on_bound and "error bound 4.90% > 1%" in on_bound and "1024 gradient points" in on_bound
-    on_total = ex.ig_shortfall({**base, "completeness_error_relative": 0.2, "error_bound_relative": 0.3}, 0.01)
+    on_total = attr.ig_shortfall({**base, "completeness_error_relative": 0.2, "error_bound_relative": 0.3}, 0.01)
     assert "completeness error 20.00% > 1%" in on_total and "bound" not in on_total
-    nonfinite = ex.ig_shortfall({**base, "nonfinite": True, "completeness_error_relative": None,
+    nonfinite = attr.ig_shortfall({**base, "nonfinite": True, "completeness_error_relative": None,
                                  "error_bound_relative": None}, 0.01)
     assert nonfinite.startswith("non-finite values")
+
+
+# ---- integrated gradients on a model that scales its embeddings (Gemma) -----------------------------------
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, tiny_llama_dir):
+    """A tiny random Gemma 3: its embedding module multiplies the table rows by √d_model = 8. A direction common to
+    every row (as trained embeddings have) makes the mean row clearly non-zero, so its scale matters."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    m = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        w = m.get_input_embeddings().weight
+        w += torch.randn(w.shape[1]) * float(w.std())
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    m.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_integrated_gradients_mean_baseline_is_on_the_inputs_scale_on_gemma(tmp_path, gemma_dir, monkeypatch):
+    """The default `mean` baseline is the mean of what the embedding module outputs (the inputs' scale, √d_model
+    included), computed here over every token id; the path's end points, f(baseline) and completeness are checked
+    against the test's own embeddings and forwards."""
+    from transformers import AutoModelForCausalLM
+
+    paths = []  # (e, b) of every integrated-gradients path, as the method built them
+    init = attr.IGPath.__init__
+
+    def recording_init(self, ctx, e, b):
+        paths.append((e, b))
+        init(self, ctx, e, b)
+
+    monkeypatch.setattr(attr.IGPath, "__init__", recording_init)
+
+    run = run_spec(tmp_path, {"model": str(gemma_dir), "prompts": ["The quick brown fox"], "capture": "none",
+                              "generation": {"max_new_tokens": 4}, "output": {"float_dtype": "float32"}})
+    model = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    emb = model.get_input_embeddings()
+    with torch.no_grad():
+        mean = emb(torch.arange(emb.weight.shape[0])[None])[0].double().mean(0).float()  # the module's own outputs
+    raw = emb.weight.double().mean(0).norm().item()
+    assert mean.norm().item() == pytest.approx(8 * raw, rel=1e-4)  # the module scales: a raw table row is 8× smaller
+    result = explain_run(run.path, "1,3", methods=["ig"],
+                         settings=attr.Settings(target="contrast", quantity="logprob", batch_size=16))
+    assert len(paths) == 2
+    for e, (e_path, b_path) in zip(result.explanations, paths):
+        ids, chosen, runner = context(run, 0, e.step)
+        with torch.no_grad():
+            x = emb(torch.tensor([ids]))
+            b = mean.expand_as(x).clone()
+            b[:, 0] = x[:, 0]  # the default --ig-keep sink
+            assert b[0, 1:].norm(dim=-1).mean() > 0.3 * x[0, 1:].norm(dim=-1).mean()  # on the inputs' scale
+            torch.testing.assert_close(e_path, x[0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(b_path, b[0], rtol=1e-5, atol=1e-6)
+            fx, fb = (f_of(model, v, chosen, runner, "contrast", "logprob").item() for v in (x, b))
+        assert e.info["f_x"] == pytest.approx(fx, abs=TOL)
+        assert e.info["f_baseline"] == pytest.approx(fb, abs=TOL)
+        assert e.info["converged"] is True, e.info
+        assert abs(float(e.scores.astype(np.float64).sum()) - (fx - fb)) <= 0.01 * max(abs(fx - fb), 0.01) + TOL
+
+
+# ---- refusals before any work (one line, exit 2) -----------------------------------------------------------
+def _cli_explain(*args):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli.main import app
+
+    out = CliRunner().invoke(app, ["explain", *map(str, args)])
+    return out, [line for line in out.output.splitlines() if line.startswith("error:")]
+
+
+def test_a_bad_device_is_refused_in_one_line_naming_the_choices(forward_only_run):
+    out, errors = _cli_explain(forward_only_run.path, "--steps", "0", "--device", "bogus")
+    assert out.exit_code == 2 and len(errors) == 1, out.output
+    assert "'bogus'" in errors[0] and "cpu, cuda, cuda:N" in errors[0] and "loading model" not in out.output
+
+
+def test_kept_positions_outside_the_context_are_refused_before_any_work(forward_only_run, attention_run):
+    n = len(context(forward_only_run, 0, 2)[0])  # step 2's context: positions 0..n-1
+    out, errors = _cli_explain(forward_only_run.path, "--steps", "0,2", "-m", "ig", "--ig-keep", f"0,{n},999")
+    assert out.exit_code == 2 and len(errors) == 1 and "loading model" not in out.output, out.output
+    assert f"positions {n}, 999 are outside" in errors[0] and f"0..{n - 1}" in errors[0]
+    out, errors = _cli_explain(attention_run.path, "--steps", "1", "-m", "rollout", "--rollout-exclude", "999")
+    assert out.exit_code == 2 and len(errors) == 1 and "--rollout-exclude '999'" in errors[0], out.output
+    kept = explain_run(forward_only_run.path, "0,2", methods=["ig"], settings=attr.Settings(
+        ig_keep=f"0,{n - 1}", ig_rule="midpoint", ig_steps=2))  # inside step 2's context: kept there, not at step 0
+    assert [e.info["kept_positions"] for e in kept.explanations] == [[0], [0, n - 1]]
+
+
+@pytest.mark.parametrize("status", ["interrupted", "failed", "running"])
+def test_a_run_that_is_not_complete_is_refused(forward_only_run, tmp_path, status):
+    moved = tmp_path / forward_only_run.path.name
+    shutil.copytree(forward_only_run.path, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["status"] = status
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    before = (moved / "manifest.json").read_text(), sorted(moved.rglob("*"))
+    out, errors = _cli_explain(moved, "--steps", "0")
+    assert out.exit_code == 2 and len(errors) == 1, out.output
+    assert f"is {status}, not complete" in errors[0] and f"lmtrace generate --resume {moved.name}" in errors[0]
+    assert ((moved / "manifest.json").read_text(), sorted(moved.rglob("*"))) == before  # nothing written
+
+
+# ---- what the terminal prints ---------------------------------------------------------------------------
+def test_the_legend_matches_what_is_printed_with_and_without_colour(forward_only_run):
+    import io
+
+    from rich.console import Console
+
+    from lmtrace.commands.explain_render import render
+
+    out, _ = _cli_explain(forward_only_run.path, "--steps", "1", "-m", "gxi")  # not a terminal: no colours
+    assert out.exit_code == 0, out.output
+    assert "green" not in out.output and "red =" not in out.output
+    assert "+ supports the target, − opposes it" in out.output
+    result = explain_run(forward_only_run.path, "1", methods=["gxi"])
+    for colour, expected in ((None, "score sign: + supports"), ("truecolor", "green = supports the target")):
+        buf = io.StringIO()
+        render(result, Console(file=buf, force_terminal=colour is not None, color_system=colour, width=200))
+        text = buf.getvalue()
+        assert expected in text
+        assert ("\x1b[" in text) is (colour is not None)  # colours printed exactly when the legend speaks of them

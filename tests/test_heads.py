@@ -26,6 +26,10 @@ PROMPTS = [" ".join(WORDS * 3), " ".join(WORDS[3:] * 4 + WORDS[:2])]
 N = 6
 SCORES = ["sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score", "entropy",
           "concentration"]
+# docs/heads.md, "Ranking": without a sweep or DLA, labels in this order, then the label's own score
+RANK_ORDER = ["induction", "previous-token", "local", "focused", "sink", "diffuse"]
+LABEL_SCORE = {"induction": "induction_score", "previous-token": "prev_token_score", "local": "local_score",
+               "focused": "concentration", "sink": "sink_score", "diffuse": "entropy"}
 
 
 def _spec(model_dir, **capture) -> dict:
@@ -162,12 +166,63 @@ def test_hand_set_heads_get_their_labels_and_the_tests_own_scores(base, tmp_path
     # ranked: the rank column orders the rows, labels first in their documented order
     ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
     assert ranked["rank"].tolist() == list(range(1, 17))
-    order = ["sink", "previous-token", "induction", "local", "focused", "diffuse"]
-    assert ranked.label.map(order.index).is_monotonic_increasing
+    assert ranked.label.map(RANK_ORDER.index).is_monotonic_increasing
     # per sequence: each sequence's means are the own computation over its rows only
     per = pd.read_parquet(path / "analysis" / "heads_per_sequence.parquet")
     assert sorted(per.sequence.unique()) == [0, 1] and len(per) == 2 * 16
     assert (per.groupby("sequence").n_rows.first().sum()) == got.n_rows.iloc[0]
+
+
+def test_without_a_sweep_specific_mechanisms_rank_first_and_sinks_late(base, tmp_path):
+    """No sweep, no DLA: induction and previous-token heads lead the table and --json, sinks and diffuse
+    heads come last (docs/heads.md, "Ranking"), each label's heads by the label's own score."""
+    path = _copy(base, tmp_path)
+    expected = _set_rows_by_hand(path)
+    proc = lmtrace(tmp_path, "heads", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    heads = json.loads(proc.stdout)["heads"]
+    assert [h["rank"] for h in heads] == list(range(1, 17))
+    hand = [h["label"] for h in heads if (h["layer"], h["head"]) in expected]
+    assert hand == ["induction", "previous-token", "previous-token", "local", "focused", "sink", "sink", "diffuse"]
+    assert heads[0]["label"] == "induction" and (heads[0]["layer"], heads[0]["head"]) == (0, 2)
+    for a, b in zip(heads, heads[1:]):  # every head, the hand-set and the model's own
+        assert RANK_ORDER.index(a["label"]) <= RANK_ORDER.index(b["label"]), (a, b)
+        if a["label"] == b["label"]:
+            assert a[LABEL_SCORE[a["label"]]] >= b[LABEL_SCORE[b["label"]]], (a, b)
+    table = _table_rows(lmtrace(tmp_path, "heads", str(path), "--top", "3").stdout)
+    assert [r[:3] for r in table] == [(h["layer"], h["head"], h["label"]) for h in heads[:3]]
+
+
+def _table_rows(stdout: str) -> list[tuple[int, int, str]]:
+    """(layer, head, label) of each row of the printed heads table (rich's box lines)."""
+    rows = []
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) > 4 and cells[0].isdigit():
+            rows.append((int(cells[1]), int(cells[2]), cells[3]))
+    return rows
+
+
+def test_label_filter_shows_only_those_heads_in_the_table_and_json(base, tmp_path):
+    path = _copy(base, tmp_path)
+    _set_rows_by_hand(path)
+    proc = lmtrace(tmp_path, "heads", str(path), "--json", "--label", "sink", "--label", "induction")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
+    assert len(ranked) == 16 and sum(got["labels"].values()) == 16  # the file and the counts: every head
+    want = ranked[ranked.label.isin(["sink", "induction"])]
+    assert [(h["layer"], h["head"]) for h in got["heads"]] == list(zip(want.layer, want["head"]))
+    assert {(0, 1), (1, 2), (0, 2)} <= {(h["layer"], h["head"]) for h in got["heads"]}  # the hand-set ones
+    assert got["label_filter"] == ["sink", "induction"]
+    # the printed table, with the comma form
+    proc = lmtrace(tmp_path, "heads", str(path), "--label", "previous-token,local", "--top", "16")
+    assert proc.returncode == 0, proc.stderr
+    want = ranked[ranked.label.isin(["previous-token", "local"])]
+    assert _table_rows(proc.stdout) == list(zip(want.layer, want["head"], want.label))
+    assert len(want) >= 3  # hand-set: two previous-token heads and a local one
+    proc = lmtrace(tmp_path, "heads", str(path), "--label", "sinks")
+    assert_one_line_error(proc, 2, "--label 'sinks'", "previous-token")
 
 
 def test_scores_of_a_real_run_equal_the_tests_own_computation(base, tmp_path):

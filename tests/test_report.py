@@ -219,7 +219,8 @@ def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_l
 
 def test_attributions_that_did_not_converge_are_marked(tiny_run):
     """An integrated-gradients result whose completeness check failed is labelled so on its row, with a note."""
-    from lmtrace.commands.explain import Settings, explain_run
+    from lmtrace.analysis.attribution import Settings
+    from lmtrace.commands.explain import explain_run
     from lmtrace.report import report_run
 
     explain_run(str(tiny_run.path), "1", sequence=0, methods=["grad_x_input"])
@@ -231,6 +232,32 @@ def test_attributions_that_did_not_converge_are_marked(tiny_run):
     rows = list(blob(page_json(page, "lmtrace-blobs"), "explain_rows_0"))
     assert [r.startswith("NOT CONVERGED") for r in rows] == ["integrated_gradients" in r for r in rows] and len(rows) == 2
     assert "rows marked NOT CONVERGED" in page
+
+
+def test_attribution_rows_are_labelled_by_method_and_target_with_the_ids_in_a_note(tiny_run):
+    """Rows say step, method, target and the explained token, never an unexplained id; two invocations of one
+    method at one step are numbered, and a note says which explain id each number is."""
+    from lmtrace.analysis.attribution import Settings
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.report import report_run
+
+    seq = 2  # a sequence no other test explains
+    first = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input", "rollout"])
+    second = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"])
+    contrast = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"],
+                           settings=Settings(target="contrast", quantity="logprob"))
+    page = html.unescape(report_run(str(tiny_run.path), sequences=[seq]).path.read_text())
+    rows = list(blob(page_json(page, "lmtrace-blobs"), f"explain_rows_{seq}"))
+    token = first.explanations[0].target_text.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍") or "∅"
+    ids = [first.explain_id, second.explain_id, contrast.explain_id]
+    assert len(rows) == 4 and len(set(rows)) == 4
+    assert not any(i[-4:] in r or i in r for r in rows for i in ids), rows  # no id fragments in the labels
+    assert sorted(r for r in rows if "(chosen logit)" in r) == [f"s1 grad_x_input (chosen logit) {token} [1]",
+                                                                 f"s1 grad_x_input (chosen logit) {token} [2]"]
+    assert [r for r in rows if "contrast" in r] == [f"s1 grad_x_input (contrast logprob) {token}"]
+    assert [r for r in rows if "rollout" in r] == [f"s1 attention_rollout {token}"]
+    order = sorted(ids[:2])  # invocations are numbered in the order of their ids (creation time)
+    assert f"[1] = explain {order[0]}, [2] = explain {order[1]}" in page
 
 
 def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_llama_dir):
@@ -496,22 +523,57 @@ def test_head_dla_is_drawn_mean_and_at_the_attention_step_and_renders(tiny_repor
             np.testing.assert_array_equal(blob(blobs, f"{name}_{seq}_step{step}"), archived[step])
 
 
-def test_sweep_results_are_drawn_as_a_layer_by_head_heatmap(tiny_run, tmp_path):
-    import shutil as _shutil
+def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_effects_zarr(tiny_llama_dir, tmp_path):
+    """A head sweep over a run whose sequences end at different steps (an eos): the report's heatmap,
+    the sweep's ranking (`--json`, what the terminal table prints), `lmtrace heads`' sweep_effect and
+    effects.zarr all give each head's mean effect over every (sequence, step) row of sweep.parquet,
+    computed here with pandas; the mean of per-sequence means (sweep_mean.parquet), which weighs a
+    short sequence's steps more, differs from it here, so a page drawing that would fail."""
+    import pandas as pd
 
     from lmtrace.report import report_run
 
-    run_dir = Path(_shutil.copytree(tiny_run.path, tmp_path / tiny_run.path.name))
-    proc = lmtrace(tmp_path, "sweep", str(run_dir), "--over", "heads", "--edit", "zero", "--metric", "logprob",
-                   "--metric", "kl", "--steps", "0-2", "-q")
+    gen = {"max_new_tokens": 6, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3}
+    base = run_spec(tmp_path / "base", {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
+                                        "generation": gen})
+    t = base.tokens().to_pandas()
+    eos = int(t[(t.sequence == 0) & ~t.is_prompt].sort_values("step").token_id.iloc[1])
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,
+                              "generation": {**gen, "eos_token_id": eos},
+                              "capture": {"lens": {"enabled": False}}, "output": {"run_id": "ragged"}})
+    lengths = run.sequences().to_pandas().generated_len.tolist()
+    assert len(set(lengths)) > 1, lengths  # the point of the test: sequences with different numbers of steps
+    proc = lmtrace(tmp_path, "sweep", str(run.path), "--over", "heads", "--edit", "zero", "--metric", "logprob",
+                   "--metric", "kl", "--top", "16", "--json")
     assert proc.returncode == 0, proc.stderr
-    page = report_run(str(run_dir), out=tmp_path / "r.html").path.read_text()
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    sweep_dir = Path(summary["path"])
+    long = pd.read_parquet(sweep_dir / "sweep.parquet")
+    assert sorted(long.groupby("sequence").step.nunique().tolist()) == sorted(lengths)
+    proc = lmtrace(tmp_path, "heads", str(run.path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    heads = {(h["layer"], h["head"]): h["sweep_effect"] for h in json.loads(proc.stdout)["heads"]}
+    page = report_run(str(run.path), out=tmp_path / "r.html").path.read_text()
     blobs = page_json(page, "lmtrace-blobs")
     figs = {f["id"]: f for f in page_json(page, "lmtrace-figures")}
     assert [v["label"].split(":")[0] for v in figs["sweep-0"]["variants"]] == ["logprob", "kl"]
-    mean = pq.read_table(next((run_dir / "sweeps").glob("*/sweep_mean.parquet"))).to_pandas()
+    effects = zarr.open_group(str(sweep_dir / "effects.zarr"), mode="r")
+    per_sequence = pd.read_parquet(sweep_dir / "sweep_mean.parquet")
     for metric in ("logprob", "kl"):
-        m = mean[mean.metric == metric].groupby(["layer", "head"]).effect.mean()
+        own = long[long.metric == metric].groupby(["layer", "head"]).effect.mean()  # every (sequence, step) row
         grid = blob(blobs, f"sweep_0_{metric}")
-        for (layer, head), value in m.items():
-            assert grid[int(layer), int(head)] == np.float32(value)
+        archived = effects[f"effect_{metric}"][...]
+        assert grid.shape == archived.shape == (4, 4)
+        np.testing.assert_array_equal(grid, archived)
+        for (layer, head), value in own.items():
+            assert grid[int(layer), int(head)] == pytest.approx(value, rel=1e-5, abs=1e-9), (metric, layer, head)
+        if metric == "logprob":
+            top = {(r["layer"], r["head"]): r["effect"] for r in summary["top"]}
+            assert len(top) == 16
+            for key, value in own.items():
+                key = (int(key[0]), int(key[1]))
+                assert top[key] == pytest.approx(value, rel=1e-12, abs=1e-15)
+                assert np.float32(top[key]) == grid[key]
+                assert heads[key] == pytest.approx(value, rel=1e-6, abs=1e-9)
+        old = per_sequence[per_sequence.metric == metric].groupby(["layer", "head"]).effect.mean()
+        assert (np.abs(old - own) > 1e-3 * np.abs(own).max()).any()  # the other average really is another number

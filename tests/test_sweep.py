@@ -19,7 +19,9 @@ import torch
 
 from conftest import run_spec
 from lmtrace.archive.reader import Run
-from lmtrace.commands.sweep import SweepSpec, read_sweep, run_sweep
+from lmtrace.archive.sweeps import read_sweep
+from lmtrace.commands.sweep import run_sweep
+from lmtrace.sweep_spec import SweepSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CLEAN = ["The quick brown fox", "Paris is the capital of"]
@@ -452,6 +454,22 @@ def test_a_run_patched_from_itself_changes_nothing(runs):
     assert np.abs(df.effect).max() < 1e-5
 
 
+def test_two_logit_diff_metrics_each_get_their_own_effects_array(runs):
+    """Several logit_diff:A,B in one sweep: each has its own effects.zarr array, equal to the test's own
+    mean over every row of sweep.parquet (one array name per metric used to make the second fail)."""
+    import zarr
+
+    clean, _ = runs
+    metrics = ["logit_diff:42,7", "logit_diff:3,9"]
+    result = run_sweep(str(clean.path), SweepSpec(over="attn", edit="zero", metrics=metrics, sequences="0"))
+    df = read_sweep(clean, result.sweep_id).to_pandas()
+    folder = clean.path / "sweeps" / result.sweep_id
+    for metric, name in zip(metrics, ["effect_logit_diff_42_7", "effect_logit_diff_3_9"]):
+        stored = zarr.open_array(str(folder / "effects.zarr" / name), mode="r")[...]
+        own = df[df.metric == metric].groupby("layer").effect.mean().sort_index().to_numpy()
+        np.testing.assert_allclose(stored, own, atol=1e-6, rtol=0)
+
+
 def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
     import lmtrace.commands.sweep as sweep_mod
 
@@ -478,11 +496,11 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
         if calls["n"] > 3:
             raise KeyboardInterrupt
         return real(*a, **k)
-    real = sweep_mod._atomic_parquet
-    monkeypatch.setattr(sweep_mod, "_atomic_parquet", dying)
+    real = sweep_mod.write_block
+    monkeypatch.setattr(sweep_mod, "write_block", dying)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(str(clean.path), spec, sweep_id="killed")
-    monkeypatch.setattr(sweep_mod, "_atomic_parquet", real)
+    monkeypatch.setattr(sweep_mod, "write_block", real)
     partial = clean.path / "sweeps" / ".partial-killed" / "blocks"
     assert len(list(partial.glob("*.parquet"))) == 3
     done = run_sweep(str(clean.path), spec, sweep_id="killed", resume=True)
@@ -490,9 +508,9 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
     same(whole, read_sweep(clean, "killed").to_pandas())
 
 
-def _cli(tmp, *args):
+def _cli(tmp, *args, env: dict | None = None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -562,6 +580,41 @@ def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
     assert len(sharded) == 4 * 2 * 3 * len(METRICS)  # MLP blocks x sequences x steps x metrics
     pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
     assert unsharded[unsharded.metric == "kl"].effect.max() > 1e-2  # the cells differ: a wrong cell cannot pass
+
+
+def test_a_second_process_of_the_same_sweep_exits_2_naming_the_first(runs):
+    """Two `lmtrace sweep --run-id S` of one run: the first holds the sweep (a test-only pause keeps it
+    inside, after it took ownership), the second exits 2 at once with one line naming the first's pid,
+    while the first is still running; the first then completes the sweep alone. (Shards of one sweep
+    hold keys of their own: test_two_shard_processes_started_together_equal_the_unsharded_sweep.)"""
+    import time
+
+    clean, _ = runs
+    sweep_id = "one-writer"
+    args = ["sweep", str(clean.path), "--over", "attn", "--edit", "zero", "--steps", "0-1", "--run-id", sweep_id,
+            "--json"]
+    first = _cli(clean.path.parent, *args, env={"LMTRACE_TEST_PAUSE_AFTER_CREATE": "45"})
+    try:
+        lock = clean.path / "owners" / f"sweep-{sweep_id}.lock"
+        deadline = time.time() + 180
+        while not (lock.is_file() and f'"pid": {first.pid}' in lock.read_text()):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = _cli(clean.path.parent, *args)
+        out, err = second.communicate(timeout=120)
+        lines = _error_lines(err)
+        assert second.returncode == 2 and len(lines) == 1, err
+        assert lines[0].startswith("error: ") and f"pid {first.pid}" in lines[0] and f"sweep-{sweep_id}" in lines[0], err
+        assert "Traceback" not in out + err and out == ""
+        assert first.poll() is None  # refused while the first one runs, not after it
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "complete"
+    assert [e["id"] for e in Run(clean.path).manifest["sweeps"]].count(sweep_id) == 1
+    assert sorted(p.name for p in (clean.path / "sweeps").iterdir() if sweep_id in p.name) == [sweep_id]
 
 
 BAD = [

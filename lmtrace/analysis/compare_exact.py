@@ -1,9 +1,9 @@
-"""`lmtrace compare --exact`: full-vocabulary KL/JS and logit differences at paired steps.
+"""Exact rescoring for `lmtrace compare --exact`: full-vocabulary KL/JS and logit differences at paired steps.
 
 The default comparison reads only the archives, so its KL/JS use the stored top-k and are lower
 bounds. With `--exact` each side's model is loaded (once, when both runs used the same model and
 weights) in float32 with eager attention, an intervention child's edits are replayed with
-intervene's own hooks (`explain.child_edits`, as `lmtrace explain` does), and one forward per
+intervene's own hooks (`attribution.child_edits`, as `lmtrace explain` does), and one forward per
 pair and side over the shared context (prompt + the tokens generated before the first divergence)
 gives both sides' next-token distributions at every paired step: position P−1+s is step s.
 """
@@ -18,6 +18,7 @@ import torch
 
 from ..errors import SpecError
 from ..steps import parse_steps
+from .attribution import NOT_REPLAYABLE, Scorer, child_edits, unreplayable_edit
 
 
 def _parse_steps(text: str | None) -> set[int] | None:
@@ -28,12 +29,11 @@ def _parse_steps(text: str | None) -> set[int] | None:
 
 
 def _load(side, device):
-    from ..commands.explain import Scorer
     from ..models import load_run_model
 
     loaded = load_run_model(side.run.manifest, side.run.id, purpose="compare --exact (without it compare loads no model)",
                             overrides={"dtype": "float32", "attn_implementation": "eager", "device": device})
-    return Scorer(loaded.model, loaded.device, loaded.tokenizer)
+    return Scorer.of(loaded)
 
 
 def _same_model(A, B) -> bool:
@@ -46,8 +46,6 @@ def _same_model(A, B) -> bool:
 
 def _logits(scorer, side, seq: int, ids: list[int], prompt_len: int, wanted: list[int]) -> torch.Tensor:
     """[len(wanted), vocab] float64 logits of the side's model (its edits replayed) at steps `wanted`."""
-    from ..commands.explain import child_edits
-
     edits = child_edits(side.run, scorer, seq, prompt_len)
     n = len(ids)
     with torch.no_grad(), (edits.attached() if edits is not None else nullcontext()):
@@ -65,16 +63,12 @@ def _logits(scorer, side, seq: int, ids: list[int], prompt_len: int, wanted: lis
 def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], steps: str | None, device: str | None,
                   note=lambda text: None) -> dict:
     """Fill the exact_* columns of the paired rows of `step_rows` (in place); return a summary with a note."""
-    from ..commands.explain import NOT_REPLAYABLE
-    from ..capture.interventions import parse_entries
-
     for side in (A, B):  # refuse before loading anything
-        m = side.run.manifest
-        if m.get("kind") == "intervene" and m.get("interventions"):
-            for i, e in enumerate(parse_entries(m["interventions"], f"run {side.run.id}")):
-                if e.kind in NOT_REPLAYABLE:
-                    raise SpecError(f"--exact: run {side.label} ({side.run.id}) is an intervention child with "
-                                    f"interventions[{i}] ({e.kind}), which cannot be replayed: {NOT_REPLAYABLE[e.kind]}")
+        bad = unreplayable_edit(side.run)
+        if bad is not None:
+            i, kind = bad
+            raise SpecError(f"--exact: run {side.label} ({side.run.id}) is an intervention child with "
+                            f"interventions[{i}] ({kind}), which cannot be replayed: {NOT_REPLAYABLE[kind]}")
     chosen = _parse_steps(steps)
     note(f"--exact: loading the model of run A ({A.run.manifest.get('model', {}).get('reference')}, float32)")
     scorer_a = _load(A, device)

@@ -53,6 +53,17 @@ def atomic_write_json(path: Path, obj, slack: int = 0) -> None:
         raise
 
 
+def atomic_write_parquet(table: pa.Table, path: Path) -> None:
+    """Write a Parquet file whole or not at all: a temporary name of this process, then a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a temporary file behind (a full disk, a signal)
+        raise
+
+
 def rewrite_in_place(path: Path, obj) -> None:
     """Overwrite a JSON file within its current length (padding with spaces): needs no free space.
 

@@ -192,18 +192,6 @@ class Adapter:
             return mods[0]
         return torch.nn.Sequential(*mods) if mods else torch.nn.Identity()
 
-    def logit_direction(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """[N] ids, [N] ids -> [N, d_model]: the residual-stream direction whose dot product is logit(a) -
-        logit(b), ignoring the final norm (direct logit attribution); linear maps between the residual
-        and the unembedding (OPT's project_out) are folded in."""
-        w = self.resident(self.unembed)["weight"]
-        d = (w[a.to(w.device)] - w[b.to(w.device)]).float()
-        for m in reversed([m for m in (_get(self.base, p) for p in self.family.final_norm) if m is not None]):
-            if isinstance(m, torch.nn.Linear):
-                weight = self.resident(m)["weight"]
-                d = d.to(weight.device) @ weight.float()
-        return d
-
     def resident(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """`module`'s own parameters as real tensors, also where accelerate offloaded them to the CPU
         or disk (read once, then kept: the unembedding the lens and the margins need every step)."""

@@ -18,9 +18,10 @@ from . import attention
 from .attention_rows import BatchedRows, plain_attention_probs
 from .devices import execution_device, stack_on
 from .arch import Adapter
-from .dla import FrozenNormDLA
+from .dla import FrozenFinalNorm, FrozenNormDLA
 from ..archive.layout import RunShape
-from .lens import LogitLens, lens_target_columns, lens_targets
+from ..analysis.lens_stats import lens_target_columns, lens_targets
+from .lens import LogitLens
 from .sampling import Choice
 from .taps import tap
 
@@ -107,6 +108,10 @@ class Probes:
         # per-head direct logit attribution (lmtrace/capture/dla.py): refused here, before any run
         # directory exists, for a model where it cannot be exact
         self.dla = FrozenNormDLA(adapter) if shape.head_dla and self.layers else None
+        # the final norm frozen at the final residual's scale, for the margin contributions (and the DLA)
+        self.final = (self.dla.final if self.dla is not None else
+                      FrozenFinalNorm(adapter, "capture.margin_contributions")
+                      if margin_contributions else None)
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -152,9 +157,10 @@ class Probes:
                     handles.append(tap(a.routers[layer], self._router_tap(layer)))
             for layer in sorted(set(self.shape.resid_layers) - set(self.layers)):  # `residual.vectors_at` only
                 handles.append(tap(a.layers[layer], self._block_tap(layer, keep_input=False)))
-            if self.dla is not None:  # the residual stream's two ends: the embedding and the final norm's input
+            if self.dla is not None:  # the residual stream's start: the embedding
                 handles.append(tap(a.layers[0], self._input_tap("ends", "embed")))
-                handles.append(tap(self.dla.norm_module, self._input_tap("ends", "final")))
+            if self.final is not None:  # ... and its end: the final norm's input
+                handles.append(tap(self.final.entry, self._input_tap("ends", "final")))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
@@ -329,8 +335,17 @@ class Probes:
                                 self.device)  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
-        if self.dla is not None:  # before the inline lens, whose call of the final norm would pass its tap
-            arrays.update(self._direct_logit_attribution(choice))
+        # the final residual, read before the inline lens, whose call of the final norm would pass its tap
+        final = (_at_query([self.ends["final"]], B, self.ctx.prefill, self.device)[0].float()
+                 if self.final is not None else None)  # [B, d]
+        if self.dla is not None:
+            arrays.update(self._direct_logit_attribution(choice, final))
+        if self.margin_contributions:
+            # logit(top-1) − logit(top-2) through the final norm frozen at the final residual's scale,
+            # so each layer's share is in logits and, with the embedding's and the biases', sums to `margin`
+            u, _ = self.final.directions(final, choice.alt_ids[:, :2])  # [B, 2, d]
+            direction = (u[:, 0] - u[:, 1]).to(self.device)
+            scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
             ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
@@ -340,18 +355,14 @@ class Probes:
             scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
             scalars["lens_margin"] = margin.reshape(B, L)
             scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
-        if self.margin_contributions:
-            top2 = choice.alt_ids[:, :2].to(self.device)
-            direction = self.adapter.logit_direction(top2[:, 0], top2[:, 1]).to(self.device)  # [B, d]
-            scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         return arrays, scalars
 
-    def _direct_logit_attribution(self, choice: Choice) -> dict[str, np.ndarray]:
+    def _direct_logit_attribution(self, choice: Choice, final: torch.Tensor) -> dict[str, np.ndarray]:
         """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,
-        first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen)."""
+        first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen). final [B, d]: the
+        final residual."""
         B, prefill = len(self.ctx.pads), self.ctx.prefill
         targets = torch.from_numpy(lens_targets(choice.token.numpy(), choice.alt_ids.numpy()))  # [B, 2]
-        final = _at_query([self.ends["final"]], B, prefill, self.device)[0].float()  # [B, d]
         embed = _at_query([self.ends["embed"]], B, prefill, self.device)[0].float()
         u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
         u = u.to(final.device)
@@ -359,10 +370,12 @@ class Probes:
         outputs = _at_query([self.attn_out[layer] for layer in self.layers]
                             + [self.mlp_out[layer] for layer in self.layers], B, prefill,
                             self.device).float()  # [2L, B, d]
+        # what each output adds to the residual stream (through the block's frozen post-norm, where it has one)
+        outputs, attn_factor = self.dla.residual_parts(self.layers, outputs)
         rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)
         blocks = torch.einsum("lbd,btd->lbt", outputs, u)  # [2L, B, 2]: attention outputs, then MLP outputs
         ends = torch.einsum("nbd,btd->nbt", torch.stack([embed, rest], 0), u)  # [2, B, 2]
-        heads = self.dla.heads(self.layers, self._at_query(self.o_in), u)  # [L, B, 2, H]
+        heads = self.dla.heads(self.layers, self._at_query(self.o_in), u, attn_factor)  # [L, B, 2, H]
         out = {"dla_runner_up": targets[:, 1].numpy().astype(np.int32)}
         for suffix, t in (("", 0), ("_logit", 1)):
             out["head_dla" + suffix] = heads[:, :, t].transpose(0, 1).cpu().numpy()

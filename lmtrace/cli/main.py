@@ -508,6 +508,9 @@ def heads(
                                       "(analysis/heads_per_sequence.parquet)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write heads.parquet here instead of RUN/analysis/."),
     top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
+    label: list[str] = typer.Option([], "--label", metavar="LABEL", help="Show only heads with this label (repeatable, or "
+                                    "comma-separated): induction, previous-token, local, focused, sink, diffuse. "
+                                    "The files keep every head."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; heads.parquet is written."),
@@ -517,7 +520,7 @@ def heads(
 
     try:
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
-                      quiet=quiet)
+                      labels=label, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)
 
@@ -605,6 +608,26 @@ def report(
         import webbrowser
 
         webbrowser.open(result.path.resolve().as_uri())
+
+
+@app.command()
+def serve(
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; any but loopback needs --token."),
+    port: int = typer.Option(8765, "--port", metavar="N", help="Port to listen on (0: a free one, printed)."),
+    token: Optional[str] = typer.Option(None, "--token", metavar="TOKEN", help="Access token every request must carry (the printed "
+                                        "address sets it as a cookie); required with a non-loopback --host."),
+    open_: bool = typer.Option(False, "--open", help="Open the address in the default browser."),
+):
+    """Explore the runs in a local, read-only web page: runs, sequences, and per token its attention, lens and alternatives."""
+    try:
+        from ..commands.serve import serve as serve_command
+
+        serve_command(runs_dir, host, port, token, open_)
+    except BaseException as err:  # noqa: BLE001
+        if isinstance(err, KeyboardInterrupt):
+            raise typer.Exit(0)
+        _fail(err)
 
 
 help_format.fill_in(app)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..jsonout import json_line
-from ..commands.sweep import build_sweep_spec, load_sweep_spec, run_sweep
+from ..commands.sweep import run_sweep
+from ..sweep_spec import build_sweep_spec, load_sweep_spec
 
 
 def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir: str | None, run_id: str | None,

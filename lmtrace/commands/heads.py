@@ -1,368 +1,70 @@
-"""`lmtrace heads RUN`: what each attention head does, from the archived attention rows alone.
-
-No model is loaded. Every archived attention row of a head (the query position of every generated
-step, `attn[sequence, step, layer, head, key]`, query position q = prompt_len + step − 1, keys
-0..q; and, when the run captured `prefill_attention`, the prompt's rows q = 1 .. prompt_len − 2,
-the last prompt row being step 0's) gives these scores; a head's score is their mean over all rows
-of all sequences (`--per-sequence`: over one sequence's rows). Rows whose query is position 0 (it
-can only attend to itself) are left out.
-
-  sink_score        attention to position 0 (the first token: BOS where the tokenizer adds one)
-  prev_token_score  attention to position q − 1
-  local_score       attention to the query and the LOCAL_WINDOW positions before it, position 0 excluded
-  induction_score   attention to the positions j + 1 right after earlier occurrences j of the query's
-                    own token (j + 1 < q); mean over the rows whose token occurred before (`n_induction_rows`)
-  duplicate_score   attention to earlier occurrences j < q of the query's own token; mean over the same
-                    kind of rows (their count equals `n_induction_rows` unless the only earlier occurrence is q − 1)
-  entropy           −Σ a·log a over the keys, nats
-  concentration     the row's largest weight
-
-Label (THRESHOLDS): among sink / previous-token / induction, the one whose score reaches its
-threshold with the highest score (equal scores: that order); else `local` if local_score reaches
-its threshold; else `focused` if concentration does; else `diffuse`.
-
-Importance: with per-head direct logit attribution in the run (`capture.head_dla`), `importance` is
-the mean |head_dla| over the rows (`dla_rank` ranks by it); with a head sweep of the run (`lmtrace
-sweep RUN --over heads`, the latest one), `sweep_effect` is the head's mean measured effect on the
-sweep's first metric over all its (sequence, step) rows (`sweep_rank` ranks by |sweep_effect|).
-`rank` follows the measured effect when there is a sweep, else the DLA, else the label (the order
-above) and the label's score.
-
-Written to RUN/analysis/heads.parquet (and heads_per_sequence.parquet) atomically: a temporary file
-renamed into place, so a re-run replaces it and a reader never sees half a file.
-"""
+"""`lmtrace heads RUN`: score and label every attention head (analysis/heads.py), write the tables
+(archive/heads.py) and print a ranked table or JSON. No model is loaded."""
 
 from __future__ import annotations
 
-import os
+import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from ..analysis.heads import LABELS, RANK_ORDER, compute_heads
+from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, write_heads
 from ..archive.reader import IncompleteRunWarning, Run, open_run
-from ..errors import ArchiveError, SpecError
+from ..errors import SpecError
 from ..jsonout import json_line
 
-LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q
-THRESHOLDS = {"sink": 0.5, "previous-token": 0.4, "induction": 0.3, "local": 0.5, "focused": 0.5}
-LABELS = ("sink", "previous-token", "induction", "local", "focused", "diffuse")
-SCORES = ("sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score",
-          "entropy", "concentration")
-ANALYSIS_DIR = "analysis"
-HEADS_FILE = "heads.parquet"
-PER_SEQUENCE_FILE = "heads_per_sequence.parquet"
 
-
-def row_scores(rows: np.ndarray, q: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-row scores of attention rows.
-
-    rows [R, L, H, K] float (NaN or anything past key q is ignored), q [R] query positions (≥ 1),
-    tokens [K'] the sequence's token ids by position (K' > max q). Returns name -> [R, L, H]
-    (induction / duplicate: NaN on rows whose token did not occur before).
-    """
-    R, _, _, K = rows.shape
-    k = np.arange(K)[None, :]
-    qq = q[:, None]
-    valid = k <= qq  # [R, K]
-    a = np.where(valid[:, None, None], np.nan_to_num(rows.astype(np.float32), nan=0.0), 0.0)
-    tok = np.full(K + 1, -2, dtype=np.int64)
-    n = min(len(tokens), K)
-    tok[:n] = tokens[:n]
-    tok_q = tok[q][:, None]  # [R, 1]
-    prev_tok = np.concatenate([[-3], tok[:K - 1]])[None, :]  # token at k − 1
-    masks = {
-        "prev_token_score": k == qq - 1,
-        "local_score": (k >= qq - LOCAL_WINDOW) & (k >= 1) & valid,
-        "induction_score": (k >= 1) & (k < qq) & (prev_tok == tok_q),
-        "duplicate_score": (k < qq) & (tok[None, :K] == tok_q),
-    }
-    out = {"sink_score": a[..., 0]}
-    for name, m in masks.items():
-        s = np.einsum("rlhk,rk->rlh", a, m.astype(np.float32))
-        if name in ("induction_score", "duplicate_score"):
-            s = np.where(m.any(-1)[:, None, None], s, np.nan)
-        out[name] = s
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out["entropy"] = -np.where(a > 0, a * np.log(np.where(a > 0, a, 1.0)), 0.0).sum(-1)
-    out["concentration"] = a.max(-1)
-    return out
-
-
-def label_of(scores: dict[str, float]) -> str:
-    """The class label of one head from its mean scores (see the module docstring)."""
-    specific = [("sink", scores["sink_score"]), ("previous-token", scores["prev_token_score"]),
-                ("induction", scores["induction_score"])]
-    passed = [(v, -i, name) for i, (name, v) in enumerate(specific)
-              if v is not None and not np.isnan(v) and v >= THRESHOLDS[name]]
-    if passed:
-        return max(passed)[2]
-    if scores["local_score"] >= THRESHOLDS["local"]:
-        return "local"
-    if scores["concentration"] >= THRESHOLDS["focused"]:
-        return "focused"
-    return "diffuse"
-
-
-@dataclass
-class _Acc:
-    """Sums and counts of per-row scores, per (layer, head)."""
-
-    sums: dict[str, np.ndarray]
-    counts: dict[str, np.ndarray]
-
-    @classmethod
-    def new(cls, L: int, H: int) -> "_Acc":
-        return cls({s: np.zeros((L, H)) for s in SCORES}, {s: np.zeros((L, H)) for s in SCORES})
-
-    def add(self, scores: dict[str, np.ndarray]) -> None:
-        for name, v in scores.items():
-            ok = ~np.isnan(v)
-            self.sums[name] += np.where(ok, v, 0.0).sum(0)
-            self.counts[name] += ok.sum(0)
-
-    def merge(self, other: "_Acc") -> None:
-        for name in SCORES:
-            self.sums[name] += other.sums[name]
-            self.counts[name] += other.counts[name]
-
-    def means(self) -> dict[str, np.ndarray]:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return {name: np.where(self.counts[name] > 0, self.sums[name] / np.maximum(self.counts[name], 1), np.nan)
-                    for name in SCORES}
-
-
-def _check_run(run: Run) -> None:
-    names = set(run.array_names())
-    if not names & {"attn", "attn_topk_idx"}:
-        raise ArchiveError(f"run {run.id} captured no attention rows (`capture: none` or capture.attention.enabled: "
-                           f"false): `lmtrace heads` needs them; generate it again with capture.attention.enabled: true")
-
-
-def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
-    """[s1 - s0, L, H, K] attention rows of steps s0..s1-1 of a sequence; with `attention.top_k` the
-    kept weights are scattered into rows of zeros."""
-    if "attn" in run.array_names():
-        return np.asarray(run.array("attn")[seq, s0:s1, :, :, :K], dtype=np.float32)
-    idx = np.asarray(run.array("attn_topk_idx")[seq, s0:s1])
-    prob = np.asarray(run.array("attn_topk_prob")[seq, s0:s1], dtype=np.float32)
-    out = np.zeros((*idx.shape[:-1], K + 1), dtype=np.float32)
-    np.put_along_axis(out, np.where(idx >= 0, np.minimum(idx, K), K), np.where(idx >= 0, np.nan_to_num(prob), 0.0), -1)
-    return out[..., :K]
-
-
-def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
-    t = run.tokens().select(["sequence", "position", "token_id"]).to_pandas()
-    out = {}
-    for seq, g in t.groupby("sequence"):
-        g = g.sort_values("position")
-        ids = np.full(int(g.position.max()) + 1, -1, dtype=np.int64)
-        ids[g.position.to_numpy()] = g.token_id.to_numpy()
-        out[int(seq)] = ids
-    return out
-
-
-def compute_heads(run: Run, per_sequence: bool = False, block: int = 32) -> dict:
-    """Head scores of a run. Returns {"table": pa.Table, "per_sequence": pa.Table | None, "notes": [...],
-    "rows": n}."""
-    _check_run(run)
-    notes = []
-    committed = run.committed_steps() if run.status != "complete" else None
-    gen_len = run.generated_len()
-    prompt_len = run.prompt_len()
-    layers = list(run.layers)
-    L, H = len(layers), int(run.shape["n_heads"])
-    tokens = _tokens_by_position(run)
-    prefill = "prefill_attn" in run.array_names()
-    dla = run.array("head_dla") if "head_dla" in run.array_names() else None
-    total = _Acc.new(L, H)
-    per_seq: list[tuple[int, _Acc, np.ndarray | None, int]] = []
-    dla_sum, dla_n = np.zeros((L, H)), np.zeros((L, H))
-    n_rows = 0
-    for seq in range(len(gen_len)):
-        n = committed.get(seq, 0) if committed is not None else int(max(gen_len[seq], 0))
-        if n <= 0 or seq not in tokens:
-            continue
-        P = int(prompt_len[seq])
-        acc = _Acc.new(L, H)
-        seq_rows = 0
-        if prefill:
-            q = np.arange(1, P - 1)
-            if len(q):
-                rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
-                acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens[seq]))
-                seq_rows += len(q)
-        for s0 in range(0, n, block):  # bounded memory: `block` steps of every layer at a time
-            s1 = min(n, s0 + block)
-            q = P + np.arange(s0, s1) - 1
-            K = int(q.max()) + 1
-            rows = _dense_rows(run, seq, s0, s1, K)
-            keep = q >= 1
-            if keep.any():
-                acc.add(row_scores(rows[keep], q[keep], tokens[seq]))
-                seq_rows += int(keep.sum())
-        seq_dla = None
-        if dla is not None:
-            d = np.asarray(dla[seq, :n], dtype=np.float64)  # [n, L, H]
-            ok = ~np.isnan(d)
-            dla_sum += np.where(ok, np.abs(d), 0).sum(0)
-            dla_n += ok.sum(0)
-            with np.errstate(invalid="ignore"):
-                seq_dla = np.where(ok, np.abs(d), 0).sum(0) / np.maximum(ok.sum(0), 1)
-        total.merge(acc)
-        n_rows += seq_rows
-        per_seq.append((seq, acc, seq_dla, seq_rows))
-    if n_rows == 0:
-        raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
-    if committed is not None:
-        notes.append(f"run {run.id} is {run.status}: computed on its committed steps "
-                     f"({sum(committed.values())} of up to {len(gen_len) * run.shape['n_steps']})")
-    if "attn" not in run.array_names():
-        notes.append(f"run {run.id} kept the top {run.shape.get('k_attn')} weights per row "
-                     f"(capture.attention.top_k): scores count only those, entropy is of the kept weights")
-    importance = None
-    if dla is not None:
-        with np.errstate(invalid="ignore"):
-            importance = np.where(dla_n > 0, dla_sum / np.maximum(dla_n, 1), np.nan)
-    sweep = head_sweep_effects(run, notes)
-    table = _table(layers, H, total, importance, ranked=True, sweep=sweep)
-    per = None
-    if per_sequence:
-        parts = [_table(layers, H, acc, d, ranked=False, sequence=seq) for seq, acc, d, _ in per_seq]
-        per = pa.concat_tables(parts)
-    return {"table": table, "per_sequence": per, "notes": notes, "rows": n_rows, "dla": dla is not None,
-            "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
-
-
-def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
-    """The run's latest head sweep (`lmtrace sweep RUN --over heads`): {"id", "edit", "metric", "effects":
-    {(layer, head): mean effect over every (sequence, step) row}}, or None without one. A sweep that hid
-    heads at single positions (`--positions`) measures something else and is not used."""
-    from .sweep import read_sweep
-
-    entries = [e for e in (run.manifest.get("sweeps") or []) if e.get("over") == "heads"]
-    if not entries:
-        return None
-    entry = entries[-1]
-    metric = entry["metrics"][0]
-    try:
-        df = read_sweep(run, entry["id"]).select(["component", "layer", "head", "position", "metric",
-                                                  "effect"]).to_pandas()
-    except (OSError, KeyError, pa.ArrowInvalid) as err:
-        raise ArchiveError(f"run {run.id}: cannot read sweep {entry['id']} ({entry.get('path')}): {err}") from None
-    df = df[(df.component == "head") & df.position.isna() & (df.metric == metric)]
-    if df.empty:
-        notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
-        return None
-    means = df.groupby(["layer", "head"]).effect.mean()
-    return {"id": entry["id"], "edit": entry.get("edit"), "metric": metric,
-            "effects": {(int(layer), int(head)): float(v) for (layer, head), v in means.items()}}
-
-
-def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None,
-           sweep: dict | None = None) -> pa.Table:
-    means = acc.means()
-    rows = []
-    for li, layer in enumerate(layers):
-        for h in range(H):
-            scores = {name: float(means[name][li, h]) for name in SCORES}
-            label = label_of(scores)
-            rows.append({
-                **({"sequence": sequence} if sequence is not None else {}),
-                "layer": layer, "head": h, "label": label, **scores,
-                "n_rows": int(acc.counts["sink_score"][li, h]),
-                "n_induction_rows": int(acc.counts["induction_score"][li, h]),
-                "importance": None if importance is None or np.isnan(importance[li, h]) else float(importance[li, h]),
-            })
-            if ranked:
-                rows[-1]["sweep_effect"] = None if sweep is None else sweep["effects"].get((layer, h))
-    if ranked:
-        _rank_by(rows, "dla_rank", lambda r: r["importance"])
-        _rank_by(rows, "sweep_rank", lambda r: None if r["sweep_effect"] is None else abs(r["sweep_effect"]))
-
-        def key(r):  # measured effect first, then direct attribution, then what the attention looks like
-            for n, name in enumerate(("sweep_rank", "dla_rank")):
-                if r[name] is not None:
-                    return (n, r[name], 0.0)
-            return (2, LABELS.index(r["label"]), -_label_score(r))
-        rows.sort(key=key)
-        for i, r in enumerate(rows):
-            r["rank"] = i + 1
-    return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
-
-
-def _rank_by(rows: list[dict], column: str, value) -> None:
-    """rows[column] = 1 for the largest value(row), 2 for the next...; None where value is None."""
-    scored = sorted((r for r in rows if value(r) is not None), key=lambda r: -value(r))
-    for r in rows:
-        r[column] = None
-    for i, r in enumerate(scored):
-        r[column] = i + 1
-
-
-def _label_score(r: dict) -> float:
-    name = {"sink": "sink_score", "previous-token": "prev_token_score", "induction": "induction_score",
-            "local": "local_score", "focused": "concentration", "diffuse": "entropy"}[r["label"]]
-    v = r[name]
-    return 0.0 if v is None or np.isnan(v) else v
-
-
-def _schema(per_sequence: bool, ranked: bool) -> pa.Schema:
-    i32, f32 = pa.int32(), pa.float32()
-    fields = [("sequence", i32)] if per_sequence else []
-    fields += [("layer", i32), ("head", i32), ("label", pa.string())]
-    fields += [(s, f32) for s in SCORES]
-    fields += [("n_rows", i32), ("n_induction_rows", i32), ("importance", f32)]
-    if ranked:
-        fields += [("dla_rank", i32), ("sweep_effect", f32), ("sweep_rank", i32), ("rank", i32)]
-    return pa.schema(fields)
-
-
-def _write_atomic(table: pa.Table, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, target)
+def parse_labels(given: list[str] | None) -> list[str] | None:
+    """`--label` values (repeatable, or comma-separated) -> the labels asked for, or None for all."""
+    names = [n.strip() for item in given or [] for n in item.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LABELS]
+    if unknown:
+        raise SpecError(f"--label {unknown[0]!r}: unknown; labels: {', '.join(LABELS)}")
+    if given and not names:
+        raise SpecError(f"--label: no label given; labels: {', '.join(LABELS)}")
+    return list(dict.fromkeys(names)) or None
 
 
 def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
-                  json_out: bool = False, top: int = 20, quiet: bool = False) -> dict:
-    """`lmtrace heads`: compute, write analysis/heads.parquet, print a ranked table (or JSON; `quiet`: nothing)."""
-    import sys
-
+                  json_out: bool = False, top: int = 20, labels: list[str] | None = None,
+                  quiet: bool = False) -> dict:
+    """`lmtrace heads`: compute, write analysis/heads.parquet (every head), print a ranked table (or
+    JSON) of every head or of those with the `labels` asked for; `quiet`: print nothing."""
     if top < 1:
         raise SpecError(f"--top must be ≥ 1 (got {top})")
+    wanted = parse_labels(labels)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)  # said in the notes, in one line
         run = open_run(ref, runs_dir)
     result = compute_heads(run, per_sequence=per_sequence)
     folder = Path(out) if out is not None else run.path / ANALYSIS_DIR
     try:
-        _write_atomic(result["table"], folder / HEADS_FILE)
-        if result["per_sequence"] is not None:
-            _write_atomic(result["per_sequence"], folder / PER_SEQUENCE_FILE)
+        write_heads(folder, result["table"], result["per_sequence"])
     except OSError as err:
         raise SpecError(f"cannot write {folder} ({err.strerror}); pass another --out") from None
     for note in [] if quiet else result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     table = result["table"]
+    shown = [r for r in table.to_pylist() if wanted is None or r["label"] in wanted]  # in rank order
     summary = {"run_id": run.id, "path": str(folder / HEADS_FILE),
                "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
                "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
+               "label_filter": wanted,
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
-                         for r in table.to_pylist()]}  # NaN (no induction rows) as null: strict JSON
+                         for r in shown]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
         print(json_line(summary))
     elif not quiet:
-        _print(run, table, result, folder, top)
+        _print(run, table, shown, wanted, result, folder, top)
     return summary
 
 
-def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> None:
+def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path,
+           top: int) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -372,9 +74,10 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
     sweep = result.get("sweep")
     by = (f"measured effect on {sweep['metric']} (sweep {sweep['id']}, edit {sweep['edit']})" if sweep
-          else "mean |head DLA|" if result["dla"] else "label, then the label's score")
-    t = Table(title=escape(f"heads of {run.id}, ranked by {by} (top {min(top, len(labels))} of {len(labels)}: {counts})"),
-              title_justify="left")
+          else "mean |head DLA|" if result["dla"] else f"label ({', '.join(RANK_ORDER)}), then the label's score")
+    which = (f"top {min(top, len(shown))} of {len(shown)} {' / '.join(wanted)} heads; all {len(labels)}: {counts}"
+             if wanted else f"top {min(top, len(labels))} of {len(labels)}: {counts}")
+    t = Table(title=escape(f"heads of {run.id}, ranked by {by} ({which})"), title_justify="left")
     for col in ("rank", "layer", "head", "label", "sink", "prev", "local", "induct", "dup", "entropy", "max w"):
         t.add_column(col, justify="left" if col == "label" else "right")
     if result["dla"]:
@@ -385,7 +88,7 @@ def _print(run: Run, table: pa.Table, result: dict, folder: Path, top: int) -> N
     def f(v):
         return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
 
-    for r in table.to_pylist()[:top]:
+    for r in shown[:top]:
         cells = [str(r["rank"]), str(r["layer"]), str(r["head"]), r["label"], f(r["sink_score"]),
                  f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
                  f(r["entropy"]), f(r["concentration"])]

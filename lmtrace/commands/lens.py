@@ -101,7 +101,8 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
 
     from ..capture.arch import adapter_for
     from ..archive.writer import compressors_for, consolidate, create_array
-    from ..capture.lens import LogitLens, lens_target_columns
+    from ..analysis.lens_stats import lens_target_columns
+    from ..capture.lens import LogitLens
     from ..models import load_run_model
 
     spec = manifest["spec_resolved"]
@@ -193,7 +194,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
 def _targets(run: Run, n_seq: int, n_steps: int) -> np.ndarray:
     """[sequence, step, 2] int64: the chosen token and the runner-up (the most likely other token at
     T=1, from `alt_ids`) of every generated step, from tokens.parquet; 0 where no step was generated."""
-    from ..capture.lens import lens_targets
+    from ..analysis.lens_stats import lens_targets
 
     t = run.tokens().select(["sequence", "step", "is_prompt", "token_id", "alt_ids"]).to_pandas()
     t = t[~t.is_prompt]

@@ -1,22 +1,22 @@
 """Report sections for analyses stored in a run: `lmtrace heads` (analysis/heads.parquet) and
-`lmtrace sweep` (sweeps/<id>/sweep_mean.parquet). Read from those files only, through their
-documented columns (docs/heads.md, docs/sweep.md)."""
+`lmtrace sweep` (sweeps/<id>/effects.zarr, written by the sweep from `analysis.sweep.effects`, the
+same reduction as its terminal ranking). Read from those files only, through their documented
+columns and arrays (docs/heads.md, docs/sweep.md)."""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from ..analysis.heads import LABELS as HEAD_LABELS
+from ..analysis.sweep.cells import OVER_SIMPLE
+from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
+from ..archive.sweeps import EffectArray, finished_sweeps, read_effects, read_sweep_info
 from . import figures as F
 from .blobs import Blobs
 from .run_data import RunData
 from .sections import Section, esc
 
-HEAD_LABELS = ("sink", "previous-token", "induction", "local", "focused", "diffuse")
-HEADS_FILE = ("analysis", "heads.parquet")
-SWEEPS_DIR = "sweeps"
 
 
 def _discrete_scale(colours: list[str]) -> list[list]:
@@ -30,7 +30,7 @@ def _discrete_scale(colours: list[str]) -> list[list]:
 
 def heads_section(data: RunData, blobs: Blobs) -> Section:
     sec = Section("heads", "What each head does (lmtrace heads)")
-    path = data.run.path.joinpath(*HEADS_FILE)
+    path = data.run.path / ANALYSIS_DIR / HEADS_FILE
     if not path.is_file():
         sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
         return sec
@@ -78,66 +78,46 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     return sec
 
 
-def _sweep_grid(rows: list[dict], metric: str):
-    """Mean effect over sequences per cell: (kind, grid [rows, cols], row labels, col labels) or None."""
-    rows = [r for r in rows if r["metric"] == metric]
-    if not rows:
-        return None
-    cells: dict[tuple, list[float]] = {}
-    for r in rows:
-        key = (r["component"], r["layer"], r["head"], r["neuron"], r["position"])
-        if r["effect"] is not None:
-            cells.setdefault(key, []).append(r["effect"])
-    mean = {k: float(np.mean(v)) for k, v in cells.items()}
-    component = rows[0]["component"]
-    second = {"head": 2, "neuron": 3, "position": 4, "resid": 4}.get(component)
-    layers = sorted({k[1] for k in mean if k[1] is not None})
-    if second is not None and layers:
-        cols = sorted({k[second] for k in mean if k[second] is not None})
-        grid = np.full((len(layers), len(cols)), np.nan, dtype=np.float32)
-        for k, v in mean.items():
-            if k[1] is not None and k[second] is not None:
-                grid[layers.index(k[1]), cols.index(k[second])] = v
-        prefix = {2: "H", 3: "N", 4: "pos "}[second]
-        return component, grid, [f"L{layer}" for layer in layers], [f"{prefix}{c}" for c in cols]
-    if layers:  # one value per layer (attn, mlp, layer)
-        grid = np.asarray([[mean.get(k, np.nan) for k in sorted(mean, key=lambda k: k[1])]], dtype=np.float32)
-        return component, grid, [component], [f"L{layer}" for layer in layers]
-    cols = sorted({k[4] for k in mean if k[4] is not None})  # positions alone
-    grid = np.asarray([[np.mean([v for k, v in mean.items() if k[4] == c]) for c in cols]], dtype=np.float32)
-    return component, grid, [component], [f"pos {c}" for c in cols]
+def _sweep_grid(effect: EffectArray, component: str):
+    """One metric's effects.zarr array as a 2-D grid: (grid [rows, cols], row labels, col labels).
+
+    [layer, q_head | neuron | position] -> layers × the other coordinate; [layer] or [position] ->
+    one row; [layer, q_head | neuron, position] -> one row per (layer, head or neuron) × positions."""
+    dims, values = effect.dims, effect.values
+    prefix = {"q_head": "H", "neuron": "N", "position": "pos ", "layer": "L"}
+    labels = {d: [f"{prefix[d]}{v}" for v in effect.coords[d]] for d in dims}
+    if len(dims) == 1:
+        return values[None, :], [component], labels[dims[0]]
+    if len(dims) == 2:
+        return values, labels[dims[0]], labels[dims[1]]
+    rows = [f"{a} {b}" for a in labels[dims[0]] for b in labels[dims[1]]]
+    return values.reshape(len(rows), -1), rows, labels[dims[2]]
 
 
 def sweeps_section(data: RunData, blobs: Blobs) -> Section | None:
-    folder = data.run.path / SWEEPS_DIR
-    done = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) if folder.is_dir() else []
+    """Per finished sweep a heatmap of its effects.zarr: each cell's mean effect over every (sequence,
+    step) row, as `analysis.sweep.effects.cell_effects` computed it for the terminal's ranking too."""
+    done = finished_sweeps(data.run.path)
     if not done:
         return None
     sec = Section("sweeps", "Sweeps (lmtrace sweep)")
     for n, d in enumerate(done):
-        mean_file = d / "sweep_mean.parquet"
-        if not mean_file.is_file():
-            continue
-        info = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
-        rows = pq.read_table(mean_file).to_pylist()
-        stored = list(dict.fromkeys(r["metric"] for r in rows))
-        metrics = [m for m in info.get("metrics") or [] if m in stored] or stored  # the sweep's order: first ranks
+        info = read_sweep_info(d)
+        spec = info.get("spec") or {}
+        over = spec.get("over", "")
+        component = OVER_SIMPLE.get(over, over.split(":")[0])
         variants = []
         first = None
-        for metric in metrics:
-            grid = _sweep_grid(rows, metric)
-            if grid is None:
-                continue
-            component, z, ylab, xlab = grid
+        for effect in read_effects(d, info):  # the sweep's metric order: the first ranks
+            z, ylab, xlab = _sweep_grid(effect, component)
             lim = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
-            ref = blobs.add(f"sweep_{n}_{metric}", z, "float32")
-            variants.append({"label": f"{metric}: mean effect (edited − unedited)", "z": ref,
+            ref = blobs.add(f"sweep_{n}_{effect.metric}", z, "float32")
+            variants.append({"label": f"{effect.metric}: mean effect (edited − unedited)", "z": ref,
                              "zmin": -lim or -1.0, "zmax": lim or 1.0})
-            first = first or (component, z, ylab, xlab, ref)
+            first = first or (z, ylab, xlab, ref)
         if first is None:
             continue
-        component, z, ylab, xlab, ref = first
-        spec = info.get("spec") or {}
+        z, ylab, xlab, ref = first
         title = (f"sweep {d.name}: {spec.get('edit', '')} {spec.get('over', component)}"
                  + (f", source {info['source'].get('run_id')}" if isinstance(info.get("source"), dict) else ""))
         fig = F.heatmap(f"sweep-{n}", title, ref, blobs.add_texts(f"sweep_{n}_x", xlab),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
+from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
 from ..prob_colours import page_colour
 from . import figures as F
 from .blobs import Blobs
@@ -348,17 +349,18 @@ def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
             lim = float(np.nanmax(np.abs(grid))) or 1.0
             tok = data.tokens(seq)
             sec.figures.append(F.heatmap(
-                f"margin-{seq}", f"sequence {seq}: each layer's direct contribution to the final top-1 − top-2 margin",
+                f"margin-{seq}", f"sequence {seq}: each layer's share of the final top-1 − top-2 logit margin "
+                "(through the final norm at its actual scale; with the embedding's share they sum to the margin)",
                 blobs.add(f"margin_contrib_{seq}", grid, "float32"),
                 blobs.add_texts(f"margin_steps_{seq}", _step_labels(step_list, tok.gen["token_text"])),
                 blobs.add_texts(f"margin_layers_{seq}", [f"L{li}" for li in order]), zmin=-lim, zmax=lim,
                 colorscale=F.DIVERGING, n_rows=len(order), n_cols=len(step_list), cell_px=14,
-                xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} nats", zlabel="nats"))
+                xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} logits", zlabel="logits"))
             means = np.nanmean(grid, axis=1)
             sec.figures.append(F.lines(f"margin-mean-{seq}", f"sequence {seq}: mean margin contribution per layer",
                                        [{"name": "mean over steps", "x": x,
                                          "y": blobs.add(f"margin_mean_{seq}", means, "float32")}],
-                                       xtitle="layer", ytitle="nats"))
+                                       xtitle="layer", ytitle="logits"))
     return sec
 
 
@@ -450,7 +452,7 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
 
 
 # ---- attributions (lmtrace explain) ------------------------------------------------------------
-EXPLAIN_SCORES = ("explain", "scores.parts")  # as lmtrace/explain.py writes them
+EXPLAIN_SCORES = (EXPLAIN_DIR, SCORES_PARTS)  # as archive/explanations.py writes them
 
 
 def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | None:
@@ -485,8 +487,11 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
                 raw[i, p] = v
             scale = np.nanmax(np.abs(raw[i])) if np.isfinite(raw[i]).any() else 0.0
             z[i] = raw[i] / scale if scale else raw[i]
-        labels = [f"{'NOT CONVERGED ' if (k[2], k[1], seq, k[0]) in failed else ''}s{k[0]} {k[1]} ({k[3]} {k[4]}) "
-                  f"{display(tok.gen['token_text'][k[0]]) if k[0] < tok.n_steps else ''} #{k[2][-4:]}" for k in keys]
+        labels, invocations = _explain_row_labels(keys, seq, tok, failed)
+        if len(invocations) > 1:  # rows of one step and method from several invocations are numbered: say which
+            sec.notes.append(f"sequence {seq}: rows from different `lmtrace explain` invocations are numbered "
+                             + ", ".join(f"[{i}] = explain {eid}" for eid, i in invocations.items())
+                             + " (their settings are in manifest.json, `explain`)")
         if any((k[2], k[1], seq, k[0]) in failed for k in keys):
             sec.notes.append(f"sequence {seq}: rows marked NOT CONVERGED are integrated-gradients results whose scores "
                              f"do not add up to f(x) − f(baseline) within the tolerance; trust them no further than "
@@ -500,6 +505,24 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
             customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"), n_rows=len(keys), ytitle="step method (target)",
             hover="%{y}<br>%{x}<br>score %{customdata:.4g}", zlabel="score / max|score|"))
     return sec
+
+
+def _explain_row_labels(keys: list[tuple], seq: int, tok, failed: set[tuple]) -> tuple[list[str], dict[str, int]]:
+    """Row labels of the attribution heatmap: step, method, target and quantity (none for attention rollout) and
+    the explained token. Where one step and method were explained by several invocations (other settings), each
+    such row gets its invocation's number [i]; returns the labels and {explain id: number} of those invocations."""
+    def base(k):
+        step, method, _, target, quantity = k
+        what = f" ({target} {quantity})" if target is not None else ""
+        token = display(tok.gen['token_text'][step]) if step < tok.n_steps else ""
+        return f"{'NOT CONVERGED ' if (k[2], method, seq, step) in failed else ''}s{step} {method}{what} {token}"
+
+    count: dict[str, int] = {}
+    for k in keys:
+        count[base(k)] = count.get(base(k), 0) + 1
+    repeated = sorted({k[2] for k in keys if count[base(k)] > 1})
+    invocations = {eid: i + 1 for i, eid in enumerate(repeated)}
+    return [base(k) + (f" [{invocations[k[2]]}]" if count[base(k)] > 1 else "") for k in keys], invocations
 
 
 def _unconverged(manifest: dict) -> set[tuple]:

@@ -1,0 +1,24 @@
+"""Attribution of archived generated tokens to their context positions (`lmtrace explain`).
+
+`registry` (Method, METHODS, register, parse_methods, StepContext, MethodResult), `settings`,
+`targets` (the target quantity f and `Scorer`, a model as f(input embeddings)), one module per
+method — `grad_x_input`, `integrated_gradients` (path, baselines, adaptive refinement),
+`occlusion`, `attention_rollout` — which register themselves when imported, `replay` (an
+intervention child's edits under gradients) and `explain` (run the methods over a sequence's steps).
+"""
+
+# isort: off
+# importing a method's module registers it: this order is the order `--method` lists them in
+from . import grad_x_input, integrated_gradients, occlusion, attention_rollout  # noqa: F401
+# isort: on
+from .attention_rollout import rollout
+from .explain import explain_steps, sequence_tokens
+from .integrated_gradients import IG_SCALE_FLOOR, IGPath, ig_shortfall
+from .registry import METHODS, Method, MethodResult, StepContext, parse_methods, register
+from .replay import NOT_REPLAYABLE, REPLAY_TOLERANCE, ContextEdits, child_edits, unreplayable_edit
+from .settings import Settings
+from .targets import Scorer, target_values
+
+__all__ = ["IG_SCALE_FLOOR", "METHODS", "NOT_REPLAYABLE", "REPLAY_TOLERANCE", "ContextEdits", "IGPath", "Method",
+           "MethodResult", "Scorer", "Settings", "StepContext", "child_edits", "explain_steps", "ig_shortfall",
+           "parse_methods", "register", "rollout", "sequence_tokens", "target_values", "unreplayable_edit"]

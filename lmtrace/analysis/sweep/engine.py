@@ -1,0 +1,282 @@
+"""The sweep's forward engine: one sequence, one cell per batch row, one forward per batch.
+
+  edits      `zero` / `mean` are exactly `lmtrace intervene`'s ablations (`interventions.EditSet`
+             with the same entry kinds), one entry per batch row; `patch` replaces a component's
+             value with the source run's at the same position (`_Patches`, values from
+             `capture_source`).
+  semantics  rescore: the sequence is the parent's prompt followed by its generated tokens
+             (teacher-forced); one forward computes every measured step at once (step s is read at
+             position prompt_len - 1 + s).
+  prefix KV  with `from_step` S the edits apply to the positions of steps >= S only: the unedited
+             prefix before them is computed once per sequence and its KV cache is shared by every
+             batch row, so each forward computes only the edited suffix.
+  shortcut   the layers below a batch's lowest edited layer are not computed: they return the
+             unedited forward's outputs, saved once per sequence (`_PrefixSkip`); a self-check on
+             the baseline compares the shortcut's logits with the full forward's and turns it off if
+             they differ.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...capture.interventions import EditSet, parse_entries
+from .cells import Cell
+from .metrics import Metric, measure
+
+ENTRY_KIND = {"head": "ablate_head", "attn": "ablate_attention", "mlp": "ablate_mlp", "layer": "ablate_layer",
+              "neuron": "ablate_neurons"}
+# the `component_means` kind whose mean value a `mean` ablation of the cell's component writes
+MEAN_KIND = {"head": "head", "attn": "attn", "mlp": "mlp", "layer": "layer", "neuron": "ffn"}
+
+
+class _PrefixSkip:
+    """Layers below `start` return the unedited forward's outputs (saved for batch size 1) expanded to the batch."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.saved: dict[int, object] = {}
+
+    @contextmanager
+    def recording(self):
+        handles = [layer.register_forward_hook((lambda i: lambda m, a, o: self.saved.__setitem__(i, o))(i))
+                   for i, layer in enumerate(self.layers)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextmanager
+    def skipping(self, start: int, rows: int):
+        replaced = []
+
+        def make(i):
+            out = self.saved[i]
+
+            def forward(*args, **kwargs):
+                if isinstance(out, tuple):
+                    return (out[0].expand(rows, *out[0].shape[1:]), *out[1:])
+                return out.expand(rows, *out.shape[1:])
+            return forward
+        try:
+            for i in range(start):
+                layer = self.layers[i]
+                if "forward" in layer.__dict__:  # someone else wrapped it: do not interfere
+                    break
+                layer.forward = make(i)
+                replaced.append(layer)
+            yield
+        finally:
+            for layer in replaced:
+                del layer.__dict__["forward"]
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _replace_first(output, value):
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+class _Patches:
+    """Patch edits: row b's component gets the source's value at its position(s).
+
+    source[(kind, layer)] -> [T_src, width] tensor from the source's own unedited forward
+    (kind: head = o_proj input, attn / mlp = block output, resid = layer output). The forward
+    computes positions `offset`.. (after a shared prefix, `from_step`); only those are patched."""
+
+    def __init__(self, adapter, cells: list[Cell], source: dict, offset: int = 0):
+        self.adapter, self.cells, self.source, self.offset = adapter, cells, source, offset
+
+    def _rows(self, kind: str, layer: int):
+        return [(b, c) for b, c in enumerate(self.cells) if c.component == kind and c.layer == layer]
+
+    def _apply(self, x: torch.Tensor, rows, src: torch.Tensor, cols: dict[int, slice]) -> torch.Tensor:
+        lo = self.offset  # x[:, i] is position lo + i
+        end = min(lo + x.shape[1], src.shape[0])  # positions both sequences have
+        x = x.clone()
+        for b, c in rows:
+            sl = cols.get(b, slice(None))
+            if c.position is None:
+                if end > lo:
+                    x[b, : end - lo, sl] = src[lo:end, sl].to(x.dtype)
+            elif lo <= c.position < end:
+                x[b, c.position - lo, sl] = src[c.position, sl].to(x.dtype)
+        return x
+
+    @contextmanager
+    def attached(self):
+        from ...capture.taps import tap
+
+        a = self.adapter
+        handles = []
+        try:
+            for kind, layer in sorted({(c.component, c.layer) for c in self.cells}):
+                rows = self._rows(kind, layer)
+                src = self.source[(kind, layer)]
+                if kind == "head":
+                    d = a.head_dim
+                    cols = {b: slice(c.head * d, (c.head + 1) * d) for b, c in rows}
+                    handles.append(a.o_proj(layer).register_forward_pre_hook(
+                        lambda m, args, rows=rows, src=src, cols=cols: (self._apply(args[0], rows, src, cols), *args[1:]),
+                        prepend=True))
+                else:
+                    module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
+                    handles.append(tap(module, lambda m, args, kw, out, rows=rows, src=src: _replace_first(
+                        out, self._apply(_first(out), rows, src, {})), prepend=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+@torch.inference_mode()
+def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: int = 1) -> tuple[dict, torch.Tensor]:
+    """The source sequence's unedited values at every position: (kind, layer) -> [T, width]; and its logits
+    [keep, V] at the last `keep` positions."""
+    out: dict = {}
+    handles = []
+    a = adapter
+    try:
+        for kind, layer in wanted:
+            key = (kind, layer)
+            if kind == "head":
+                handles.append(a.o_proj(layer).register_forward_pre_hook(
+                    lambda m, args, key=key: out.__setitem__(key, args[0][0].detach().clone())))
+            else:
+                module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
+                handles.append(module.register_forward_hook(
+                    lambda m, args, o, key=key: out.__setitem__(key, _first(o)[0].detach().clone())))
+        device = next(a.model.parameters()).device
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        logits = a.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, logits_to_keep=keep).logits
+    finally:
+        for h in handles:
+            h.remove()
+    return out, logits[0].float()
+
+
+@dataclass
+class SequenceInput:
+    """One sequence as the engine runs it: what each forward computes and which steps its logits are."""
+
+    ids: torch.Tensor  # [1, T]: prompt + generated tokens up to the last measured step's query position
+    first_step: int  # logits row i is step first_step + i
+    n_logits: int
+    start: int = 0  # the first position a forward computes: 0, or prompt_len - 1 + from_step
+    prefix: object | None = None  # the unedited KV cache of positions < start (a DynamicCache, batch 1)
+
+
+class Engine:
+    """Runs one sequence's batches of cells: the baseline once, then one forward per batch.
+
+    With `from_step` S > 0 the edits apply to the positions of steps >= S only (intervene's
+    `--from-step`: step s computes position prompt_len - 1 + s): the positions before are the
+    unedited prefix, run once per sequence; every batch continues its KV cache (expanded to the
+    batch's rows, `kv_cache.expand_prefix`) and computes only the edited suffix."""
+
+    def __init__(self, adapter, edit: str, means: dict | None, metrics: list[Metric], from_step: int = 0):
+        self.adapter = adapter
+        self.model = adapter.model
+        self.device = next(self.model.parameters()).device
+        self.edit = edit
+        self.means = means or {}
+        self.metrics = metrics
+        self.from_step = from_step
+        self.skip = _PrefixSkip(adapter.layers)
+        self.skip_ok = True
+
+    @torch.inference_mode()
+    def sequence(self, ids: list[int], prompt_len: int, last_step: int) -> SequenceInput:
+        """The input for steps up to `last_step`; with from_step, the unedited prefix is computed here, once."""
+        x = torch.tensor([ids[: prompt_len + last_step]], dtype=torch.long, device=self.device)
+        if not self.from_step:
+            return SequenceInput(x, 0, last_step + 1)
+        from transformers import DynamicCache
+
+        start = prompt_len - 1 + self.from_step
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
+                   position_ids=torch.arange(start, device=self.device)[None], cache=cache, use_cache=True,
+                   logits_to_keep=1)
+        return SequenceInput(x, self.from_step, last_step - self.from_step + 1, start, cache)
+
+    def _forward(self, seq: SequenceInput, rows: int, start: int = 0, edits=None, patches=None):
+        """Logits [rows, n_logits, V] (float32) of the last n_logits positions; `start`: the lowest edited layer."""
+        from ...capture.kv_cache import expand_prefix
+
+        T = seq.ids.shape[1]
+        x = seq.ids[:, seq.start:].expand(rows, -1)
+        mask = torch.ones((rows, T), dtype=torch.long, device=self.device)  # the prefix's positions too
+        positions = torch.arange(seq.start, T, device=self.device)[None].expand(rows, -1)
+        cache = {"cache": expand_prefix(seq.prefix, rows), "use_cache": True} if seq.prefix is not None else {
+            "use_cache": False}
+        with ExitStack() as stack:
+            if start > 0 and self.skip_ok:
+                stack.enter_context(self.skip.skipping(start, rows))
+            if edits is not None:
+                stack.enter_context(edits.attached())
+                # every computed position belongs to a step >= from_step: all are edited
+                edits.begin(self.from_step, list(range(rows)), positions, seq.prefix is None)
+                mask = edits.edit_mask(mask, [0] * rows, list(range(rows)), self.from_step)
+            if patches is not None:
+                stack.enter_context(patches.attached())
+            out = self.model(input_ids=x, attention_mask=mask, position_ids=positions, logits_to_keep=seq.n_logits,
+                             **cache)
+        return out.logits.float()
+
+    @torch.inference_mode()
+    def baseline(self, seq: SequenceInput) -> torch.Tensor:
+        """Unedited logits [n_logits, V]; saves every layer's output for the prefix shortcut and checks it."""
+        with self.skip.recording():
+            base = self._forward(seq, 1)[0]
+        if self.skip_ok:
+            half = max(1, len(self.adapter.layers) // 2)
+            short = self._forward(seq, 1, start=half)[0]
+            if not torch.allclose(short, base, atol=1e-5, rtol=0):
+                self.skip_ok = False  # the family does something between layers: compute every layer
+        return base
+
+    def entries_for(self, cells: list[Cell]) -> EditSet:
+        data, resources = [], {}
+        for b, c in enumerate(cells):
+            if c.component == "position":
+                data.append({"kind": "mask_positions", "mask": [c.position], "sequences": [b],
+                             **({"steps": {"from": self.from_step}} if self.from_step else {})})
+                continue
+            e = {"kind": ENTRY_KIND[c.component], "layer": c.layer, "mode": self.edit, "sequences": [b]}
+            if self.from_step:
+                e["steps"] = {"from": self.from_step}
+            if c.component == "head":
+                e["head"] = c.head
+            if c.component == "neuron":
+                e["neurons"] = [c.neuron]
+            if c.position is not None:
+                e["positions"] = [c.position]
+            data.append(e)
+            if self.edit == "mean":
+                mean = self.means[(MEAN_KIND[c.component], c.layer)]
+                if c.component == "head":
+                    d = self.adapter.head_dim
+                    mean = mean[c.head * d: (c.head + 1) * d]
+                resources[b] = mean
+        entries = parse_entries(data, "sweep")
+        return EditSet(entries, self.adapter, {b: 0 for b in range(len(cells))}, resources)
+
+    @torch.inference_mode()
+    def run_cells(self, seq: SequenceInput, cells: list[Cell], source: dict | None) -> torch.Tensor:
+        start = min(c.start_layer() for c in cells)
+        if self.edit == "patch":
+            return self._forward(seq, len(cells), start, patches=_Patches(self.adapter, cells, source, seq.start))
+        return self._forward(seq, len(cells), start, edits=self.entries_for(cells))
+
+    def measure(self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int],
+                first_step: int = 0) -> dict[str, np.ndarray]:
+        """The sweep's metrics of R edited rows against the baseline (`metrics.measure`)."""
+        return measure(self.metrics, logits, base, steps, tokens, first_step)

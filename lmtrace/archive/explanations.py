@@ -1,0 +1,208 @@
+"""Attributions in the run archive (`lmtrace explain`'s output): per invocation
+`explain/<id>/{scores.zarr, explain.json}` (written to a temporary directory and renamed, so it
+appears whole or not at all), one Parquet part `explain/scores.parts/<id>.parquet` of the long
+table every invocation shares, and one entry per method appended to `manifest["explain"]` under
+the run's lock; `read_explanations` reads the table back (docs/explain.md, docs/archive.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import ArchiveError
+from ..jsonout import strict
+from . import layout
+from .reader import Run
+from .runs import locked, now_iso, read_manifest
+
+EXPLAIN_DIR = "explain"
+SCORES_PARTS = "scores.parts"  # explain/scores.parts/<explain_id>.parquet: one Parquet dataset for all invocations
+
+
+@dataclass
+class StepExplanation:
+    """One method's scores of one (sequence, step): a score per context position."""
+
+    method: str
+    sequence: int
+    step: int
+    chosen_id: int
+    runner_up_id: int
+    positions: np.ndarray
+    token_ids: list[int]
+    token_texts: list[str]
+    is_prompt: list[bool]
+    scores: np.ndarray
+    info: dict
+    target_text: str = ""
+    runner_up_text: str = ""
+
+
+@dataclass(frozen=True)
+class MethodRecord:
+    """What the manifest entry of one method of an invocation records besides its scores."""
+
+    name: str
+    settings: dict  # the settings that define its result
+    target: str | None  # None for methods without a target quantity (attention rollout)
+    quantity: str | None
+    model: dict | None  # the model it ran (None when it needs none)
+
+
+def scores_schema() -> pa.Schema:
+    i32 = pa.int32()
+    return pa.schema([
+        ("explain_id", pa.string()), ("method", pa.string()), ("sequence", i32), ("step", i32),
+        ("target", pa.string()), ("quantity", pa.string()), ("target_token_id", i32), ("runner_up_token_id", i32),
+        ("position", i32), ("token_id", i32), ("token_text", pa.string()), ("is_prompt", pa.bool_()),
+        ("score", pa.float32()),
+    ])
+
+
+def write_explanation(run: Run, explain_id: str, methods: list[MethodRecord], steps: list[int], sequence: int,
+                      explanations: list[StepExplanation]) -> list[dict]:
+    """explain/<id>/{scores.zarr, explain.json} + explain/scores.parts/<id>.parquet, then the manifest entries
+    (returned)."""
+    root = run.path / EXPLAIN_DIR
+    root.mkdir(exist_ok=True)
+    tmp = root / f".{explain_id}.tmp"  # explain ids are unique; mkdir honours the umask (mkdtemp would not)
+    tmp.mkdir()
+    try:
+        entries = _write_files(run, tmp, explain_id, methods, steps, sequence, explanations)
+        os.replace(tmp, root / explain_id)  # the directory appears complete or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    parts = root / SCORES_PARTS
+    parts.mkdir(exist_ok=True)
+    part_tmp = parts / f".{explain_id}.tmp"
+    pq.write_table(_table(explain_id, methods, explanations), part_tmp)
+    os.replace(part_tmp, parts / f"{explain_id}.parquet")
+    record_entries(run.path, entries)
+    return entries
+
+
+def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecord], steps: list[int], sequence: int,
+                 explanations: list[StepExplanation]) -> list[dict]:
+    import zarr
+
+    created = now_iso()
+    rel = f"{EXPLAIN_DIR}/{explain_id}"
+    table_rel = f"{EXPLAIN_DIR}/{SCORES_PARTS}/{explain_id}.parquet"
+    # arrays: one per method, [step, position], NaN beyond each step's context
+    max_n = max(len(e.scores) for e in explanations)
+    group = zarr.open_group(str(tmp / "scores.zarr"), mode="w", zarr_format=3)
+    st = group.create_array("step", shape=(len(steps),), dtype="int32", chunks=(max(1, len(steps)),),
+                            dimension_names=("step",), fill_value=-1)
+    st[...] = np.asarray(steps, dtype=np.int32)
+    pos = group.create_array("position", shape=(max_n,), dtype="int32", chunks=(max_n,),
+                             dimension_names=("position",), fill_value=-1)
+    pos[...] = np.arange(max_n, dtype=np.int32)
+    for m in methods:
+        data = np.full((len(steps), max_n), np.nan, dtype=np.float32)
+        for e in explanations:
+            if e.method == m.name:
+                data[steps.index(e.step), : len(e.scores)] = e.scores
+        arr = group.create_array(m.name, shape=data.shape, dtype="float32", chunks=data.shape,
+                                 dimension_names=("step", "position"), fill_value=np.nan)
+        arr[...] = data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(tmp / "scores.zarr"))
+    entries = []
+    for m in methods:
+        entries.append({
+            "id": explain_id, "method": m.name, "settings": m.settings, "sequence": sequence, "steps": steps,
+            "target": m.target, "quantity": m.quantity, "created": created,
+            "path": rel, "table": table_rel, "array": f"{rel}/scores.zarr/{m.name}",
+            "model": m.model,
+            "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
+                         **{k: strict(v) for k, v in e.info.items()}} for e in explanations if e.method == m.name],
+        })
+        flags = [e.info["converged"] for e in explanations if e.method == m.name and "converged" in e.info]
+        if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
+            entries[-1]["converged"] = all(flags)
+    _atomic_json(tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created,
+                                                "entries": entries}))
+    return entries
+
+
+def _table(explain_id: str, methods: list[MethodRecord], explanations: list[StepExplanation]) -> pa.Table:
+    """The long table: one row per (method, step, context position)."""
+    by_name = {m.name: m for m in methods}
+    cols: dict[str, list] = {f.name: [] for f in scores_schema()}
+    for e in explanations:
+        n = len(e.scores)
+        cols["explain_id"] += [explain_id] * n
+        cols["method"] += [e.method] * n
+        cols["sequence"] += [e.sequence] * n
+        cols["step"] += [e.step] * n
+        cols["target"] += [by_name[e.method].target] * n
+        cols["quantity"] += [by_name[e.method].quantity] * n
+        cols["target_token_id"] += [e.chosen_id] * n
+        cols["runner_up_token_id"] += [e.runner_up_id] * n
+        cols["position"] += e.positions.tolist()
+        cols["token_id"] += list(e.token_ids)
+        cols["token_text"] += list(e.token_texts)
+        cols["is_prompt"] += list(e.is_prompt)
+        cols["score"] += e.scores.tolist()
+    return pa.table(cols, schema=scores_schema())
+
+
+def _atomic_json(path: Path, obj) -> None:
+    """Write-to-unique-temp + fsync + rename (a unique name: concurrent writers never share a temp file)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp creates 0600: keep the file's existing mode, else the usual umask-derived one
+        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def record_entries(run_dir: Path, entries: list[dict]) -> None:
+    """Append entries to manifest["explain"]: under a lock file, re-reading the manifest just before an atomic write.
+    Nothing else in the manifest (status included) is changed."""
+    (run_dir / EXPLAIN_DIR).mkdir(exist_ok=True)
+    with locked(run_dir / layout.LOCK):  # the same flock generate takes to rewrite the manifest
+        manifest = read_manifest(run_dir)
+        manifest.setdefault("explain", []).extend(entries)
+        _atomic_json(run_dir / layout.MANIFEST, manifest)
+
+
+def read_explanations(run: Run | str | Path) -> pa.Table:
+    """Every explain invocation's scores of a run as one table (explain/scores.parts/*.parquet)."""
+    path = run.path if isinstance(run, Run) else Path(run)
+    files = sorted((path / EXPLAIN_DIR / SCORES_PARTS).glob("*.parquet"))
+    if not files:
+        raise ArchiveError(f"{path} has no explanations yet; run `lmtrace explain`")
+    return pa.concat_tables([pq.read_table(f).cast(scores_schema()) for f in files])

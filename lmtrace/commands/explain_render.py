@@ -1,0 +1,123 @@
+"""What `lmtrace explain` prints: the rich terminal view of an `ExplainResult` (context coloured by
+score, top positions) and its JSON summary. A helper of the explain command, not a command."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..analysis.attribution import METHODS, ig_shortfall
+from ..analysis.attribution.integrated_gradients import percent
+from ..jsonout import strict
+
+if TYPE_CHECKING:
+    from .explain import ExplainResult
+
+
+def _show_token(text: str) -> str:
+    return text.replace("\n", "⏎").replace("\t", "⇥") or "∅"
+
+
+def _background(score: float, scale: float) -> str:
+    """White for 0, towards green for positive and red for negative relevance (|score| / scale)."""
+    x = 0.0 if scale <= 0 or not math.isfinite(score) else max(-1.0, min(1.0, score / scale))
+    fade = int(round(255 * (1 - abs(x) * 0.85)))
+    if x >= 0:
+        return f"black on rgb({fade},255,{fade})"
+    return f"black on rgb(255,{fade},{fade})"
+
+
+def _top(scores: np.ndarray, top: int) -> np.ndarray:
+    """Positions of the `top` largest |score| (NaN last), stable."""
+    return np.argsort(-np.nan_to_num(np.abs(scores), nan=-1.0), kind="stable")[:top]
+
+
+def render(result: "ExplainResult", console=None, top: int = 10) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = console or Console()
+    s = result.settings
+    console.print(f"[bold]explain {result.explain_id}[/bold] of run {result.run_id} -> {result.path}")
+    for e in result.explanations:
+        m = METHODS[e.method]
+        what = (f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position")
+        console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
+        head = Text("target token ")
+        head.append(repr(e.target_text), style="bold")
+        head.append(f" (id {e.chosen_id})")
+        if m.needs_model:
+            head.append("; runner-up ")
+            head.append(repr(e.runner_up_text), style="bold")
+            head.append(f" (id {e.runner_up_id})")
+        head.append(f"; scoring {what}")
+        console.print(head)
+        facts = []
+        for key in ("f_x", "f_baseline", "sum_scores", "completeness_error", "recomputed_logprob", "archived_logprob"):
+            if key in e.info and e.info[key] is not None:
+                facts.append(f"{key}={e.info[key]:.4g}")
+        if facts:
+            console.print(Text("  ".join(facts), style="dim"))
+        if "converged" in e.info:
+            rel = e.info.get("completeness_error_relative")
+            if e.info["converged"]:
+                console.print(Text(f"converged: completeness error {percent(rel)} ≤ {s.ig_tolerance:.0%} of "
+                                   f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)", style="dim"))
+            else:
+                console.print(Text(f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
+                                   f"'When a result did not converge'", style="bold yellow"))
+        finite = np.abs(e.scores[np.isfinite(e.scores)])
+        scale = float(finite.max()) if finite.size else 0.0
+        text = Text()
+        for i, (tok, sc) in enumerate(zip(e.token_texts, e.scores)):
+            style = _background(float(sc), scale)
+            if not e.is_prompt[i]:
+                style += " underline"
+            text.append(_show_token(tok), style=style)
+        text.append(" → ", style="dim")
+        text.append(_show_token(e.target_text), style="bold reverse")
+        console.print(text)
+        order = _top(e.scores, top)
+        table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
+        for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"),
+                          ("share", "right")):
+            table.add_column(col, justify=just)
+        denom = float(np.nansum(np.abs(e.scores))) or 1.0
+        for rank, i in enumerate(order):
+            sc = float(e.scores[i])
+            table.add_row(str(rank + 1), str(int(i)) + ("" if e.is_prompt[i] else "*"), repr(e.token_texts[i]),
+                          Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"), f"{abs(sc) / denom:.0%}")
+        console.print(table)
+    console.print(Text(legend(console.color_system is not None), style="dim"))
+
+
+def legend(colour: bool) -> str:
+    """The key to what `render` printed: colours only where the console shows them (not piped, not NO_COLOR)."""
+    if colour:
+        return "background: green = supports the target, red = opposes it; underlined / * = generated token"
+    return "score sign: + supports the target, − opposes it; * after a position = generated token"
+
+
+def summary(result: "ExplainResult", top: int = 10) -> dict:
+    """The `--json` summary: ids, manifest entries, notes, convergence and the top positions per step and method."""
+    out = {"explain_id": result.explain_id, "run_id": result.run_id, "path": str(result.path),
+           "entries": result.entries, "notes": result.notes, "converged": converged(result), "top": []}
+    for e in result.explanations:
+        order = _top(e.scores, top)
+        item = {"method": e.method, "sequence": e.sequence, "step": e.step,
+                "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
+                              for i in order]}
+        for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative"):
+            if key in e.info:
+                item[key] = e.info[key]
+        out["top"].append(item)
+    return strict(out)
+
+
+def converged(result: "ExplainResult") -> bool | None:
+    """False if any integrated-gradients step missed --ig-tolerance (or met NaN/inf); None without IG."""
+    flags = [e.info["converged"] for e in result.explanations if "converged" in e.info]
+    return all(flags) if flags else None

@@ -1,0 +1,121 @@
+"""The Starlette application of `lmtrace serve`: a page, its script and style, and JSON routes.
+
+Routes (all GET; `{run}` is a run id as the runs directory lists it):
+  /                                            the page (runs list, run, sequence views; hash-routed)
+  /static/{app.js, app.css}                    the frontend, from this package (no other file is served)
+  /api/runs?kind=&status=&model=&q=            runs list
+  /api/runs/{run}                              a run's header
+  /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
+  /api/runs/{run}/sequences/{seq}              one sequence's tokens
+  /api/runs/{run}/sequences/{seq}/steps/{step} the selected token: attention grid, alternatives, lens, DLA
+  /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
+Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import ArchiveError, LmtraceError, RunNotFoundError
+from . import queries
+from .catalog import Catalog
+from .guard import Guard, is_loopback
+
+# The only files served, by name: nothing under /static is looked up on disk from the address
+STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+
+
+def _static(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _int_param(request: Request, name: str, default: int = 0) -> int:
+    value = request.query_params.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise queries.NotFound(f"{name}={value!r} is not a whole number") from None
+
+
+def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0.1") -> Guard:
+    """The ASGI application over `runs_dir`, wrapped in its Guard (token, Host, methods, headers)."""
+    catalog = Catalog(Path(runs_dir))
+    page = _static("index.html")
+
+    def answer(fn):
+        """A route handler: calls `fn(request)` and maps lmtrace's errors to one-line JSON errors."""
+        def handler(request: Request):
+            try:
+                return JSONResponse(fn(request))
+            except RunNotFoundError as err:
+                return _error(404, str(err))
+            except queries.NotFound as err:
+                return _error(404, str(err))
+            except ArchiveError as err:  # a damaged or unfinished archive: the run's own one-line message
+                return _error(409, str(err))
+            except LmtraceError as err:  # a bad query parameter
+                return _error(400, str(err))
+        return handler
+
+    def index(request: Request):
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    def static(request: Request):
+        name = request.path_params["name"]
+        if name not in STATIC:
+            return _error(404, f"no static file {name!r}")
+        return Response(_static(name), media_type=STATIC[name])
+
+    def runs(request: Request):
+        q = request.query_params
+        return {"runs_dir": catalog.root.name or str(catalog.root),
+                "runs": catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
+                                     model=q.get("model") or None, query=q.get("q") or None)}
+
+    def run(request: Request):
+        rid = request.path_params["run"]
+        try:
+            return queries.run_info(catalog.open(rid))
+        except ArchiveError as err:  # damaged: the page shows the one line instead of the run
+            return {"run_id": rid, "damaged": str(err)}
+
+    def sequences(request: Request):
+        r = catalog.open(request.path_params["run"])
+        return queries.sequence_page(r, page=_int_param(request, "page"), query=request.query_params.get("q", ""),
+                                     sort=request.query_params.get("sort", "index"))
+
+    def sequence(request: Request):
+        p = request.path_params
+        return queries.sequence_tokens(catalog.open(p["run"]), p["seq"])
+
+    def step(request: Request):
+        p = request.path_params
+        return queries.step_detail(catalog.open(p["run"]), p["seq"], p["step"])
+
+    def head(request: Request):
+        p = request.path_params
+        return queries.head_row(catalog.open(p["run"]), p["seq"], p["step"], p["layer"], p["head"])
+
+    routes = [
+        Route("/", index),
+        Route("/static/{name}", static),
+        Route("/api/runs", answer(runs)),
+        Route("/api/runs/{run}", answer(run)),
+        Route("/api/runs/{run}/sequences", answer(sequences)),
+        Route("/api/runs/{run}/sequences/{seq:int}", answer(sequence)),
+        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}", answer(step)),
+        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/attention/{layer:int}/{head:int}", answer(head)),
+    ]
+    return Guard(Starlette(routes=routes), token=token, loopback=is_loopback(host))

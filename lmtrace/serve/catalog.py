@@ -1,0 +1,127 @@
+"""The runs a server may show: run ids checked against the runs directory's own listing, opened
+runs cached while their manifest is unchanged, and the runs list with its filters and search."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..archive import layout
+from ..archive.liveness import live_writers
+from ..archive.reader import IncompleteRunWarning, Run
+from ..archive.runs import list_runs
+from ..archive.summary import summary_or_damaged
+from ..errors import LmtraceError, RunNotFoundError
+
+OPEN_RUNS = 16  # runs kept open (manifest, zarr group, vocabulary); each holds no array data
+
+
+class Catalog:
+    """Run directories under one root, by id. Safe to call from many threads."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._real_root = self.root.resolve()
+        self._runs: OrderedDict[tuple, Run] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ---- which directories are runs ----------------------------------------------------------
+    def run_dirs(self) -> list[Path]:
+        """Run directories directly under the root that resolve inside it (a symlink out of it is not a run here)."""
+        return [p for p in list_runs(self.root) if not p.name.startswith(".") and self._inside(p)]
+
+    def _inside(self, path: Path) -> bool:
+        try:
+            return path.resolve().is_relative_to(self._real_root)
+        except OSError:
+            return False
+
+    def path_of(self, run_id: str) -> Path:
+        """The directory of run `run_id`: only a name the root's own listing holds (never a path, `..`
+        or a prefix), resolving inside the root."""
+        for p in self.run_dirs():
+            if p.name == run_id:
+                return p
+        raise RunNotFoundError(f"no run {run_id!r} in {self.root}")
+
+    # ---- opened runs -------------------------------------------------------------------------
+    def open(self, run_id: str) -> Run:
+        """The run, opened once per manifest version (a damaged run raises its one-line ArchiveError)."""
+        path = self.path_of(run_id)
+        try:
+            key = (run_id, (path / layout.MANIFEST).stat().st_mtime_ns)
+        except OSError as err:
+            raise RunNotFoundError(f"run {run_id}: its manifest is unreadable ({err.strerror})") from None
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                self._runs.move_to_end(key)
+                return run
+        with warnings.catch_warnings():  # a running run is shown up to its committed steps, on purpose
+            warnings.simplefilter("ignore", IncompleteRunWarning)
+            run = Run(path)
+        with self._lock:
+            for old in [k for k in self._runs if k[0] == run_id]:
+                del self._runs[old]
+            self._runs[key] = run
+            while len(self._runs) > OPEN_RUNS:
+                self._runs.popitem(last=False)
+        return run
+
+    # ---- the runs list -----------------------------------------------------------------------
+    def rows(self, *, kind: str | None = None, status: str | None = None, model: str | None = None,
+             query: str | None = None) -> list[dict]:
+        """One row per run (as `lmtrace ls --json` has it, plus `live`, `sequences`, `children`),
+        filtered; `query` matches the run id or any prompt's text (case-insensitive)."""
+        rows = []
+        for path in self.run_dirs():
+            row = summary_or_damaged(path)
+            row.pop("path", None)  # where the runs live on disk is not the page's business
+            row["sequences"] = row.get("prompts")
+            row["live"] = _live(path) if str(row.get("status", "")).startswith("running") else None
+            rows.append(row)
+        children: dict[str, list[str]] = {}
+        for r in rows:
+            if r.get("parent_id"):
+                children.setdefault(r["parent_id"], []).append(r["run_id"])
+        for r in rows:
+            r["children"] = children.get(r["run_id"], [])
+        if kind:
+            rows = [r for r in rows if r.get("kind") == kind]
+        if status:
+            rows = [r for r in rows if str(r.get("status", "")).split(" ")[0] == status]
+        if model:
+            rows = [r for r in rows if r.get("model") == model]
+        if query:
+            q = query.lower()
+            rows = [r for r in rows if q in r["run_id"].lower() or self._prompts_match(r["run_id"], q)]
+        return rows
+
+    def _prompts_match(self, run_id: str, q: str) -> bool:
+        """Whether a prompt of the run contains `q`: reads only the `prompt` column of its sequences table."""
+        path = self.path_of(run_id)
+        files = [path / layout.table_file("sequences")]
+        if not files[0].is_file():
+            parts = path / layout.table_parts_dir("sequences")
+            files = sorted(parts.glob("[!.]*.parquet")) if parts.is_dir() else []
+        for f in files:
+            try:
+                prompts = pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
+            except (OSError, pa.ArrowException, KeyError):
+                continue  # a damaged or foreign table: its run still matches by id, and shows its damage
+            if any(q in (p or "").lower() for p in prompts):
+                return True
+        return False
+
+
+def _live(path: Path) -> bool | None:
+    """Whether a process is writing the run now (None when that cannot be told)."""
+    try:
+        return bool(live_writers(path))
+    except (OSError, LmtraceError):
+        return None

@@ -1,0 +1,372 @@
+// lmtrace serve: the frontend. Plain DOM, no framework, nothing from the network.
+// Every text that comes from a run (token texts, prompts, metadata, ids) is inserted with
+// textContent / createTextNode, never as markup; the server's content security policy forbids
+// inline scripts as a second line of defence.
+"use strict";
+
+(() => {
+  const app = document.getElementById("app");
+  const crumbs = document.getElementById("crumbs");
+  let generation = 0; // bumped on every navigation: answers for an older view are dropped
+  let refreshTimer = null;
+  let keyHandler = null;
+
+  // ---- helpers ---------------------------------------------------------------------------------
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(props || {})) {
+      if (v === undefined || v === null) continue;
+      if (k === "class") node.className = v;
+      else if (k === "text") node.textContent = v;
+      else if (k === "data") Object.assign(node.dataset, v);
+      else if (k === "style") Object.assign(node.style, v);
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) {
+      if (c === null || c === undefined || c === false) continue;
+      node.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
+    }
+    return node;
+  }
+
+  async function api(path) {
+    const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
+    let body;
+    try { body = await r.json(); } catch (e) { body = { error: `${r.status} ${r.statusText}` }; }
+    if (!r.ok) throw new Error(body.error || `${r.status} ${r.statusText}`);
+    return body;
+  }
+
+  const enc = encodeURIComponent;
+  const runUrl = (id) => `/api/runs/${enc(id)}`;
+  const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+  // a probability: fixed decimals, or 2 significant digits when it would read as 0
+  const fmtP = (x, d = 3) => (x === null || x === undefined ? "–"
+    : x !== 0 && Math.abs(x) < 0.5 * 10 ** -d ? Number(x).toExponential(1) : Number(x).toFixed(d));
+  // newlines and tabs as visible marks, so one token stays on one line
+  const shown = (t) => (t === null || t === undefined ? "" : String(t).replace(/\n/g, "↵").replace(/\t/g, "⇥"));
+
+  function mix(a, b, t) { return a.map((x, i) => Math.round(x + (b[i] - x) * t)); }
+  const ORANGE = [253, 184, 99], LIGHT = [247, 247, 247], BLUE = [146, 197, 222];
+  // probability: orange (0) → light grey (0.5) → blue (1)
+  function probColour(p) {
+    if (p === null || p === undefined || Number.isNaN(p)) return "rgb(234,238,242)";
+    const c = p < 0.5 ? mix(ORANGE, LIGHT, p / 0.5) : mix(LIGHT, BLUE, (p - 0.5) / 0.5);
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+  const WHITE = [247, 251, 255], MID = [107, 174, 214], DARK = [8, 48, 107];
+  // attention weight: white (0) → dark blue (1)
+  function weightColour(w) {
+    const x = Math.max(0, Math.min(1, w || 0));
+    const c = x < 0.5 ? mix(WHITE, MID, x / 0.5) : mix(MID, DARK, (x - 0.5) / 0.5);
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+
+  // replaceChildren writes null as the text "null": leave absent parts out
+  function put(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined && c !== false)); }
+
+  function setCrumbs(...items) {
+    crumbs.replaceChildren(...items.map((it) => (it.href ? el("a", { href: it.href, text: it.text }) : el("span", { text: it.text }))));
+  }
+
+  function showError(err, where) {
+    (where || app).replaceChildren(el("p", { class: "error", text: String(err.message || err) }));
+  }
+
+  function parseHash() {
+    const raw = location.hash.replace(/^#/, "") || "/";
+    const [path, query] = raw.split("?");
+    const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+    return { parts, params: new URLSearchParams(query || "") };
+  }
+
+  function statusCell(row) {
+    const base = String(row.status || "").split(" ")[0];
+    let label = String(row.status || "?");
+    if (row.live === true) label += " · live";
+    else if (row.live === false) label += " · no live writer";
+    return el("td", { class: `status-${base}`, text: label, title: row.error || null });
+  }
+
+  // ---- runs list -------------------------------------------------------------------------------
+  async function runsView(params, gen) {
+    setCrumbs({ text: "runs" });
+    const q = params.get("q") || "", kind = params.get("kind") || "", status = params.get("status") || "",
+      model = params.get("model") || "";
+    const search = el("input", { type: "search", placeholder: "run id or prompt text", value: q, id: "run-search" });
+    const kindSel = el("select", { id: "kind-filter" }, ...["", "generate", "intervene"].map((k) =>
+      el("option", { value: k, text: k || "any kind" })));
+    const statusSel = el("select", { id: "status-filter" }, ...["", "complete", "running", "interrupted", "failed", "damaged"].map((s) =>
+      el("option", { value: s, text: s || "any status" })));
+    const modelSel = el("select", { id: "model-filter" }, el("option", { value: "", text: "any model" }));
+    kindSel.value = kind; statusSel.value = status;
+    const apply = () => {
+      const p = new URLSearchParams();
+      if (search.value) p.set("q", search.value);
+      if (kindSel.value) p.set("kind", kindSel.value);
+      if (statusSel.value) p.set("status", statusSel.value);
+      if (modelSel.value) p.set("model", modelSel.value);
+      location.hash = `#/?${p}`;
+    };
+    search.addEventListener("keydown", (e) => { if (e.key === "Enter") apply(); });
+    for (const s of [kindSel, statusSel, modelSel]) s.addEventListener("change", apply);
+    const body = el("div", {}, el("p", { class: "note", text: "loading…" }));
+    app.replaceChildren(el("h1", { text: "Runs" }),
+      el("div", { class: "controls" }, search, el("button", { onclick: apply, text: "search" }), kindSel, statusSel, modelSel), body);
+
+    const load = async () => {
+      const p = new URLSearchParams({ q, kind, status, model });
+      const [all, data] = await Promise.all([api("/api/runs"), api(`/api/runs?${p}`)]);
+      if (gen !== generation) return;
+      const models = [...new Set(all.runs.map((r) => r.model).filter(Boolean))].sort();
+      modelSel.replaceChildren(el("option", { value: "", text: "any model" }), ...models.map((m) => el("option", { value: m, text: m })));
+      modelSel.value = model;
+      if (!data.runs.length) {
+        body.replaceChildren(el("p", { class: "note", text: all.runs.length ? "no run matches" : `no runs in ${data.runs_dir}` }));
+        return;
+      }
+      const head = el("tr", {}, ...["run id", "kind", "status", "model", "sequences", "tokens", "parent", "children", "created"].map((h) =>
+        el("th", { text: h, class: ["sequences", "tokens"].includes(h) ? "num" : null })));
+      const rows = data.runs.map((r) => el("tr", { class: "run-row", data: { run: r.run_id } },
+        el("td", {}, el("a", { href: `#/run/${enc(r.run_id)}`, text: r.run_id })),
+        el("td", { text: r.kind || "–" }), statusCell(r), el("td", { text: r.model || "–" }),
+        el("td", { class: "num", text: r.sequences ?? "–" }), el("td", { class: "num", text: r.tokens ?? "–" }),
+        el("td", {}, r.parent_id ? el("a", { href: `#/run/${enc(r.parent_id)}`, text: r.parent_id }) : "–"),
+        el("td", { text: r.children.length ? r.children.join(", ") : "–" }), el("td", { text: r.created || "–" })));
+      body.replaceChildren(el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+      if (data.runs.some((r) => String(r.status).startsWith("running"))) {
+        refreshTimer = setTimeout(() => { if (gen === generation) load().catch((e) => showError(e, body)); }, 5000);
+      }
+    };
+    await load().catch((e) => showError(e, body));
+  }
+
+  // ---- one run: header and its sequences ------------------------------------------------------
+  function runHeader(info) {
+    const items = [["status", info.status], ["kind", info.kind], ["model", info.model],
+      ["sequences", info.sequences], ["layers × heads", info.layers ? `${info.layers.length} × ${info.heads}` : null],
+      ["attention", info.attention || "not captured"], ["lens", info.lens], ["created", info.created]];
+    const meta = el("div", { class: "meta" }, ...items.filter(([, v]) => v !== null && v !== undefined).map(([k, v]) =>
+      el("span", {}, el("b", { text: `${k}: ` }), String(v))));
+    if (info.parent_id) meta.appendChild(el("span", {}, el("b", { text: "parent: " }), el("a", { href: `#/run/${enc(info.parent_id)}`, text: info.parent_id })));
+    return meta;
+  }
+
+  async function runView(runId, params, gen) {
+    setCrumbs({ text: "runs", href: "#/" }, { text: runId });
+    const info = await api(runUrl(runId));
+    if (gen !== generation) return;
+    const title = el("h1", { text: runId });
+    if (info.damaged) {
+      app.replaceChildren(title, el("p", { class: "error", id: "damaged", text: info.damaged }));
+      return;
+    }
+    const q = params.get("q") || "", sort = params.get("sort") || "index", page = Number(params.get("page") || 0);
+    const search = el("input", { type: "search", placeholder: "prompt, generated text or metadata", value: q, id: "seq-search" });
+    const sortSel = el("select", { id: "seq-sort" }, ...[["index", "in order"], ["lowest_prob", "lowest-probability token"],
+      ["highest_entropy", "highest entropy"], ["length", "longest"]].map(([v, t]) => el("option", { value: v, text: `sort: ${t}` })));
+    sortSel.value = sort;
+    const go = (p) => {
+      const ps = new URLSearchParams();
+      if (search.value) ps.set("q", search.value);
+      if (sortSel.value !== "index") ps.set("sort", sortSel.value);
+      if (p) ps.set("page", String(p));
+      location.hash = `#/run/${enc(runId)}?${ps}`;
+    };
+    search.addEventListener("keydown", (e) => { if (e.key === "Enter") go(0); });
+    sortSel.addEventListener("change", () => go(0));
+    const body = el("div", {}, el("p", { class: "note", text: "loading…" }));
+    const running = info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: it is shown up to its last committed block.` }) : null;
+    put(app, title, runHeader(info), running,
+      el("div", { class: "controls" }, search, el("button", { onclick: () => go(0), text: "search" }), sortSel), body);
+
+    const data = await api(`${runUrl(runId)}/sequences?${new URLSearchParams({ page, q, sort })}`);
+    if (gen !== generation) return;
+    const pager = el("div", { class: "pager" },
+      el("button", { disabled: data.page <= 0 ? "" : null, onclick: () => go(data.page - 1), text: "‹ previous" }),
+      el("span", { id: "page-label", text: `page ${data.page + 1} of ${data.pages} · ${data.total} sequence${data.total === 1 ? "" : "s"}` }),
+      el("button", { disabled: data.page >= data.pages - 1 ? "" : null, onclick: () => go(data.page + 1), text: "next ›" }));
+    const metaCols = data.rows.length ? Object.keys(data.rows[0].metadata) : [];
+    const head = el("tr", {}, ...["#", "prompt", "generated", ...metaCols, "tokens", "lowest p", "highest entropy", "stop"].map((h) =>
+      el("th", { text: h, class: ["#", "tokens", "lowest p", "highest entropy"].includes(h) ? "num" : null })));
+    const rows = data.rows.map((r) => el("tr", { class: "clickable seq-row", data: { seq: r.sequence },
+      onclick: () => { location.hash = `#/run/${enc(runId)}/seq/${r.sequence}`; } },
+      el("td", { class: "num" }, el("a", { href: `#/run/${enc(runId)}/seq/${r.sequence}`, text: r.sequence })),
+      el("td", { class: "clip prompt", text: shown(r.prompt), title: r.prompt }),
+      el("td", { class: "clip", text: shown(r.generated_text), title: r.generated_text }),
+      ...metaCols.map((c) => el("td", { text: r.metadata[c] ?? "–" })),
+      el("td", { class: "num", text: r.generated_len ?? "–" }), el("td", { class: "num", text: fmtP(r.min_prob) }),
+      el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || "–" })));
+    body.replaceChildren(pager, data.rows.length ? el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows))
+      : el("p", { class: "note", text: "no sequence matches" }));
+  }
+
+  // ---- one sequence: token strip and the selected step ----------------------------------------
+  async function sequenceView(runId, seq, step, gen) {
+    setCrumbs({ text: "runs", href: "#/" }, { text: runId, href: `#/run/${enc(runId)}` }, { text: `sequence ${seq}` });
+    const [info, data] = await Promise.all([api(runUrl(runId)), api(`${runUrl(runId)}/sequences/${seq}`)]);
+    if (gen !== generation) return;
+    if (info.damaged) {
+      app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
+      return;
+    }
+    const steps = data.tokens.filter((t) => t.step !== null).map((t) => t.step);
+    const strip = el("div", { class: "strip", id: "strip", tabindex: "0" }, ...data.tokens.map((t) => t.step === null
+      ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
+      : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
+        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${t.rank ?? "–"} · entropy ${fmt(t.entropy)}`,
+        style: { background: probColour(t.prob) }, onclick: () => select(t.step) })));
+    const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
+      ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
+      " · click a generated token or use ", el("kbd", { text: "←" }), " ", el("kbd", { text: "→" }));
+    const detail = el("div", { id: "detail" });
+    put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
+      info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: ${data.steps} committed step(s) shown.` }) : null,
+      el("h2", { text: "Prompt" }), el("p", { class: "mono", id: "prompt", text: data.prompt ?? "" }),
+      el("h2", { text: "Tokens" }), legend, strip, detail);
+
+    let current = null;
+    function select(s, push = true) {
+      if (!steps.includes(s)) return;
+      current = s;
+      for (const node of strip.querySelectorAll(".tok.sel")) node.classList.remove("sel");
+      const node = strip.querySelector(`.tok.gen[data-step="${s}"]`);
+      if (node) { node.classList.add("sel"); node.scrollIntoView({ block: "nearest" }); }
+      if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`);
+      loadStep(runId, seq, s, info, detail, gen);
+    }
+    keyHandler = (e) => {
+      if (current === null || e.target.tagName === "INPUT") return;
+      const i = steps.indexOf(current);
+      if (e.key === "ArrowRight" && i < steps.length - 1) { e.preventDefault(); select(steps[i + 1]); }
+      if (e.key === "ArrowLeft" && i > 0) { e.preventDefault(); select(steps[i - 1]); }
+    };
+    document.addEventListener("keydown", keyHandler);
+    if (!steps.length) detail.replaceChildren(el("p", { class: "note", text: "no committed generated token yet" }));
+    else select(step !== null && steps.includes(step) ? step : steps[0], step !== null);
+  }
+
+  let stepRequest = 0;
+  async function loadStep(runId, seq, step, info, detail, gen) {
+    const mine = ++stepRequest;
+    detail.dataset.loading = "1";
+    let d;
+    try {
+      d = await api(`${runUrl(runId)}/sequences/${seq}/steps/${step}`);
+    } catch (e) {
+      if (mine === stepRequest && gen === generation) showError(e, detail);
+      return;
+    }
+    if (mine !== stepRequest || gen !== generation) return;
+    const left = el("div", {}, tokenPanel(d), lensPanel(d.lens));
+    const right = el("div", {}, attentionPanel(runId, d), d.head_dla ? dlaPanel(d.head_dla) : null);
+    detail.replaceChildren(el("div", { class: "panels" }, left, right));
+    detail.dataset.step = String(step);
+    delete detail.dataset.loading;
+  }
+
+  function tokenPanel(d) {
+    const t = d.token;
+    if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
+    const facts = el("table", { class: "list" }, el("tbody", {},
+      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank", t.rank ?? "–"],
+        ["entropy", fmt(t.entropy)], ["margin", fmt(t.margin)], ["greedy choice", t.greedy]].map(([k, v]) =>
+        el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: v ?? "–" })))));
+    const alts = el("table", { class: "list", id: "alternatives" },
+      el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
+      el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono", text: shown(a.text) }),
+        el("td", { class: "num", text: fmtP(a.prob, 4) })))));
+    return el("div", { class: "panel", id: "token-panel" }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shown(t.token) })),
+      facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
+  }
+
+  function lensPanel(lens) {
+    const box = el("div", { class: "panel", id: "lens-panel" }, el("h2", { text: "Logit lens" }));
+    if (lens.state === "none") { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
+    if (lens.state === "pending") { box.appendChild(el("p", { class: "note", text: lens.note })); return box; }
+    box.appendChild(el("table", { class: "list", id: "lens" },
+      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank", "chosen p"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
+        el("td", { class: "mono", text: shown(r.top1) }), el("td", { class: "num", text: fmtP(r.top1_prob) }),
+        el("td", { class: "num", text: r.target_rank ?? "–" }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
+    return box;
+  }
+
+  function attentionPanel(runId, d) {
+    const box = el("div", { class: "panel", id: "attention-panel" }, el("h2", { text: "Attention" }));
+    const a = d.attention;
+    if (!a) { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
+    box.appendChild(el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row.` }));
+    const rowBox = el("div", { id: "head-row" });
+    const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
+    const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
+      ...cells.map((c, h) => {
+        const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight },
+          title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}`,
+          style: { background: weightColour(c.weight), color: (c.weight || 0) > 0.55 ? "#fff" : "#1b1f24" } },
+        el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shown(c.text) }));
+        td.addEventListener("click", () => {
+          for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
+          td.classList.add("picked");
+          loadHeadRow(runId, d.sequence, d.step, a.layers[li], h, rowBox);
+        });
+        return td;
+      })));
+    box.appendChild(el("table", { class: "grid", id: "attention-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    box.appendChild(rowBox);
+    return box;
+  }
+
+  async function loadHeadRow(runId, seq, step, layer, head, box) {
+    box.replaceChildren(el("p", { class: "note", text: "loading…" }));
+    let r;
+    try { r = await api(`${runUrl(runId)}/sequences/${seq}/steps/${step}/attention/${layer}/${head}`); } catch (e) { showError(e, box); return; }
+    box.replaceChildren(el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
+      el("div", { class: "row-keys", data: { layer, head } }, ...r.keys.map((k) => el("span", {
+        class: "tok key", data: { key: k.key, weight: k.weight }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
+        style: { background: weightColour(k.weight), color: (k.weight || 0) > 0.55 ? "#fff" : "#1b1f24" } },
+      shown(k.text), el("small", { text: fmt(k.weight) })))));
+  }
+
+  function dlaPanel(dla) {
+    const max = Math.max(1e-9, ...dla.values.flat().map((v) => Math.abs(v || 0)));
+    const colour = (v) => {
+      const t = Math.min(1, Math.abs(v || 0) / max);
+      const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
+      return `rgb(${c[0]},${c[1]},${c[2]})`;
+    };
+    return el("div", { class: "panel", id: "dla-panel" }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
+      el("table", { class: "grid", id: "dla-grid" },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
+        el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
+          ...row.map((v) => el("td", { class: "cell", text: fmt(v), style: { background: colour(v), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } })))))));
+  }
+
+  // ---- routing ---------------------------------------------------------------------------------
+  async function route() {
+    generation += 1;
+    const gen = generation;
+    clearTimeout(refreshTimer);
+    if (keyHandler) { document.removeEventListener("keydown", keyHandler); keyHandler = null; }
+    const { parts, params } = parseHash();
+    try {
+      if (parts[0] === "run" && parts.length >= 2) {
+        const runId = parts[1];
+        if (parts[2] === "seq" && parts.length >= 4) {
+          const step = parts[4] === "step" && parts.length >= 6 ? Number(parts[5]) : null;
+          await sequenceView(runId, Number(parts[3]), step, gen);
+        } else {
+          await runView(runId, params, gen);
+        }
+      } else {
+        await runsView(params, gen);
+      }
+    } catch (e) {
+      if (gen === generation) showError(e);
+    }
+  }
+
+  window.addEventListener("hashchange", route);
+  route();
+})();

@@ -1,0 +1,55 @@
+"""The sweep spec: the same object from `lmtrace sweep` flags or from a YAML file.
+
+It lives next to the run spec (`spec.py`) rather than in `analysis/sweep/`: it is the command's
+input, read from a path and validated by pydantic into one-line `SpecError`s, and the analysis
+layer takes no paths. The analysis functions take its fields (`over`, `edit`, `positions`, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import SpecError
+
+DEFAULT_METRICS = ("logprob", "prob", "kl", "rank")
+
+
+class SweepSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    over: str  # heads | attn | mlp | layers | neurons:L | positions | resid:A-B
+    edit: Literal["zero", "mean", "patch"] = "zero"
+    source: str | None = None  # patch: the source run
+    metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
+    steps: str = "all"
+    sequences: str = "all"
+    positions: str | None = None  # None: every position at once (resid/positions: every prompt position, one by one)
+    batch: int = Field(32, ge=1)
+    # edits apply from this step on (intervene's --from-step): the unedited prefix is computed once per sequence
+    from_step: int | None = Field(None, ge=0)
+
+
+def load_sweep_spec(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: sweep spec not found") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: malformed YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping (over, edit, source, metrics, steps, sequences, positions, batch, "
+                        f"from_step)")
+    return data
+
+
+def build_sweep_spec(data: dict, where: str) -> SweepSpec:
+    try:
+        return SweepSpec(**data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise SpecError(f"{where}: {loc}: {first['msg']}") from None

@@ -1,0 +1,470 @@
+"""`lmtrace serve`: a real uvicorn server on an ephemeral loopback port, over a tiny run.
+
+Every number the server sends is compared with the archive read here directly with zarr and
+pyarrow (not through lmtrace's reader); the browser test reads the numbers back from the page's
+DOM in a real headless Chromium (Debian's `chromium`, driven by Playwright). Security: traversal
+attempts, symlinks out of the runs directory, foreign Host headers, writes, a non-loopback bind
+without a token and requests without the token are all refused.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+from browser import CHROMIUM
+from conftest import PROMPTS, run_spec, with_lens
+from test_cli_errors import assert_one_line_error, lmtrace
+
+REPO = Path(__file__).resolve().parents[1]
+INJECTIONS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
+
+
+# ---- fixtures: a runs directory and live servers ----------------------------------------------------
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
+    """runs/tiny (2 prompts + the 2 injection prompts, lens computed, head DLA), runs/damaged (a copy
+    with a chunk file deleted) and runs/escaped (a symlink to a run outside the runs directory)."""
+    base = tmp_path_factory.mktemp("serve")
+    run = run_spec(base, {
+        "model": str(tiny_llama_dir), "prompts": PROMPTS[:2] + INJECTIONS,
+        "generation": {"max_new_tokens": 6, "batch_size": 4, "temperature": 0.8, "top_k": 20, "seed": 3},
+        "capture": {"head_dla": True}, "output": {"chunk_steps": 3, "run_id": "tiny"},
+    })
+    with_lens(run)
+    runs = base / "runs"
+    for name, where in (("damaged", runs / "damaged"), ("escaped", base / "outside" / "escaped")):
+        shutil.copytree(runs / "tiny", where)
+        manifest = json.loads((where / "manifest.json").read_text())
+        manifest["run_id"] = name
+        (where / "manifest.json").write_text(json.dumps(manifest))
+    chunk = sorted((runs / "damaged" / "tensors.zarr" / "attn").rglob("c/*/*/*/*/*"))[0]
+    chunk.unlink()
+    (runs / "escaped").symlink_to(base / "outside" / "escaped", target_is_directory=True)
+    return runs
+
+
+class LiveServer:
+    """uvicorn serving `create_app(...)` from a thread, on a free loopback port."""
+
+    def __init__(self, runs: Path, token: str | None = None):
+        import uvicorn
+
+        from lmtrace.commands.serve import bind_socket
+        from lmtrace.serve import create_app
+
+        sock = bind_socket("127.0.0.1", 0)
+        self.port = sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(runs, token=token), log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def request(self, path: str, method: str = "GET", headers: dict | None = None) -> tuple[int, dict, bytes]:
+        """One request with `path` sent exactly as given (no client-side normalisation of `..`)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def json(self, path: str):
+        status, headers, body = self.request(path)
+        assert status == 200, (path, status, body)
+        assert headers["content-type"] == "application/json"
+        return json.loads(body)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(runs_dir):
+    s = LiveServer(runs_dir)
+    yield s
+    s.stop()
+
+
+# ---- the archive, read independently -------------------------------------------------------------
+def archive_attention(run_dir: Path, seq: int, step: int) -> np.ndarray:
+    """[layer, q_head, key] attention of the query of `step`, straight from the zarr store."""
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    n_keys = int(group["prompt_len"][seq]) + step
+    return np.asarray(group["attn"][seq, step, :, :, :n_keys], dtype=np.float32)
+
+
+def archive_tokens(run_dir: Path, seq: int):
+    t = pq.read_table(run_dir / "tokens.parquet").to_pandas()
+    return t[t.sequence == seq].sort_values("position").reset_index(drop=True)
+
+
+def vocab_text(run_dir: Path) -> dict[int, str]:
+    t = pq.read_table(run_dir / "vocab.parquet", columns=["id", "text"])
+    return dict(zip(t.column("id").to_pylist(), t.column("text").to_pylist()))
+
+
+def check_grid(grid: dict, run_dir: Path, seq: int, step: int) -> None:
+    """Each cell is the archived row's maximum: its weight, a key holding it, and that key's text."""
+    attn = archive_attention(run_dir, seq, step)
+    texts = archive_tokens(run_dir, seq).token_text.tolist()
+    assert grid["n_keys"] == attn.shape[-1] and len(grid["cells"]) == attn.shape[0]
+    for li, cells in enumerate(grid["cells"]):
+        assert len(cells) == attn.shape[1]
+        for h, cell in enumerate(cells):
+            assert cell["weight"] == float(attn[li, h].max())
+            assert attn[li, h, cell["key"]] == attn[li, h].max()
+            assert cell["text"] == texts[cell["key"]]
+
+
+# ---- the JSON API ----------------------------------------------------------------------------------
+def test_attention_grid_is_the_archived_rows_maximum_for_every_step(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    lengths = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")["generated_len"][:]
+    for seq in range(4):
+        for step in range(int(lengths[seq])):
+            d = server.json(f"/api/runs/tiny/sequences/{seq}/steps/{step}")
+            check_grid(d["attention"], run_dir, seq, step)
+            assert d["attention"]["query_position"] == d["attention"]["n_keys"] - 1
+
+
+def test_head_row_is_the_archived_row_with_key_texts(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    attn = archive_attention(run_dir, 2, 4)
+    texts = archive_tokens(run_dir, 2).token_text.tolist()
+    d = server.json("/api/runs/tiny/sequences/2/steps/4/attention/3/1")
+    assert [k["key"] for k in d["keys"]] == list(range(attn.shape[-1]))
+    assert [k["weight"] for k in d["keys"]] == [float(w) for w in attn[3, 1]]
+    assert [k["text"] for k in d["keys"]] == texts[:attn.shape[-1]]
+    assert math.isclose(sum(k["weight"] for k in d["keys"]), 1.0, abs_tol=5e-3)
+
+
+def test_alternatives_lens_and_dla_are_the_archived_values(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    seq, step = 1, 3
+    d = server.json(f"/api/runs/tiny/sequences/{seq}/steps/{step}")
+    row = archive_tokens(run_dir, seq).query("step == @step").iloc[0]
+    vocab = vocab_text(run_dir)
+    assert d["token"]["token"] == row.token_text and math.isclose(d["token"]["prob"], float(row.prob), rel_tol=1e-6)
+    assert [a["text"] for a in d["token"]["alternatives"]] == [vocab[i] for i in row.alt_ids]
+    assert [a["prob"] for a in d["token"]["alternatives"]] == pytest.approx(np.exp(row.alt_logprobs).tolist(), rel=1e-6)
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    ids, probs = group["lens_ids"][seq, step], group["lens_probs"][seq, step]
+    steps = pq.read_table(run_dir / "steps.parquet").to_pandas().query("sequence == @seq and step == @step")
+    assert d["lens"]["state"] == "ready" and len(d["lens"]["rows"]) == ids.shape[0]
+    for li, r in enumerate(d["lens"]["rows"]):
+        assert r["top1"] == vocab[int(ids[li, 0])] and r["top1_prob"] == float(probs[li, 0])
+        target = steps[steps.layer == r["layer"]].iloc[0]
+        assert r["target_rank"] == int(target.lens_target_rank)
+        assert math.isclose(r["target_prob"], float(target.lens_target_prob), rel_tol=1e-6)
+    assert d["head_dla"]["values"] == np.asarray(group["head_dla"][seq, step], dtype=np.float32).tolist()
+
+
+def test_sequences_sort_by_lowest_probability_and_search_prompt_text(server, runs_dir):
+    tokens = pq.read_table(runs_dir / "tiny" / "tokens.parquet").to_pandas()
+    gen = tokens[~tokens.is_prompt]
+    lowest = gen.groupby("sequence").prob.min().sort_values(kind="stable")
+    d = server.json("/api/runs/tiny/sequences?sort=lowest_prob")
+    assert [r["sequence"] for r in d["rows"]] == lowest.index.tolist()
+    entropy = gen.groupby("sequence").entropy.max().sort_values(ascending=False, kind="stable")
+    assert [r["sequence"] for r in server.json("/api/runs/tiny/sequences?sort=highest_entropy")["rows"]] == entropy.index.tolist()
+    hits = server.json("/api/runs/tiny/sequences?q=ONERROR")
+    assert hits["total"] == 1 and hits["rows"][0]["sequence"] == 3
+    assert server.json("/api/runs/tiny/sequences?q=no+such+text")["total"] == 0
+    status, _, body = server.request("/api/runs/tiny/sequences?sort=drop+table")
+    assert status == 400 and b"expected one of" in body
+
+
+def test_injection_prompts_come_back_as_json_strings(server, runs_dir):
+    rows = server.json("/api/runs/tiny/sequences")["rows"]
+    assert [r["prompt"] for r in rows[2:]] == INJECTIONS
+    assert server.json("/api/runs/tiny/sequences/3")["prompt"] == INJECTIONS[1]
+    assert [r["run_id"] for r in server.json("/api/runs?q=%3Cscript%3E")["runs"]] == ["damaged", "tiny"]
+
+
+def test_runs_list_filters_and_leaves_out_a_symlink_out_of_the_runs_dir(server):
+    runs = server.json("/api/runs")["runs"]
+    assert sorted(r["run_id"] for r in runs) == ["damaged", "tiny"]
+    assert {r["run_id"]: r["status"] for r in runs} == {"damaged": "damaged", "tiny": "complete"}
+    assert all("path" not in r for r in runs)
+    assert [r["run_id"] for r in server.json("/api/runs?status=complete")["runs"]] == ["tiny"]
+    assert server.json("/api/runs?kind=intervene")["runs"] == []
+
+
+def test_damaged_run_shows_its_one_line_damage_message(server, runs_dir):
+    info = server.json("/api/runs/damaged")
+    missing = [p for p in json.loads((runs_dir / "damaged" / "checksums.json").read_text())["files"]
+               if not (runs_dir / "damaged" / p).exists()]
+    assert info["damaged"] == f"run damaged is damaged: {missing[0]} is missing; `lmtrace verify damaged`"
+    status, _, body = server.request("/api/runs/damaged/sequences/0/steps/0")
+    assert status == 409 and json.loads(body)["error"] == info["damaged"]
+
+
+@pytest.mark.parametrize("path", [
+    "/api/runs/..", "/api/runs/%2e%2e", "/api/runs/%2E%2E/tiny", "/api/runs/..%2f..%2fetc%2fpasswd",
+    "/api/runs/%2e%2e%2f%2e%2e%2fetc%2fpasswd", "/api/runs/tiny/../../../../etc/passwd", "/api/runs//etc/passwd",
+    "/api/runs/%2Fetc%2Fpasswd", "/api/runs/ti", "/api/runs/escaped", "/api/runs/escaped/sequences/0/steps/0",
+    "/api/runs/tiny/sequences/0/steps/99", "/api/runs/tiny/sequences/-1", "/api/runs/tiny/sequences/0/steps/0/attention/9/0",
+    "/static/..%2fapp.py", "/static/%2e%2e%2fguard.py", "/static/../../cli/main.py", "/static/index.html/..",
+    "/../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd",
+])
+def test_traversal_attempts_get_a_4xx(server, runs_dir, path):
+    status, _, body = server.request(path)
+    assert 400 <= status < 500, (path, status, body[:200])
+    assert b"root:" not in body and b"import" not in body
+
+
+def test_an_absolute_run_path_gets_a_4xx(server, runs_dir):
+    for path in (str(runs_dir / "tiny"), str(runs_dir.parent / "outside" / "escaped")):
+        status, _, _ = server.request("/api/runs/" + path.replace("/", "%2F"))
+        assert status == 404, path
+
+
+def test_writes_foreign_hosts_and_cross_origin_reads_are_refused(server):
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        assert server.request("/api/runs", method=method)[0] == 405
+    assert server.request("/api/runs", headers={"Host": "evil.example:80"})[0] == 403
+    status, headers, _ = server.request("/api/runs", headers={"Origin": "http://evil.example"})
+    assert status == 200 and not any(k.startswith("access-control-") for k in headers)
+    status, headers, page = server.request("/")
+    assert "script-src 'self'" in headers["content-security-policy"] and "unsafe-inline" not in headers["content-security-policy"]
+    assert b"<script src=\"/static/app.js\"" in page and b"<script>" not in page
+
+
+def test_token_is_checked_on_every_request(runs_dir):
+    s = LiveServer(runs_dir, token="s3cret-token")
+    try:
+        for path in ("/", "/static/app.js", "/api/runs", "/api/runs/tiny/sequences/0/steps/0"):
+            assert s.request(path)[0] == 401, path
+            assert s.request(path, headers={"Authorization": "Bearer wrong-token"})[0] == 401, path
+            assert s.request(path, headers={"Authorization": "Bearer s3cret-token"})[0] == 200, path
+            assert s.request(path, headers={"Cookie": "lmtrace_token=s3cret-token"})[0] == 200, path
+        status, headers, _ = s.request("/?token=s3cret-token")
+        assert status == 303 and headers["location"] == "/"
+        assert headers["set-cookie"].startswith("lmtrace_token=s3cret-token;") and "HttpOnly" in headers["set-cookie"]
+        assert s.request("/?token=wrong-token")[0] == 401
+    finally:
+        s.stop()
+
+
+def test_non_loopback_bind_without_a_token_is_refused(tmp_path):
+    proc = lmtrace(tmp_path, "serve", "--host", "0.0.0.0", "--port", "0", timeout=60)
+    assert_one_line_error(proc, 2, "--host 0.0.0.0 is not a loopback address", "--token")
+    proc = lmtrace(tmp_path, "serve", "--host", "127.0.0.1", "--token", "short", timeout=60)
+    assert_one_line_error(proc, 2, "--token must be at least 8 characters")
+
+
+def test_twenty_concurrent_clients_get_correct_answers(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    jobs = [(seq, step) for seq in range(4) for step in range(5)]  # 20 different (sequence, step) pairs
+    expected = {j: archive_attention(run_dir, *j) for j in jobs}
+
+    def client(job):
+        seq, step = job
+        for _ in range(3):
+            grid = server.json(f"/api/runs/tiny/sequences/{seq}/steps/{step}")["attention"]
+            row = server.json(f"/api/runs/tiny/sequences/{seq}/steps/{step}/attention/2/{step % 4}")
+            ref = expected[job]
+            assert [[c["weight"] for c in cells] for cells in grid["cells"]] == ref.max(axis=-1).tolist()
+            assert [k["weight"] for k in row["keys"]] == ref[2, step % 4].tolist()
+        return job
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        assert sorted(pool.map(client, jobs)) == jobs
+
+
+# ---- the page, in a real browser ------------------------------------------------------------------
+def _playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright; it is in the `test` extra)")
+    if CHROMIUM is None:
+        pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
+    return sync_playwright
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+def assert_no_placeholder_text(page) -> None:
+    """No value the page failed to fill in: a JavaScript null, undefined or NaN written as text."""
+    import re
+
+    text = page.inner_text("main")
+    assert not re.search(r"\b(null|undefined|NaN)\b", text), text
+
+
+def shown(text: str) -> str:
+    """A token text as the page writes it: newlines and tabs as visible marks."""
+    return text.replace("\n", "↵").replace("\t", "⇥")
+
+
+def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, runs_dir, tmp_path):
+    sync_playwright = _playwright()
+    run_dir = runs_dir / "tiny"
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    problems, requests, dialogs = [], [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("request", lambda r: requests.append(r.url))
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+
+        # runs list, and a search by prompt text
+        page.goto(server.base + "/")
+        page.wait_for_selector("#runs tr.run-row")
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+        page.screenshot(path=str(shots / "serve-runs.png"))
+        page.fill("#run-search", "onerror")
+        page.press("#run-search", "Enter")
+        page.wait_for_function("location.hash.includes('q=onerror')")
+        page.wait_for_selector("#runs tr.run-row")
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+
+        # a damaged run: its one line
+        page.goto(server.base + "/#/run/damaged")
+        assert page.wait_for_selector("#damaged").inner_text().startswith("run damaged is damaged: tensors.zarr/attn/")
+
+        # the run page: the injection prompts are text
+        page.goto(server.base + "/#/run/tiny")
+        page.wait_for_selector("#sequences tr.seq-row")
+        prompts = page.eval_on_selector_all("#sequences td.prompt", "cells => cells.map(c => c.textContent)")
+        assert prompts == PROMPTS[:2] + INJECTIONS
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-run.png"))
+
+        # one sequence: click a token, read the grid back from the DOM
+        page.click("#sequences tr.seq-row[data-seq='2']")
+        page.wait_for_selector("#strip .tok.gen")
+        assert page.inner_text("#prompt") == INJECTIONS[0]
+        page.click("#strip .tok.gen[data-step='2']")
+        for step in (2, 3):
+            page.wait_for_selector(f"#detail[data-step='{step}'] #attention-grid")
+            cells = page.eval_on_selector_all("#attention-grid td.cell", """cells => cells.map(c => ({
+                layer: +c.dataset.layer, head: +c.dataset.head, key: +c.dataset.key,
+                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""")
+            attn = archive_attention(run_dir, 2, step)
+            texts = archive_tokens(run_dir, 2).token_text.tolist()
+            assert len(cells) == attn.shape[0] * attn.shape[1]
+            for c in cells:
+                row = attn[c["layer"], c["head"]]  # the tiny run captures layers 0-3: layer == index
+                assert float(c["w"]) == pytest.approx(float(row.max()), abs=5e-4)
+                assert row[c["key"]] == row.max() and c["k"] == shown(texts[c["key"]])
+            if step == 2:
+                page.keyboard.press("ArrowRight")
+        assert page.get_attribute("#strip .tok.sel", "data-step") == "3"
+        assert page.evaluate("location.hash") == "#/run/tiny/seq/2/step/3"
+
+        # one head's row over the keys
+        page.click("#attention-grid td.cell[data-layer='1'][data-head='2']")
+        page.wait_for_selector("#head-row .row-keys")
+        keys = page.eval_on_selector_all("#head-row .tok.key", "ks => ks.map(k => [+k.dataset.key, k.querySelector('small').textContent])")
+        attn = archive_attention(run_dir, 2, 3)
+        assert [k for k, _ in keys] == list(range(attn.shape[-1]))
+        assert [float(w) for _, w in keys] == pytest.approx(attn[1, 2].tolist(), abs=5e-4)
+
+        # the lens column
+        vocab = vocab_text(run_dir)
+        ids = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")["lens_ids"][2, 3]
+        lens = page.eval_on_selector_all("#lens tbody tr", "rows => rows.map(r => r.children[1].textContent)")
+        assert lens == [shown(vocab[int(i)]) for i in ids[:, 0]]
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-token.png"), full_page=True)
+
+        # the other injection prompt, as the sequence page's prompt
+        page.goto(server.base + "/#/run/tiny/seq/3/step/0")
+        page.wait_for_selector("#detail[data-step='0'] #attention-grid")
+        assert page.inner_text("#prompt") == INJECTIONS[1]
+        assert page.eval_on_selector_all("img", "n => n.length") == 0
+        assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == ["/static/app.js"]
+        browser.close()
+
+    assert problems == [] and dialogs == []
+    assert requests and all(u.startswith(server.base + "/") or u.startswith("data:") for u in requests), requests
+    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+        for shot in shots.iterdir():
+            shutil.copy(shot, REPO / "docs" / "img" / shot.name)
+
+
+def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0"],
+                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
+        with urllib.request.urlopen(url + "api/runs", timeout=30) as r:
+            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == ["damaged", "tiny"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_serve_help_shows_no_python_types(tmp_path, monkeypatch):
+    import test_cli_usability
+
+    monkeypatch.setattr(test_cli_usability, "COMMANDS", ("serve",))
+    test_cli_usability.test_help_shows_no_python_types_and_posix_arguments(tmp_path)
+
+
+def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama_dir):
+    """A writer SIGKILLed mid-run: the page shows the steps its progress record commits, no more."""
+    import signal
+
+    import yaml
+
+    from test_archive import _cli, _wait_committed
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": ["Count slowly from one to one hundred:"],
+                                    "generation": {"max_new_tokens": 400, "eos_token_id": 0},
+                                    "output": {"chunk_steps": 4}}))
+    runs = tmp_path / "runs"
+    writer = _cli(["generate", str(spec)], runs)
+    run_dir = _wait_committed(runs, 8)
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate(timeout=60)
+    [progress] = (run_dir / "progress").glob("*.json")
+    committed = json.loads(progress.read_text())["batches"]["0"]["committed_steps"]
+    s = LiveServer(runs)
+    try:
+        [row] = s.json("/api/runs")["runs"]
+        assert row["status"] == "running" and row["live"] is False
+        assert s.json(f"/api/runs/{run_dir.name}/sequences/0")["steps"] == committed
+        grid = s.json(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed - 1}")["attention"]
+        attn = archive_attention(run_dir, 0, committed - 1)
+        assert [[c["weight"] for c in cells] for cells in grid["cells"]] == attn.max(axis=-1).tolist()
+        status, _, body = s.request(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed}")
+        assert status == 404 and f"steps 0-{committed - 1} committed" in json.loads(body)["error"]
+    finally:
+        s.stop()
