@@ -30,6 +30,9 @@ from test_cli_errors import assert_one_line_error, lmtrace
 
 REPO = Path(__file__).resolve().parents[1]
 INJECTIONS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
+CHILD_EDITS = [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 2}},
+               {"kind": "ablate_head", "layer": 1, "head": 2, "steps": {"from": 2}}]
+RUN_IDS = ["child", "damaged", "tiny"]
 
 
 # ---- fixtures: a runs directory and live servers ----------------------------------------------------
@@ -53,7 +56,22 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
     chunk = sorted((runs / "damaged" / "tensors.zarr" / "attn").rglob("c/*/*/*/*/*"))[0]
     chunk.unlink()
     (runs / "escaped").symlink_to(base / "outside" / "escaped", target_is_directory=True)
+    add_sweep_child_and_explanations(base, runs)
     return runs
+
+
+def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
+    """On runs/tiny (after the copies): a head sweep measuring logprob and kl, attributions of
+    sequence 1's steps 1 and 2, and runs/child, its intervention child (an MLP and a head ablated
+    from step 2, regenerated, so the tokens can part from the parent's)."""
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.commands.intervene import run_intervene
+
+    proc = lmtrace(base, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--metric", "logprob",
+                   "--metric", "kl")
+    assert proc.returncode == 0, proc.stderr
+    explain_run(runs / "tiny", "1,2", sequence=1, methods=["grad_x_input,occlusion"])
+    run_intervene(str(runs / "tiny"), CHILD_EDITS, mode="regenerate", runs_dir=str(runs), run_id="child")
 
 
 class LiveServer:
@@ -197,16 +215,17 @@ def test_injection_prompts_come_back_as_json_strings(server, runs_dir):
     rows = server.json("/api/runs/tiny/sequences")["rows"]
     assert [r["prompt"] for r in rows[2:]] == INJECTIONS
     assert server.json("/api/runs/tiny/sequences/3")["prompt"] == INJECTIONS[1]
-    assert [r["run_id"] for r in server.json("/api/runs?q=%3Cscript%3E")["runs"]] == ["damaged", "tiny"]
+    assert [r["run_id"] for r in server.json("/api/runs?q=%3Cscript%3E")["runs"]] == RUN_IDS
 
 
 def test_runs_list_filters_and_leaves_out_a_symlink_out_of_the_runs_dir(server):
     runs = server.json("/api/runs")["runs"]
-    assert sorted(r["run_id"] for r in runs) == ["damaged", "tiny"]
-    assert {r["run_id"]: r["status"] for r in runs} == {"damaged": "damaged", "tiny": "complete"}
+    assert sorted(r["run_id"] for r in runs) == RUN_IDS
+    assert {r["run_id"]: r["status"] for r in runs} == {"child": "complete", "damaged": "damaged", "tiny": "complete"}
     assert all("path" not in r for r in runs)
-    assert [r["run_id"] for r in server.json("/api/runs?status=complete")["runs"]] == ["tiny"]
-    assert server.json("/api/runs?kind=intervene")["runs"] == []
+    assert [r["run_id"] for r in server.json("/api/runs?status=complete")["runs"]] == ["child", "tiny"]
+    assert [r["run_id"] for r in server.json("/api/runs?kind=intervene")["runs"]] == ["child"]
+    assert {r["run_id"]: r["children"] for r in runs}["tiny"] == ["child"]
 
 
 def test_damaged_run_shows_its_one_line_damage_message(server, runs_dir):
@@ -291,6 +310,154 @@ def test_twenty_concurrent_clients_get_correct_answers(server, runs_dir):
         assert sorted(pool.map(client, jobs)) == jobs
 
 
+# ---- sweeps, an intervention child, compare, head patterns, attributions ----------------------------
+def sweep_dir_of(run_dir: Path) -> Path:
+    [d] = [p for p in (run_dir / "sweeps").iterdir() if not p.name.startswith(".")]
+    return d
+
+
+def as_none(values) -> list:
+    """An array as the JSON has it: NaN -> None, nested lists."""
+    return [as_none(v) for v in values] if np.ndim(values) > 1 else [None if np.isnan(v) else float(v) for v in values]
+
+
+def test_sweep_heatmaps_are_effects_zarr_and_the_terminal_ranking(server, runs_dir):
+    """Per metric, the heatmap is effects.zarr's array, which is the mean over every (sequence, step)
+    row of sweep.parquet, computed here with pandas, the number `lmtrace sweep` ranks and prints."""
+    run_dir = runs_dir / "tiny"
+    d = sweep_dir_of(run_dir)
+    info = server.json("/api/runs/tiny")
+    assert [s["id"] for s in info["sweeps"]] == [d.name] and info["sweeps"][0]["metrics"] == ["logprob", "kl"]
+    assert server.json("/api/runs/child")["sweeps"] == []
+    sweep = server.json(f"/api/runs/tiny/sweeps/{d.name}")
+    effects = zarr.open_group(str(d / "effects.zarr"), mode="r")
+    long = pq.read_table(d / "sweep.parquet").to_pandas()
+    top = json.loads((d / "sweep.json").read_text())["top"]  # what the terminal table printed
+    assert [m["metric"] for m in sweep["metrics"]] == ["logprob", "kl"]
+    for m in sweep["metrics"]:
+        archived = effects[f"effect_{m['metric']}"][...]
+        assert m["dims"] == ["layer", "head"] and m["coords"] == {"layer": [0, 1, 2, 3], "head": [0, 1, 2, 3]}
+        assert m["values"] == as_none(archived)
+        own = long[long.metric == m["metric"]].groupby(["layer", "head"]).effect.mean()
+        for (layer, head), value in own.items():
+            assert m["values"][int(layer)][int(head)] == pytest.approx(value, rel=1e-5, abs=1e-9)
+        if m["metric"] == "logprob":
+            for r in top:
+                assert np.float32(r["effect"]) == np.float32(m["values"][r["layer"]][r["head"]])
+    status, _, body = server.request("/api/runs/tiny/sweeps/..%2f..%2fmanifest.json")
+    assert status == 404
+    assert server.request("/api/runs/tiny/sweeps/nope")[0] == 404
+
+
+def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    d = sweep_dir_of(run_dir)
+    long = pq.read_table(d / "sweep.parquet").to_pandas()
+    tokens = pq.read_table(run_dir / "tokens.parquet").to_pandas()
+    text = {(r.sequence, r.step): r.token_text for r in tokens[~tokens.is_prompt].itertuples()}
+    for metric, layer, head in (("kl", 2, 1), ("logprob", 0, 3)):
+        cell = server.json(f"/api/runs/tiny/sweeps/{d.name}/cell?metric={metric}&layer={layer}&head={head}")
+        own = long[(long.metric == metric) & (long.layer == layer) & (long["head"] == head)].sort_values(["sequence", "step"])
+        assert cell["component"] == "head" and cell["n_rows"] == len(own) > 0
+        assert [(r["sequence"], r["step"]) for r in cell["rows"]] == list(zip(own.sequence, own.step))
+        for key in ("value", "baseline", "effect"):
+            assert [r[key] for r in cell["rows"]] == own[key].tolist()
+        assert [r["token"] for r in cell["rows"]] == [text[(s, t)] for s, t in zip(own.sequence, own.step)]
+        mean = server.json(f"/api/runs/tiny/sweeps/{d.name}")["metrics"][["logprob", "kl"].index(metric)]
+        assert mean["values"][layer][head] == pytest.approx(float(own.effect.mean()), rel=1e-5, abs=1e-9)
+    status, _, body = server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=9&head=0")
+    assert status == 404 and b"measured no cell" in body
+    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 404
+
+
+def test_child_against_its_parent_aligns_tokens_by_step_with_edits_and_logprob_shift(server, runs_dir):
+    parent = pq.read_table(runs_dir / "tiny" / "tokens.parquet").to_pandas()
+    child = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas()
+    manifest = json.loads((runs_dir / "child" / "manifest.json").read_text())
+    proc = lmtrace(runs_dir.parent, "ls", "--json", env={"LMTRACE_RUNS_DIR": str(runs_dir)})
+    assert proc.returncode == 0, proc.stderr
+    [ls_row] = [r for r in json.loads(proc.stdout) if r["run_id"] == "child"]  # the label `lmtrace ls` prints
+    assert server.json("/api/runs/child")["edits"]["label"] == ls_row["edits"]
+    differing = 0
+    for seq in range(4):
+        d = server.json(f"/api/runs/child/sequences/{seq}/parent")
+        assert d["parent_id"] == "tiny" and d["interventions"] == manifest["interventions"]
+        assert d["label"] == ls_row["edits"] and d["label"].startswith("ablate_mlp ") and "ablate_head " in d["label"]
+        p = parent[(parent.sequence == seq) & ~parent.is_prompt].set_index("step").token_text
+        c = child[(child.sequence == seq) & ~child.is_prompt].set_index("step").token_text
+        e = effects[effects.sequence == seq].set_index("step")
+        steps = sorted(set(p.index) | set(c.index))
+        assert [r["step"] for r in d["rows"]] == steps
+        for r in d["rows"]:
+            s = r["step"]
+            assert r["parent"] == p.get(s) and r["child"] == c.get(s)
+            assert r["differs"] == (p.get(s) != c.get(s))
+            shift = e.logprob_shift.get(s)
+            assert r["logprob_shift"] == (None if shift is None or np.isnan(shift) else float(shift))
+            differing += r["differs"]
+        assert all(not r["differs"] for r in d["rows"][:2])  # edited from step 2 on
+    assert differing > 0, "the edits changed no token: the test would not see a difference marked"
+    status, _, body = server.request("/api/runs/tiny/sequences/0/parent")
+    assert status == 404 and b"not an intervention child" in body
+
+
+def test_compare_route_gives_compare_runs_verdict_first_divergence_and_texts(server, runs_dir):
+    a = pq.read_table(runs_dir / "tiny" / "tokens.parquet").to_pandas()
+    b = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    d = server.json("/api/compare?a=tiny&b=child")
+    assert d["a"]["run_id"] == "tiny" and d["b"]["run_id"] == "child" and d["n_pairs"] == 4
+    assert d["identical"] is False and d["verdict"]
+    for pair in d["pairs"]:
+        ga = a[(a.sequence == pair["seq_a"]) & ~a.is_prompt].sort_values("step")
+        gb = b[(b.sequence == pair["seq_b"]) & ~b.is_prompt].sort_values("step")
+        ids_a, ids_b = ga.token_id.tolist(), gb.token_id.tolist()
+        first = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), None)
+        if first is None and len(ids_a) != len(ids_b):
+            first = min(len(ids_a), len(ids_b))
+        got = pair["first_divergence"]
+        assert (got and got["step"]) == first if first is not None else got is None
+        cut = first if first is not None else len(ids_a)
+        assert pair["text"]["common"] == "".join(ga.token_text[:cut])
+        assert pair["text"]["a"] == "".join(ga.token_text[cut:]) and pair["text"]["b"] == "".join(gb.token_text[cut:])
+    same = server.json("/api/compare?a=tiny&b=tiny")
+    assert same["identical"] is True and all(p["first_divergence"] is None for p in same["pairs"])
+    assert server.request("/api/compare?a=tiny")[0] == 404
+    assert server.request("/api/compare?a=tiny&b=..%2Ftiny")[0] == 404
+
+
+def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    texts = archive_tokens(run_dir, 1).token_text.tolist()
+    n, P = int(group["generated_len"][1]), int(group["prompt_len"][1])
+    d = server.json("/api/runs/tiny/sequences/1/attention/2/3")
+    assert d["steps"] == list(range(n)) and d["keys"] == texts[:P + n - 1] and d["chosen"] == texts[P:P + n]
+    for s, row in enumerate(d["rows"]):
+        ref = np.asarray(group["attn"][1, s, 2, 3, :P + s], dtype=np.float32)
+        assert row[:P + s] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+    assert server.request("/api/runs/tiny/sequences/1/attention/2/9")[0] == 404
+
+
+def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    d = server.json("/api/runs/tiny/sequences/1/steps/2")
+    attn = archive_attention(run_dir, 1, 2)
+    assert d["over_heads"]["mean"] == attn.mean(axis=1, dtype=np.float32).tolist()
+    assert d["over_heads"]["max"] == attn.max(axis=1).tolist()
+    assert d["over_heads"]["keys"] == archive_tokens(run_dir, 1).token_text.tolist()[:attn.shape[-1]]
+    scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas()
+    own = scores[(scores.sequence == 1) & (scores.step == 2)]
+    assert sorted(a["method"] for a in d["attributions"]) == ["grad_x_input", "occlusion"]
+    for a in d["attributions"]:
+        rows = own[own.method == a["method"]].sort_values("position")
+        assert [s["position"] for s in a["scores"]] == rows.position.tolist()
+        assert [s["text"] for s in a["scores"]] == rows.token_text.tolist()
+        assert [s["score"] for s in a["scores"]] == [float(x) for x in rows.score]
+    assert server.json("/api/runs/tiny/sequences/1/steps/3")["attributions"] == []
+    assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
+
+
 # ---- the page, in a real browser ------------------------------------------------------------------
 def _playwright():
     try:
@@ -336,13 +503,13 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         # runs list, and a search by prompt text
         page.goto(server.base + "/")
         page.wait_for_selector("#runs tr.run-row")
-        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == RUN_IDS
         page.screenshot(path=str(shots / "serve-runs.png"))
         page.fill("#run-search", "onerror")
         page.press("#run-search", "Enter")
         page.wait_for_function("location.hash.includes('q=onerror')")
         page.wait_for_selector("#runs tr.run-row")
-        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == RUN_IDS
 
         # a damaged run: its one line
         page.goto(server.base + "/#/run/damaged")
@@ -423,7 +590,7 @@ def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, t
         line = proc.stderr.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
         with urllib.request.urlopen(url + "api/runs", timeout=30) as r:
-            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == ["damaged", "tiny"]
+            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == RUN_IDS
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
