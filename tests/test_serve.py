@@ -473,6 +473,17 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 
 
+def open_page(p, problems: list, requests: list):
+    """Debian's chromium with one 1400 x 1000 page whose console errors and warnings, page errors
+    and request addresses are collected."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("request", lambda r: requests.append(r.url))
+    return browser, page
+
+
 def assert_no_placeholder_text(page) -> None:
     """No value the page failed to fill in: a JavaScript null, undefined or NaN written as text."""
     import re
@@ -493,11 +504,7 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
     shots.mkdir()
     problems, requests, dialogs = [], [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        page.on("request", lambda r: requests.append(r.url))
+        browser, page = open_page(p, problems, requests)
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
 
         # runs list, and a search by prompt text
@@ -635,3 +642,132 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
         assert status == 404 and f"steps 0-{committed - 1} committed" in json.loads(body)["error"]
     finally:
         s.stop()
+
+
+def first_divergence(a, b) -> int | None:
+    """The first step at which two generated token-id lists differ (one ending first counts), or None."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if first is None and len(a) != len(b) else first
+
+
+def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributions(server, runs_dir, tmp_path):
+    """The views over a sweep, an intervention child, compare, picked heads and attributions, read back
+    from the DOM and compared with the archive read here."""
+    sync_playwright = _playwright()
+    run_dir = runs_dir / "tiny"
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    problems, requests = [], []
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    parent_tokens = pq.read_table(run_dir / "tokens.parquet").to_pandas()
+    child_tokens = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    gen = lambda t, seq: t[(t.sequence == seq) & ~t.is_prompt].sort_values("step")  # noqa: E731
+    with sync_playwright() as p:
+        browser, page = open_page(p, problems, requests)
+
+        # the sweep's heatmaps on the run page: effects.zarr's numbers; a cell's rows
+        d = sweep_dir_of(run_dir)
+        page.goto(server.base + "/#/run/tiny")
+        page.wait_for_selector(".sweep-metric[data-metric='kl'] td.cell")
+        for metric in ("logprob", "kl"):
+            archived = zarr.open_array(str(d / "effects.zarr" / f"effect_{metric}"), mode="r")[...]
+            cells = page.eval_on_selector_all(f".sweep-metric[data-metric='{metric}'] td.cell",
+                                              "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, c.textContent])")
+            assert len(cells) == archived.size
+            for layer, head, text in cells:
+                assert float(text) == pytest.approx(float(archived[layer, head]), rel=5e-3, abs=1e-12), (metric, layer, head)
+        page.click(".sweep-metric[data-metric='kl'] td.cell[data-layer='2'][data-head='1']")
+        page.wait_for_selector(".sweep-rows tbody tr")
+        long = pq.read_table(d / "sweep.parquet").to_pandas()
+        own = long[(long.metric == "kl") & (long.layer == 2) & (long["head"] == 1)].sort_values(["sequence", "step"])
+        rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
+        assert [(int(r[0]), int(r[1])) for r in rows] == list(zip(own.sequence, own.step))
+        assert [float(r[5]) for r in rows] == pytest.approx(own.effect.tolist(), abs=5e-5)
+        assert [r[2] for r in rows] == [shown(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)]
+        assert_no_placeholder_text(page)
+        page.locator(".sweep").first.screenshot(path=str(shots / "serve-sweep.png"))
+
+        # compare: tick two runs on the runs page
+        page.goto(server.base + "/")
+        page.wait_for_selector("#runs tr.run-row")
+        assert page.is_disabled("#compare-runs")
+        page.check("input.pick[data-run='tiny']")
+        page.check("input.pick[data-run='child']")
+        page.click("#compare-runs")
+        page.wait_for_selector("#pairs tr.pair-row")
+        assert page.evaluate("location.hash") == "#/compare/tiny/child"
+        firsts = page.eval_on_selector_all("#pairs tr.pair-row", "rs => rs.map(r => r.dataset.first)")
+        expected = [first_divergence(gen(parent_tokens, s).token_id.tolist(), gen(child_tokens, s).token_id.tolist())
+                    for s in range(4)]
+        assert firsts == ["" if f is None else str(f) for f in expected]
+        assert page.inner_text("#verdict") == server.json("/api/compare?a=tiny&b=child")["verdict"]
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-compare.png"), full_page=True)
+
+        # the child against its parent: tokens by step, the differing ones marked, the logprob shift
+        seq = next(s for s, f in enumerate(expected) if f is not None)
+        page.goto(server.base + f"/#/run/child/seq/{seq}")
+        page.wait_for_selector("#parent-steps tbody tr")
+        rows = page.eval_on_selector_all("#parent-steps tbody tr", """rs => rs.map(r => [+r.dataset.step,
+            r.querySelector('.parent').textContent, r.querySelector('.child').textContent, r.classList.contains('differs'),
+            r.querySelector('.shift').textContent])""")
+        pt, ct = gen(parent_tokens, seq).set_index("step").token_text, gen(child_tokens, seq).set_index("step").token_text
+        effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas().query("sequence == @seq").set_index("step")
+        assert [r[0] for r in rows] == sorted(set(pt.index) | set(ct.index))
+        for step, ptext, ctext, differs, shift in rows:
+            assert ptext == shown(pt.get(step, "–")) and ctext == shown(ct.get(step, "–"))
+            assert differs == (pt.get(step) != ct.get(step))
+            ref = effects.logprob_shift.get(step)
+            assert shift == "–" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
+        assert any(r[3] for r in rows)
+        assert page.eval_on_selector_all("#interventions li", "ls => ls.length") == 2
+        assert_no_placeholder_text(page)
+        page.locator("#against-parent").screenshot(path=str(shots / "serve-child.png"))
+
+        # picked heads' patterns over steps, mean / max over heads, the log scale, attributions
+        page.goto(server.base + "/#/run/tiny/seq/1/step/2")
+        page.wait_for_selector("#detail[data-step='2'] #attribution-panel .attribution")
+        scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas().query("sequence == 1 and step == 2")
+        for method in ("grad_x_input", "occlusion"):
+            got = page.eval_on_selector_all(f".attribution[data-method='{method}'] .tok",
+                                            "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])")
+            own = scores[scores.method == method].sort_values("position")
+            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown(t) for t in own.token_text]
+            assert [g[1] for g in got] == [float(x) for x in own.score]
+        P, n = int(group["prompt_len"][1]), int(group["generated_len"][1])
+        for layer, head in ((2, 3), (0, 1)):
+            page.click(f"#attention-grid td.cell[data-layer='{layer}'][data-head='{head}']")
+            page.wait_for_selector(f".pattern[data-layer='{layer}'][data-head='{head}'] .pattern-grid")
+            rows = page.eval_on_selector_all(f".pattern[data-layer='{layer}'][data-head='{head}'] tbody tr",
+                                             "rs => rs.map(r => [...r.querySelectorAll('td')].map(c => c.dataset.w ?? null))")
+            assert len(rows) == n
+            for s, row in enumerate(rows):
+                ref = np.asarray(group["attn"][1, s, layer, head, :P + s], dtype=np.float32)
+                assert [float(w) for w in row[:P + s]] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-heads.png"), full_page=True)
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector("#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] tr.current[data-step='3']")
+        assert page.eval_on_selector_all(".pattern", "ps => ps.length") == 2
+        attn = archive_attention(run_dir, 1, 3)
+        for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
+            page.select_option("#grid-view", view)
+            page.wait_for_selector(f"#attention-{view}")
+            cells = page.eval_on_selector_all(f"#attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])")
+            assert len(cells) == ref.size and all(w == float(ref[li, k]) for li, k, w in cells)
+        page.select_option("#grid-view", "heads")
+        small = "#detail .pattern[data-layer='0'][data-head='1'] td.cell"
+        before = page.eval_on_selector_all(small, "cs => cs.map(c => [+c.dataset.w, getComputedStyle(c).backgroundColor])")
+        page.check("#log-scale")
+        after = page.eval_on_selector_all(small, "cs => cs.map(c => getComputedStyle(c).backgroundColor)")
+        darker = lambda rgb: sum(int(x) for x in rgb[4:-1].split(","))  # noqa: E731
+        for (w, b), a in zip(before, after):
+            if 0.001 < w < 0.99:  # the log scale draws a small weight darker than the linear one
+                assert darker(a) < darker(b), (w, a, b)
+        browser.close()
+
+    assert problems == []
+    assert requests and all(u.startswith(server.base + "/") or u.startswith("data:") for u in requests), requests
+    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+        for shot in shots.iterdir():
+            shutil.copy(shot, REPO / "docs" / "img" / shot.name)
