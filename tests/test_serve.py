@@ -30,6 +30,9 @@ from test_cli_errors import assert_one_line_error, lmtrace
 
 REPO = Path(__file__).resolve().parents[1]
 INJECTIONS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
+CHILD_EDITS = [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 2}},
+               {"kind": "ablate_head", "layer": 1, "head": 2, "steps": {"from": 2}}]
+RUN_IDS = ["child", "damaged", "tiny"]
 
 
 # ---- fixtures: a runs directory and live servers ----------------------------------------------------
@@ -53,7 +56,22 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
     chunk = sorted((runs / "damaged" / "tensors.zarr" / "attn").rglob("c/*/*/*/*/*"))[0]
     chunk.unlink()
     (runs / "escaped").symlink_to(base / "outside" / "escaped", target_is_directory=True)
+    add_sweep_child_and_explanations(base, runs)
     return runs
+
+
+def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
+    """On runs/tiny (after the copies): a head sweep measuring logprob and kl, attributions of
+    sequence 1's steps 1 and 2, and runs/child, its intervention child (an MLP and a head ablated
+    from step 2, regenerated, so the tokens can part from the parent's)."""
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.commands.intervene import run_intervene
+
+    proc = lmtrace(base, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--metric", "logprob",
+                   "--metric", "kl")
+    assert proc.returncode == 0, proc.stderr
+    explain_run(runs / "tiny", "1,2", sequence=1, methods=["grad_x_input,occlusion"])
+    run_intervene(str(runs / "tiny"), CHILD_EDITS, mode="regenerate", runs_dir=str(runs), run_id="child")
 
 
 class LiveServer:
@@ -197,16 +215,17 @@ def test_injection_prompts_come_back_as_json_strings(server, runs_dir):
     rows = server.json("/api/runs/tiny/sequences")["rows"]
     assert [r["prompt"] for r in rows[2:]] == INJECTIONS
     assert server.json("/api/runs/tiny/sequences/3")["prompt"] == INJECTIONS[1]
-    assert [r["run_id"] for r in server.json("/api/runs?q=%3Cscript%3E")["runs"]] == ["damaged", "tiny"]
+    assert [r["run_id"] for r in server.json("/api/runs?q=%3Cscript%3E")["runs"]] == RUN_IDS
 
 
 def test_runs_list_filters_and_leaves_out_a_symlink_out_of_the_runs_dir(server):
     runs = server.json("/api/runs")["runs"]
-    assert sorted(r["run_id"] for r in runs) == ["damaged", "tiny"]
-    assert {r["run_id"]: r["status"] for r in runs} == {"damaged": "damaged", "tiny": "complete"}
+    assert sorted(r["run_id"] for r in runs) == RUN_IDS
+    assert {r["run_id"]: r["status"] for r in runs} == {"child": "complete", "damaged": "damaged", "tiny": "complete"}
     assert all("path" not in r for r in runs)
-    assert [r["run_id"] for r in server.json("/api/runs?status=complete")["runs"]] == ["tiny"]
-    assert server.json("/api/runs?kind=intervene")["runs"] == []
+    assert [r["run_id"] for r in server.json("/api/runs?status=complete")["runs"]] == ["child", "tiny"]
+    assert [r["run_id"] for r in server.json("/api/runs?kind=intervene")["runs"]] == ["child"]
+    assert {r["run_id"]: r["children"] for r in runs}["tiny"] == ["child"]
 
 
 def test_damaged_run_shows_its_one_line_damage_message(server, runs_dir):
@@ -291,6 +310,154 @@ def test_twenty_concurrent_clients_get_correct_answers(server, runs_dir):
         assert sorted(pool.map(client, jobs)) == jobs
 
 
+# ---- sweeps, an intervention child, compare, head patterns, attributions ----------------------------
+def sweep_dir_of(run_dir: Path) -> Path:
+    [d] = [p for p in (run_dir / "sweeps").iterdir() if not p.name.startswith(".")]
+    return d
+
+
+def as_none(values) -> list:
+    """An array as the JSON has it: NaN -> None, nested lists."""
+    return [as_none(v) for v in values] if np.ndim(values) > 1 else [None if np.isnan(v) else float(v) for v in values]
+
+
+def test_sweep_heatmaps_are_effects_zarr_and_the_terminal_ranking(server, runs_dir):
+    """Per metric, the heatmap is effects.zarr's array, which is the mean over every (sequence, step)
+    row of sweep.parquet, computed here with pandas, the number `lmtrace sweep` ranks and prints."""
+    run_dir = runs_dir / "tiny"
+    d = sweep_dir_of(run_dir)
+    info = server.json("/api/runs/tiny")
+    assert [s["id"] for s in info["sweeps"]] == [d.name] and info["sweeps"][0]["metrics"] == ["logprob", "kl"]
+    assert server.json("/api/runs/child")["sweeps"] == []
+    sweep = server.json(f"/api/runs/tiny/sweeps/{d.name}")
+    effects = zarr.open_group(str(d / "effects.zarr"), mode="r")
+    long = pq.read_table(d / "sweep.parquet").to_pandas()
+    top = json.loads((d / "sweep.json").read_text())["top"]  # what the terminal table printed
+    assert [m["metric"] for m in sweep["metrics"]] == ["logprob", "kl"]
+    for m in sweep["metrics"]:
+        archived = effects[f"effect_{m['metric']}"][...]
+        assert m["dims"] == ["layer", "head"] and m["coords"] == {"layer": [0, 1, 2, 3], "head": [0, 1, 2, 3]}
+        assert m["values"] == as_none(archived)
+        own = long[long.metric == m["metric"]].groupby(["layer", "head"]).effect.mean()
+        for (layer, head), value in own.items():
+            assert m["values"][int(layer)][int(head)] == pytest.approx(value, rel=1e-5, abs=1e-9)
+        if m["metric"] == "logprob":
+            for r in top:
+                assert np.float32(r["effect"]) == np.float32(m["values"][r["layer"]][r["head"]])
+    status, _, body = server.request("/api/runs/tiny/sweeps/..%2f..%2fmanifest.json")
+    assert status == 404
+    assert server.request("/api/runs/tiny/sweeps/nope")[0] == 404
+
+
+def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    d = sweep_dir_of(run_dir)
+    long = pq.read_table(d / "sweep.parquet").to_pandas()
+    tokens = pq.read_table(run_dir / "tokens.parquet").to_pandas()
+    text = {(r.sequence, r.step): r.token_text for r in tokens[~tokens.is_prompt].itertuples()}
+    for metric, layer, head in (("kl", 2, 1), ("logprob", 0, 3)):
+        cell = server.json(f"/api/runs/tiny/sweeps/{d.name}/cell?metric={metric}&layer={layer}&head={head}")
+        own = long[(long.metric == metric) & (long.layer == layer) & (long["head"] == head)].sort_values(["sequence", "step"])
+        assert cell["component"] == "head" and cell["n_rows"] == len(own) > 0
+        assert [(r["sequence"], r["step"]) for r in cell["rows"]] == list(zip(own.sequence, own.step))
+        for key in ("value", "baseline", "effect"):
+            assert [r[key] for r in cell["rows"]] == own[key].tolist()
+        assert [r["token"] for r in cell["rows"]] == [text[(s, t)] for s, t in zip(own.sequence, own.step)]
+        mean = server.json(f"/api/runs/tiny/sweeps/{d.name}")["metrics"][["logprob", "kl"].index(metric)]
+        assert mean["values"][layer][head] == pytest.approx(float(own.effect.mean()), rel=1e-5, abs=1e-9)
+    status, _, body = server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=9&head=0")
+    assert status == 404 and b"measured no cell" in body
+    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 404
+
+
+def test_child_against_its_parent_aligns_tokens_by_step_with_edits_and_logprob_shift(server, runs_dir):
+    parent = pq.read_table(runs_dir / "tiny" / "tokens.parquet").to_pandas()
+    child = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas()
+    manifest = json.loads((runs_dir / "child" / "manifest.json").read_text())
+    proc = lmtrace(runs_dir.parent, "ls", "--json", env={"LMTRACE_RUNS_DIR": str(runs_dir)})
+    assert proc.returncode == 0, proc.stderr
+    [ls_row] = [r for r in json.loads(proc.stdout) if r["run_id"] == "child"]  # the label `lmtrace ls` prints
+    assert server.json("/api/runs/child")["edits"]["label"] == ls_row["edits"]
+    differing = 0
+    for seq in range(4):
+        d = server.json(f"/api/runs/child/sequences/{seq}/parent")
+        assert d["parent_id"] == "tiny" and d["interventions"] == manifest["interventions"]
+        assert d["label"] == ls_row["edits"] and d["label"].startswith("ablate_mlp ") and "ablate_head " in d["label"]
+        p = parent[(parent.sequence == seq) & ~parent.is_prompt].set_index("step").token_text
+        c = child[(child.sequence == seq) & ~child.is_prompt].set_index("step").token_text
+        e = effects[effects.sequence == seq].set_index("step")
+        steps = sorted(set(p.index) | set(c.index))
+        assert [r["step"] for r in d["rows"]] == steps
+        for r in d["rows"]:
+            s = r["step"]
+            assert r["parent"] == p.get(s) and r["child"] == c.get(s)
+            assert r["differs"] == (p.get(s) != c.get(s))
+            shift = e.logprob_shift.get(s)
+            assert r["logprob_shift"] == (None if shift is None or np.isnan(shift) else float(shift))
+            differing += r["differs"]
+        assert all(not r["differs"] for r in d["rows"][:2])  # edited from step 2 on
+    assert differing > 0, "the edits changed no token: the test would not see a difference marked"
+    status, _, body = server.request("/api/runs/tiny/sequences/0/parent")
+    assert status == 404 and b"not an intervention child" in body
+
+
+def test_compare_route_gives_compare_runs_verdict_first_divergence_and_texts(server, runs_dir):
+    a = pq.read_table(runs_dir / "tiny" / "tokens.parquet").to_pandas()
+    b = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    d = server.json("/api/compare?a=tiny&b=child")
+    assert d["a"]["run_id"] == "tiny" and d["b"]["run_id"] == "child" and d["n_pairs"] == 4
+    assert d["identical"] is False and d["verdict"]
+    for pair in d["pairs"]:
+        ga = a[(a.sequence == pair["seq_a"]) & ~a.is_prompt].sort_values("step")
+        gb = b[(b.sequence == pair["seq_b"]) & ~b.is_prompt].sort_values("step")
+        ids_a, ids_b = ga.token_id.tolist(), gb.token_id.tolist()
+        first = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), None)
+        if first is None and len(ids_a) != len(ids_b):
+            first = min(len(ids_a), len(ids_b))
+        got = pair["first_divergence"]
+        assert (got and got["step"]) == first if first is not None else got is None
+        cut = first if first is not None else len(ids_a)
+        assert pair["text"]["common"] == "".join(ga.token_text[:cut])
+        assert pair["text"]["a"] == "".join(ga.token_text[cut:]) and pair["text"]["b"] == "".join(gb.token_text[cut:])
+    same = server.json("/api/compare?a=tiny&b=tiny")
+    assert same["identical"] is True and all(p["first_divergence"] is None for p in same["pairs"])
+    assert server.request("/api/compare?a=tiny")[0] == 404
+    assert server.request("/api/compare?a=tiny&b=..%2Ftiny")[0] == 404
+
+
+def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    texts = archive_tokens(run_dir, 1).token_text.tolist()
+    n, P = int(group["generated_len"][1]), int(group["prompt_len"][1])
+    d = server.json("/api/runs/tiny/sequences/1/attention/2/3")
+    assert d["steps"] == list(range(n)) and d["keys"] == texts[:P + n - 1] and d["chosen"] == texts[P:P + n]
+    for s, row in enumerate(d["rows"]):
+        ref = np.asarray(group["attn"][1, s, 2, 3, :P + s], dtype=np.float32)
+        assert row[:P + s] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+    assert server.request("/api/runs/tiny/sequences/1/attention/2/9")[0] == 404
+
+
+def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
+    run_dir = runs_dir / "tiny"
+    d = server.json("/api/runs/tiny/sequences/1/steps/2")
+    attn = archive_attention(run_dir, 1, 2)
+    assert d["over_heads"]["mean"] == attn.mean(axis=1, dtype=np.float32).tolist()
+    assert d["over_heads"]["max"] == attn.max(axis=1).tolist()
+    assert d["over_heads"]["keys"] == archive_tokens(run_dir, 1).token_text.tolist()[:attn.shape[-1]]
+    scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas()
+    own = scores[(scores.sequence == 1) & (scores.step == 2)]
+    assert sorted(a["method"] for a in d["attributions"]) == ["grad_x_input", "occlusion"]
+    for a in d["attributions"]:
+        rows = own[own.method == a["method"]].sort_values("position")
+        assert [s["position"] for s in a["scores"]] == rows.position.tolist()
+        assert [s["text"] for s in a["scores"]] == rows.token_text.tolist()
+        assert [s["score"] for s in a["scores"]] == [float(x) for x in rows.score]
+    assert server.json("/api/runs/tiny/sequences/1/steps/3")["attributions"] == []
+    assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
+
+
 # ---- the page, in a real browser ------------------------------------------------------------------
 def _playwright():
     try:
@@ -304,6 +471,17 @@ def _playwright():
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
+
+
+def open_page(p, problems: list, requests: list):
+    """Debian's chromium with one 1400 x 1000 page whose console errors and warnings, page errors
+    and request addresses are collected."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("request", lambda r: requests.append(r.url))
+    return browser, page
 
 
 def assert_no_placeholder_text(page) -> None:
@@ -326,23 +504,19 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
     shots.mkdir()
     problems, requests, dialogs = [], [], []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
-        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-        page.on("request", lambda r: requests.append(r.url))
+        browser, page = open_page(p, problems, requests)
         page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
 
         # runs list, and a search by prompt text
         page.goto(server.base + "/")
         page.wait_for_selector("#runs tr.run-row")
-        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == RUN_IDS
         page.screenshot(path=str(shots / "serve-runs.png"))
         page.fill("#run-search", "onerror")
         page.press("#run-search", "Enter")
         page.wait_for_function("location.hash.includes('q=onerror')")
         page.wait_for_selector("#runs tr.run-row")
-        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == ["damaged", "tiny"]
+        assert sorted(page.eval_on_selector_all("#runs tr.run-row", "rows => rows.map(r => r.dataset.run)")) == RUN_IDS
 
         # a damaged run: its one line
         page.goto(server.base + "/#/run/damaged")
@@ -423,7 +597,7 @@ def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, t
         line = proc.stderr.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
         with urllib.request.urlopen(url + "api/runs", timeout=30) as r:
-            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == ["damaged", "tiny"]
+            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == RUN_IDS
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
@@ -468,3 +642,132 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
         assert status == 404 and f"steps 0-{committed - 1} committed" in json.loads(body)["error"]
     finally:
         s.stop()
+
+
+def first_divergence(a, b) -> int | None:
+    """The first step at which two generated token-id lists differ (one ending first counts), or None."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if first is None and len(a) != len(b) else first
+
+
+def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributions(server, runs_dir, tmp_path):
+    """The views over a sweep, an intervention child, compare, picked heads and attributions, read back
+    from the DOM and compared with the archive read here."""
+    sync_playwright = _playwright()
+    run_dir = runs_dir / "tiny"
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    problems, requests = [], []
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    parent_tokens = pq.read_table(run_dir / "tokens.parquet").to_pandas()
+    child_tokens = pq.read_table(runs_dir / "child" / "tokens.parquet").to_pandas()
+    gen = lambda t, seq: t[(t.sequence == seq) & ~t.is_prompt].sort_values("step")  # noqa: E731
+    with sync_playwright() as p:
+        browser, page = open_page(p, problems, requests)
+
+        # the sweep's heatmaps on the run page: effects.zarr's numbers; a cell's rows
+        d = sweep_dir_of(run_dir)
+        page.goto(server.base + "/#/run/tiny")
+        page.wait_for_selector(".sweep-metric[data-metric='kl'] td.cell")
+        for metric in ("logprob", "kl"):
+            archived = zarr.open_array(str(d / "effects.zarr" / f"effect_{metric}"), mode="r")[...]
+            cells = page.eval_on_selector_all(f".sweep-metric[data-metric='{metric}'] td.cell",
+                                              "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, c.textContent])")
+            assert len(cells) == archived.size
+            for layer, head, text in cells:
+                assert float(text) == pytest.approx(float(archived[layer, head]), rel=5e-3, abs=1e-12), (metric, layer, head)
+        page.click(".sweep-metric[data-metric='kl'] td.cell[data-layer='2'][data-head='1']")
+        page.wait_for_selector(".sweep-rows tbody tr")
+        long = pq.read_table(d / "sweep.parquet").to_pandas()
+        own = long[(long.metric == "kl") & (long.layer == 2) & (long["head"] == 1)].sort_values(["sequence", "step"])
+        rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
+        assert [(int(r[0]), int(r[1])) for r in rows] == list(zip(own.sequence, own.step))
+        assert [float(r[5]) for r in rows] == pytest.approx(own.effect.tolist(), abs=5e-5)
+        assert [r[2] for r in rows] == [shown(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)]
+        assert_no_placeholder_text(page)
+        page.locator(".sweep").first.screenshot(path=str(shots / "serve-sweep.png"))
+
+        # compare: tick two runs on the runs page
+        page.goto(server.base + "/")
+        page.wait_for_selector("#runs tr.run-row")
+        assert page.is_disabled("#compare-runs")
+        page.check("input.pick[data-run='tiny']")
+        page.check("input.pick[data-run='child']")
+        page.click("#compare-runs")
+        page.wait_for_selector("#pairs tr.pair-row")
+        assert page.evaluate("location.hash") == "#/compare/tiny/child"
+        firsts = page.eval_on_selector_all("#pairs tr.pair-row", "rs => rs.map(r => r.dataset.first)")
+        expected = [first_divergence(gen(parent_tokens, s).token_id.tolist(), gen(child_tokens, s).token_id.tolist())
+                    for s in range(4)]
+        assert firsts == ["" if f is None else str(f) for f in expected]
+        assert page.inner_text("#verdict") == server.json("/api/compare?a=tiny&b=child")["verdict"]
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-compare.png"), full_page=True)
+
+        # the child against its parent: tokens by step, the differing ones marked, the logprob shift
+        seq = next(s for s, f in enumerate(expected) if f is not None)
+        page.goto(server.base + f"/#/run/child/seq/{seq}")
+        page.wait_for_selector("#parent-steps tbody tr")
+        rows = page.eval_on_selector_all("#parent-steps tbody tr", """rs => rs.map(r => [+r.dataset.step,
+            r.querySelector('.parent').textContent, r.querySelector('.child').textContent, r.classList.contains('differs'),
+            r.querySelector('.shift').textContent])""")
+        pt, ct = gen(parent_tokens, seq).set_index("step").token_text, gen(child_tokens, seq).set_index("step").token_text
+        effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas().query("sequence == @seq").set_index("step")
+        assert [r[0] for r in rows] == sorted(set(pt.index) | set(ct.index))
+        for step, ptext, ctext, differs, shift in rows:
+            assert ptext == shown(pt.get(step, "–")) and ctext == shown(ct.get(step, "–"))
+            assert differs == (pt.get(step) != ct.get(step))
+            ref = effects.logprob_shift.get(step)
+            assert shift == "–" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
+        assert any(r[3] for r in rows)
+        assert page.eval_on_selector_all("#interventions li", "ls => ls.length") == 2
+        assert_no_placeholder_text(page)
+        page.locator("#against-parent").screenshot(path=str(shots / "serve-child.png"))
+
+        # picked heads' patterns over steps, mean / max over heads, the log scale, attributions
+        page.goto(server.base + "/#/run/tiny/seq/1/step/2")
+        page.wait_for_selector("#detail[data-step='2'] #attribution-panel .attribution")
+        scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas().query("sequence == 1 and step == 2")
+        for method in ("grad_x_input", "occlusion"):
+            got = page.eval_on_selector_all(f".attribution[data-method='{method}'] .tok",
+                                            "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])")
+            own = scores[scores.method == method].sort_values("position")
+            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown(t) for t in own.token_text]
+            assert [g[1] for g in got] == [float(x) for x in own.score]
+        P, n = int(group["prompt_len"][1]), int(group["generated_len"][1])
+        for layer, head in ((2, 3), (0, 1)):
+            page.click(f"#attention-grid td.cell[data-layer='{layer}'][data-head='{head}']")
+            page.wait_for_selector(f".pattern[data-layer='{layer}'][data-head='{head}'] .pattern-grid")
+            rows = page.eval_on_selector_all(f".pattern[data-layer='{layer}'][data-head='{head}'] tbody tr",
+                                             "rs => rs.map(r => [...r.querySelectorAll('td')].map(c => c.dataset.w ?? null))")
+            assert len(rows) == n
+            for s, row in enumerate(rows):
+                ref = np.asarray(group["attn"][1, s, layer, head, :P + s], dtype=np.float32)
+                assert [float(w) for w in row[:P + s]] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+        assert_no_placeholder_text(page)
+        page.screenshot(path=str(shots / "serve-heads.png"), full_page=True)
+        page.keyboard.press("ArrowRight")
+        page.wait_for_selector("#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] tr.current[data-step='3']")
+        assert page.eval_on_selector_all(".pattern", "ps => ps.length") == 2
+        attn = archive_attention(run_dir, 1, 3)
+        for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
+            page.select_option("#grid-view", view)
+            page.wait_for_selector(f"#attention-{view}")
+            cells = page.eval_on_selector_all(f"#attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])")
+            assert len(cells) == ref.size and all(w == float(ref[li, k]) for li, k, w in cells)
+        page.select_option("#grid-view", "heads")
+        small = "#detail .pattern[data-layer='0'][data-head='1'] td.cell"
+        before = page.eval_on_selector_all(small, "cs => cs.map(c => [+c.dataset.w, getComputedStyle(c).backgroundColor])")
+        page.check("#log-scale")
+        after = page.eval_on_selector_all(small, "cs => cs.map(c => getComputedStyle(c).backgroundColor)")
+        darker = lambda rgb: sum(int(x) for x in rgb[4:-1].split(","))  # noqa: E731
+        for (w, b), a in zip(before, after):
+            if 0.001 < w < 0.99:  # the log scale draws a small weight darker than the linear one
+                assert darker(a) < darker(b), (w, a, b)
+        browser.close()
+
+    assert problems == []
+    assert requests and all(u.startswith(server.base + "/") or u.startswith("data:") for u in requests), requests
+    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+        for shot in shots.iterdir():
+            shutil.copy(shot, REPO / "docs" / "img" / shot.name)

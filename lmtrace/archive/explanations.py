@@ -199,10 +199,12 @@ def record_entries(run_dir: Path, entries: list[dict]) -> None:
         _atomic_json(run_dir / layout.MANIFEST, manifest)
 
 
-def read_explanations(run: Run | str | Path) -> pa.Table:
-    """Every explain invocation's scores of a run as one table (explain/scores.parts/*.parquet)."""
+def read_explanations(run: Run | str | Path, *, sequence: int | None = None, step: int | None = None) -> pa.Table:
+    """Every explain invocation's scores of a run as one table (explain/scores.parts/*.parquet); with
+    `sequence` / `step`, only those rows (each part read with a row filter)."""
     path = run.path if isinstance(run, Run) else Path(run)
     files = sorted((path / EXPLAIN_DIR / SCORES_PARTS).glob("*.parquet"))
     if not files:
         raise ArchiveError(f"{path} has no explanations yet; run `lmtrace explain`")
-    return pa.concat_tables([pq.read_table(f).cast(scores_schema()) for f in files])
+    filters = [(k, "==", v) for k, v in (("sequence", sequence), ("step", step)) if v is not None] or None
+    return pa.concat_tables([pq.read_table(f, filters=filters).cast(scores_schema()) for f in files])

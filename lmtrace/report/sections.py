@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import yaml
 
+from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
 from ..prob_colours import page_colour
 from . import figures as F
@@ -203,8 +204,9 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         grid = rows.reshape(len(layers) * H, n_keys)
         dt = _blob_dtype(rows)
         z = blobs.add(f"attn_grid_{seq}", grid, dt)
-        mean = blobs.add(f"attn_grid_mean_{seq}", rows.astype(np.float32).mean(axis=1), "float32")
-        mx = blobs.add(f"attn_grid_max_{seq}", rows.max(axis=1), dt)
+        mean_rows, max_rows = mean_max_over_heads(rows)
+        mean = blobs.add(f"attn_grid_mean_{seq}", mean_rows, "float32")
+        mx = blobs.add(f"attn_grid_max_{seq}", max_rows, dt)
         ylabels, layer_labels = {"$blob": "attn_head_labels"}, {"$blob": "attn_layer_labels"}
         chosen = display(tok.gen["token_text"][a]) if a < tok.n_steps else ""
         sec.figures.append(F.heatmap(

@@ -9,6 +9,11 @@ Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /api/runs/{run}/sequences/{seq}              one sequence's tokens
   /api/runs/{run}/sequences/{seq}/steps/{step} the selected token: attention grid, alternatives, lens, DLA
   /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
+  /api/runs/{run}/sequences/{seq}/attention/{layer}/{head}   one head's pattern over every step
+  /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
+  /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
+  /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=   one cell's rows
+  /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
 Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
 """
 
@@ -23,7 +28,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ArchiveError, LmtraceError, RunNotFoundError
-from . import queries
+from . import queries, token_extras
+from .child_view import against_parent, edits
+from .compare_view import comparison
+from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
 from .catalog import Catalog
 from .guard import Guard, is_loopback
 
@@ -87,7 +95,8 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
     def run(request: Request):
         rid = request.path_params["run"]
         try:
-            return queries.run_info(catalog.open(rid))
+            r = catalog.open(rid)
+            return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
         except ArchiveError as err:  # damaged: the page shows the one line instead of the run
             return {"run_id": rid, "damaged": str(err)}
 
@@ -102,7 +111,39 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
 
     def step(request: Request):
         p = request.path_params
-        return queries.step_detail(catalog.open(p["run"]), p["seq"], p["step"])
+        r = catalog.open(p["run"])
+        detail = queries.step_detail(r, p["seq"], p["step"])
+        return {**detail, "over_heads": token_extras.over_heads(r, p["seq"], p["step"]),
+                "attributions": token_extras.attributions(r, p["seq"], p["step"])}
+
+    def pattern(request: Request):
+        p = request.path_params
+        return token_extras.head_pattern(catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
+
+    def parent(request: Request):
+        p = request.path_params
+        child = catalog.open(p["run"])
+        parent_id = (child.manifest.get("parent") or {}).get("run_id")
+        try:
+            parent_run = catalog.open(parent_id) if parent_id else None
+        except RunNotFoundError:  # the parent lives in another runs directory: the child's side alone
+            parent_run = None
+        return against_parent(child, parent_run, p["seq"])
+
+    def sweep(request: Request):
+        p = request.path_params
+        return sweep_heatmaps(catalog.open(p["run"]), p["sweep"])
+
+    def cell(request: Request):
+        p, q = request.path_params, request.query_params
+        coords = {k: _int_param(request, k) for k in ("layer", "head", "neuron", "position") if q.get(k, "") != ""}
+        return cell_rows(catalog.open(p["run"]), p["sweep"], q.get("metric", ""), coords)
+
+    def compare(request: Request):
+        q = request.query_params
+        if not q.get("a") or not q.get("b"):
+            raise queries.NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
+        return comparison(catalog.open(q["a"]), catalog.open(q["b"]))
 
     def head(request: Request):
         p = request.path_params
@@ -117,5 +158,10 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         Route("/api/runs/{run}/sequences/{seq:int}", answer(sequence)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}", answer(step)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/attention/{layer:int}/{head:int}", answer(head)),
+        Route("/api/runs/{run}/sequences/{seq:int}/attention/{layer:int}/{head:int}", answer(pattern)),
+        Route("/api/runs/{run}/sequences/{seq:int}/parent", answer(parent)),
+        Route("/api/runs/{run}/sweeps/{sweep}", answer(sweep)),
+        Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(cell)),
+        Route("/api/compare", answer(compare)),
     ]
     return Guard(Starlette(routes=routes), token=token, loopback=is_loopback(host))

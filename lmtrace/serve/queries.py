@@ -51,7 +51,7 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
         raise run.damaged(layout.table_file(name), err) from None
 
 
-def _clean(value):
+def clean(value):
     """A JSON-safe scalar: NaN and missing values become None."""
     if value is None:
         return None
@@ -147,14 +147,14 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
             "sequence": r["sequence"], "prompt": (r.get("prompt") or "")[:TEXT_LIMIT],
             "generated_text": (r.get("generated_text") or "")[:TEXT_LIMIT],
             "prompt_len": r.get("prompt_len"), "generated_len": r.get("generated_len"),
-            "stop_reason": r.get("stop_reason"), "min_prob": _clean(r.get("min_prob")),
-            "max_entropy": _clean(r.get("max_entropy")),
-            "metadata": {c: _clean(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
+            "stop_reason": r.get("stop_reason"), "min_prob": clean(r.get("min_prob")),
+            "max_entropy": clean(r.get("max_entropy")),
+            "metadata": {c: clean(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
         })
     return {"total": total, "page": page, "pages": pages, "page_size": PAGE_SIZE, "rows": rows}
 
 
-def _check_sequence(run: Run, seq: int) -> None:
+def check_sequence(run: Run, seq: int) -> None:
     n = run.shape.get("n_sequences", 0)
     if not 0 <= seq < n:
         raise NotFound(f"run {run.id} has sequences 0-{n - 1}, not {seq}")
@@ -163,34 +163,34 @@ def _check_sequence(run: Run, seq: int) -> None:
 def sequence_tokens(run: Run, seq: int) -> dict:
     """One sequence's token strip: its prompt tokens, then its generated ones with their statistics
     (a running run: the committed ones)."""
-    _check_sequence(run, seq)
+    check_sequence(run, seq)
     t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "rank"],
                    where=pc.field("sequence") == seq).sort_by("position")
-    ready = _steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
-    tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": _clean(r["prob"]),
-               "entropy": _clean(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
+    ready = steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
+    tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": clean(r["prob"]),
+               "entropy": clean(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
               if r["step"] is None or r["step"] < ready]
     prompt = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq).column("prompt").to_pylist()
     return {"sequence": seq, "prompt": prompt[0] if prompt else None, "tokens": tokens,
             "steps": sum(1 for x in tokens if x["step"] is not None)}
 
 
-def _steps_ready(run: Run, seq: int) -> int:
+def steps_ready(run: Run, seq: int) -> int:
     """Steps of `seq` whose arrays are committed: all generated ones for a complete run."""
     if run.status == "complete":
         return int(run.generated_len()[seq])
     return run.committed_steps().get(seq, 0)
 
 
-def _check_step(run: Run, seq: int, step: int) -> None:
-    _check_sequence(run, seq)
-    ready = _steps_ready(run, seq)
+def check_step(run: Run, seq: int, step: int) -> None:
+    check_sequence(run, seq)
+    ready = steps_ready(run, seq)
     if not 0 <= step < ready:
         raise NotFound(f"sequence {seq} of run {run.id} has steps 0-{ready - 1} committed, not {step}"
                        if ready else f"sequence {seq} of run {run.id} has no committed step yet")
 
 
-def _key_texts(run: Run, seq: int, n_keys: int) -> list[str]:
+def key_texts(run: Run, seq: int, n_keys: int) -> list[str]:
     t = table_rows(run, "tokens", ["position", "token_text"],
                    where=(pc.field("sequence") == seq) & (pc.field("position") < n_keys)).sort_by("position")
     texts = [""] * n_keys
@@ -199,7 +199,7 @@ def _key_texts(run: Run, seq: int, n_keys: int) -> list[str]:
     return texts
 
 
-def _n_keys(run: Run, seq: int, step: int) -> int:
+def n_keys_of(run: Run, seq: int, step: int) -> int:
     """Keys the query of `step` attends over: the prompt, then one per earlier step."""
     return int(run.tensors["prompt_len"][seq]) + step
 
@@ -210,7 +210,7 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
     Reads the array's [seq, step] slice only: `attn` [layer, q_head, key] trimmed to the context,
     or for a top-k run `attn_topk_*` [layer, q_head, k_attn]."""
     names = set(run.array_names())
-    n_keys = _n_keys(run, seq, step)
+    n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
         rows = np.asarray(run.array("attn")[seq, step, :, :, :n_keys], dtype=np.float32)  # [layer, q_head, key]
         key = np.nanargmax(np.nan_to_num(rows, nan=-1.0), axis=-1)  # [layer, q_head]
@@ -223,8 +223,8 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
         weight = np.take_along_axis(probs, best[..., None], axis=-1)[..., 0]
     else:
         return None
-    texts = _key_texts(run, seq, n_keys)
-    cells = [[{"key": int(key[li, h]), "weight": _clean(float(weight[li, h])),
+    texts = key_texts(run, seq, n_keys)
+    cells = [[{"key": int(key[li, h]), "weight": clean(float(weight[li, h])),
                "text": texts[int(key[li, h])] if 0 <= key[li, h] < n_keys else ""}
               for h in range(key.shape[1])] for li in range(key.shape[0])]
     return {"layers": run.layers, "heads": int(key.shape[1]), "n_keys": n_keys, "query_position": n_keys - 1,
@@ -234,7 +234,7 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
 def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     """The attention of the query of `step` over every key, for one (layer, head), with the keys' texts
     (a top-k run: its k keys)."""
-    _check_step(run, seq, step)
+    check_step(run, seq, step)
     if layer not in run.layers:
         raise NotFound(f"layer {layer} was not captured in run {run.id} (captured: {run.layers})")
     li = run.layers.index(layer)
@@ -242,15 +242,15 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     if not 0 <= head < n_heads:
         raise NotFound(f"run {run.id} has heads 0-{n_heads - 1}, not {head}")
     names = set(run.array_names())
-    n_keys = _n_keys(run, seq, step)
-    texts = _key_texts(run, seq, n_keys)
+    n_keys = n_keys_of(run, seq, step)
+    texts = key_texts(run, seq, n_keys)
     if "attn" in names:
         row = np.asarray(run.array("attn")[seq, step, li, head, :n_keys], dtype=np.float32)
-        keys = [{"key": k, "text": texts[k], "weight": _clean(float(row[k]))} for k in range(n_keys)]
+        keys = [{"key": k, "text": texts[k], "weight": clean(float(row[k]))} for k in range(n_keys)]
     elif "attn_topk_prob" in names:
         probs = np.asarray(run.array("attn_topk_prob")[seq, step, li, head], dtype=np.float32)
         idx = np.asarray(run.array("attn_topk_idx")[seq, step, li, head])
-        keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": _clean(float(p))}
+        keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": clean(float(p))}
                        for k, p in zip(idx, probs) if 0 <= k < n_keys), key=lambda x: x["key"])
     else:
         raise NotFound(f"run {run.id} captured no attention")
@@ -268,8 +268,8 @@ def alternatives(run: Run, seq: int, step: int) -> dict | None:
     alt_lp = r.get("alt_logprobs") or []
     alt_texts = run.text(alt_ids) if alt_ids else []
     return {
-        "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": _clean(r.get("prob")),
-        "rank": r.get("rank"), "entropy": _clean(r.get("entropy")), "margin": _clean(r.get("margin")),
+        "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": clean(r.get("prob")),
+        "rank": r.get("rank"), "entropy": clean(r.get("entropy")), "margin": clean(r.get("margin")),
         "greedy": run.text([r["greedy_id"]])[0] if r.get("greedy_id") is not None else None,
         "alternatives": [{"id": i, "text": text, "prob": None if lp is None else math.exp(lp)}
                          for i, text, lp in zip(alt_ids, alt_texts, alt_lp)],
@@ -294,8 +294,8 @@ def lens_column(run: Run, seq: int, step: int) -> dict:
     rows = []
     for li, layer in enumerate(run.layers):
         t = by_layer.get(layer, {})
-        rows.append({"layer": layer, "top1": texts[li], "top1_id": int(ids[li, 0]), "top1_prob": _clean(float(probs[li, 0])),
-                     "target_rank": t.get("lens_target_rank"), "target_prob": _clean(t.get("lens_target_prob"))})
+        rows.append({"layer": layer, "top1": texts[li], "top1_id": int(ids[li, 0]), "top1_prob": clean(float(probs[li, 0])),
+                     "target_rank": t.get("lens_target_rank"), "target_prob": clean(t.get("lens_target_prob"))})
     return {"state": state, "rows": rows}
 
 
@@ -304,13 +304,13 @@ def head_dla(run: Run, seq: int, step: int) -> dict | None:
     if "head_dla" not in set(run.array_names()):
         return None
     values = np.asarray(run.array("head_dla")[seq, step], dtype=np.float32)  # [layer, q_head]
-    return {"layers": run.layers, "values": [[_clean(float(v)) for v in row] for row in values],
+    return {"layers": run.layers, "values": [[clean(float(v)) for v in row] for row in values],
             "target": "logit(chosen) - logit(runner-up)"}
 
 
 def step_detail(run: Run, seq: int, step: int) -> dict:
     """Everything the page shows for one selected token."""
-    _check_step(run, seq, step)
+    check_step(run, seq, step)
     if not (run.path / layout.TENSORS).exists():
         raise ArchiveError(f"run {run.id} wrote no tensors (capture: none): there is nothing to show per step")
     return {"sequence": seq, "step": step, "token": alternatives(run, seq, step),

@@ -56,12 +56,28 @@
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
   const WHITE = [247, 251, 255], MID = [107, 174, 214], DARK = [8, 48, 107];
-  // attention weight: white (0) → dark blue (1)
+  // attention weight: white (0) → dark blue (1); on the log scale 0.001 (and below) → 1
+  let logScale = false;
+  const LOG_DECADES = 3;
   function weightColour(w) {
-    const x = Math.max(0, Math.min(1, w || 0));
+    const v = w || 0;
+    const x = logScale ? (v <= 0 ? 0 : Math.max(0, Math.min(1, 1 + Math.log10(v) / LOG_DECADES)))
+      : Math.max(0, Math.min(1, v));
     const c = x < 0.5 ? mix(WHITE, MID, x / 0.5) : mix(MID, DARK, (x - 0.5) / 0.5);
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
+  function weightText(w) {
+    const v = w || 0;
+    const x = logScale ? (v <= 0 ? 0 : 1 + Math.log10(v) / LOG_DECADES) : v;
+    return x > 0.55 ? "#fff" : "#1b1f24";
+  }
+  // signed values (effects, attributions): orange (negative) → light → blue (positive), by |v| / max
+  function signedColour(v, max) {
+    const t = Math.min(1, Math.abs(v || 0) / (max || 1));
+    const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+  const absMax = (values) => Math.max(1e-12, ...values.filter((v) => v !== null && v !== undefined).map((v) => Math.abs(v)));
 
   // replaceChildren writes null as the text "null": leave absent parts out
   function put(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined && c !== false)); }
@@ -126,15 +142,32 @@
         body.replaceChildren(el("p", { class: "note", text: all.runs.length ? "no run matches" : `no runs in ${data.runs_dir}` }));
         return;
       }
-      const head = el("tr", {}, ...["run id", "kind", "status", "model", "sequences", "tokens", "parent", "children", "created"].map((h) =>
+      const head = el("tr", {}, el("th", { text: "" }), ...["run id", "kind", "status", "model", "sequences", "tokens", "parent", "children", "created"].map((h) =>
         el("th", { text: h, class: ["sequences", "tokens"].includes(h) ? "num" : null })));
+      const picked = [];
+      const compareBtn = el("button", { id: "compare-runs", disabled: "", text: "compare the two ticked runs" });
+      compareBtn.addEventListener("click", () => { location.hash = `#/compare/${enc(picked[0])}/${enc(picked[1])}`; });
+      const tick = (id, box) => {
+        const i = picked.indexOf(id);
+        if (box.checked && i < 0) picked.push(id);
+        if (!box.checked && i >= 0) picked.splice(i, 1);
+        while (picked.length > 2) {
+          const old = picked.shift();
+          const other = body.querySelector(`input.pick[data-run="${CSS.escape(old)}"]`);
+          if (other) other.checked = false;
+        }
+        compareBtn.disabled = picked.length !== 2;
+      };
       const rows = data.runs.map((r) => el("tr", { class: "run-row", data: { run: r.run_id } },
+        el("td", {}, el("input", { type: "checkbox", class: "pick", data: { run: r.run_id }, title: "tick two runs to compare them",
+          onchange: (e) => tick(r.run_id, e.target) })),
         el("td", {}, el("a", { href: `#/run/${enc(r.run_id)}`, text: r.run_id })),
         el("td", { text: r.kind || "–" }), statusCell(r), el("td", { text: r.model || "–" }),
         el("td", { class: "num", text: r.sequences ?? "–" }), el("td", { class: "num", text: r.tokens ?? "–" }),
         el("td", {}, r.parent_id ? el("a", { href: `#/run/${enc(r.parent_id)}`, text: r.parent_id }) : "–"),
         el("td", { text: r.children.length ? r.children.join(", ") : "–" }), el("td", { text: r.created || "–" })));
-      body.replaceChildren(el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+      body.replaceChildren(el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows)),
+        el("div", { class: "controls" }, compareBtn));
       if (data.runs.some((r) => String(r.status).startsWith("running"))) {
         refreshTimer = setTimeout(() => { if (gen === generation) load().catch((e) => showError(e, body)); }, 5000);
       }
@@ -149,6 +182,7 @@
       ["attention", info.attention || "not captured"], ["lens", info.lens], ["created", info.created]];
     const meta = el("div", { class: "meta" }, ...items.filter(([, v]) => v !== null && v !== undefined).map(([k, v]) =>
       el("span", {}, el("b", { text: `${k}: ` }), String(v))));
+    if (info.edits) meta.appendChild(el("span", {}, el("b", { text: "edits: " }), el("code", { id: "edits-label", text: info.edits.label || "–" })));
     if (info.parent_id) meta.appendChild(el("span", {}, el("b", { text: "parent: " }), el("a", { href: `#/run/${enc(info.parent_id)}`, text: info.parent_id })));
     return meta;
   }
@@ -200,6 +234,88 @@
       el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || "–" })));
     body.replaceChildren(pager, data.rows.length ? el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows))
       : el("p", { class: "note", text: "no sequence matches" }));
+    for (const sw of info.sweeps || []) {
+      const box = el("div", { class: "sweep", data: { sweep: sw.id } }, el("p", { class: "note", text: "loading…" }));
+      app.appendChild(box);
+      api(`${runUrl(runId)}/sweeps/${enc(sw.id)}`).then((d) => { if (gen === generation) sweepView(runId, d, box); })
+        .catch((e) => showError(e, box));
+    }
+  }
+
+  // ---- a sweep: one heatmap per metric, a cell's rows ----------------------------------------------
+  function sweepView(runId, d, box) {
+    const cellBox = el("div", { class: "sweep-cell" });
+    const figs = d.metrics.map((m) => {
+      const grid = m.dims.length === 1 ? [m.values] : m.values;
+      if (m.dims.length > 2) return el("p", { class: "note", text: `${m.metric}: ${m.dims.join(" × ")} cells; see sweep.parquet` });
+      const rowDim = m.dims.length === 1 ? null : m.dims[0], colDim = m.dims[m.dims.length - 1];
+      const max = absMax(grid.flat());
+      const head = el("tr", {}, el("th", { text: rowDim ? `${rowDim} \\ ${colDim}` : colDim }),
+        ...m.coords[colDim].map((c) => el("th", { text: String(c) })));
+      const rows = grid.map((row, i) => el("tr", {}, el("th", { text: rowDim ? `${rowDim} ${m.coords[rowDim][i]}` : "" }),
+        ...row.map((v, j) => {
+          const coords = rowDim ? { [rowDim]: m.coords[rowDim][i], [colDim]: m.coords[colDim][j] } : { [colDim]: m.coords[colDim][j] };
+          const td = el("td", { class: "cell", data: { value: v === null ? "" : v, ...coords },
+            title: `${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")}: mean effect ${v === null ? "not measured" : v}`,
+            style: { background: v === null ? "#eaeef2" : signedColour(v, max), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
+          v === null ? "–" : Number(v).toPrecision(3));
+          if (v !== null) td.addEventListener("click", () => {
+            for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
+            td.classList.add("picked");
+            loadSweepCell(runId, d.id, m.metric, coords, cellBox);
+          });
+          return td;
+        })));
+      return el("div", { class: "panel sweep-metric", data: { metric: m.metric } },
+        el("h3", { text: `${m.metric}` }), el("table", { class: "grid sweep-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    });
+    box.replaceChildren(el("h2", { text: `Sweep ${d.id}: ${d.over || "?"}, edit ${d.edit || "?"}` }),
+      el("p", { class: "note", text: `Each cell: its ${d.meaning} (effects.zarr; the terminal's ranking). Click a cell for its rows.` }),
+      el("div", { class: "sweep-figs" }, ...figs), cellBox);
+  }
+
+  async function loadSweepCell(runId, sweepId, metric, coords, box) {
+    box.replaceChildren(el("p", { class: "note", text: "loading…" }));
+    let c;
+    try {
+      c = await api(`${runUrl(runId)}/sweeps/${enc(sweepId)}/cell?${new URLSearchParams({ metric, ...coords })}`);
+    } catch (e) { showError(e, box); return; }
+    const max = absMax(c.rows.map((r) => r.effect));
+    box.replaceChildren(el("h3", { text: `cell (${c.component}) ${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")} · ${metric}: ${c.n_rows} (sequence, step) rows${c.rows.length < c.n_rows ? `, first ${c.rows.length} shown` : ""}` }),
+      el("table", { class: "list sweep-rows", data: { metric, ...coords } },
+        el("thead", {}, el("tr", {}, ...["sequence", "step", "token", "value", "baseline", "effect"].map((h) =>
+          el("th", { text: h, class: h === "token" ? null : "num" })))),
+        el("tbody", {}, ...c.rows.map((r) => el("tr", { data: { seq: r.sequence, step: r.step } },
+          el("td", { class: "num" }, el("a", { href: `#/run/${enc(runId)}/seq/${r.sequence}/step/${r.step}`, text: r.sequence })),
+          el("td", { class: "num", text: r.step }), el("td", { class: "mono", text: shown(r.token) }),
+          el("td", { class: "num", text: fmt(r.value, 4) }), el("td", { class: "num", text: fmt(r.baseline, 4) }),
+          el("td", { class: "num eff", text: fmt(r.effect, 4), style: { background: signedColour(r.effect, max) } }))))));
+  }
+
+  // ---- two runs compared -----------------------------------------------------------------------------
+  async function compareView(a, b, gen) {
+    setCrumbs({ text: "runs", href: "#/" }, { text: `compare ${a} · ${b}` });
+    app.replaceChildren(el("h1", { text: `${a} vs ${b}` }), el("p", { class: "note", text: "comparing… (reads both archives)" }));
+    const d = await api(`/api/compare?${new URLSearchParams({ a, b })}`);
+    if (gen !== generation) return;
+    const pairs = d.pairs.map((p) => {
+      const fd = p.first_divergence;
+      return el("tr", { class: "pair-row", data: { pair: p.pair, first: fd ? fd.step : "" } },
+        el("td", { class: "num", text: p.pair }),
+        el("td", { class: "num" }, el("a", { href: `#/run/${enc(a)}/seq/${p.seq_a}`, text: p.seq_a })),
+        el("td", { class: "num" }, el("a", { href: `#/run/${enc(b)}/seq/${p.seq_b}`, text: p.seq_b })),
+        el("td", { class: "num first", text: fd ? fd.step : "–" }), el("td", { text: fd ? `${fd.kind}: ${fd.explanation || ""}` : "none" }),
+        el("td", { class: "texts" }, el("span", { class: "common", text: shown(p.text.common) }),
+          el("div", { class: "side a" }, el("b", { text: "A: " }), el("span", { class: "rest", text: shown(p.text.a) })),
+          el("div", { class: "side b" }, el("b", { text: "B: " }), el("span", { class: "rest", text: shown(p.text.b) }))));
+    });
+    put(app, el("h1", { text: `${a} vs ${b}` }),
+      el("p", { class: d.identical ? "verdict same" : "verdict", id: "verdict", text: d.verdict }),
+      d.notes.length ? el("ul", { class: "note" }, ...d.notes.map((n) => el("li", { text: n }))) : null,
+      el("h2", { text: `Pairs (${d.n_pairs}, ${d.pairing.method})` }),
+      el("p", { class: "note", text: "The text both generated until the first divergence, then each run's own continuation." }),
+      el("table", { class: "list", id: "pairs" }, el("thead", {}, el("tr", {}, ...["pair", "A seq", "B seq", "first divergence", "why", "texts"].map((h) =>
+        el("th", { text: h })))), el("tbody", {}, ...pairs)));
   }
 
   // ---- one sequence: token strip and the selected step ----------------------------------------
@@ -211,6 +327,7 @@
       app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
       return;
     }
+    pickedHeads.length = 0; // another sequence: its own heads
     const steps = data.tokens.filter((t) => t.step !== null).map((t) => t.step);
     const strip = el("div", { class: "strip", id: "strip", tabindex: "0" }, ...data.tokens.map((t) => t.step === null
       ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
@@ -225,6 +342,12 @@
       info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: ${data.steps} committed step(s) shown.` }) : null,
       el("h2", { text: "Prompt" }), el("p", { class: "mono", id: "prompt", text: data.prompt ?? "" }),
       el("h2", { text: "Tokens" }), legend, strip, detail);
+    if (info.edits) {
+      const against = el("div", { class: "panel", id: "against-parent" }, el("p", { class: "note", text: "loading…" }));
+      app.insertBefore(against, detail);
+      api(`${runUrl(runId)}/sequences/${seq}/parent`).then((d) => { if (gen === generation) parentPanel(runId, seq, d, against); })
+        .catch((e) => showError(e, against));
+    }
 
     let current = null;
     function select(s, push = true) {
@@ -247,6 +370,28 @@
     else select(step !== null && steps.includes(step) ? step : steps[0], step !== null);
   }
 
+  function parentPanel(runId, seq, d, box) {
+    const max = absMax(d.rows.map((r) => r.logprob_shift));
+    const parentCell = (r) => d.parent_found && r.parent !== null
+      ? el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}/step/${r.step}`, text: shown(r.parent) }) : shown(r.parent ?? "–");
+    put(box, el("h2", {}, "Against its parent ", el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}`, text: d.parent_id })),
+      el("p", {}, el("b", { text: "edits: " }), el("code", { text: d.label || "–" }),
+        ` · mode ${d.mode}` + (d.first_edited_step !== null && d.first_edited_step !== undefined ? ` · first edited step ${d.first_edited_step}` : "")),
+      el("ul", { id: "interventions" }, ...d.interventions.map((e) => el("li", { class: "mono", text: JSON.stringify(e) }))),
+      d.parent_found ? null : el("p", { class: "note", text: `the parent ${d.parent_id} is not in this runs directory` }),
+      d.has_effects ? null : el("p", { class: "note", text: "this child has no effects.parquet (it was interrupted before finishing)" }),
+      el("p", { class: "note", text: "Rows where the tokens differ are marked. The logprob shift is the child's log-probability of the parent's token minus the parent's (effects.parquet), while the contexts are identical." }),
+      el("table", { class: "list", id: "parent-steps" },
+        el("thead", {}, el("tr", {}, ...["step", "parent", "child", "logprob shift", "KL top-k", "winner changed"].map((h) =>
+          el("th", { text: h, class: ["parent", "child"].includes(h) ? null : "num" })))),
+        el("tbody", {}, ...d.rows.map((r) => el("tr", { class: r.differs ? "differs" : null, data: { step: r.step } },
+          el("td", { class: "num", text: r.step }), el("td", { class: "mono parent" }, parentCell(r)),
+          el("td", { class: "mono child", text: shown(r.child ?? "–") }),
+          el("td", { class: "num shift", text: fmt(r.logprob_shift, 4), style: { background: r.logprob_shift === null ? null : signedColour(r.logprob_shift, max) } }),
+          el("td", { class: "num", text: fmt(r.kl_parent_child_topk, 4) }),
+          el("td", { class: "num", text: r.winner_changed === null ? "–" : r.winner_changed ? "yes" : "no" }))))));
+  }
+
   let stepRequest = 0;
   async function loadStep(runId, seq, step, info, detail, gen) {
     const mine = ++stepRequest;
@@ -260,7 +405,8 @@
     }
     if (mine !== stepRequest || gen !== generation) return;
     const left = el("div", {}, tokenPanel(d), lensPanel(d.lens));
-    const right = el("div", {}, attentionPanel(runId, d), d.head_dla ? dlaPanel(d.head_dla) : null);
+    const right = el("div", {}, attentionPanel(runId, d), d.head_dla ? dlaPanel(d.head_dla) : null,
+      d.attributions ? attributionPanel(d.attributions) : null);
     detail.replaceChildren(el("div", { class: "panels" }, left, right));
     detail.dataset.step = String(step);
     delete detail.dataset.loading;
@@ -293,28 +439,110 @@
     return box;
   }
 
+  // heads picked for their pattern over steps ("layer.head"), kept while moving between tokens of a sequence
+  const pickedHeads = [];
+  let gridView = "heads";
+
   function attentionPanel(runId, d) {
     const box = el("div", { class: "panel", id: "attention-panel" }, el("h2", { text: "Attention" }));
     const a = d.attention;
     if (!a) { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
-    box.appendChild(el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row.` }));
+    const views = el("select", { id: "grid-view" }, ...[["heads", "every head: its most-attended key"], ["mean", "mean over heads, every key"],
+      ["max", "max over heads, every key"]].map(([v, t]) => el("option", { value: v, text: t })));
+    views.value = gridView;
+    const logBox = el("input", { type: "checkbox", id: "log-scale" });
+    logBox.checked = logScale;
+    const gridBox = el("div", {});
+    const patterns = el("div", { id: "head-patterns" });
+    const draw = () => gridBox.replaceChildren(gridView === "heads" ? headsGrid(runId, d, box, patterns)
+      : overHeadsGrid(d.over_heads, gridView));
+    views.addEventListener("change", () => { gridView = views.value; draw(); });
+    logBox.addEventListener("change", () => {
+      logScale = logBox.checked;
+      draw();
+      for (const n of box.querySelectorAll("[data-w]")) {
+        const w = n.dataset.w === "" ? null : Number(n.dataset.w);
+        if (w !== null) { n.style.background = weightColour(w); n.style.color = weightText(w); }
+      }
+    });
+    box.appendChild(el("div", { class: "controls" }, views, el("label", {}, logBox, " log colour scale (0.001 – 1)")));
+    box.appendChild(gridBox);
+    draw();
+    box.appendChild(patterns);
+    for (const [layer, head] of pickedHeads) loadPattern(runId, d.sequence, d.step, layer, head, patterns, box);
+    return box;
+  }
+
+  function overHeadsGrid(o, which) {
+    if (!o) return el("p", { class: "note", text: "not available" });
+    const head = el("tr", {}, el("th", { text: "layer \\ key" }), ...o.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shown(k) })));
+    const rows = o[which].map((row, li) => el("tr", {}, el("th", { text: `L${o.layers[li]}` }),
+      ...row.map((w, k) => el("td", { class: "cell", data: { layer: o.layers[li], key: k, w: w ?? "" },
+        title: `layer ${o.layers[li]}, key ${k} ${JSON.stringify(o.keys[k])}: ${which} over heads ${fmt(w, 4)}`,
+        style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
+    return el("div", { class: "scroll" }, el("table", { class: "grid", id: `attention-${which}` }, el("thead", {}, head), el("tbody", {}, ...rows)));
+  }
+
+  function headsGrid(runId, d, box, patterns) {
+    const a = d.attention;
+    const wrap = el("div", {}, el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row and its pattern over every step.` }));
     const rowBox = el("div", { id: "head-row" });
     const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
     const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
       ...cells.map((c, h) => {
         const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight },
           title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}`,
-          style: { background: weightColour(c.weight), color: (c.weight || 0) > 0.55 ? "#fff" : "#1b1f24" } },
+          style: { background: weightColour(c.weight), color: weightText(c.weight) } },
         el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shown(c.text) }));
         td.addEventListener("click", () => {
           for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
           td.classList.add("picked");
           loadHeadRow(runId, d.sequence, d.step, a.layers[li], h, rowBox);
+          if (!pickedHeads.some(([l, x]) => l === a.layers[li] && x === h)) {
+            pickedHeads.push([a.layers[li], h]);
+            loadPattern(runId, d.sequence, d.step, a.layers[li], h, patterns, box);
+          }
         });
         return td;
       })));
-    box.appendChild(el("table", { class: "grid", id: "attention-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
-    box.appendChild(rowBox);
+    wrap.appendChild(el("table", { class: "grid", id: "attention-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    wrap.appendChild(rowBox);
+    return wrap;
+  }
+
+  async function loadPattern(runId, seq, step, layer, head, patterns, box) {
+    const holder = el("div", { class: "pattern", data: { layer, head } }, el("p", { class: "note", text: "loading…" }));
+    patterns.appendChild(holder);
+    let p;
+    try { p = await api(`${runUrl(runId)}/sequences/${seq}/attention/${layer}/${head}`); } catch (e) { showError(e, holder); return; }
+    const close = el("button", { class: "close", title: "stop showing this head", text: "×" });
+    close.addEventListener("click", () => {
+      const i = pickedHeads.findIndex(([l, x]) => l === layer && x === head);
+      if (i >= 0) pickedHeads.splice(i, 1);
+      holder.remove();
+    });
+    const headRow = el("tr", {}, el("th", { text: "step \\ key" }), ...p.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shown(k) })));
+    const rows = p.rows.map((row, s) => el("tr", { class: s === step ? "current" : null, data: { step: s } },
+      el("th", { class: "mono", title: `step ${s} chose ${JSON.stringify(p.chosen[s])}`, text: `${s}:${shown(p.chosen[s])}` }),
+      ...row.map((w, k) => w === null ? el("td", { class: "cell void" })
+        : el("td", { class: "cell", data: { key: k, w }, title: `step ${s}, key ${k} ${JSON.stringify(p.keys[k])}: ${fmt(w, 4)}`,
+          style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
+    holder.replaceChildren(el("h3", {}, `Layer ${layer}, head ${head}: attention over steps ${p.dense ? "" : "(top-k keys; others 0)"}`, close),
+      el("div", { class: "scroll" }, el("table", { class: "grid pattern-grid" }, el("thead", {}, headRow), el("tbody", {}, ...rows))));
+  }
+
+  function attributionPanel(groups) {
+    const box = el("div", { class: "panel", id: "attribution-panel" }, el("h2", { text: "Attributions (lmtrace explain)" }));
+    if (!groups.length) { box.appendChild(el("p", { class: "note", text: "no explain result for this step (`lmtrace explain RUN STEPS --sequence N`)" })); return box; }
+    for (const g of groups) {
+      const max = absMax(g.scores.map((x) => x.score));
+      box.appendChild(el("div", { class: "attribution", data: { method: g.method, explain: g.explain_id } },
+        el("h3", { text: `${g.method} · ${g.target || "–"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
+        el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
+          data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
+          style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
+        shown(x.text), el("small", { text: fmt(x.score, 3) }))))));
+    }
     return box;
   }
 
@@ -324,8 +552,8 @@
     try { r = await api(`${runUrl(runId)}/sequences/${seq}/steps/${step}/attention/${layer}/${head}`); } catch (e) { showError(e, box); return; }
     box.replaceChildren(el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
       el("div", { class: "row-keys", data: { layer, head } }, ...r.keys.map((k) => el("span", {
-        class: "tok key", data: { key: k.key, weight: k.weight }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
-        style: { background: weightColour(k.weight), color: (k.weight || 0) > 0.55 ? "#fff" : "#1b1f24" } },
+        class: "tok key", data: { key: k.key, weight: k.weight, w: k.weight ?? "" }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
+        style: { background: weightColour(k.weight), color: weightText(k.weight) } },
       shown(k.text), el("small", { text: fmt(k.weight) })))));
   }
 
@@ -351,7 +579,9 @@
     if (keyHandler) { document.removeEventListener("keydown", keyHandler); keyHandler = null; }
     const { parts, params } = parseHash();
     try {
-      if (parts[0] === "run" && parts.length >= 2) {
+      if (parts[0] === "compare" && parts.length >= 3) {
+        await compareView(parts[1], parts[2], gen);
+      } else if (parts[0] === "run" && parts.length >= 2) {
         const runId = parts[1];
         if (parts[2] === "seq" && parts.length >= 4) {
           const step = parts[4] === "step" && parts.length >= 6 ? Number(parts[5]) : null;

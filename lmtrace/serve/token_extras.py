@@ -1,0 +1,89 @@
+"""More of a selected token in `lmtrace serve`: the attention summarised over heads
+(`analysis.attention_heads`), one head's pattern over every step of a sequence, and the
+attributions `lmtrace explain` computed for that step (`archive.explanations.read_explanations`,
+read filtered to the sequence and step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..analysis.attention_heads import mean_max_over_heads
+from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
+from ..archive.reader import Run
+from .queries import NotFound, check_sequence, clean, key_texts, n_keys_of, steps_ready
+
+PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
+
+
+def _topk_dense(idx: np.ndarray, prob: np.ndarray, n_keys: int) -> np.ndarray:
+    """A top-k capture [..., k] scattered over n_keys keys, 0 where the run kept no weight
+    (the report draws top-k runs the same way)."""
+    dense = np.zeros(idx.shape[:-1] + (n_keys,), dtype=np.float32)
+    ok = (idx >= 0) & (idx < n_keys)
+    where = np.nonzero(ok)
+    dense[where[:-1] + (idx[ok],)] = prob[ok]
+    return dense
+
+
+def over_heads(run: Run, seq: int, step: int) -> dict | None:
+    """Per captured layer, each key's attention weight averaged and maximised over the query heads."""
+    names = set(run.array_names())
+    n_keys = n_keys_of(run, seq, step)
+    if "attn" in names:
+        rows = np.asarray(run.array("attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
+    elif "attn_topk_prob" in names:
+        rows = _topk_dense(np.asarray(run.array("attn_topk_idx")[seq, step]),
+                           np.asarray(run.array("attn_topk_prob")[seq, step], dtype=np.float32), n_keys)
+    else:
+        return None
+    mean, mx = mean_max_over_heads(rows)
+    as_list = lambda a: [[clean(float(v)) for v in row] for row in a]  # noqa: E731
+    return {"layers": run.layers, "keys": key_texts(run, seq, n_keys), "mean": as_list(mean), "max": as_list(mx)}
+
+
+def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
+    """One (layer, head)'s attention from each step's query over the keys: a row per committed step
+    (keys past a step's context are null). One slice of the array: [seq, steps, layer, head, keys]."""
+    check_sequence(run, seq)
+    if layer not in run.layers:
+        raise NotFound(f"layer {layer} was not captured in run {run.id} (captured: {run.layers})")
+    n_heads = run.shape.get("n_heads", 0)
+    if not 0 <= head < n_heads:
+        raise NotFound(f"run {run.id} has heads 0-{n_heads - 1}, not {head}")
+    li = run.layers.index(layer)
+    n = min(steps_ready(run, seq), PATTERN_STEPS)
+    if n == 0:
+        raise NotFound(f"sequence {seq} of run {run.id} has no committed step yet")
+    k_max = n_keys_of(run, seq, n - 1)
+    names = set(run.array_names())
+    if "attn" in names:
+        m = np.asarray(run.array("attn")[seq, :n, li, head, :k_max], dtype=np.float32)  # [step, key]
+    elif "attn_topk_prob" in names:
+        m = _topk_dense(np.asarray(run.array("attn_topk_idx")[seq, :n, li, head]),
+                        np.asarray(run.array("attn_topk_prob")[seq, :n, li, head], dtype=np.float32), k_max)
+    else:
+        raise NotFound(f"run {run.id} captured no attention")
+    prompt_len = n_keys_of(run, seq, 0)
+    texts = key_texts(run, seq, k_max + 1)
+    rows = [[clean(float(w)) for w in m[s, :prompt_len + s]] + [None] * (k_max - prompt_len - s) for s in range(n)]
+    return {"sequence": seq, "layer": layer, "head": head, "keys": texts[:k_max],
+            "steps": list(range(n)), "chosen": texts[prompt_len:prompt_len + n], "rows": rows,
+            "dense": "attn" in names}
+
+
+def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
+    """Every explain method's scores for (seq, step): one entry per (invocation, method, target), its
+    scores per context position. None when the run has no explanations."""
+    if not any((run.path / EXPLAIN_DIR / SCORES_PARTS).glob("*.parquet")):
+        return None
+    t = read_explanations(run, sequence=seq, step=step).sort_by(
+        [("explain_id", "ascending"), ("method", "ascending"), ("position", "ascending")])
+    groups: dict[tuple, dict] = {}
+    for r in t.to_pylist():
+        key = (r["explain_id"], r["method"], r["target"], r["quantity"])
+        g = groups.setdefault(key, {"explain_id": r["explain_id"], "method": r["method"], "target": r["target"],
+                                    "quantity": r["quantity"], "target_token_id": r["target_token_id"],
+                                    "runner_up_token_id": r["runner_up_token_id"], "scores": []})
+        g["scores"].append({"position": r["position"], "text": r["token_text"], "is_prompt": r["is_prompt"],
+                            "score": clean(r["score"])})
+    return list(groups.values())
