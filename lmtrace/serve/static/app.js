@@ -332,7 +332,7 @@
     const strip = el("div", { class: "strip", id: "strip", tabindex: "0" }, ...data.tokens.map((t) => t.step === null
       ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
       : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
-        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${t.rank ?? "–"} · entropy ${fmt(t.entropy)}`,
+        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${rank1(t.rank)} · entropy ${fmt(t.entropy)}`,
         style: { background: probColour(t.prob) }, onclick: () => select(t.step) })));
     const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
       ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
@@ -412,12 +412,15 @@
     delete detail.dataset.loading;
   }
 
+  // Ranks are stored 0-based (tokens.parquet, steps.parquet); shown from 1 like the alternatives, as `show` does.
+  function rank1(r) { return r == null ? "–" : String(r + 1); }
+
   function tokenPanel(d) {
     const t = d.token;
     if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
     const facts = el("table", { class: "list" }, el("tbody", {},
-      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank", t.rank ?? "–"],
-        ["entropy", fmt(t.entropy)], ["margin", fmt(t.margin)], ["greedy choice", t.greedy]].map(([k, v]) =>
+      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.rank)],
+        ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", t.greedy]].map(([k, v]) =>
         el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: v ?? "–" })))));
     const alts = el("table", { class: "list", id: "alternatives" },
       el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
@@ -432,10 +435,10 @@
     if (lens.state === "none") { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
     if (lens.state === "pending") { box.appendChild(el("p", { class: "note", text: lens.note })); return box; }
     box.appendChild(el("table", { class: "list", id: "lens" },
-      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank", "chosen p"].map((h) => el("th", { text: h })))),
+      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank (1 = top-1)", "chosen p"].map((h) => el("th", { text: h })))),
       el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
         el("td", { class: "mono", text: shown(r.top1) }), el("td", { class: "num", text: fmtP(r.top1_prob) }),
-        el("td", { class: "num", text: r.target_rank ?? "–" }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
+        el("td", { class: "num", text: rank1(r.target_rank) }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
     return box;
   }
 
