@@ -252,6 +252,44 @@ def test_a_chunk_that_does_not_decode_is_named(complete_runs, tmp_path):
         run.array("attn")[0, 0]
 
 
+def _flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # changed, same size: only hashing finds it
+    path.write_bytes(bytes(raw))
+
+
+def test_lens_refuses_a_changed_file_it_reads_and_never_launders_damage_elsewhere(complete_runs, tmp_path):
+    from lmtrace.archive.reader import lens_state
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    resid = _a_chunk(a, "resid")  # what the lens reads
+    _flip_a_byte(resid)
+    code, out, err = _cli(["lens", "a"], runs)
+    assert code == 2, (code, out, err)
+    assert err.strip() == f"error: run a is damaged: {resid.relative_to(a)} is changed; `lmtrace verify a`", err
+    assert lens_state(Run(a).manifest) == "pending"
+    code, out, _ = _cli(["verify", "a", "--json"], runs)
+    assert code == 2 and [p["path"] for p in json.loads(out)["problems"]] == [str(resid.relative_to(a))], out
+
+    b = _copy(complete_runs[0], tmp_path / "other")
+    attn = _a_chunk(b, "attn")  # a file the lens does not read: computed, and the damage stays on record
+    _flip_a_byte(attn)
+    code, out, err = _cli(["lens", "a"], tmp_path / "other")
+    assert code == 0, err
+    assert lens_state(Run(b).manifest) == "ready"
+    code, out, _ = _cli(["verify", "a", "--json"], tmp_path / "other")
+    report = json.loads(out)
+    assert code == 2 and [(p["path"], p["kind"]) for p in report["problems"]] == [(str(attn.relative_to(b)), "changed")]
+    assert report["files_checked"] > len(json.loads((a / "checksums.json").read_text())["files"])  # lens arrays too
+
+    c = _copy(complete_runs[0], tmp_path / "third")
+    _flip_a_byte(c / "steps.parquet")  # read and rewritten by the lens: checked while the lens is pending too
+    for args in (["lens", "a"], ["verify", "a"]):
+        code, out, err = _cli(args, tmp_path / "third")
+        assert code == 2 and "steps.parquet is changed" in err, (args, out, err)
+
+
 # ---- intervene: refused requests ----------------------------------------------------------------
 @pytest.mark.parametrize("args, says", [
     (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
@@ -506,10 +544,11 @@ def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(com
 
     runs = tmp_path / "runs"
     a = _copy(complete_runs[0], runs)
-    for point in ("lens-batch", "lens-checksums"):  # ("lens-written" lies between: the same state)
+    for point in ("lens-batch", "recording-replaced", "lens-checksums"):  # ("lens-written": as lens-batch)
         _killed_at(point, ["lens", a.name], runs)
-        run = Run(a)  # not damaged: the files the lens rewrites are not checked while it is pending
+        run = Run(a)  # not damaged: each file the lens rewrites matches the old record or the new one
         assert run.status == "complete" and lens_state(run.manifest) == "pending", point
+        assert _run(["verify", a.name], runs, quiet=False).returncode == 0, point
     out = _run(["lens", a.name], runs)
     assert out.returncode == 0, out.stderr
     assert _run(["verify", a.name], runs, quiet=False).returncode == 0

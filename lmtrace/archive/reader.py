@@ -26,10 +26,13 @@ class IncompleteRunWarning(UserWarning):
 class Run:
     """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
 
-    def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True):
+    def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True, consolidated: bool = True):
+        """`consolidated`: read a complete run's array metadata from the consolidated `tensors.zarr/zarr.json`
+        (one file); False reads each array's own (what `lmtrace lens` trusts: it regenerates the first)."""
         from .runs import read_manifest
 
         self.path = Path(path)
+        self.consolidated = consolidated
         self.manifest = read_manifest(self.path)
         if check:  # a complete run's committed files are all there, at their recorded sizes (stat only)
             problem = quick_problem(self.path, self.manifest)
@@ -112,7 +115,7 @@ class Run:
             raise ArchiveError(f"{path} is missing: the run wrote no tensors")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return zarr.open_group(str(path), mode="r", use_consolidated=self.status == "complete")
+            return zarr.open_group(str(path), mode="r", use_consolidated=self.consolidated and self.status == "complete")
 
     def array_names(self) -> list[str]:
         return sorted(self.tensors.array_keys())

@@ -39,9 +39,13 @@ STATUS_SLACK = 4096
 
 
 def atomic_write_json(path: Path, obj, slack: int = 0) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n" + " " * slack)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write-to-temp + fsync + rename: readers see the old file or the new one, never a part."""
     # a unique temporary name: several writers (shards, explain) may replace the same file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    text = json.dumps(obj, indent=2, default=str) + "\n" + " " * slack
     try:
         with tmp.open("w") as fh:
             fh.write(text)
