@@ -363,6 +363,64 @@ def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny
     assert not [p for p in runs.rglob("*.tmp")]
 
 
+def _fill(mount: Path, name: str, leave: int = 0) -> None:
+    """Fill the file system at `mount` with the file `name`, then free `leave` bytes of it again."""
+    fd = os.open(mount / name, os.O_WRONLY | os.O_CREAT)
+    try:
+        size = 1 << 20
+        while size:
+            try:
+                if os.write(fd, b"\0" * size) == 0:
+                    size //= 2
+            except OSError:
+                size //= 2
+        os.ftruncate(fd, max(os.fstat(fd).st_size - leave, 0))
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_in_lens_explain_and_sweep_is_one_line_naming_the_run_and_its_free_space(complete_runs,
+                                                                                              small_tmpfs):
+    from lmtrace.archive.reader import lens_state
+
+    runs = small_tmpfs / "runs"
+    a = _copy(complete_runs[0], runs)
+    _fill(small_tmpfs, "filler", leave=4096)  # room for the lens's lock file: it fails writing its arrays
+    for args in (["lens", "a"], ["explain", "a", "--steps", "0"], ["sweep", "a", "--over", "layers"]):
+        out = _run(args, runs, quiet=False)
+        line = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+        assert out.returncode == 1, (args, out.returncode, out.stderr[-2000:])
+        assert line.startswith(f"error: No space left on device writing {a}") and "bytes free there" in line, (args, line)
+        assert "internal error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+        manifest = json.loads((a / "manifest.json").read_text())
+        assert manifest["status"] == "complete" and lens_state(manifest) == "pending", args
+        assert not manifest.get("explain") and not manifest.get("sweeps"), args
+        _fill(small_tmpfs, f"filler-after-{args[0]}")  # whatever the failed command freed again
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    (small_tmpfs / "filler").unlink()
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
+def test_an_exceeded_quota_in_lens_is_one_line_naming_the_run(complete_runs, tmp_path, monkeypatch):
+    """The same mapping without a small file system (no root needed): the lens's first array write fails."""
+    import errno
+
+    import lmtrace.archive.writer as writer
+    from lmtrace.archive.reader import lens_state
+
+    def over_quota(*args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(writer, "create_array", over_quota)
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    code, out, err = _cli(["lens", "a", "-q"], runs)
+    assert code == 1, (code, out, err)
+    assert err.startswith(f"error: Disk quota exceeded writing {a}; ") and "bytes free there" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert lens_state(Run(a).manifest) == "pending" and Run(a).status == "complete"
+
+
 # ---- smaller promises -----------------------------------------------------------------------------
 def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
     import warnings

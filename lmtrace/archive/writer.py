@@ -73,7 +73,9 @@ def rewrite_in_place(path: Path, obj) -> None:
 
 
 def space_note(path: Path, err: OSError) -> str:
-    """'No space left on device writing PATH (N bytes free on that file system)' for an OSError."""
+    """'No space left on device writing PATH; N bytes free there' for an OSError."""
+    import errno
+
     target = getattr(err, "filename", None) or path
     probe = Path(target)
     while not probe.exists() and probe != probe.parent:
@@ -83,7 +85,9 @@ def space_note(path: Path, err: OSError) -> str:
         where = f"; {free} bytes free there"
     except OSError:
         where = ""
-    return f"{err.strerror or err} writing {target}{where}"
+    # (pyarrow's own words around the errno's are long: "Error writing bytes to file. Detail: ...")
+    reason = os.strerror(err.errno) if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or err
+    return f"{reason} writing {target}{where}"
 
 
 def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:

@@ -43,7 +43,34 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
-def _fail(err: BaseException) -> None:
+def _disk_full(err: BaseException) -> OSError | None:
+    """The no-space (ENOSPC) or over-quota (EDQUOT) OSError behind `err`: itself or one it was raised
+    from or while handling (a writer may wrap it), else None."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _run_dir(ref: str | None, runs_dir: str | None) -> Path:
+    """Where a command writes, for an error line: the run's directory, else the runs directory."""
+    from ..archive.runs import find_run, runs_root
+
+    root = runs_root(runs_dir)
+    try:
+        return find_run(ref, root) if ref else root
+    except LmtraceError:
+        return root
+
+
+def _fail(err: BaseException, where=None) -> None:
+    """Map an error to one `error:` line and the exit code. `where()`: the directory the command
+    writes into, named when the disk is full and the error does not say which file."""
     if isinstance(err, (SystemExit, typer.Exit)):  # e.g. rich's exit on a closed stdout pipe
         raise err
     if isinstance(err, BrokenPipeError):  # `lmtrace ls | head`: stdout went away, nothing to report
@@ -55,6 +82,13 @@ def _fail(err: BaseException) -> None:
     if isinstance(err, LmtraceError):
         typer.echo(f"error: {_one_line(err)}", err=True)
         raise typer.Exit(err.exit_code)
+    full = _disk_full(err)
+    if full is not None:  # the same line and exit code as a run that fails on a full disk
+        from ..archive.writer import space_note
+
+        target = where() if where is not None else _run_dir(None, None)
+        typer.echo(f"error: {space_note(target, full)}; free some space and run it again", err=True)
+        raise typer.Exit(EXIT_RUN_FAILED)
     if isinstance(err, KeyboardInterrupt):
         typer.echo("error: aborted by the user", err=True)
         raise typer.Exit(130)
@@ -199,7 +233,7 @@ def generate(
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(resume or run_id, runs_dir))
     reporter.stop()
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
                "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
@@ -357,7 +391,7 @@ def intervene(
         reporter.stop()
         if isinstance(err, typer.Exit):
             raise
-        _fail(err)
+        _fail(err, lambda: _run_dir(None, runs_dir) if runs_dir else _run_dir(run_ref, None).parent)
     reporter.stop()
     if json_out:
         typer.echo(json_line(summary))
@@ -400,7 +434,7 @@ def sweep(
                       quiet=quiet, note=reporter.message)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(run_ref, runs_dir))
     reporter.stop()
 
 
@@ -448,7 +482,7 @@ def explain(
                                           rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: _run_dir(run, runs_dir))
 
 
 @app.command()
@@ -466,6 +500,7 @@ def lens(
     from ..commands.lens import compute_lens
 
     reporter = _Reporter(quiet or json_out)
+    ref = runs[0]  # (the run being computed, named if the disk fills up)
     try:
         for ref in runs:
             with warnings.catch_warnings():  # an unfinished run is refused below, in one line
@@ -478,7 +513,7 @@ def lens(
                 typer.echo(f"{run.id}: {_lens_line(summary)}")
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(ref, runs_dir))
     reporter.stop()
 
 
@@ -498,7 +533,7 @@ def heads(
     try:
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or _run_dir(run, runs_dir))
 
 
 @app.command()
@@ -527,7 +562,7 @@ def compare(
                      json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
                      exact_steps=exact_steps, device=device)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or html_out or _run_dir(run_a, runs_dir))
 
 
 @app.command()
@@ -572,7 +607,7 @@ def report(
 
             raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or _run_dir(runs[0], runs_dir))
     if json_out:
         typer.echo(json_line(result.summary()))
     elif not quiet:
