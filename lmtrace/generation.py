@@ -31,7 +31,7 @@ from .capture.probes import Probes
 from .capture.sampling import Sampler
 from .capture.tracer import ForcedTokens, Tracer
 from .context_length import check_context, model_positions
-from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
+from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
 from .interrupts import StopFlag
 from .models import LoadedModel, check_run_model, load_model
 from .progress import Progress
@@ -228,6 +228,12 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                    root, resume, setup.loaded.tokenizer)
         # From here on the manifest exists: every failure is recorded in it (finish_failed).
         return _write_run(spec, run_id, rd, existing, setup, replay, progress, t_start)
+    except Interrupted as err:
+        if err.resumable or not (run_dir / layout.MANIFEST).is_file():
+            raise
+        # a signal outside the loop (starting, finishing): the run is recorded interrupted all the same
+        raise Interrupted(f"interrupted by {signal_name(err.signum)}: run {run_id} is recorded interrupted; resume "
+                          f"it with `lmtrace generate --resume {run_id}`", err.signum, resumable=True) from None
     finally:
         owner.release()
 
@@ -367,8 +373,9 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                                         forward_running=writer.forward_running())
             sink.flush()
             if outcome_.interrupted:
-                raise Interrupted(f"interrupted by signal {stop.signal} (batch of sequence {batch}); flushed "
-                                  f"steps are kept; resume with `lmtrace generate --resume {run_id}`")
+                raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
+                                  f"steps are kept; resume with `lmtrace generate --resume {run_id}`", stop.signal,
+                                  resumable=True)
             gen_len = np.asarray([len(x) for x in outcome_.generated], dtype=np.int32)
             for b, seq in enumerate(seq_ids):
                 texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)

@@ -160,6 +160,75 @@ def test_sigterm_while_loading_exits_3_and_writes_nothing(tmp_path, tiny_llama_d
     assert not (runs / "early" / "manifest.json").exists()
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has installed a SIGTERM handler (its SigCgt mask in /proc): lmtrace does so
+    as a command starts, so from then on the command is running."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def _sigterm_while_running(args, runs: Path, delay: float) -> tuple[int, str]:
+    """Start `lmtrace ARGS`, send SIGTERM `delay` s after the command started; (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not _catches_sigterm(proc.pid):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads SigCgt from /proc (Linux)")
+@pytest.mark.parametrize("args, delay", [
+    (["lens", "a", "-q"], 2.0),  # loading the model or computing
+    (["explain", "a", "--steps", "0", "-q"], 2.0),
+    (["heads", "a"], 1.0),
+    (["report", "a", "-q"], 0.2),
+    (["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid", "-q"], 2.0),  # loading: the child not yet created
+    (["sweep", "a", "--over", "heads", "-q"], 2.0),  # before its block loop
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp_path, args, delay):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    before = (a / "manifest.json").read_text()
+    code, err = _sigterm_while_running(args, runs, delay)
+    assert code == 3, (args, code, err[-2000:])
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: interrupted by signal 15 (SIGTERM)"), line
+    assert (a / "manifest.json").read_text() == before  # lens still pending, no explain or sweep recorded
+    assert not (a / "report.html").exists() and not (a / "analysis" / "heads.parquet").exists()
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    if (runs / "kid" / "manifest.json").is_file():  # (a child is recorded interrupted, never running)
+        assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "interrupted"
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
+def test_sigterm_while_an_intervene_child_is_written_records_it_interrupted(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=400, batch_size=1, temperature=0.0)
+    assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
+    proc = _start(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
+    beat = runs / "kid" / "heartbeats" / "shard-0-of-1.json"
+    deadline = time.time() + 120
+    while not beat.is_file():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: interrupted by signal 15 (SIGTERM)"), line
+    assert "lmtrace generate --resume kid" in line, line
+    assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "interrupted"
+
+
 # ---- damaged archives ---------------------------------------------------------------------------
 def _cli(args, runs: Path):
     from typer.testing import CliRunner

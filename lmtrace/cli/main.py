@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import EXIT_RUN_FAILED, LmtraceError
+from ..errors import EXIT_RUN_FAILED, Interrupted, LmtraceError
 from ..interrupts import interrupt_on_signals
 from ..jsonout import json_line
 from . import help_format
@@ -32,10 +32,12 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+def main(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
          version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
                                       help="Print the version and exit.")):
     _state["debug"] = debug
+    # every command, from its first line: SIGTERM/SIGINT exit 3 with one line, never die by the signal
+    ctx.call_on_close(interrupt_on_signals(ctx.invoked_subcommand))
 
 
 def _one_line(text: str) -> str:
@@ -79,7 +81,7 @@ def _fail(err: BaseException, where=None) -> None:
         raise typer.Exit(EXIT_RUN_FAILED)
     if _state["debug"]:
         raise err
-    if isinstance(err, LmtraceError):
+    if isinstance(err, (LmtraceError, Interrupted)):
         typer.echo(f"error: {_one_line(err)}", err=True)
         raise typer.Exit(err.exit_code)
     full = _disk_full(err)
@@ -179,7 +181,6 @@ def generate(
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
-        interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
             from ..archive.rundir import parse_shard
@@ -629,6 +630,9 @@ def run() -> None:
     except typer.Abort:
         typer.echo("error: aborted by the user", err=True)
         sys.exit(130)
+    except Interrupted as err:  # a signal before a command's own error mapping (its imports, say)
+        typer.echo(f"error: {_one_line(err)}", err=True)
+        sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001
         # click's exceptions (typer may vendor its own copy of click, so match them by shape, not class)
         if type(err).__name__ == "NoArgsIsHelpError":  # `lmtrace` alone: the help is already printed
