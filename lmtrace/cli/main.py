@@ -168,7 +168,8 @@ def generate(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: spec, $LMTRACE_RUNS_DIR, ./runs)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: generated, sortable). An existing "
                                          "unfinished run with the same spec is resumed."),
-    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run "
+                                         "(an intervene child too: its edits are replayed from its parent)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the run id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
@@ -186,11 +187,13 @@ def generate(
             from ..archive.rundir import parse_shard
 
             shard_obj, slurm_run_id = parse_shard(shard)
+        child = False  # an intervene child being resumed: its edits are replayed from its parent
         if resume:
-            from ..commands.resume import spec_for_resume
+            from ..commands.resume import run_kind, spec_for_resume
 
             spec, text = spec_for_resume(resume, runs_dir, set_)
             run_id = spec.output.run_id
+            child = run_kind(resume, runs_dir) == "intervene"
         else:
             if spec_path is None:
                 from ..errors import SpecError
@@ -206,7 +209,8 @@ def generate(
                             "slurm-<SLURM_ARRAY_JOB_ID>)")
         from ..commands.validate import preflight
 
-        preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
+        if not child:  # (a child's prompts are its parent's archived ones)
+            preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
         from ..generation import run_generate
@@ -223,9 +227,16 @@ def generate(
                 raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
                                 "capture: none); drop --lens or enable the lens")
             lens = False  # an inline lens is computed during generation anyway
-        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume))
-        result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
-                              progress=Progress(reporter.start, reporter.advance, reporter.message))
+        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume),
+                     kind="intervene" if child else "generate")
+        progress = Progress(reporter.start, reporter.advance, reporter.message)
+        if child:
+            from ..commands.intervene import resume_child
+
+            result, _ = resume_child(resume, runs_dir, progress=progress)
+        else:
+            result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
+                                  progress=progress)
         reporter.stop()
         lens_summary = None
         if lens:

@@ -41,10 +41,11 @@ def _shards_done(path, m: dict) -> str | None:
 
 def run_summary(path) -> dict:
     from ..archive.integrity import quick_problem
+    from ..archive.liveness import shown_status
 
     m = read_manifest(path)
     shards = _shards_done(path, m)
-    status = m.get("status")
+    status = shown_status(path, m)  # `killed`: says running, but no live process writes it
     problem = quick_problem(path, m)
     if problem is not None:  # a complete run with a missing or truncated file (`lmtrace verify` says which)
         status = "damaged"
@@ -229,7 +230,7 @@ def _print_header(run, summary: dict, console: Console) -> None:
 
     m = run.manifest
     model = m.get("model") or {}
-    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(run.status))}  "
+    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(summary['status']))}  "
                   f"created: {escape(str(m.get('created')))}")
     console.print(escape(f"model: {model.get('reference')} ({model.get('class')}, {m.get('dtype')} on {m.get('device')}, "
                          f"attention kernel {(m.get('attention') or {}).get('kernel')})"))
