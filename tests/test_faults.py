@@ -379,6 +379,35 @@ def test_intervene_refuses_no_op_and_contradictory_requests(complete_runs, tmp_p
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before  # nothing written, nothing touched
 
 
+@pytest.mark.parametrize("status, shown", [("interrupted", "interrupted"), ("running", "killed")])
+def test_intervene_and_sweep_on_an_unfinished_run_say_how_to_finish_it(complete_runs, tmp_path, status, shown):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    manifest = json.loads((a / "manifest.json").read_text())
+    (a / "manifest.json").write_text(json.dumps({**manifest, "status": status}))  # (nobody writes it)
+    expected = (f"error: run a is {shown}, not complete: finish it first with `lmtrace generate --resume a`, "
+                f"then run this again")
+    for args in (["intervene", "a", "--ablate-head", "0.0"], ["sweep", "a", "--over", "heads"]):
+        code, out, err = _cli(args, runs)
+        assert code == 2 and err.strip() == expected, (args, code, err)
+
+
+def test_intervene_on_a_run_still_being_written_says_to_wait(complete_runs, tmp_path):
+    from lmtrace.archive.liveness import OwnerLock
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    manifest = json.loads((a / "manifest.json").read_text())
+    (a / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+    owner = OwnerLock(a, "shard-0-of-1", "a").acquire()  # a live writer
+    try:
+        code, out, err = _cli(["intervene", "a", "--ablate-head", "0.0"], runs)
+    finally:
+        owner.release()
+    assert code == 2 and err.strip() == ("error: run a is running, not complete: wait until it completes "
+                                         "(`lmtrace ls` shows its status)"), err
+
+
 def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_path):
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)

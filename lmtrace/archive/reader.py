@@ -39,10 +39,20 @@ class Run:
             if problem is not None:
                 raise ArchiveError(damaged_message(self.id, problem))
         if self.status != "complete":
-            msg = f"run {self.id} is {self.status}, not complete: only committed steps are readable"
             if require_complete:
-                raise ArchiveError(msg + " (pass allow_incomplete / --allow-incomplete to read it anyway)")
-            warnings.warn(msg, IncompleteRunWarning, stacklevel=2)
+                raise ArchiveError(self._not_complete())
+            warnings.warn(f"run {self.id} is {self.status}, not complete: only committed steps are readable",
+                          IncompleteRunWarning, stacklevel=2)
+
+    def _not_complete(self) -> str:
+        """Why a command that needs a complete run refuses this one, and what finishes it."""
+        from .liveness import shown_status
+
+        status = shown_status(self.path, self.manifest)
+        if status == "running":
+            return f"run {self.id} is running, not complete: wait until it completes (`lmtrace ls` shows its status)"
+        return (f"run {self.id} is {status}, not complete: finish it first with `lmtrace generate --resume {self.id}`, "
+                f"then run this again")
 
     # ---- manifest ----------------------------------------------------------------------------
     @property
