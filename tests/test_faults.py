@@ -46,6 +46,14 @@ def _run(args, runs: Path, timeout=300, quiet=True, **env) -> subprocess.Complet
                           env=_env(runs, **env), capture_output=True, text=True, timeout=timeout)
 
 
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `path` exists (a heartbeat: the process is in its generation loop); fails if it ends first."""
+    deadline = time.time() + timeout
+    while not path.is_file():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+
+
 def _race(args_a, args_b, runs: Path, pause: float = 4.0) -> list[subprocess.Popen]:
     """Two processes started together, each pausing `pause` s once it has created (or reopened) the run."""
     procs = [_start(args, runs, LMTRACE_TEST_PAUSE_AFTER_CREATE=str(pause)) for args in (args_a, args_b)]
@@ -74,11 +82,7 @@ def test_two_writers_of_one_run_id_exactly_one_writes_and_the_archive_is_one_run
                                  ["generate", str(spec), "--run-id", "race"], runs))
     # two resumers of an interrupted run: the same
     killed = _start(["generate", str(spec), "--run-id", "resumed", "--set", "generation.max_new_tokens=400"], runs)
-    beat = runs / "resumed" / "heartbeats" / "shard-0-of-1.json"
-    deadline = time.time() + 120
-    while not beat.is_file():
-        assert time.time() < deadline and killed.poll() is None, killed.communicate()
-        time.sleep(0.02)
+    _wait_for(runs / "resumed" / "heartbeats" / "shard-0-of-1.json", killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     _one_wrote_one_refused(_race(["generate", "--resume", "resumed"], ["generate", "--resume", "resumed"], runs))
@@ -215,11 +219,7 @@ def test_sigterm_while_an_intervene_child_is_written_records_it_interrupted(tmp_
     spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=400, batch_size=1, temperature=0.0)
     assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
     proc = _start(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
-    beat = runs / "kid" / "heartbeats" / "shard-0-of-1.json"
-    deadline = time.time() + 120
-    while not beat.is_file():
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
+    _wait_for(runs / "kid" / "heartbeats" / "shard-0-of-1.json", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
@@ -622,11 +622,7 @@ def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, lo
     runs = tmp_path / "runs"
     spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000, batch_size=1, eos_token_id=[])
     proc = _start(["generate", str(spec), "--run-id", "huge"], runs)
-    beat = runs / "huge" / "heartbeats" / "shard-0-of-1.json"
-    deadline = time.time() + 120
-    while not beat.is_file():
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    _wait_for(runs / "huge" / "heartbeats" / "shard-0-of-1.json", proc)
     time.sleep(1)  # into the loop
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
