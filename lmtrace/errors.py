@@ -4,7 +4,7 @@ Exit codes (also in the README):
   0  success
   1  the run failed (model could not be loaded, generation or writing failed)
   2  bad usage or bad spec (malformed YAML, unknown key, wrong type, missing file, unknown run)
-  3  the run was interrupted by SIGINT/SIGTERM and can be resumed
+  3  interrupted by SIGINT/SIGTERM: a run can be resumed; any other command recorded nothing as done
   4  this shard finished, but another shard of the run failed or was interrupted (resume that one)
 """
 
@@ -47,5 +47,25 @@ class ArchiveError(LmtraceError):
     exit_code = EXIT_USAGE
 
 
-class Interrupted(LmtraceError):
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM stopped the command: `str(err)` is the one line shown, exit 3.
+
+    Not an `Exception` (like KeyboardInterrupt): the signal handler raises it wherever the command
+    happens to be, also inside a `try: ... except Exception` that turns a library's failure into
+    a one-line error, which must not turn a signal into a failure."""
+
     exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, message: str, signum: int | None = None, resumable: bool = False):
+        super().__init__(message)
+        self.signum = signum
+        self.resumable = resumable  # the message already says how to continue
+
+
+def signal_name(signum: int | None) -> str:
+    import signal
+
+    try:
+        return f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"

@@ -31,7 +31,7 @@ from .capture.probes import Probes
 from .capture.sampling import Sampler
 from .capture.tracer import ForcedTokens, Tracer
 from .context_length import check_context, model_positions
-from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError
+from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
 from .interrupts import StopFlag
 from .models import LoadedModel, check_run_model, load_model
 from .progress import Progress
@@ -84,8 +84,24 @@ class Replay:
     observer: object | None = None  # extra StepSink fed every step (e.g. the effects table)
     manifest_extra: dict = field(default_factory=dict)
     finalize: Callable[[Path], None] | None = None  # writes extra files before the run is completed
+    batch_done: Callable[[Path, int], None] | None = None  # a batch's steps all seen (before it is committed)
     on_model: Callable[[object], None] | None = None  # receives the adapter once the model is loaded
     parent: tuple[str, dict] | None = None  # (run id, manifest) of the replayed run: its model must be unchanged
+
+
+class _ResumedReplay:
+    """A replay's teacher in a batch resumed at step `upto`: below it the run's own archived tokens
+    (what it chose then: sampled ones too, as a generate resume forces them), from it on the
+    replay's forcing; the replay's reference tokens (the effects' parent tokens) throughout."""
+
+    def __init__(self, archived: ForcedTokens, teacher, upto: int):
+        self.archived, self.teacher, self.upto = archived, teacher, upto
+
+    def forced(self, seq_ids, step):
+        return self.archived.forced(seq_ids, step) if step < self.upto else self.teacher.forced(seq_ids, step)
+
+    def reference(self, seq_ids, step):
+        return self.teacher.reference(seq_ids, step)
 
 
 class _Tee:
@@ -219,7 +235,9 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     t_start = time.time()
     root = runs_root(runs_dir_flag, spec.output.runs_dir)
     setup = prepare(spec, replay, progress)
-    run_id, run_dir, existing, owner = open_run_dir(root, spec, shard, resume, fresh=replay is not None)
+    kind = replay.manifest_extra.get("kind", "generate") if replay is not None else "generate"
+    run_id, run_dir, existing, owner = open_run_dir(root, spec, shard, resume, fresh=replay is not None and not resume,
+                                                    kind=kind)
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
@@ -228,6 +246,12 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                    root, resume, setup.loaded.tokenizer)
         # From here on the manifest exists: every failure is recorded in it (finish_failed).
         return _write_run(spec, run_id, rd, existing, setup, replay, progress, t_start)
+    except Interrupted as err:
+        if err.resumable or not (run_dir / layout.MANIFEST).is_file():
+            raise
+        # a signal outside the loop (starting, finishing): the run is recorded interrupted all the same
+        raise Interrupted(f"interrupted by {signal_name(err.signum)}: run {run_id} is recorded interrupted; resume "
+                          f"it with `lmtrace generate --resume {run_id}`", err.signum, resumable=True) from None
     finally:
         owner.release()
 
@@ -361,14 +385,19 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                 log.event("resume_batch", batch=batch, from_step=committed)
                 teacher = ForcedTokens(archived_tokens(rd.path, seq_ids, committed), committed)
             if replay is not None:
-                teacher, edits = replay.teacher, replay.edits
+                if replay.teacher is not None:
+                    teacher = replay.teacher if teacher is None else _ResumedReplay(teacher, replay.teacher, committed)
+                edits = replay.edits
                 feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
             outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop, teacher=teacher, edits=edits,
                                         forward_running=writer.forward_running())
             sink.flush()
             if outcome_.interrupted:
-                raise Interrupted(f"interrupted by signal {stop.signal} (batch of sequence {batch}); flushed "
-                                  f"steps are kept; resume with `lmtrace generate --resume {run_id}`")
+                raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
+                                  f"steps are kept; resume with `lmtrace generate --resume {run_id}`", stop.signal,
+                                  resumable=True)
+            if replay is not None and replay.batch_done is not None:
+                replay.batch_done(rd.path, batch)
             gen_len = np.asarray([len(x) for x in outcome_.generated], dtype=np.int32)
             for b, seq in enumerate(seq_ids):
                 texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)

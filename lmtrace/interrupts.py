@@ -9,19 +9,43 @@ from __future__ import annotations
 import signal
 from contextlib import contextmanager
 
-from .errors import Interrupted
+from .errors import Interrupted, signal_name
 
 
-def interrupt_on_signals() -> None:
+def interrupt_on_signals(command: str | None = None):
     """SIGINT/SIGTERM from now on raise `Interrupted` (exit 3), until a loop installs its own StopFlag.
 
-    Nothing has been written by then, or the run is recorded `interrupted` (generation._start_run)."""
+    Installed for every command as it starts (cli.main's callback). Whatever the command was writing
+    is then either in place or not (every file is written to a temporary name and renamed), and
+    nothing is recorded as done that is not: a run whose manifest exists is recorded `interrupted`
+    (generation._write_run), a lens stays pending. While the command cleans up, a second SIGTERM is
+    ignored; a second SIGINT aborts at once (KeyboardInterrupt, exit 130).
+
+    Returns a function that puts the previous handlers back (a command run in-process, by a test or
+    a notebook, leaves its caller's handlers as they were). Outside the main thread, where Python
+    cannot install handlers, it changes nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    what = f"`lmtrace {command}`" if command else "the command"
 
     def handler(signum, frame):
-        raise Interrupted(f"interrupted by signal {signum} outside the generation loop (loading, starting or finishing)")
+        if handler.raised:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        handler.raised = True
+        raise Interrupted(f"interrupted by {signal_name(signum)}: {what} stopped before it finished and "
+                          f"recorded nothing as done; run it again", signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+    handler.raised = False
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+    return restore
 
 
 class StopFlag:

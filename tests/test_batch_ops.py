@@ -211,3 +211,52 @@ def test_a_shard_finishing_after_another_failed_exits_4(tmp_path, tiny_llama_dir
     assert short.returncode == 4, short.stderr
     assert "shard-1-of-2" in short.stderr and short.stderr.strip().startswith("error:")
     assert json.loads((runs / "partial" / "manifest.json").read_text())["status"] != "complete"
+
+
+def test_a_sigkilled_intervene_child_shows_killed_and_resumes_equal_to_an_uninterrupted_child(tmp_path, tiny_llama_dir):
+    """SIGKILL a child after its first batch finished and while the second is part-committed: `ls` and
+    `show` say killed (nobody writes it), `generate --resume` skips the finished batch, continues the
+    other from its last block, and the child equals one written without interruption, effects too."""
+    import pandas as pd
+
+    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=64, batch_size=1, eos_token_id=[])
+    runs = tmp_path / "runs"
+    assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
+    edits = ["--ablate-head", "1.1", "--mode", "regenerate", "--from-step", "3"]
+    proc = _start(["intervene", "parent", *edits, "--run-id", "kid"], runs)
+    deadline, batches = time.time() + 300, {}
+    while not (batches.get("0", {}).get("done") and 8 <= batches.get("1", {}).get("committed_steps", 0)
+               and not batches["1"].get("done")):
+        assert time.time() < deadline and proc.poll() is None, (batches, proc.communicate())
+        try:
+            batches = json.loads((runs / "kid" / "progress" / "shard-0-of-1.json").read_text())["batches"]
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "running"  # what it last wrote
+    env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
+    view = lambda *args: json.loads(subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "--json"], env=env,  # noqa: E731
+                                                   capture_output=True, text=True, timeout=120, check=True).stdout)
+    listed = {r["run_id"]: r["status"] for r in view("ls")}
+    assert listed == {"parent": "complete", "kid": "killed"}, listed
+    assert view("show", "kid")["status"] == "killed"
+
+    resumed = _run(["generate", "--resume", "kid"], runs)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip() == "kid"
+    log = [json.loads(line) for line in (runs / "kid" / "log.jsonl").read_text().splitlines()]
+    assert [e["from_step"] for e in log if e["event"] == "resume_batch"] == [batches["1"]["committed_steps"]]
+    assert [e["batch"] for e in log if e["event"] == "batch_done"] == [0, 1, 2]  # batch 0 once: skipped on resume
+    uninterrupted = _run(["intervene", "parent", *edits, "--run-id", "ref"], runs)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    kid, ref = Run(runs / "kid"), Run(runs / "ref")
+    assert kid.status == "complete" and kid.manifest["kind"] == "intervene"
+    assert_same_archive(ref, kid)
+    parent_tokens = Run(runs / "parent").tokens().to_pandas()
+    assert not kid.tokens().to_pandas().token_id.equals(parent_tokens.token_id)  # the edit changed the text
+    pd.testing.assert_frame_equal(pd.read_parquet(runs / "kid" / "effects.parquet"),
+                                  pd.read_parquet(runs / "ref" / "effects.parquet"), check_exact=True)
+    assert not (runs / "kid" / "effects.parts").exists()
+    assert view("verify", "kid")["ok"] is True

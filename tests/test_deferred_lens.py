@@ -205,12 +205,11 @@ def test_a_rerun_after_an_interrupted_lens_recomputes_all_of_it(runs, tmp_path):
     compute_lens(done)
     done = Run(done.path)
     # what a kill after the arrays and steps.parquet were written, but before the manifest, leaves,
-    # with every block of real steps and the lens columns damaged: the manifest says pending, so
+    # with every block of real steps and the lens columns wrong: the manifest says pending, so
     # everything is recomputed (blocks wholly past a sequence's end are never written: fill values)
     broken = _copy(done, tmp_path / "broken")
     manifest = json.loads((broken.path / "manifest.json").read_text())
     manifest["lens"]["computed"] = None
-    (broken.path / "manifest.json").write_text(json.dumps(manifest))
     group = zarr.open_group(str(broken.path / "tensors.zarr"), mode="a")
     chunk = manifest["spec_resolved"]["output"]["chunk_steps"]
     for seq, n in enumerate(done.generated_len()):
@@ -220,6 +219,13 @@ def test_a_rerun_after_an_interrupted_lens_recomputes_all_of_it(runs, tmp_path):
     steps = pq.read_table(broken.path / "steps.parquet")
     steps = steps.set_column(steps.schema.get_field_index("lens_margin"), "lens_margin", steps.column("resid_norm"))
     pq.write_table(steps, broken.path / "steps.parquet")
+    # the interrupted lens noted the steps.parquet it was replacing the recorded one with
+    import hashlib
+
+    new_steps = (broken.path / "steps.parquet").read_bytes()
+    manifest["checksums_recording"] = {"sha256": manifest["checksums"]["sha256"],
+                                       "files": {"steps.parquet": [len(new_steps), hashlib.sha256(new_steps).hexdigest()]}}
+    (broken.path / "manifest.json").write_text(json.dumps(manifest))
     assert not _steps(Run(broken.path)).lens_margin.equals(_steps(done).lens_margin)
     assert compute_lens(Run(broken.path))["computed"] is True
     broken = Run(broken.path)

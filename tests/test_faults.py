@@ -46,6 +46,14 @@ def _run(args, runs: Path, timeout=300, quiet=True, **env) -> subprocess.Complet
                           env=_env(runs, **env), capture_output=True, text=True, timeout=timeout)
 
 
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `path` exists (a heartbeat: the process is in its generation loop); fails if it ends first."""
+    deadline = time.time() + timeout
+    while not path.is_file():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+
+
 def _race(args_a, args_b, runs: Path, pause: float = 4.0) -> list[subprocess.Popen]:
     """Two processes started together, each pausing `pause` s once it has created (or reopened) the run."""
     procs = [_start(args, runs, LMTRACE_TEST_PAUSE_AFTER_CREATE=str(pause)) for args in (args_a, args_b)]
@@ -74,11 +82,7 @@ def test_two_writers_of_one_run_id_exactly_one_writes_and_the_archive_is_one_run
                                  ["generate", str(spec), "--run-id", "race"], runs))
     # two resumers of an interrupted run: the same
     killed = _start(["generate", str(spec), "--run-id", "resumed", "--set", "generation.max_new_tokens=400"], runs)
-    beat = runs / "resumed" / "heartbeats" / "shard-0-of-1.json"
-    deadline = time.time() + 120
-    while not beat.is_file():
-        assert time.time() < deadline and killed.poll() is None, killed.communicate()
-        time.sleep(0.02)
+    _wait_for(runs / "resumed" / "heartbeats" / "shard-0-of-1.json", killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     _one_wrote_one_refused(_race(["generate", "--resume", "resumed"], ["generate", "--resume", "resumed"], runs))
@@ -158,6 +162,71 @@ def test_sigterm_while_loading_exits_3_and_writes_nothing(tmp_path, tiny_llama_d
     assert proc.returncode == 3, err
     assert err.strip().startswith("error: interrupted by signal 15") and "Traceback" not in err, err
     assert not (runs / "early" / "manifest.json").exists()
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has installed a SIGTERM handler (its SigCgt mask in /proc): lmtrace does so
+    as a command starts, so from then on the command is running."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def _sigterm_while_running(args, runs: Path, delay: float) -> tuple[int, str]:
+    """Start `lmtrace ARGS`, send SIGTERM `delay` s after the command started; (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not _catches_sigterm(proc.pid):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads SigCgt from /proc (Linux)")
+@pytest.mark.parametrize("args, delay", [
+    (["lens", "a", "-q"], 2.0),  # loading the model or computing
+    (["explain", "a", "--steps", "0", "-q"], 2.0),
+    (["heads", "a"], 1.0),
+    (["report", "a", "-q"], 0.2),
+    (["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid", "-q"], 2.0),  # loading: the child not yet created
+    (["sweep", "a", "--over", "heads", "-q"], 2.0),  # before its block loop
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp_path, args, delay):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    before = (a / "manifest.json").read_text()
+    code, err = _sigterm_while_running(args, runs, delay)
+    assert code == 3, (args, code, err[-2000:])
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: interrupted by signal 15 (SIGTERM)"), line
+    assert (a / "manifest.json").read_text() == before  # lens still pending, no explain or sweep recorded
+    assert not (a / "report.html").exists() and not (a / "analysis" / "heads.parquet").exists()
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    if (runs / "kid" / "manifest.json").is_file():  # (a child is recorded interrupted, never running)
+        assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "interrupted"
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
+def test_sigterm_while_an_intervene_child_is_written_records_it_interrupted(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=400, batch_size=1, temperature=0.0)
+    assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
+    proc = _start(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
+    _wait_for(runs / "kid" / "heartbeats" / "shard-0-of-1.json", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("error: interrupted by signal 15 (SIGTERM)"), line
+    assert "lmtrace generate --resume kid" in line, line
+    assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "interrupted"
 
 
 # ---- damaged archives ---------------------------------------------------------------------------
@@ -252,6 +321,44 @@ def test_a_chunk_that_does_not_decode_is_named(complete_runs, tmp_path):
         run.array("attn")[0, 0]
 
 
+def _flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # changed, same size: only hashing finds it
+    path.write_bytes(bytes(raw))
+
+
+def test_lens_refuses_a_changed_file_it_reads_and_never_launders_damage_elsewhere(complete_runs, tmp_path):
+    from lmtrace.archive.reader import lens_state
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    resid = _a_chunk(a, "resid")  # what the lens reads
+    _flip_a_byte(resid)
+    code, out, err = _cli(["lens", "a"], runs)
+    assert code == 2, (code, out, err)
+    assert err.strip() == f"error: run a is damaged: {resid.relative_to(a)} is changed; `lmtrace verify a`", err
+    assert lens_state(Run(a).manifest) == "pending"
+    code, out, _ = _cli(["verify", "a", "--json"], runs)
+    assert code == 2 and [p["path"] for p in json.loads(out)["problems"]] == [str(resid.relative_to(a))], out
+
+    b = _copy(complete_runs[0], tmp_path / "other")
+    attn = _a_chunk(b, "attn")  # a file the lens does not read: computed, and the damage stays on record
+    _flip_a_byte(attn)
+    code, out, err = _cli(["lens", "a"], tmp_path / "other")
+    assert code == 0, err
+    assert lens_state(Run(b).manifest) == "ready"
+    code, out, _ = _cli(["verify", "a", "--json"], tmp_path / "other")
+    report = json.loads(out)
+    assert code == 2 and [(p["path"], p["kind"]) for p in report["problems"]] == [(str(attn.relative_to(b)), "changed")]
+    assert report["files_checked"] > len(json.loads((a / "checksums.json").read_text())["files"])  # lens arrays too
+
+    c = _copy(complete_runs[0], tmp_path / "third")
+    _flip_a_byte(c / "steps.parquet")  # read and rewritten by the lens: checked while the lens is pending too
+    for args in (["lens", "a"], ["verify", "a"]):
+        code, out, err = _cli(args, tmp_path / "third")
+        assert code == 2 and "steps.parquet is changed" in err, (args, out, err)
+
+
 # ---- intervene: refused requests ----------------------------------------------------------------
 @pytest.mark.parametrize("args, says", [
     (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
@@ -270,6 +377,35 @@ def test_intervene_refuses_no_op_and_contradictory_requests(complete_runs, tmp_p
     assert code == 2, (code, out, err)
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before  # nothing written, nothing touched
+
+
+@pytest.mark.parametrize("status, shown", [("interrupted", "interrupted"), ("running", "killed")])
+def test_intervene_and_sweep_on_an_unfinished_run_say_how_to_finish_it(complete_runs, tmp_path, status, shown):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    manifest = json.loads((a / "manifest.json").read_text())
+    (a / "manifest.json").write_text(json.dumps({**manifest, "status": status}))  # (nobody writes it)
+    expected = (f"error: run a is {shown}, not complete: finish it first with `lmtrace generate --resume a`, "
+                f"then run this again")
+    for args in (["intervene", "a", "--ablate-head", "0.0"], ["sweep", "a", "--over", "heads"]):
+        code, out, err = _cli(args, runs)
+        assert code == 2 and err.strip() == expected, (args, code, err)
+
+
+def test_intervene_on_a_run_still_being_written_says_to_wait(complete_runs, tmp_path):
+    from lmtrace.archive.liveness import OwnerLock
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    manifest = json.loads((a / "manifest.json").read_text())
+    (a / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+    owner = OwnerLock(a, "shard-0-of-1", "a").acquire()  # a live writer
+    try:
+        code, out, err = _cli(["intervene", "a", "--ablate-head", "0.0"], runs)
+    finally:
+        owner.release()
+    assert code == 2 and err.strip() == ("error: run a is running, not complete: wait until it completes "
+                                         "(`lmtrace ls` shows its status)"), err
 
 
 def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_path):
@@ -323,6 +459,64 @@ def test_a_full_disk_fails_cleanly_and_resume_says_so_in_one_line(tmp_path, tiny
     line = again.stderr.strip()
     assert "\n" not in line and "internal error" not in line and "No space left on device" in line, line
     assert not [p for p in runs.rglob("*.tmp")]
+
+
+def _fill(mount: Path, name: str, leave: int = 0) -> None:
+    """Fill the file system at `mount` with the file `name`, then free `leave` bytes of it again."""
+    fd = os.open(mount / name, os.O_WRONLY | os.O_CREAT)
+    try:
+        size = 1 << 20
+        while size:
+            try:
+                if os.write(fd, b"\0" * size) == 0:
+                    size //= 2
+            except OSError:
+                size //= 2
+        os.ftruncate(fd, max(os.fstat(fd).st_size - leave, 0))
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_in_lens_explain_and_sweep_is_one_line_naming_the_run_and_its_free_space(complete_runs,
+                                                                                              small_tmpfs):
+    from lmtrace.archive.reader import lens_state
+
+    runs = small_tmpfs / "runs"
+    a = _copy(complete_runs[0], runs)
+    _fill(small_tmpfs, "filler", leave=4096)  # room for the lens's lock file: it fails writing its arrays
+    for args in (["lens", "a"], ["explain", "a", "--steps", "0"], ["sweep", "a", "--over", "layers"]):
+        out = _run(args, runs, quiet=False)
+        line = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+        assert out.returncode == 1, (args, out.returncode, out.stderr[-2000:])
+        assert line.startswith(f"error: No space left on device writing {a}") and "bytes free there" in line, (args, line)
+        assert "internal error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+        manifest = json.loads((a / "manifest.json").read_text())
+        assert manifest["status"] == "complete" and lens_state(manifest) == "pending", args
+        assert not manifest.get("explain") and not manifest.get("sweeps"), args
+        _fill(small_tmpfs, f"filler-after-{args[0]}")  # whatever the failed command freed again
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    (small_tmpfs / "filler").unlink()
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
+def test_an_exceeded_quota_in_lens_is_one_line_naming_the_run(complete_runs, tmp_path, monkeypatch):
+    """The same mapping without a small file system (no root needed): the lens's first array write fails."""
+    import errno
+
+    import lmtrace.archive.writer as writer
+    from lmtrace.archive.reader import lens_state
+
+    def over_quota(*args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(writer, "create_array", over_quota)
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    code, out, err = _cli(["lens", "a", "-q"], runs)
+    assert code == 1, (code, out, err)
+    assert err.startswith(f"error: Disk quota exceeded writing {a}; ") and "bytes free there" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert lens_state(Run(a).manifest) == "pending" and Run(a).status == "complete"
 
 
 # ---- smaller promises -----------------------------------------------------------------------------
@@ -428,11 +622,7 @@ def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, lo
     runs = tmp_path / "runs"
     spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000, batch_size=1, eos_token_id=[])
     proc = _start(["generate", str(spec), "--run-id", "huge"], runs)
-    beat = runs / "huge" / "heartbeats" / "shard-0-of-1.json"
-    deadline = time.time() + 120
-    while not beat.is_file():
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    _wait_for(runs / "huge" / "heartbeats" / "shard-0-of-1.json", proc)
     time.sleep(1)  # into the loop
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -506,10 +696,11 @@ def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(com
 
     runs = tmp_path / "runs"
     a = _copy(complete_runs[0], runs)
-    for point in ("lens-batch", "lens-checksums"):  # ("lens-written" lies between: the same state)
+    for point in ("lens-batch", "recording-replaced", "lens-checksums"):  # ("lens-written": as lens-batch)
         _killed_at(point, ["lens", a.name], runs)
-        run = Run(a)  # not damaged: the files the lens rewrites are not checked while it is pending
+        run = Run(a)  # not damaged: each file the lens rewrites matches the old record or the new one
         assert run.status == "complete" and lens_state(run.manifest) == "pending", point
+        assert _run(["verify", a.name], runs, quiet=False).returncode == 0, point
     out = _run(["lens", a.name], runs)
     assert out.returncode == 0, out.stderr
     assert _run(["verify", a.name], runs, quiet=False).returncode == 0

@@ -459,3 +459,34 @@ def test_shorthands_take_mean_and_span_names():
     ]
     with pytest.raises(SpecError, match="zero or mean"):
         shorthand_entries([], ["3:avg"], [], [], [], [])
+
+
+@pytest.mark.slow
+def test_the_readme_tours_intervene_changes_the_demo_text_and_gives_the_child_its_lens(tmp_path):
+    """The tour's intervene line, as written in the README, run on the demo spec (the embedded model):
+    the child's text differs from its parent's and its logit lens is computed."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lmtrace.archive.reader import lens_state
+
+    repo = Path(__file__).resolve().parents[1]
+    tour = (repo / "README.md").read_text().split("## A tour of the commands", 1)[1].split("```")[1]
+    line = next(text for text in tour.splitlines() if text.startswith("lmtrace intervene "))
+    args = ["demo" if word == "RUN" else word for word in shlex.split(line.split("#", 1)[0])[2:]]
+    env = {**os.environ, "LMTRACE_RUNS_DIR": str(tmp_path / "runs")}
+
+    def lmtrace(*args):
+        done = subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+
+    lmtrace("generate", str(repo / "configs" / "demo.yaml"), "--run-id", "demo")
+    lmtrace("intervene", *args, "--run-id", "child")
+    parent, child = Run(tmp_path / "runs" / "demo"), Run(tmp_path / "runs" / "child")
+    texts = lambda run: run.sequences().column("generated_text").to_pylist()  # noqa: E731
+    assert texts(child) != texts(parent), (line, texts(child))
+    assert lens_state(child.manifest) == "ready", line

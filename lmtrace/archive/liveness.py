@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from . import layout
-from .writer import atomic_write_json
 from ..errors import SpecError
 
 HEARTBEAT_DIR = "heartbeats"
@@ -156,6 +155,26 @@ def live_writers(run_dir: Path, ignore: str | None = None) -> list[dict]:
     return out
 
 
+def shown_status(run_dir: Path, manifest: dict) -> str:
+    """The status to show for a run: the manifest's, except `killed` for a run it says is `running`
+    that no live process writes (SIGKILL, a lost node, a time limit without a signal): nothing can
+    record that, so readers decide it from the owner locks and heartbeats. A sharded run whose
+    shards are all finished or not started yet (a SLURM array still pending) stays `running`."""
+    status = manifest.get("status")
+    if status != "running" or live_writers(run_dir):
+        return status
+    if manifest.get("shards", 1) > 1:
+        folder = run_dir / layout.SHARDS_DIR
+        for f in folder.glob("*.json") if folder.is_dir() else []:
+            try:
+                if json.loads(f.read_text()).get("status") == "running":
+                    return "killed"
+            except (OSError, json.JSONDecodeError):
+                continue
+        return status
+    return "killed"
+
+
 class Heartbeat:
     """Context manager: keep this process's heartbeat fresh while it writes; removed on a clean exit."""
 
@@ -165,6 +184,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="lmtrace-heartbeat", daemon=True)
 
     def _beat(self) -> None:
+        from .writer import atomic_write_json  # (here: `lmtrace ls` asks who is alive without importing zarr)
+
         atomic_write_json(self.path, {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
 
     def _run(self) -> None:

@@ -26,20 +26,33 @@ class IncompleteRunWarning(UserWarning):
 class Run:
     """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
 
-    def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True):
+    def __init__(self, path: Path, *, require_complete: bool = False, check: bool = True, consolidated: bool = True):
+        """`consolidated`: read a complete run's array metadata from the consolidated `tensors.zarr/zarr.json`
+        (one file); False reads each array's own (what `lmtrace lens` trusts: it regenerates the first)."""
         from .runs import read_manifest
 
         self.path = Path(path)
+        self.consolidated = consolidated
         self.manifest = read_manifest(self.path)
         if check:  # a complete run's committed files are all there, at their recorded sizes (stat only)
             problem = quick_problem(self.path, self.manifest)
             if problem is not None:
                 raise ArchiveError(damaged_message(self.id, problem))
         if self.status != "complete":
-            msg = f"run {self.id} is {self.status}, not complete: only committed steps are readable"
             if require_complete:
-                raise ArchiveError(msg + " (pass allow_incomplete / --allow-incomplete to read it anyway)")
-            warnings.warn(msg, IncompleteRunWarning, stacklevel=2)
+                raise ArchiveError(self._not_complete())
+            warnings.warn(f"run {self.id} is {self.status}, not complete: only committed steps are readable",
+                          IncompleteRunWarning, stacklevel=2)
+
+    def _not_complete(self) -> str:
+        """Why a command that needs a complete run refuses this one, and what finishes it."""
+        from .liveness import shown_status
+
+        status = shown_status(self.path, self.manifest)
+        if status == "running":
+            return f"run {self.id} is running, not complete: wait until it completes (`lmtrace ls` shows its status)"
+        return (f"run {self.id} is {status}, not complete: finish it first with `lmtrace generate --resume {self.id}`, "
+                f"then run this again")
 
     # ---- manifest ----------------------------------------------------------------------------
     @property
@@ -112,7 +125,7 @@ class Run:
             raise ArchiveError(f"{path} is missing: the run wrote no tensors")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return zarr.open_group(str(path), mode="r", use_consolidated=self.status == "complete")
+            return zarr.open_group(str(path), mode="r", use_consolidated=self.consolidated and self.status == "complete")
 
     def array_names(self) -> list[str]:
         return sorted(self.tensors.array_keys())

@@ -115,12 +115,13 @@ class RunDir:
         return True
 
 
-def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = False) -> dict | None:
+def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = False, kind: str = "generate") -> dict | None:
     """Decide, without side effects, whether this invocation starts, joins or resumes a run.
 
     Returns the existing manifest when resuming (or joining a sharded run), None for a new run.
     Called before the model is loaded (a quick refusal) and again once this process owns the
-    writer key (`owned`: the answer can no longer change under it).
+    writer key (`owned`: the answer can no longer change under it). `kind`: the kind of run this
+    invocation writes (an intervene child is resumed by replaying its edits).
     """
     from .liveness import busy_message, live_writers
     from .runs import read_manifest
@@ -137,8 +138,9 @@ def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = Fal
         return None
     path = root / run_id
     existing = read_manifest(path)
-    if existing.get("kind") != "generate":
-        raise SpecError(f"run {run_id} is a {existing.get('kind')} run; only generate runs can be resumed")
+    if existing.get("kind", "generate") != kind:
+        raise SpecError(f"run {run_id} is an {existing.get('kind')} run, not a spec's own run; continue it with "
+                        f"`lmtrace generate --resume {run_id}`")
     diff = _first_difference(existing["spec_resolved"], spec.model_dump(mode="json"))
     if diff:
         raise SpecError(f"run {run_id} exists with a different spec (differs at {diff}); use another run id, "
@@ -160,13 +162,13 @@ def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = Fal
     return existing
 
 
-def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = False):
+def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = False, kind: str = "generate"):
     """Create or reopen the run directory and take ownership of this writer's key in it.
 
     Returns (run_id, path, existing manifest or None, OwnerLock). Nothing is written into the
     directory before the lock is held; a directory is never removed (another writer could be
     about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
-    (intervene's children): the run id must not exist at all.
+    (intervene's new children): the run id must not exist at all. `kind`: as for check_target.
     """
     from .liveness import OwnerLock, pause_for_tests
 
@@ -176,7 +178,7 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
             raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)")
         run_id, path = create_run_dir(root, run_id)  # an exclusive mkdir: nobody else has this id
     else:
-        check_target(root, spec, shard, resume)  # refuse what can be refused before creating anything
+        check_target(root, spec, shard, resume, kind=kind)  # refuse what can be refused before creating anything
         path = root / run_id
         try:
             path.mkdir(parents=True, exist_ok=True)  # every shard (or a restart) joins the same directory
@@ -185,7 +187,8 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
     owner = OwnerLock(path, shard.key, run_id).acquire()
     try:
         pause_for_tests()
-        existing = None if spec.output.run_id is None or fresh else check_target(root, spec, shard, resume, owned=True)
+        existing = (None if spec.output.run_id is None or fresh else
+                    check_target(root, spec, shard, resume, owned=True, kind=kind))
     except BaseException:
         owner.release()
         raise

@@ -27,10 +27,11 @@ def shards_done(path, m: dict) -> str | None:
 def run_summary(path) -> dict:
     """The run at `path` in one row: id, status (damaged when a file is missing), kind, model, sizes, parent, edits."""
     from .integrity import quick_problem
+    from .liveness import shown_status
 
     m = read_manifest(path)
     shards = shards_done(path, m)
-    status = m.get("status")
+    status = shown_status(path, m)  # `killed`: says running, but no live process writes it
     problem = quick_problem(path, m)
     if problem is not None:  # a complete run with a missing or truncated file (`lmtrace verify` says which)
         status = "damaged"

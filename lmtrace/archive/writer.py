@@ -39,9 +39,13 @@ STATUS_SLACK = 4096
 
 
 def atomic_write_json(path: Path, obj, slack: int = 0) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n" + " " * slack)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write-to-temp + fsync + rename: readers see the old file or the new one, never a part."""
     # a unique temporary name: several writers (shards, explain) may replace the same file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    text = json.dumps(obj, indent=2, default=str) + "\n" + " " * slack
     try:
         with tmp.open("w") as fh:
             fh.write(text)
@@ -80,7 +84,9 @@ def rewrite_in_place(path: Path, obj) -> None:
 
 
 def space_note(path: Path, err: OSError) -> str:
-    """'No space left on device writing PATH (N bytes free on that file system)' for an OSError."""
+    """'No space left on device writing PATH; N bytes free there' for an OSError."""
+    import errno
+
     target = getattr(err, "filename", None) or path
     probe = Path(target)
     while not probe.exists() and probe != probe.parent:
@@ -90,7 +96,9 @@ def space_note(path: Path, err: OSError) -> str:
         where = f"; {free} bytes free there"
     except OSError:
         where = ""
-    return f"{err.strerror or err} writing {target}{where}"
+    # (pyarrow's own words around the errno's are long: "Error writing bytes to file. Detail: ...")
+    reason = os.strerror(err.errno) if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or err
+    return f"{reason} writing {target}{where}"
 
 
 def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import EXIT_RUN_FAILED, LmtraceError
+from ..errors import EXIT_RUN_FAILED, Interrupted, LmtraceError
 from ..interrupts import interrupt_on_signals
 from ..jsonout import json_line
 from . import help_format
@@ -32,10 +32,12 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+def main(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
          version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
                                       help="Print the version and exit.")):
     _state["debug"] = debug
+    # every command, from its first line: SIGTERM/SIGINT exit 3 with one line, never die by the signal
+    ctx.call_on_close(interrupt_on_signals(ctx.invoked_subcommand))
 
 
 def _one_line(text: str) -> str:
@@ -43,7 +45,34 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
-def _fail(err: BaseException) -> None:
+def _disk_full(err: BaseException) -> OSError | None:
+    """The no-space (ENOSPC) or over-quota (EDQUOT) OSError behind `err`: itself or one it was raised
+    from or while handling (a writer may wrap it), else None."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _run_dir(ref: str | None, runs_dir: str | None) -> Path:
+    """Where a command writes, for an error line: the run's directory, else the runs directory."""
+    from ..archive.runs import find_run, runs_root
+
+    root = runs_root(runs_dir)
+    try:
+        return find_run(ref, root) if ref else root
+    except LmtraceError:
+        return root
+
+
+def _fail(err: BaseException, where=None) -> None:
+    """Map an error to one `error:` line and the exit code. `where()`: the directory the command
+    writes into, named when the disk is full and the error does not say which file."""
     if isinstance(err, (SystemExit, typer.Exit)):  # e.g. rich's exit on a closed stdout pipe
         raise err
     if isinstance(err, BrokenPipeError):  # `lmtrace ls | head`: stdout went away, nothing to report
@@ -52,9 +81,16 @@ def _fail(err: BaseException) -> None:
         raise typer.Exit(EXIT_RUN_FAILED)
     if _state["debug"]:
         raise err
-    if isinstance(err, LmtraceError):
+    if isinstance(err, (LmtraceError, Interrupted)):
         typer.echo(f"error: {_one_line(err)}", err=True)
         raise typer.Exit(err.exit_code)
+    full = _disk_full(err)
+    if full is not None:  # the same line and exit code as a run that fails on a full disk
+        from ..archive.writer import space_note
+
+        target = where() if where is not None else _run_dir(None, None)
+        typer.echo(f"error: {space_note(target, full)}; free some space and run it again", err=True)
+        raise typer.Exit(EXIT_RUN_FAILED)
     if isinstance(err, KeyboardInterrupt):
         typer.echo("error: aborted by the user", err=True)
         raise typer.Exit(130)
@@ -132,7 +168,8 @@ def generate(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: spec, $LMTRACE_RUNS_DIR, ./runs)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: generated, sortable). An existing "
                                          "unfinished run with the same spec is resumed."),
-    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run."),
+    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run "
+                                         "(an intervene child too: its edits are replayed from its parent)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the run id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
@@ -145,17 +182,18 @@ def generate(
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
-        interrupt_on_signals()  # until the loop installs its own: a signal while loading exits 3
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
             from ..archive.rundir import parse_shard
 
             shard_obj, slurm_run_id = parse_shard(shard)
+        child = False  # an intervene child being resumed: its edits are replayed from its parent
         if resume:
-            from ..commands.resume import spec_for_resume
+            from ..commands.resume import run_kind, spec_for_resume
 
             spec, text = spec_for_resume(resume, runs_dir, set_)
             run_id = spec.output.run_id
+            child = run_kind(resume, runs_dir) == "intervene"
         else:
             if spec_path is None:
                 from ..errors import SpecError
@@ -171,7 +209,8 @@ def generate(
                             "slurm-<SLURM_ARRAY_JOB_ID>)")
         from ..commands.validate import preflight
 
-        preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
+        if not child:  # (a child's prompts are its parent's archived ones)
+            preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
         from ..generation import run_generate
@@ -188,9 +227,16 @@ def generate(
                 raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
                                 "capture: none); drop --lens or enable the lens")
             lens = False  # an inline lens is computed during generation anyway
-        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume))
-        result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
-                              progress=Progress(reporter.start, reporter.advance, reporter.message))
+        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume),
+                     kind="intervene" if child else "generate")
+        progress = Progress(reporter.start, reporter.advance, reporter.message)
+        if child:
+            from ..commands.intervene import resume_child
+
+            result, _ = resume_child(resume, runs_dir, progress=progress)
+        else:
+            result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
+                                  progress=progress)
         reporter.stop()
         lens_summary = None
         if lens:
@@ -199,7 +245,7 @@ def generate(
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(resume or run_id, runs_dir))
     reporter.stop()
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
                "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
@@ -376,7 +422,7 @@ def intervene(
         reporter.stop()
         if isinstance(err, typer.Exit):
             raise
-        _fail(err)
+        _fail(err, lambda: _run_dir(None, runs_dir) if runs_dir else _run_dir(run_ref, None).parent)
     reporter.stop()
     if json_out:
         typer.echo(json_line(summary))
@@ -419,7 +465,7 @@ def sweep(
                       quiet=quiet, note=reporter.message)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(run_ref, runs_dir))
     reporter.stop()
 
 
@@ -467,7 +513,7 @@ def explain(
                                           rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: _run_dir(run, runs_dir))
 
 
 @app.command()
@@ -485,6 +531,7 @@ def lens(
     from ..commands.lens import compute_lens
 
     reporter = _Reporter(quiet or json_out)
+    ref = runs[0]  # (the run being computed, named if the disk fills up)
     try:
         for ref in runs:
             with warnings.catch_warnings():  # an unfinished run is refused below, in one line
@@ -497,7 +544,7 @@ def lens(
                 typer.echo(f"{run.id}: {_lens_line(summary)}")
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err)
+        _fail(err, lambda: _run_dir(ref, runs_dir))
     reporter.stop()
 
 
@@ -522,7 +569,7 @@ def heads(
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
                       labels=label, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or _run_dir(run, runs_dir))
 
 
 @app.command()
@@ -553,7 +600,7 @@ def compare(
                      json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
                      exact_steps=exact_steps, device=device, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or html_out or _run_dir(run_a, runs_dir))
 
 
 @app.command()
@@ -599,7 +646,7 @@ def report(
 
             raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        _fail(err, lambda: out or _run_dir(runs[0], runs_dir))
     if json_out:
         typer.echo(json_line(result.summary()))
     elif not quiet:
@@ -641,6 +688,9 @@ def run() -> None:
     except typer.Abort:
         typer.echo("error: aborted by the user", err=True)
         sys.exit(130)
+    except Interrupted as err:  # a signal before a command's own error mapping (its imports, say)
+        typer.echo(f"error: {_one_line(err)}", err=True)
+        sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001
         # click's exceptions (typer may vendor its own copy of click, so match them by shape, not class)
         if type(err).__name__ == "NoArgsIsHelpError":  # `lmtrace` alone: the help is already printed

@@ -21,6 +21,9 @@ forced) and each MoE router's routing rule (`routing_rule`).
 from __future__ import annotations
 
 import math
+import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +33,7 @@ import torch
 import yaml
 
 from ..archive.reader import Run, Vocabulary, open_run
-from ..errors import SpecError
+from ..errors import LmtraceError, SpecError
 from ..generation import GenerateResult, Progress, Replay, run_generate
 from ..parent import ParentView, chat_span_ranges, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
@@ -39,7 +42,15 @@ from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExp
 from ..spec import build_spec
 
 EFFECTS = "effects.parquet"
+# A finished batch's effects rows, until the child completes (a resumed child skips finished batches)
+EFFECTS_PARTS = "effects.parts"
 TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
+EFFECTS_SCHEMA = pa.schema(
+    [(c, pa.int64()) for c in ("sequence", "step")] + [("context_identical", pa.bool_())]
+    + [(c, pa.int64()) for c in ("parent_token", "child_token", "child_top1", "parent_top1")]
+    + [(c, pa.float64()) for c in ("parent_logprob", "child_logprob_of_parent_token", "logprob_shift", "parent_margin",
+                                   "child_margin", "margin_shift", "kl_parent_child_topk")]
+    + [("winner_changed", pa.bool_())])
 
 
 class ParentTeacher:
@@ -80,16 +91,14 @@ def kl_topk_with_tail(p_logprobs: np.ndarray, q_logprobs: np.ndarray) -> float:
 
 
 class EffectsRecorder:
-    """A StepSink collecting one effects row per active sequence and step."""
+    """A StepSink collecting one effects row per active sequence and step; each finished batch's rows
+    go to effects.parts/ (`batch_done`), and `write` joins them into effects.parquet."""
 
     def __init__(self, parent: ParentView):
         self.p = parent
-        self.rows: dict[str, list] = {k: [] for k in (
-            "sequence", "step", "context_identical", "parent_token", "child_token", "child_top1", "parent_top1",
-            "parent_logprob", "child_logprob_of_parent_token", "logprob_shift", "parent_margin", "child_margin",
-            "margin_shift", "kl_parent_child_topk", "winner_changed")}
+        self.rows: dict[str, list] = {f.name: [] for f in EFFECTS_SCHEMA}  # the current batch's
         self.diverged: dict[int, bool] = {}
-        self.vocabulary: Vocabulary | None = None
+        self.final: pa.Table | None = None
 
     def on_step(self, r) -> None:
         c = r.choice
@@ -123,21 +132,46 @@ class EffectsRecorder:
             if parent_tok is None or child_tok != parent_tok:
                 self.diverged[seq] = True
 
-    def table(self) -> pa.Table:
-        """The effects rows; once `write` has read the child's vocabulary, also the text of each id
-        column (`<column>_text`, null where the id is)."""
-        t = pa.table(self.rows)
-        if self.vocabulary is not None:
-            for col in TEXT_COLUMNS:
-                ids = self.rows[col]
-                texts = self.vocabulary.text([-1 if i is None else i for i in ids])
-                t = t.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
-                                                            pa.string()))
-        return t
+    def batch_done(self, run_dir: Path, batch: int) -> None:
+        """Keep a finished batch's rows in effects.parts/ (written whole or not at all), before the
+        batch is committed: a resumed child skips it, and replays an unfinished one from step 0."""
+        parts = run_dir / EFFECTS_PARTS
+        parts.mkdir(exist_ok=True)
+        _write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
+        self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
 
     def write(self, run_dir: Path) -> None:
-        self.vocabulary = Vocabulary.read(run_dir)  # the child's own (generate wrote it first)
-        pq.write_table(self.table(), run_dir / EFFECTS)
+        """effects.parquet from the batches' rows, with the text of each id column (`<column>_text`,
+        null where the id is) from the child's own vocabulary (generate wrote it first)."""
+        parts = run_dir / EFFECTS_PARTS
+        files = sorted(parts.glob("batch-*.parquet")) if parts.is_dir() else []
+        if not files and (run_dir / EFFECTS).is_file():  # a finalisation killed after it wrote it
+            self.final = pq.read_table(run_dir / EFFECTS)
+            return
+        table = pa.concat_tables([pq.read_table(f) for f in files]) if files else EFFECTS_SCHEMA.empty_table()
+        vocabulary = Vocabulary.read(run_dir)
+        for col in TEXT_COLUMNS:
+            ids = table.column(col).to_pylist()
+            texts = vocabulary.text([-1 if i is None else i for i in ids])
+            table = table.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
+                                                                pa.string()))
+        _write_parquet(table, run_dir / EFFECTS)
+        shutil.rmtree(parts, ignore_errors=True)
+        self.final = table
+
+    def table(self) -> pa.Table:
+        """effects.parquet's table, once `write` has written it."""
+        return self.final
+
+
+def _write_parquet(table: pa.Table, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperature: float | None, max_new: int | None):
@@ -307,6 +341,49 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
                         f"choose another id")
     if from_step is not None:
         entries_data = [{"steps": {"from": from_step}, **e} for e in entries_data]
+    plan = _plan(parent, entries_data, mode, from_step, progress)
+    spec = _child_spec(parent, runs_dir, run_id, temperature, plan.max_new)
+    given = {"parent": parent.id, "mode": mode, "from_step": from_step, "temperature": temperature,
+             "interventions": plan.replay.manifest_extra["interventions"]}
+    result = run_generate(spec, yaml.safe_dump(given, sort_keys=False), progress=progress, replay=plan.replay)
+    return result, plan.effects.table()
+
+
+def resume_child(child_ref: str, runs_dir: str | None = None, progress: Progress | None = None
+                 ) -> tuple[GenerateResult, pa.Table]:
+    """`lmtrace generate --resume CHILD`: continue an interrupted or killed intervene child with the edits
+    its manifest records, replayed from its parent: finished batches are skipped (their effects rows
+    are in effects.parts/), an unfinished one continues after its last committed block."""
+    from ..archive.runs import read_manifest
+    from .resume import spec_for_resume
+
+    spec, text = spec_for_resume(child_ref, runs_dir, [])
+    child = Path(spec.output.runs_dir) / spec.output.run_id
+    manifest = read_manifest(child)
+    info = manifest.get("parent") or {}
+    recorded = Path(info.get("path") or "")
+    try:
+        parent = open_run(recorded if (recorded / "manifest.json").is_file() else info.get("run_id", ""), child.parent,
+                          require_complete=True)
+    except LmtraceError as err:
+        raise SpecError(f"run {child.name} replays edits on its parent run {info.get('run_id')}, which cannot be "
+                        f"opened: {err}") from None
+    plan = _plan(parent, manifest.get("interventions") or [], manifest.get("mode", "rescore"),
+                 manifest.get("from_step"), progress)
+    result = run_generate(spec, text, progress=progress, replay=plan.replay, resume=True)
+    return result, plan.effects.table()
+
+
+@dataclass
+class _Plan:
+    replay: Replay
+    effects: EffectsRecorder
+    max_new: int | None  # the child's max_new_tokens (rescore: the parent's longest sequence)
+
+
+def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | None, progress: Progress | None) -> _Plan:
+    """What a child replays: the edits checked against the parent, what they need from the parent's
+    archive, and the replay of the parent's prompts (teacher, edits, effects) for run_generate."""
     entries = parse_entries(entries_data, "interventions")
     shape, cfg = parent.shape, parent.manifest["model"]["config"]
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
@@ -345,7 +422,6 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
     else:
         force_until = [min(first_edit, len(g)) for g in view.generated]
         max_new = None
-    spec = _child_spec(parent, runs_dir, run_id, temperature, max_new)
     holder: dict[str, EditSet] = {}
 
     def prepare(adapter) -> None:
@@ -376,15 +452,12 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
             return holder["edits"].edit_mask(*a)
 
     effects = EffectsRecorder(view)
-    given = {"parent": parent.id, "mode": mode, "from_step": from_step, "temperature": temperature,
-             "interventions": [e.model_dump(mode="json") for e in entries]}
     replay = Replay(
         prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids,
         teacher=ParentTeacher(view, force_until), edits=_LazyEdits() if entries else None, observer=effects,
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
-                        "interventions": given["interventions"], "mode": mode, "from_step": from_step,
-                        "first_edited_step": first_edit},
-        finalize=effects.write, on_model=prepare, parent=(parent.id, parent.manifest),
+                        "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
+                        "from_step": from_step, "first_edited_step": first_edit},
+        finalize=effects.write, batch_done=effects.batch_done, on_model=prepare, parent=(parent.id, parent.manifest),
     )
-    result = run_generate(spec, yaml.safe_dump(given, sort_keys=False), progress=progress, replay=replay)
-    return result, effects.table()
+    return _Plan(replay, effects, max_new)

@@ -25,3 +25,8 @@ def spec_for_resume(ref: str, runs_dir: str | None, overrides: list[str]):
     spec = build_spec(data, f"{path / layout.MANIFEST} (spec_resolved)")
     text = (path / layout.SPEC).read_text() if (path / layout.SPEC).is_file() else yaml.safe_dump(data)
     return spec, text
+
+
+def run_kind(ref: str, runs_dir: str | None) -> str:
+    """generate (a spec's own run) or intervene (a child, resumed by replaying its edits)."""
+    return read_manifest(find_run(ref, runs_root(runs_dir))).get("kind", "generate")

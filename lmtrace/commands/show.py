@@ -98,10 +98,9 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
 
 
 def _print_header(run, summary: dict, console: Console) -> None:
-
     m = run.manifest
     model = m.get("model") or {}
-    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(run.status))}  "
+    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(summary['status']))}  "
                   f"created: {escape(str(m.get('created')))}")
     console.print(escape(f"model: {model.get('reference')} ({model.get('class')}, {m.get('dtype')} on {m.get('device')}, "
                          f"attention kernel {(m.get('attention') or {}).get('kernel')})"))
