@@ -267,6 +267,30 @@ def test_results_are_written_into_the_run(forward_only_run):
     assert json.loads((r.path / "explain.json").read_text())["entries"] == mine
 
 
+def test_a_failed_scores_part_write_leaves_no_tmp_and_no_unnamed_explanation(forward_only_run, monkeypatch):
+    """A full disk while the scores part is written: no `.tmp` left, no explain/<id>/ that the manifest
+    never names, the manifest as before."""
+    import errno
+
+    import lmtrace.archive.explanations as explanations
+
+    before = json.loads((forward_only_run.path / "manifest.json").read_text())
+    folders = {p.name for p in (forward_only_run.path / "explain").iterdir()} if (
+        forward_only_run.path / "explain").is_dir() else set()
+
+    def full(table, where, *args, **kwargs):
+        open(where, "wb").write(b"half")  # as a real write that ran out of room would leave it
+        raise OSError(errno.ENOSPC, "No space left on device", str(where))
+
+    monkeypatch.setattr(explanations.pq, "write_table", full)
+    with pytest.raises(OSError):
+        explain_run(forward_only_run.path, "1", methods=["grad_x_input"])
+    root = forward_only_run.path / "explain"
+    assert not list(root.rglob("*.tmp")), list(root.rglob("*.tmp"))
+    assert {p.name for p in root.iterdir()} <= folders | {"scores.parts"}
+    assert json.loads((forward_only_run.path / "manifest.json").read_text()).get("explain") == before.get("explain")
+
+
 def test_concurrent_manifest_writers_lose_nothing(forward_only_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(forward_only_run.path, run_dir)

@@ -86,8 +86,13 @@ def write_explanation(run: Run, explain_id: str, methods: list[MethodRecord], st
     parts = root / SCORES_PARTS
     parts.mkdir(exist_ok=True)
     part_tmp = parts / f".{explain_id}.tmp"
-    pq.write_table(_table(explain_id, methods, explanations), part_tmp)
-    os.replace(part_tmp, parts / f"{explain_id}.parquet")
+    try:
+        pq.write_table(_table(explain_id, methods, explanations), part_tmp)
+        os.replace(part_tmp, parts / f"{explain_id}.parquet")
+    except BaseException:  # (a full disk, a signal): no half-written part, no directory the manifest never names
+        part_tmp.unlink(missing_ok=True)
+        shutil.rmtree(root / explain_id, ignore_errors=True)
+        raise
     record_entries(run.path, entries)
     return entries
 
