@@ -1,4 +1,6 @@
 """One thin module per command: resolve runs, lock, call `analysis`, write through `archive`, print.
 
-generate (+ resume), intervene, sweep, lens, explain, compare (+ compare_render, its terminal and
-markdown rendering), heads, validate, ls, show, verify. The report command lives in `lmtrace.report`."""
+intervene, sweep, lens, explain (+ explain_render), compare (+ compare_render, its terminal and
+markdown rendering), heads, validate, resume (a run's spec for `generate --resume`), ls, show,
+verify, serve. `generate` runs `lmtrace.generation` (shared with intervene's replays and resume);
+the report command lives in `lmtrace.report`. No command module imports another."""

@@ -12,7 +12,7 @@
     result          the Comparison: its JSON form and its tables
     values          finite-or-null floats, means that skip missing values, strict-JSON values
 
-Exact full-vocabulary figures (`--exact`) are `lmtrace.analysis.compare_exact`.
+Exact full-vocabulary figures (`--exact`) are `lmtrace.analysis.compare.exact`.
 """
 
 from .engine import compare_runs

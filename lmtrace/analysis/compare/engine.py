@@ -121,7 +121,7 @@ def compare_runs(run_a: Run | str | Path, run_b: Run | str | Path, *, runs_dir: 
                                              same_prompt, pair_note))
 
     if exact:
-        from ..compare_exact import exact_figures
+        from .exact import exact_figures
 
         notes.append(exact_figures(A, B, pairing["pairs"], step_rows, exact_steps, device, note)["note"])
     elif step_rows:
