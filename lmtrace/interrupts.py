@@ -15,7 +15,7 @@ from .errors import Interrupted, signal_name
 def interrupt_on_signals(command: str | None = None):
     """SIGINT/SIGTERM from now on raise `Interrupted` (exit 3), until a loop installs its own StopFlag.
 
-    Installed for every command as it starts (cli.main's callback). Whatever the command was writing
+    Installed for every command as it starts (the callback in cli/app.py). Whatever the command was writing
     is then either in place or not (every file is written to a temporary name and renamed), and
     nothing is recorded as done that is not: a run whose manifest exists is recorded `interrupted`
     (generation._write_run), a lens stays pending. While the command cleans up, a second SIGTERM is

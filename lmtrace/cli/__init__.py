@@ -1,5 +1,8 @@
-"""The command line: `main` defines the typer app and every command's options; `intervene` and
-`sweep` hold those two commands' glue (reading edit files, printing their summaries)."""
+"""The command line. `app` (the typer app, its callback and the error mapping) is in `app.py`;
+`main` defines generate and validate and registers `archive_commands` (ls, show, verify),
+`edit_commands` (intervene, sweep) and `analysis_commands` (explain, lens, heads, compare,
+report, serve); `intervene` and `sweep` hold those two commands' glue (reading edit files,
+printing their summaries)."""
 
 from .main import app, run
 
