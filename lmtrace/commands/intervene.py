@@ -21,7 +21,6 @@ forced) and each MoE router's routing rule (`routing_rule`).
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import yaml
 
 from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import LmtraceError, SpecError
+from ..archive.writer import atomic_write_parquet
 from ..generation import GenerateResult, Progress, Replay, run_generate
 from ..parent import ParentView, chat_span_ranges, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
@@ -137,7 +137,7 @@ class EffectsRecorder:
         batch is committed: a resumed child skips it, and replays an unfinished one from step 0."""
         parts = run_dir / EFFECTS_PARTS
         parts.mkdir(exist_ok=True)
-        _write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
+        atomic_write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
         self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
 
     def write(self, run_dir: Path) -> None:
@@ -155,23 +155,13 @@ class EffectsRecorder:
             texts = vocabulary.text([-1 if i is None else i for i in ids])
             table = table.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
                                                                 pa.string()))
-        _write_parquet(table, run_dir / EFFECTS)
+        atomic_write_parquet(table, run_dir / EFFECTS)
         shutil.rmtree(parts, ignore_errors=True)
         self.final = table
 
     def table(self) -> pa.Table:
         """effects.parquet's table, once `write` has written it."""
         return self.final
-
-
-def _write_parquet(table: pa.Table, target: Path) -> None:
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperature: float | None, max_new: int | None):
