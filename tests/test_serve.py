@@ -383,7 +383,7 @@ def test_child_against_its_parent_aligns_tokens_by_step_with_edits_and_logprob_s
     for seq in range(4):
         d = server.json(f"/api/runs/child/sequences/{seq}/parent")
         assert d["parent_id"] == "tiny" and d["interventions"] == manifest["interventions"]
-        assert d["label"] == ls_row["edits"] and d["label"].startswith("ablate_mlp ") and "ablate_head " in d["label"]
+        assert d["label"] == ls_row["edits"] and d["label"].startswith("ablate-mlp ") and "ablate-head " in d["label"]
         p = parent[(parent.sequence == seq) & ~parent.is_prompt].set_index("step").token_text
         c = child[(child.sequence == seq) & ~child.is_prompt].set_index("step").token_text
         e = effects[effects.sequence == seq].set_index("step")
@@ -633,7 +633,7 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
     s = LiveServer(runs)
     try:
         [row] = s.json("/api/runs")["runs"]
-        assert row["status"] == "running" and row["live"] is False
+        assert row["status"] == "killed" and row["live"] is None  # as `lmtrace ls` says it
         assert s.json(f"/api/runs/{run_dir.name}/sequences/0")["steps"] == committed
         grid = s.json(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed - 1}")["attention"]
         attn = archive_attention(run_dir, 0, committed - 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -55,4 +56,21 @@ def serve(runs_dir: str | None, host: str, port: int, token: str | None, open_br
         webbrowser.open(url)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, server_header=False,
                                            date_header=False, lifespan="off"))
-    server.run(sockets=[sock])
+    # Ctrl-C or SIGTERM is how a server is meant to end (exit 0), not an interruption (exit 3, as the
+    # CLI's handler would make it): uvicorn shuts down gracefully, then re-raises the signal it caught.
+    stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in stop.items():
+            signal.signal(sig, handler)
+
+
+class _Stopped(Exception):
+    """A stop signal after uvicorn's graceful shutdown."""
+
+
+def _stopped(signum, frame) -> None:
+    raise _Stopped

@@ -113,7 +113,7 @@
     const search = el("input", { type: "search", placeholder: "run id or prompt text", value: q, id: "run-search" });
     const kindSel = el("select", { id: "kind-filter" }, ...["", "generate", "intervene"].map((k) =>
       el("option", { value: k, text: k || "any kind" })));
-    const statusSel = el("select", { id: "status-filter" }, ...["", "complete", "running", "interrupted", "failed", "damaged"].map((s) =>
+    const statusSel = el("select", { id: "status-filter" }, ...["", "complete", "running", "killed", "interrupted", "failed", "damaged"].map((s) =>
       el("option", { value: s, text: s || "any status" })));
     const modelSel = el("select", { id: "model-filter" }, el("option", { value: "", text: "any model" }));
     kindSel.value = kind; statusSel.value = status;
