@@ -10,7 +10,8 @@ import pyarrow.dataset as ds
 from ..archive.reader import Run
 from ..archive.summary import edits_label
 from ..errors import ArchiveError
-from .queries import NotFound, check_sequence, clean, table_rows
+from ..jsonout import strict
+from .queries import NotFound, check_sequence, table_rows
 
 EFFECTS = "effects.parquet"  # commands/intervene.py writes it; this module reads it without torch
 EFFECT_COLUMNS = ["step", "context_identical", "logprob_shift", "parent_logprob", "child_logprob_of_parent_token",
@@ -58,7 +59,7 @@ def against_parent(child: Run, parent: Run | None, seq: int) -> dict:
         e = effects.get(step, {})
         a, b = theirs.get(step), mine.get(step)
         rows.append({"step": step, "parent": a, "child": b, "differs": a != b,
-                     **{k: clean(e.get(k)) for k in EFFECT_COLUMNS[1:]}})
+                     **{k: strict(e.get(k)) for k in EFFECT_COLUMNS[1:]}})
     return {**info, "sequence": seq, "parent_found": parent is not None, "has_effects": (child.path / EFFECTS).is_file(),
             "rows": rows}
 

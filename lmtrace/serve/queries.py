@@ -20,6 +20,7 @@ from ..archive import layout
 from ..archive.integrity import quick_problem
 from ..archive.reader import Run, lens_state
 from ..errors import ArchiveError, SpecError
+from ..jsonout import strict
 
 PAGE_SIZE = 50
 SORTS = ("index", "lowest_prob", "highest_entropy", "length")
@@ -51,20 +52,6 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
         raise run.damaged(layout.table_file(name), err) from None
 
 
-def clean(value):
-    """A JSON-safe scalar: NaN and missing values become None."""
-    if value is None:
-        return None
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, (np.floating,)):
-        return None if np.isnan(value) else float(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
-
-
-# ---- one run ------------------------------------------------------------------------------------
 def run_info(run: Run) -> dict:
     """The run page's header: what was captured and how far it got."""
     m = run.manifest
@@ -147,9 +134,9 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
             "sequence": r["sequence"], "prompt": (r.get("prompt") or "")[:TEXT_LIMIT],
             "generated_text": (r.get("generated_text") or "")[:TEXT_LIMIT],
             "prompt_len": r.get("prompt_len"), "generated_len": r.get("generated_len"),
-            "stop_reason": r.get("stop_reason"), "min_prob": clean(r.get("min_prob")),
-            "max_entropy": clean(r.get("max_entropy")),
-            "metadata": {c: clean(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
+            "stop_reason": r.get("stop_reason"), "min_prob": strict(r.get("min_prob")),
+            "max_entropy": strict(r.get("max_entropy")),
+            "metadata": {c: strict(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
         })
     return {"total": total, "page": page, "pages": pages, "page_size": PAGE_SIZE, "rows": rows}
 
@@ -167,8 +154,8 @@ def sequence_tokens(run: Run, seq: int) -> dict:
     t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "rank"],
                    where=pc.field("sequence") == seq).sort_by("position")
     ready = steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
-    tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": clean(r["prob"]),
-               "entropy": clean(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
+    tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": strict(r["prob"]),
+               "entropy": strict(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
               if r["step"] is None or r["step"] < ready]
     prompt = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq).column("prompt").to_pylist()
     return {"sequence": seq, "prompt": prompt[0] if prompt else None, "tokens": tokens,
@@ -224,7 +211,7 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
     else:
         return None
     texts = key_texts(run, seq, n_keys)
-    cells = [[{"key": int(key[li, h]), "weight": clean(float(weight[li, h])),
+    cells = [[{"key": int(key[li, h]), "weight": strict(float(weight[li, h])),
                "text": texts[int(key[li, h])] if 0 <= key[li, h] < n_keys else ""}
               for h in range(key.shape[1])] for li in range(key.shape[0])]
     return {"layers": run.layers, "heads": int(key.shape[1]), "n_keys": n_keys, "query_position": n_keys - 1,
@@ -246,11 +233,11 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     texts = key_texts(run, seq, n_keys)
     if "attn" in names:
         row = np.asarray(run.array("attn")[seq, step, li, head, :n_keys], dtype=np.float32)
-        keys = [{"key": k, "text": texts[k], "weight": clean(float(row[k]))} for k in range(n_keys)]
+        keys = [{"key": k, "text": texts[k], "weight": strict(float(row[k]))} for k in range(n_keys)]
     elif "attn_topk_prob" in names:
         probs = np.asarray(run.array("attn_topk_prob")[seq, step, li, head], dtype=np.float32)
         idx = np.asarray(run.array("attn_topk_idx")[seq, step, li, head])
-        keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": clean(float(p))}
+        keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": strict(float(p))}
                        for k, p in zip(idx, probs) if 0 <= k < n_keys), key=lambda x: x["key"])
     else:
         raise NotFound(f"run {run.id} captured no attention")
@@ -268,8 +255,8 @@ def alternatives(run: Run, seq: int, step: int) -> dict | None:
     alt_lp = r.get("alt_logprobs") or []
     alt_texts = run.text(alt_ids) if alt_ids else []
     return {
-        "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": clean(r.get("prob")),
-        "rank": r.get("rank"), "entropy": clean(r.get("entropy")), "margin": clean(r.get("margin")),
+        "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": strict(r.get("prob")),
+        "rank": r.get("rank"), "entropy": strict(r.get("entropy")), "margin": strict(r.get("margin")),
         "greedy": run.text([r["greedy_id"]])[0] if r.get("greedy_id") is not None else None,
         "alternatives": [{"id": i, "text": text, "prob": None if lp is None else math.exp(lp)}
                          for i, text, lp in zip(alt_ids, alt_texts, alt_lp)],
@@ -294,8 +281,8 @@ def lens_column(run: Run, seq: int, step: int) -> dict:
     rows = []
     for li, layer in enumerate(run.layers):
         t = by_layer.get(layer, {})
-        rows.append({"layer": layer, "top1": texts[li], "top1_id": int(ids[li, 0]), "top1_prob": clean(float(probs[li, 0])),
-                     "target_rank": t.get("lens_target_rank"), "target_prob": clean(t.get("lens_target_prob"))})
+        rows.append({"layer": layer, "top1": texts[li], "top1_id": int(ids[li, 0]), "top1_prob": strict(float(probs[li, 0])),
+                     "target_rank": t.get("lens_target_rank"), "target_prob": strict(t.get("lens_target_prob"))})
     return {"state": state, "rows": rows}
 
 
@@ -304,7 +291,7 @@ def head_dla(run: Run, seq: int, step: int) -> dict | None:
     if "head_dla" not in set(run.array_names()):
         return None
     values = np.asarray(run.array("head_dla")[seq, step], dtype=np.float32)  # [layer, q_head]
-    return {"layers": run.layers, "values": [[clean(float(v)) for v in row] for row in values],
+    return {"layers": run.layers, "values": [[strict(float(v)) for v in row] for row in values],
             "target": "logit(chosen) - logit(runner-up)"}
 
 

@@ -12,7 +12,8 @@ from ..analysis.sweep.cells import CELL_KEYS
 from ..archive.reader import Run
 from ..archive.sweeps import ZARR_DIM, finished_sweeps, read_effects, read_sweep_info
 from ..errors import ArchiveError
-from .queries import NotFound, clean, table_rows
+from ..jsonout import strict
+from .queries import NotFound, table_rows
 
 TABLE_DIM = {v: k for k, v in ZARR_DIM.items()}  # effects.zarr's dimension name -> sweep.parquet's column
 CELL_ROW_LIMIT = 5000  # rows of one cell sent at most (a cell has one per measured (sequence, step))
@@ -55,8 +56,8 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
 
 def _nested(values):
     if values.ndim == 0:
-        return clean(float(values))
-    return [_nested(v) for v in values] if values.ndim > 1 else [clean(float(v)) for v in values]
+        return strict(float(values))
+    return [_nested(v) for v in values] if values.ndim > 1 else [strict(float(v)) for v in values]
 
 
 def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> dict:
@@ -83,7 +84,7 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
                      where=pc.field("sequence").isin(seqs) & ~pc.field("is_prompt"))
     text = {(s, st): x for s, st, x in zip(*(tok.column(c).to_pylist() for c in ("sequence", "step", "token_text")))}
     rows = [{"sequence": r["sequence"], "step": r["step"], "token": text.get((r["sequence"], r["step"])),
-             "value": clean(r["value"]), "baseline": clean(r["baseline"]), "effect": clean(r["effect"])}
+             "value": strict(r["value"]), "baseline": strict(r["baseline"]), "effect": strict(r["effect"])}
             for r in t.slice(0, CELL_ROW_LIMIT).to_pylist()]
     return {"sweep": sweep_id, "metric": metric, "component": t.column("component")[0].as_py(), "coords": coords,
             "n_rows": t.num_rows, "rows": rows}

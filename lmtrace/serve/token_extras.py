@@ -10,7 +10,8 @@ import numpy as np
 from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
 from ..archive.reader import Run
-from .queries import NotFound, check_sequence, clean, key_texts, n_keys_of, steps_ready
+from ..jsonout import strict
+from .queries import NotFound, check_sequence, key_texts, n_keys_of, steps_ready
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
 
@@ -37,7 +38,7 @@ def over_heads(run: Run, seq: int, step: int) -> dict | None:
     else:
         return None
     mean, mx = mean_max_over_heads(rows)
-    as_list = lambda a: [[clean(float(v)) for v in row] for row in a]  # noqa: E731
+    as_list = lambda a: [[strict(float(v)) for v in row] for row in a]  # noqa: E731
     return {"layers": run.layers, "keys": key_texts(run, seq, n_keys), "mean": as_list(mean), "max": as_list(mx)}
 
 
@@ -65,7 +66,7 @@ def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
         raise NotFound(f"run {run.id} captured no attention")
     prompt_len = n_keys_of(run, seq, 0)
     texts = key_texts(run, seq, k_max + 1)
-    rows = [[clean(float(w)) for w in m[s, :prompt_len + s]] + [None] * (k_max - prompt_len - s) for s in range(n)]
+    rows = [[strict(float(w)) for w in m[s, :prompt_len + s]] + [None] * (k_max - prompt_len - s) for s in range(n)]
     return {"sequence": seq, "layer": layer, "head": head, "keys": texts[:k_max],
             "steps": list(range(n)), "chosen": texts[prompt_len:prompt_len + n], "rows": rows,
             "dense": "attn" in names}
@@ -85,5 +86,5 @@ def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
                                     "quantity": r["quantity"], "target_token_id": r["target_token_id"],
                                     "runner_up_token_id": r["runner_up_token_id"], "scores": []})
         g["scores"].append({"position": r["position"], "text": r["token_text"], "is_prompt": r["is_prompt"],
-                            "score": clean(r["score"])})
+                            "score": strict(r["score"])})
     return list(groups.values())

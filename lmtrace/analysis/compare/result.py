@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from ...jsonout import strict
 from .divergence import TAIL_FLOOR
-from .values import json_ready
 
 JSON_MAX_STEP_ROWS = 20000  # larger per-step tables go to --out only
 
@@ -70,7 +70,7 @@ class Comparison:
             out["per_step"] = None
             out["notes"] = self.notes + [f"per_step has {self.per_step.num_rows} rows: left out of the JSON, "
                                          f"written by --out DIR as per_step.parquet"]
-        return json_ready(out)
+        return strict(out)
 
     def tables(self) -> dict[str, pa.Table]:
         """The tables `--out DIR` writes, by file stem: per_step, per_layer, per_head, pairs."""
@@ -104,5 +104,5 @@ def pairs_table(pairs: list[dict]) -> pa.Table:
                         ("mean_js", pa.float64()), ("max_js", pa.float64()), ("top1_agreement", pa.float64()),
                         ("text_common", pa.string()), ("text_a", pa.string()), ("text_b", pa.string()),
                         ("step0_logit_diff_under_a", pa.float64()), ("step0_logit_diff_under_b", pa.float64())])
-    return pa.Table.from_pylist(json_ready(rows), schema=schema)
+    return pa.Table.from_pylist(strict(rows), schema=schema)
 

@@ -1,5 +1,5 @@
-"""Small numeric helpers of the comparison's figures: finite-or-null floats, means that skip
-missing values, and strict-JSON values."""
+"""Small numeric helpers of the comparison's figures: finite-or-null floats and means that skip
+missing values."""
 
 from __future__ import annotations
 
@@ -28,19 +28,3 @@ def abs_mean(x: np.ndarray) -> float | None:
     x = np.abs(np.asarray(x, np.float64))
     x = x[np.isfinite(x)]
     return float(x.mean()) if x.size else None
-
-
-def json_ready(x):
-    """NaN/inf -> None, numpy scalars -> Python, tuples -> lists (strict JSON)."""
-    if isinstance(x, dict):
-        return {k: json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_ready(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return finite(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
-
