@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import LmtraceError, ModelLoadError, SpecError
-from .spec import ModelSpec
+from .spec import ModelSpec, check_device_option
 
 if TYPE_CHECKING:
     import torch
@@ -401,6 +401,7 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
     refused when the weights or the tokenizer changed since (`check_run_model`).
     `purpose` finishes "... needed for" in the error messages. `spread_ok`: the caller works with a
     model spread by `model.device_map` (the lens does); the others get one device or a refusal."""
+    check_device_option((overrides or {}).get("device"))  # one line naming the choices, not pydantic's
     given = dict(manifest.get("spec_resolved", {}).get("model") or {})
     if not given:
         raise ModelLoadError(f"run {run_id}: the manifest has no spec_resolved.model; cannot tell which model to load")

@@ -214,3 +214,9 @@ def test_generate_then_ls_and_show(tmp_path):
     for text in texts:
         assert text.strip() in plain
 
+
+
+@pytest.mark.parametrize("args", [["lens", "any-run"], ["compare", "a", "b", "--exact"]], ids=["lens", "compare"])
+def test_a_bad_device_is_refused_in_one_line_before_any_run_is_read(tmp_path, args):
+    """As explain does: the choices named, exit 2, not a cut pydantic message after reading the runs."""
+    assert_one_line_error(lmtrace(tmp_path, *args, "--device", "bogus"), 2, "--device 'bogus'", "cpu, cuda, cuda:N")

@@ -72,10 +72,12 @@ def lens(
 
     from ..archive.reader import IncompleteRunWarning, open_run
     from ..commands.lens import compute_lens
+    from ..spec import check_device_option
 
     reporter = _Reporter(quiet or json_out)
     ref = runs[0]  # (the run being computed, named if the disk fills up)
     try:
+        check_device_option(device)  # before any run is read
         for ref in runs:
             with warnings.catch_warnings():  # an unfinished run is refused below, in one line
                 warnings.simplefilter("ignore", IncompleteRunWarning)

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ..analysis.compare import Comparison, compare_runs
 from ..errors import SpecError
+from ..spec import check_device_option
 from ..jsonout import json_line
 from .compare_render import comparison_markdown, render_comparison
 
@@ -47,6 +48,7 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
 
     if exact_steps is not None and not exact:
         raise SpecError("--exact-steps needs --exact")
+    check_device_option(device)  # before the archives are read
     cmp = compare_runs(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair, exact=exact,
                        exact_steps=exact_steps, device=device, note=note)
     if out_dir is not None:
