@@ -23,6 +23,16 @@ class IncompleteRunWarning(UserWarning):
     pass
 
 
+def table_files(run_dir: Path, name: str) -> list[Path]:
+    """The Parquet files holding a table: its compacted file once the run has one, else the part
+    files committed so far (in order; a part being written has a hidden temporary name)."""
+    full = run_dir / layout.table_file(name)
+    if full.is_file():
+        return [full]
+    parts = run_dir / layout.table_parts_dir(name)
+    return sorted(parts.glob("[!.]*.parquet")) if parts.is_dir() else []
+
+
 class Run:
     """One run directory. Arrays are zarr arrays (lazy); tables are pyarrow Tables."""
 
@@ -178,8 +188,7 @@ class Run:
                 raise self.damaged(layout.table_file(name), err) from None
         if self.status == "complete" and name in (self.manifest.get("table_rows") or {}):
             raise ArchiveError(damaged_message(self.id, f"{layout.table_file(name)} is missing"))
-        parts = self.path / layout.table_parts_dir(name)
-        files = sorted(parts.glob("*.parquet")) if parts.is_dir() else []
+        files = table_files(self.path, name)  # the committed parts: there is no compacted file
         if not files:
             if name in EMPTY_SCHEMAS:  # nothing committed yet: an empty table with the documented columns
                 return EMPTY_SCHEMAS[name]().empty_table()

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from ..archive import layout
 from ..archive.liveness import live_writers
-from ..archive.reader import IncompleteRunWarning, Run
+from ..archive.reader import IncompleteRunWarning, Run, table_files
 from ..archive.runs import list_runs
 from ..archive.summary import summary_or_damaged
 from ..errors import LmtraceError, RunNotFoundError
@@ -105,11 +105,7 @@ class Catalog:
     def _prompts_match(self, run_id: str, q: str) -> bool:
         """Whether a prompt of the run contains `q`: reads only the `prompt` column of its sequences table."""
         path = self.path_of(run_id)
-        files = [path / layout.table_file("sequences")]
-        if not files[0].is_file():
-            parts = path / layout.table_parts_dir("sequences")
-            files = sorted(parts.glob("[!.]*.parquet")) if parts.is_dir() else []
-        for f in files:
+        for f in table_files(path, "sequences"):
             try:
                 prompts = pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
             except (OSError, pa.ArrowException, KeyError):

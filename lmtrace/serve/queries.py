@@ -18,7 +18,7 @@ import pyarrow.dataset as ds
 
 from ..archive import layout
 from ..archive.integrity import quick_problem
-from ..archive.reader import Run, lens_state
+from ..archive.reader import Run, lens_state, table_files
 from ..errors import ArchiveError, SpecError
 from ..jsonout import strict
 
@@ -35,14 +35,9 @@ class NotFound(SpecError):
 def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None) -> pa.Table:
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
     complete run or the committed part files of a running one; only matching row groups are read."""
-    full = run.path / layout.table_file(name)
-    if full.is_file():
-        files = [str(full)]
-    else:
-        parts = run.path / layout.table_parts_dir(name)
-        files = [str(f) for f in sorted(parts.glob("[!.]*.parquet"))] if parts.is_dir() else []
-        if not files:
-            return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
+    files = [str(f) for f in table_files(run.path, name)]
+    if not files:
+        return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
     try:
         dataset = ds.dataset(files, format="parquet")
         if columns is not None:
