@@ -493,8 +493,14 @@ def assert_no_placeholder_text(page) -> None:
 
 
 def shown(text: str) -> str:
-    """A token text as the page writes it: newlines and tabs as visible marks."""
+    """A text as the page writes it in running text (strip, prompts): newlines and tabs as visible marks."""
     return text.replace("\n", "↵").replace("\t", "⇥")
+
+
+def shown_token(text: str) -> str:
+    """A token as the page writes it on its own (grid cells, alternatives, lens): its leading spaces as ␣ too."""
+    body = shown(text)
+    return "␣" * (len(body) - len(body.lstrip(" "))) + body.lstrip(" ")
 
 
 def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, runs_dir, tmp_path):
@@ -546,7 +552,7 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
             for c in cells:
                 row = attn[c["layer"], c["head"]]  # the tiny run captures layers 0-3: layer == index
                 assert float(c["w"]) == pytest.approx(float(row.max()), abs=5e-4)
-                assert row[c["key"]] == row.max() and c["k"] == shown(texts[c["key"]])
+                assert row[c["key"]] == row.max() and c["k"] == shown_token(texts[c["key"]])
             if step == 2:
                 page.keyboard.press("ArrowRight")
         assert page.get_attribute("#strip .tok.sel", "data-step") == "3"
@@ -564,7 +570,7 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         vocab = vocab_text(run_dir)
         ids = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")["lens_ids"][2, 3]
         lens = page.eval_on_selector_all("#lens tbody tr", "rows => rows.map(r => r.children[1].textContent)")
-        assert lens == [shown(vocab[int(i)]) for i in ids[:, 0]]
+        assert lens == [shown_token(vocab[int(i)]) for i in ids[:, 0]]
         assert_no_placeholder_text(page)
         page.screenshot(path=str(shots / "serve-token.png"), full_page=True)
 
@@ -573,7 +579,7 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         page.wait_for_selector("#detail[data-step='0'] #attention-grid")
         assert page.inner_text("#prompt") == INJECTIONS[1]
         assert page.eval_on_selector_all("img", "n => n.length") == 0
-        assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == ["/static/app.js"]
+        assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == ["/static/tokenview.js", "/static/app.js"]
         browser.close()
 
     assert problems == [] and dialogs == []
@@ -683,7 +689,7 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
         assert [(int(r[0]), int(r[1])) for r in rows] == list(zip(own.sequence, own.step))
         assert [float(r[5]) for r in rows] == pytest.approx(own.effect.tolist(), abs=5e-5)
-        assert [r[2] for r in rows] == [shown(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)]
+        assert [r[2] for r in rows] == [shown_token(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)]
         assert_no_placeholder_text(page)
         page.locator(".sweep").first.screenshot(path=str(shots / "serve-sweep.png"))
 
@@ -715,7 +721,7 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas().query("sequence == @seq").set_index("step")
         assert [r[0] for r in rows] == sorted(set(pt.index) | set(ct.index))
         for step, ptext, ctext, differs, shift in rows:
-            assert ptext == shown(pt.get(step, "–")) and ctext == shown(ct.get(step, "–"))
+            assert ptext == shown_token(pt.get(step, "–")) and ctext == shown_token(ct.get(step, "–"))
             assert differs == (pt.get(step) != ct.get(step))
             ref = effects.logprob_shift.get(step)
             assert shift == "–" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
@@ -732,7 +738,7 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
             got = page.eval_on_selector_all(f".attribution[data-method='{method}'] .tok",
                                             "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])")
             own = scores[scores.method == method].sort_values("position")
-            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown(t) for t in own.token_text]
+            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown_token(t) for t in own.token_text]
             assert [g[1] for g in got] == [float(x) for x in own.score]
         P, n = int(group["prompt_len"][1]), int(group["generated_len"][1])
         for layer, head in ((2, 3), (0, 1)):

@@ -2,7 +2,7 @@
 
 Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /                                            the page (runs list, run, sequence views; hash-routed)
-  /static/{app.js, app.css}                    the frontend, from this package (no other file is served)
+  /static/{app,tokenview}.{js,css}            the frontend, from this package (no other file is served)
   /api/runs?kind=&status=&model=&q=            runs list
   /api/runs/{run}                              a run's header
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
@@ -36,7 +36,8 @@ from .catalog import Catalog
 from .guard import Guard, is_loopback
 
 # The only files served, by name: nothing under /static is looked up on disk from the address
-STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
+          "tokenview.js": "application/javascript; charset=utf-8", "tokenview.css": "text/css; charset=utf-8"}
 
 
 def _static(name: str) -> bytes:
@@ -111,10 +112,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
 
     def step(request: Request):
         p = request.path_params
-        r = catalog.open(p["run"])
-        detail = queries.step_detail(r, p["seq"], p["step"])
-        return {**detail, "over_heads": token_extras.over_heads(r, p["seq"], p["step"]),
-                "attributions": token_extras.attributions(r, p["seq"], p["step"])}
+        return token_extras.selected_token(catalog.open(p["run"]), p["seq"], p["step"])
 
     def pattern(request: Request):
         p = request.path_params

@@ -11,7 +11,7 @@ from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
 from ..archive.reader import Run
 from ..jsonout import strict
-from .queries import NotFound, check_sequence, key_texts, n_keys_of, steps_ready
+from .queries import NotFound, check_sequence, key_texts, n_keys_of, step_detail, steps_ready
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
 
@@ -88,3 +88,10 @@ def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
         g["scores"].append({"position": r["position"], "text": r["token_text"], "is_prompt": r["is_prompt"],
                             "score": strict(r["score"])})
     return list(groups.values())
+
+
+def selected_token(run: Run, seq: int, step: int) -> dict:
+    """The token view's answer for one selected token (serve's steps/STEP route; the report inlines it):
+    queries.step_detail with the attention over heads and the attributions of that step."""
+    return {**step_detail(run, seq, step), "over_heads": over_heads(run, seq, step),
+            "attributions": attributions(run, seq, step)}

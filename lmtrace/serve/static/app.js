@@ -11,24 +11,8 @@
   let refreshTimer = null;
   let keyHandler = null;
 
-  // ---- helpers ---------------------------------------------------------------------------------
-  function el(tag, props, ...children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(props || {})) {
-      if (v === undefined || v === null) continue;
-      if (k === "class") node.className = v;
-      else if (k === "text") node.textContent = v;
-      else if (k === "data") Object.assign(node.dataset, v);
-      else if (k === "style") Object.assign(node.style, v);
-      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
-      else node.setAttribute(k, v);
-    }
-    for (const c of children) {
-      if (c === null || c === undefined || c === false) continue;
-      node.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
-    }
-    return node;
-  }
+  // ---- helpers (the token view's, shared with the report: tokenview.js) ---------------------------
+  const { el, put, fmt, fmtP, shown, shownToken, signedColour, absMax, rank1, tokenView } = window.lmtraceView;
 
   async function api(path) {
     const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
@@ -40,47 +24,6 @@
 
   const enc = encodeURIComponent;
   const runUrl = (id) => `/api/runs/${enc(id)}`;
-  const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
-  // a probability: fixed decimals, or 2 significant digits when it would read as 0
-  const fmtP = (x, d = 3) => (x === null || x === undefined ? "–"
-    : x !== 0 && Math.abs(x) < 0.5 * 10 ** -d ? Number(x).toExponential(1) : Number(x).toFixed(d));
-  // newlines and tabs as visible marks, so one token stays on one line
-  const shown = (t) => (t === null || t === undefined ? "" : String(t).replace(/\n/g, "↵").replace(/\t/g, "⇥"));
-
-  function mix(a, b, t) { return a.map((x, i) => Math.round(x + (b[i] - x) * t)); }
-  const ORANGE = [253, 184, 99], LIGHT = [247, 247, 247], BLUE = [146, 197, 222];
-  // probability: orange (0) → light grey (0.5) → blue (1)
-  function probColour(p) {
-    if (p === null || p === undefined || Number.isNaN(p)) return "rgb(234,238,242)";
-    const c = p < 0.5 ? mix(ORANGE, LIGHT, p / 0.5) : mix(LIGHT, BLUE, (p - 0.5) / 0.5);
-    return `rgb(${c[0]},${c[1]},${c[2]})`;
-  }
-  const WHITE = [247, 251, 255], MID = [107, 174, 214], DARK = [8, 48, 107];
-  // attention weight: white (0) → dark blue (1); on the log scale 0.001 (and below) → 1
-  let logScale = false;
-  const LOG_DECADES = 3;
-  function weightColour(w) {
-    const v = w || 0;
-    const x = logScale ? (v <= 0 ? 0 : Math.max(0, Math.min(1, 1 + Math.log10(v) / LOG_DECADES)))
-      : Math.max(0, Math.min(1, v));
-    const c = x < 0.5 ? mix(WHITE, MID, x / 0.5) : mix(MID, DARK, (x - 0.5) / 0.5);
-    return `rgb(${c[0]},${c[1]},${c[2]})`;
-  }
-  function weightText(w) {
-    const v = w || 0;
-    const x = logScale ? (v <= 0 ? 0 : 1 + Math.log10(v) / LOG_DECADES) : v;
-    return x > 0.55 ? "#fff" : "#1b1f24";
-  }
-  // signed values (effects, attributions): orange (negative) → light → blue (positive), by |v| / max
-  function signedColour(v, max) {
-    const t = Math.min(1, Math.abs(v || 0) / (max || 1));
-    const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
-    return `rgb(${c[0]},${c[1]},${c[2]})`;
-  }
-  const absMax = (values) => Math.max(1e-12, ...values.filter((v) => v !== null && v !== undefined).map((v) => Math.abs(v)));
-
-  // replaceChildren writes null as the text "null": leave absent parts out
-  function put(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined && c !== false)); }
 
   function setCrumbs(...items) {
     crumbs.replaceChildren(...items.map((it) => (it.href ? el("a", { href: it.href, text: it.text }) : el("span", { text: it.text }))));
@@ -287,7 +230,7 @@
           el("th", { text: h, class: h === "token" ? null : "num" })))),
         el("tbody", {}, ...c.rows.map((r) => el("tr", { data: { seq: r.sequence, step: r.step } },
           el("td", { class: "num" }, el("a", { href: `#/run/${enc(runId)}/seq/${r.sequence}/step/${r.step}`, text: r.sequence })),
-          el("td", { class: "num", text: r.step }), el("td", { class: "mono", text: shown(r.token) }),
+          el("td", { class: "num", text: r.step }), el("td", { class: "mono", text: shownToken(r.token) }),
           el("td", { class: "num", text: fmt(r.value, 4) }), el("td", { class: "num", text: fmt(r.baseline, 4) }),
           el("td", { class: "num eff", text: fmt(r.effect, 4), style: { background: signedColour(r.effect, max) } }))))));
   }
@@ -327,53 +270,29 @@
       app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
       return;
     }
-    pickedHeads.length = 0; // another sequence: its own heads
-    const steps = data.tokens.filter((t) => t.step !== null).map((t) => t.step);
-    const strip = el("div", { class: "strip", id: "strip", tabindex: "0" }, ...data.tokens.map((t) => t.step === null
-      ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
-      : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
-        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${rank1(t.rank)} · entropy ${fmt(t.entropy)}`,
-        style: { background: probColour(t.prob) }, onclick: () => select(t.step) })));
-    const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
-      ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
-      " · click a generated token or use ", el("kbd", { text: "←" }), " ", el("kbd", { text: "→" }));
-    const detail = el("div", { id: "detail" });
+    const view = tokenView((path) => api(`${runUrl(runId)}/${path}`), data, {
+      alive: () => gen === generation,
+      onSelect: (s, push) => { if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`); },
+    });
     put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
       info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: ${data.steps} committed step(s) shown.` }) : null,
       el("h2", { text: "Prompt" }), el("p", { class: "mono", id: "prompt", text: data.prompt ?? "" }),
-      el("h2", { text: "Tokens" }), legend, strip, detail);
+      el("h2", { text: "Tokens" }), view.legend, view.strip, view.detail);
     if (info.edits) {
       const against = el("div", { class: "panel", id: "against-parent" }, el("p", { class: "note", text: "loading…" }));
-      app.insertBefore(against, detail);
+      app.insertBefore(against, view.detail);
       api(`${runUrl(runId)}/sequences/${seq}/parent`).then((d) => { if (gen === generation) parentPanel(runId, seq, d, against); })
         .catch((e) => showError(e, against));
     }
-
-    let current = null;
-    function select(s, push = true) {
-      if (!steps.includes(s)) return;
-      current = s;
-      for (const node of strip.querySelectorAll(".tok.sel")) node.classList.remove("sel");
-      const node = strip.querySelector(`.tok.gen[data-step="${s}"]`);
-      if (node) { node.classList.add("sel"); node.scrollIntoView({ block: "nearest" }); }
-      if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`);
-      loadStep(runId, seq, s, info, detail, gen);
-    }
-    keyHandler = (e) => {
-      if (current === null || e.target.tagName === "INPUT") return;
-      const i = steps.indexOf(current);
-      if (e.key === "ArrowRight" && i < steps.length - 1) { e.preventDefault(); select(steps[i + 1]); }
-      if (e.key === "ArrowLeft" && i > 0) { e.preventDefault(); select(steps[i - 1]); }
-    };
+    keyHandler = view.keydown;
     document.addEventListener("keydown", keyHandler);
-    if (!steps.length) detail.replaceChildren(el("p", { class: "note", text: "no committed generated token yet" }));
-    else select(step !== null && steps.includes(step) ? step : steps[0], step !== null);
+    if (view.steps.length) view.select(step !== null && view.steps.includes(step) ? step : view.steps[0], step !== null);
   }
 
   function parentPanel(runId, seq, d, box) {
     const max = absMax(d.rows.map((r) => r.logprob_shift));
     const parentCell = (r) => d.parent_found && r.parent !== null
-      ? el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}/step/${r.step}`, text: shown(r.parent) }) : shown(r.parent ?? "–");
+      ? el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}/step/${r.step}`, text: shownToken(r.parent) }) : shownToken(r.parent ?? "–");
     put(box, el("h2", {}, "Against its parent ", el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}`, text: d.parent_id })),
       el("p", {}, el("b", { text: "edits: " }), el("code", { text: d.label || "–" }),
         ` · mode ${d.mode}` + (d.first_edited_step !== null && d.first_edited_step !== undefined ? ` · first edited step ${d.first_edited_step}` : "")),
@@ -386,192 +305,10 @@
           el("th", { text: h, class: ["parent", "child"].includes(h) ? null : "num" })))),
         el("tbody", {}, ...d.rows.map((r) => el("tr", { class: r.differs ? "differs" : null, data: { step: r.step } },
           el("td", { class: "num", text: r.step }), el("td", { class: "mono parent" }, parentCell(r)),
-          el("td", { class: "mono child", text: shown(r.child ?? "–") }),
+          el("td", { class: "mono child", text: shownToken(r.child ?? "–") }),
           el("td", { class: "num shift", text: fmt(r.logprob_shift, 4), style: { background: r.logprob_shift === null ? null : signedColour(r.logprob_shift, max) } }),
           el("td", { class: "num", text: fmt(r.kl_parent_child_topk, 4) }),
           el("td", { class: "num", text: r.winner_changed === null ? "–" : r.winner_changed ? "yes" : "no" }))))));
-  }
-
-  let stepRequest = 0;
-  async function loadStep(runId, seq, step, info, detail, gen) {
-    const mine = ++stepRequest;
-    detail.dataset.loading = "1";
-    let d;
-    try {
-      d = await api(`${runUrl(runId)}/sequences/${seq}/steps/${step}`);
-    } catch (e) {
-      if (mine === stepRequest && gen === generation) showError(e, detail);
-      return;
-    }
-    if (mine !== stepRequest || gen !== generation) return;
-    const left = el("div", {}, tokenPanel(d), lensPanel(d.lens));
-    const right = el("div", {}, attentionPanel(runId, d), d.head_dla ? dlaPanel(d.head_dla) : null,
-      d.attributions ? attributionPanel(d.attributions) : null);
-    detail.replaceChildren(el("div", { class: "panels" }, left, right));
-    detail.dataset.step = String(step);
-    delete detail.dataset.loading;
-  }
-
-  // Ranks are stored 0-based (tokens.parquet, steps.parquet); shown from 1 like the alternatives, as `show` does.
-  function rank1(r) { return r == null ? "–" : String(r + 1); }
-
-  function tokenPanel(d) {
-    const t = d.token;
-    if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
-    const facts = el("table", { class: "list" }, el("tbody", {},
-      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.rank)],
-        ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", t.greedy]].map(([k, v]) =>
-        el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: v ?? "–" })))));
-    const alts = el("table", { class: "list", id: "alternatives" },
-      el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
-      el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono", text: shown(a.text) }),
-        el("td", { class: "num", text: fmtP(a.prob, 4) })))));
-    return el("div", { class: "panel", id: "token-panel" }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shown(t.token) })),
-      facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
-  }
-
-  function lensPanel(lens) {
-    const box = el("div", { class: "panel", id: "lens-panel" }, el("h2", { text: "Logit lens" }));
-    if (lens.state === "none") { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
-    if (lens.state === "pending") { box.appendChild(el("p", { class: "note", text: lens.note })); return box; }
-    box.appendChild(el("table", { class: "list", id: "lens" },
-      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank (1 = top-1)", "chosen p"].map((h) => el("th", { text: h })))),
-      el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
-        el("td", { class: "mono", text: shown(r.top1) }), el("td", { class: "num", text: fmtP(r.top1_prob) }),
-        el("td", { class: "num", text: rank1(r.target_rank) }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
-    return box;
-  }
-
-  // heads picked for their pattern over steps ("layer.head"), kept while moving between tokens of a sequence
-  const pickedHeads = [];
-  let gridView = "heads";
-
-  function attentionPanel(runId, d) {
-    const box = el("div", { class: "panel", id: "attention-panel" }, el("h2", { text: "Attention" }));
-    const a = d.attention;
-    if (!a) { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
-    const views = el("select", { id: "grid-view" }, ...[["heads", "every head: its most-attended key"], ["mean", "mean over heads, every key"],
-      ["max", "max over heads, every key"]].map(([v, t]) => el("option", { value: v, text: t })));
-    views.value = gridView;
-    const logBox = el("input", { type: "checkbox", id: "log-scale" });
-    logBox.checked = logScale;
-    const gridBox = el("div", {});
-    const patterns = el("div", { id: "head-patterns" });
-    const draw = () => gridBox.replaceChildren(gridView === "heads" ? headsGrid(runId, d, box, patterns)
-      : overHeadsGrid(d.over_heads, gridView));
-    views.addEventListener("change", () => { gridView = views.value; draw(); });
-    logBox.addEventListener("change", () => {
-      logScale = logBox.checked;
-      draw();
-      for (const n of box.querySelectorAll("[data-w]")) {
-        const w = n.dataset.w === "" ? null : Number(n.dataset.w);
-        if (w !== null) { n.style.background = weightColour(w); n.style.color = weightText(w); }
-      }
-    });
-    box.appendChild(el("div", { class: "controls" }, views, el("label", {}, logBox, " log colour scale (0.001 – 1)")));
-    box.appendChild(gridBox);
-    draw();
-    box.appendChild(patterns);
-    for (const [layer, head] of pickedHeads) loadPattern(runId, d.sequence, d.step, layer, head, patterns, box);
-    return box;
-  }
-
-  function overHeadsGrid(o, which) {
-    if (!o) return el("p", { class: "note", text: "not available" });
-    const head = el("tr", {}, el("th", { text: "layer \\ key" }), ...o.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shown(k) })));
-    const rows = o[which].map((row, li) => el("tr", {}, el("th", { text: `L${o.layers[li]}` }),
-      ...row.map((w, k) => el("td", { class: "cell", data: { layer: o.layers[li], key: k, w: w ?? "" },
-        title: `layer ${o.layers[li]}, key ${k} ${JSON.stringify(o.keys[k])}: ${which} over heads ${fmt(w, 4)}`,
-        style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
-    return el("div", { class: "scroll" }, el("table", { class: "grid", id: `attention-${which}` }, el("thead", {}, head), el("tbody", {}, ...rows)));
-  }
-
-  function headsGrid(runId, d, box, patterns) {
-    const a = d.attention;
-    const wrap = el("div", {}, el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row and its pattern over every step.` }));
-    const rowBox = el("div", { id: "head-row" });
-    const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
-    const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
-      ...cells.map((c, h) => {
-        const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight },
-          title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}`,
-          style: { background: weightColour(c.weight), color: weightText(c.weight) } },
-        el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shown(c.text) }));
-        td.addEventListener("click", () => {
-          for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
-          td.classList.add("picked");
-          loadHeadRow(runId, d.sequence, d.step, a.layers[li], h, rowBox);
-          if (!pickedHeads.some(([l, x]) => l === a.layers[li] && x === h)) {
-            pickedHeads.push([a.layers[li], h]);
-            loadPattern(runId, d.sequence, d.step, a.layers[li], h, patterns, box);
-          }
-        });
-        return td;
-      })));
-    wrap.appendChild(el("table", { class: "grid", id: "attention-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
-    wrap.appendChild(rowBox);
-    return wrap;
-  }
-
-  async function loadPattern(runId, seq, step, layer, head, patterns, box) {
-    const holder = el("div", { class: "pattern", data: { layer, head } }, el("p", { class: "note", text: "loading…" }));
-    patterns.appendChild(holder);
-    let p;
-    try { p = await api(`${runUrl(runId)}/sequences/${seq}/attention/${layer}/${head}`); } catch (e) { showError(e, holder); return; }
-    const close = el("button", { class: "close", title: "stop showing this head", text: "×" });
-    close.addEventListener("click", () => {
-      const i = pickedHeads.findIndex(([l, x]) => l === layer && x === head);
-      if (i >= 0) pickedHeads.splice(i, 1);
-      holder.remove();
-    });
-    const headRow = el("tr", {}, el("th", { text: "step \\ key" }), ...p.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shown(k) })));
-    const rows = p.rows.map((row, s) => el("tr", { class: s === step ? "current" : null, data: { step: s } },
-      el("th", { class: "mono", title: `step ${s} chose ${JSON.stringify(p.chosen[s])}`, text: `${s}:${shown(p.chosen[s])}` }),
-      ...row.map((w, k) => w === null ? el("td", { class: "cell void" })
-        : el("td", { class: "cell", data: { key: k, w }, title: `step ${s}, key ${k} ${JSON.stringify(p.keys[k])}: ${fmt(w, 4)}`,
-          style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
-    holder.replaceChildren(el("h3", {}, `Layer ${layer}, head ${head}: attention over steps ${p.dense ? "" : "(top-k keys; others 0)"}`, close),
-      el("div", { class: "scroll" }, el("table", { class: "grid pattern-grid" }, el("thead", {}, headRow), el("tbody", {}, ...rows))));
-  }
-
-  function attributionPanel(groups) {
-    const box = el("div", { class: "panel", id: "attribution-panel" }, el("h2", { text: "Attributions (lmtrace explain)" }));
-    if (!groups.length) { box.appendChild(el("p", { class: "note", text: "no explain result for this step (`lmtrace explain RUN STEPS --sequence N`)" })); return box; }
-    for (const g of groups) {
-      const max = absMax(g.scores.map((x) => x.score));
-      box.appendChild(el("div", { class: "attribution", data: { method: g.method, explain: g.explain_id } },
-        el("h3", { text: `${g.method} · ${g.target || "–"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
-        el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
-          data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
-          style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
-        shown(x.text), el("small", { text: fmt(x.score, 3) }))))));
-    }
-    return box;
-  }
-
-  async function loadHeadRow(runId, seq, step, layer, head, box) {
-    box.replaceChildren(el("p", { class: "note", text: "loading…" }));
-    let r;
-    try { r = await api(`${runUrl(runId)}/sequences/${seq}/steps/${step}/attention/${layer}/${head}`); } catch (e) { showError(e, box); return; }
-    box.replaceChildren(el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
-      el("div", { class: "row-keys", data: { layer, head } }, ...r.keys.map((k) => el("span", {
-        class: "tok key", data: { key: k.key, weight: k.weight, w: k.weight ?? "" }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
-        style: { background: weightColour(k.weight), color: weightText(k.weight) } },
-      shown(k.text), el("small", { text: fmt(k.weight) })))));
-  }
-
-  function dlaPanel(dla) {
-    const max = Math.max(1e-9, ...dla.values.flat().map((v) => Math.abs(v || 0)));
-    const colour = (v) => {
-      const t = Math.min(1, Math.abs(v || 0) / max);
-      const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
-      return `rgb(${c[0]},${c[1]},${c[2]})`;
-    };
-    return el("div", { class: "panel", id: "dla-panel" }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
-      el("table", { class: "grid", id: "dla-grid" },
-        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
-        el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
-          ...row.map((v) => el("td", { class: "cell", text: fmt(v), style: { background: colour(v), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } })))))));
   }
 
   // ---- routing ---------------------------------------------------------------------------------
