@@ -160,8 +160,9 @@ def report(
                                         "stride 0-255:4 (default: all up to 256 steps, else a stride)."),
     layer: list[int] = typer.Option([], "--layer", "-l", help="Layer with per-head step × key heatmaps (repeatable; "
                                     "default: first, middle and last captured)."),
-    attention_step: Optional[int] = typer.Option(None, "--attention-step", help="Step of the layer × head attention "
-                                                 "grid (default: the last step shown)."),
+    attention_step: Optional[int] = typer.Option(None, "--attention-step", help="Step first selected in the token view "
+                                                 "and of the layer × head attention grid (default: the last step "
+                                                 "shown; past a sequence's end, its last step)."),
     png: Optional[Path] = typer.Option(None, "--png", help="Also write every figure as a PNG file into this directory."),
     svg: Optional[Path] = typer.Option(None, "--svg", help="Also write every figure as an SVG file into this directory."),
     pair: str = typer.Option("auto", "--pair", help="Two runs: pair sequences by auto | index | prompt."),

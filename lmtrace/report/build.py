@@ -20,6 +20,7 @@ from .run_data import RunData
 from .sections import (Section, attention_section, banner, explain_section, intervention_section, lens_section,
                        layers_section, manifest_section, router_section, text_section)
 from .selection import select
+from .token_view import token_view_section
 
 REPORT_FILE = "report.html"
 
@@ -83,7 +84,7 @@ def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[i
             "this run was forward-only (`capture: none`): it archived tokens, probabilities and alternatives only; "
             "capture attention, the logit lens and per-layer statistics with the spec's `capture:` section"]))
     else:
-        sections += [attention_section(data, sel, blobs), lens_section(data, sel, blobs),
+        sections += [token_view_section(data, sel), attention_section(data, sel, blobs), lens_section(data, sel, blobs),
                      layers_section(data, sel, blobs)]
         router = router_section(data, sel, blobs)
         if router is not None:

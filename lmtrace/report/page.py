@@ -43,6 +43,14 @@ table.grid { border-collapse: collapse; } table.grid td, table.grid th { border:
 pre { font-size: 12px; background: #f6f6f6; padding: 6px; overflow-x: auto; }
 """
 
+# the report's own rules that the token view should not take
+TOKEN_VIEW_CSS = """
+.tokenview .note::before { content: none; }
+.tokenview .tok:hover { outline: none; }
+.tokenview .tok.gen:hover { outline: 1px solid #1f3a5f; }
+.tokenview h2 { font-size: 15px; margin: 4px 0 8px; }
+"""
+
 SCRIPT = r"""
 (function () {
   const errors = [];
@@ -132,6 +140,16 @@ def plotly_js() -> str:
     return resources.files("lmtrace.report").joinpath("vendor/plotly-cartesian.min.js").read_text(encoding="utf-8")
 
 
+def token_view_code() -> tuple[str, str]:
+    """(style, script) of the token view: `lmtrace serve`'s own tokenview.css / tokenview.js, and the
+    report's data source that reads the answers the page inlined (inlined_source.js)."""
+    serve = resources.files("lmtrace.serve").joinpath("static")
+    css = serve.joinpath("tokenview.css").read_text(encoding="utf-8") + TOKEN_VIEW_CSS
+    js = (serve.joinpath("tokenview.js").read_text(encoding="utf-8") + "\n"
+          + resources.files("lmtrace.report").joinpath("inlined_source.js").read_text(encoding="utf-8"))
+    return css, js
+
+
 def figure_html(fig: dict) -> str:
     select = ""
     if len(fig.get("variants") or []) > 1:
@@ -154,14 +172,15 @@ def render_page(title: str, subtitle: str, sections: list[Section], blobs: Blobs
     nav = "".join(f"<a href='#sec-{esc(s.id)}'>{esc(s.title)}</a>" for s in sections)
     top_notes = "".join(f"<p class='note'>{esc(n)}</p>" for n in notes)
     figs_json = json.dumps(figures, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    view_css, view_js = token_view_code()
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
+        f"<title>{esc(title)}</title><style>{CSS}{view_css}</style></head><body>"
         f"<header><h1>{esc(title)}</h1><p>{esc(subtitle)}</p></header><nav>{nav}</nav><main>{banner}{top_notes}"
         + "".join(section_html(s) for s in sections)
         + "</main>"
         f"<script type='application/json' id='lmtrace-blobs'>{blobs.to_json()}</script>"
         f"<script type='application/json' id='lmtrace-figures'>{figs_json}</script>"
-        f"<script>{plotly_js()}</script><script>{SCRIPT}</script></body></html>"
+        f"<script>{plotly_js()}</script><script>{SCRIPT}</script><script>{view_js}</script></body></html>"
     )

@@ -2,8 +2,9 @@
 
 A page must stay usable however large the run: by default it shows the first `DEFAULT_SEQUENCES`
 sequences, at most `MAX_STEPS` steps of each (a regular stride past that), the per-head
-step × key heatmaps of three layers (first, middle, last captured) and the layer × head grid
-at one step (the last one shown). Everything left out is said on the page.
+step × key heatmaps of three layers (first, middle, last captured), and the token view and the
+layer × head grid starting at one step (the last one shown, or --attention-step clamped to each
+sequence's steps). Everything left out is said on the page.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Selection:
     available: dict[int, int]  # sequence -> committed (readable) steps
     layers: list[int]  # model layers with per-head step × key heatmaps
     heatmap_steps: dict[int, list[int]]  # sequence -> rows of the step × key heatmaps (≤ MAX_HEATMAP_ROWS)
-    attention_step: dict[int, int]  # sequence -> the step of the layer × head grid
+    attention_step: dict[int, int]  # sequence -> the step first selected in the token view and of the layer × head grid
     notes: list[str] = field(default_factory=list)
 
 
@@ -82,15 +83,18 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
         chosen_layers = sorted(set(layers))
     else:
         chosen_layers = default_layers(captured_layers)
+    if attention_step is not None and attention_step < 0:
+        raise SpecError(f"--attention-step {attention_step}: a step counts from 0; give 0 or more")
     att: dict[int, int] = {}
     for s in chosen:
         if not shown[s]:
             continue
         if attention_step is None:
             att[s] = shown[s][-1]
-        elif not 0 <= attention_step < available[s]:
-            raise SpecError(f"--attention-step {attention_step} out of range: sequence {s} has steps "
-                            f"0..{available[s] - 1}")
+        elif attention_step >= available[s]:  # a shorter sequence starts at its last step
+            att[s] = available[s] - 1
+            notes.append(f"sequence {s} has steps 0..{available[s] - 1}: its token view and attention grid start "
+                         f"at its last step, not --attention-step {attention_step}")
         else:
             att[s] = attention_step
     rows = {s: thin(shown[s], MAX_HEATMAP_ROWS) for s in chosen}

@@ -1,0 +1,57 @@
+// The report's data source for lmtrace's token view (lmtrace/serve/static/tokenview.js, inlined in this
+// page): the answers of `lmtrace serve`'s routes that the report embedded, by path; one head's row
+// over the keys at a step is read from that head's embedded pattern over the steps. Anything else
+// was not embedded, and the view says so in one line.
+"use strict";
+
+(() => {
+  const node = document.getElementById("lmtrace-tokenview");
+  if (!node) return;
+  const { answers, missing } = JSON.parse(node.textContent);
+  const has = (path) => Object.prototype.hasOwnProperty.call(answers, path);
+
+  function headRow(seq, step, layer, head) {
+    const p = answers[`sequences/${seq}/attention/${layer}/${head}`];
+    const row = p && p.rows[step];
+    if (!row) return null;
+    const keys = [];
+    row.forEach((w, k) => { if (w !== null) keys.push({ key: k, text: p.keys[k], weight: w }); });
+    return { sequence: seq, step, layer, head, keys, dense: p.dense };
+  }
+
+  async function source(path) {
+    if (has(path)) return answers[path];
+    let m = /^sequences\/(\d+)\/steps\/(\d+)\/attention\/(\d+)\/(\d+)$/.exec(path);
+    if (m) {
+      const row = headRow(+m[1], +m[2], +m[3], +m[4]);
+      if (row) return row;
+      throw new Error(`layer ${m[3]}, head ${m[4]} is not embedded: ${missing.head}`);
+    }
+    m = /^sequences\/(\d+)\/attention\/(\d+)\/(\d+)$/.exec(path);
+    if (m) throw new Error(`layer ${m[2]}, head ${m[3]} is not embedded: ${missing.head}`);
+    m = /^sequences\/(\d+)\/steps\/(\d+)$/.exec(path);
+    if (m) throw new Error(`step ${m[2]} of sequence ${m[1]} is not embedded: ${missing.step}`);
+    throw new Error(`${path} is not embedded in this report`);
+  }
+
+  const views = {};
+  for (const box of document.querySelectorAll(".tokenview[data-seq]")) {
+    const seq = box.dataset.seq;
+    const view = window.lmtraceView.tokenView(source, answers[`sequences/${seq}`], { prefix: `s${seq}-` });
+    box.append(view.legend, view.strip, view.detail);
+    view.strip.addEventListener("keydown", view.keydown);
+    if (view.steps.length) view.select(Number(box.dataset.step), false);
+    views[seq] = { view, box };
+  }
+  // a token of the "Generated text" section opens its step in the token view
+  for (const tok of document.querySelectorAll("#sec-text .tok[data-seq][data-step]")) {
+    const v = views[tok.dataset.seq];
+    if (!v) continue;
+    tok.style.cursor = "pointer";
+    tok.addEventListener("click", () => {
+      v.view.select(Number(tok.dataset.step));
+      v.box.scrollIntoView({ block: "start" });
+      v.view.strip.focus({ preventScroll: true });
+    });
+  }
+})();
