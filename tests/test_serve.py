@@ -777,3 +777,86 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
         for shot in shots.iterdir():
             shutil.copy(shot, REPO / "docs" / "img" / shot.name)
+
+
+# ---- the report's token view: the same frontend, from data inlined in a file:// page ----------------
+def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_prompts_as_text(runs_dir, tmp_path):
+    """`lmtrace report` of the same run: click tokens and use the arrow keys in the page's token view
+    (serve's tokenview.js over the answers the page inlined); the grid, a head's row and the lens
+    equal the archive read with zarr; the page asks no host for anything; the injection prompts stay text."""
+    from lmtrace.report import report_run
+
+    sync_playwright = _playwright()
+    run_dir = runs_dir / "tiny"
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    lengths = group["generated_len"][:]
+    out = report_run(str(run_dir), out=tmp_path / "report.html", sequences=[1, 2, 3], layers=[1],
+                     attention_step=100).path
+    text = out.read_text(encoding="utf-8")
+    for prompt in INJECTIONS:  # neither prompt is in the page's source as written: escaped in markup and JSON
+        assert prompt not in text
+    problems, requests, dialogs = [], [], []
+    with sync_playwright() as p:
+        browser, page = open_page(p, problems, requests)
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(out.as_uri())
+        for seq in (1, 2, 3):  # --attention-step past every sequence's end: each starts at its last step
+            page.wait_for_selector(f"#s{seq}-detail[data-step='{int(lengths[seq]) - 1}'] #s{seq}-attention-grid")
+        for seq in (2, 3):
+            prompt = archive_tokens(run_dir, seq).query("is_prompt").token_text.tolist()
+            got = page.eval_on_selector_all(f"#s{seq}-strip .tok.prompt", "ts => ts.map(t => t.textContent)")
+            assert got == [shown(t) for t in prompt] and "".join(got).endswith(INJECTIONS[seq - 2])
+
+        page.click("#s2-strip .tok.gen[data-step='1']")
+        for step in (1, 2):
+            page.wait_for_selector(f"#s2-detail[data-step='{step}'] #s2-attention-grid")
+            cells = page.eval_on_selector_all("#s2-attention-grid td.cell", """cells => cells.map(c => ({
+                layer: +c.dataset.layer, head: +c.dataset.head, key: +c.dataset.key, weight: +c.dataset.weight,
+                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""")
+            attn = archive_attention(run_dir, 2, step)
+            texts = archive_tokens(run_dir, 2).token_text.tolist()
+            assert len(cells) == attn.shape[0] * attn.shape[1]
+            for c in cells:
+                row = attn[c["layer"], c["head"]]
+                assert c["weight"] == pytest.approx(float(row.max()), abs=5e-5)
+                assert float(c["w"]) == pytest.approx(float(row.max()), abs=5e-4)
+                assert row[c["key"]] == row.max() and c["k"] == shown_token(texts[c["key"]])
+            if step == 1:
+                page.keyboard.press("ArrowRight")  # the strip has the focus since the click
+        assert page.get_attribute("#s2-strip .tok.sel", "data-step") == "2"
+
+        # a head of an embedded layer: its row at this step, read from its embedded pattern
+        page.click("#s2-attention-grid td.cell[data-layer='1'][data-head='2']")
+        page.wait_for_selector("#s2-head-row .row-keys")
+        keys = page.eval_on_selector_all("#s2-head-row .tok.key", "ks => ks.map(k => [+k.dataset.key, +k.dataset.w])")
+        attn = archive_attention(run_dir, 2, 2)
+        assert [k for k, _ in keys] == list(range(attn.shape[-1]))
+        assert [w for _, w in keys] == pytest.approx(attn[1, 2].tolist(), abs=5e-5)
+        page.wait_for_selector("#s2-head-patterns .pattern[data-layer='1'][data-head='2'] .pattern-grid")
+        # a head of a layer the report did not embed: one line saying so
+        page.click("#s2-attention-grid td.cell[data-layer='0'][data-head='0']")
+        assert "not embedded" in page.wait_for_selector("#s2-head-row .error").inner_text()
+
+        # the lens column, alternatives and head DLA of the selected step
+        vocab = vocab_text(run_dir)
+        ids = group["lens_ids"][2, 2]
+        lens = page.eval_on_selector_all("#s2-lens tbody tr", "rows => rows.map(r => r.children[1].textContent)")
+        assert lens == [shown_token(vocab[int(i)]) for i in ids[:, 0]]
+        tok = archive_tokens(run_dir, 2).query("step == 2").iloc[0]
+        alts = page.eval_on_selector_all("#s2-alternatives tbody tr", "rows => rows.map(r => [...r.children].map(c => c.textContent))")
+        assert [a for a, _ in alts] == [shown_token(vocab[int(i)]) for i in tok.alt_ids]
+        assert [float(p) for _, p in alts] == pytest.approx([math.exp(x) for x in tok.alt_logprobs], abs=1e-4)
+        dla = page.eval_on_selector_all("#s2-dla-grid td.cell", "cs => cs.map(c => +c.textContent)")
+        assert dla == pytest.approx(np.asarray(group["head_dla"][2, 2], dtype=np.float64).ravel().tolist(), abs=1e-3)
+
+        # attributions of sequence 1's step 2 (lmtrace explain), from a click in the "Generated text" section
+        page.click("#sec-text .tok[data-seq='1'][data-step='2']")
+        page.wait_for_selector("#s1-detail[data-step='2'] #s1-attribution-panel .attribution")
+        assert page.eval_on_selector_all("img", "n => n.length") == 0
+        assert page.evaluate("document.body.dataset.errors") is None
+        assert_no_placeholder_text(page)
+        if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+            page.locator("#sec-tokens").screenshot(path=str(REPO / "docs" / "img" / "report-tokens.png"))
+        browser.close()
+    assert problems == [] and dialogs == []
+    assert requests == [out.as_uri()], requests
