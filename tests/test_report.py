@@ -405,7 +405,7 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     assert " Paris" in html.unescape(visit.dom)
     assert distinct_colours(visit.screenshot) > 50
     shots = section_shots(path, tmp_path / "sections", {f"report-{name}.png": f"sec-{name}"
-                                                        for name in ("attention", "lens", "layers", "dla")})
+                                                        for name in ("tokens", "attention", "lens", "layers", "dla")})
     for shot in shots.values():
         assert distinct_colours(shot) > 50
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":

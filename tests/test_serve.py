@@ -855,8 +855,73 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         assert page.eval_on_selector_all("img", "n => n.length") == 0
         assert page.evaluate("document.body.dataset.errors") is None
         assert_no_placeholder_text(page)
-        if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
-            page.locator("#sec-tokens").screenshot(path=str(REPO / "docs" / "img" / "report-tokens.png"))
         browser.close()
     assert problems == [] and dialogs == []
     assert requests == [out.as_uri()], requests
+
+
+def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(runs_dir, tmp_path):
+    """A head sweep at two positions (effects.zarr [layer, q_head, position]): the page draws one pair
+    of coordinates at a chosen value of the third; every slice read from the page equals effects.zarr
+    and the terminal's ranking (sweep.json's `top`); clicking a cell gives that cell's rows."""
+    sync_playwright = _playwright()
+    runs = tmp_path / "runs"
+    shutil.copytree(runs_dir / "tiny", runs / "tiny", ignore=shutil.ignore_patterns("sweeps", "explain"))
+    proc = lmtrace(tmp_path, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--positions", "1-2",
+                   "--metric", "logprob")
+    assert proc.returncode == 0, proc.stderr
+    d = sweep_dir_of(runs / "tiny")
+    archived = zarr.open_group(str(d / "effects.zarr"), mode="r")["effect_logprob"][...]
+    assert archived.shape == (4, 4, 2)
+    top = json.loads((d / "sweep.json").read_text())["top"]
+    live = LiveServer(runs)
+    problems, requests = [], []
+    try:
+        with sync_playwright() as p:
+            browser, page = open_page(p, problems, requests)
+            page.goto(live.base + "/#/run/tiny")
+            page.wait_for_selector(".sweep-metric[data-metric='logprob'] td.cell")
+
+            def cells():
+                return page.eval_on_selector_all(".sweep-metric td.cell", "cs => cs.map(c => [{...c.dataset}, c.textContent])")
+
+            def check(index_of):  # every cell drawn: its coordinates' value in effects.zarr
+                got = cells()
+                assert len(got) == 16
+                for data, text in got:
+                    ref = float(archived[index_of(data)])
+                    assert float(text) == pytest.approx(ref, rel=5e-3, abs=1e-12) and float(data["value"]) == pytest.approx(ref, rel=1e-6)
+
+            # layer × head at position 1, then at position 2
+            for i, position in enumerate((1, 2)):
+                page.select_option(".sweep-axes select.axis-fixed[data-dim='position']", str(i))
+                check(lambda c: (int(c["layer"]), int(c["head"]), i))
+                assert {c["position"] for c, _ in cells()} == {str(position)}
+            # layer × position at head 3
+            page.select_option(".sweep-axes select.axis-col", "position")
+            page.select_option(".sweep-axes select.axis-fixed[data-dim='head']", "3")
+            got = cells()
+            assert len(got) == 8 and {c["head"] for c, _ in got} == {"3"}
+            for c, text in got:
+                assert float(text) == pytest.approx(float(archived[int(c["layer"]), 3, int(c["position"]) - 1]), rel=5e-3)
+            # the terminal's ranking: its top cells, found on the page with the same numbers
+            for r in top[:3]:
+                page.select_option(".sweep-axes select.axis-row", "layer")
+                page.select_option(".sweep-axes select.axis-col", "head")
+                page.select_option(".sweep-axes select.axis-fixed[data-dim='position']", str(r["position"] - 1))
+                cell = page.locator(f".sweep-metric td.cell[data-layer='{r['layer']}'][data-head='{r['head']}']")
+                assert np.float32(float(cell.get_attribute("data-value"))) == np.float32(r["effect"])
+            cell.click()
+            page.wait_for_selector(".sweep-rows tbody tr")
+            long = pq.read_table(d / "sweep.parquet").to_pandas()
+            r = top[2]
+            own = long[(long.layer == r["layer"]) & (long["head"] == r["head"]) & (long.position == r["position"])]
+            rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => +r.children[5].textContent)")
+            assert rows == pytest.approx(own.sort_values(["sequence", "step"]).effect.tolist(), abs=5e-5)
+            assert_no_placeholder_text(page)
+            if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
+                page.locator(".sweep").first.screenshot(path=str(REPO / "docs" / "img" / "serve-sweep-3d.png"))
+            browser.close()
+    finally:
+        live.stop()
+    assert problems == []

@@ -188,16 +188,57 @@
   // ---- a sweep: one heatmap per metric, a cell's rows ----------------------------------------------
   function sweepView(runId, d, box) {
     const cellBox = el("div", { class: "sweep-cell" });
-    const figs = d.metrics.map((m) => {
-      const grid = m.dims.length === 1 ? [m.values] : m.values;
-      if (m.dims.length > 2) return el("p", { class: "note", text: `${m.metric}: ${m.dims.join(" × ")} cells; see sweep.parquet` });
-      const rowDim = m.dims.length === 1 ? null : m.dims[0], colDim = m.dims[m.dims.length - 1];
+    const figs = d.metrics.map((m) => sweepMetric(runId, d, m, box, cellBox));
+    box.replaceChildren(el("h2", { text: `Sweep ${d.id}: ${d.over || "?"}, edit ${d.edit || "?"}` }),
+      el("p", { class: "note", text: `Each cell: its ${d.meaning} (effects.zarr; the terminal's ranking). Click a cell for its rows.` }),
+      el("div", { class: "sweep-figs" }, ...figs), cellBox);
+  }
+
+  // the value of a nested array at one index per dimension
+  const at = (values, idx) => idx.reduce((v, i) => (v === null || v === undefined ? null : v[i]), values);
+
+  // One metric's heatmap. Over more than two coordinates (e.g. layer × head × position) the heatmap
+  // is one pair of them, chosen above it, at the chosen value of each other coordinate.
+  function sweepMetric(runId, d, m, box, cellBox) {
+    const dims = m.dims;
+    const state = { row: dims.length === 1 ? null : dims[0], col: dims[dims.length === 1 ? 0 : 1], fixed: {} };
+    for (const dim of dims) state.fixed[dim] = 0; // index into m.coords[dim]
+    const gridBox = el("div", {});
+    const controls = el("div", { class: "controls sweep-axes" });
+    function drawControls() {
+      if (dims.length <= 2) return;
+      const axis = (which) => {
+        const sel = el("select", { class: `axis-${which}`, data: { axis: which } }, ...dims.map((x) => el("option", { value: x, text: x })));
+        sel.value = state[which];
+        sel.addEventListener("change", () => {
+          const other = which === "row" ? "col" : "row";
+          if (sel.value === state[other]) state[other] = state[which]; // swap rather than draw one axis twice
+          state[which] = sel.value;
+          drawControls(); draw();
+        });
+        return sel;
+      };
+      const fixedSels = dims.filter((x) => x !== state.row && x !== state.col).map((x) => {
+        const sel = el("select", { class: "axis-fixed", data: { dim: x } }, ...m.coords[x].map((c, i) => el("option", { value: String(i), text: `${x} ${c}` })));
+        sel.value = String(state.fixed[x]);
+        sel.addEventListener("change", () => { state.fixed[x] = Number(sel.value); draw(); });
+        return sel;
+      });
+      controls.replaceChildren("rows ", axis("row"), " columns ", axis("col"), " at ", ...fixedSels);
+    }
+    function draw() {
+      const rowDim = state.row, colDim = state.col;
+      const rowIdx = rowDim ? m.coords[rowDim].map((_, i) => i) : [null];
+      const index = (i, j) => dims.map((x) => (x === rowDim ? i : x === colDim ? j : state.fixed[x]));
+      const grid = rowIdx.map((i) => m.coords[colDim].map((_, j) => at(m.values, dims.length === 1 ? [j] : index(i, j))));
+      const fixedCoords = Object.fromEntries(dims.filter((x) => x !== rowDim && x !== colDim).map((x) => [x, m.coords[x][state.fixed[x]]]));
       const max = absMax(grid.flat());
       const head = el("tr", {}, el("th", { text: rowDim ? `${rowDim} \\ ${colDim}` : colDim }),
         ...m.coords[colDim].map((c) => el("th", { text: String(c) })));
       const rows = grid.map((row, i) => el("tr", {}, el("th", { text: rowDim ? `${rowDim} ${m.coords[rowDim][i]}` : "" }),
         ...row.map((v, j) => {
-          const coords = rowDim ? { [rowDim]: m.coords[rowDim][i], [colDim]: m.coords[colDim][j] } : { [colDim]: m.coords[colDim][j] };
+          const coords = { ...fixedCoords, [colDim]: m.coords[colDim][j] };
+          if (rowDim) coords[rowDim] = m.coords[rowDim][i];
           const td = el("td", { class: "cell", data: { value: v === null ? "" : v, ...coords },
             title: `${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")}: mean effect ${v === null ? "not measured" : v}`,
             style: { background: v === null ? "#eaeef2" : signedColour(v, max), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
@@ -209,12 +250,12 @@
           });
           return td;
         })));
-      return el("div", { class: "panel sweep-metric", data: { metric: m.metric } },
-        el("h3", { text: `${m.metric}` }), el("table", { class: "grid sweep-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
-    });
-    box.replaceChildren(el("h2", { text: `Sweep ${d.id}: ${d.over || "?"}, edit ${d.edit || "?"}` }),
-      el("p", { class: "note", text: `Each cell: its ${d.meaning} (effects.zarr; the terminal's ranking). Click a cell for its rows.` }),
-      el("div", { class: "sweep-figs" }, ...figs), cellBox);
+      gridBox.replaceChildren(el("table", { class: "grid sweep-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    }
+    drawControls();
+    draw();
+    return el("div", { class: "panel sweep-metric", data: { metric: m.metric } },
+      el("h3", { text: `${m.metric}${dims.length > 2 ? ` (${dims.join(" × ")})` : ""}` }), controls, gridBox);
   }
 
   async function loadSweepCell(runId, sweepId, metric, coords, box) {
