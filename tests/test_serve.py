@@ -584,9 +584,6 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
 
     assert problems == [] and dialogs == []
     assert requests and all(u.startswith(server.base + "/") or u.startswith("data:") for u in requests), requests
-    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
-        for shot in shots.iterdir():
-            shutil.copy(shot, REPO / "docs" / "img" / shot.name)
 
 
 def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, tmp_path):
@@ -774,9 +771,6 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
 
     assert problems == []
     assert requests and all(u.startswith(server.base + "/") or u.startswith("data:") for u in requests), requests
-    if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
-        for shot in shots.iterdir():
-            shutil.copy(shot, REPO / "docs" / "img" / shot.name)
 
 
 # ---- the report's token view: the same frontend, from data inlined in a file:// page ----------------
@@ -919,8 +913,68 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
             rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => +r.children[5].textContent)")
             assert rows == pytest.approx(own.sort_values(["sequence", "step"]).effect.tolist(), abs=5e-5)
             assert_no_placeholder_text(page)
-            if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
-                page.locator(".sweep").first.screenshot(path=str(REPO / "docs" / "img" / "serve-sweep-3d.png"))
+            browser.close()
+    finally:
+        live.stop()
+    assert problems == []
+
+
+# ---- the screenshots of docs/serve.md: a small run of the embedded model ----------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LMTRACE_DOC_SCREENSHOTS") != "1",
+                    reason="retakes docs/img/serve-*.png; set LMTRACE_DOC_SCREENSHOTS=1")
+def test_doc_screenshots_of_the_embedded_model(tmp_path):
+    """2 chat prompts x 12 tokens of the embedded SmolLM2-135M (configs/demo.yaml) with the lens, head
+    DLA, a head sweep, attributions and an intervention child; each page of docs/serve.md drawn
+    without an error and screenshotted into docs/img."""
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.commands.intervene import run_intervene
+
+    sync_playwright = _playwright()
+    runs = tmp_path / "runs"
+    proc = lmtrace(tmp_path, "generate", str(REPO / "configs" / "demo.yaml"), "--run-id", "demo", "--lens", "-q",
+                   "--set", "generation.max_new_tokens=12", "--set", "capture.head_dla=true", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    proc = lmtrace(tmp_path, "sweep", "demo", "--over", "heads", "--edit", "zero", "--metric", "logprob",
+                   "--metric", "kl", timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    explain_run(runs / "demo", "3,4", sequence=0, methods=["grad_x_input"])
+    run_intervene(str(runs / "demo"), [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 3}}], mode="regenerate",
+                  runs_dir=str(runs), run_id="demo-no-mlp0")
+    img = REPO / "docs" / "img"
+    live = LiveServer(runs)
+    problems = []
+    try:
+        with sync_playwright() as p:
+            browser, page = open_page(p, problems, [])
+            page.goto(live.base + "/")
+            page.wait_for_selector("#runs tr.run-row")
+            page.screenshot(path=str(img / "serve-runs.png"))
+            page.goto(live.base + "/#/run/demo")
+            page.wait_for_selector(".sweep-metric td.cell")
+            page.screenshot(path=str(img / "serve-run.png"))
+            page.click(".sweep-metric[data-metric='kl'] td.cell[data-layer='0'][data-head='0']")
+            page.wait_for_selector(".sweep-rows tbody tr")
+            page.locator(".sweep").first.screenshot(path=str(img / "serve-sweep.png"))
+
+            page.goto(live.base + "/#/run/demo/seq/0/step/4")
+            page.wait_for_selector("#detail[data-step='4'] #attention-grid")
+            page.click("#attention-grid td.cell[data-layer='5'][data-head='3']")
+            page.wait_for_selector("#head-row .row-keys")
+            page.wait_for_selector(".pattern .pattern-grid")
+            page.screenshot(path=str(img / "serve-token.png"), full_page=True)
+            page.click("#attention-grid td.cell[data-layer='12'][data-head='0']")
+            page.wait_for_selector(".pattern[data-layer='12'][data-head='0'] .pattern-grid")
+            page.wait_for_selector("#attribution-panel .attribution")
+            page.screenshot(path=str(img / "serve-heads.png"), full_page=True)
+
+            page.goto(live.base + "/#/compare/demo/demo-no-mlp0")
+            page.wait_for_selector("#pairs tr.pair-row")
+            page.screenshot(path=str(img / "serve-compare.png"), full_page=True)
+            page.goto(live.base + "/#/run/demo-no-mlp0/seq/0")
+            page.wait_for_selector("#parent-steps tbody tr")
+            page.locator("#against-parent").screenshot(path=str(img / "serve-child.png"))
+            assert_no_placeholder_text(page)
             browser.close()
     finally:
         live.stop()

@@ -133,7 +133,8 @@ def text_section(data: RunData, sel: Selection) -> Section:
              "(<span class='tok' style='background:" + prob_colour(0.05) + "'>p≈0</span> → "
              "<span class='tok' style='background:" + prob_colour(0.5) + "'>0.5</span> → "
              "<span class='tok' style='background:" + prob_colour(1.0) + "'>1</span>); "
-             "hover a token for its statistics and alternatives. The prompt is grey.</p>"]
+             "hover a token for its statistics and alternatives, click it to open its step in the token view "
+             "(where the run has internals). The prompt is grey.</p>"]
     seq_rows = {r["sequence"]: r for r in data.sequences}
     for seq in sel.sequences:
         tok = data.tokens(seq)

@@ -4,9 +4,11 @@ the page inlines instead of fetched from a server.
 What is inlined is the answer serve's routes give, computed by the same functions
 (`serve.queries.sequence_tokens`, `serve.token_extras.selected_token`, `serve.token_extras.head_pattern`),
 keyed by the route's path under /api/runs/RUN/, attention weights rounded to `WEIGHT_DECIMALS`
-decimals and other floats to `DIGITS` significant digits: per shown sequence its token strip, the selected-token answer of each step shown (at most
-`MAX_VIEW_STEPS`, a regular stride past that, always with the initial step), and the pattern over
-steps of every head of the selected layers (`--layer`), from which a head's row at a step is read.
+decimals and other floats to `DIGITS` significant digits: per shown sequence its token strip, the
+selected-token answer of each step shown (at most `MAX_VIEW_STEPS`, a regular stride past that,
+always with the initial step), and the pattern over
+steps of every head of the selected layers (`--layer`), from which a head's row at a step is read;
+all within about `BUDGET_BYTES` per page (fewer steps, then fewer layers' heads, each said in a note).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from .run_data import RunData
 from .sections import Section
 from .selection import Selection, thin
 
-MAX_VIEW_STEPS = 128  # selected-token answers inlined per sequence (each ~20-60 kB for a 30-layer model)
+MAX_VIEW_STEPS = 128  # selected-token answers inlined per sequence at most
+# bytes of inlined JSON per page, shared by the sequences shown: a step's answer grows with the context
+# (the mean and max over heads: 2 x layers x keys weights), ~30 kB at 40 keys and ~200 kB at 500 for a
+# 30-layer model, so long sequences get fewer steps (a stride, with a note)
+BUDGET_BYTES = 10_000_000
 DIGITS = 4  # significant digits of an inlined float (logits, probabilities, scores)
 WEIGHT_DECIMALS = 4  # decimals of an inlined attention weight (the view shows at most 4)
 DATA_ID = "lmtrace-tokenview"
@@ -50,48 +56,79 @@ def step_answer(run, seq: int, step: int) -> dict:
 
 def view_steps(steps: list[int], initial: int, limit: int = MAX_VIEW_STEPS) -> list[int]:
     """The steps whose selected-token answer is inlined: `steps`, thinned to `limit`, and `initial`."""
-    return sorted(set(thin(steps, limit)) | {initial})
+    return sorted(set(thin(steps, max(1, limit))) | {initial})
+
+
+def _size(answer) -> int:
+    return len(json.dumps(answer, separators=(",", ":"), allow_nan=False))
+
+
+def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, notes: list[str]
+                      ) -> tuple[dict[str, dict], int | None, list[int]]:
+    """One sequence's inlined answers within about `budget` bytes: (answers, first selected step, layers
+    whose heads' patterns are embedded). Two thirds of the budget go to the steps: as many as the first
+    selected step's answer (the longest context by default) fits, at most MAX_VIEW_STEPS; the rest to
+    the heads' patterns, whole layers of `sel.layers` in order while they fit."""
+    run = data.run
+    ready = steps_ready(run, seq)
+    shown = [s for s in sel.steps[seq] if s < ready]
+    if not shown:
+        return {}, None, []
+    initial = min(sel.attention_step.get(seq, shown[-1]), ready - 1)
+    answers = {f"sequences/{seq}": sequence_tokens(run, seq)}
+    first = step_answer(run, seq, initial)
+    fits = max(1, (2 * budget // 3) // max(1, _size(first)))
+    steps = view_steps(shown, initial, min(MAX_VIEW_STEPS, fits))
+    if len(steps) < len(shown):
+        notes.append(f"sequence {seq}: the token view embeds {len(steps)} of the {len(shown)} steps shown (a regular "
+                     f"stride); narrow --steps or --sequence for every step, or `lmtrace serve` for all of them")
+    for s in steps:
+        answers[f"sequences/{seq}/steps/{s}"] = first if s == initial else step_answer(run, seq, s)
+    used = sum(_size(a) for a in answers.values())
+    layers = []
+    if {"attn", "attn_topk_idx"} & data.arrays:
+        for layer in sel.layers:
+            heads = {f"sequences/{seq}/attention/{layer}/{h}": rounded(head_pattern(run, seq, layer, h),
+                                                                      decimals=WEIGHT_DECIMALS)
+                     for h in range(data.n_heads)}
+            size = sum(_size(a) for a in heads.values())
+            if used + size > budget:
+                break
+            answers.update(heads)
+            used += size
+            layers.append(layer)
+        if layers != sel.layers:
+            notes.append(f"sequence {seq}: the token view embeds the heads' rows and patterns over steps of layers "
+                         f"{', '.join(map(str, layers)) or 'none'} of {', '.join(map(str, sel.layers))} (its size "
+                         f"budget); fewer --steps or --sequence make room, `lmtrace serve` shows every head")
+    return answers, initial, layers
 
 
 def token_view_section(data: RunData, sel: Selection) -> Section:
     sec = Section("tokens", "Token view")
-    run = data.run
     answers: dict[str, dict] = {}
+    heads: dict[int, list[int]] = {}
     parts = ["<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
              "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
              "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
              "direct logit attribution and attributions where the run has them. The same view as "
              "<code>lmtrace serve</code>, from the numbers this page embeds.</p>"]
+    budget = BUDGET_BYTES // max(1, len(sel.sequences))
     for seq in sel.sequences:
-        ready = steps_ready(run, seq)
-        shown = [s for s in sel.steps[seq] if s < ready]
-        if not shown:
+        own, initial, heads[seq] = _sequence_answers(data, sel, seq, budget, sec.notes)
+        if not own:
             continue
-        initial = min(sel.attention_step.get(seq, shown[-1]), ready - 1)
-        steps = view_steps(shown, initial)
-        if len(steps) < len(shown):
-            sec.notes.append(f"sequence {seq}: the token view embeds {len(steps)} of the {len(shown)} steps shown "
-                             f"(every {-(-len(shown) // MAX_VIEW_STEPS)}th); narrow --steps for every step, or "
-                             f"`lmtrace serve` for all of them")
-        answers[f"sequences/{seq}"] = sequence_tokens(run, seq)
-        for s in steps:
-            answers[f"sequences/{seq}/steps/{s}"] = step_answer(run, seq, s)
-        if {"attn", "attn_topk_idx"} & data.arrays:
-            for layer in sel.layers:
-                for head in range(data.n_heads):
-                    answers[f"sequences/{seq}/attention/{layer}/{head}"] = rounded(head_pattern(run, seq, layer, head),
-                                                                                        decimals=WEIGHT_DECIMALS)
+        answers.update(own)
         parts.append(f"<h3>sequence {seq}</h3><div class='tokenview' id='tv-{seq}' data-seq='{seq}' "
                      f"data-step='{initial}'></div>")
     if not answers:
         sec.notes.append("no sequence shown has a readable step")
         return sec
-    layers = ", ".join(map(str, sel.layers)) or "none"
     missing = {
         "step": "this report embeds the steps shown (see the notes above the view); `lmtrace report --steps` "
                 "chooses others, `lmtrace serve` shows every step",
-        "head": f"this report embeds the heads of layers {layers} (--layer L chooses others); "
-                f"`lmtrace serve` shows every head",
+        "head": "this report embeds the heads of the layers chosen with --layer (see the notes above the view); "
+                "`lmtrace serve` shows every head",
     }
     payload = json.dumps({"answers": answers, "missing": missing}, separators=(",", ":"), allow_nan=False)
     # the JSON is data in a non-executed script element; every "<" is written as \u003c (the same string
@@ -99,6 +136,8 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
     payload = payload.replace("<", "\\u003c")
     parts.append(f"<script type='application/json' id='{DATA_ID}'>{payload}</script>")
     sec.html = "".join(parts)
+    layers = sorted({layer for ls in heads.values() for layer in ls})
     sec.notes.append(f"embedded: attention weights to {WEIGHT_DECIMALS} decimals, other numbers to {DIGITS} "
-                     f"significant digits; the patterns over steps of the heads of layers {layers} (--layer)")
+                     f"significant digits; the heads' rows and patterns over steps of layers "
+                     f"{', '.join(map(str, layers)) or 'none'} (--layer)")
     return sec
