@@ -461,7 +461,7 @@ TRY_EVERY_VIEW = """<script>(async () => {
   const wait = ms => new Promise(r => setTimeout(r, ms));
   while (!document.body.dataset.rendered) await wait(50);
   let n = 0;
-  for (const sel of document.querySelectorAll("select")) {
+  for (const sel of document.querySelectorAll(".fig select")) {
     for (let i = sel.options.length - 1; i >= 0; i--) {
       sel.selectedIndex = i; sel.dispatchEvent(new Event("change")); await wait(30); n++;
     }
@@ -577,3 +577,26 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
                 assert heads[key] == pytest.approx(value, rel=1e-6, abs=1e-9)
         old = per_sequence[per_sequence.metric == metric].groupby(["layer", "head"]).effect.mean()
         assert (np.abs(old - own) > 1e-3 * np.abs(own).max()).any()  # the other average really is another number
+
+
+def test_attention_step_past_a_sequences_end_starts_it_at_its_last_step():
+    from lmtrace.errors import SpecError
+    from lmtrace.report.selection import select
+
+    sel = select(n_sequences=3, committed={0: 30, 1: 8, 2: 20}, captured_layers=[0, 1], sequences=["0-2"],
+                 attention_step=20)
+    assert sel.attention_step == {0: 20, 1: 7, 2: 19}
+    assert [n for n in sel.notes if "--attention-step" in n] == [
+        "sequence 1 has steps 0..7: its token view and attention grid start at its last step, not --attention-step 20",
+        "sequence 2 has steps 0..19: its token view and attention grid start at its last step, not --attention-step 20"]
+    with pytest.raises(SpecError, match="--attention-step -1"):
+        select(n_sequences=3, committed={0: 30}, captured_layers=[0], attention_step=-1)
+
+
+def test_token_view_steps_are_a_stride_with_the_first_selected_step():
+    from lmtrace.report.token_view import rounded, view_steps
+
+    assert view_steps(list(range(64)), 63, 40) == list(range(0, 64, 2)) + [63]
+    assert view_steps(list(range(10)), 4) == list(range(10))
+    assert rounded({"a": [0.123456, 1234.5678], "b": "x"}) == {"a": [0.1235, 1235.0], "b": "x"}
+    assert rounded([0.000041, 0.5], decimals=4) == [0.0, 0.5]
