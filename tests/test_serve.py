@@ -889,7 +889,7 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
             # layer × head at position 1, then at position 2
             for i, position in enumerate((1, 2)):
                 page.select_option(".sweep-axes select.axis-fixed[data-dim='position']", str(i))
-                check(lambda c: (int(c["layer"]), int(c["head"]), i))
+                check(lambda c, i=i: (int(c["layer"]), int(c["head"]), i))
                 assert {c["position"] for c, _ in cells()} == {str(position)}
             # layer × position at head 3
             page.select_option(".sweep-axes select.axis-col", "position")

@@ -108,11 +108,11 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
     sec = Section("tokens", "Token view")
     answers: dict[str, dict] = {}
     heads: dict[int, list[int]] = {}
-    parts = ["<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
-             "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
-             "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
-             "direct logit attribution and attributions where the run has them. The same view as "
-             "<code>lmtrace serve</code>, from the numbers this page embeds.</p>"]
+    parts = [("<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
+              "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
+              "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
+              "direct logit attribution and attributions where the run has them. The same view as "
+              "<code>lmtrace serve</code>, from the numbers this page embeds.</p>")]
     budget = BUDGET_BYTES // max(1, len(sel.sequences))
     for seq in sel.sequences:
         own, initial, heads[seq] = _sequence_answers(data, sel, seq, budget, sec.notes)
