@@ -11,7 +11,14 @@ from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
 from ..archive.reader import Run
 from ..jsonout import strict
-from .queries import NotFound, check_sequence, key_texts, n_keys_of, step_detail, steps_ready
+from .queries import (
+    NotFound,
+    check_sequence,
+    key_texts,
+    n_keys_of,
+    step_detail,
+    steps_ready,
+)
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
 
