@@ -35,7 +35,8 @@ from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal
 from .interrupts import StopFlag
 from .models import LoadedModel, check_run_model, load_model
 from .progress import Progress
-from .prompts import load_prompts, render_prompts
+from .prompt_metadata import schema_of
+from .prompts import load_prompts_and_metadata, render_prompts
 from .spec import RunSpec, resolve_layers, resolve_vector_layers
 
 
@@ -79,6 +80,7 @@ class Replay:
     prompts: list[str]
     rendered: list[str]
     prompt_ids: list[list[int]]
+    metadata: pa.Table | None = None  # the prompts' metadata columns, one row per prompt
     teacher: object | None = None  # tracer.Teacher
     edits: object | None = None  # tracer.Edits
     observer: object | None = None  # extra StepSink fed every step (e.g. the effects table)
@@ -168,12 +170,13 @@ class Setup:
     eos: set[int]
     step_columns: list[str]
     load_s: float
+    metadata: pa.Table | None = None  # the prompt file's other columns, one row per prompt (prompt_metadata.py)
 
 
 def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     """Load the model, render the prompts, size the archive and build the probes."""
     # bad prompt files fail before any model is loaded
-    prompts = replay.prompts if replay is not None else load_prompts(spec.prompts)
+    prompts, metadata = (replay.prompts, replay.metadata) if replay is not None else load_prompts_and_metadata(spec.prompts)
     t0 = time.time()
     progress.message(f"loading model {spec.model.ref}")
     loaded, eager_reason = _load(spec.model, progress.message)
@@ -209,7 +212,7 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     eos = eos_ids(g.eos_token_id, model, tokenizer)  # refused before anything is created
     check_context([len(p) for p in prompt_ids], g.max_new_tokens, model_positions(model.config), spec.model.ref)
     return Setup(loaded, adapter, prompts, rendered, prompt_ids, shape, probes, inner_name, eager_reason, eos,
-                 _step_columns(spec, shape, probes), load_s)
+                 _step_columns(spec, shape, probes), load_s, metadata)
 
 
 def _step_columns(spec: RunSpec, shape: RunShape, probes: Probes | None) -> list[str]:
@@ -241,6 +244,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
+            setup.metadata = _resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
         _start_run(spec, given_text, rd, existing, lambda: _new_manifest(spec, given_text, setup, run_id, shard, replay),
                    root, resume, setup.loaded.tokenizer)
@@ -263,9 +267,23 @@ def _new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict
     if setup.probes is not None and setup.shape.attention and setup.inner_name != "eager":
         manifest["attention"]["row_method"] = setup.probes.row_method
     manifest["shards"] = shard.count
+    manifest["prompt_metadata"] = schema_of(setup.metadata)
     if replay is not None:
         manifest.update(replay.manifest_extra)
     return manifest
+
+
+def _resumed_metadata(existing: dict, run_id: str, metadata: pa.Table | None) -> pa.Table | None:
+    """The metadata columns a resumed or joining shard writes: those the run was started with (every
+    batch's sequences part has the same columns); none for a run from before they were kept."""
+    if "prompt_metadata" not in existing:
+        return None
+    had, has = existing["prompt_metadata"], schema_of(metadata)
+    if had != has:
+        show = lambda cols: ", ".join(f"{k}: {v}" for k, v in cols.items()) or "none"  # noqa: E731
+        raise SpecError(f"run {run_id}: the prompt file's metadata columns ({show(has)}) differ from those the run "
+                        f"was started with ({show(had)}); use the prompt file the run was started with")
+    return metadata
 
 
 def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer) -> None:
@@ -402,16 +420,26 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             for b, seq in enumerate(seq_ids):
                 texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)
             n_tokens += int(gen_len.sum())
-            seq_table = pa.table({
-                "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
-                "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
-                "generated_len": gen_len.tolist(), "stop_reason": outcome_.stop_reason,
-                "generated_text": [texts[i] for i in seq_ids],
-            }, schema=layout.sequence_schema())
+            seq_table = _sequence_rows(setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, texts)
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
             log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
         writer.drain()
     return _Generated(texts, n_tokens, time.time() - t_gen, peak_memory(gpus))
+
+
+def _sequence_rows(setup: Setup, seq_ids, batch, batch_prompts, gen_len, stop_reason, texts) -> pa.Table:
+    """One batch's rows of sequences.parquet: lmtrace's columns, then the prompts' metadata columns."""
+    table = pa.table({
+        "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
+        "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
+        "generated_len": gen_len.tolist(), "stop_reason": stop_reason, "generated_text": [texts[i] for i in seq_ids],
+    }, schema=layout.sequence_schema())
+    if setup.metadata is None:
+        return table
+    rows = setup.metadata.take(pa.array(seq_ids, pa.int64()))
+    for name in rows.column_names:
+        table = table.append_column(rows.schema.field(name), rows.column(name))
+    return table
 
 
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:
