@@ -13,3 +13,4 @@ class Progress:
     start: Callable[[int, int], None] = lambda n_prompts, max_tokens: None
     advance: Callable[[int], None] = lambda tokens: None
     message: Callable[[str], None] = lambda text: None
+    sequences_done: Callable[[int], None] = lambda n: None  # a batch of n sequences finished (or was already)

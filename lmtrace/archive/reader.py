@@ -97,24 +97,39 @@ class Run:
         """sequence -> steps readable: generated_len when its batch is done, else the batch's committed steps."""
         out: dict[int, int] = {}
         lengths = self.generated_len()
-        batch_of = {}
+        batch_of, from_step = self.batch_plan()
+        batches = self.progress["batches"]
+        for seq in range(len(lengths)):
+            batch = batch_of.get(seq, -1)
+            entry = batches.get(str(batch))
+            if entry is not None and entry.get("done"):
+                out[seq] = int(lengths[seq])
+            else:
+                out[seq] = max(int(entry["committed_steps"]) if entry else 0, from_step.get(batch, 0))
+        return out
+
+    def batch_plan(self) -> tuple[dict[int, int], dict[int, int]]:
+        """sequence -> its batch, and batch -> steps it inherited from the batch it was split from:
+        from the writers' plan files (batching.py), else (runs from before them) the fixed batch size."""
+        from ..batching import read_plan
+
+        batch_of, from_step = {}, {}
+        for key, batch in read_plan(self.path).items():  # a split batch's second half comes after its key
+            from_step[key] = batch.from_step
+            for s in batch.seqs:
+                batch_of[s] = key
+        if batch_of:
+            return batch_of, from_step
         size = self.manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
-        shards = self.manifest.get("shards", 1)
+        if not isinstance(size, int):
+            return {}, {}
+        n, shards = self.shape.get("n_sequences", 0), self.manifest.get("shards", 1)
         for shard in range(shards):
-            seqs = list(range(shard, len(lengths), shards))
+            seqs = list(range(shard, n, shards))
             for i in range(0, len(seqs), size):
                 for s in seqs[i: i + size]:
                     batch_of[s] = seqs[i]
-        batches = self.progress["batches"]
-        for seq in range(len(lengths)):
-            entry = batches.get(str(batch_of.get(seq, -1)))
-            if entry is None:
-                out[seq] = 0
-            elif entry.get("done"):
-                out[seq] = int(lengths[seq])
-            else:
-                out[seq] = int(entry["committed_steps"])
-        return out
+        return batch_of, from_step
 
     @property
     def shard_status(self) -> dict[str, dict]:
