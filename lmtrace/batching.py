@@ -69,6 +69,47 @@ def read_plan(run_dir: Path) -> dict[int, Batch]:
     return out
 
 
+def merged_progress(run_dir: Path) -> dict:
+    """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
+    merged: dict = {"batches": {}}
+    folder = run_dir / layout.PROGRESS_DIR
+    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            merged["batches"].update(json.loads(f.read_text())["batches"])
+        except (OSError, json.JSONDecodeError, KeyError):
+            continue
+    return merged
+
+
+def batch_plan(run_dir: Path, manifest: dict) -> tuple[dict[int, int], dict[int, int]]:
+    """sequence -> its batch, and batch -> steps it inherited from the batch it was split from:
+    from the writers' plan files (batching.py), else (runs from before them) the fixed batch size."""
+    batch_of, from_step = {}, {}
+    for key, batch in read_plan(run_dir).items():
+        from_step[key] = batch.from_step
+        for s in batch.seqs:
+            batch_of[s] = key
+    if batch_of:
+        return batch_of, from_step
+    size = manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
+    if not isinstance(size, int):
+        return {}, {}
+    n, shards = manifest.get("shape", {}).get("n_sequences", 0), manifest.get("shards", 1)
+    for shard in range(shards):
+        seqs = list(range(shard, n, shards))
+        for i in range(0, len(seqs), size):
+            for s in seqs[i: i + size]:
+                batch_of[s] = seqs[i]
+    return batch_of, from_step
+
+
+def sequences_done(run_dir: Path, manifest: dict) -> int:
+    """Sequences whose batch is committed as done, over every writer (shard)."""
+    batch_of, _ = batch_plan(run_dir, manifest)
+    batches = merged_progress(run_dir)["batches"]
+    return sum(1 for b in batch_of.values() if batches.get(str(b), {}).get("done"))
+
+
 def _record(path: Path, batch: Batch) -> None:
     with path.open("a") as fh:
         fh.write(json.dumps({"batch": batch.key, "sequences": batch.seqs, "from_step": batch.from_step}) + "\n")

@@ -429,7 +429,7 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             seq_ids, batch = planned.seqs, planned.key
             committed, done = writer_core.committed(batch)
             if done:
-                progress.sequences_done(len(seq_ids))
+                progress.sequences_done(len(seq_ids), None)
                 continue
             committed = max(committed, planned.from_step)
             need = queue.over_budget(planned)
@@ -484,7 +484,7 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             seq_table = _sequence_rows(setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, texts)
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
             log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
-            progress.sequences_done(len(seq_ids))
+            progress.sequences_done(len(seq_ids), int(gen_len.sum()))
         writer.drain()
     return _Generated(texts, n_tokens, time.time() - t_gen, run_peak)
 

@@ -84,14 +84,9 @@ class Run:
     @property
     def progress(self) -> dict:
         """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
-        merged: dict = {"batches": {}}
-        folder = self.path / layout.PROGRESS_DIR
-        for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            try:
-                merged["batches"].update(json.loads(f.read_text())["batches"])
-            except (OSError, json.JSONDecodeError, KeyError):
-                continue
-        return merged
+        from ..batching import merged_progress
+
+        return merged_progress(self.path)
 
     def committed_steps(self) -> dict[int, int]:
         """sequence -> steps readable: generated_len when its batch is done, else the batch's committed steps."""
@@ -109,27 +104,9 @@ class Run:
         return out
 
     def batch_plan(self) -> tuple[dict[int, int], dict[int, int]]:
-        """sequence -> its batch, and batch -> steps it inherited from the batch it was split from:
-        from the writers' plan files (batching.py), else (runs from before them) the fixed batch size."""
-        from ..batching import read_plan
+        from ..batching import batch_plan
 
-        batch_of, from_step = {}, {}
-        for key, batch in read_plan(self.path).items():  # a split batch's second half comes after its key
-            from_step[key] = batch.from_step
-            for s in batch.seqs:
-                batch_of[s] = key
-        if batch_of:
-            return batch_of, from_step
-        size = self.manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
-        if not isinstance(size, int):
-            return {}, {}
-        n, shards = self.shape.get("n_sequences", 0), self.manifest.get("shards", 1)
-        for shard in range(shards):
-            seqs = list(range(shard, n, shards))
-            for i in range(0, len(seqs), size):
-                for s in seqs[i: i + size]:
-                    batch_of[s] = seqs[i]
-        return batch_of, from_step
+        return batch_plan(self.path, self.manifest)
 
     @property
     def shard_status(self) -> dict[str, dict]:

@@ -76,7 +76,6 @@ def generate(
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
         from ..generation import run_generate
-        from ..progress import Progress
         from ..archive.runs import runs_root
 
         if shard_obj is None:
@@ -91,7 +90,9 @@ def generate(
             lens = False  # an inline lens is computed during generation anyway
         check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume),
                      kind="intervene" if child else "generate")
-        progress = Progress(reporter.start, reporter.advance, reporter.message)
+        if shard_obj.count > 1:
+            reporter.shard = shard_obj.key
+        progress = reporter.progress()
         if child:
             from ..commands.intervene import resume_child
 
