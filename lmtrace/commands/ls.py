@@ -2,10 +2,11 @@
 
 On a terminal the table fits the terminal's width: columns are left out, lowest priority first
 (`PRIORITY`), down to run id, status, kind and edits, whose edits cells are then cut (…); the
-model is shown by its last path component and `created` to the minute; a last line names what
-was left out. Piped, every run is one whole line of tab-separated cells
-under a header line (every column, nothing cut: `cut -f1`, `column -t -s $'\\t'`). `--json` gives
-the full rows, `-q` the run ids alone.
+model is shown by its last path component, `created` to the minute, and an unfinished run's
+status with its progress (`running 40/100 ~3 min left`); a last line names what was left out.
+Piped, every run is one whole line of tab-separated cells under a header line (every column,
+nothing cut, the progress last: `cut -f1`, `column -t -s $'\\t'`). `--json` gives the full rows,
+`-q` the run ids alone.
 """
 
 from __future__ import annotations
