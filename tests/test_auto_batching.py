@@ -151,3 +151,22 @@ def test_a_cuda_out_of_memory_error_splits_the_batch(tmp_path, tiny_llama_dir, m
     assert run.manifest["timings"]["peak_gpu_memory_bytes"]
     assert sorted(s for e in _events(run, "batch_done") for s in e["sequences"]) == list(range(len(PROMPTS)))
     assert_same_as(one, run)
+
+
+def test_a_cuda_out_of_memory_error_is_caught_and_splits_the_batch(tmp_path, tiny_llama_dir, batch_of_one, monkeypatch):
+    """torch.cuda.OutOfMemoryError itself (raised here by the forward of any batch over 2 sequences,
+    as CUDA would), on the CPU: the batch is split, the archive equals batch size 1."""
+    from lmtrace.capture.tracer import Tracer
+
+    real = Tracer.run_batch
+
+    def run_batch(self, seq_ids, *args, **kw):
+        if len(seq_ids) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, seq_ids, *args, **kw)
+
+    monkeypatch.setattr(Tracer, "run_batch", run_batch)
+    run = _run(tmp_path, tiny_llama_dir, "cuda-oom", batch_size=5)
+    assert [(e["size"], e["sizes"], e["reason"]) for e in _events(run, "batch_split")] == [
+        (5, [2, 3], "out of memory (CUDA)"), (3, [1, 2], "out of memory (CUDA)")]
+    assert_same_as(batch_of_one, run)
