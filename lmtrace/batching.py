@@ -149,6 +149,12 @@ class Footprint:
         rate = peak_growth / max(1, n * (longest_prompt + self.max_new))
         self.per_position = max(self.per_position or 0.0, rate)
 
+    def did_not_fit(self, n: int, longest_prompt: int, budget: int) -> None:
+        """A measured footprint after a batch of `n` ran out of memory: at least so much that it exceeds the
+        budget, so the batches cut later are smaller."""
+        if self.measured:
+            self.per_position = max(self.per_position or 0.0, budget / (n * (longest_prompt + self.max_new)) * 1.001)
+
 
 class BatchQueue:
     """This shard's batches in sequence order: recorded ones as recorded, the rest cut as they come
@@ -224,6 +230,8 @@ class BatchQueue:
 
     def split(self, batch: Batch, committed_steps: int) -> tuple[Batch, Batch]:
         """The halves of a batch that ran out of memory, both continuing from its committed steps."""
+        if self.footprint is not None and self.budget is not None:
+            self.footprint.did_not_fit(len(batch.seqs), max(self.prompt_lens[s] for s in batch.seqs), self.budget)
         half = len(batch.seqs) // 2
         start = max(batch.from_step, committed_steps)
         first, second = Batch(batch.seqs[:half], start), Batch(batch.seqs[half:], start)

@@ -170,3 +170,34 @@ def test_a_cuda_out_of_memory_error_is_caught_and_splits_the_batch(tmp_path, tin
     assert [(e["size"], e["sizes"], e["reason"]) for e in _events(run, "batch_split")] == [
         (5, [2, 3], "out of memory (CUDA)"), (3, [1, 2], "out of memory (CUDA)")]
     assert_same_as(batch_of_one, run)
+
+
+def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_recorded(tmp_path):
+    """The CUDA path's arithmetic without a GPU: one sequence first, then as many as its measured
+    peak growth per sequence and position lets the budget hold; and the plan file's records."""
+    from lmtrace.batching import Batch, BatchQueue, Footprint, read_plan
+
+    (tmp_path / "progress").mkdir()
+    footprint = Footprint(shape=None, n_layers=0, dtype_bytes=0, vocab=0, max_new=10, chunk_steps=1, chunk_keys=None,
+                          measured=True)
+    lens = {s: 5 for s in range(100)}
+    committed = {}
+    queue = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
+                       lambda key: committed.get(key, (0, False)))
+    first = next(queue)
+    assert first.seqs == [0]  # nothing measured yet
+    footprint.observe(1, 5, 1000 * 15)  # 1000 bytes per position, 15 positions
+    assert len(next(queue).seqs) == 7  # 7 x 15,000 bytes fit the 105,000 budget
+
+    # records: the batch [8..15] ran, committed 4 steps, was split; a kill; the plan resumes as recorded
+    queue.record(Batch(list(range(8, 16))))
+    committed[8] = (4, False)
+    queue.split(Batch(list(range(8, 16))), 4)
+    assert {k: (b.seqs, b.from_step) for k, b in read_plan(tmp_path).items()} == {
+        8: ([8, 9, 10, 11], 4), 12: ([12, 13, 14, 15], 4)}
+    resumed = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
+                         lambda key: committed.get(key, (0, False)))
+    batches = list(resumed)
+    assert [b.seqs for b in batches[:2]] == [list(range(0, 7)), [7]]  # before the recorded ones: cut anew
+    assert [(b.seqs, b.from_step) for b in batches[2:4]] == [([8, 9, 10, 11], 4), ([12, 13, 14, 15], 4)]
+    assert sorted(s for b in batches for s in b.seqs) == list(range(100))
