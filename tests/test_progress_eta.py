@@ -91,7 +91,7 @@ def test_ls_shows_how_far_a_running_run_has_got_and_its_eta(tmp_path, tiny_llama
     assert with_eta and all(r["eta_s"] is not None for r in with_eta)
     from lmtrace.commands.ls import _cells
 
-    assert re.fullmatch(r"running [123]/4 ~\d+ s left", _cells(with_eta[0], short=True)["status"])
+    assert re.fullmatch(r"running [123]/4 ~\d+s left", _cells(with_eta[0], short=True)["status"])
     complete = run_summary(tmp_path / "runs" / "live")
     assert complete["status"] == "complete" and "sequences_done" not in complete
 

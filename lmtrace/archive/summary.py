@@ -59,12 +59,14 @@ def run_progress(path, m: dict, status: str) -> dict:
 
 
 def progress_label(p: dict) -> str | None:
-    """`40/100 ~3 min left`: an unfinished run's progress in `ls`; None for a complete run."""
+    """`40/100 ~3m left`: an unfinished run's progress in `ls`; None for a complete run."""
     from ..progress import duration
 
     if "sequences_done" not in p:
         return None
-    left = f" ~{duration(p['eta_s'])} left" if p.get("eta_s") is not None else ""
+    left = ""
+    if p.get("eta_s") is not None:  # 1 h 05 min -> 1h05m: a table cell
+        left = " ~" + duration(p["eta_s"]).replace(" h ", "h").replace(" min", "m").replace(" s", "s") + " left"
     return f"{p['sequences_done']}/{p['sequences_total']}{left}"
 
 

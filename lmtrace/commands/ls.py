@@ -3,7 +3,7 @@
 On a terminal the table fits the terminal's width: columns are left out, lowest priority first
 (`PRIORITY`), down to run id, status, kind and edits, whose edits cells are then cut (…); the
 model is shown by its last path component, `created` to the minute, and an unfinished run's
-status with its progress (`running 40/100 ~3 min left`); a last line names what was left out.
+status with its progress (`running 40/100 ~3m left`); a last line names what was left out.
 Piped, every run is one whole line of tab-separated cells under a header line (every column,
 nothing cut, the progress last: `cut -f1`, `column -t -s $'\\t'`). `--json` gives the full rows,
 `-q` the run ids alone.
@@ -42,7 +42,9 @@ def _cells(r: dict, *, short: bool) -> dict[str, str]:
     if short:
         model = model.rstrip("/").rsplit("/", 1)[-1] or model
         created = created[:16].replace("T", " ")
-        status = f"{status} {progress}" if progress else status
+        if progress:  # `running 40/100 ~3m left (1/4 shards)`: narrow enough for 80 columns
+            shards = f" ({r['shards_complete']} shards)" if r.get("shards_complete") else ""
+            status = f"{status.split(' ')[0]} {progress}{shards}"
     return {"run id": str(r["run_id"]), "kind": dash(r["kind"]), "status": status, "model": model,
             "prompts": dash(r["prompts"]), "tokens": dash(r["tokens"]), "lens": dash(r["lens"]),
             "parent": dash(r["parent_id"]), "edits": dash(r["edits"]), "size": human_bytes(r["size_bytes"]),
