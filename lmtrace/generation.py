@@ -87,6 +87,7 @@ class Replay:
     observer: object | None = None  # extra StepSink fed every step (e.g. the effects table)
     manifest_extra: dict = field(default_factory=dict)
     finalize: Callable[[Path], None] | None = None  # writes extra files before the run is completed
+    batch_abandoned: Callable[[list[int]], None] | None = None  # a batch out of memory, run again as halves
     batch_done: Callable[[Path, int], None] | None = None  # a batch's steps all seen (before it is committed)
     on_model: Callable[[object], None] | None = None  # receives the adapter once the model is loaded
     parent: tuple[str, dict] | None = None  # (run id, manifest) of the replayed run: its model must be unchanged
@@ -457,6 +458,8 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                                             teacher=teacher, edits=edits, forward_running=writer.forward_running())
             except (BatchOutOfMemory, torch.cuda.OutOfMemoryError) as err:
                 del sink, feed
+                if replay is not None and replay.batch_abandoned is not None:
+                    replay.batch_abandoned(seq_ids)
                 if gpus:
                     torch.cuda.empty_cache()
                 writer.drain()  # the blocks handed over are committed: the halves continue after them

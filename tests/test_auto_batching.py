@@ -201,3 +201,25 @@ def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_rec
     assert [b.seqs for b in batches[:2]] == [list(range(0, 7)), [7]]  # before the recorded ones: cut anew
     assert [(b.seqs, b.from_step) for b in batches[2:4]] == [([8, 9, 10, 11], 4), ([12, 13, 14, 15], 4)]
     assert sorted(s for b in batches for s in b.seqs) == list(range(100))
+
+
+def test_an_intervene_child_split_by_out_of_memory_equals_one_that_was_not(tmp_path, tiny_llama_dir, monkeypatch):
+    """A child's effects table keeps one row per sequence and step when a batch is split."""
+    from lmtrace.commands.intervene import run_intervene
+
+    data = _data(tmp_path, tiny_llama_dir, "parent", batch_size=5)
+    data["capture"] = "none"
+    parent = run_generate(build_spec(data, "t"), yaml.safe_dump(data))
+    edit = [{"kind": "ablate_layer", "layer": 1}]
+    whole, whole_effects = run_intervene(str(parent.run_dir), edit, mode="regenerate", run_id="whole")
+    monkeypatch.setenv("LMTRACE_TEST_OOM_AT", "3:2")
+    split, split_effects = run_intervene(str(parent.run_dir), edit, mode="regenerate", run_id="split")
+    assert [e["sizes"] for e in _events(Run(split.run_dir), "batch_split")] == [[2, 3], [1, 2]]
+    keys = [("sequence", "ascending"), ("step", "ascending")]
+    a, b = whole_effects.sort_by(keys).to_pandas(), split_effects.sort_by(keys).to_pandas()
+    assert len(a) == len(b) and list(a.columns) == list(b.columns)
+    for column in a.columns:
+        if a[column].dtype.kind == "f":
+            np.testing.assert_allclose(a[column], b[column], rtol=1e-4, atol=1e-5, err_msg=column)
+        else:
+            assert [str(v) for v in a[column]] == [str(v) for v in b[column]], column

@@ -140,6 +140,12 @@ class EffectsRecorder:
         atomic_write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
         self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
 
+    def batch_abandoned(self, seq_ids: list[int]) -> None:
+        """A batch that ran out of memory is run again as halves, each from step 0 (replayed): drop its rows."""
+        self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
+        for seq in seq_ids:
+            self.diverged.pop(seq, None)
+
     def write(self, run_dir: Path) -> None:
         """effects.parquet from the batches' rows, with the text of each id column (`<column>_text`,
         null where the id is) from the child's own vocabulary (generate wrote it first)."""
@@ -448,6 +454,7 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
                         "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
                         "from_step": from_step, "first_edited_step": first_edit},
-        finalize=effects.write, batch_done=effects.batch_done, on_model=prepare, parent=(parent.id, parent.manifest),
+        finalize=effects.write, batch_done=effects.batch_done, batch_abandoned=effects.batch_abandoned, on_model=prepare,
+        parent=(parent.id, parent.manifest),
     )
     return _Plan(replay, effects, max_new)
