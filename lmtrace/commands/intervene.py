@@ -35,7 +35,7 @@ from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import LmtraceError, SpecError
 from ..archive.writer import atomic_write_parquet
 from ..generation import GenerateResult, Progress, Replay, run_generate
-from ..parent import ParentView, chat_span_ranges, tokenizer_of
+from ..parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
                                      PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
                                      patch_source, routing_rule, validate_against)
@@ -139,6 +139,12 @@ class EffectsRecorder:
         parts.mkdir(exist_ok=True)
         atomic_write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
         self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
+
+    def batch_abandoned(self, seq_ids: list[int]) -> None:
+        """A batch that ran out of memory is run again as halves, each from step 0 (replayed): drop its rows."""
+        self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
+        for seq in seq_ids:
+            self.diverged.pop(seq, None)
 
     def write(self, run_dir: Path) -> None:
         """effects.parquet from the batches' rows, with the text of each id column (`<column>_text`,
@@ -443,11 +449,12 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
 
     effects = EffectsRecorder(view)
     replay = Replay(
-        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids,
+        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids, metadata=prompt_metadata_of(parent),
         teacher=ParentTeacher(view, force_until), edits=_LazyEdits() if entries else None, observer=effects,
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
                         "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
                         "from_step": from_step, "first_edited_step": first_edit},
-        finalize=effects.write, batch_done=effects.batch_done, on_model=prepare, parent=(parent.id, parent.manifest),
+        finalize=effects.write, batch_done=effects.batch_done, batch_abandoned=effects.batch_abandoned, on_model=prepare,
+        parent=(parent.id, parent.manifest),
     )
     return _Plan(replay, effects, max_new)
