@@ -254,7 +254,7 @@ def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
         notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
         return None
     return {"id": entry["id"], "edit": entry.get("edit"), "metric": metric,
-            "effects": {(int(r.layer), int(r.head)): float(r.effect) for r in effects.itertuples()}}
+            "effects": {(int(r.layer), int(r.q_head)): float(r.effect) for r in effects.itertuples()}}
 
 
 def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None,
@@ -267,7 +267,7 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
             label = label_of(scores)
             rows.append({
                 **({"sequence": sequence} if sequence is not None else {}),
-                "layer": layer, "head": h, "label": label, **scores,
+                "layer": layer, "q_head": h, "label": label, **scores,
                 "n_rows": int(acc.counts["sink_score"][li, h]),
                 "n_induction_rows": int(acc.counts["induction_score"][li, h]),
                 "importance": None if importance is None or np.isnan(importance[li, h]) else float(importance[li, h]),
@@ -308,7 +308,7 @@ def _label_score(r: dict) -> float:
 def _schema(per_sequence: bool, ranked: bool) -> pa.Schema:
     i32, f32 = pa.int32(), pa.float32()
     fields = [("sequence", i32)] if per_sequence else []
-    fields += [("layer", i32), ("head", i32), ("label", pa.string())]
+    fields += [("layer", i32), ("q_head", i32), ("label", pa.string())]
     fields += [(s, f32) for s in SCORES]
     fields += [("n_rows", i32), ("n_induction_rows", i32), ("importance", f32)]
     if ranked:

@@ -49,11 +49,11 @@ def _print(summary: dict, spec) -> None:
         return
     t = Table(title=f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
                     f"top {len(summary['top'])} by |mean effect| on {summary['metric']}")
-    for col in ("component", "layer", "head", "neuron", "position", "baseline", "value", "effect"):
+    for col in ("component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"):
         t.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in summary["top"]:
-        t.add_row(r["component"], *(fmt(r[k]) for k in ("layer", "head", "neuron", "position", "baseline", "value",
+        t.add_row(r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value",
                                                          "effect")))
     console.print(t)
     console.print(f"{summary['n_cells']} cells in {summary['sweep_s']:.1f} s (model load excluded); baseline matches "

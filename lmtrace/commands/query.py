@@ -81,10 +81,11 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
     if not sql.strip():
         raise SpecError(f"no SQL given: e.g. lmtrace query \"SELECT * FROM runs\" (views: {', '.join(VIEWS)})")
     fmt = output_format(fmt, out)
-    catalog = read_catalog(runs_root(runs_dir))
+    views = named_views(sql)
+    root = runs_root(runs_dir)
+    catalog = read_catalog(root) if views else Catalog(root)  # SQL over no view reads no run
     for run_id, why in catalog.skipped:
         warn_line(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
-    views = named_views(sql)
     while True:
         con = None
         try:

@@ -30,7 +30,7 @@ from ..analysis.sweep.effects import cell_effects, effect_array, ranking, sequen
 from ..analysis.sweep.metrics import Metric, parse_metrics
 from ..archive.liveness import OwnerLock, pause_for_tests
 from ..archive.runs import locked
-from ..archive.sweeps import (SWEEPS_DIR, ZARR_DIM, EffectArray, block_table, create_partial, read_blocks,
+from ..archive.sweeps import (SWEEPS_DIR, EffectArray, block_table, create_partial, read_blocks,
                               record_sweep, write_block, write_sweep, writer_key)
 from ..archive.writer import atomic_write_json
 from ..capture.interventions import parse_range_list
@@ -308,7 +308,7 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
-        dims = [ZARR_DIM.get(n, n) for n in names]
+        dims = names
         effects.append(EffectArray(metric, dims, {d: coords[n] for n, d in zip(names, dims)}, values))
     write_sweep(final, table, sequence_means(table), effects, info)
     shutil.rmtree(partial, ignore_errors=True)
@@ -346,3 +346,4 @@ def _check_source(parent, source) -> None:
         if a != b:
             raise SpecError(f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
                             f"run of the same model, tokenizer and dtype")
+

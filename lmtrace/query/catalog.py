@@ -30,7 +30,6 @@ VIEWS = {
     "sweeps": "sweeps/<id>/sweep.parquet of finished sweeps, with a sweep_id column",
     "explain": "explain/scores.parts/*.parquet: attribution scores (`lmtrace explain`)",
 }
-FILE_VIEWS = [v for v in VIEWS if v != "runs"]
 
 
 @dataclass(frozen=True)

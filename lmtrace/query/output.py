@@ -15,6 +15,7 @@ import duckdb
 import pyarrow as pa
 
 from ..jsonout import json_line
+from .views import ident
 
 FORMATS = ("table", "csv", "json", "parquet")
 TABLE_ROWS = 100  # rows a terminal table shows; the others are counted and named
@@ -110,7 +111,7 @@ def flat_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
     nested = ("[]", "STRUCT", "MAP", "UNION")
     exprs = []
     for name, kind in zip(rel.columns, rel.types):
-        quoted = '"' + name.replace('"', '""') + '"'
+        quoted = ident(name)
         exprs.append(f"CAST({quoted} AS VARCHAR) AS {quoted}" if any(n in str(kind) for n in nested) else quoted)
     return rel.project(", ".join(exprs))
 

@@ -16,7 +16,8 @@ import duckdb
 import pyarrow as pa
 
 from ..archive import layout
-from .catalog import FILE_VIEWS, VIEWS, Catalog
+from ..archive.columns import RENAMED
+from .catalog import VIEWS, Catalog
 
 # A view with no file in any run still exists, empty, with the documented columns where the
 # archive layout defines them (others have only their key columns)
@@ -78,9 +79,30 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
     con.register(f"_{view}_files", owners.select(["filename", *keys]))
     listed = "[" + ", ".join(_quote(str(f.path)) for f in files) + "]"
     con.execute(
-        f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
+        f"CREATE OR REPLACE VIEW _{view}_read AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
         f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
         f"JOIN _{view}_files f ON t.filename = f.filename")
+    columns = [row[0] for row in con.execute(f"DESCRIBE _{view}_read").fetchall()]
+    con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns))} FROM _{view}_read")
+
+
+def ident(name: str) -> str:
+    """A name as a quoted SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def current_columns(columns: list[str]) -> list[str]:
+    """SELECT expressions that show old column names under today's (archive/columns.py): an older
+    archive's `head` as `q_head`, merged with newer files' `q_head` when runs of both are read."""
+    out = []
+    for name in columns:
+        if name in RENAMED:  # an old name: shown under today's, or merged into it when both are there
+            if RENAMED[name] not in columns:
+                out.append(f"{ident(name)} AS {ident(RENAMED[name])}")
+            continue
+        olds = [ident(old) for old, new in RENAMED.items() if new == name and old in columns]
+        out.append(f"coalesce({ident(name)}, {', '.join(olds)}) AS {ident(name)}" if olds else ident(name))
+    return out
 
 
 def connect(catalog: Catalog, views: list[str]) -> duckdb.DuckDBPyConnection:
@@ -90,5 +112,3 @@ def connect(catalog: Catalog, views: list[str]) -> duckdb.DuckDBPyConnection:
         create_view(con, catalog, view)
     return con
 
-
-__all__ = ["FILE_VIEWS", "VIEWS", "connect", "create_view", "named_views", "runs_table"]

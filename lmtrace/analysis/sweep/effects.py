@@ -40,7 +40,7 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
     out = []
     for _, r in g.iterrows():
         out.append({k: (None if isinstance(r[k], float) and np.isnan(r[k]) else
-                        int(r[k]) if k in ("layer", "head", "neuron", "position") else r[k]) for k in CELL_KEYS}
+                        int(r[k]) if k in ("layer", "q_head", "neuron", "position") else r[k]) for k in CELL_KEYS}
                    | {"value": float(r.value), "baseline": float(r.baseline), "effect": float(r.effect)})
     return out
 
@@ -48,10 +48,10 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
 def effect_array(effects: pd.DataFrame) -> tuple[list[str], dict[str, list[int]], np.ndarray]:
     """`cell_effects` of one metric as an array over the cells' coordinates: (names, coords, effect).
 
-    names: the coordinates the cells have, in the order layer, head, neuron, position (heads ->
-    [layer, head], attn -> [layer], resid -> [layer, position], ...); coords: name -> sorted values;
+    names: the coordinates the cells have, in the order layer, q_head, neuron, position (heads ->
+    [layer, q_head], attn -> [layer], resid -> [layer, position], ...); coords: name -> sorted values;
     effect: float32 of shape [len(coords[n]) for n in names], NaN where no cell was measured."""
-    names = [n for n in ("layer", "head", "neuron", "position") if effects[n].notna().any()] or ["position"]
+    names = [n for n in ("layer", "q_head", "neuron", "position") if effects[n].notna().any()] or ["position"]
     coords = {n: sorted(int(v) for v in effects[n].dropna().unique()) for n in names}
     index = {n: {v: i for i, v in enumerate(coords[n])} for n in names}
     arr = np.full(tuple(len(coords[n]) for n in names), np.nan, dtype=np.float32)
@@ -69,3 +69,4 @@ def sequence_means(table: pa.Table) -> pa.Table:
     mean = df.groupby(keys, dropna=False)[MEANS].mean().reset_index()
     mean["n_steps"] = df.groupby(keys, dropna=False).step.count().values
     return pa.Table.from_pandas(mean, preserve_index=False)
+
