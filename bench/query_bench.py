@@ -111,7 +111,7 @@ def in_process(root: Path, sql: str, repeats: int) -> dict:
         catalog = read_catalog(root)
         t1 = time.perf_counter()
         con = connect(catalog, named_views(sql))
-        con.sql(sql).fetch_arrow_table()
+        con.sql(sql).to_arrow_table()
         con.close()
         catalog_s.append(t1 - t0)
         duckdb_s.append(time.perf_counter() - t1)

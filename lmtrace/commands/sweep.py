@@ -347,3 +347,29 @@ def _check_source(parent, source) -> None:
             raise SpecError(f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
                             f"run of the same model, tokenizer and dtype")
 
+
+def sweep_groups(run_ref: str, runs_dir: str | None, by: str) -> dict[int, object]:
+    """sequence -> its value of the sequences.parquet column `by` (checked before any cell is run)."""
+    from ..archive.groups import sequence_groups
+    from ..archive.reader import open_run
+
+    return sequence_groups(open_run(run_ref, runs_dir, require_complete=True), by)
+
+
+def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str, by: str,
+                  groups: dict[int, object]) -> dict:
+    """A finished sweep's mean effect per group and cell on `metric`, with 95 % bootstrap intervals
+    over the group's sequences (analysis.sweep.effects.grouped_effects), as plain dicts."""
+    import numpy as np
+
+    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, grouped_effects
+    from ..archive.reader import open_run
+    from ..archive.sweeps import read_sweep
+
+    frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups)
+    ints = ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows")
+    cells = [{k: (None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v) if k in ints
+                  else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
+             for r in frame.to_dict("records")]
+    return {"column": by, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+            "interval": "95 % percentile bootstrap over the group's sequences", "cells": cells}

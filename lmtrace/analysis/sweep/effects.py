@@ -70,3 +70,52 @@ def sequence_means(table: pa.Table) -> pa.Table:
     mean["n_steps"] = df.groupby(keys, dropna=False).step.count().values
     return pa.Table.from_pandas(mean, preserve_index=False)
 
+
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_weights(n: int, resamples: int, seed: int) -> np.ndarray:
+    """[resamples, n]: how often each of n sequences is drawn in each resample, from
+    `np.random.default_rng(seed).integers(0, n, size=(resamples, n))` (row r = resample r)."""
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    weights = np.zeros((resamples, n))
+    np.add.at(weights, (np.arange(resamples)[:, None], draws), 1)
+    return weights
+
+
+def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = BOOTSTRAP_SEED) -> pd.DataFrame:
+    """Per (group, cell) of `metric`: the mean effect over the group's (sequence, step) rows of the cell
+    (`cell_effects`' reduction, on the group's sequences), n_sequences, n_rows, and a 95 % bootstrap
+    interval over sequences (`low`, `high`: the 2.5th and 97.5th percentiles of the mean over
+    `resamples` resamples of the group's sequences with replacement, each resample's mean again over
+    every row of the sequences drawn).
+
+    The draws: per group, its sequences in ascending order, `bootstrap_weights(n, resamples, seed)`
+    (the same resamples for every cell of the group: intervals of two cells are paired). groups:
+    sequence -> group value (sequences missing from it form the group None)."""
+    df = table.select([*CELL_KEYS, "sequence", "metric", "effect"]).to_pandas()
+    df = df[df.metric == metric]
+    df = df.assign(group=df.sequence.map(lambda s: groups.get(int(s))))
+    keys = list(CELL_KEYS)
+    out = []
+    for group, rows in df.groupby("group", dropna=False, sort=False):
+        seqs = np.sort(rows.sequence.unique())
+        per = rows.groupby([*keys, "sequence"], dropna=False).effect.agg(["sum", "count"])
+        sums = per["sum"].unstack("sequence").reindex(columns=seqs).fillna(0.0)
+        counts = per["count"].unstack("sequence").reindex(columns=seqs).fillna(0.0)
+        w = bootstrap_weights(len(seqs), resamples, seed)  # [B, n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = (sums.to_numpy() @ w.T) / (counts.to_numpy() @ w.T)  # [cells, B]
+        low, high = np.nanpercentile(boot, [2.5, 97.5], axis=1)
+        cells = sums.index.to_frame(index=False)
+        cells.insert(0, "group", None if pd.isna(group) else group)
+        cells["effect"] = sums.sum(axis=1).to_numpy() / counts.sum(axis=1).to_numpy()
+        cells["low"], cells["high"] = low, high
+        cells["n_sequences"] = (counts.to_numpy() > 0).sum(axis=1)
+        cells["n_rows"] = counts.sum(axis=1).to_numpy().astype(int)
+        out.append(cells)
+    result = pd.concat(out, ignore_index=True)
+    order = result.group.map(lambda g: (g is None, str(g)))
+    return result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
