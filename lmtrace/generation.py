@@ -20,10 +20,11 @@ from .archive import layout
 from .archive.layout import RunShape
 from .archive.manifest import manifest_base
 from .archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
-from .archive.runs import RunLog, now_iso, runs_root, write_manifest
+from .archive.runs import RunLog, human_bytes, now_iso, runs_root, write_manifest
 from .archive.sink import BlockSink
 from .archive.vocab import store_vocab
 from .archive.writer import ArchiveWriter, BackgroundWriter
+from .batching import Batch, BatchOutOfMemory, BatchQueue, Footprint, budget_refusal, with_oom_fault
 from .capture import attention
 from .capture.arch import adapter_for, sdpa_refused
 from .capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
@@ -35,7 +36,8 @@ from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal
 from .interrupts import StopFlag
 from .models import LoadedModel, check_run_model, load_model
 from .progress import Progress
-from .prompts import load_prompts, render_prompts
+from .prompt_metadata import schema_of
+from .prompts import load_prompts_and_metadata, render_prompts
 from .spec import RunSpec, resolve_layers, resolve_vector_layers
 
 
@@ -79,6 +81,7 @@ class Replay:
     prompts: list[str]
     rendered: list[str]
     prompt_ids: list[list[int]]
+    metadata: pa.Table | None = None  # the prompts' metadata columns, one row per prompt
     teacher: object | None = None  # tracer.Teacher
     edits: object | None = None  # tracer.Edits
     observer: object | None = None  # extra StepSink fed every step (e.g. the effects table)
@@ -168,12 +171,13 @@ class Setup:
     eos: set[int]
     step_columns: list[str]
     load_s: float
+    metadata: pa.Table | None = None  # the prompt file's other columns, one row per prompt (prompt_metadata.py)
 
 
 def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     """Load the model, render the prompts, size the archive and build the probes."""
     # bad prompt files fail before any model is loaded
-    prompts = replay.prompts if replay is not None else load_prompts(spec.prompts)
+    prompts, metadata = (replay.prompts, replay.metadata) if replay is not None else load_prompts_and_metadata(spec.prompts)
     t0 = time.time()
     progress.message(f"loading model {spec.model.ref}")
     loaded, eager_reason = _load(spec.model, progress.message)
@@ -209,7 +213,7 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     eos = eos_ids(g.eos_token_id, model, tokenizer)  # refused before anything is created
     check_context([len(p) for p in prompt_ids], g.max_new_tokens, model_positions(model.config), spec.model.ref)
     return Setup(loaded, adapter, prompts, rendered, prompt_ids, shape, probes, inner_name, eager_reason, eos,
-                 _step_columns(spec, shape, probes), load_s)
+                 _step_columns(spec, shape, probes), load_s, metadata)
 
 
 def _step_columns(spec: RunSpec, shape: RunShape, probes: Probes | None) -> list[str]:
@@ -241,6 +245,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
+            setup.metadata = _resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
         _start_run(spec, given_text, rd, existing, lambda: _new_manifest(spec, given_text, setup, run_id, shard, replay),
                    root, resume, setup.loaded.tokenizer)
@@ -263,9 +268,23 @@ def _new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict
     if setup.probes is not None and setup.shape.attention and setup.inner_name != "eager":
         manifest["attention"]["row_method"] = setup.probes.row_method
     manifest["shards"] = shard.count
+    manifest["prompt_metadata"] = schema_of(setup.metadata)
     if replay is not None:
         manifest.update(replay.manifest_extra)
     return manifest
+
+
+def _resumed_metadata(existing: dict, run_id: str, metadata: pa.Table | None) -> pa.Table | None:
+    """The metadata columns a resumed or joining shard writes: those the run was started with (every
+    batch's sequences part has the same columns); none for a run from before they were kept."""
+    if "prompt_metadata" not in existing:
+        return None
+    had, has = existing["prompt_metadata"], schema_of(metadata)
+    if had != has:
+        show = lambda cols: ", ".join(f"{k}: {v}" for k, v in cols.items()) or "none"  # noqa: E731
+        raise SpecError(f"run {run_id}: the prompt file's metadata columns ({show(has)}) differ from those the run "
+                        f"was started with ({show(had)}); use the prompt file the run was started with")
+    return metadata
 
 
 def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer) -> None:
@@ -328,10 +347,10 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
                                         chunk_keys=spec.output.chunk_keys)
         rd.set_shard_status("running")
         log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts))
-        batches = [my_seqs[i: i + spec.generation.batch_size] for i in range(0, len(my_seqs), spec.generation.batch_size)]
-        writer_core.rollback([b[0] for b in batches])
+        queue = _batch_queue(spec, rd, setup, my_seqs, writer_core)
+        writer_core.rollback(queue.rollback_keys)
         writer = BackgroundWriter(writer_core)
-        generated = _generate_batches(spec, run_id, rd, log, setup, replay, progress, batches, writer)
+        generated = _generate_batches(spec, run_id, rd, log, setup, replay, progress, queue, writer)
         rd.set_shard_status("complete", tokens=generated.n_tokens, generate_s=round(generated.seconds, 3))
         status = _finalise(rd, log, writer_core, setup, replay, generated)
     except Interrupted as err:
@@ -354,9 +373,41 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
                           setup.loaded)
 
 
-def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progress, batches, writer) -> _Generated:
+def _batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core) -> BatchQueue:
+    """This shard's batches: as recorded where a batch committed anything, the rest cut to
+    `generation.batch_size`, or to `generation.memory_budget` (auto) by the footprint per sequence."""
+    import torch
+
+    g = spec.generation
+    footprint = None
+    if g.budget_bytes is not None:
+        on_cuda = bool(cuda_devices(setup.loaded.model, setup.loaded.device))
+        footprint = Footprint(setup.shape, setup.adapter.n_layers, torch.empty((), dtype=setup.loaded.dtype).element_size(),
+                              len(setup.loaded.tokenizer), g.max_new_tokens, spec.output.chunk_steps,
+                              spec.output.chunk_keys, measured=on_cuda)
+    return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, g.budget_bytes,
+                      {s: len(setup.prompt_ids[s]) for s in my_seqs}, footprint, writer_core.committed)
+
+
+def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, budget_text, need=None) -> None:
+    """A batch that does not fit runs again as two halves (a batch of one cannot: the run fails)."""
+    if len(batch.seqs) == 1:
+        raise budget_refusal(budget_text, need, batch.key, reason)
+    first, second = queue.split(batch, committed)
+    log.event("batch_split", batch=batch.key, size=len(batch.seqs), sizes=[len(first.seqs), len(second.seqs)],
+              batches=[first.key, second.key], from_step=first.from_step, reason=reason)
+    from .archive.liveness import kill_point
+
+    kill_point("batch-split")
+
+
+def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progress, queue: BatchQueue,
+                      writer) -> _Generated:
     """The tracer loop over this shard's batches, each streamed block by block into the archive;
-    batches already committed are skipped, a partly committed one resumes after its last block."""
+    batches already committed are skipped, a partly committed one resumes after its last block,
+    one that runs out of memory is split (batching.py)."""
+    import torch
+
     from .archive.liveness import Heartbeat
 
     g, tokenizer, writer_core = spec.generation, setup.loaded.tokenizer, writer.writer
@@ -366,17 +417,27 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                     device=setup.loaded.device, layer_devices=layer_devices(setup.adapter))
     gpus = cuda_devices(setup.loaded.model, setup.loaded.device)
     reset_peak_memory(gpus)
+    run_peak: dict[str, int] = {}
     stop = StopFlag()
     texts: dict[int, str] = {}
     n_tokens = 0
-    progress.start(sum(len(b) for b in batches), g.max_new_tokens)
+    budget_text = g.memory_budget
+    progress.start(len(rd.shard.sequences(len(setup.prompts))), g.max_new_tokens)
     t_gen = time.time()
     with stop.installed(), Heartbeat(rd.path, rd.shard.key):
-        for seq_ids in batches:
-            batch = seq_ids[0]
+        for planned in queue:
+            seq_ids, batch = planned.seqs, planned.key
             committed, done = writer_core.committed(batch)
             if done:
+                progress.sequences_done(len(seq_ids), None)
                 continue
+            committed = max(committed, planned.from_step)
+            need = queue.over_budget(planned)
+            if need is not None:
+                _split(queue, planned, committed, log, f"its footprint, about {human_bytes(need)}, exceeds "
+                       f"generation.memory_budget {budget_text}", budget_text, need)
+                continue
+            queue.record(planned)
             batch_prompts = [setup.prompt_ids[i] for i in seq_ids]
             sink = BlockSink(writer, setup.shape, batch, seq_ids, batch_prompts, tokenizer,
                              spec.output.chunk_steps, setup.step_columns, progress, start_step=committed)
@@ -389,8 +450,26 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                     teacher = replay.teacher if teacher is None else _ResumedReplay(teacher, replay.teacher, committed)
                 edits = replay.edits
                 feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
-            outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=stop, teacher=teacher, edits=edits,
-                                        forward_running=writer.forward_running())
+            before = sum(torch.cuda.memory_allocated(d) for d in gpus)
+            reset_peak_memory(gpus)
+            try:
+                outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=with_oom_fault(stop, len(seq_ids)),
+                                            teacher=teacher, edits=edits, forward_running=writer.forward_running())
+            except (BatchOutOfMemory, torch.cuda.OutOfMemoryError) as err:
+                del sink, feed
+                if gpus:
+                    torch.cuda.empty_cache()
+                writer.drain()  # the blocks handed over are committed: the halves continue after them
+                reason = "out of memory" + (" (CUDA)" if isinstance(err, torch.cuda.OutOfMemoryError) else
+                                            f" ({err})" if str(err) else "")
+                _split(queue, planned, max(writer_core.committed(batch)[0], planned.from_step), log, reason,
+                       budget_text)
+                continue
+            peaks = peak_memory(gpus)
+            for d, v in peaks.items():
+                run_peak[d] = max(run_peak.get(d, 0), v)
+            if queue.footprint is not None and gpus:
+                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), sum(peaks.values()) - before)
             sink.flush()
             if outcome_.interrupted:
                 raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
@@ -402,16 +481,27 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             for b, seq in enumerate(seq_ids):
                 texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)
             n_tokens += int(gen_len.sum())
-            seq_table = pa.table({
-                "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
-                "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
-                "generated_len": gen_len.tolist(), "stop_reason": outcome_.stop_reason,
-                "generated_text": [texts[i] for i in seq_ids],
-            }, schema=layout.sequence_schema())
+            seq_table = _sequence_rows(setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, texts)
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
             log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
+            progress.sequences_done(len(seq_ids), int(gen_len.sum()))
         writer.drain()
-    return _Generated(texts, n_tokens, time.time() - t_gen, peak_memory(gpus))
+    return _Generated(texts, n_tokens, time.time() - t_gen, run_peak)
+
+
+def _sequence_rows(setup: Setup, seq_ids, batch, batch_prompts, gen_len, stop_reason, texts) -> pa.Table:
+    """One batch's rows of sequences.parquet: lmtrace's columns, then the prompts' metadata columns."""
+    table = pa.table({
+        "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
+        "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
+        "generated_len": gen_len.tolist(), "stop_reason": stop_reason, "generated_text": [texts[i] for i in seq_ids],
+    }, schema=layout.sequence_schema())
+    if setup.metadata is None:
+        return table
+    rows = setup.metadata.take(pa.array(seq_ids, pa.int64()))
+    for name in rows.column_names:
+        table = table.append_column(rows.schema.field(name), rows.column(name))
+    return table
 
 
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:

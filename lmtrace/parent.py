@@ -46,6 +46,17 @@ class ParentView:
                    logprob, margin, greedy)
 
 
+def prompt_metadata_of(run: Run):
+    """The parent's prompt metadata columns (sequences.parquet's columns past lmtrace's own), one row per
+    sequence in sequence order, for a child to carry; None when it has none."""
+    from .archive import layout
+
+    seqs = run.sequences().sort_by("sequence")
+    own = set(layout.sequence_schema().names)
+    columns = [c for c in seqs.column_names if c not in own]
+    return seqs.select(columns) if columns else None
+
+
 def tokenizer_of(run: Run):
     """The run's tokenizer, as `generate` loaded it (no weights are loaded)."""
     from .models import load_tokenizer

@@ -6,7 +6,7 @@
   .parquet  the prompt column picked as below
 
 The column is `prompts.column` when given, else the one named prompt / text / input (any case),
-else the only column there is.
+else the only column there is. The other columns are the prompts' metadata (prompt_metadata.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import csv
 import json
 from pathlib import Path
 
+import pyarrow as pa
+
+from . import prompt_metadata
 from .errors import SpecError
 from .spec import PromptsSpec
 
@@ -49,12 +52,14 @@ def _text(value, where: str) -> str:
     raise SpecError(f"{where}: the prompt is a {type(value).__name__}, not text")
 
 
-def _read_file(path: Path, column: str | None) -> list[str]:
+def _read_file(path: Path, column: str | None) -> tuple[list[str], pa.Table | None]:
+    """The prompts of a file and its other columns (None: a file without any)."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+        return [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()], None
     if suffix == ".jsonl":
-        rows = []
+        rows, objects, lines = [], [], []
+        picked = None
         for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
             if not line.strip():
                 continue
@@ -64,19 +69,28 @@ def _read_file(path: Path, column: str | None) -> list[str]:
                 raise SpecError(f"{path}:{n}: not valid JSON ({err.msg}, column {err.colno})") from None
             if isinstance(obj, str):
                 rows.append(obj)
+                objects.append(None)
             elif isinstance(obj, dict):
-                rows.append(_text(obj[_pick_column(list(obj), column, f"{path}:{n}")], f"{path}:{n}"))
+                key = _pick_column(list(obj), column, f"{path}:{n}")
+                picked = picked or key
+                rows.append(_text(obj[key], f"{path}:{n}"))
+                objects.append({k: v for k, v in obj.items() if k != key})
             else:
                 raise SpecError(f"{path}:{n}: each line must be a JSON string or object, got {type(obj).__name__}")
-        return rows
+            lines.append(n)
+        return rows, prompt_metadata.from_json_rows(objects, lines, picked, str(path))
     if suffix == ".csv":
         with path.open(newline="", encoding="utf-8-sig") as fh:
             reader = csv.DictReader(fh)
             if reader.fieldnames is None:
-                return []
+                return [], None
             col = _pick_column(list(reader.fieldnames), column, str(path))
-            # line numbers count the header as line 1
-            return [_text(row[col], f"{path}:{reader.line_num}") for row in reader]
+            texts, rows = [], []
+            for row in reader:
+                # line numbers count the header as line 1
+                texts.append(_text(row[col], f"{path}:{reader.line_num}"))
+                rows.append(row)
+            return texts, prompt_metadata.from_csv_rows(list(reader.fieldnames), rows, col, str(path))
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -85,11 +99,18 @@ def _read_file(path: Path, column: str | None) -> list[str]:
         except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid & co. for a damaged file
             raise SpecError(f"prompts.file: cannot read {path} as Parquet ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         col = _pick_column(table.column_names, column, str(path))
-        return [_text(v, f"{path}: row {i}") for i, v in enumerate(table.column(col).to_pylist())]
+        texts = [_text(v, f"{path}: row {i}") for i, v in enumerate(table.column(col).to_pylist())]
+        return texts, prompt_metadata.from_arrow(table, col, str(path))
     raise SpecError(f"{path}: unsupported prompt file type {suffix or '(no extension)'!r}; use .txt, .jsonl, .csv or .parquet")
 
 
 def load_prompts(spec: PromptsSpec) -> list[str]:
+    return load_prompts_and_metadata(spec)[0]
+
+
+def load_prompts_and_metadata(spec: PromptsSpec) -> tuple[list[str], pa.Table | None]:
+    """The prompts, and the prompt file's other columns, one row per prompt (None: no such column)."""
+    metadata = None
     if spec.texts is not None:
         prompts = list(spec.texts)
         source = "prompts.texts"
@@ -101,7 +122,7 @@ def load_prompts(spec: PromptsSpec) -> list[str]:
         if not path.is_file():
             raise SpecError(f"prompts.file: {path} is not a file")
         try:
-            prompts = _read_file(path, spec.column)
+            prompts, metadata = _read_file(path, spec.column)
         except UnicodeDecodeError as err:
             raise SpecError(f"prompts.file: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
         except csv.Error as err:
@@ -117,7 +138,7 @@ def load_prompts(spec: PromptsSpec) -> list[str]:
     empty = [i for i, p in enumerate(prompts) if not p]
     if empty:
         raise SpecError(f"{source}: prompt {empty[0]} is empty; every prompt needs text")
-    return prompts
+    return prompts, metadata
 
 
 # --- chat spans -------------------------------------------------------------------------------

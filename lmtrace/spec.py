@@ -195,7 +195,39 @@ class GenerationSpec(_Strict):
     seed: int = Field(0, ge=0, lt=2**63)
     eos_token_id: int | list[int] | None = None
     stop: list[str] = Field(default_factory=list)
-    batch_size: int = Field(8, ge=1, le=4096)
+    batch_size: int | Literal["auto"] = Field(8, description="prompts run together, or auto: sized to memory_budget")
+    memory_budget: str | int | None = Field(None, description="memory the batches may take beyond the model, "
+                                                                "e.g. 8GiB (docs/batch.md, auto batching)")
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, v: Any) -> Any:
+        if isinstance(v, str) and v != "auto":
+            raise ValueError(f"expected a number of prompts (1-4096) or auto (got {v!r})")
+        if isinstance(v, int) and not isinstance(v, bool) and not 1 <= v <= 4096:
+            raise ValueError(f"expected 1-4096 prompts, or auto (got {v})")
+        return v
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _memory_budget(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        size = memory_bytes(v) if isinstance(v, (str, int)) and not isinstance(v, bool) else None
+        if size is None or size <= 0:
+            raise ValueError(f"expected a size such as 8GiB, 512MB or a number of bytes (got {v!r})")
+        return v
+
+    @model_validator(mode="after")
+    def _auto_needs_budget(self) -> "GenerationSpec":
+        if self.batch_size == "auto" and self.memory_budget is None:
+            raise ValueError("batch_size: auto needs generation.memory_budget (e.g. 8GiB, or --memory-budget 8GiB): "
+                             "the memory the batches may take beyond the model")
+        return self
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else memory_bytes(self.memory_budget)
 
 
 class LayerStride(_Strict):

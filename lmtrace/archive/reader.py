@@ -84,37 +84,29 @@ class Run:
     @property
     def progress(self) -> dict:
         """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
-        merged: dict = {"batches": {}}
-        folder = self.path / layout.PROGRESS_DIR
-        for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-            try:
-                merged["batches"].update(json.loads(f.read_text())["batches"])
-            except (OSError, json.JSONDecodeError, KeyError):
-                continue
-        return merged
+        from ..batching import merged_progress
+
+        return merged_progress(self.path)
 
     def committed_steps(self) -> dict[int, int]:
         """sequence -> steps readable: generated_len when its batch is done, else the batch's committed steps."""
         out: dict[int, int] = {}
         lengths = self.generated_len()
-        batch_of = {}
-        size = self.manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
-        shards = self.manifest.get("shards", 1)
-        for shard in range(shards):
-            seqs = list(range(shard, len(lengths), shards))
-            for i in range(0, len(seqs), size):
-                for s in seqs[i: i + size]:
-                    batch_of[s] = seqs[i]
+        batch_of, from_step = self.batch_plan()
         batches = self.progress["batches"]
         for seq in range(len(lengths)):
-            entry = batches.get(str(batch_of.get(seq, -1)))
-            if entry is None:
-                out[seq] = 0
-            elif entry.get("done"):
+            batch = batch_of.get(seq, -1)
+            entry = batches.get(str(batch))
+            if entry is not None and entry.get("done"):
                 out[seq] = int(lengths[seq])
             else:
-                out[seq] = int(entry["committed_steps"])
+                out[seq] = max(int(entry["committed_steps"]) if entry else 0, from_step.get(batch, 0))
         return out
+
+    def batch_plan(self) -> tuple[dict[int, int], dict[int, int]]:
+        from ..batching import batch_plan
+
+        return batch_plan(self.path, self.manifest)
 
     @property
     def shard_status(self) -> dict[str, dict]:

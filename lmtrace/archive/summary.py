@@ -24,6 +24,52 @@ def shards_done(path, m: dict) -> str | None:
     return f"{done}/{n}"
 
 
+def run_progress(path, m: dict, status: str) -> dict:
+    """An unfinished run's sequences done (committed as done, over every shard) of its total, and for a
+    running one the estimated seconds left: the sequences not done at the rate batches finished since
+    the last writer started (log.jsonl); None until one has."""
+    from ..batching import sequences_done
+
+    total = (m.get("shape") or {}).get("n_sequences") or m.get("n_prompts") or 0
+    done = sequences_done(path, m)
+    out = {"sequences_done": done, "sequences_total": total, "eta_s": None}
+    if status != "running" or done >= total:
+        return out
+    started, since = None, 0
+    try:
+        lines = (path / "log.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") in ("started", "resumed") and started is None:
+            started = e["time"]  # the first writer of this (re)start: shards starting later add to the rate
+        if e.get("event") in ("complete", "failed", "interrupted"):
+            started, since = None, 0
+        if e.get("event") == "batch_done" and started is not None:
+            since += len(e.get("sequences") or [])
+    if started is not None and since:
+        import time
+
+        out["eta_s"] = round((total - done) * (time.time() - started) / since)
+    return out
+
+
+def progress_label(p: dict) -> str | None:
+    """`40/100 ~3m left`: an unfinished run's progress in `ls`; None for a complete run."""
+    from ..progress import duration
+
+    if "sequences_done" not in p:
+        return None
+    left = ""
+    if p.get("eta_s") is not None:  # 1 h 05 min -> 1h05m: a table cell
+        left = " ~" + duration(p["eta_s"]).replace(" h ", "h").replace(" min", "m").replace(" s", "s") + " left"
+    return f"{p['sequences_done']}/{p['sequences_total']}{left}"
+
+
 def run_summary(path, *, size: bool = True) -> dict:
     """The run at `path` in one row: id, status (damaged when a file is missing), kind, model, sizes, parent, edits.
     `size`: walk the directory for size_bytes (None without: a thousand runs' files are many stats)."""
@@ -36,9 +82,10 @@ def run_summary(path, *, size: bool = True) -> dict:
     problem = quick_problem(path, m)
     if problem is not None:  # a complete run with a missing or truncated file (`lmtrace verify` says which)
         status = "damaged"
+    progress = run_progress(path, m, status) if status in ("running", "killed", "interrupted", "failed") else {}
     return {
         "run_id": m.get("run_id", path.name), "status": status if shards is None or status == "complete"
-        else f"{status} ({shards} shards done)", "shards_complete": shards, "kind": m.get("kind"),
+        else f"{status} ({shards} shards done)", **progress, "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
         "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path) if size else None,
         "created": m.get("created"), "completed": m.get("completed") or m.get("ended"), "seed": m.get("seed"),

@@ -98,7 +98,9 @@ def _fail(err: BaseException, where=None) -> None:
 
 
 class _Reporter:
-    """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files)."""
+    """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files):
+    sequences done of the total, tokens, tok/s and the estimated time left (progress.Estimate)."""
+
 
     def __init__(self, quiet: bool, log_json: bool = False):
         self.quiet = quiet
@@ -106,9 +108,18 @@ class _Reporter:
         self.tty = sys.stderr.isatty() and not log_json
         self.bar = None
         self.task = None
-        self.done = 0
+        self.estimate = None
+        self.shard = None  # `shard-I-of-N` of a sharded run: named in every progress line
         self.t0 = time.time()
         self.last_line = 0.0
+        # seconds between plain progress lines (cron, SLURM logs)
+        self.every = float(os.environ.get("LMTRACE_PROGRESS_EVERY") or 10)
+
+    def progress(self):
+        """The callbacks a generating command reports through."""
+        from ..progress import Progress
+
+        return Progress(self.start, self.advance, self.message, self.sequences_done)
 
     def message(self, text: str, **fields) -> None:
         if self.quiet:
@@ -126,32 +137,59 @@ class _Reporter:
             self.message(text)
 
     def start(self, n_prompts: int, max_tokens: int) -> None:
+        from ..progress import Estimate
+
         self.t0 = self.last_line = time.time()
+        self.estimate = Estimate(n_prompts, max_tokens, self.t0)
         if self.quiet:
             return
-        total = n_prompts * max_tokens
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[rate]} tok/s"), TimeElapsedColumn(), transient=True)
+            self.bar = Progress(TextColumn(f"generating{f' ({self.shard})' if self.shard else ''}"), BarColumn(),
+                                MofNCompleteColumn(), TextColumn("sequences, {task.fields[status]}"),
+                                TimeElapsedColumn(), transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("gen", total=total, rate="-")
+            self.task = self.bar.add_task("gen", total=n_prompts, status="-")
         else:
-            self.message(f"generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each", event="start",
-                         prompts=n_prompts, max_new_tokens=max_tokens)
+            where = f"{self.shard}: " if self.shard else ""
+            self.message(f"{where}generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each", event="start",
+                         prompts=n_prompts, max_new_tokens=max_tokens, **({"shard": self.shard} if self.shard else {}))
 
     def advance(self, tokens: int) -> None:
-        self.done += tokens
+        self.estimate.advance(tokens)
+        self._show()
+
+    def sequences_done(self, n: int, tokens: int | None) -> None:
+        self.estimate.sequences_done(n, tokens)
+        self._show(sequences=n)
+
+    def _show(self, sequences: int = 0) -> None:
         if self.quiet:
             return
-        rate = self.done / max(time.time() - self.t0, 1e-9)
+        now = time.time()
+        e = self.estimate
+        rate, left = e.rate(now), e.seconds_left(now)
         if self.bar is not None:
-            self.bar.update(self.task, advance=tokens, rate=f"{rate:.1f}")
-        elif time.time() - self.last_line > 10:
-            self.last_line = time.time()
-            self.message(f"{self.done} tokens, {rate:.1f} tok/s", event="progress", tokens=self.done,
-                         tokens_per_s=round(rate, 2))
+            from ..progress import duration
+
+            eta = f", about {duration(left)} left" if left is not None else ""
+            self.bar.update(self.task, advance=sequences, status=f"{e.tokens} tokens, {rate:.1f} tok/s{eta}")
+        elif now - self.last_line >= self.every:
+            self.last_line = now
+            self.message(self.progress_line(now), event="progress", sequences_done=e.sequences,
+                         sequences_total=e.total, tokens=e.tokens, tokens_per_s=round(rate, 2),
+                         eta_s=None if left is None else round(left), **({"shard": self.shard} if self.shard else {}))
+
+    def progress_line(self, now: float) -> str:
+        """`shard-0-of-4: 120/500 sequences, 9695 tokens, 8.8 tok/s, ETA ~14 min (estimate)`."""
+        from ..progress import duration
+
+        e = self.estimate
+        left = e.seconds_left(now)
+        eta = f", ETA ~{duration(left)} (estimate)" if left is not None else ""
+        where = f"{self.shard}: " if self.shard else ""
+        return f"{where}{e.sequences}/{e.total} sequences, {e.tokens} tokens, {e.rate(now):.1f} tok/s{eta}"
 
     def stop(self) -> None:
         if self.bar is not None:

@@ -34,7 +34,6 @@ def intervene(
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
     reporter = _Reporter(quiet or json_out)
     reporter.starting()
-    from ..progress import Progress
     from .intervene import intervene_command
 
     try:
@@ -43,7 +42,7 @@ def intervene(
                                      ablate_attn=ablate_attn, ablate_neurons=ablate_neurons,
                                      mask_positions=mask_positions),
             from_step=from_step, mode=mode, temperatures=temperatures, runs_dir=runs_dir, run_id=run_id, lens=lens,
-            progress=Progress(reporter.start, reporter.advance, reporter.message), json_out=json_out, quiet=quiet)
+            progress=reporter.progress(), json_out=json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
         if isinstance(err, typer.Exit):

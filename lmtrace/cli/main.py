@@ -27,6 +27,9 @@ def generate(
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run "
                                          "(an intervene child too: its edits are replayed from its parent)."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", help="Memory the batches may "
+                                                "take beyond the model (8GiB, 512MB): sizes `batch_size: auto`, splits "
+                                                "a batch over it (generation.memory_budget)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the run id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     log_json: bool = typer.Option(False, "--log-json", help="Progress and events as JSON lines on stderr."),
@@ -47,7 +50,8 @@ def generate(
         if resume:
             from ..commands.resume import run_kind, spec_for_resume
 
-            spec, text = spec_for_resume(resume, runs_dir, set_)
+            spec, text = spec_for_resume(resume, runs_dir, set_ + ([f"generation.memory_budget={memory_budget}"]
+                                                                   if memory_budget is not None else []))
             run_id = spec.output.run_id
             child = run_kind(resume, runs_dir) == "intervene"
         else:
@@ -57,6 +61,8 @@ def generate(
                 raise SpecError("give a SPEC file, or --resume RUN_ID")
             run_id = run_id or slurm_run_id
             overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
+            if memory_budget is not None:
+                overrides.append(f"generation.memory_budget={json.dumps(memory_budget)}")
             spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
         if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
             from ..errors import SpecError
@@ -70,7 +76,6 @@ def generate(
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
         from ..generation import run_generate
-        from ..progress import Progress
         from ..archive.runs import runs_root
 
         if shard_obj is None:
@@ -85,7 +90,9 @@ def generate(
             lens = False  # an inline lens is computed during generation anyway
         check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume),
                      kind="intervene" if child else "generate")
-        progress = Progress(reporter.start, reporter.advance, reporter.message)
+        if shard_obj.count > 1:
+            reporter.shard = shard_obj.key
+        progress = reporter.progress()
         if child:
             from ..commands.intervene import resume_child
 

@@ -35,7 +35,7 @@ from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import LmtraceError, SpecError
 from ..archive.writer import atomic_write_parquet
 from ..generation import GenerateResult, Progress, Replay, run_generate
-from ..parent import ParentView, chat_span_ranges, tokenizer_of
+from ..parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
                                      PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
                                      patch_source, routing_rule, validate_against)
@@ -443,7 +443,7 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
 
     effects = EffectsRecorder(view)
     replay = Replay(
-        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids,
+        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids, metadata=prompt_metadata_of(parent),
         teacher=ParentTeacher(view, force_until), edits=_LazyEdits() if entries else None, observer=effects,
         manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
                         "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,

@@ -2,10 +2,11 @@
 
 On a terminal the table fits the terminal's width: columns are left out, lowest priority first
 (`PRIORITY`), down to run id, status, kind and edits, whose edits cells are then cut (…); the
-model is shown by its last path component and `created` to the minute; a last line names what
-was left out. Piped, every run is one whole line of tab-separated cells
-under a header line (every column, nothing cut: `cut -f1`, `column -t -s $'\\t'`). `--json` gives
-the full rows, `-q` the run ids alone.
+model is shown by its last path component, `created` to the minute, and an unfinished run's
+status with its progress (`running 40/100 ~3m left`); a last line names what was left out.
+Piped, every run is one whole line of tab-separated cells under a header line (every column,
+nothing cut, the progress last: `cut -f1`, `column -t -s $'\\t'`). `--json` gives the full rows,
+`-q` the run ids alone.
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ from rich.console import Console
 from rich.text import Text
 
 from ..archive.runs import human_bytes, list_runs, runs_root
-from ..archive.summary import summary_or_damaged
+from ..archive.summary import progress_label, summary_or_damaged
 from ..errors import SpecError
 from ..jsonout import json_line
 
 KINDS = ("generate", "intervene")
-COLUMNS = ("run id", "kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created")
+COLUMNS = ("run id", "kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created",
+           "progress")
 # what a narrow terminal keeps, most important first: columns are left out from the end of this list, down to
 # the first `ALWAYS`; then the edits cells are cut (…)
+# (a terminal shows an unfinished run's progress in its status cell, not in a column of its own)
 PRIORITY = ("run id", "status", "kind", "edits", "model", "parent", "tokens", "created", "size", "prompts", "lens")
 ALWAYS = 4
+PROGRESS_IN_STATUS = ("progress",)  # the terminal's status cell holds it
 GAP = 2  # spaces between columns
 STATUS_STYLE = {"complete": "green", "running": "yellow", "interrupted": "magenta", "failed": "red", "damaged": "red"}
 
@@ -33,13 +37,18 @@ def _cells(r: dict, *, short: bool) -> dict[str, str]:
     """One run's cells; `short` (terminal): the model's last path component, `created` to the minute."""
     dash = lambda v: "-" if v is None else str(v)  # noqa: E731
     model, created = dash(r["model"]), dash(r["created"])
+    progress = progress_label(r)
+    status = dash(r["status"])
     if short:
         model = model.rstrip("/").rsplit("/", 1)[-1] or model
         created = created[:16].replace("T", " ")
-    return {"run id": str(r["run_id"]), "kind": dash(r["kind"]), "status": dash(r["status"]), "model": model,
+        if progress:  # `running 40/100 ~3m left (1/4 shards)`: narrow enough for 80 columns
+            shards = f" ({r['shards_complete']} shards)" if r.get("shards_complete") else ""
+            status = f"{status.split(' ')[0]} {progress}{shards}"
+    return {"run id": str(r["run_id"]), "kind": dash(r["kind"]), "status": status, "model": model,
             "prompts": dash(r["prompts"]), "tokens": dash(r["tokens"]), "lens": dash(r["lens"]),
             "parent": dash(r["parent_id"]), "edits": dash(r["edits"]), "size": human_bytes(r["size_bytes"]),
-            "created": created}
+            "created": created, "progress": dash(progress)}
 
 
 def fit_columns(natural: dict[str, int], width: int) -> dict[str, int]:
@@ -82,8 +91,8 @@ def _terminal_table(rows: list[dict], root, console: Console) -> None:
 
     console.print(line({c: c for c in widths}, {c: "bold" for c in widths}), no_wrap=True, crop=True)
     for x in cells:
-        console.print(line(x, {"status": STATUS_STYLE.get(x["status"], "")}), no_wrap=True, crop=True)
-    hidden = [c for c in COLUMNS if c not in widths]
+        console.print(line(x, {"status": STATUS_STYLE.get(x["status"].split(" ")[0], "")}), no_wrap=True, crop=True)
+    hidden = [c for c in COLUMNS if c not in widths and c not in PROGRESS_IN_STATUS]
     if hidden:
         console.print(Text(f"not shown at {console.width} columns: {', '.join(hidden)} (a wider terminal, "
                            f"`lmtrace ls | cat` or --json shows every column)", style="dim"))

@@ -17,7 +17,7 @@ def spec_for_resume(ref: str, runs_dir: str | None, overrides: list[str]):
     path = find_run(ref, runs_root(runs_dir))
     manifest = read_manifest(path)
     if overrides:
-        raise SpecError("--set cannot change a run being resumed; it continues with the spec it was started with")
+        raise SpecError("--set and --memory-budget cannot change a run being resumed; it continues with the spec it was started with")
     data = json.loads(json.dumps(manifest["spec_resolved"]))
     # the run lives where it was found, under the id it has
     data = apply_override(data, f"output.run_id={json.dumps(path.name)}")

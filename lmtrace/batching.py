@@ -1,0 +1,271 @@
+"""Which sequences run together: fixed-size batches, or `batch_size: auto` sized to a memory budget,
+and the split of a batch that runs out of memory.
+
+A batch is named by its first sequence index (its table parts and its entry in the writer's
+progress file). Before a batch runs, its sequences are appended to `progress/<shard>.plan.jsonl`
+(with `from_step`: steps its sequences committed in the batch they were split from), so a resume
+runs every batch that committed anything with exactly the sequences it had; the sequences of no
+such batch are planned again. A batch that runs out of memory (a CUDA out-of-memory error, or on
+the CPU a computed footprint over the budget) is split in halves, each continuing from the steps
+the batch had committed, teacher-forced like a resume: no sequence is lost or run twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from .archive import layout
+from .errors import LmtraceError
+
+PLAN_SUFFIX = ".plan.jsonl"
+MAX_BATCH = 4096
+# blocks of captured arrays a sequence holds at once: the one being filled and the writer's queue (depth 2)
+BLOCKS_IN_MEMORY = 3
+
+
+class BatchOutOfMemory(Exception):
+    """A batch did not fit: CUDA ran out of memory, or (CPU) its footprint exceeds the budget."""
+
+
+@dataclass
+class Batch:
+    seqs: list[int]
+    from_step: int = 0  # steps committed for these sequences in the batch they were split from
+
+    @property
+    def key(self) -> int:
+        return self.seqs[0]
+
+
+def plan_path(run_dir: Path, shard_key: str) -> Path:
+    return run_dir / layout.PROGRESS_DIR / f"{shard_key}{PLAN_SUFFIX}"
+
+
+def read_plan(run_dir: Path) -> dict[int, Batch]:
+    """The batches recorded in every shard's plan file: key -> Batch. A later record takes its
+    sequences from the batches recorded before it (a split's second half, recorded first, leaves the
+    first half under the batch's key; the last record of a key wins). A torn last line (a kill) is ignored."""
+    out: dict[int, Batch] = {}
+    folder = run_dir / layout.PROGRESS_DIR
+    for f in sorted(folder.glob(f"*{PLAN_SUFFIX}")) if folder.is_dir() else []:
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                batch = Batch([int(s) for s in rec["sequences"]], int(rec.get("from_step", 0)))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if not batch.seqs:
+                continue
+            taken = set(batch.seqs)
+            for key, other in list(out.items()):
+                other.seqs = [s for s in other.seqs if s not in taken]
+                if not other.seqs:
+                    del out[key]
+            out[batch.key] = batch
+    return out
+
+
+def merged_progress(run_dir: Path) -> dict:
+    """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
+    merged: dict = {"batches": {}}
+    folder = run_dir / layout.PROGRESS_DIR
+    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            merged["batches"].update(json.loads(f.read_text())["batches"])
+        except (OSError, json.JSONDecodeError, KeyError):
+            continue
+    return merged
+
+
+def batch_plan(run_dir: Path, manifest: dict) -> tuple[dict[int, int], dict[int, int]]:
+    """sequence -> its batch, and batch -> steps it inherited from the batch it was split from:
+    from the writers' plan files (batching.py), else (runs from before them) the fixed batch size."""
+    batch_of, from_step = {}, {}
+    for key, batch in read_plan(run_dir).items():
+        from_step[key] = batch.from_step
+        for s in batch.seqs:
+            batch_of[s] = key
+    if batch_of:
+        return batch_of, from_step
+    size = manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
+    if not isinstance(size, int):
+        return {}, {}
+    n, shards = manifest.get("shape", {}).get("n_sequences", 0), manifest.get("shards", 1)
+    for shard in range(shards):
+        seqs = list(range(shard, n, shards))
+        for i in range(0, len(seqs), size):
+            for s in seqs[i: i + size]:
+                batch_of[s] = seqs[i]
+    return batch_of, from_step
+
+
+def sequences_done(run_dir: Path, manifest: dict) -> int:
+    """Sequences whose batch is committed as done, over every writer (shard)."""
+    batch_of, _ = batch_plan(run_dir, manifest)
+    batches = merged_progress(run_dir)["batches"]
+    return sum(1 for b in batch_of.values() if batches.get(str(b), {}).get("done"))
+
+
+def _record(path: Path, batch: Batch) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps({"batch": batch.key, "sequences": batch.seqs, "from_step": batch.from_step}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+class Footprint:
+    """Bytes a batch takes beyond the model: computed (CPU: KV cache, capture blocks, prefill
+    transients), or measured (CUDA: peak allocation growth per sequence and position, the largest seen)."""
+
+    def __init__(self, shape, n_layers: int, dtype_bytes: int, vocab: int, max_new: int, chunk_steps: int,
+                 chunk_keys: int | None, measured: bool):
+        self.shape, self.n_layers, self.dtype_bytes, self.vocab = shape, n_layers, dtype_bytes, vocab
+        self.max_new, self.chunk_steps, self.chunk_keys, self.measured = max_new, chunk_steps, chunk_keys, measured
+        self.per_position: float | None = None  # measured bytes per sequence and position (CUDA)
+
+    def computed(self, n: int, longest_prompt: int) -> int:
+        s = self.shape
+        positions = longest_prompt + self.max_new
+        kv = 2 * self.n_layers * s.n_kv_heads * s.head_dim * positions * self.dtype_bytes
+        blocks = (s.estimate_bytes_per_step(self.chunk_steps, self.chunk_keys) * self.chunk_steps * BLOCKS_IN_MEMORY
+                  if s.layers else 0)
+        # the prefill's largest transients: one layer's attention scores and MLP activations, the logits
+        prefill = 4 * (s.n_heads * longest_prompt ** 2 + 2 * longest_prompt * max(s.d_ffn, s.d_model)) + 8 * self.vocab
+        return n * (kv + blocks + prefill)
+
+    def bytes(self, n: int, longest_prompt: int) -> int | None:
+        """The batch's footprint; None while a measured footprint has no measurement yet."""
+        if not self.measured:
+            return self.computed(n, longest_prompt)
+        if self.per_position is None:
+            return None
+        return int(n * self.per_position * (longest_prompt + self.max_new))
+
+    def observe(self, n: int, longest_prompt: int, peak_growth: int) -> None:
+        rate = peak_growth / max(1, n * (longest_prompt + self.max_new))
+        self.per_position = max(self.per_position or 0.0, rate)
+
+    def did_not_fit(self, n: int, longest_prompt: int, budget: int) -> None:
+        """A measured footprint after a batch of `n` ran out of memory: at least so much that it exceeds the
+        budget, so the batches cut later are smaller."""
+        if self.measured:
+            self.per_position = max(self.per_position or 0.0, budget / (n * (longest_prompt + self.max_new)) * 1.001)
+
+
+class BatchQueue:
+    """This shard's batches in sequence order: recorded ones as recorded, the rest cut as they come
+    (fixed size, or as many as fit the budget); `split` puts a batch's halves first."""
+
+    def __init__(self, run_dir: Path, shard_key: str, my_seqs: list[int], size: int | str, budget: int | None,
+                 prompt_lens: dict[int, int], footprint: Footprint | None, committed):
+        self.path = plan_path(run_dir, shard_key)
+        self.size, self.budget, self.prompt_lens, self.footprint = size, budget, prompt_lens, footprint
+        recorded = read_plan(run_dir)
+        mine = set(my_seqs)
+        kept: dict[int, Batch] = {}
+        for key, batch in recorded.items():
+            steps, done = committed(key)
+            if set(batch.seqs) <= mine and (steps or done or batch.from_step):
+                kept[key] = batch
+        if not recorded and size != "auto":  # a run from before plans: the fixed batches, as then
+            kept = {b[0]: Batch(b) for b in (my_seqs[i: i + size] for i in range(0, len(my_seqs), size))}
+        # the plan: kept batches, and runs of the other sequences (cut into batches when reached)
+        self.items: deque = deque()
+        taken = {s for b in kept.values() for s in b.seqs}
+        free: list[int] = []
+        for s in my_seqs:
+            if s in kept:
+                if free:
+                    self.items.append(free)
+                    free = []
+                self.items.append(kept[s])
+            elif s not in taken:
+                free.append(s)
+        if free:
+            self.items.append(free)
+        self.rollback_keys = sorted(set(recorded) & set(my_seqs) | set(kept))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if not self.items:
+            raise StopIteration
+        item = self.items.popleft()
+        if isinstance(item, Batch):
+            return item
+        n = self._fitting(item)
+        if n < len(item):
+            self.items.appendleft(item[n:])
+        return Batch(item[:n])
+
+    def _fitting(self, seqs: list[int]) -> int:
+        """How many of `seqs` (from the first) the next batch takes."""
+        if self.size != "auto":
+            return min(self.size, len(seqs))
+        n, longest = 0, 0
+        for s in seqs[:MAX_BATCH]:
+            longest = max(longest, self.prompt_lens[s])
+            need = self.footprint.bytes(n + 1, longest)
+            if need is None:  # nothing measured yet: one sequence, to measure it
+                return 1
+            if n and need > self.budget:
+                break
+            n += 1
+        return max(n, 1)
+
+    def over_budget(self, batch: Batch) -> int | None:
+        """The batch's footprint when it exceeds the budget (CPU, or CUDA once measured), else None."""
+        if self.budget is None or self.footprint is None:
+            return None
+        need = self.footprint.bytes(len(batch.seqs), max(self.prompt_lens[s] for s in batch.seqs))
+        return need if need is not None and need > self.budget else None
+
+    def record(self, batch: Batch) -> None:
+        _record(self.path, batch)
+
+    def split(self, batch: Batch, committed_steps: int) -> tuple[Batch, Batch]:
+        """The halves of a batch that ran out of memory, both continuing from its committed steps."""
+        if self.footprint is not None and self.budget is not None:
+            self.footprint.did_not_fit(len(batch.seqs), max(self.prompt_lens[s] for s in batch.seqs), self.budget)
+        half = len(batch.seqs) // 2
+        start = max(batch.from_step, committed_steps)
+        first, second = Batch(batch.seqs[:half], start), Batch(batch.seqs[half:], start)
+        _record(self.path, second)  # before the first half runs: a resume must not run these again
+        _record(self.path, first)
+        self.items.appendleft(second)
+        self.items.appendleft(first)
+        return first, second
+
+
+def budget_refusal(budget_text, need: int | None, seq: int, reason: str) -> LmtraceError:
+    from .archive.runs import human_bytes
+
+    need_text = f" (it needs about {human_bytes(need)})" if need else ""
+    return LmtraceError(f"sequence {seq} alone does not fit generation.memory_budget {budget_text}{need_text}: "
+                        f"{reason}; raise the budget (--memory-budget), lower generation.max_new_tokens, or capture "
+                        f"less (capture.attention.top_k, capture.qkv: false, capture: none)")
+
+
+def with_oom_fault(should_stop, n_seqs: int):
+    """`should_stop` for a batch of `n_seqs` sequences (the tracer calls it after every step but the
+    last). Test-only: with LMTRACE_TEST_OOM_AT=STEP:SIZE a batch of more than SIZE sequences raises
+    BatchOutOfMemory after step STEP, standing in for a CUDA out-of-memory error there. Read here only."""
+    value = os.environ.get("LMTRACE_TEST_OOM_AT")
+    if not value:
+        return should_stop
+    step, size = (int(x) for x in value.split(":"))
+    if n_seqs <= size:
+        return should_stop
+    calls = iter(range(1 << 62))
+
+    def check() -> bool:
+        if next(calls) == step:
+            raise BatchOutOfMemory(f"LMTRACE_TEST_OOM_AT={value}")
+        return should_stop()
+
+    return check

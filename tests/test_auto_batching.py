@@ -1,0 +1,203 @@
+"""`generation.batch_size: auto` and `generation.memory_budget`: batches sized to the budget, a batch
+that runs out of memory split in halves (the test-only LMTRACE_TEST_OOM_AT stands in for CUDA's
+out-of-memory error), losing and duplicating no sequence, resumable after a kill at the split."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from lmtrace.archive.reader import Run
+from lmtrace.errors import LmtraceError
+from lmtrace.generation import run_generate
+from lmtrace.spec import build_spec
+
+PROMPTS = ["The cat", "Paris is the capital of", "One, two, three,", "Hello", "A long story about a dog"]
+
+
+def _data(tmp_path: Path, model: Path, run_id: str, **generation) -> dict:
+    return {"model": {"ref": str(model), "device": "cpu"}, "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 6, **generation},
+            "capture": {"residual": {"vectors_at": [1]}},
+            "output": {"runs_dir": str(tmp_path / "runs"), "run_id": run_id, "chunk_steps": 2}}
+
+
+def _run(tmp_path, model, run_id, **generation) -> Run:
+    data = _data(tmp_path, model, run_id, **generation)
+    return Run(run_generate(build_spec(data, "test-spec"), yaml.safe_dump(data)).run_dir)
+
+
+def _events(run: Run, name: str) -> list[dict]:
+    return [e for e in map(json.loads, (run.path / "log.jsonl").read_text().splitlines()) if e.get("event") == name]
+
+
+def assert_same_as(reference: Run, run: Run) -> None:
+    """Every table (in key order) and array equal to the batch-size-1 run: token ids exactly, floats to
+    float noise (a batch pads its prompts on the left)."""
+    order = {"tokens": ["sequence", "position"], "steps": ["sequence", "step", "layer"], "sequences": ["sequence"]}
+    for table, keys in order.items():  # rows in part order: by batch, then step
+        a, b = (r.table(table).to_pandas().sort_values(keys, kind="stable").reset_index(drop=True)
+                for r in (reference, run))
+        assert list(a.columns) == list(b.columns) and len(a) == len(b), table
+        for column in a.columns:
+            if column == "batch":  # the batch a sequence ran in
+                continue
+            x, y = a[column], b[column]
+            if x.dtype.kind == "f":
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5, err_msg=f"{table}.{column}")
+            elif x.dtype == object and any(isinstance(u, np.ndarray) and u.dtype.kind == "f" for u in x):
+                for u, v in zip(x, y):  # float lists (alternatives' logprobs); null on prompt rows
+                    assert (u is None) == (v is None), f"{table}.{column}"
+                    if u is not None:
+                        np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5, err_msg=f"{table}.{column}")
+            else:
+                assert [str(v) for v in x] == [str(v) for v in y], f"{table}.{column}"
+    assert reference.array_names() == run.array_names()
+    for name in reference.array_names():
+        a, b = reference.tensors[name][...], run.tensors[name][...]
+        if a.dtype.kind == "f":
+            np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3, atol=2e-3, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def batch_of_one(tmp_path_factory, tiny_llama_dir) -> Run:
+    return _run(tmp_path_factory.mktemp("one"), tiny_llama_dir, "one", batch_size=1)
+
+
+def test_auto_batching_under_injected_oom_equals_batch_size_one(tmp_path, tiny_llama_dir, batch_of_one, monkeypatch):
+    # a budget every prompt fits in at once; then an out-of-memory error at step 3 in every batch of
+    # more than one sequence (blocks of 2 steps: steps 0-3 are committed): 5 -> 2 + 3 -> 1 + 1, 1 + 2 -> 1 + 1,
+    # each half continuing from step 4
+    monkeypatch.setenv("LMTRACE_TEST_OOM_AT", "3:1")
+    run = _run(tmp_path, tiny_llama_dir, "auto", batch_size="auto", memory_budget="64GiB")
+    assert run.status == "complete"
+    splits = _events(run, "batch_split")
+    assert [(e["batch"], e["size"], e["sizes"]) for e in splits] == [
+        (0, 5, [2, 3]), (0, 2, [1, 1]), (2, 3, [1, 2]), (3, 2, [1, 1])]
+    assert all(e["reason"].startswith("out of memory") and e["from_step"] == 4 for e in splits)
+    done = _events(run, "batch_done")
+    assert sorted(s for e in done for s in e["sequences"]) == list(range(len(PROMPTS)))  # none lost, none twice
+    assert_same_as(batch_of_one, run)
+
+
+def test_a_budget_splits_fixed_batches_and_sizes_auto_ones_and_one_sequence_over_it_fails(
+        tmp_path, tiny_llama_dir, batch_of_one):
+    from lmtrace.batching import Footprint
+
+    run = _run(tmp_path, tiny_llama_dir, "fixed", batch_size=4, memory_budget="1MB")
+    splits = _events(run, "batch_split")
+    assert splits and all("exceeds generation.memory_budget 1MB" in e["reason"] for e in splits)
+    sizes = [len(e["sequences"]) for e in _events(run, "batch_done")]
+    assert sum(sizes) == len(PROMPTS) and max(sizes) < 4
+    assert_same_as(batch_of_one, run)
+
+    auto = _run(tmp_path, tiny_llama_dir, "auto", batch_size="auto", memory_budget="1MB")
+    assert not _events(auto, "batch_split")  # sized to fit from the start
+    assert [len(e["sequences"]) for e in _events(auto, "batch_done")] == sizes
+
+    with pytest.raises(LmtraceError, match=r"sequence 0 alone does not fit generation.memory_budget 10KB \(it needs "
+                                           r"about .*\): .*raise the budget \(--memory-budget\)"):
+        _run(tmp_path, tiny_llama_dir, "tiny", batch_size="auto", memory_budget="10KB")
+    assert Footprint  # the footprint's arithmetic is documented in docs/batch.md
+
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def test_a_kill_at_a_split_resumes_to_the_same_archive(tmp_path, tiny_llama_dir, batch_of_one):
+    data = _data(tmp_path, tiny_llama_dir, "killed", batch_size="auto", memory_budget="64GiB")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    env = {**os.environ, **ENV, "LMTRACE_TEST_OOM_AT": "3:2", "LMTRACE_TEST_KILL_AT": "batch-split"}
+    cmd = [sys.executable, "-m", "lmtrace.cli", "generate", str(spec), "-q"]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+    run_dir = tmp_path / "runs" / "killed"
+    assert [e["sizes"] for e in _events(Run(run_dir), "batch_split")] == [[2, 3]]
+    env.pop("LMTRACE_TEST_KILL_AT")  # the same faults again: the 3-sequence half splits once more
+    resumed = subprocess.run([sys.executable, "-m", "lmtrace.cli", "generate", "--resume", "killed", "-q",
+                              "--runs-dir", str(tmp_path / "runs")], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    run = Run(run_dir)
+    assert [e["sizes"] for e in _events(run, "batch_split")] == [[2, 3], [1, 2]]
+    assert run.status == "complete"
+    assert_same_as(batch_of_one, run)
+    verify = subprocess.run([sys.executable, "-m", "lmtrace.cli", "verify", str(run_dir)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_out_of_memory_error_splits_the_batch(tmp_path, tiny_llama_dir, monkeypatch):
+    """On CUDA: the footprint is measured (peak allocation growth) and the injected error is caught
+    where torch.cuda.OutOfMemoryError is; the archive equals a batch-size-1 CUDA run."""
+    data = _data(tmp_path, tiny_llama_dir, "cuda-one", batch_size=1)
+    data["model"]["device"] = "cuda"
+    one = Run(run_generate(build_spec(data, "t"), yaml.safe_dump(data)).run_dir)
+    data = _data(tmp_path, tiny_llama_dir, "cuda-auto", batch_size="auto", memory_budget="1TB")
+    data["model"]["device"] = "cuda"
+    monkeypatch.setenv("LMTRACE_TEST_OOM_AT", "3:1")
+    run = Run(run_generate(build_spec(data, "t"), yaml.safe_dump(data)).run_dir)
+    assert run.manifest["timings"]["peak_gpu_memory_bytes"]
+    assert sorted(s for e in _events(run, "batch_done") for s in e["sequences"]) == list(range(len(PROMPTS)))
+    assert_same_as(one, run)
+
+
+def test_a_cuda_out_of_memory_error_is_caught_and_splits_the_batch(tmp_path, tiny_llama_dir, batch_of_one, monkeypatch):
+    """torch.cuda.OutOfMemoryError itself (raised here by the forward of any batch over 2 sequences,
+    as CUDA would), on the CPU: the batch is split, the archive equals batch size 1."""
+    from lmtrace.capture.tracer import Tracer
+
+    real = Tracer.run_batch
+
+    def run_batch(self, seq_ids, *args, **kw):
+        if len(seq_ids) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, seq_ids, *args, **kw)
+
+    monkeypatch.setattr(Tracer, "run_batch", run_batch)
+    run = _run(tmp_path, tiny_llama_dir, "cuda-oom", batch_size=5)
+    assert [(e["size"], e["sizes"], e["reason"]) for e in _events(run, "batch_split")] == [
+        (5, [2, 3], "out of memory (CUDA)"), (3, [1, 2], "out of memory (CUDA)")]
+    assert_same_as(batch_of_one, run)
+
+
+def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_recorded(tmp_path):
+    """The CUDA path's arithmetic without a GPU: one sequence first, then as many as its measured
+    peak growth per sequence and position lets the budget hold; and the plan file's records."""
+    from lmtrace.batching import Batch, BatchQueue, Footprint, read_plan
+
+    (tmp_path / "progress").mkdir()
+    footprint = Footprint(shape=None, n_layers=0, dtype_bytes=0, vocab=0, max_new=10, chunk_steps=1, chunk_keys=None,
+                          measured=True)
+    lens = {s: 5 for s in range(100)}
+    committed = {}
+    queue = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
+                       lambda key: committed.get(key, (0, False)))
+    first = next(queue)
+    assert first.seqs == [0]  # nothing measured yet
+    footprint.observe(1, 5, 1000 * 15)  # 1000 bytes per position, 15 positions
+    assert len(next(queue).seqs) == 7  # 7 x 15,000 bytes fit the 105,000 budget
+
+    # records: the batch [8..15] ran, committed 4 steps, was split; a kill; the plan resumes as recorded
+    queue.record(Batch(list(range(8, 16))))
+    committed[8] = (4, False)
+    queue.split(Batch(list(range(8, 16))), 4)
+    assert {k: (b.seqs, b.from_step) for k, b in read_plan(tmp_path).items()} == {
+        8: ([8, 9, 10, 11], 4), 12: ([12, 13, 14, 15], 4)}
+    resumed = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
+                         lambda key: committed.get(key, (0, False)))
+    batches = list(resumed)
+    assert [b.seqs for b in batches[:2]] == [list(range(0, 7)), [7]]  # before the recorded ones: cut anew
+    assert [(b.seqs, b.from_step) for b in batches[2:4]] == [([8, 9, 10, 11], 4), ([12, 13, 14, 15], 4)]
+    assert sorted(s for b in batches for s in b.seqs) == list(range(100))
