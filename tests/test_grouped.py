@@ -10,10 +10,9 @@ import json
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import rerecord_checksums, run_spec
+from conftest import run_spec
 from test_cli_errors import assert_one_line_error, lmtrace
 
 PROMPTS = ["one two three one two three one two", "The cat sat on the mat and the cat",
@@ -23,16 +22,17 @@ TOPICS = ["count", "animals", "count", None]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_llama_dir):
-    """A run whose sequences.parquet has a prompt-metadata column `topic` (one sequence without)."""
-    from lmtrace.archive.reader import Run
-
-    r = run_spec(tmp_path_factory.mktemp("grouped"), {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {"max_new_tokens": 5, "batch_size": 4},
+    """A run of a prompt file with a metadata column `topic` (one prompt without), which generation
+    keeps in sequences.parquet."""
+    tmp = tmp_path_factory.mktemp("grouped")
+    f = tmp / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, **({"topic": t} if t is not None else {})}) + "\n"
+                         for p, t in zip(PROMPTS, TOPICS)))
+    r = run_spec(tmp, {
+        "model": str(tiny_llama_dir), "prompts": {"file": str(f)}, "generation": {"max_new_tokens": 5, "batch_size": 4},
         "capture": {"lens": {"when": "inline"}}, "output": {"float_dtype": "float32"}})
-    seqs = pq.read_table(r.path / "sequences.parquet")
-    pq.write_table(seqs.append_column("topic", pa.array(TOPICS, pa.string())), r.path / "sequences.parquet")
-    rerecord_checksums(r.path)
-    return Run(r.path)
+    assert pq.read_table(r.path / "sequences.parquet").column("topic").to_pylist() == TOPICS
+    return r
 
 
 def test_heads_by_group_are_the_pooled_rows_of_its_sequences(run, capsys):

@@ -29,6 +29,8 @@ RUN_COLUMNS = pa.schema([
     ("lens", pa.string()), ("shards_complete", pa.string()), ("seed", pa.int64()), ("created", pa.string()),
     ("completed", pa.string()), ("path", pa.string()),
 ])
+# the views whose tables older archives wrote with other column names (archive/columns.py)
+RENAMED_IN = ("heads", "heads_per_sequence", "sweeps")
 # the runs view's column -> the run_summary field it shows
 RUN_FIELDS = {"parent": "parent_id", "n_prompts": "prompts", "n_generated_tokens": "tokens"}
 
@@ -78,12 +80,16 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
                        "sweep_id": [f.sweep_id for f in files]})
     con.register(f"_{view}_files", owners.select(["filename", *keys]))
     listed = "[" + ", ".join(_quote(str(f.path)) for f in files) + "]"
+    # binding a view reads every file's footer: the renamed-columns step (one more binding) only
+    # where older archives named a column otherwise
+    read = view if view not in RENAMED_IN else f"_{view}_read"
     con.execute(
-        f"CREATE OR REPLACE VIEW _{view}_read AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
+        f"CREATE OR REPLACE VIEW {read} AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
         f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
         f"JOIN _{view}_files f ON t.filename = f.filename")
-    columns = [row[0] for row in con.execute(f"DESCRIBE _{view}_read").fetchall()]
-    con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns))} FROM _{view}_read")
+    if read != view:
+        columns = [row[0] for row in con.execute(f"DESCRIBE {read}").fetchall()]
+        con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns))} FROM {read}")
 
 
 def ident(name: str) -> str:
