@@ -91,7 +91,7 @@ def _own_scores(path: Path) -> dict[str, np.ndarray]:
 
 
 def _heads_table(path: Path) -> pd.DataFrame:
-    return pd.read_parquet(path / "analysis" / "heads.parquet").sort_values(["layer", "head"], ignore_index=True)
+    return pd.read_parquet(path / "analysis" / "heads.parquet").sort_values(["layer", "q_head"], ignore_index=True)
 
 
 def _set_rows_by_hand(path: Path) -> dict[tuple[int, int], str]:
@@ -153,16 +153,16 @@ def test_hand_set_heads_get_their_labels_and_the_tests_own_scores(base, tmp_path
     got = _heads_table(path)
     assert len(got) == 4 * 4 and summary["path"] == str(path / "analysis" / "heads.parquet")
     for (layer, head), label in expected.items():
-        row = got[(got.layer == layer) & (got["head"] == head)].iloc[0]
+        row = got[(got.layer == layer) & (got["q_head"] == head)].iloc[0]
         assert row.label == label, (layer, head, row.to_dict())
     own = _own_scores(path)
     for s in SCORES:
         np.testing.assert_allclose(got[s].to_numpy(), own[s].reshape(-1), rtol=1e-5, atol=1e-6, err_msg=s)
     # the hand-set patterns score what they were built to: exactly 1 where one key takes all
-    ind = got[(got.layer == 0) & (got["head"] == 2)].iloc[0]
+    ind = got[(got.layer == 0) & (got["q_head"] == 2)].iloc[0]
     assert ind.induction_score == pytest.approx(1.0) and ind.n_induction_rows > 10
-    assert got[(got.layer == 0) & (got["head"] == 0)].prev_token_score.iloc[0] == pytest.approx(1.0)
-    assert got[(got.layer == 0) & (got["head"] == 1)].sink_score.iloc[0] == pytest.approx(1.0)
+    assert got[(got.layer == 0) & (got["q_head"] == 0)].prev_token_score.iloc[0] == pytest.approx(1.0)
+    assert got[(got.layer == 0) & (got["q_head"] == 1)].sink_score.iloc[0] == pytest.approx(1.0)
     # ranked: the rank column orders the rows, labels first in their documented order
     ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
     assert ranked["rank"].tolist() == list(range(1, 17))
@@ -182,15 +182,15 @@ def test_without_a_sweep_specific_mechanisms_rank_first_and_sinks_late(base, tmp
     assert proc.returncode == 0, proc.stderr
     heads = json.loads(proc.stdout)["heads"]
     assert [h["rank"] for h in heads] == list(range(1, 17))
-    hand = [h["label"] for h in heads if (h["layer"], h["head"]) in expected]
+    hand = [h["label"] for h in heads if (h["layer"], h["q_head"]) in expected]
     assert hand == ["induction", "previous-token", "previous-token", "local", "focused", "sink", "sink", "diffuse"]
-    assert heads[0]["label"] == "induction" and (heads[0]["layer"], heads[0]["head"]) == (0, 2)
+    assert heads[0]["label"] == "induction" and (heads[0]["layer"], heads[0]["q_head"]) == (0, 2)
     for a, b in zip(heads, heads[1:]):  # every head, the hand-set and the model's own
         assert RANK_ORDER.index(a["label"]) <= RANK_ORDER.index(b["label"]), (a, b)
         if a["label"] == b["label"]:
             assert a[LABEL_SCORE[a["label"]]] >= b[LABEL_SCORE[b["label"]]], (a, b)
     table = _table_rows(lmtrace(tmp_path, "heads", str(path), "--top", "3").stdout)
-    assert [r[:3] for r in table] == [(h["layer"], h["head"], h["label"]) for h in heads[:3]]
+    assert [r[:3] for r in table] == [(h["layer"], h["q_head"], h["label"]) for h in heads[:3]]
 
 
 def _table_rows(stdout: str) -> list[tuple[int, int, str]]:
@@ -212,14 +212,14 @@ def test_label_filter_shows_only_those_heads_in_the_table_and_json(base, tmp_pat
     ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
     assert len(ranked) == 16 and sum(got["labels"].values()) == 16  # the file and the counts: every head
     want = ranked[ranked.label.isin(["sink", "induction"])]
-    assert [(h["layer"], h["head"]) for h in got["heads"]] == list(zip(want.layer, want["head"]))
-    assert {(0, 1), (1, 2), (0, 2)} <= {(h["layer"], h["head"]) for h in got["heads"]}  # the hand-set ones
+    assert [(h["layer"], h["q_head"]) for h in got["heads"]] == list(zip(want.layer, want["q_head"]))
+    assert {(0, 1), (1, 2), (0, 2)} <= {(h["layer"], h["q_head"]) for h in got["heads"]}  # the hand-set ones
     assert got["label_filter"] == ["sink", "induction"]
     # the printed table, with the comma form
     proc = lmtrace(tmp_path, "heads", str(path), "--label", "previous-token,local", "--top", "16")
     assert proc.returncode == 0, proc.stderr
     want = ranked[ranked.label.isin(["previous-token", "local"])]
-    assert _table_rows(proc.stdout) == list(zip(want.layer, want["head"], want.label))
+    assert _table_rows(proc.stdout) == list(zip(want.layer, want["q_head"], want.label))
     assert len(want) >= 3  # hand-set: two previous-token heads and a local one
     proc = lmtrace(tmp_path, "heads", str(path), "--label", "sinks")
     assert_one_line_error(proc, 2, "--label 'sinks'", "previous-token")
@@ -232,7 +232,7 @@ def test_scores_of_a_real_run_equal_the_tests_own_computation(base, tmp_path):
     proc = lmtrace(tmp_path, "heads", str(path), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "heads of" in proc.stdout and not (path / "analysis").exists()
-    got = pd.read_parquet(out / "heads.parquet").sort_values(["layer", "head"], ignore_index=True)
+    got = pd.read_parquet(out / "heads.parquet").sort_values(["layer", "q_head"], ignore_index=True)
     own = _own_scores(path)
     for s in SCORES:
         np.testing.assert_allclose(got[s].to_numpy(), own[s].reshape(-1), rtol=1e-5, atol=1e-6, err_msg=s)

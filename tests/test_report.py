@@ -499,8 +499,8 @@ def test_head_classification_is_drawn_from_heads_parquet(tiny_run, tmp_path):
     heads = pq.read_table(tiny_run.path / "analysis" / "heads.parquet").to_pylist()
     label, sink = blob(blobs, "heads_label"), blob(blobs, "heads_sink_score")
     for r in heads:
-        assert label[r["layer"], r["head"]] == HEAD_LABELS.index(r["label"])
-        assert sink[r["layer"], r["head"]] == np.float32(r["sink_score"])
+        assert label[r["layer"], r["q_head"]] == HEAD_LABELS.index(r["label"])
+        assert sink[r["layer"], r["q_head"]] == np.float32(r["sink_score"])
 
 
 def test_head_dla_is_drawn_mean_and_at_the_attention_step_and_renders(tiny_report, tmp_path):
@@ -552,7 +552,7 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
     assert sorted(long.groupby("sequence").step.nunique().tolist()) == sorted(lengths)
     proc = lmtrace(tmp_path, "heads", str(run.path), "--json")
     assert proc.returncode == 0, proc.stderr
-    heads = {(h["layer"], h["head"]): h["sweep_effect"] for h in json.loads(proc.stdout)["heads"]}
+    heads = {(h["layer"], h["q_head"]): h["sweep_effect"] for h in json.loads(proc.stdout)["heads"]}
     page = report_run(str(run.path), out=tmp_path / "r.html").path.read_text()
     blobs = page_json(page, "lmtrace-blobs")
     figs = {f["id"]: f for f in page_json(page, "lmtrace-figures")}
@@ -560,7 +560,7 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
     effects = zarr.open_group(str(sweep_dir / "effects.zarr"), mode="r")
     per_sequence = pd.read_parquet(sweep_dir / "sweep_mean.parquet")
     for metric in ("logprob", "kl"):
-        own = long[long.metric == metric].groupby(["layer", "head"]).effect.mean()  # every (sequence, step) row
+        own = long[long.metric == metric].groupby(["layer", "q_head"]).effect.mean()  # every (sequence, step) row
         grid = blob(blobs, f"sweep_0_{metric}")
         archived = effects[f"effect_{metric}"][...]
         assert grid.shape == archived.shape == (4, 4)
@@ -568,14 +568,14 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
         for (layer, head), value in own.items():
             assert grid[int(layer), int(head)] == pytest.approx(value, rel=1e-5, abs=1e-9), (metric, layer, head)
         if metric == "logprob":
-            top = {(r["layer"], r["head"]): r["effect"] for r in summary["top"]}
+            top = {(r["layer"], r["q_head"]): r["effect"] for r in summary["top"]}
             assert len(top) == 16
             for key, value in own.items():
                 key = (int(key[0]), int(key[1]))
                 assert top[key] == pytest.approx(value, rel=1e-12, abs=1e-15)
                 assert np.float32(top[key]) == grid[key]
                 assert heads[key] == pytest.approx(value, rel=1e-6, abs=1e-9)
-        old = per_sequence[per_sequence.metric == metric].groupby(["layer", "head"]).effect.mean()
+        old = per_sequence[per_sequence.metric == metric].groupby(["layer", "q_head"]).effect.mean()
         assert (np.abs(old - own) > 1e-3 * np.abs(own).max()).any()  # the other average really is another number
 
 

@@ -338,12 +338,12 @@ def test_sweep_heatmaps_are_effects_zarr_and_the_terminal_ranking(server, runs_d
         archived = effects[f"effect_{m['metric']}"][...]
         assert m["dims"] == ["layer", "head"] and m["coords"] == {"layer": [0, 1, 2, 3], "head": [0, 1, 2, 3]}
         assert m["values"] == as_none(archived)
-        own = long[long.metric == m["metric"]].groupby(["layer", "head"]).effect.mean()
+        own = long[long.metric == m["metric"]].groupby(["layer", "q_head"]).effect.mean()
         for (layer, head), value in own.items():
             assert m["values"][int(layer)][int(head)] == pytest.approx(value, rel=1e-5, abs=1e-9)
         if m["metric"] == "logprob":
             for r in top:
-                assert np.float32(r["effect"]) == np.float32(m["values"][r["layer"]][r["head"]])
+                assert np.float32(r["effect"]) == np.float32(m["values"][r["layer"]][r["q_head"]])
     status, _, body = server.request("/api/runs/tiny/sweeps/..%2f..%2fmanifest.json")
     assert status == 404
     assert server.request("/api/runs/tiny/sweeps/nope")[0] == 404
@@ -357,7 +357,7 @@ def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, 
     text = {(r.sequence, r.step): r.token_text for r in tokens[~tokens.is_prompt].itertuples()}
     for metric, layer, head in (("kl", 2, 1), ("logprob", 0, 3)):
         cell = server.json(f"/api/runs/tiny/sweeps/{d.name}/cell?metric={metric}&layer={layer}&head={head}")
-        own = long[(long.metric == metric) & (long.layer == layer) & (long["head"] == head)].sort_values(["sequence", "step"])
+        own = long[(long.metric == metric) & (long.layer == layer) & (long["q_head"] == head)].sort_values(["sequence", "step"])
         assert cell["component"] == "head" and cell["n_rows"] == len(own) > 0
         assert [(r["sequence"], r["step"]) for r in cell["rows"]] == list(zip(own.sequence, own.step))
         for key in ("value", "baseline", "effect"):
@@ -682,7 +682,7 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         page.click(".sweep-metric[data-metric='kl'] td.cell[data-layer='2'][data-head='1']")
         page.wait_for_selector(".sweep-rows tbody tr")
         long = pq.read_table(d / "sweep.parquet").to_pandas()
-        own = long[(long.metric == "kl") & (long.layer == 2) & (long["head"] == 1)].sort_values(["sequence", "step"])
+        own = long[(long.metric == "kl") & (long.layer == 2) & (long["q_head"] == 1)].sort_values(["sequence", "step"])
         rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
         assert [(int(r[0]), int(r[1])) for r in rows] == list(zip(own.sequence, own.step))
         assert [float(r[5]) for r in rows] == pytest.approx(own.effect.tolist(), abs=5e-5)

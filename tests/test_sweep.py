@@ -164,7 +164,7 @@ def _own_edit(model, cell, mode, means):
 
 def _cell_rows(df, comp, L, h=None, position=None, seq=0):
     rows = df[(df.component == comp) & (df.layer == L) & (df.sequence == seq)]
-    col = "neuron" if comp == "neuron" else "head"
+    col = "neuron" if comp == "neuron" else "q_head"
     rows = rows[rows[col] == h] if h is not None else rows
     rows = rows[rows.position == position] if position is not None else rows[rows.position.isna()]
     return rows
@@ -232,7 +232,7 @@ def test_a_sweep_cell_equals_the_intervene_child(runs):
 
     ds = xr.open_zarr(result.path / "effects.zarr")
     assert ds.effect_logprob.dims == ("layer", "q_head")
-    mean = df[(df.component == "head") & (df.layer == 2) & (df["head"] == 1)].effect.mean()
+    mean = df[(df.component == "head") & (df.layer == 2) & (df["q_head"] == 1)].effect.mean()
     assert abs(float(ds.effect_logprob.sel(layer=2, q_head=1)) - mean) < 1e-5
 
 
@@ -240,7 +240,7 @@ def test_batched_rows_equal_unbatched_rows(runs):
     clean, _ = runs
     a = run_sweep(str(clean.path), SweepSpec(over="heads", edit="zero", metrics=METRICS, batch=1, sequences="1"))
     b = run_sweep(str(clean.path), SweepSpec(over="heads", edit="zero", metrics=METRICS, batch=16, sequences="1"))
-    key = ["component", "layer", "head", "sequence", "step", "metric"]
+    key = ["component", "layer", "q_head", "sequence", "step", "metric"]
     da = read_sweep(clean, a.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
     db = read_sweep(clean, b.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
     assert len(da) == len(db) == 16 * 4 * len(METRICS)
@@ -535,7 +535,7 @@ def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs
     done = run_sweep(str(clean.path), spec, sweep_id="term", resume=True)
     assert done.status == "complete"
     whole = run_sweep(str(clean.path), spec)
-    key = ["component", "layer", "head", "sequence", "step", "metric"]
+    key = ["component", "layer", "q_head", "sequence", "step", "metric"]
     a = read_sweep(clean, "term").to_pandas().sort_values(key).reset_index(drop=True)
     b = read_sweep(clean, whole.sweep_id).to_pandas().sort_values(key).reset_index(drop=True)
     assert len(a) == 16 * 2 * 4 * 4
@@ -572,7 +572,7 @@ def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
     assert info["timings"]["shards"] == 2 and info["n_cells"] == 4
 
     whole = run_sweep(str(clean.path), SweepSpec(over="mlp", edit="zero", metrics=METRICS, batch=2, steps="0-2"))
-    key = ["component", "layer", "head", "neuron", "position", "sequence", "step", "metric"]
+    key = ["component", "layer", "q_head", "neuron", "position", "sequence", "step", "metric"]
 
     def table(path):
         return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)

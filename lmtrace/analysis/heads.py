@@ -164,9 +164,14 @@ def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
     return out
 
 
-def compute_heads(run: Run, per_sequence: bool = False, block: int = 32) -> dict:
-    """Head scores of a run. Returns {"table": pa.Table, "per_sequence": pa.Table | None, "notes": [...],
-    "rows": n}."""
+def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups: dict[int, object] | None = None,
+                  group_column: str = "group") -> dict:
+    """Head scores of a run. Returns {"table": pa.Table, "per_sequence": pa.Table | None, "by_group": pa.Table |
+    None, "notes": [...], "rows": n}.
+
+    groups: sequence -> its group (a value of a sequences.parquet column, named `group_column`): then
+    "by_group" holds every head's scores over each group's rows (the rows of its sequences pooled,
+    as the whole run's are), one table with the group column first, groups in sorted order."""
     _check_run(run)
     notes = []
     committed = run.committed_steps() if run.status != "complete" else None
@@ -232,7 +237,9 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32) -> dict
     if per_sequence:
         parts = [_table(layers, H, acc, d, ranked=False, sequence=seq) for seq, acc, d, _ in per_seq]
         per = pa.concat_tables(parts)
-    return {"table": table, "per_sequence": per, "notes": notes, "rows": n_rows, "dla": dla is not None,
+    by_group = None if groups is None else _group_tables(layers, H, per_seq, groups, group_column)
+    return {"table": table, "per_sequence": per, "by_group": by_group, "notes": notes, "rows": n_rows,
+            "dla": dla is not None,
             "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
 
 
@@ -254,7 +261,7 @@ def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
         notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
         return None
     return {"id": entry["id"], "edit": entry.get("edit"), "metric": metric,
-            "effects": {(int(r.layer), int(r.head)): float(r.effect) for r in effects.itertuples()}}
+            "effects": {(int(r.layer), int(r.q_head)): float(r.effect) for r in effects.itertuples()}}
 
 
 def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None,
@@ -267,7 +274,7 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
             label = label_of(scores)
             rows.append({
                 **({"sequence": sequence} if sequence is not None else {}),
-                "layer": layer, "head": h, "label": label, **scores,
+                "layer": layer, "q_head": h, "label": label, **scores,
                 "n_rows": int(acc.counts["sink_score"][li, h]),
                 "n_induction_rows": int(acc.counts["induction_score"][li, h]),
                 "importance": None if importance is None or np.isnan(importance[li, h]) else float(importance[li, h]),
@@ -282,11 +289,29 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
             for n, name in enumerate(("sweep_rank", "dla_rank")):
                 if r[name] is not None:
                     return (n, r[name], 0.0)
-            return (2, RANK_ORDER.index(r["label"]), -_label_score(r))
+            return (2, RANK_ORDER.index(r["label"]), -label_score(r))
         rows.sort(key=key)
         for i, r in enumerate(rows):
             r["rank"] = i + 1
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
+
+
+def _group_tables(layers: list[int], H: int, per_seq: list, groups: dict[int, object], column: str) -> pa.Table:
+    """Per group (sorted; None last): every head's scores over the pooled rows of its sequences, with
+    n_sequences; importance (direct logit attribution) is left null."""
+    pooled: dict[object, tuple[_Acc, int]] = {}
+    for seq, acc, _, _ in per_seq:
+        key = groups.get(seq)
+        total, n = pooled.get(key, (_Acc.new(len(layers), H), 0))
+        total.merge(acc)
+        pooled[key] = (total, n + 1)
+    parts = []
+    for key in sorted(pooled, key=lambda k: (k is None, str(k))):
+        acc, n = pooled[key]
+        t = _table(layers, H, acc, None, ranked=False)
+        t = t.add_column(0, "n_sequences", pa.array([n] * t.num_rows, pa.int32()))
+        parts.append(t.add_column(0, column, pa.array([None if key is None else str(key)] * t.num_rows, pa.string())))
+    return pa.concat_tables(parts)
 
 
 def _rank_by(rows: list[dict], column: str, value) -> None:
@@ -298,7 +323,7 @@ def _rank_by(rows: list[dict], column: str, value) -> None:
         r[column] = i + 1
 
 
-def _label_score(r: dict) -> float:
+def label_score(r: dict) -> float:
     name = {"sink": "sink_score", "previous-token": "prev_token_score", "induction": "induction_score",
             "local": "local_score", "focused": "concentration", "diffuse": "entropy"}[r["label"]]
     v = r[name]
@@ -308,7 +333,7 @@ def _label_score(r: dict) -> float:
 def _schema(per_sequence: bool, ranked: bool) -> pa.Schema:
     i32, f32 = pa.int32(), pa.float32()
     fields = [("sequence", i32)] if per_sequence else []
-    fields += [("layer", i32), ("head", i32), ("label", pa.string())]
+    fields += [("layer", i32), ("q_head", i32), ("label", pa.string())]
     fields += [(s, f32) for s in SCORES]
     fields += [("n_rows", i32), ("n_induction_rows", i32), ("importance", f32)]
     if ranked:

@@ -17,6 +17,14 @@ HEADS_FILE = "heads.parquet"
 PER_SEQUENCE_FILE = "heads_per_sequence.parquet"
 
 
+def by_file(column: str) -> str:
+    """`lmtrace heads --by COLUMN`'s file: heads_by_<column>.parquet (other characters than letters,
+    digits, - and _ as _)."""
+    import re
+
+    return f"heads_by_{re.sub(r'[^A-Za-z0-9_-]', '_', column)}.parquet"
+
+
 def write_heads(folder: Path, table: pa.Table, per_sequence: pa.Table | None) -> None:
     """Write heads.parquet (and heads_per_sequence.parquet when given) into `folder` (created if missing)."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -70,8 +70,9 @@ def progress_label(p: dict) -> str | None:
     return f"{p['sequences_done']}/{p['sequences_total']}{left}"
 
 
-def run_summary(path) -> dict:
-    """The run at `path` in one row: id, status (damaged when a file is missing), kind, model, sizes, parent, edits."""
+def run_summary(path, *, size: bool = True) -> dict:
+    """The run at `path` in one row: id, status (damaged when a file is missing), kind, model, sizes, parent, edits.
+    `size`: walk the directory for size_bytes (None without: a thousand runs' files are many stats)."""
     from .integrity import quick_problem
     from .liveness import shown_status
 
@@ -86,7 +87,8 @@ def run_summary(path) -> dict:
         "run_id": m.get("run_id", path.name), "status": status if shards is None or status == "complete"
         else f"{status} ({shards} shards done)", **progress, "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
-        "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path), "created": m.get("created"),
+        "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path) if size else None,
+        "created": m.get("created"), "completed": m.get("completed") or m.get("ended"), "seed": m.get("seed"),
         "parent": m.get("parent"), "parent_id": (m.get("parent") or {}).get("run_id"), "edits": edits_label(m),
         "lens": lens_state(m), "path": str(path), **({"error": f"{problem}"} if problem is not None else {}),
     }
@@ -158,11 +160,12 @@ def edits_label(m: dict) -> str | None:
     return "; ".join(parts) + (f" from {from_step}" if from_step else "") + f" ({m.get('mode') or 'rescore'})"
 
 
-def summary_or_damaged(path) -> dict:
+def summary_or_damaged(path, *, size: bool = True) -> dict:
     """`run_summary`, or a row marked damaged when the manifest cannot be read."""
     try:
-        return run_summary(path)
+        return run_summary(path, size=size)
     except RunNotFoundError as err:  # one damaged manifest must not hide every other run
         return {"run_id": path.name, "status": "damaged", "kind": None, "model": None, "prompts": None,
-                "tokens": None, "size_bytes": dir_size(path), "created": None, "parent": None, "parent_id": None,
+                "tokens": None, "size_bytes": dir_size(path) if size else None, "created": None, "completed": None,
+                "seed": None, "parent": None, "parent_id": None,
                 "edits": None, "lens": None, "path": str(path), "error": str(err)}

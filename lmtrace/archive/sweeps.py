@@ -26,13 +26,11 @@ import pyarrow.parquet as pq
 
 from ..errors import ArchiveError
 from . import layout
+from .columns import current_names
 from .runs import locked, read_manifest
 from .writer import atomic_write_json, atomic_write_parquet
 
 SWEEPS_DIR = "sweeps"
-# Zarr dimension names where the table's column name would collide with xarray (`Dataset.head()`),
-# as in tensors.zarr
-ZARR_DIM = {"head": "q_head"}
 
 
 def writer_key(sweep_id: str, index: int, count: int) -> str:
@@ -43,14 +41,14 @@ def writer_key(sweep_id: str, index: int, count: int) -> str:
 
 
 def block_schema() -> pa.Schema:
-    return pa.schema([("component", pa.string()), ("layer", pa.int32()), ("head", pa.int32()),
+    return pa.schema([("component", pa.string()), ("layer", pa.int32()), ("q_head", pa.int32()),
                       ("neuron", pa.int32()), ("position", pa.int32()), ("sequence", pa.int32()),
                       ("step", pa.int32()), ("metric", pa.string()), ("value", pa.float64()),
                       ("baseline", pa.float64()), ("effect", pa.float64())])
 
 
 def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline: dict) -> pa.Table:
-    """The long-table rows of one block: cells (with component, layer, head, neuron, position),
+    """The long-table rows of one block: cells (with component, layer, head -> q_head, neuron, position),
     values metric -> [len(cells), len(steps)], baseline metric -> [len(steps)]."""
     S = len(steps)
     cols: dict[str, list] = {f.name: [] for f in block_schema()}
@@ -60,7 +58,7 @@ def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline:
             n = S
             cols["component"] += [c.component] * n
             cols["layer"] += [c.layer] * n
-            cols["head"] += [c.head] * n
+            cols["q_head"] += [c.head] * n
             cols["neuron"] += [c.neuron] * n
             cols["position"] += [c.position] * n
             cols["sequence"] += [seq] * n
@@ -88,12 +86,12 @@ def create_partial(partial: Path, plan: dict) -> None:
 
 def read_blocks(partial: Path) -> pa.Table:
     """Every committed block of an unfinished sweep, in file-name order (sequence, then block)."""
-    return pa.concat_tables([pq.read_table(f) for f in sorted((partial / "blocks").glob("*.parquet"))])
+    return pa.concat_tables([current_names(pq.read_table(f)) for f in sorted((partial / "blocks").glob("*.parquet"))])
 
 
 @dataclass
 class EffectArray:
-    """One metric's `effects.zarr` array: dims (zarr names, e.g. [layer, q_head]), coords per dim, values."""
+    """One metric's `effects.zarr` array: dims (e.g. [layer, q_head]), coords per dim, values."""
 
     metric: str
     dims: list[str]
@@ -160,7 +158,7 @@ def read_sweep(run, sweep_id: str | None = None) -> pa.Table:
     entry = entries[-1] if sweep_id is None else next((e for e in entries if e["id"] == sweep_id), None)
     if entry is None:
         raise ArchiveError(f"{path} has no sweep {sweep_id}")
-    return pq.read_table(path / entry["path"] / "sweep.parquet")
+    return current_names(pq.read_table(path / entry["path"] / "sweep.parquet"))
 
 
 def finished_sweeps(run_dir: Path) -> list[Path]:

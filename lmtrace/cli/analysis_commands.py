@@ -1,4 +1,4 @@
-"""Commands that analyse and show archives: `explain`, `lens`, `heads`, `compare`, `report`, `serve`."""
+"""Commands that analyse and show archives: `explain`, `lens`, `heads`, `stats`, `compare`, `report`, `serve`."""
 
 from __future__ import annotations
 
@@ -106,15 +106,36 @@ def heads(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; heads.parquet is written."),
+    by: Optional[str] = typer.Option(None, "--by", metavar="COLUMN", help="Also score every head per group of "
+                                     "sequences: a column of sequences.parquet (prompt metadata, stop_reason, ...); "
+                                     "written to analysis/heads_by_COLUMN.parquet."),
 ):
     """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
     from ..commands.heads import heads_command
 
     try:
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
-                      labels=label, quiet=quiet)
+                      labels=label, quiet=quiet, by=by)
     except BaseException as err:  # noqa: BLE001
         _fail(err, lambda: out or _run_dir(run, runs_dir))
+
+
+@app.command()
+def stats(
+    run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
+    by: Optional[str] = typer.Option(None, "--by", metavar="COLUMN", help="Per group of sequences: a column of "
+                                     "sequences.parquet (prompt metadata, stop_reason, ...)."),
+    lowest: int = typer.Option(5, "--lowest", help="Lowest-probability tokens listed per group."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Sequences, tokens, mean logprob and entropy, where the lens settles, the least likely tokens (per group)."""
+    from ..commands.stats import stats_command
+
+    try:
+        stats_command(run, runs_dir=runs_dir, by=by, json_out=json_out, lowest=lowest)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)
 
 
 @app.command()

@@ -1,7 +1,8 @@
-"""Commands that read archives and print them: `ls`, `show`, `verify`."""
+"""Commands that read archives and print them: `ls`, `show`, `verify`, `query`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -77,3 +78,24 @@ def verify(
     except BaseException as err:  # noqa: BLE001
         _fail(err)
     raise typer.Exit(code)
+
+
+@app.command()
+def query(
+    sql: str = typer.Argument(..., metavar="SQL", help="A DuckDB query over the views runs, sequences, tokens, steps, "
+                              "effects, heads, heads_per_sequence, sweeps, explain (each with a run_id column)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    fmt: Optional[str] = typer.Option(None, "--format", "-f", help="table (default on stdout) | csv | json (one object "
+                                      "a line) | parquet (needs --out); with --out, the file's suffix decides."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
+):
+    """Answer questions across runs with SQL: every run's committed tables as DuckDB views (docs/query.md).
+
+    Example: lmtrace query "SELECT run_id, count(*) FROM tokens WHERE NOT is_prompt GROUP BY run_id"
+    """
+    from ..commands.query import query_command
+
+    try:
+        query_command(sql, runs_dir=runs_dir, fmt=fmt, out=out)
+    except BaseException as err:  # noqa: BLE001
+        _fail(err)

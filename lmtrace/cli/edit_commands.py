@@ -76,6 +76,9 @@ def sweep(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the sweep id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    by: Optional[str] = typer.Option(None, "--by", metavar="COLUMN", help="Also the mean effect per group of "
+                                     "sequences (a column of sequences.parquet) and cell, with a 95 % bootstrap "
+                                     "interval over the group's sequences (1000 resamples, seed 0)."),
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
     reporter = _Reporter(quiet or json_out)
@@ -87,7 +90,7 @@ def sweep(
                                                                steps=steps, sequences=sequences, positions=positions,
                                                                batch=batch, from_step=from_step),
                       runs_dir=runs_dir, run_id=run_id, shard=shard, resume=resume, top=top, json_out=json_out,
-                      quiet=quiet, note=reporter.message)
+                      quiet=quiet, note=reporter.message, by=by)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
         _fail(err, lambda: _run_dir(run_ref, runs_dir))

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.heads import LABELS, RANK_ORDER, compute_heads
-from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, write_heads
+from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
+from ..archive.groups import sequence_groups
+from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
+from ..archive.writer import atomic_write_parquet
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..errors import SpecError
 from ..jsonout import json_line
@@ -30,7 +32,7 @@ def parse_labels(given: list[str] | None) -> list[str] | None:
 
 def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
                   json_out: bool = False, top: int = 20, labels: list[str] | None = None,
-                  quiet: bool = False) -> dict:
+                  quiet: bool = False, by: str | None = None) -> dict:
     """`lmtrace heads`: compute, write analysis/heads.parquet (every head), print a ranked table (or
     JSON) of every head or of those with the `labels` asked for; `quiet`: print nothing."""
     if top < 1:
@@ -39,10 +41,13 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)  # said in the notes, in one line
         run = open_run(ref, runs_dir)
-    result = compute_heads(run, per_sequence=per_sequence)
+    groups = sequence_groups(run, by) if by is not None else None
+    result = compute_heads(run, per_sequence=per_sequence, groups=groups, group_column=by or "group")
     folder = Path(out) if out is not None else run.path / ANALYSIS_DIR
     try:
         write_heads(folder, result["table"], result["per_sequence"])
+        if by is not None:
+            atomic_write_parquet(result["by_group"], folder / by_file(by))
     except OSError as err:
         raise SpecError(f"cannot write {folder} ({err.strerror}); pass another --out") from None
     for note in [] if quiet else result["notes"]:
@@ -53,14 +58,53 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
                "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
-               "label_filter": wanted,
+               "label_filter": wanted, "by": None if by is None else
+               {"column": by, "path": str(folder / by_file(by)), "heads": _grouped_rows(result["by_group"], by, wanted)},
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
                          for r in shown]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
         print(json_line(summary))
+    elif not quiet and by is not None:
+        _print_grouped(run, summary["by"], top)
     elif not quiet:
         _print(run, table, shown, wanted, result, folder, top)
     return summary
+
+
+def _grouped_rows(table: pa.Table, by: str, wanted: list[str] | None) -> list[dict]:
+    """Every group's heads (those with the labels asked for), each group's in rank order (label, then
+    the label's score), NaN as null."""
+    rows = [r for r in table.to_pylist() if wanted is None or r["label"] in wanted]
+    rows.sort(key=lambda r: (r[by] is None, str(r[by]), RANK_ORDER.index(r["label"]), -label_score(r)))
+    return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
+
+
+def _print_grouped(run: Run, by: dict, top: int) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
+    column = by["column"]
+    t = Table(title=escape(f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, "
+                           f"then the label's score"), title_justify="left")
+    for col in (column, "seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"):
+        t.add_column(escape(col), justify="left" if col in (column, "label") else "right")
+
+    def f(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    shown: dict = {}
+    for r in by["heads"]:
+        key = r[column]
+        shown[key] = shown.get(key, 0) + 1
+        if shown[key] > top:
+            continue
+        t.add_row(escape(str(key)), str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
+                  f(r["sink_score"]), f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]),
+                  f(r["entropy"]))
+    console.print(t)
+    console.print(escape(f"every head of every group written to {by['path']}"))
 
 
 def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path,
@@ -89,7 +133,7 @@ def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | Non
         return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
 
     for r in shown[:top]:
-        cells = [str(r["rank"]), str(r["layer"]), str(r["head"]), r["label"], f(r["sink_score"]),
+        cells = [str(r["rank"]), str(r["layer"]), str(r["q_head"]), r["label"], f(r["sink_score"]),
                  f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
                  f(r["entropy"]), f(r["concentration"])]
         if result["dla"]:

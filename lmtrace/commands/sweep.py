@@ -30,7 +30,7 @@ from ..analysis.sweep.effects import cell_effects, effect_array, ranking, sequen
 from ..analysis.sweep.metrics import Metric, parse_metrics
 from ..archive.liveness import OwnerLock, pause_for_tests
 from ..archive.runs import locked
-from ..archive.sweeps import (SWEEPS_DIR, ZARR_DIM, EffectArray, block_table, create_partial, read_blocks,
+from ..archive.sweeps import (SWEEPS_DIR, EffectArray, block_table, create_partial, read_blocks,
                               record_sweep, write_block, write_sweep, writer_key)
 from ..archive.writer import atomic_write_json
 from ..capture.interventions import parse_range_list
@@ -308,7 +308,7 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
-        dims = [ZARR_DIM.get(n, n) for n in names]
+        dims = names
         effects.append(EffectArray(metric, dims, {d: coords[n] for n, d in zip(names, dims)}, values))
     write_sweep(final, table, sequence_means(table), effects, info)
     shutil.rmtree(partial, ignore_errors=True)
@@ -346,3 +346,30 @@ def _check_source(parent, source) -> None:
         if a != b:
             raise SpecError(f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
                             f"run of the same model, tokenizer and dtype")
+
+
+def sweep_groups(run_ref: str, runs_dir: str | None, by: str) -> dict[int, object]:
+    """sequence -> its value of the sequences.parquet column `by` (checked before any cell is run)."""
+    from ..archive.groups import sequence_groups
+    from ..archive.reader import open_run
+
+    return sequence_groups(open_run(run_ref, runs_dir, require_complete=True), by)
+
+
+def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str, by: str,
+                  groups: dict[int, object]) -> dict:
+    """A finished sweep's mean effect per group and cell on `metric`, with 95 % bootstrap intervals
+    over the group's sequences (analysis.sweep.effects.grouped_effects), as plain dicts."""
+    import numpy as np
+
+    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, grouped_effects
+    from ..archive.reader import open_run
+    from ..archive.sweeps import read_sweep
+
+    frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups)
+    ints = ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows")
+    cells = [{k: (None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v) if k in ints
+                  else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
+             for r in frame.to_dict("records")]
+    return {"column": by, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+            "interval": "95 % percentile bootstrap over the group's sequences", "cells": cells}

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 
 from ..analysis.heads import LABELS as HEAD_LABELS
 from ..analysis.sweep.cells import OVER_SIMPLE
+from ..archive.columns import current_names
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
 from ..archive.sweeps import EffectArray, finished_sweeps, read_effects, read_sweep_info
 from . import figures as F
@@ -34,9 +35,9 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     if not path.is_file():
         sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
         return sec
-    t = pq.read_table(path).to_pylist()
+    t = current_names(pq.read_table(path)).to_pylist()  # `head` in an older archive
     layers = sorted({r["layer"] for r in t})
-    n_heads = max(r["head"] for r in t) + 1
+    n_heads = max(r["q_head"] for r in t) + 1
     row = {layer: i for i, layer in enumerate(layers)}
     label = np.full((len(layers), n_heads), np.nan, dtype=np.float32)
     text = np.full(label.shape, "", dtype=object)
@@ -44,7 +45,7 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     scores = ("sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score", "entropy",
               "concentration", "importance")
     for r in t:
-        i, h = row[r["layer"]], r["head"]
+        i, h = row[r["layer"]], r["q_head"]
         label[i, h] = HEAD_LABELS.index(r["label"]) if r["label"] in HEAD_LABELS else np.nan
         text[i, h] = (r["label"] or "")[:4]
         custom[i, h] = f"<b>{esc(r['label'])}</b><br>" + "<br>".join(
@@ -64,7 +65,7 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
         grid = np.full(label.shape, np.nan, dtype=np.float32)
         for r in t:
             if isinstance(r.get(key), (int, float)):
-                grid[row[r["layer"]], r["head"]] = r[key]
+                grid[row[r["layer"]], r["q_head"]] = r[key]
         top = float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.0
         variants.append({"label": key, "z": blobs.add(f"heads_{key}", grid, "float32"),
                          "text": blobs.add(f"heads_{key}_text", np.vectorize(

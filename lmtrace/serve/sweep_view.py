@@ -10,12 +10,14 @@ import pyarrow.dataset as ds
 
 from ..analysis.sweep.cells import CELL_KEYS
 from ..archive.reader import Run
-from ..archive.sweeps import ZARR_DIM, finished_sweeps, read_effects, read_sweep_info
+from ..archive.columns import RENAMED, stored_name
+from ..archive.sweeps import finished_sweeps, read_effects, read_sweep_info
 from ..errors import ArchiveError
 from ..jsonout import strict
 from .queries import NotFound, table_rows
 
-TABLE_DIM = {v: k for k, v in ZARR_DIM.items()}  # effects.zarr's dimension name -> sweep.parquet's column
+# the API's name of a cell coordinate (a URL parameter and the frontend's, `head`) -> the tables' column
+API_DIM = {new: old for old, new in RENAMED.items()}
 CELL_ROW_LIMIT = 5000  # rows of one cell sent at most (a cell has one per measured (sequence, step))
 
 
@@ -44,8 +46,8 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
     info = read_sweep_info(d)
     metrics = []
     for e in read_effects(d, info):
-        metrics.append({"metric": e.metric, "dims": [TABLE_DIM.get(x, x) for x in e.dims],
-                        "coords": {TABLE_DIM.get(k, k): v for k, v in e.coords.items()},
+        metrics.append({"metric": e.metric, "dims": [API_DIM.get(x, x) for x in e.dims],
+                        "coords": {API_DIM.get(k, k): v for k, v in e.coords.items()},
                         "values": _nested(e.values)})
     spec = info.get("spec") or {}
     return {"id": sweep_id, "over": spec.get("over"), "edit": spec.get("edit"), "semantics": info.get("semantics"),
@@ -65,15 +67,18 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
     with the token the parent chose at that step. `coords` names the cell's layer/head/neuron/position;
     the cell keys it does not name are null in the table (a head cell has no neuron)."""
     d = _sweep_dir(run, sweep_id)
-    unknown = set(coords) - set(CELL_KEYS)
+    names = [API_DIM.get(k, k) for k in CELL_KEYS]
+    unknown = set(coords) - set(names)
     if unknown:
-        raise NotFound(f"a sweep cell has coordinates {', '.join(CELL_KEYS[1:])}, not {', '.join(sorted(unknown))}")
-    where = pc.field("metric") == metric
-    for key in CELL_KEYS[1:]:
-        where = where & ((pc.field(key) == coords[key]) if key in coords else pc.field(key).is_null())
+        raise NotFound(f"a sweep cell has coordinates {', '.join(names[1:])}, not {', '.join(sorted(unknown))}")
     try:
-        t = ds.dataset(str(d / "sweep.parquet"), format="parquet").to_table(
-            columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)
+        dataset = ds.dataset(str(d / "sweep.parquet"), format="parquet")
+        where = pc.field("metric") == metric
+        for key in CELL_KEYS[1:]:
+            column = pc.field(stored_name(dataset.schema.names, key))  # `head` in a sweep of an older archive
+            given = coords.get(API_DIM.get(key, key))
+            where = where & ((column == given) if given is not None else column.is_null())
+        t = dataset.to_table(columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)
     except OSError as err:
         raise ArchiveError(f"{d / 'sweep.parquet'} is unreadable ({err}); the sweep is damaged: run it again") from None
     if t.num_rows == 0:

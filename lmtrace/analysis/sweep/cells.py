@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from ...errors import SpecError
 
 OVER_SIMPLE = {"heads": "head", "attn": "attn", "mlp": "mlp", "layers": "layer", "positions": "position"}
-# the columns that name a cell in the sweep's tables (null where a coordinate does not apply)
-CELL_KEYS = ("component", "layer", "head", "neuron", "position")
+# the columns that name a cell in the sweep's tables (null where a coordinate does not apply); `q_head`
+# is the Cell's `head` (archive/columns.py: why not `head`)
+CELL_KEYS = ("component", "layer", "q_head", "neuron", "position")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
     out = []
     for _, r in g.iterrows():
         out.append({k: (None if isinstance(r[k], float) and np.isnan(r[k]) else
-                        int(r[k]) if k in ("layer", "head", "neuron", "position") else r[k]) for k in CELL_KEYS}
+                        int(r[k]) if k in ("layer", "q_head", "neuron", "position") else r[k]) for k in CELL_KEYS}
                    | {"value": float(r.value), "baseline": float(r.baseline), "effect": float(r.effect)})
     return out
 
@@ -48,10 +48,10 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
 def effect_array(effects: pd.DataFrame) -> tuple[list[str], dict[str, list[int]], np.ndarray]:
     """`cell_effects` of one metric as an array over the cells' coordinates: (names, coords, effect).
 
-    names: the coordinates the cells have, in the order layer, head, neuron, position (heads ->
-    [layer, head], attn -> [layer], resid -> [layer, position], ...); coords: name -> sorted values;
+    names: the coordinates the cells have, in the order layer, q_head, neuron, position (heads ->
+    [layer, q_head], attn -> [layer], resid -> [layer, position], ...); coords: name -> sorted values;
     effect: float32 of shape [len(coords[n]) for n in names], NaN where no cell was measured."""
-    names = [n for n in ("layer", "head", "neuron", "position") if effects[n].notna().any()] or ["position"]
+    names = [n for n in ("layer", "q_head", "neuron", "position") if effects[n].notna().any()] or ["position"]
     coords = {n: sorted(int(v) for v in effects[n].dropna().unique()) for n in names}
     index = {n: {v: i for i, v in enumerate(coords[n])} for n in names}
     arr = np.full(tuple(len(coords[n]) for n in names), np.nan, dtype=np.float32)
@@ -69,3 +69,53 @@ def sequence_means(table: pa.Table) -> pa.Table:
     mean = df.groupby(keys, dropna=False)[MEANS].mean().reset_index()
     mean["n_steps"] = df.groupby(keys, dropna=False).step.count().values
     return pa.Table.from_pandas(mean, preserve_index=False)
+
+
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0
+
+
+def bootstrap_weights(n: int, resamples: int, seed: int) -> np.ndarray:
+    """[resamples, n]: how often each of n sequences is drawn in each resample, from
+    `np.random.default_rng(seed).integers(0, n, size=(resamples, n))` (row r = resample r)."""
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    weights = np.zeros((resamples, n))
+    np.add.at(weights, (np.arange(resamples)[:, None], draws), 1)
+    return weights
+
+
+def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = BOOTSTRAP_SEED) -> pd.DataFrame:
+    """Per (group, cell) of `metric`: the mean effect over the group's (sequence, step) rows of the cell
+    (`cell_effects`' reduction, on the group's sequences), n_sequences, n_rows, and a 95 % bootstrap
+    interval over sequences (`low`, `high`: the 2.5th and 97.5th percentiles of the mean over
+    `resamples` resamples of the group's sequences with replacement, each resample's mean again over
+    every row of the sequences drawn).
+
+    The draws: per group, its sequences in ascending order, `bootstrap_weights(n, resamples, seed)`
+    (the same resamples for every cell of the group: intervals of two cells are paired). groups:
+    sequence -> group value (sequences missing from it form the group None)."""
+    df = table.select([*CELL_KEYS, "sequence", "metric", "effect"]).to_pandas()
+    df = df[df.metric == metric]
+    df = df.assign(group=df.sequence.map(lambda s: groups.get(int(s))))
+    keys = list(CELL_KEYS)
+    out = []
+    for group, rows in df.groupby("group", dropna=False, sort=False):
+        seqs = np.sort(rows.sequence.unique())
+        per = rows.groupby([*keys, "sequence"], dropna=False).effect.agg(["sum", "count"])
+        sums = per["sum"].unstack("sequence").reindex(columns=seqs).fillna(0.0)
+        counts = per["count"].unstack("sequence").reindex(columns=seqs).fillna(0.0)
+        w = bootstrap_weights(len(seqs), resamples, seed)  # [B, n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = (sums.to_numpy() @ w.T) / (counts.to_numpy() @ w.T)  # [cells, B]
+        low, high = np.nanpercentile(boot, [2.5, 97.5], axis=1)
+        cells = sums.index.to_frame(index=False)
+        cells.insert(0, "group", None if pd.isna(group) else group)
+        cells["effect"] = sums.sum(axis=1).to_numpy() / counts.sum(axis=1).to_numpy()
+        cells["low"], cells["high"] = low, high
+        cells["n_sequences"] = (counts.to_numpy() > 0).sum(axis=1)
+        cells["n_rows"] = counts.sum(axis=1).to_numpy().astype(int)
+        out.append(cells)
+    result = pd.concat(out, ignore_index=True)
+    order = result.group.map(lambda g: (g is None, str(g)))
+    return result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
