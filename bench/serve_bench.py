@@ -157,17 +157,30 @@ class Server:
 # data-loading after building the panels; a frame later (requestAnimationFrame, then a task) it is
 # painted. Both on the page's clock (performance.now()), so no Playwright round trip is timed.
 PROBE = """
-window.__bench = { input: null, drawnStep: null, drawnAt: null, listAt: null };
+window.__bench = { input: null, want: null, drawnStep: null, drawnAt: null, listAt: null, done: null, drawn: null };
+// expect(step): `drawn` becomes a promise of that step drawn, awaited by page.evaluate (no polling,
+// which would make the page draw frames)
+__bench.listed = new Promise((resolve) => { __bench.listDone = resolve; });
+__bench.expect = (step) => { __bench.want = String(step); __bench.drawnAt = null; __bench.drawnStep = null; __bench.input = null;
+  __bench.drawn = new Promise((resolve) => { __bench.done = resolve; }); };
+__bench.expect(0);
 addEventListener("click", (e) => { __bench.input = e.timeStamp; }, true);
 addEventListener("keydown", (e) => { __bench.input = e.timeStamp; }, true);
 new MutationObserver(() => {
   const d = document.getElementById("detail");
-  if (d && d.dataset.step !== undefined && d.dataset.loading === undefined && __bench.drawnStep !== d.dataset.step) {
+  if (d && d.dataset.step === __bench.want && d.dataset.loading === undefined && __bench.drawnStep !== d.dataset.step) {
     const step = d.dataset.step;
     __bench.drawnStep = step;
-    requestAnimationFrame(() => setTimeout(() => { if (__bench.drawnStep === step) __bench.drawnAt = performance.now(); }, 0));
+    requestAnimationFrame(() => setTimeout(() => {
+      if (__bench.drawnStep !== step) return;
+      __bench.drawnAt = performance.now();
+      if (__bench.done) __bench.done(step);
+    }, 0));
   }
-  if (__bench.listAt === null && document.getElementById("sequences")) __bench.listAt = performance.now();
+  if (__bench.listAt === null && document.getElementById("sequences")) {
+    __bench.listAt = performance.now();
+    __bench.listDone();
+  }
 }).observe(document, { subtree: true, childList: true, attributes: true, attributeFilter: ["data-step", "data-loading"] });
 """
 
@@ -213,34 +226,38 @@ def browse(server: Server, facts: dict, args) -> dict:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--no-first-run",
                                                                      "--disable-background-networking"])
         out["chromium"] = browser.version
-        # the page's content security policy forbids eval, which Playwright's wait_for_function uses
-        page = browser.new_page(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.add_init_script(PROBE)
         for i in range(args.page_loads):  # the first load is the server's first look at the run
             page.goto("about:blank")
             page.goto(run_url)
-            page.wait_for_selector("#sequences")
-            page.wait_for_function("window.__bench.listAt !== null")
+            page.evaluate("() => __bench.listed")
             t = page.evaluate("""() => ({
                 first_paint: (performance.getEntriesByName("first-contentful-paint")[0] || {}).startTime ?? null,
-                list: __bench.listAt })""")
+                list: __bench.listAt,
+                requests: performance.getEntriesByType("resource").map((e) => [new URL(e.name).pathname,
+                  Math.round(e.startTime), Math.round(e.responseEnd)]) })""")
             out["run_page"].append({"load": i, "first_contentful_paint_ms": t["first_paint"], "sequences_drawn_ms": t["list"],
-                                    "rss_mib": round(server.rss_mb(), 1)})
+                                    "requests": t["requests"], "rss_mib": round(server.rss_mb(), 1)})
         for seq, actions in selection_plan(facts, args.selections):
+            page.evaluate("() => __bench.expect(0)")  # (a new hash: the same document)
             page.goto(f"{run_url}/seq/{seq}")
-            page.wait_for_function("window.__bench.drawnAt !== null && window.__bench.drawnStep === '0'", timeout=60_000)
+            page.evaluate("() => __bench.drawn")  # step 0, selected on opening
             for how, step in actions:
-                page.evaluate("() => { __bench.drawnAt = null; __bench.drawnStep = null; __bench.input = null; }")
+                page.evaluate(f"() => __bench.expect({step})")
                 if how == "click":
                     page.locator(f'#strip .tok.gen[data-step="{step}"]').click()
                 else:
                     page.keyboard.press(how)
-                page.wait_for_function(f"window.__bench.drawnAt !== null && window.__bench.drawnStep === '{step}'",
-                                       timeout=60_000)
+                drawn = page.evaluate("() => __bench.drawn")
+                if drawn != str(step):
+                    raise SystemExit(f"sequence {seq}: step {drawn} was drawn after selecting step {step}")
                 r = page.evaluate(f"""() => {{
                     const api = performance.getEntriesByType("resource").filter((e) => e.name.endsWith("/steps/{step}")).pop();
                     performance.clearResourceTimings();
                     return {{ ms: __bench.drawnAt - __bench.input, fetch_ms: api ? api.responseEnd - api.startTime : null,
+                              before_fetch_ms: api ? api.startTime - __bench.input : null,
+                              after_fetch_ms: api ? __bench.drawnAt - api.responseEnd : null,
                               bytes: api ? api.encodedBodySize : null, cells: document.querySelectorAll("#attention-grid td.cell").length }};
                 }}""")
                 if r["cells"] == 0:

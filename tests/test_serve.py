@@ -442,6 +442,9 @@ def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
 def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     run_dir = runs_dir / "tiny"
     d = server.json("/api/runs/tiny/sequences/1/steps/2")
+    assert "over_heads" not in d  # its own route: the step's answer stays small on long contexts
+    d["over_heads"] = server.json("/api/runs/tiny/sequences/1/steps/2/over_heads")
+    assert server.request("/api/runs/tiny/sequences/1/steps/999/over_heads")[0] == 404
     attn = archive_attention(run_dir, 1, 2)
     assert d["over_heads"]["mean"] == attn.mean(axis=1, dtype=np.float32).tolist()
     assert d["over_heads"]["max"] == attn.max(axis=1).tolist()

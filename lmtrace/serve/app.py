@@ -8,6 +8,7 @@ Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
   /api/runs/{run}/sequences/{seq}              one sequence's tokens
   /api/runs/{run}/sequences/{seq}/steps/{step} the selected token: attention grid, alternatives, lens, DLA
+  /api/runs/{run}/sequences/{seq}/steps/{step}/over_heads   its attention averaged and maximised over heads
   /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
   /api/runs/{run}/sequences/{seq}/attention/{layer}/{head}   one head's pattern over every step
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
@@ -113,8 +114,13 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         p = request.path_params
         r = catalog.open(p["run"])
         detail = queries.step_detail(r, p["seq"], p["step"])
-        return {**detail, "over_heads": token_extras.over_heads(r, p["seq"], p["step"]),
-                "attributions": token_extras.attributions(r, p["seq"], p["step"])}
+        return {**detail, "attributions": token_extras.attributions(r, p["seq"], p["step"])}
+
+    def over_heads(request: Request):
+        p = request.path_params
+        r = catalog.open(p["run"])
+        queries.check_step(r, p["seq"], p["step"])
+        return token_extras.over_heads(r, p["seq"], p["step"])
 
     def pattern(request: Request):
         p = request.path_params
@@ -157,6 +163,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         Route("/api/runs/{run}/sequences", answer(sequences)),
         Route("/api/runs/{run}/sequences/{seq:int}", answer(sequence)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}", answer(step)),
+        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/over_heads", answer(over_heads)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/attention/{layer:int}/{head:int}", answer(head)),
         Route("/api/runs/{run}/sequences/{seq:int}/attention/{layer:int}/{head:int}", answer(pattern)),
         Route("/api/runs/{run}/sequences/{seq:int}/parent", answer(parent)),

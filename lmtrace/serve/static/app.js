@@ -457,8 +457,19 @@
     logBox.checked = logScale;
     const gridBox = el("div", {});
     const patterns = el("div", { id: "head-patterns" });
-    const draw = () => gridBox.replaceChildren(gridView === "heads" ? headsGrid(runId, d, box, patterns)
-      : overHeadsGrid(d.over_heads, gridView));
+    // the mean / max over heads (30 layers x every key: the larger answer) is fetched when first shown
+    let overHeads; // undefined until fetched (null: the run has no attention)
+    const draw = async () => {
+      const view = gridView;
+      if (view === "heads") { gridBox.replaceChildren(headsGrid(runId, d, box, patterns)); return; }
+      if (overHeads === undefined) {
+        gridBox.replaceChildren(el("p", { class: "note", text: "loading…" }));
+        try {
+          overHeads = await api(`${runUrl(runId)}/sequences/${d.sequence}/steps/${d.step}/over_heads`);
+        } catch (e) { showError(e, gridBox); return; }
+      }
+      if (view === gridView) gridBox.replaceChildren(overHeadsGrid(overHeads, view));
+    };
     views.addEventListener("change", () => { gridView = views.value; draw(); });
     logBox.addEventListener("change", () => {
       logScale = logBox.checked;
