@@ -7,13 +7,14 @@ on a free loopback port and, in chromium through Playwright:
   - opens the run page: first paint (the browser's own paint timing) and the time until the list of
     sequences is drawn;
   - opens sequences and selects tokens by clicking and with the arrow keys, early and late steps,
-    timing each from the input to the token's grid being drawn (`data-drawn-step` on the token panel,
-    set by app.js after the plot);
+    timing each from the input to the token's grid being drawn (app.js sets `data-step` on #detail
+    and drops `data-loading` once the panels are built; a frame later they are painted);
+  - on late steps, the attention averaged over heads (`grid view: mean`, fetched when shown);
   - samples the server's RSS (/proc/PID/status) every 50 ms throughout; reports the peak.
 Targets: RSS <= 400 MB; select a token -> grid drawn p50 <= 150 ms, p95 <= 400 ms; first paint <= 1 s.
 
-    .venv/bin/python bench/serve_bench.py [--runs-dir DIR] [--run-id ID] [--prompts 24] [--tokens 256]
-                                          [--selections 100] [--out bench/results/serve.json]
+    .venv/bin/python bench/serve_bench.py [--runs-dir DIR [--run-id ID] | --run-dir RUN] [--prompts 24]
+                                          [--tokens 256] [--selections 100] [--out bench/results/serve.json]
 """
 
 from __future__ import annotations
@@ -185,6 +186,27 @@ new MutationObserver(() => {
 """
 
 
+# The grid switched to the mean over heads (its own request, 30 layers x every key) and back:
+# milliseconds from the change to the mean grid painted.
+MEAN_VIEW = """async () => {
+  const views = document.getElementById("grid-view");
+  const t0 = performance.now();
+  views.value = "mean";
+  views.dispatchEvent(new Event("change"));
+  await new Promise((resolve) => {
+    const seen = () => document.getElementById("attention-mean");
+    if (seen()) return resolve();
+    const o = new MutationObserver(() => { if (seen()) { o.disconnect(); resolve(); } });
+    o.observe(document.getElementById("detail"), { subtree: true, childList: true });
+  });
+  await new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
+  const ms = performance.now() - t0;
+  views.value = "heads";
+  views.dispatchEvent(new Event("change"));
+  return ms;
+}"""
+
+
 def selection_plan(facts: dict, n: int) -> list[tuple[int, list[tuple[str, int]]]]:
     """(sequence, [(input, step)]): four sequences (the shortest and longest prompt, two between); in
     each, clicks on early, middle and late steps and runs of arrow-key presses, n selections in all."""
@@ -221,7 +243,7 @@ def browse(server: Server, facts: dict, args) -> dict:
     if chromium is None:
         raise SystemExit("Debian's chromium is not installed: apt-get install chromium")
     run_url = f"{server.url}#/run/{facts['run_id']}"
-    out: dict = {"run_page": [], "selections": []}
+    out: dict = {"run_page": [], "selections": [], "mean_view": []}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--no-first-run",
                                                                      "--disable-background-networking"])
@@ -263,6 +285,7 @@ def browse(server: Server, facts: dict, args) -> dict:
                 if r["cells"] == 0:
                     raise SystemExit(f"sequence {seq} step {step}: no attention grid drawn")
                 out["selections"].append({"sequence": seq, "step": step, "input": how, **r})
+            out["mean_view"].append({"sequence": seq, "step": step, "ms": page.evaluate(MEAN_VIEW)})
         browser.close()
     return out
 
@@ -288,6 +311,7 @@ def summary(facts: dict, memory: dict, seen: dict, started_rss: float) -> dict:
         "sequences_drawn_first_load_ms": round(first["sequences_drawn_ms"], 1),
         "sequences_drawn_later_p50_ms": round(percentile([w["sequences_drawn_ms"] for w in warm], 50), 1),
         "rss_at_start_mib": round(started_rss, 1), "rss_peak_mib": memory["vmhwm_mib"],
+        "mean_view_p50_ms": round(percentile([m["ms"] for m in seen["mean_view"]], 50), 1),
     }
 
 
@@ -353,6 +377,7 @@ def print_table(result: dict) -> None:
             ("select a token -> grid drawn, max", f"{s['select_max_ms']} ms", ""),
             ("  of which the step request, p50 / p95", f"{s['fetch_p50_ms']} / {s['fetch_p95_ms']} ms", ""),
             ("  step response, p50", f"{s['response_kb_p50']} KB", ""),
+            ("grid view 'mean over heads', late steps, p50", f"{s['mean_view_p50_ms']} ms", ""),
             ("run page: first contentful paint (first load)", f"{s['first_paint_first_load_ms']} ms", ""),
             ("run page: sequences list drawn (first load)", f"{s['sequences_drawn_first_load_ms']} ms", "<= 1000 ms"),
             ("run page: sequences list drawn (later loads, p50)", f"{s['sequences_drawn_later_p50_ms']} ms", "")]
