@@ -461,6 +461,30 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
 
 
+def test_kept_reads_follow_a_rewritten_table_and_a_run_damaged_after_opening(runs_dir, tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from lmtrace.serve import kept, queries
+    from lmtrace.serve.catalog import Catalog
+
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), table)
+    assert kept.dataset([table]).to_table().column("x").to_pylist() == [1, 2]
+    pq.write_table(pa.table({"x": [3, 4, 5]}), table)  # another size: another dataset
+    assert kept.dataset([table]).to_table().column("x").to_pylist() == [3, 4, 5]
+
+    shutil.copytree(runs_dir / "tiny", tmp_path / "runs" / "tiny")
+    catalog = Catalog(tmp_path / "runs")
+    run = catalog.open("tiny")
+    assert queries.run_info(run)["damaged"] is None
+    victim = sorted((run.path / "tensors.zarr" / "attn").rglob("c/*/*/*/*/*"))[0]
+    victim.unlink()
+    assert queries.run_info(run)["damaged"] is None  # the check made on opening is trusted RECHECK_S
+    monkeypatch.setattr(kept, "RECHECK_S", 0.0)
+    rel = victim.relative_to(run.path).as_posix()
+    assert queries.run_info(run)["damaged"] == f"run tiny is damaged: {rel} is missing; `lmtrace verify tiny`"
+
+
 # ---- the page, in a real browser ------------------------------------------------------------------
 def _playwright():
     try:
