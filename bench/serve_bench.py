@@ -30,14 +30,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "embedded:smollm2-135m"  # configs/demo.yaml's model
 # Sentences that prompts are cut from, so that prompts differ in length (and content) but not at random.
-SOURCE = ("The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
+SOURCE_TEXT = ("The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
           "Seine. Over the following centuries the town grew into the capital of a kingdom, and its cathedral, its "
           "university and its markets drew scholars, traders and pilgrims from every part of Europe. Bridges joined the "
           "island to both banks, walls were built and torn down again, and each new wall enclosed villages that had "
           "been fields a generation before. In the nineteenth century wide boulevards were cut through the old "
           "quarters, sewers and aqueducts were laid beneath them, and railway stations rose at the edges of the city. "
           "Painters came for the light, engineers built an iron tower for a world fair, and the underground railway "
-          "opened in the first summer of the new century.").split()
+          "opened in the first summer of the new century.")
+SOURCE = SOURCE_TEXT.split()
 QUESTIONS = ["Summarise this in one paragraph.", "Continue the story.", "What happened next? Explain in detail.",
              "Write a poem about it.", "List the main events in order."]
 
@@ -64,7 +65,7 @@ def run_spec(n_prompts: int, tokens: int, batch: int) -> dict:
 def lmtrace(runs: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "lmtrace", *args, "--runs-dir", str(runs)], env=env, cwd=REPO,
-                          text=True, **kw)
+                          text=True, check=False, **kw)
 
 
 def ensure_run(runs: Path, run_id: str, args) -> Path:
@@ -95,7 +96,7 @@ def run_facts(run_dir: Path) -> dict:
     run = Run(run_dir, require_complete=True)
     size = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
     prompt_len, generated = run.prompt_len(), run.generated_len()
-    return {"run_id": run.id, "path": str(run_dir), "bytes": size, "sequences": int(len(generated)),
+    return {"run_id": run.id, "path": str(run_dir), "bytes": size, "sequences": len(generated),
             "generated_tokens": int(generated.sum()), "steps_max": int(generated.max()),
             "prompt_len_min": int(prompt_len.min()), "prompt_len_max": int(prompt_len.max()),
             "kb_per_token": round(size / generated.sum() / 1e3, 1), "lens": lens_state(run.manifest),

@@ -29,7 +29,7 @@ DATASETS = 64  # Parquet datasets kept (footers and schemas only)
 # a 1.7 GB run) is trusted this long; reading a damaged chunk or table fails with its one line anyway.
 RECHECK_S = 30.0
 
-_per_run: "weakref.WeakKeyDictionary[Run, dict]" = weakref.WeakKeyDictionary()
+_per_run: weakref.WeakKeyDictionary[Run, dict] = weakref.WeakKeyDictionary()
 _datasets: OrderedDict[tuple, ds.Dataset] = OrderedDict()
 _lock = threading.Lock()
 
