@@ -226,18 +226,20 @@ def selection_plan(facts: dict, n: int) -> list[tuple[int, list[tuple[str, int]]
     for i, seq in enumerate(seqs):
         last = facts["generated_lens"][seq] - 1
         actions: list[tuple[str, int]] = []
-        clicks = [1 + i, last // 2 + 3 * i, last - 1 - i, 8 + i, last - 40 + i, last // 4, 3 * last // 4]
+        clicks = [min(max(c, 0), last)
+                  for c in (1 + i, last // 2 + 3 * i, last - 1 - i, 8 + i, last - 40 + i, last // 4, 3 * last // 4)]
         for k in range(per):
             if len(actions) >= per:
                 break
             start = clicks[k % len(clicks)]
             actions.append(("click", start))
             step = start
+            right = start < last // 2
             for _ in range(3):  # arrow keys from the clicked token: right early on, left late
-                if len(actions) >= per:
+                if len(actions) >= per or not 0 <= step + (1 if right else -1) <= last:
                     break
-                step = step + 1 if start < last // 2 else step - 1
-                actions.append(("ArrowRight" if start < last // 2 else "ArrowLeft", step))
+                step += 1 if right else -1
+                actions.append(("ArrowRight" if right else "ArrowLeft", step))
         plan.append((seq, actions))
     return plan
 
