@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test test-fast bench support-table clean-cache clean
+.PHONY: venv demo test test-fast bench bench-serve support-table clean-cache clean
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,12 @@ test-fast: venv
 bench: venv
 	$(BIN)/python bench/bench.py
 	$(BIN)/python bench/sweep_bench.py
+
+# `lmtrace serve` in headless chromium on a 1.7 GB run, which it generates first (24 x 256 tokens and
+# their lens: ~10 min on 2 cores) in a temporary directory; SERVE_BENCH_ARGS="--runs-dir DIR" keeps
+# it there and reuses it next time.
+bench-serve: venv
+	$(BIN)/python bench/serve_bench.py $(SERVE_BENCH_ARGS)
 
 # Regenerates docs/architectures.md from the architecture tests.
 support-table: venv

@@ -13,6 +13,7 @@ import http.client
 import json
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -442,6 +443,9 @@ def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
 def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     run_dir = runs_dir / "tiny"
     d = server.json("/api/runs/tiny/sequences/1/steps/2")
+    assert "over_heads" not in d  # its own route: the step's answer stays small on long contexts
+    d["over_heads"] = server.json("/api/runs/tiny/sequences/1/steps/2/over_heads")
+    assert server.request("/api/runs/tiny/sequences/1/steps/999/over_heads")[0] == 404
     attn = archive_attention(run_dir, 1, 2)
     assert d["over_heads"]["mean"] == attn.mean(axis=1, dtype=np.float32).tolist()
     assert d["over_heads"]["max"] == attn.max(axis=1).tolist()
@@ -456,6 +460,30 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
         assert [s["score"] for s in a["scores"]] == [float(x) for x in rows.score]
     assert server.json("/api/runs/tiny/sequences/1/steps/3")["attributions"] == []
     assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
+
+
+def test_kept_reads_follow_a_rewritten_table_and_a_run_damaged_after_opening(runs_dir, tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from lmtrace.serve import kept, queries
+    from lmtrace.serve.catalog import Catalog
+
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), table)
+    assert kept.dataset([table]).to_table().column("x").to_pylist() == [1, 2]
+    pq.write_table(pa.table({"x": [3, 4, 5]}), table)  # another size: another dataset
+    assert kept.dataset([table]).to_table().column("x").to_pylist() == [3, 4, 5]
+
+    shutil.copytree(runs_dir / "tiny", tmp_path / "runs" / "tiny")
+    catalog = Catalog(tmp_path / "runs")
+    run = catalog.open("tiny")
+    assert queries.run_info(run)["damaged"] is None
+    victim = min((run.path / "tensors.zarr" / "attn").rglob("c/*/*/*/*/*"))
+    victim.unlink()
+    assert queries.run_info(run)["damaged"] is None  # the check made on opening is trusted RECHECK_S
+    monkeypatch.setattr(kept, "RECHECK_S", 0.0)
+    rel = victim.relative_to(run.path).as_posix()
+    assert queries.run_info(run)["damaged"] == f"run tiny is damaged: {rel} is missing; `lmtrace verify tiny`"
 
 
 # ---- the page, in a real browser ------------------------------------------------------------------
@@ -789,6 +817,9 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
     text = out.read_text(encoding="utf-8")
     for prompt in INJECTIONS:  # neither prompt is in the page's source as written: escaped in markup and JSON
         assert prompt not in text
+    answers = json.loads(re.search(r"id='lmtrace-tokenview'>(.*?)</script>", text).group(1))["answers"]
+    steps = [p for p in answers if re.fullmatch(r"sequences/\d+/steps/\d+", p)]
+    assert steps and all("over_heads" not in answers[p] and answers[p + "/over_heads"]["mean"] for p in steps)
     problems, requests, dialogs = [], [], []
     with sync_playwright() as p:
         browser, page = open_page(p, problems, requests)
@@ -842,6 +873,15 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         assert [float(p) for _, p in alts] == pytest.approx([math.exp(x) for x in tok.alt_logprobs], abs=1e-4)
         dla = page.eval_on_selector_all("#s2-dla-grid td.cell", "cs => cs.map(c => +c.textContent)")
         assert dla == pytest.approx(np.asarray(group["head_dla"][2, 2], dtype=np.float64).ravel().tolist(), abs=1e-3)
+        # the mean / max over heads: its own inlined answer (steps/S/over_heads), read when the view is chosen
+        attn = archive_attention(run_dir, 2, 2)
+        for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
+            page.select_option("#s2-grid-view", view)
+            page.wait_for_selector(f"#s2-attention-{view}")
+            cells = page.eval_on_selector_all(f"#s2-attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])")
+            assert len(cells) == ref.size
+            assert [w for _, _, w in cells] == pytest.approx([float(ref[li, k]) for li, k, _ in cells], abs=5.1e-5)
+        page.select_option("#s2-grid-view", "heads")
 
         # attributions of sequence 1's step 2 (lmtrace explain), from a click in the "Generated text" section
         page.click("#sec-text .tok[data-seq='1'][data-step='2']")

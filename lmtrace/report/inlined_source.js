@@ -29,7 +29,7 @@
     }
     m = /^sequences\/(\d+)\/attention\/(\d+)\/(\d+)$/.exec(path);
     if (m) throw new Error(`layer ${m[2]}, head ${m[3]} is not embedded: ${missing.head}`);
-    m = /^sequences\/(\d+)\/steps\/(\d+)$/.exec(path);
+    m = /^sequences\/(\d+)\/steps\/(\d+)(\/over_heads)?$/.exec(path);
     if (m) throw new Error(`step ${m[2]} of sequence ${m[1]} is not embedded: ${missing.step}`);
     throw new Error(`${path} is not embedded in this report`);
   }

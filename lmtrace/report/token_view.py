@@ -2,11 +2,11 @@
 the page inlines instead of fetched from a server.
 
 What is inlined is the answer serve's routes give, computed by the same functions
-(`serve.queries.sequence_tokens`, `serve.token_extras.selected_token`, `serve.token_extras.head_pattern`),
-keyed by the route's path under /api/runs/RUN/, attention weights rounded to `WEIGHT_DECIMALS`
-decimals and other floats to `DIGITS` significant digits: per shown sequence its token strip, the
-selected-token answer of each step shown (at most `MAX_VIEW_STEPS`, a regular stride past that,
-always with the initial step), and the pattern over
+(`serve.queries.sequence_tokens`, `serve.token_extras.selected_token`, `serve.token_extras.step_over_heads`,
+`serve.token_extras.head_pattern`), keyed by the route's path under /api/runs/RUN/, attention weights
+rounded to `WEIGHT_DECIMALS` decimals and other floats to `DIGITS` significant digits: per shown
+sequence its token strip, the selected-token answer and the attention over heads of each step shown
+(at most `MAX_VIEW_STEPS`, a regular stride past that, always with the initial step), and the pattern over
 steps of every head of the selected layers (`--layer`), from which a head's row at a step is read;
 all within about `BUDGET_BYTES` per page (fewer steps, then fewer layers' heads, each said in a note).
 """
@@ -17,14 +17,14 @@ import json
 import math
 
 from ..serve.queries import sequence_tokens, steps_ready
-from ..serve.token_extras import head_pattern, selected_token
+from ..serve.token_extras import head_pattern, selected_token, step_over_heads
 from .run_data import RunData
 from .sections import Section
 from .selection import Selection, thin
 
 MAX_VIEW_STEPS = 128  # selected-token answers inlined per sequence at most
-# bytes of inlined JSON per page, shared by the sequences shown: a step's answer grows with the context
-# (the mean and max over heads: 2 x layers x keys weights), ~30 kB at 40 keys and ~200 kB at 500 for a
+# bytes of inlined JSON per page, shared by the sequences shown: a step's answers grow with the context
+# (its mean and max over heads: 2 x layers x keys weights), ~30 kB at 40 keys and ~200 kB at 500 for a
 # 30-layer model, so long sequences get fewer steps (a stride, with a note)
 BUDGET_BYTES = 10_000_000
 DIGITS = 4  # significant digits of an inlined float (logits, probabilities, scores)
@@ -46,12 +46,15 @@ def rounded(x, digits: int = DIGITS, decimals: int | None = None):
     return x
 
 
-def step_answer(run, seq: int, step: int) -> dict:
-    """serve's selected-token answer, rounded: attention weights (in [0, 1]) to `WEIGHT_DECIMALS`
-    decimals, every other float to `DIGITS` significant digits."""
+def step_answers(run, seq: int, step: int) -> dict[str, dict]:
+    """serve's answers for one selected token, by route path: its selected-token answer and its
+    attention over heads, rounded: attention weights (in [0, 1]) to `WEIGHT_DECIMALS` decimals, every
+    other float to `DIGITS` significant digits."""
     answer = selected_token(run, seq, step)
-    return {k: rounded(v, decimals=WEIGHT_DECIMALS) if k in ("attention", "over_heads") else rounded(v)
-            for k, v in answer.items()}
+    path = f"sequences/{seq}/steps/{step}"
+    return {path: {k: rounded(v, decimals=WEIGHT_DECIMALS) if k == "attention" else rounded(v)
+                   for k, v in answer.items()},
+            f"{path}/over_heads": rounded(step_over_heads(run, seq, step), decimals=WEIGHT_DECIMALS)}
 
 
 def view_steps(steps: list[int], initial: int, limit: int = MAX_VIEW_STEPS) -> list[int]:
@@ -67,7 +70,7 @@ def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, note
                       ) -> tuple[dict[str, dict], int | None, list[int]]:
     """One sequence's inlined answers within about `budget` bytes: (answers, first selected step, layers
     whose heads' patterns are embedded). Two thirds of the budget go to the steps: as many as the first
-    selected step's answer (the longest context by default) fits, at most MAX_VIEW_STEPS; the rest to
+    selected step's answers (the longest context by default) fit, at most MAX_VIEW_STEPS; the rest to
     the heads' patterns, whole layers of `sel.layers` in order while they fit."""
     run = data.run
     ready = steps_ready(run, seq)
@@ -76,14 +79,14 @@ def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, note
         return {}, None, []
     initial = min(sel.attention_step.get(seq, shown[-1]), ready - 1)
     answers = {f"sequences/{seq}": sequence_tokens(run, seq)}
-    first = step_answer(run, seq, initial)
-    fits = max(1, (2 * budget // 3) // max(1, _size(first)))
+    first = step_answers(run, seq, initial)
+    fits = max(1, (2 * budget // 3) // max(1, sum(_size(a) for a in first.values())))
     steps = view_steps(shown, initial, min(MAX_VIEW_STEPS, fits))
     if len(steps) < len(shown):
         notes.append(f"sequence {seq}: the token view embeds {len(steps)} of the {len(shown)} steps shown (a regular "
                      f"stride); narrow --steps or --sequence for every step, or `lmtrace serve` for all of them")
     for s in steps:
-        answers[f"sequences/{seq}/steps/{s}"] = first if s == initial else step_answer(run, seq, s)
+        answers.update(first if s == initial else step_answers(run, seq, s))
     used = sum(_size(a) for a in answers.values())
     layers = []
     if {"attn", "attn_topk_idx"} & data.arrays:

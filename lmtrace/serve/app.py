@@ -8,6 +8,7 @@ Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
   /api/runs/{run}/sequences/{seq}              one sequence's tokens
   /api/runs/{run}/sequences/{seq}/steps/{step} the selected token: attention grid, alternatives, lens, DLA
+  /api/runs/{run}/sequences/{seq}/steps/{step}/over_heads   its attention averaged and maximised over heads
   /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
   /api/runs/{run}/sequences/{seq}/attention/{layer}/{head}   one head's pattern over every step
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
@@ -114,6 +115,10 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         p = request.path_params
         return token_extras.selected_token(catalog.open(p["run"]), p["seq"], p["step"])
 
+    def over_heads(request: Request):
+        p = request.path_params
+        return token_extras.step_over_heads(catalog.open(p["run"]), p["seq"], p["step"])
+
     def pattern(request: Request):
         p = request.path_params
         return token_extras.head_pattern(catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
@@ -155,6 +160,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         Route("/api/runs/{run}/sequences", answer(sequences)),
         Route("/api/runs/{run}/sequences/{seq:int}", answer(sequence)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}", answer(step)),
+        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/over_heads", answer(over_heads)),
         Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/attention/{layer:int}/{head:int}", answer(head)),
         Route("/api/runs/{run}/sequences/{seq:int}/attention/{layer:int}/{head:int}", answer(pattern)),
         Route("/api/runs/{run}/sequences/{seq:int}/parent", answer(parent)),

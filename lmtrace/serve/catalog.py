@@ -17,6 +17,7 @@ from ..archive.reader import IncompleteRunWarning, Run, table_files
 from ..archive.runs import list_runs
 from ..archive.summary import summary_or_damaged
 from ..errors import LmtraceError, RunNotFoundError
+from . import kept
 
 OPEN_RUNS = 16  # runs kept open (manifest, zarr group, vocabulary); each holds no array data
 
@@ -64,7 +65,8 @@ class Catalog:
                 return run
         with warnings.catch_warnings():  # a running run is shown up to its committed steps, on purpose
             warnings.simplefilter("ignore", IncompleteRunWarning)
-            run = Run(path)
+            run = Run(path)  # checks a complete run's files (stat only): damaged raises here
+        kept.checked(run)
         with self._lock:
             for old in [k for k in self._runs if k[0] == run_id]:
                 del self._runs[old]

@@ -14,13 +14,12 @@ import threading
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from ..archive import layout
-from ..archive.integrity import quick_problem
 from ..archive.reader import Run, lens_state, table_files
 from ..errors import ArchiveError, SpecError
 from ..jsonout import strict
+from . import kept
 
 PAGE_SIZE = 50
 SORTS = ("index", "lowest_prob", "highest_entropy", "length")
@@ -35,14 +34,16 @@ class NotFound(SpecError):
 def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None) -> pa.Table:
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
     complete run or the committed part files of a running one; only matching row groups are read."""
-    files = [str(f) for f in table_files(run.path, name)]
+    files = table_files(run.path, name)
     if not files:
         return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
     try:
-        dataset = ds.dataset(files, format="parquet")
+        dataset = kept.dataset(files)
         if columns is not None:
             columns = [c for c in columns if c in dataset.schema.names]
-        return dataset.to_table(columns=columns, filter=where)
+        # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
+        # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
+        return dataset.to_table(columns=columns, filter=where, use_threads=False)
     except (OSError, pa.ArrowException) as err:
         raise run.damaged(layout.table_file(name), err) from None
 
@@ -50,8 +51,8 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
 def run_info(run: Run) -> dict:
     """The run page's header: what was captured and how far it got."""
     m = run.manifest
-    problem = quick_problem(run.path, m)
-    names = set(run.array_names()) if (run.path / layout.TENSORS).exists() else set()
+    problem = kept.integrity_problem(run)
+    names = kept.array_names(run) if (run.path / layout.TENSORS).exists() else set()
     return {
         "run_id": run.id, "status": run.status, "kind": m.get("kind"), "model": (m.get("model") or {}).get("reference"),
         "created": m.get("created"), "parent_id": (m.get("parent") or {}).get("run_id"),
@@ -69,7 +70,7 @@ def _sequence_stats(run: Run) -> pa.Table:
     if t.num_rows == 0:
         return pa.table({"sequence": pa.array([], pa.int32()), "min_prob": pa.array([], pa.float32()),
                          "max_entropy": pa.array([], pa.float32())})
-    g = t.group_by("sequence").aggregate([("prob", "min"), ("entropy", "max")])
+    g = t.group_by("sequence", use_threads=False).aggregate([("prob", "min"), ("entropy", "max")])
     return g.rename_columns({"prob_min": "min_prob", "entropy_max": "max_entropy"})
 
 
@@ -104,7 +105,7 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
     if seqs.num_rows == 0:
         return {"total": 0, "page": 0, "pages": 0, "page_size": PAGE_SIZE, "rows": []}
     stats = sequence_stats(run)
-    seqs = seqs.join(stats, "sequence", join_type="left outer")
+    seqs = seqs.join(stats, "sequence", join_type="left outer", use_threads=False)
     if query:
         q = query.lower()
         mask = None
@@ -160,7 +161,7 @@ def sequence_tokens(run: Run, seq: int) -> dict:
 def steps_ready(run: Run, seq: int) -> int:
     """Steps of `seq` whose arrays are committed: all generated ones for a complete run."""
     if run.status == "complete":
-        return int(run.generated_len()[seq])
+        return int(kept.lengths(run, "generated_len")[seq])
     return run.committed_steps().get(seq, 0)
 
 
@@ -183,7 +184,7 @@ def key_texts(run: Run, seq: int, n_keys: int) -> list[str]:
 
 def n_keys_of(run: Run, seq: int, step: int) -> int:
     """Keys the query of `step` attends over: the prompt, then one per earlier step."""
-    return int(run.tensors["prompt_len"][seq]) + step
+    return int(kept.lengths(run, "prompt_len")[seq]) + step
 
 
 def attention_grid(run: Run, seq: int, step: int) -> dict | None:
@@ -191,15 +192,15 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
 
     Reads the array's [seq, step] slice only: `attn` [layer, q_head, key] trimmed to the context,
     or for a top-k run `attn_topk_*` [layer, q_head, k_attn]."""
-    names = set(run.array_names())
+    names = kept.array_names(run)
     n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
-        rows = np.asarray(run.array("attn")[seq, step, :, :, :n_keys], dtype=np.float32)  # [layer, q_head, key]
+        rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys], dtype=np.float32)  # [layer, q_head, key]
         key = np.nanargmax(np.nan_to_num(rows, nan=-1.0), axis=-1)  # [layer, q_head]
         weight = np.take_along_axis(rows, key[..., None], axis=-1)[..., 0]
     elif "attn_topk_prob" in names:
-        probs = np.asarray(run.array("attn_topk_prob")[seq, step], dtype=np.float32)  # [layer, q_head, k_attn]
-        idx = np.asarray(run.array("attn_topk_idx")[seq, step])
+        probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32)  # [layer, q_head, k_attn]
+        idx = np.asarray(kept.array(run, "attn_topk_idx")[seq, step])
         best = np.nanargmax(np.nan_to_num(probs, nan=-1.0), axis=-1)
         key = np.take_along_axis(idx, best[..., None], axis=-1)[..., 0]
         weight = np.take_along_axis(probs, best[..., None], axis=-1)[..., 0]
@@ -223,15 +224,15 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     n_heads = run.shape.get("n_heads", 0)
     if not 0 <= head < n_heads:
         raise NotFound(f"run {run.id} has heads 0-{n_heads - 1}, not {head}")
-    names = set(run.array_names())
+    names = kept.array_names(run)
     n_keys = n_keys_of(run, seq, step)
     texts = key_texts(run, seq, n_keys)
     if "attn" in names:
-        row = np.asarray(run.array("attn")[seq, step, li, head, :n_keys], dtype=np.float32)
+        row = np.asarray(kept.array(run, "attn")[seq, step, li, head, :n_keys], dtype=np.float32)
         keys = [{"key": k, "text": texts[k], "weight": strict(float(row[k]))} for k in range(n_keys)]
     elif "attn_topk_prob" in names:
-        probs = np.asarray(run.array("attn_topk_prob")[seq, step, li, head], dtype=np.float32)
-        idx = np.asarray(run.array("attn_topk_idx")[seq, step, li, head])
+        probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step, li, head], dtype=np.float32)
+        idx = np.asarray(kept.array(run, "attn_topk_idx")[seq, step, li, head])
         keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": strict(float(p))}
                        for k, p in zip(idx, probs) if 0 <= k < n_keys), key=lambda x: x["key"])
     else:
@@ -239,9 +240,13 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     return {"sequence": seq, "step": step, "layer": layer, "head": head, "keys": keys, "dense": "attn" in names}
 
 
+ALTERNATIVE_COLUMNS = ["token_text", "token_id", "position", "prob", "rank", "entropy", "margin", "greedy_id", "alt_ids",
+                       "alt_logprobs"]
+
+
 def alternatives(run: Run, seq: int, step: int) -> dict | None:
     """The chosen token of `step` and the alternatives the run kept, with their probabilities."""
-    t = table_rows(run, "tokens", None, where=(pc.field("sequence") == seq) & (pc.field("step") == step)
+    t = table_rows(run, "tokens", ALTERNATIVE_COLUMNS, where=(pc.field("sequence") == seq) & (pc.field("step") == step)
                    & ~pc.field("is_prompt"))
     if t.num_rows == 0:
         return None
@@ -267,8 +272,8 @@ def lens_column(run: Run, seq: int, step: int) -> dict:
     if state == "pending":
         return {"state": state, "note": f"the logit lens is deferred: run `lmtrace lens {run.id}` to compute it",
                 "rows": []}
-    ids = np.asarray(run.array("lens_ids")[seq, step])  # [layer, k_lens]
-    probs = np.asarray(run.array("lens_probs")[seq, step], dtype=np.float32)
+    ids = np.asarray(kept.array(run, "lens_ids")[seq, step])  # [layer, k_lens]
+    probs = np.asarray(kept.array(run, "lens_probs")[seq, step], dtype=np.float32)
     texts = run.text(ids[:, 0])
     target = table_rows(run, "steps", ["layer", "lens_target_rank", "lens_target_prob"],
                         where=(pc.field("sequence") == seq) & (pc.field("step") == step))
@@ -283,9 +288,9 @@ def lens_column(run: Run, seq: int, step: int) -> dict:
 
 def head_dla(run: Run, seq: int, step: int) -> dict | None:
     """Per-head direct logit attribution at `step` [layer][q_head], when captured."""
-    if "head_dla" not in set(run.array_names()):
+    if "head_dla" not in kept.array_names(run):
         return None
-    values = np.asarray(run.array("head_dla")[seq, step], dtype=np.float32)  # [layer, q_head]
+    values = np.asarray(kept.array(run, "head_dla")[seq, step], dtype=np.float32)  # [layer, q_head]
     return {"layers": run.layers, "values": [[strict(float(v)) for v in row] for row in values],
             "target": "logit(chosen) - logit(runner-up)"}
 

@@ -11,9 +11,11 @@ from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
 from ..archive.reader import Run
 from ..jsonout import strict
+from . import kept
 from .queries import (
     NotFound,
     check_sequence,
+    check_step,
     key_texts,
     n_keys_of,
     step_detail,
@@ -35,18 +37,23 @@ def _topk_dense(idx: np.ndarray, prob: np.ndarray, n_keys: int) -> np.ndarray:
 
 def over_heads(run: Run, seq: int, step: int) -> dict | None:
     """Per captured layer, each key's attention weight averaged and maximised over the query heads."""
-    names = set(run.array_names())
+    names = kept.array_names(run)
     n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
-        rows = np.asarray(run.array("attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
+        rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
     elif "attn_topk_prob" in names:
-        rows = _topk_dense(np.asarray(run.array("attn_topk_idx")[seq, step]),
-                           np.asarray(run.array("attn_topk_prob")[seq, step], dtype=np.float32), n_keys)
+        rows = _topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),
+                           np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32), n_keys)
     else:
         return None
     mean, mx = mean_max_over_heads(rows)
-    as_list = lambda a: [[strict(float(v)) for v in row] for row in a]  # noqa: E731
-    return {"layers": run.layers, "keys": key_texts(run, seq, n_keys), "mean": as_list(mean), "max": as_list(mx)}
+    return {"layers": run.layers, "keys": key_texts(run, seq, n_keys), "mean": _lists(mean), "max": _lists(mx)}
+
+
+def _lists(a: np.ndarray) -> list:
+    """a.tolist() with NaN and ±inf as None, with no Python call per value when all are finite
+    (tens of thousands of values for a late step)."""
+    return a.tolist() if np.isfinite(a).all() else strict(a.tolist())
 
 
 def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
@@ -63,12 +70,12 @@ def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
     if n == 0:
         raise NotFound(f"sequence {seq} of run {run.id} has no committed step yet")
     k_max = n_keys_of(run, seq, n - 1)
-    names = set(run.array_names())
+    names = kept.array_names(run)
     if "attn" in names:
-        m = np.asarray(run.array("attn")[seq, :n, li, head, :k_max], dtype=np.float32)  # [step, key]
+        m = np.asarray(kept.array(run, "attn")[seq, :n, li, head, :k_max], dtype=np.float32)  # [step, key]
     elif "attn_topk_prob" in names:
-        m = _topk_dense(np.asarray(run.array("attn_topk_idx")[seq, :n, li, head]),
-                        np.asarray(run.array("attn_topk_prob")[seq, :n, li, head], dtype=np.float32), k_max)
+        m = _topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, :n, li, head]),
+                        np.asarray(kept.array(run, "attn_topk_prob")[seq, :n, li, head], dtype=np.float32), k_max)
     else:
         raise NotFound(f"run {run.id} captured no attention")
     prompt_len = n_keys_of(run, seq, 0)
@@ -99,6 +106,14 @@ def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
 
 def selected_token(run: Run, seq: int, step: int) -> dict:
     """The token view's answer for one selected token (serve's steps/STEP route; the report inlines it):
-    queries.step_detail with the attention over heads and the attributions of that step."""
-    return {**step_detail(run, seq, step), "over_heads": over_heads(run, seq, step),
-            "attributions": attributions(run, seq, step)}
+    queries.step_detail with the attributions of that step. The attention over heads is its own answer
+    (`over_heads`, the steps/STEP/over_heads route): 2 x layers x keys weights, ~400 kB late in a long
+    sequence, fetched only when the view shows it."""
+    return {**step_detail(run, seq, step), "attributions": attributions(run, seq, step)}
+
+
+def step_over_heads(run: Run, seq: int, step: int) -> dict | None:
+    """The answer of serve's steps/STEP/over_heads route (the report inlines it too): `over_heads` of
+    a committed step; NotFound for any other step."""
+    check_step(run, seq, step)
+    return over_heads(run, seq, step)

@@ -181,8 +181,20 @@ window.lmtraceView = (() => {
     logBox.checked = logScale;
     const gridBox = el("div", {});
     const patterns = el("div", { id: v.id("head-patterns") });
-    const draw = () => gridBox.replaceChildren(gridView === "heads" ? headsGrid(v, d, box, patterns)
-      : overHeadsGrid(v, d.over_heads, gridView));
+    // the mean / max over heads (layers x every key: the larger answer, its own route) is asked of the
+    // data source when first shown
+    let overHeads; // undefined until answered (null: the run has no attention)
+    const draw = async () => {
+      const view = gridView;
+      if (view === "heads") { gridBox.replaceChildren(headsGrid(v, d, box, patterns)); return; }
+      if (overHeads === undefined) {
+        gridBox.replaceChildren(el("p", { class: "note", text: "loading…" }));
+        try {
+          overHeads = await v.source(`sequences/${v.seq}/steps/${d.step}/over_heads`);
+        } catch (e) { if (view === gridView) showError(e, gridBox); return; }
+      }
+      if (view === gridView) gridBox.replaceChildren(overHeadsGrid(v, overHeads, view));
+    };
     views.addEventListener("change", () => { gridView = views.value; draw(); });
     logBox.addEventListener("change", () => {
       logScale = logBox.checked;
