@@ -123,6 +123,9 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
         if missing:
             raise ArchiveError(f"method {name} needs archived data run {run.id} did not capture: "
                                + "; ".join(missing) + ". Rerun generate with those capture settings")
+    for name in names:  # what a method cannot explain (a quantity, a family) is refused before loading weights
+        if METHODS[name].check is not None:
+            METHODS[name].check(run, settings)
     bad = unreplayable_edit(run)  # refuse edit kinds that cannot be replayed before loading any weights
     if bad is not None:
         i, kind = bad
