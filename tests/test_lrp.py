@@ -212,3 +212,22 @@ def test_cli_refuses_logprob_in_one_line(embedded_run):
                                  "logprob"])
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1 and "--quantity logit" in errors[0] and "Traceback" not in r.output
+
+
+def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
+    import zarr
+
+    from lmtrace.report import report_run
+    from test_report import blob, page_json
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["One two three"], "capture": "none",
+                              "generation": {"max_new_tokens": 3}})
+    result = explain_run(run.path, "1,2", methods=["lrp"])
+    page = report_run(str(run.path), sequences=[0]).path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    heads = zarr.open_array(str(result.path / "scores.zarr" / "lrp_heads"), mode="r")[...]
+    for k, e in enumerate(result.explanations):
+        shown = blob(blobs, f"lrp_heads_{result.explain_id}_0_{e.step}_raw")
+        np.testing.assert_array_equal(shown, e.components["heads"])
+        np.testing.assert_array_equal(shown, heads[k])
+    assert any(f["id"] == f"explain-heads-{result.explain_id}-0-2" for f in page_json(page, "lmtrace-figures"))
