@@ -203,15 +203,33 @@ def test_lrp_on_the_embedded_model_conserves_and_archives_components(embedded_ru
     assert len(top) == 3 and abs(top[0]["relevance"]) == np.abs(result.explanations[0].components["heads"]).max()
 
 
-def test_cli_refuses_logprob_in_one_line(embedded_run):
+def test_cli_shows_heads_and_refuses_logprob_and_experts_in_one_line(embedded_run, tmp_path):
+    import shutil
+
     from typer.testing import CliRunner
 
+    from conftest import rerecord_checksums
     from lmtrace.cli.main import app
 
-    r = CliRunner().invoke(app, ["explain", str(embedded_run.path), "--steps", "0", "-m", "lrp", "--quantity",
-                                 "logprob"])
+    runner = CliRunner()
+    ok = runner.invoke(app, ["explain", str(embedded_run.path), "--steps", "1", "-m", "lrp"])
+    assert ok.exit_code == 0, ok.output
+    assert "top heads by |relevance|: L" in ok.output and "conservation_error=" in ok.output
+    assert "loading model" in ok.output  # (so its absence below means no weights were loaded)
+    r = runner.invoke(app, ["explain", str(embedded_run.path), "--steps", "0", "-m", "lrp", "--quantity", "logprob"])
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert r.exit_code == 2 and len(errors) == 1 and "--quantity logit" in errors[0] and "Traceback" not in r.output
+    moe = tmp_path / embedded_run.path.name  # the same run, its manifest saying a mixture-of-experts model made it
+    shutil.copytree(embedded_run.path, moe)
+    manifest = json.loads((moe / "manifest.json").read_text())
+    manifest["model"].update(architecture_family="moe", **{"class": "MixtralForCausalLM"})
+    manifest.pop("explain", None)
+    (moe / "manifest.json").write_text(json.dumps(manifest))
+    rerecord_checksums(moe)
+    r = runner.invoke(app, ["explain", str(moe), "--steps", "0", "-m", "lrp"])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "MixtralForCausalLM" in errors[0], r.output
+    assert "loading model" not in r.output  # refused before any weights load
 
 
 def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
