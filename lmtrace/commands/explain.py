@@ -16,6 +16,8 @@ that step. Definitions (docs/explain.md has the full text):
   occlusion             score_i = f(x) − f(x with position i removed from the attention mask)
   attention_rollout     R = Â_{L−1} ⋯ Â_0 with Â_l = rownorm(mean_h A_{l,h} + I); score_i = R[n−1, i]
                         (archived attention only, no model)
+  lrp                   score_i = Σ_d e_{i,d} · ĝ_{i,d}, ĝ the gradient under AttnLRP's rules (CP-LRP attention);
+                        f = Σ_i score_i + bias relevance; also relevance per layer's attention/MLP and per head
 
 This module orchestrates: resolve the run, take its explain writer key, load the model, call the
 analysis (`lmtrace/analysis/attribution/`: the METHODS registry, one module per method), write
