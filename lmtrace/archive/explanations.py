@@ -12,7 +12,7 @@ import shutil
 import stat
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ class StepExplanation:
     info: dict
     target_text: str = ""
     runner_up_text: str = ""
+    components: dict = field(default_factory=dict)  # name -> array (lrp: attention/mlp [layer], heads [layer, head])
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
         arr = group.create_array(m.name, shape=data.shape, dtype="float32", chunks=data.shape,
                                  dimension_names=("step", "position"), fill_value=np.nan)
         arr[...] = data
+    components = _write_components(group, methods, steps, explanations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(str(tmp / "scores.zarr"))
@@ -131,6 +133,8 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
             "target": m.target, "quantity": m.quantity, "created": created,
             "path": rel, "table": table_rel, "array": f"{rel}/scores.zarr/{m.name}",
             "model": m.model,
+            **({"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
+               if components.get(m.name) else {}),
             "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
                          **{k: strict(v) for k, v in e.info.items()}} for e in explanations if e.method == m.name],
         })
@@ -140,6 +144,28 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
     _atomic_json(tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created,
                                                 "entries": entries}))
     return entries
+
+
+COMPONENT_DIMS = {1: ("layer",), 2: ("layer", "head")}  # the axes of a component array after its step axis
+
+
+def _write_components(group, methods: list[MethodRecord], steps: list[int],
+                      explanations: list[StepExplanation]) -> dict[str, dict[str, str]]:
+    """scores.zarr/<method>_<component> [step, layer(, head)] per component a method returned (lrp: attention,
+    mlp, heads, attention_bias); returns {method: {component: array name}}."""
+    out: dict[str, dict[str, str]] = {}
+    for m in methods:
+        mine = [e for e in explanations if e.method == m.name and e.components]
+        for name in (mine[0].components if mine else {}):
+            shape = np.asarray(mine[0].components[name]).shape
+            data = np.full((len(steps), *shape), np.nan, dtype=np.float32)
+            for e in mine:
+                data[steps.index(e.step)] = e.components[name]
+            arr = group.create_array(f"{m.name}_{name}", shape=data.shape, dtype="float32", chunks=data.shape,
+                                     dimension_names=("step", *COMPONENT_DIMS[len(shape)]), fill_value=np.nan)
+            arr[...] = data
+            out.setdefault(m.name, {})[name] = f"{m.name}_{name}"
+    return out
 
 
 def _table(explain_id: str, methods: list[MethodRecord], explanations: list[StepExplanation]) -> pa.Table:

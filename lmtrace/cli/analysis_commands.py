@@ -18,8 +18,8 @@ def explain(
     steps: str = typer.Option(..., "--steps", help="Generated steps to explain: 0,4,9 or 2-5 or all."),
     sequence: int = typer.Option(0, "--sequence", help="Sequence (prompt index) of the run."),
     method: list[str] = typer.Option(["grad_x_input"], "--method", "-m",
-                                     help="grad_x_input, integrated_gradients, occlusion, attention_rollout "
-                                          "(repeat or comma-separate)."),
+                                     help="grad_x_input, integrated_gradients, occlusion, attention_rollout, "
+                                          "lrp (repeat or comma-separate)."),
     target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
     quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
     baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | scaled-mean | pad | zero embedding."),

@@ -16,6 +16,8 @@ that step. Definitions (docs/explain.md has the full text):
   occlusion             score_i = f(x) − f(x with position i removed from the attention mask)
   attention_rollout     R = Â_{L−1} ⋯ Â_0 with Â_l = rownorm(mean_h A_{l,h} + I); score_i = R[n−1, i]
                         (archived attention only, no model)
+  lrp                   score_i = Σ_d e_{i,d} · ĝ_{i,d}, ĝ the gradient under AttnLRP's rules (CP-LRP attention);
+                        f = Σ_i score_i + bias relevance; also relevance per layer's attention/MLP and per head
 
 This module orchestrates: resolve the run, take its explain writer key, load the model, call the
 analysis (`lmtrace/analysis/attribution/`: the METHODS registry, one module per method), write
@@ -123,6 +125,9 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
         if missing:
             raise ArchiveError(f"method {name} needs archived data run {run.id} did not capture: "
                                + "; ".join(missing) + ". Rerun generate with those capture settings")
+    for name in names:  # what a method cannot explain (a quantity, a family) is refused before loading weights
+        if METHODS[name].check is not None:
+            METHODS[name].check(run, settings)
     bad = unreplayable_edit(run)  # refuse edit kinds that cannot be replayed before loading any weights
     if bad is not None:
         i, kind = bad

@@ -56,7 +56,8 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
         head.append(f"; scoring {what}")
         console.print(head)
         facts = []
-        for key in ("f_x", "f_baseline", "sum_scores", "completeness_error", "recomputed_logprob", "archived_logprob"):
+        for key in ("f_x", "f_baseline", "sum_scores", "completeness_error", "bias_relevance", "conservation_error",
+                    "recomputed_logprob", "archived_logprob"):
             if key in e.info and e.info[key] is not None:
                 facts.append(f"{key}={e.info[key]:.4g}")
         if facts:
@@ -69,6 +70,9 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
             else:
                 console.print(Text(f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
                                    f"'When a result did not converge'", style="bold yellow"))
+        if "heads" in e.components:
+            tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
+            console.print(Text(f"top heads by |relevance|: {tops}", style="dim"))
         finite = np.abs(e.scores[np.isfinite(e.scores)])
         scale = float(finite.max()) if finite.size else 0.0
         text = Text()
@@ -110,11 +114,24 @@ def summary(result: "ExplainResult", top: int = 10) -> dict:
         item = {"method": e.method, "sequence": e.sequence, "step": e.step,
                 "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
                               for i in order]}
-        for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative"):
+        for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative",
+                    "bias_relevance", "conservation_error"):
             if key in e.info:
                 item[key] = e.info[key]
+        if "heads" in e.components:  # lrp: relevance per layer's attention and MLP output, and the top heads
+            item["components"] = {"attention": [float(x) for x in e.components["attention"]],
+                                  "mlp": [float(x) for x in e.components["mlp"]],
+                                  "top_heads": top_heads(e.components, top)}
         out["top"].append(item)
     return strict(out)
+
+
+def top_heads(components: dict, top: int) -> list[dict]:
+    """The `top` heads by |relevance| of an lrp result's components["heads"] [layer, head]."""
+    heads = np.asarray(components["heads"], dtype=np.float64)
+    order = np.argsort(-np.abs(heads), axis=None, kind="stable")[:top]
+    return [{"layer": int(i // heads.shape[1]), "head": int(i % heads.shape[1]), "relevance": float(heads.flat[i])}
+            for i in order]
 
 
 def converged(result: "ExplainResult") -> bool | None:

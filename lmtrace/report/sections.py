@@ -507,7 +507,41 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
             blobs.add_texts(f"explain_rows_{seq}", labels), zmin=-1, zmax=1, colorscale=F.DIVERGING,
             customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"), n_rows=len(keys), ytitle="step method (target)",
             hover="%{y}<br>%{x}<br>score %{customdata:.4g}", zlabel="score / max|score|"))
+    _head_relevance_figures(data, sec, blobs)
     return sec
+
+
+HEAD_FIGURES = 8  # lrp head-relevance heatmaps shown per report (one per explained step, the first ones)
+
+
+def _head_relevance_figures(data: RunData, sec: Section, blobs: Blobs) -> None:
+    """One heatmap [layer, head] of lrp's per-head relevance per explained step (archived beside the scores)."""
+    import zarr
+
+    shown = 0
+    for entry in data.manifest.get("explain") or []:
+        path = (entry.get("components") or {}).get("heads")
+        if not path:
+            continue
+        heads = np.asarray(zarr.open_array(str(data.run.path / path), mode="r")[...], dtype=np.float32)
+        L, H = heads.shape[1:]
+        for k, step in enumerate(entry["steps"]):
+            if shown == HEAD_FIGURES:
+                sec.notes.append(f"head relevance: the first {HEAD_FIGURES} lrp steps are shown; the rest are in "
+                                 f"manifest.json `explain[].components.heads` (docs/explain.md)")
+                return
+            raw = heads[k]
+            scale = float(np.nanmax(np.abs(raw))) if np.isfinite(raw).any() else 0.0
+            name = f"lrp_heads_{entry['id']}_{entry['sequence']}_{step}"
+            sec.figures.append(F.heatmap(
+                f"explain-heads-{entry['id']}-{entry['sequence']}-{step}",
+                f"sequence {entry['sequence']} step {step}: lrp relevance per head ({entry['target']}; rows = layers, "
+                f"scaled to the largest |relevance|)",
+                blobs.add(name, raw / scale if scale else raw, "float32"), blobs.add_texts(name + "_x", [f"H{h}" for h in range(H)]),
+                blobs.add_texts(name + "_y", [f"L{i}" for i in range(L)]), zmin=-1, zmax=1, colorscale=F.DIVERGING,
+                customdata=blobs.add(name + "_raw", raw, "float32"), n_rows=L, xtitle="head", ytitle="layer",
+                hover="%{y} %{x}<br>relevance %{customdata:.4g}", zlabel="relevance / max|relevance|"))
+            shown += 1
 
 
 def _explain_row_labels(keys: list[tuple], seq: int, tok, failed: set[tuple]) -> tuple[list[str], dict[str, int]]:

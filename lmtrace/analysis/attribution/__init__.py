@@ -3,13 +3,13 @@
 `registry` (Method, METHODS, register, parse_methods, StepContext, MethodResult), `settings`,
 `targets` (the target quantity f and `Scorer`, a model as f(input embeddings)), one module per
 method — `grad_x_input`, `integrated_gradients` (path, baselines, adaptive refinement),
-`occlusion`, `attention_rollout` — which register themselves when imported, `replay` (an
+`occlusion`, `attention_rollout`, `lrp` (its rules in `lrp_rules`) — which register themselves when imported, `replay` (an
 intervention child's edits under gradients) and `explain` (run the methods over a sequence's steps).
 """
 
 # isort: off
 # importing a method's module registers it: this order is the order `--method` lists them in
-from . import grad_x_input, integrated_gradients, occlusion, attention_rollout  # noqa: F401
+from . import grad_x_input, integrated_gradients, occlusion, attention_rollout, lrp  # noqa: F401
 # isort: on
 from .attention_rollout import rollout
 from .explain import explain_steps, sequence_tokens

@@ -87,7 +87,8 @@ def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names:
                         name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
                         prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
                         target_text=str(row.token_text),
-                        runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else ""))
+                        runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else "",
+                        components=res.components))
         finally:
             if scorer is not None:
                 scorer.edits = None

@@ -41,6 +41,8 @@ class StepContext:
 class MethodResult:
     scores: np.ndarray  # [n] float32, one per context position
     info: dict = field(default_factory=dict)  # scalars recorded in the manifest (f values, errors, ...)
+    components: dict[str, np.ndarray] = field(default_factory=dict)  # per-component relevance (lrp: [layer],
+    #                                                                  [layer, head]), archived beside the scores
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Method:
     description: str
     settings: Callable[[Settings], dict]  # the settings that define its result (recorded in the manifest)
     requirements: Callable[[Run], list[str]] | None = None  # archived data it needs: list of what is missing
+    check: Callable[[Run, Settings], None] | None = None  # refuses (SpecError) what it cannot explain, before loading
 
 
 METHODS: dict[str, Method] = {}
@@ -58,12 +61,14 @@ ALIASES = {"gxi": "grad_x_input", "ig": "integrated_gradients", "rollout": "atte
 
 
 def register(name: str, *, needs_model: bool, description: str, settings: Callable[[Settings], dict] | None = None,
-             requirements: Callable[[Run], list[str]] | None = None):
+             requirements: Callable[[Run], list[str]] | None = None,
+             check: Callable[[Run, Settings], None] | None = None):
     """Add an attribution method: `fn(ctx: StepContext) -> MethodResult` with one score per context position."""
 
     def wrap(fn):
         METHODS[name] = Method(name, fn, needs_model, description,
-                               settings or (lambda s: {"target": s.target, "quantity": s.quantity}), requirements)
+                               settings or (lambda s: {"target": s.target, "quantity": s.quantity}), requirements,
+                               check)
         return fn
 
     return wrap

@@ -1,0 +1,129 @@
+"""Layer-wise relevance propagation (`-m lrp`): AttnLRP's rules with CP-LRP attention (`lrp_rules`), one
+forward and one backward pass per step.
+
+  score_i = Σ_d e_{i,d} · ĝ_{i,d}      ĝ = the gradient of f under the rules' modified backward pass
+
+Conservation: f = Σ_i score_i + bias_relevance, where bias_relevance = Σ_b b · ĝ_b over every bias
+parameter (linear, LayerNorm, lm_head) and every learned position embedding (GPT-2, OPT), the terms the
+rules let absorb relevance. `conservation_error` = f − (Σ_i score_i + bias_relevance) is recorded per
+step; the rules make it zero up to float32 rounding (docs/explain.md states the tolerance).
+
+Components (archived beside the scores, [layer] / [layer, head]): the relevance entering each layer's
+attention output and MLP output (Σ over positions and dims of output · ĝ), per head on the output
+projection's input split by head, and the output projection's bias share, so that
+attention[l] = Σ_h heads[l, h] + attention_bias[l]."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...archive.reader import Run
+from ...capture.arch import adapter_for
+from ...capture.devices import is_spread
+from ...errors import SpecError
+from .lrp_rules import installed, soft_capped
+from .registry import MethodResult, StepContext, register
+from .settings import Settings
+from .targets import target_values
+
+RULES = {"norms": "identity (1/rms, 1/std constant)", "activations": "identity",
+         "gated_product": "uniform (half to each factor)", "attention": "CP-LRP (attention weights constant)",
+         "linear": "gradient (epsilon 0); biases absorb their share", "final_softcap": "identity"}
+
+
+def check(run: Run, settings: Settings) -> None:
+    """Refusals that need no weights: the logprob quantity and mixture-of-experts families."""
+    if settings.quantity != "logit":
+        raise SpecError(f"--method lrp explains logits: its conservation f = Σ relevance + biases holds for a logit "
+                        f"or a difference of logits, not a log-probability; use --quantity logit "
+                        f"(--target contrast explains chosen − runner-up)")
+    model = run.manifest.get("model") or {}
+    if model.get("architecture_family") == "moe":
+        raise SpecError(f"--method lrp: run {run.id}'s model {model.get('class')} routes tokens to experts (its MLP "
+                        f"is a mixture of experts); the routing has no relevance rule, so lrp covers the dense "
+                        f"families only (docs/explain.md)")
+
+
+def _leak_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Every bias parameter and every learned position embedding (any embedding but the input one)."""
+    token_embed = model.get_input_embeddings()
+    out = [p for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"]
+    out += [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m is not token_embed]
+    return out
+
+
+def relevance(ctx: StepContext) -> dict:
+    """One relevance pass of the step: {"scores" [n], "components" {...}, f, bias relevance} (float64 sums)."""
+    sc, s = ctx.scorer, ctx.settings
+    adapter = adapter_for(sc.model)
+    if is_spread(sc.model):
+        raise SpecError("--method lrp: the model is spread over devices; load it on one device (--device)")
+    if not torch.is_floating_point(sc.embed.weight):
+        raise SpecError(f"--method lrp: the model's weights are {sc.embed.weight.dtype}, gradients are unavailable; "
+                        f"explain needs a float model")
+    L, H, hd = adapter.n_layers, adapter.n_heads, adapter.head_dim
+    attn_out: list = [None] * L
+    mlp_out: list = [None] * L
+    heads_in: list = [None] * L
+
+    def keep(store, i, pre=False):
+        if pre:
+            return lambda m, args: store.__setitem__(i, args[0])
+        return lambda m, args, out: store.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
+    leak = _leak_parameters(sc.model)
+    was = [p.requires_grad for p in leak]
+    handles = []
+    e = sc.embeddings(ctx.ids).requires_grad_(True)
+    try:
+        for p in leak:
+            p.requires_grad_(True)
+        for i in range(L):
+            handles.append(adapter.attn(i).register_forward_hook(keep(attn_out, i)))
+            handles.append(adapter.mlp(i).register_forward_hook(keep(mlp_out, i)))
+            handles.append(adapter.o_proj(i).register_forward_pre_hook(keep(heads_in, i, pre=True)))
+        with torch.enable_grad(), installed(adapter):
+            cap = adapter.final_softcap
+            logits = soft_capped(sc.logits(e[None]), cap)
+            y = target_values(logits, ctx.chosen_id, ctx.runner_up_id, s.target, "logit")
+            grads = torch.autograd.grad(y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak], allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, w in zip(leak, was):
+            p.requires_grad_(w)
+    g_e, rest = grads[0], grads[1:]
+    g_attn, g_mlp, g_heads, g_leak = rest[:L], rest[L:2 * L], rest[2 * L:3 * L], rest[3 * L:]
+
+    def rel(x, g) -> float:
+        return 0.0 if g is None else float((x.detach().double() * g.double()).sum())
+
+    scores = (e.detach().double() * g_e.double()).sum(-1)
+    bias_rel = sum(rel(p, g) for p, g in zip(leak, g_leak))
+    heads = np.zeros((L, H))
+    attn_bias = np.zeros(L)
+    for i in range(L):
+        if g_heads[i] is not None:
+            heads[i] = (heads_in[i].detach().double() * g_heads[i].double()).reshape(-1, H, hd).sum((0, 2)).cpu().numpy()
+        b = getattr(adapter.o_proj(i), "bias", None)
+        if b is not None and g_attn[i] is not None:
+            attn_bias[i] = float((b.detach().double() * g_attn[i].double().reshape(-1, b.shape[0]).sum(0)).sum())
+    components = {"attention": np.array([rel(attn_out[i], g_attn[i]) for i in range(L)]),
+                  "mlp": np.array([rel(mlp_out[i], g_mlp[i]) for i in range(L)]),
+                  "heads": heads, "attention_bias": attn_bias}
+    return {"scores": scores.cpu().numpy(), "components": components, "f": float(y.item()), "bias_relevance": bias_rel}
+
+
+@register("lrp", needs_model=True, check=check,
+          settings=lambda s: {"target": s.target, "quantity": s.quantity, "rules": RULES},
+          description="layer-wise relevance propagation (AttnLRP rules, CP-LRP attention): one backward pass, "
+                      "conserving f, with relevance per layer's attention/MLP and per head")
+def lrp(ctx: StepContext) -> MethodResult:
+    r = relevance(ctx)
+    total = float(r["scores"].sum())
+    error = r["f"] - (total + r["bias_relevance"])
+    info = {"f_x": r["f"], "sum_scores": total, "bias_relevance": r["bias_relevance"], "conservation_error": error,
+            "conservation_error_relative": abs(error) / max(1.0, abs(r["f"]))}
+    return MethodResult(r["scores"].astype(np.float32), info,
+                        components={k: v.astype(np.float32) for k, v in r["components"].items()})

@@ -1,0 +1,251 @@
+"""`lmtrace explain -m lrp`: conservation against the model's own forward on every dense family and the
+embedded model, and the relevance itself against the test's own propagation by the rules' formulas.
+
+References: f from the model's own unmodified forward; the per-position relevance of a tiny 2-layer Llama
+computed here layer by layer with explicit LRP ratios in float64 (no autograd, no lmtrace)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import run_spec
+from lmtrace.analysis import attribution as attr
+from lmtrace.analysis.attribution.lrp import lrp
+from lmtrace.commands.explain import explain_run
+from lmtrace.errors import SpecError
+from test_architectures import CASES
+
+CONSERVATION_TOL = 1e-5  # |f − (Σ scores + bias relevance)| / max(1, |f|), float32 (docs/explain.md)
+IDS = [5, 17, 33, 9, 70, 3, 44, 12]
+
+
+def tiny(case, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model of the case's family, biases and norm weights randomised so each leaks relevance."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = case.config(dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval().float()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "norm" in name.lower() or ".ln" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return m.requires_grad_(False)
+
+
+def own_f(model, ids, chosen, runner, target):
+    with torch.no_grad():
+        z = model(torch.tensor([ids])).logits[0, -1].double()
+    return {"chosen": z[chosen], "runner-up": z[runner], "contrast": z[chosen] - z[runner]}[target].item()
+
+
+def context(model, ids, target="contrast"):
+    return attr.StepContext(None, 0, 0, len(ids), list(ids), 5, 7, 0.0, attr.Settings(target=target),
+                            attr.Scorer(model, torch.device("cpu")))
+
+
+# ---- conservation on every dense family ------------------------------------------------------------
+DENSE = [c for c in CASES if c.family != "moe"]
+
+
+@pytest.mark.parametrize("case", DENSE, ids=[c.id for c in DENSE])
+def test_relevance_plus_biases_equals_the_models_own_target_on_every_dense_family(case):
+    model = tiny(case)
+    r = lrp(context(model, IDS))
+    f = own_f(model, IDS, 5, 7, "contrast")
+    total = float(np.float64(r.scores).sum()) + r.info["bias_relevance"]
+    assert abs(total - f) <= CONSERVATION_TOL * max(1.0, abs(f)), (case.id, total, f)
+    assert abs(r.info["f_x"] - f) < 1e-5  # the rules leave every forward value as it was
+    c = r.components
+    L = model.config.num_hidden_layers
+    assert c["heads"].shape == (L, model.config.num_attention_heads) and c["mlp"].shape == (L,)
+    # the heads' relevance (the output projection's input, split by head) plus its bias share is the layer's
+    np.testing.assert_allclose(c["heads"].sum(1) + c["attention_bias"], c["attention"], atol=1e-5)
+    has_bias = any(n.endswith("bias") for n, _ in model.named_parameters())
+    assert (abs(r.info["bias_relevance"]) > 1e-4) == has_bias  # randomised biases do absorb relevance
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.family == "moe"][:1], ids=lambda c: c.id)
+def test_mixture_of_experts_is_refused_naming_the_module(case):
+    with pytest.raises(SpecError, match="SparseMoeBlock.*routes each token to experts"):
+        lrp(context(tiny(case), IDS))
+
+
+# ---- the relevance itself, against the rules' formulas computed here --------------------------------
+def _lin_back(x, W, R_out):
+    """z-rule (ε = 0, no bias) of y = x Wᵀ: R_in = x ⊙ ((R_out / y) W)."""
+    return x * ((R_out / (x @ W.T)) @ W)
+
+
+def _rms(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_lrp(model, ids, chosen, runner):
+    """Per-position relevance of f = z_chosen − z_runner of a Llama, propagated layer by layer (float64):
+    linear layers z-rule, norms and SiLU identity rule, act(gate)·up half to each factor, attention weights
+    (the model's own, from output_attentions) constant: R_v[j] = Σ_i A[i,j] v[j] / o[i] · R_o[i]."""
+    cfg = model.config
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd, eps = cfg.hidden_size // H, cfg.rms_norm_eps
+    with torch.no_grad():
+        A = [a[0].double() for a in model(torch.tensor([ids]), output_attentions=True).attentions]
+    x = sd["model.embed_tokens.weight"][ids]
+    x0, saved = x, []
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        u = _rms(x, sd[p + "input_layernorm.weight"], eps)
+        v = u @ sd[p + "self_attn.v_proj.weight"].T  # [n, KV*hd]
+        c = torch.cat([A[i][h] @ v[:, (h // (H // KV)) * hd:(h // (H // KV) + 1) * hd] for h in range(H)], -1)
+        a = c @ sd[p + "self_attn.o_proj.weight"].T
+        x1 = x + a
+        u2 = _rms(x1, sd[p + "post_attention_layernorm.weight"], eps)
+        g, up = u2 @ sd[p + "mlp.gate_proj.weight"].T, u2 @ sd[p + "mlp.up_proj.weight"].T
+        h_ = torch.nn.functional.silu(g) * up
+        m = h_ @ sd[p + "mlp.down_proj.weight"].T
+        saved.append((x, u, v, c, a, x1, u2, h_, m))
+        x = x1 + m
+    uf = _rms(x, sd["model.norm.weight"], eps)
+    W = sd["lm_head.weight"][[chosen, runner]]
+    z = uf[-1] @ W.T
+    R = torch.zeros_like(x)
+    R[-1] = _lin_back(uf[-1], W, z * torch.tensor([1.0, -1.0], dtype=torch.float64))  # final norm: identity
+    heads = np.zeros((cfg.num_hidden_layers, H))
+    for i in reversed(range(cfg.num_hidden_layers)):
+        p = f"model.layers.{i}."
+        x, u, v, c, a, x1, u2, h_, m = saved[i]
+        x2 = x1 + m
+        R_m, R_x1 = m / x2 * R, x1 / x2 * R
+        R_h = _lin_back(h_, sd[p + "mlp.down_proj.weight"], R_m)
+        R_u2 = (_lin_back(u2, sd[p + "mlp.gate_proj.weight"], R_h / 2)  # SiLU: identity; product: half each
+                + _lin_back(u2, sd[p + "mlp.up_proj.weight"], R_h / 2))
+        R_x1 = R_x1 + R_u2
+        R_a, R_x = a / x1 * R_x1, x / x1 * R_x1
+        R_c = _lin_back(c, sd[p + "self_attn.o_proj.weight"], R_a)
+        R_v = torch.zeros_like(v)
+        for h in range(H):
+            cols = slice(h * hd, (h + 1) * hd)
+            kv = slice((h // (H // KV)) * hd, (h // (H // KV) + 1) * hd)
+            heads[i, h] = float(R_c[:, cols].sum())
+            share = R_c[:, cols] / c[:, cols]  # [query, dim]
+            R_v[:, kv] += v[:, kv] * (A[i][h].T @ share)  # Σ_query A[q, key] v[key] / o[q] · R_o[q]
+        R = R_x + _lin_back(u, sd[p + "self_attn.v_proj.weight"], R_v)
+    assert R.shape == x0.shape
+    return R.sum(-1).numpy(), heads, float(z[0] - z[1])
+
+
+def test_lrp_matches_the_rules_propagated_layer_by_layer_on_a_tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, initializer_range=0.4, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    model.requires_grad_(False)
+    ids = [3, 14, 15, 9, 26, 5]
+    expected, heads, f = reference_lrp(model, ids, 5, 7)
+    got = lrp(context(model, ids, "contrast"))
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got.scores, expected, atol=1e-4 * scale)
+    np.testing.assert_allclose(got.components["heads"], heads, atol=1e-4 * np.abs(heads).max())
+    assert abs(expected.sum() - f) < 1e-9 * max(1, abs(f))  # the reference conserves too
+    # not gradient × input: the rules change the relevance (a wrong or missing rule would be caught above)
+    gxi = attr.METHODS["grad_x_input"].fn(context(model, ids, "contrast")).scores
+    assert np.abs(gxi - expected).max() > 10 * 1e-4 * scale
+
+
+# ---- the embedded model, through explain_run: archive, components, JSON ------------------------------
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory):
+    return run_spec(tmp_path_factory.mktemp("lrp-embedded"), {"prompts": ["The capital of France is"],
+                                                               "capture": "none", "generation": {"max_new_tokens": 3}})
+
+
+def test_lrp_on_the_embedded_model_conserves_and_archives_components(embedded_run):
+    from lmtrace.commands.explain_render import summary
+    from lmtrace.models import load_model
+    from lmtrace.spec import ModelSpec
+
+    result = explain_run(embedded_run.path, "0,2", methods=["lrp"], settings=attr.Settings(target="contrast"))
+    model = load_model(ModelSpec(dtype="float32", attn_implementation="eager")).model
+    t = pd.read_parquet(embedded_run.path / "tokens.parquet")
+    prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
+    gen = t[~t.is_prompt].sort_values("step")
+    for e in result.explanations:
+        ids = prompt + gen.token_id.tolist()[:e.step]
+        assert e.token_ids == ids
+        f = own_f(model, ids, e.chosen_id, e.runner_up_id, "contrast")
+        total = float(np.float64(e.scores).sum()) + e.info["bias_relevance"]
+        assert e.info["bias_relevance"] == 0.0  # SmolLM2 has no biases
+        assert abs(total - f) <= CONSERVATION_TOL * max(1.0, abs(f)), (e.step, total, f)
+        assert e.components["heads"].shape == (30, 9)
+    import zarr
+
+    (entry,) = result.entries
+    assert set(entry["components"]) == {"attention", "mlp", "heads", "attention_bias"}
+    group = zarr.open_group(str(result.path / "scores.zarr"), mode="r")
+    heads = group["lrp_heads"][...]
+    assert heads.shape == (2, 30, 9)
+    np.testing.assert_array_equal(heads[1], result.explanations[1].components["heads"])
+    assert all(abs(r["conservation_error"]) <= CONSERVATION_TOL * max(1, abs(r["f_x"])) for r in entry["results"])
+    js = json.loads(json.dumps(summary(result, top=3)))
+    top = js["top"][0]["components"]["top_heads"]
+    assert len(top) == 3 and abs(top[0]["relevance"]) == np.abs(result.explanations[0].components["heads"]).max()
+
+
+def test_cli_shows_heads_and_refuses_logprob_and_experts_in_one_line(embedded_run, tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from conftest import rerecord_checksums
+    from lmtrace.cli.main import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["explain", str(embedded_run.path), "--steps", "1", "-m", "lrp"])
+    assert ok.exit_code == 0, ok.output
+    assert "top heads by |relevance|: L" in ok.output and "conservation_error=" in ok.output
+    assert "loading model" in ok.output  # (so its absence below means no weights were loaded)
+    r = runner.invoke(app, ["explain", str(embedded_run.path), "--steps", "0", "-m", "lrp", "--quantity", "logprob"])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "--quantity logit" in errors[0] and "Traceback" not in r.output
+    moe = tmp_path / embedded_run.path.name  # the same run, its manifest saying a mixture-of-experts model made it
+    shutil.copytree(embedded_run.path, moe)
+    manifest = json.loads((moe / "manifest.json").read_text())
+    manifest["model"].update(architecture_family="moe", **{"class": "MixtralForCausalLM"})
+    manifest.pop("explain", None)
+    (moe / "manifest.json").write_text(json.dumps(manifest))
+    rerecord_checksums(moe)
+    r = runner.invoke(app, ["explain", str(moe), "--steps", "0", "-m", "lrp"])
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert r.exit_code == 2 and len(errors) == 1 and "MixtralForCausalLM" in errors[0], r.output
+    assert "loading model" not in r.output  # refused before any weights load
+
+
+def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
+    import zarr
+
+    from lmtrace.report import report_run
+    from test_report import blob, page_json
+
+    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["One two three"], "capture": "none",
+                              "generation": {"max_new_tokens": 3}})
+    result = explain_run(run.path, "1,2", methods=["lrp"])
+    page = report_run(str(run.path), sequences=[0]).path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    heads = zarr.open_array(str(result.path / "scores.zarr" / "lrp_heads"), mode="r")[...]
+    for k, e in enumerate(result.explanations):
+        shown = blob(blobs, f"lrp_heads_{result.explain_id}_0_{e.step}_raw")
+        np.testing.assert_array_equal(shown, e.components["heads"])
+        np.testing.assert_array_equal(shown, heads[k])
+    assert any(f["id"] == f"explain-heads-{result.explain_id}-0-2" for f in page_json(page, "lmtrace-figures"))
