@@ -11,9 +11,9 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
                 accounts for. No target.
-  default       `lmtrace.generation.run_generate` with the default capture (attention rows, q/k/v,
-                FFN top-k, norms, margin contributions, and the float32 residual at every layer for
-                the deferred logit lens) streamed to a run archive. Its deferred lens is then
+  default       `lmtrace.generation.run_generate` with the default capture (`capture.preset: standard`:
+                attention rows, FFN top-k, norms, margin contributions, and the float16 residual at
+                every layer for the deferred logit lens; no q/k/v) streamed to a run archive. Its deferred lens is then
                 computed as `lmtrace lens` does, and that time (model load excluded) is reported
                 separately, per generated token.
   forward-only  `run_generate` with `capture: none`.

@@ -69,7 +69,7 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
         k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0), k_lens=cap.lens.top_k,
         attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
         ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens_inline, float_dtype=spec.output.float_dtype,
-        k_router=adapter.router_top_k if not forward_only else 0, head_dla=cap.head_dla and not forward_only,
+        resid_dtype=cap.residual.dtype, k_router=adapter.router_top_k if not forward_only else 0, head_dla=cap.head_dla and not forward_only,
     )
 
 
@@ -338,14 +338,15 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
     `failed` (or `interrupted`) with the error recorded in the manifest and the shard's status file."""
     shard, run_dir = rd.shard, rd.path
     log = RunLog(run_dir / layout.LOG)
-    my_seqs = shard.sequences(len(setup.prompts))
     writer = None
     status = "failed"
     try:
         with rd.lock():
             writer_core = ArchiveWriter(run_dir, setup.shape, chunk_steps=spec.output.chunk_steps,
                                         codec=spec.output.codec, level=spec.output.level, writer_key=shard.key,
-                                        chunk_keys=spec.output.chunk_keys)
+                                        chunk_keys=spec.output.chunk_keys,
+                                        chunk_sequences=shard.sequences_per_file(len(setup.prompts), spec.output.chunk_sequences))
+        my_seqs = shard.sequences(len(setup.prompts), writer_core.sequence_group)
         rd.set_shard_status("running")
         log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts))
         queue = _batch_queue(spec, rd, setup, my_seqs, writer_core)

@@ -247,6 +247,9 @@ class FfnCapture(_Strict):
 
 class ResidualCapture(_Strict):
     vectors_at: list[int] | Literal["all"] = Field(default_factory=list)
+    # storage dtype of the `resid` array (these vectors and the deferred lens's input): float16 halves
+    # the largest array of the default capture; its measured lens error is in docs/archive.md
+    dtype: Literal["float32", "float16"] = "float16"
 
 
 class LensCapture(_Strict):
@@ -259,7 +262,32 @@ class LensCapture(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.capture.lens)
 
 
+# What each `capture.preset` sets; keys given in the spec override it (docs/spec.md, "Capture presets").
+CAPTURE_PRESETS: dict[str, dict] = {
+    # tokens, alternatives, per-layer norms and margin contributions, the 8 strongest keys of each
+    # attention row; no vectors, no lens
+    "light": {"attention": {"top_k": 8}, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
+              "residual": {"dtype": "float16"}},
+    # full attention rows, FFN top-k, the deferred lens from float16 residuals; no q/k/v
+    "standard": {"qkv": False, "residual": {"dtype": "float16"}},
+    # everything, residuals in float32 (the deferred lens then equals the inline one bit for bit)
+    "full": {"qkv": True, "residual": {"dtype": "float32"}},
+}
+
+
+def _under(defaults: dict, given: dict) -> dict:
+    """`given` with `defaults` filled in wherever it does not say otherwise (nested mappings merged)."""
+    out = dict(given)
+    for key, value in defaults.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _under(value, out[key])
+        elif key not in out:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 class CaptureSpec(_Strict):
+    preset: Literal["light", "standard", "full"] = "standard"
     layers: Literal["all"] | list[int] | LayerStride = "all"
     attention: AttentionCapture = Field(default_factory=AttentionCapture)
     prefill_attention: bool = False
@@ -272,6 +300,15 @@ class CaptureSpec(_Strict):
     margin_contributions: bool = True
     # per-head direct logit attribution with the final norm frozen (lmtrace/capture/dla.py)
     head_dla: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        """The preset's values for every capture key the spec does not give."""
+        if not isinstance(data, dict):
+            return data
+        preset = CAPTURE_PRESETS.get(data.get("preset", "standard"))
+        return data if preset is None else _under(preset, data)  # an unknown preset: the field's own error
 
     @property
     def lens_inline(self) -> bool:
@@ -304,6 +341,9 @@ class OutputSpec(_Strict):
     # attention rows are also chunked along their keys: a block writes only the key chunks its
     # context reaches, the rest of the padded row is never written (docs/archive.md)
     chunk_keys: int = Field(64, ge=1, le=1 << 20)
+    # sequences per shard file: a file holds this many sequences × one block of steps of an array
+    # (Zarr sharding, inner chunks of one sequence), so files grow with bytes, not sequences
+    chunk_sequences: int = Field(32, ge=1, le=1 << 20)
     # auto: zstd for arrays that compress, none for dense float activations (archive/layout.py)
     codec: Literal["auto", "zstd", "blosc", "none"] = "auto"
     level: int = Field(1, ge=0, le=22)

@@ -445,8 +445,9 @@ def _table_row(case: Case, run, checked: dict, tol: Tol) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_family_capture_matches_full_forward(case, tokenizer, tmp_path):
     path = build_tiny(case, tokenizer, tmp_path / case.id)
+    # the full preset: q/k/v are checked, and float32 residuals keep the lens exact
     run = with_lens(run_spec(tmp_path, {"model": str(path), "prompts": PROMPTS, "generation": GEN,
-                                        "output": {"float_dtype": "float32"}}))
+                                        "capture": {"preset": "full"}, "output": {"float_dtype": "float32"}}))
     assert run.status == "complete"
     m = run.manifest
     assert m["model"]["architecture_family"] == case.family
@@ -478,7 +479,7 @@ BF16_TOL = dict(attn=8e-2, logprob=0.2, norm=2e-2, lens=0.12, qkv=0.15, ffn=8e-2
 def _embedded_spec(dtype: str) -> dict:
     return {"prompts": PROMPTS[:2], "model": {"ref": "embedded:smollm2-135m", "dtype": dtype},
             "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.8, "seed": 1},
-            "capture": {"layers": [0, 1, 14, 28, 29]}, "output": {"float_dtype": "float32"}}
+            "capture": {"preset": "full", "layers": [0, 1, 14, 28, 29]}, "output": {"float_dtype": "float32"}}
 
 
 @pytest.fixture(scope="module")

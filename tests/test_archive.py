@@ -25,7 +25,8 @@ def _tiny(tiny_llama_dir, **over):
 
 
 def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
-    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}}))
+    # the full preset: prompt-time arrays too, so the prompt positions have their coordinate
+    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"preset": "full", "residual": {"vectors_at": [1]}}))
     code = textwrap.dedent(f"""
         import sys, pandas as pd, xarray as xr, json
         ds = xr.open_zarr({str(run.path / 'tensors.zarr')!r})
@@ -84,6 +85,16 @@ def test_eos_and_stop_strings_end_each_sequence(tmp_path, tiny_llama_dir):
     assert stop in seqs.loc[0, "generated_text"]
 
 
+def inner_chunks_present(shard_file: Path, chunks_per_shard: tuple[int, ...]) -> np.ndarray:
+    """Which inner chunks a Zarr v3 shard file holds, read from its index at the end of the file
+    (the sharding codec's format: uint64 offset and length per inner chunk, 2**64-1 for none,
+    then 4 bytes of crc32c)."""
+    data = shard_file.read_bytes()
+    n = int(np.prod(chunks_per_shard))
+    index = np.frombuffer(data[-16 * n - 4: -4], dtype="<u8").reshape(*chunks_per_shard, 2)
+    return index[..., 0] != np.uint64(2**64 - 1)
+
+
 def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_dir):
     """The block size is a storage detail: blocks of 2 steps and attention chunks of 3 keys
     (sequences ending inside a block, a partial last block, a new buffer per block, key chunks past
@@ -101,9 +112,11 @@ def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_d
     assert seqs.generated_len.nunique() > 1, seqs  # rows inactive in some blocks
     assert one.tensors["attn"].chunks[-1] == one.tensors["attn"].shape[-1]
     # keys at steps 0 and 1 (block 0) reach the padded prompt and one generated token: of the
-    # 3-key chunks, only those are on disk (c/<sequence>/<block>/<layer>/<head>/<key chunk>)
+    # 3-key chunks, only those are in the shard file (c/<sequence group>/<block>/0/0/0)
     P, n_chunks = int(seqs.prompt_len.max()), -(-small.tensors["attn"].shape[-1] // 3)
-    written = {int(p.name) for p in (small.path / "tensors.zarr" / "attn" / "c" / "0" / "0" / "0" / "0").iterdir()}
+    present = inner_chunks_present(small.path / "tensors.zarr" / "attn" / "c" / "0" / "0" / "0" / "0" / "0",
+                                   (3, 1, 1, 1, n_chunks))
+    written = {int(c) for c in np.flatnonzero(present[0, 0, 0, 0])}
     assert written == set(range(-(-(P + 1) // 3))) and len(written) < n_chunks, (written, P, n_chunks)
     assert small.array_names() == one.array_names()
     for name in small.array_names():
@@ -128,7 +141,9 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
     P = int(seqs.prompt_len.max())
     assert max_len == P + N
     files = [f for f in (run.path / "tensors.zarr" / "attn" / "c").rglob("*") if f.is_file()]
-    on_disk = sum(f.stat().st_size for f in files)
+    # each shard file ends in its index: (offset, nbytes) uint64 per inner chunk, and a crc32c
+    n_inner = 3 * -(-max_len // K)
+    on_disk = sum(f.stat().st_size - (16 * n_inner + 4) for f in files)
     keys = 0  # key columns written by each block: its context, rounded up to whole chunks of K
     for s0 in range(0, N, cs):
         keys += min(-(-max_len // K), -(-(P + s0 + cs - 1) // K)) * K * cs
@@ -143,15 +158,19 @@ def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_
     """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
     def codecs(run, name):
         meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
-        return [c["name"] for c in meta["codecs"]]
+        (sharding,) = meta["codecs"]  # format 3: every array over `sequence` is sharded
+        assert sharding["name"] == "sharding_indexed", meta["codecs"]
+        return [c["name"] for c in sharding["configuration"]["codecs"]]
 
-    auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}}))
+    full = {"preset": "full", "residual": {"vectors_at": [1]}}
+    auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture=full))
     assert codecs(auto, "ffn_idx") == ["bytes", "zstd"]
-    assert codecs(auto, "attn") == ["bytes", "blosc"]  # Blosc-LZ4: fast
-    for name in ("q", "k", "v", "prompt_k", "prompt_v", "ffn_val", "resid"):
+    assert codecs(auto, "attn") == ["bytes", "zstd"]
+    for name in ("q", "k", "v", "prompt_k", "prompt_v", "ffn_val", "resid"):  # float32 residuals: raw
         assert codecs(auto, name) == ["bytes"], name
-    zstd = run_spec(tmp_path / "zstd", _tiny(tiny_llama_dir, capture={"residual": {"vectors_at": [1]}},
-                                              output={"codec": "zstd"}))
+    standard = run_spec(tmp_path / "standard", _tiny(tiny_llama_dir))
+    assert codecs(standard, "resid") == ["bytes", "zstd"]  # float16 residuals
+    zstd = run_spec(tmp_path / "zstd", _tiny(tiny_llama_dir, capture=full, output={"codec": "zstd"}))
     assert codecs(zstd, "q") == ["bytes", "zstd"] and codecs(zstd, "resid") == ["bytes", "zstd"]
     assert codecs(zstd, "attn") == ["bytes", "zstd"]
     for name in ("q", "attn"):
@@ -320,3 +339,153 @@ def test_format_1_archives_still_read_and_compare(tmp_path, tiny_llama_dir):
     np.testing.assert_array_equal(v1.array("attn")[:], run.array("attn")[:])
     result = compare_runs(str(old), str(run.path))
     assert result.identical, result.verdict
+
+
+@pytest.mark.parametrize("codec", ["auto", "zstd", "none"])
+def test_shard_files_are_byte_identical_to_what_zarr_writes(tmp_path, codec):
+    """lmtrace writes format-3 shard files itself (archive/shards.py). The same rows written by
+    zarr's own sharding codec give the same bytes: sequences of one shard arriving in separate
+    writes (read, merged, replaced), a block shorter than chunk_steps, attention rows cut at the
+    keys a block reaches, and a prompt-time array; and zarr reads back what was written."""
+    import zarr
+
+    from lmtrace.archive import layout
+    from lmtrace.archive.shards import ShardFiles
+    from lmtrace.archive.writer import compressors_for, create_array
+
+    rng = np.random.default_rng(0)
+    cases = [(layout.ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), "float16", True, auto_codec="lz4"),
+              (5, 6, 2, 3, 21)),
+             (layout.ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True), (5, 6, 2, 4)),
+             (layout.ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), "float16", False,
+                               auto_codec="none"), (5, 2, 1, 7, 4))]
+    for spec, shape in cases:
+        mine = zarr.open_group(str(tmp_path / f"{codec}-mine.zarr"), mode="a", zarr_format=3)
+        theirs = zarr.open_group(str(tmp_path / f"{codec}-zarr.zarr"), mode="a", zarr_format=3)
+        arrays = [create_array(g, spec, shape, 4, compressors_for(codec, 1, spec), chunk_keys=8, chunk_sequences=4)
+                  for g in (mine, theirs)]
+        assert arrays[0].shards[0] == 4 and arrays[0].chunks[0] == 1
+        files = ShardFiles.for_array(tmp_path / f"{codec}-mine.zarr" / spec.name, arrays[0], spec.per_step)
+        assert files is not None
+        data = rng.standard_normal((5,) + shape[1:]).astype(spec.dtype) if spec.dtype != "int32" else \
+            rng.integers(0, 1000, (5,) + shape[1:]).astype(np.int32)
+        if spec.per_step:
+            width = 11 if spec.key_chunked else shape[-1]  # attention: 2 of the 3 key chunks of 8
+            block = data[..., :width]
+            writes = [([0, 2], block[[0, 2], :4], 0), ([1], block[[1], :4], 0), ([4], block[[4], 4:6], 4)]
+            for seqs, rows, s0 in writes:
+                files.write(seqs, rows, s0)
+                for row, seq in zip(rows, seqs):
+                    arrays[1][seq, s0: s0 + row.shape[0], ..., : -(-width // 8) * 8 if spec.key_chunked else width] = \
+                        np.concatenate([row, np.full(row.shape[:-1] + (-(-width // 8) * 8 - width,), np.nan, np.float16)],
+                                       -1) if spec.key_chunked else row
+            shards = ["c/0/0/" + "/".join(["0"] * (len(shape) - 2)), "c/1/1/" + "/".join(["0"] * (len(shape) - 2))]
+        else:
+            files.write([3, 0], data[[3, 0]])
+            files.write([4], data[[4]])
+            for seq in (3, 0, 4):
+                arrays[1][seq] = data[seq]
+            shards = ["c/0/" + "/".join(["0"] * (len(shape) - 1)), "c/1/" + "/".join(["0"] * (len(shape) - 1))]
+        for shard in shards:
+            ours = (tmp_path / f"{codec}-mine.zarr" / spec.name / shard).read_bytes()
+            assert ours == (tmp_path / f"{codec}-zarr.zarr" / spec.name / shard).read_bytes(), (spec.name, shard)
+        np.testing.assert_array_equal(arrays[0][...], arrays[1][...], err_msg=spec.name)
+
+
+def test_files_do_not_multiply_with_sequences(tmp_path, tiny_llama_dir):
+    """Format 3: a shard file holds `output.chunk_sequences` sequences × one block of steps of an
+    array, so 2 or 12 prompts (one group of 16) make the same files, and 12 prompts in groups of 4
+    three times as many shard files per array and block."""
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 12 prompts
+    gen = {"max_new_tokens": 6, "batch_size": 5}
+
+    def count(run):
+        return {name: sum(1 for f in (run.path / "tensors.zarr" / name / "c").rglob("*") if f.is_file())
+                for name in run.manifest["arrays"]}  # the arrays over `sequence`
+
+    spec = {"model": str(tiny_llama_dir), "generation": gen, "capture": {"preset": "full"}, "output": {"chunk_steps": 4}}
+    two = run_spec(tmp_path / "two", {**spec, "prompts": PROMPTS[:2], "output": {"chunk_steps": 4, "chunk_sequences": 16}})
+    twelve = run_spec(tmp_path / "twelve", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 16}})
+    fours = run_spec(tmp_path / "fours", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 4}})
+    assert twelve.sequences().to_pandas().generated_len.min() == 6  # both blocks written for every sequence
+    assert count(two) == count(twelve), (count(two), count(twelve))
+    per_step = {s.name for s in layout_arrays(twelve) if s.per_step}
+    for name, n in count(twelve).items():
+        assert n == (2 if name in per_step else 1), (name, n)  # 2 blocks of 4 steps; prompt-time: 1
+        assert count(fours)[name] == 3 * n, name
+    for name in twelve.manifest["arrays"]:  # the same values, however they are grouped into files
+        np.testing.assert_array_equal(twelve.tensors[name][...], fours.tensors[name][...], err_msg=name)
+
+
+def layout_arrays(run):
+    from lmtrace.archive.layout import ArraySpec
+
+    return [ArraySpec(name, tuple(a["dims"]), a["dtype"], a["dims"][:2] == ["sequence", "step"])
+            for name, a in run.manifest["arrays"].items()]
+
+
+def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llama_dir):
+    """Format 2 stored one chunk file per (sequence, block of steps) of an array, unsharded: rewrite a
+    fresh run into that layout with zarr itself, and check that lmtrace opens, verifies and compares
+    it, and that `lmtrace lens` writes its arrays into it in the run's own (unsharded) layout."""
+    import shutil
+
+    import zarr
+
+    from conftest import rerecord_checksums, with_lens
+    from lmtrace import open_run
+    from lmtrace.analysis.compare import compare_runs
+    from lmtrace.archive.integrity import verify
+    from lmtrace.archive.shards import sharding_of
+    from lmtrace.archive.writer import consolidate
+
+    run = run_spec(tmp_path / "v3", _tiny(tiny_llama_dir))
+    old = tmp_path / "v2" / run.path.name
+    shutil.copytree(run.path, old)
+    group = zarr.open_group(str(old / "tensors.zarr"), mode="a", zarr_format=3)
+    for name in run.manifest["arrays"]:
+        a = group[name]
+        data, sharding = a[...], sharding_of(a)
+        assert sharding is not None, name
+        shutil.rmtree(old / "tensors.zarr" / name)
+        b = zarr.create_array(str(old / "tensors.zarr" / name), shape=a.shape, chunks=sharding.chunk_shape, dtype=a.dtype,
+                              fill_value=a.fill_value, compressors=list(sharding.codecs[1:]) or None,
+                              dimension_names=a.metadata.dimension_names, zarr_format=3)
+        b[...] = data
+    consolidate(old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 2
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rerecord_checksums(old)
+    assert len([f for f in (old / "tensors.zarr" / "resid" / "c").rglob("*") if f.is_file()]) == 3  # a file per sequence
+
+    v2 = open_run(old)
+    for name in run.manifest["arrays"]:
+        assert sharding_of(v2.tensors[name]) is None, name
+        np.testing.assert_array_equal(v2.array(name)[...], run.array(name)[...], err_msg=name)
+    assert verify(old, v2.manifest)[0] == []
+    assert compare_runs(str(old), str(run.path)).identical
+    lensed, lensed_v3 = with_lens(v2), with_lens(run)
+    for name in ("lens_ids", "lens_probs"):
+        assert sharding_of(lensed.tensors[name]) is None and sharding_of(lensed_v3.tensors[name]) is not None
+        np.testing.assert_array_equal(lensed.array(name)[...], lensed_v3.array(name)[...], err_msg=name)
+    assert verify(old, open_run(old).manifest)[0] == []
+
+
+@pytest.mark.parametrize("preset", ["standard", "light"])
+def test_validate_estimate_is_within_2x_of_the_measured_run(tmp_path, tiny_llama_dir, preset):
+    """`lmtrace validate`'s size estimate against the bytes the same spec's run puts on disk."""
+    import yaml
+
+    from lmtrace.commands.validate import validate_spec
+
+    spec = _tiny(tiny_llama_dir, generation={"max_new_tokens": 40, "batch_size": 3, "eos_token_id": []},
+                 capture={"preset": preset}, output={"runs_dir": str(tmp_path / "runs")})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    estimate = validate_spec(path, [])["estimate"]
+    run = run_spec(tmp_path, spec)
+    assert (run.sequences().to_pandas().generated_len == 40).all()  # the estimate is for max_new_tokens
+    measured = sum(f.stat().st_size for f in run.path.rglob("*") if f.is_file())
+    estimated = estimate["tensor_bytes_max"] + estimate["table_bytes_max"]
+    assert measured / 2 <= estimated <= 2 * measured, (estimated, measured)

@@ -38,7 +38,8 @@ def _spec(model_dir, *, lens: dict | None = None, **gen) -> dict:
     return {
         "model": str(model_dir), "prompts": PROMPTS,
         "generation": {"max_new_tokens": N, "batch_size": 3, "temperature": 0.9, "seed": 5, **gen},
-        "capture": {"layers": LAYERS, "residual": {"vectors_at": VECTORS_AT}, "lens": lens or {}},
+        # float32 residuals (the full preset's): the deferred lens then equals the inline one bit for bit
+        "capture": {"layers": LAYERS, "residual": {"vectors_at": VECTORS_AT, "dtype": "float32"}, "lens": lens or {}},
         "output": {"float_dtype": "float32", "chunk_steps": 3},
     }
 

@@ -643,6 +643,8 @@ def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_th
     assert "archive at most ~" in report["summary"] and "if every prompt stops after 1000 new tokens" in report["summary"]
     assert report["estimate"]["bytes_first_1000_steps"] < report["estimate"]["tensor_bytes_max"] / 100
     assert len(report["warnings"]) == 1 and "exceeds the 50.0 GB free" in report["warnings"][0], report["warnings"]
+    assert all(lever in report["warnings"][0] for lever in ("capture.preset", "capture.attention.top_k", "capture.layers",
+                                                            "generation.max_new_tokens")), report["warnings"]
     small = validate.validate_spec(_spec(tmp_path, long_llama_dir, max_new_tokens=64), [])
     assert small["warnings"] == [] and "stops after" not in small["summary"]
 

@@ -41,12 +41,31 @@ def test_defaults():
     assert (g.max_new_tokens, g.temperature, g.top_k, g.top_p, g.seed, g.batch_size) == (32, 0.0, 0, 1.0, 0, 8)
     assert g.eos_token_id is None and g.stop == []
     c = spec.capture
-    assert c.layers == "all" and c.attention.enabled and c.attention.top_k is None and c.qkv
+    assert c.preset == "standard" and c.layers == "all" and c.attention.enabled and c.attention.top_k is None
+    assert not c.qkv and c.residual.dtype == "float16"  # the standard preset
     assert c.ffn.top_k == 32 and c.lens.top_k == 5 and c.alternatives == 10 and c.residual.vectors_at == []
     assert not c.forward_only
     o = spec.output
     assert (o.runs_dir, o.run_id, o.chunk_steps, o.codec, o.level, o.float_dtype) == (None, None, 16, "auto", 1, "float16")
+    assert o.chunk_sequences == 32
     assert spec.prompts.texts == ["hi"] and spec.prompts.file is None and spec.prompts.chat is False
+
+
+def test_capture_presets_set_defaults_that_given_keys_override():
+    def capture(data):
+        return build_spec({"prompts": ["hi"], "capture": data}, "t").capture
+
+    full, light = capture({"preset": "full"}), capture({"preset": "light"})
+    assert full.qkv and full.residual.dtype == "float32" and full.attention.top_k is None and full.lens.enabled
+    assert not light.qkv and light.attention.top_k == 8 and not light.ffn.enabled and not light.lens.enabled
+    # keys given win, nested ones key by key: the rest of the preset's mapping still applies
+    mixed = capture({"preset": "light", "lens": {"top_k": 3}, "attention": {"enabled": True}, "qkv": True})
+    assert mixed.qkv and mixed.lens.top_k == 3 and not mixed.lens.enabled and mixed.attention.top_k == 8
+    assert capture({"preset": "full", "residual": {"dtype": "float16"}}).residual.dtype == "float16"
+    assert capture("none").forward_only  # `capture: none` is not a preset's
+    with pytest.raises(SpecError) as err:
+        capture({"preset": "huge"})
+    assert "capture.preset" in str(err.value)
 
 
 def test_shorthands():

@@ -11,7 +11,8 @@ import pytest
 from lmtrace.archive.layout import RunShape
 from lmtrace.archive.writer import ArchiveWriter, BackgroundWriter
 
-STEPS, PROMPT, CHUNK_KEYS = 4, 2, 2  # attention rows of 6 keys: 3 chunk files per sequence and block
+STEPS, PROMPT, CHUNK_KEYS = 4, 2, 2  # attention rows of 6 keys: 3 key chunks per sequence and block
+# one sequence per shard file: a block of the two sequences is two files, and the writer may pause between them
 
 
 @pytest.fixture
@@ -19,7 +20,8 @@ def core(tmp_path):
     shape = RunShape(n_sequences=2, n_steps=STEPS, max_prompt=PROMPT, layers=(0, 1), resid_layers=(), n_heads=2,
                      n_kv_heads=1, head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0, 0), qkv=False, ffn=False,
                      lens=False)
-    return ArchiveWriter(tmp_path, shape, chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS)
+    return ArchiveWriter(tmp_path, shape, chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS,
+                         chunk_sequences=1)
 
 
 def _block() -> dict[str, np.ndarray]:
@@ -45,7 +47,7 @@ def test_a_block_handed_over_during_a_forward_is_written_after_it(core):
             time.sleep(0.3)
             assert _chunk_files(core) == 0 and core.committed(0) == (0, False)
         writer.drain()
-        assert _chunk_files(core) == 2 * 3 and core.committed(0) == (STEPS, False)
+        assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
         assert (core.arrays["attn"][:] == np.float16(0.5)).all()
     finally:
         writer.close()
@@ -57,7 +59,7 @@ def test_a_forward_starting_mid_block_stops_the_writer_at_its_next_file(core):
     files_at_pause: list[int] = []
     wait = core.pace
 
-    def pace():  # the second chunk file: a forward starts just before the writer reaches it
+    def pace():  # the second shard file: a forward starts just before the writer reaches it
         if not files_at_pause and _chunk_files(core) == 1:
             forward.__enter__()
             files_at_pause.append(1)
@@ -71,7 +73,7 @@ def test_a_forward_starting_mid_block_stops_the_writer_at_its_next_file(core):
         assert _chunk_files(core) == 1 and core.committed(0) == (0, False)
         forward.__exit__(None, None, None)
         writer.drain()
-        assert _chunk_files(core) == 2 * 3 and core.committed(0) == (STEPS, False)
+        assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
     finally:
         writer.close()
 

@@ -37,8 +37,10 @@ import numpy as np
 
 # 2: the query-head dimension is `q_head` (was `head`, which hides xarray's Dataset.head()), and
 # the position dimensions (key, prompt_pos, query_pos, key_pos) carry coordinates. Readers take both.
-FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+# 3: arrays over `sequence` are sharded (one file per `output.chunk_sequences` sequences × block of
+# steps, archive/shards.py); the capture presets store `resid` as float16. Zarr reads all three alike.
+FORMAT_VERSION = 3
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 MANIFEST = "manifest.json"
 SPEC = "spec.yaml"
@@ -86,9 +88,8 @@ class ArraySpec:
     dtype: str
     per_step: bool  # leading dims (sequence, step) and written in step blocks
     # What `codec: auto` uses for this array (docs/archive.md, "Compression"): zstd where it pays
-    # (ids, lens arrays); "none" for dense float activations (q/k/v, residual vectors, FFN values),
-    # which zstd shrinks by only ~7 % for ~0.4 ms of CPU a step on the default capture; "lz4" for
-    # attention rows, where Blosc-LZ4 keeps 1.24x of zstd's 1.43x for a fifth of its CPU
+    # (ids, lens arrays, attention rows, float16 residuals); "none" for dense float activations (q/k/v,
+    # float32 residual vectors, FFN values), which zstd shrinks by only ~7 % for ~0.4 ms of CPU a step
     auto_codec: str = "zstd"
 
     @property
@@ -166,6 +167,7 @@ class RunShape:
     ffn: bool = True
     lens: bool = True
     float_dtype: str = "float16"
+    resid_dtype: str = "float32"  # capture.residual.dtype: storage dtype of `resid`
     k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
     head_dla: bool = False  # direct logit attribution arrays (dla_arrays())
     extra: dict = field(default_factory=dict)
@@ -187,7 +189,9 @@ class RunShape:
         f = self.float_dtype
         out: list[ArraySpec] = []
         if self.attention and self.k_attn is None:
-            out.append(ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), f, True, auto_codec="lz4"))
+            # zstd: 1.5x on the rows at short contexts (their key-chunk fill included) for ~0.08 ms a token,
+            # against 1.3x for Blosc-LZ4 (docs/archive.md, "Compression")
+            out.append(ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), f, True))
         if self.attention and self.k_attn is not None:
             out.append(ArraySpec("attn_topk_idx", ("sequence", "step", "layer", "q_head", "k_attn"), "int32", True))
             out.append(ArraySpec("attn_topk_prob", ("sequence", "step", "layer", "q_head", "k_attn"), f, True))
@@ -201,7 +205,10 @@ class RunShape:
             out.append(ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True))
             out.append(ArraySpec("ffn_val", ("sequence", "step", "layer", "k_ffn"), "float32", True, auto_codec="none"))
         if self.resid_layers:
-            out.append(ArraySpec("resid", ("sequence", "step", "resid_layer", "d_model"), "float32", True, auto_codec="none"))
+            # float16 vectors: zstd keeps 0.89x of them (mostly the fill of blocks past a sequence's end)
+            # for ~0.04 ms a token; float32 ones stay raw (1.07x for ~0.2 ms a step)
+            out.append(ArraySpec("resid", ("sequence", "step", "resid_layer", "d_model"), self.resid_dtype, True,
+                                 auto_codec="zstd" if self.resid_dtype == "float16" else "none"))
         if self.lens:
             out.extend(LENS_ARRAYS)
         if self.k_router and self.layers:

@@ -26,8 +26,18 @@ class Shard:
     def key(self) -> str:
         return f"shard-{self.index}-of-{self.count}"
 
-    def sequences(self, n: int) -> list[int]:
-        return list(range(self.index, n, self.count))
+    def sequences_per_file(self, n: int, chunk_sequences: int) -> int:
+        """Sequences of one shard file (`output.chunk_sequences`), fewer when the run is split over more
+        processes than that leaves groups for: every process gets sequences to write."""
+        return max(1, min(chunk_sequences, -(-n // self.count)))
+
+    def sequences(self, n: int, group: int | None = None) -> list[int]:
+        """The sequences of n this shard writes: whole groups of `group` sequences (one shard file's
+        worth, so no two processes ever write one file), every `count`-th group from group `index`;
+        without groups (a format-2 run), every `count`-th sequence."""
+        if not group or self.count == 1:
+            return list(range(self.index, n, self.count))
+        return [s for g in range(self.index, -(-n // group), self.count) for s in range(g * group, min(n, (g + 1) * group))]
 
 
 def parse_shard(value: str | None) -> tuple[Shard, str | None]:

@@ -2,7 +2,8 @@
 
 Crash-safety protocol (see docs/archive.md):
   1. arrays have their final shape from the start (fill = NaN / -1), so a kill never leaves arrays
-     of different lengths; blocks of `chunk_steps` steps are written whole (one chunk file per block and sequence);
+     of different lengths; blocks of `chunk_steps` steps are written whole (one shard file per block
+     and group of `chunk_sequences` sequences, replaced atomically);
   2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
      once the footer is written, so the parts directory is always a readable dataset;
   3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
@@ -30,6 +31,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from ..errors import LmtraceError
 from . import layout
 from .layout import RunShape
+from .shards import ShardFiles
 
 
 # JSON files whose status may have to change on a full disk (manifest, shard status) are written
@@ -131,8 +133,6 @@ def compressors_for(codec: str, level: int, spec: layout.ArraySpec):
         codec = spec.auto_codec
     if codec == "zstd":
         return [ZstdCodec(level=level)]
-    if codec == "lz4":  # only through `auto`, for attention rows: fast, no shuffle (measured: it did not pay)
-        return [BloscCodec(cname="lz4", clevel=max(1, min(level, 9)), shuffle="noshuffle")]
     if codec == "blosc":
         return [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
     return None
@@ -146,110 +146,44 @@ def consolidate(run_dir: Path) -> None:
 
 
 def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ...], chunk_steps: int,
-                 compressors, chunk_keys: int | None = None) -> zarr.Array:
-    """An archive array (or the existing one of that name), chunked as every writer chunks it."""
+                 compressors, chunk_keys: int | None = None, chunk_sequences: int | None = None) -> zarr.Array:
+    """An archive array (or the existing one of that name), chunked as every writer chunks it.
+
+    With `chunk_sequences` (format 3) an array over `sequence` is sharded: one shard file per
+    `chunk_sequences` sequences (and block of steps), one inner chunk per sequence in it (docs/archive.md,
+    "Files"); without it (format 2) every inner chunk is its own file."""
     if spec.name in group:
         return group[spec.name]
-    # One chunk (one file) per block of steps and sequence, all layers in it. Per-layer inner
-    # chunks (the sharding codec) made a layer slice cheaper to read, but cost ~7 ms of CPU per
-    # step to write on the default capture, a sixth of a decode step (docs/archive.md, "Cost").
+    # One chunk per block of steps and sequence, all layers in it. Per-layer inner chunks made a
+    # layer slice cheaper to read, but cost ~7 ms of CPU per step to write on the default capture,
+    # a sixth of a decode step (docs/archive.md, "Cost").
     chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
+    chunks = [max(1, c) for c in chunks]
     if spec.key_chunked:
         # Attention rows, padded to the longest context of the run, are also split along their
-        # keys: a block writes only the key chunks its context reaches (BlockChunks.write) and a
+        # keys: a block writes only the key chunks its context reaches (ShardFiles.write) and a
         # chunk never written reads as the fill value (NaN), so the padding costs neither bytes
         # nor compression.
         chunks[-1] = layout.key_chunk_width(chunk_keys, shape[-1])
+    shards = None
+    if chunk_sequences is not None:
+        shards = list(chunks)
+        shards[0] = max(1, min(chunk_sequences, shape[0]))
+        if spec.key_chunked:  # the whole row in one shard, in whole key chunks
+            shards[-1] = -(-shape[-1] // chunks[-1]) * chunks[-1]
     return group.create_array(
-        spec.name, shape=shape, chunks=tuple(max(1, c) for c in chunks), dtype=spec.dtype,
+        spec.name, shape=shape, chunks=tuple(chunks), shards=tuple(shards) if shards else None, dtype=spec.dtype,
         fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
         # every chunk is written once, whole: skip zarr's is-it-all-fill scan (NaN-aware, slow)
         config={"write_empty_chunks": True},
     )
 
 
-class BlockChunks:
-    """Whole-chunk writes of one per-step array, straight to its chunk files.
-
-    A block of steps is always one whole chunk per sequence, so the Zarr v3 chunk file can be
-    encoded with the array's own codecs (bytes little-endian, then zstd or blosc from numcodecs —
-    byte-identical to what zarr writes) and put in place with write-to-temp + rename. Going through
-    `zarr.Array.__setitem__` instead cost ~2 ms of CPU a step on the default capture (indexing, the
-    async pipeline's threads), which competes with the forward on a small CPU. Arrays whose
-    metadata is anything else (another chunk-key encoding or codec) are written by zarr
-    (`for_array` returns None).
-    """
-
-    def __init__(self, path: Path, array: zarr.Array, encode):
-        self.path, self.encode = path, encode
-        self.chunk_shape = tuple(array.chunks)
-        self.dtype = np.dtype(array.dtype).newbyteorder("<")
-        self.fill = array.fill_value
-        # one chunk across every trailing dim but the last, which may be split (attention keys)
-        self.trailing = ("0",) * (len(self.chunk_shape) - 3)
-
-    @classmethod
-    def for_array(cls, path: Path, array: zarr.Array) -> "BlockChunks | None":
-        from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
-
-        meta = array.metadata
-        if array.ndim < 3:  # (sequence, step, ...): every per-step array has trailing dims
-            return None
-        key_encoding = getattr(meta, "chunk_key_encoding", None)
-        if getattr(key_encoding, "name", None) != "default" or getattr(key_encoding, "separator", None) != "/":
-            return None
-        codecs = list(meta.codecs)
-        if not codecs or not isinstance(codecs[0], BytesCodec) or codecs[0].endian.value != "little":
-            return None
-        rest = codecs[1:]
-        if not rest:
-            encode = bytes
-        elif len(rest) == 1 and isinstance(rest[0], ZstdCodec):
-            from numcodecs import Zstd
-
-            encode = Zstd(level=rest[0].level, checksum=rest[0].checksum).encode
-        elif len(rest) == 1 and isinstance(rest[0], BloscCodec):
-            from numcodecs import Blosc
-
-            c = rest[0]
-            shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[c.shuffle.value]
-            encode = Blosc(cname=c.cname.value, clevel=c.clevel, shuffle=shuffle, blocksize=c.blocksize or 0).encode
-        else:
-            return None
-        return cls(path, array, encode)
-
-    def write(self, sequence: int, s0: int, block: np.ndarray, pace=lambda: None) -> None:
-        """block [steps, ..., width] of one sequence, starting at s0 (a chunk boundary): whole chunks.
-
-        `width` may be less than the array's last dim (attention rows cut at the block's context):
-        the chunks past it are not written, and read as fill. `pace()` is called before each chunk
-        file (ArchiveWriter.pace).
-        """
-        steps, width = self.chunk_shape[1], self.chunk_shape[-1]
-        for c in range(-(-block.shape[-1] // width)):
-            pace()
-            piece = block[..., c * width: (c + 1) * width]
-            if piece.shape == self.chunk_shape[1:]:
-                chunk = np.ascontiguousarray(piece, dtype=self.dtype)
-            else:  # a batch that ended early, the array's last block or last key chunk: fill the rest
-                chunk = np.full(self.chunk_shape[1:], self.fill, dtype=self.dtype)
-                chunk[: piece.shape[0], ..., : piece.shape[-1]] = piece
-            target = self.path.joinpath("c", str(sequence), str(s0 // steps), *self.trailing, str(c))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            try:
-                tmp.write_bytes(self.encode(chunk))
-                os.replace(tmp, target)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-
-
 class ArchiveWriter:
     """Owns one run directory while it is written. Not thread-safe: use BackgroundWriter to offload."""
 
     def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int,
-                 writer_key: str = "shard-0-of-1", chunk_keys: int | None = None):
+                 writer_key: str = "shard-0-of-1", chunk_keys: int | None = None, chunk_sequences: int | None = None):
         self.dir = run_dir
         self.shape = shape
         self.chunk_steps = chunk_steps
@@ -259,27 +193,33 @@ class ArchiveWriter:
         self._progress_path = run_dir / layout.PROGRESS_DIR / f"{writer_key}.json"
         self._progress_path.parent.mkdir(exist_ok=True)
         self.progress = self._load_progress()
-        self.block_chunks: dict[str, BlockChunks] = {}
+        # Arrays whose shard files lmtrace writes itself (format 3); the others (a format-2 run
+        # resumed) are written through zarr
+        self.shard_files: dict[str, ShardFiles] = {}
         # Called before each chunk file, table part and commit of a block: BackgroundWriter makes it
         # wait while the model's forward runs (BackgroundWriter.forward_running).
         self.pace = lambda: None
         self.key_arrays = {spec.name for spec in shape.arrays() if spec.key_chunked}
         for spec in shape.arrays():
-            self.arrays[spec.name] = self._create(spec, compressors_for(codec, level, spec))
-            if spec.per_step:
-                direct = BlockChunks.for_array(run_dir / layout.TENSORS / spec.name, self.arrays[spec.name])
-                if direct is not None:
-                    self.block_chunks[spec.name] = direct
+            self.arrays[spec.name] = create_array(self.group, spec, shape.shape_of(spec), chunk_steps,
+                                                  compressors_for(codec, level, spec), chunk_keys, chunk_sequences)
+            direct = ShardFiles.for_array(run_dir / layout.TENSORS / spec.name, self.arrays[spec.name], spec.per_step)
+            if direct is not None:
+                self.shard_files[spec.name] = direct
         self._coordinates()
+
+    @property
+    def sequence_group(self) -> int | None:
+        """Sequences per shard file of this run's arrays (None: not sharded, a format-2 run): the
+        unit a SLURM shard owns, so that no two processes write one file (rundir.Shard.sequences)."""
+        groups = {files.sequences for files in self.shard_files.values()}
+        return max(groups) if groups else None
 
     # ---- set-up ------------------------------------------------------------------------------
     def _load_progress(self) -> dict:
         if self._progress_path.is_file():
             return json.loads(self._progress_path.read_text())
         return {"batches": {}}
-
-    def _create(self, spec: layout.ArraySpec, compressors) -> zarr.Array:
-        return create_array(self.group, spec, self.shape.shape_of(spec), self.chunk_steps, compressors, self.chunk_keys)
 
     def _coordinates(self) -> None:
         s = self.shape
@@ -323,12 +263,12 @@ class ArchiveWriter:
         return runs
 
     def _put(self, name: str, seqs: list[int], data: np.ndarray, steps: slice | None = None) -> None:
-        # Chunks of different sequences are distinct files, so strided shards (SLURM array tasks)
-        # never share a chunk; contiguous slices keep every write a whole-chunk write.
-        direct = self.block_chunks.get(name) if steps is not None else None
-        if direct is not None and steps.start % self.chunk_steps == 0 and steps.stop - steps.start <= self.chunk_steps:
-            for row, seq in enumerate(seqs):
-                direct.write(seq, steps.start, data[row], self.pace)
+        # A shard file holds whole groups of sequences, and one process owns each group (SLURM
+        # array tasks included), so its shard files are only ever written here.
+        direct = self.shard_files.get(name)
+        if direct is not None and (steps is None or (steps.start % self.chunk_steps == 0
+                                                     and steps.stop - steps.start <= self.chunk_steps)):
+            direct.write(seqs, data, None if steps is None else steps.start, self.pace)
             return
         array = self.arrays[name]
         # attention rows cut at the block's context (BlockSink): the keys past it stay fill

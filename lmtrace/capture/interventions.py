@@ -634,5 +634,5 @@ def patch_source(e: PatchResidual, open_run):
         s = e.source_sequence if e.source_sequence is not None else seq
         if s >= arr.shape[0] or step >= lengths[s]:
             return None
-        return arr[s, step, ri]
+        return np.asarray(arr[s, step, ri], dtype=np.float32)  # float16 in runs of the default capture
     return get

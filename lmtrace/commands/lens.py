@@ -130,6 +130,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     import torch  # here, not at the top: a no-op `lmtrace lens` answers without importing it (seconds)
 
     from ..capture.arch import adapter_for
+    from ..archive.shards import sequences_per_shard
     from ..archive.writer import compressors_for, consolidate, create_array
     from ..analysis.lens_stats import lens_target_columns
     from ..capture.lens import LogitLens
@@ -167,7 +168,10 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
         shutil.rmtree(run.path / layout.TENSORS / s.name, ignore_errors=True)
     group = _writable_group(run.path)
     codec, level = spec["output"]["codec"], int(spec["output"]["level"])
-    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors_for(codec, level, s))
+    # sharded like the run's own arrays (format 3), or one chunk file per sequence and block (format 2)
+    per_shard = sequences_per_shard(resid)
+    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors_for(codec, level, s),
+                                chunk_sequences=per_shard)
            for s in layout.LENS_ARRAYS}
     gen_len = run.generated_len()
 

@@ -267,15 +267,18 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
             attention=cap.attention.enabled and bool(layers), prefill_attention=cap.prefill_attention,
             qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
             lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
-            head_dla=cap.head_dla and bool(layers),
+            resid_dtype=cap.residual.dtype, head_dla=cap.head_dla and bool(layers),
         )
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
+    # per run: vocab.parquet (~7.5 bytes a token id, measured 369 KB for SmolLM2's 49,152) and the
+    # arrays' metadata and coordinates (~4 KB each)
+    fixed = int(7.5 * (cfg.get("vocab_size") or 0)) + 4096 * (len(shape_for(1).arrays()) + 16)
 
     def size(shape: RunShape) -> tuple[int, int, int]:
         per_step = shape.estimate_bytes_per_step(spec.output.chunk_steps, spec.output.chunk_keys)
         tensors = per_step * shape.n_sequences * shape.n_steps
-        tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt)
+        tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt) + fixed
         return per_step, tensors, tables
 
     shape = shape_for(spec.generation.max_new_tokens)
@@ -296,7 +299,8 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
     if free is not None and tensors + tables > free:
         warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{human_bytes(tensors + tables)}) "
                         f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
-                        f"space; lower generation.max_new_tokens unless an eos token or a stop string ends it sooner")
+                        f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
+                        f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner")
     placement = planned_placement(spec.model)
     return {
         "resolved": spec.model_dump(mode="json"),
