@@ -16,25 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
+
+from sweep_bench import lmtrace  # bench/ is the script's directory: one way to time a process
 
 REPO = Path(__file__).resolve().parents[1]
 PLACES = ["store", "park", "house", "beach", "school", "office", "garden", "market", "church", "station"]
 THINGS = ["drink", "book", "ball", "gift", "pen", "letter", "ring", "hat", "key", "cake"]
-
-
-def lmtrace(runs: Path, *args: str) -> tuple[float, str]:
-    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli.main", *args], env=env, capture_output=True, text=True,
-                          cwd=REPO)
-    if proc.returncode != 0:
-        raise SystemExit(f"lmtrace {' '.join(args)} failed: {proc.stderr.strip()}")
-    return time.perf_counter() - t0, proc.stdout
 
 
 def main() -> None:

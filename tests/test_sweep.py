@@ -780,9 +780,39 @@ def test_dataset_patching_equals_per_pair_sweeps_averaged_by_the_test(paired_run
     ([], "same token length"),  # by index the reversed pairs have prompts of different lengths
 ])
 def test_bad_pairs_exit_2_with_one_line(paired_runs, args, fragment):
-    clean, corrupt = paired_runs
+    _, corrupt = paired_runs
     out = _cli(corrupt.path.parent.parent, "sweep", str(corrupt.path), "--over", "attn", "--edit", "patch",
                "--source", "clean-set", *args)
     _, stderr = out.communicate(timeout=300)
     lines = _error_lines(stderr)
     assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], stderr
+
+
+class _Ids:
+    """A run as pair_sequences reads it: an id and sequences.parquet's rows."""
+
+    def __init__(self, run_id, ids):
+        import pyarrow as pa
+
+        self.id = run_id
+        self.table = pa.table({"sequence": list(range(len(ids))), "pair_id": ids})
+
+    def sequences(self):
+        return self.table
+
+
+def test_pairing_by_id_matches_ids_and_refuses_ids_without_a_partner_in_one_line():
+    from lmtrace.archive.pairs import pair_sequences
+    from lmtrace.errors import SpecError
+
+    parent, source = _Ids("corrupt", ["a", "b", "c"]), _Ids("clean", ["c", "a", "b"])
+    assert pair_sequences(parent, source, [0, 1, 2], "pair_id") == {0: (1, "a"), 1: (2, "b"), 2: (0, "c")}
+    assert pair_sequences(parent, source, [0, 2], None) == {0: (0, "0"), 2: (2, "2")}
+    for p, s, seqs, fragment in ((parent, _Ids("clean", ["a", "b"]), [0, 1, 2], "id 'c' of run corrupt is missing"),
+                                 (_Ids("corrupt", ["a", "b"]), source, [0, 1], "id 'c' of the source run clean"),
+                                 (_Ids("corrupt", ["a", "a"]), source, [0, 1], "appears twice"),
+                                 (_Ids("corrupt", ["a", None]), source, [0, 1], "has no pair_id"),
+                                 (parent, _Ids("clean", ["a"]), [0, 1], None)):
+        with pytest.raises(SpecError) as err:
+            pair_sequences(p, s, seqs, "pair_id" if fragment else None)
+        assert "\n" not in str(err.value) and (fragment or "has no partner") in str(err.value)
