@@ -22,6 +22,7 @@ class SweepSpec(BaseModel):
     over: str  # heads | attn | mlp | layers | neurons:L | positions | resid:A-B
     edit: Literal["zero", "mean", "patch"] = "zero"
     source: str | None = None  # patch: the source run
+    pair_by: str | None = None  # patch: pair sequences by this id column of both runs' sequences.parquet (else by index)
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
     steps: str = "all"
     sequences: str = "all"
@@ -41,7 +42,7 @@ def load_sweep_spec(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: malformed YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping (over, edit, source, metrics, steps, sequences, positions, batch, "
+        raise SpecError(f"{path}: expected a mapping (over, edit, source, pair_by, metrics, steps, sequences, positions, batch, "
                         f"from_step)")
     return data
 

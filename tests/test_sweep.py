@@ -711,3 +711,108 @@ def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path
     # the classic picture: patching the last layer at the last position restores the clean answer
     baseline = df[df.metric == metric].baseline.iloc[0]
     assert baseline < 0 < grid[(29, P - 1)]
+
+
+PAIRS = [("p0", "The quick brown fox", "The slow brown cat"), ("p1", "Paris is the capital of", "Rome is the capital of"),
+         ("p2", "She gave the red book to her best friend", "He gave the red book to her best friend")]
+
+
+def _pair_run(tmp, model_dir, rows, run_id):
+    f = tmp / f"{run_id}.jsonl"
+    f.write_text("".join(json.dumps({"prompt": text, "pair_id": pid}) + "\n" for pid, text in rows))
+    return run_spec(tmp, {"model": str(model_dir), "prompts": {"file": str(f)}, "capture": "none",
+                          "generation": {"max_new_tokens": 3, "batch_size": 3, "temperature": 0.9, "seed": 5},
+                          "output": {"run_id": run_id}})
+
+
+@pytest.fixture(scope="module")
+def paired_runs(tmp_path_factory, sharp_llama_dir):
+    """Three clean/corrupted prompt pairs; the corrupted run lists them in reverse order, so pairing by
+    index would pair the wrong prompts and only `--pair-by pair_id` pairs them right."""
+    tmp = tmp_path_factory.mktemp("pairs")
+    clean = _pair_run(tmp, sharp_llama_dir, [(p, c) for p, c, _ in PAIRS], "clean-set")
+    corrupt = _pair_run(tmp, sharp_llama_dir, [(p, x) for p, _, x in reversed(PAIRS)], "corrupt-set")
+    return clean, corrupt
+
+
+def test_dataset_patching_equals_per_pair_sweeps_averaged_by_the_test(paired_runs, model):
+    """One sweep over every pair (by id) = one sweep per pair, normalised by the clean run's own logit
+    difference (the test's forward) and averaged, with the test's own bootstrap interval over pairs."""
+    clean, corrupt = paired_runs
+    metric = "logit_diff:42,7"
+    spec = dict(over="attn", edit="patch", source="clean-set", pair_by="pair_id", metrics=[metric, "logprob"],
+                steps="0,1")
+    result = run_sweep(str(corrupt.path), SweepSpec(**spec))
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    ids_clean = clean.sequences().column("pair_id").to_pylist()
+    ids_corrupt = corrupt.sequences().column("pair_id").to_pylist()
+    own = {}  # (pair, layer) -> [normalised per step], from per-pair sweeps and the test's own clean forward
+    for seq, pid in enumerate(ids_corrupt):
+        cp, cg = _seq(clean, ids_clean.index(pid))
+        p, g = _seq(corrupt, seq)
+        logits = _logits(model, cp + cg[:1])  # the clean run's own forward at the measured positions
+        clean_value = (logits[len(cp) - 1: len(cp) + 1, 42] - logits[len(cp) - 1: len(cp) + 1, 7]).numpy()
+        one = run_sweep(str(corrupt.path), SweepSpec(**spec, sequences=str(seq)))
+        single = read_sweep(corrupt, one.sweep_id).to_pandas()
+        single = single[single.metric == metric]
+        for layer in range(4):
+            r = single[single.layer == layer].sort_values("step")
+            own[(pid, layer)] = (r.value.to_numpy() - r.baseline.to_numpy()) / (clean_value - r.baseline.to_numpy())
+            d = df[(df.metric == metric) & (df.layer == layer) & (df.sequence == seq)].sort_values("step")
+            assert list(d.pair) == [pid, pid] and list(d.source_sequence) == [ids_clean.index(pid)] * 2
+            np.testing.assert_allclose(d.normalised, own[(pid, layer)], atol=1e-4, rtol=0)
+    info = json.loads((result.path / "sweep.json").read_text())["patching"]
+    assert (info["clean"], info["corrupted"], info["n_pairs"]) == ("clean-set", "corrupt-set", 3)
+    order = ids_corrupt  # the bootstrap draws pairs in sequence order
+    draws = np.random.default_rng(0).integers(0, 3, size=(1000, 3))
+    for cell in info["cells"]:
+        per_pair = np.array([own[(pid, cell["layer"])] for pid in order])  # [pair, step]
+        assert abs(cell["effect"] - per_pair.mean()) < 1e-4
+        boot = per_pair[draws].mean(axis=(1, 2))
+        low, high = np.percentile(boot, [2.5, 97.5])
+        assert abs(cell["low"] - low) < 1e-4 and abs(cell["high"] - high) < 1e-4
+        assert cell["n_pairs"] == 3
+    assert len(info["cells"]) == 4 and max(abs(c["effect"]) for c in info["cells"]) > 1e-2
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--pair-by", "nope"], "has no such column"),
+    ([], "same token length"),  # by index the reversed pairs have prompts of different lengths
+])
+def test_bad_pairs_exit_2_with_one_line(paired_runs, args, fragment):
+    _, corrupt = paired_runs
+    out = _cli(corrupt.path.parent.parent, "sweep", str(corrupt.path), "--over", "attn", "--edit", "patch",
+               "--source", "clean-set", *args)
+    _, stderr = out.communicate(timeout=300)
+    lines = _error_lines(stderr)
+    assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], stderr
+
+
+class _Ids:
+    """A run as pair_sequences reads it: an id and sequences.parquet's rows."""
+
+    def __init__(self, run_id, ids):
+        import pyarrow as pa
+
+        self.id = run_id
+        self.table = pa.table({"sequence": list(range(len(ids))), "pair_id": ids})
+
+    def sequences(self):
+        return self.table
+
+
+def test_pairing_by_id_matches_ids_and_refuses_ids_without_a_partner_in_one_line():
+    from lmtrace.archive.pairs import pair_sequences
+    from lmtrace.errors import SpecError
+
+    parent, source = _Ids("corrupt", ["a", "b", "c"]), _Ids("clean", ["c", "a", "b"])
+    assert pair_sequences(parent, source, [0, 1, 2], "pair_id") == {0: (1, "a"), 1: (2, "b"), 2: (0, "c")}
+    assert pair_sequences(parent, source, [0, 2], None) == {0: (0, "0"), 2: (2, "2")}
+    for p, s, seqs, fragment in ((parent, _Ids("clean", ["a", "b"]), [0, 1, 2], "id 'c' of run corrupt is missing"),
+                                 (_Ids("corrupt", ["a", "b"]), source, [0, 1], "id 'c' of the source run clean"),
+                                 (_Ids("corrupt", ["a", "a"]), source, [0, 1], "appears twice"),
+                                 (_Ids("corrupt", ["a", None]), source, [0, 1], "has no pair_id"),
+                                 (parent, _Ids("clean", ["a"]), [0, 1], None)):
+        with pytest.raises(SpecError) as err:
+            pair_sequences(p, s, seqs, "pair_id" if fragment else None)
+        assert "\n" not in str(err.value) and (fragment or "has no partner") in str(err.value)

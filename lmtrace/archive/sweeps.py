@@ -40,18 +40,37 @@ def writer_key(sweep_id: str, index: int, count: int) -> str:
     return f"sweep-{sweep_id}" + (f"-shard-{index}-of-{count}" if count > 1 else "")
 
 
-def block_schema() -> pa.Schema:
+PAIR_COLUMNS = [("pair", pa.string()), ("source_sequence", pa.int32()), ("source_value", pa.float64()),
+                ("normalised", pa.float64())]
+
+
+def block_schema(patch: bool = False) -> pa.Schema:
+    """The long table's columns; a patching sweep's rows also name their pair (`PAIR_COLUMNS`)."""
     return pa.schema([("component", pa.string()), ("layer", pa.int32()), ("q_head", pa.int32()),
                       ("neuron", pa.int32()), ("position", pa.int32()), ("sequence", pa.int32()),
                       ("step", pa.int32()), ("metric", pa.string()), ("value", pa.float64()),
-                      ("baseline", pa.float64()), ("effect", pa.float64())])
+                      ("baseline", pa.float64()), ("effect", pa.float64()), *(PAIR_COLUMNS if patch else [])])
 
 
-def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline: dict) -> pa.Table:
+@dataclass
+class PairColumns:
+    """A patching block's pair: its id (the --pair-by value, or the sequence index), the source
+    sequence, and the source's own value of each metric per measured step (metric -> [S])."""
+
+    pair: str
+    source_sequence: int
+    source_values: dict
+
+
+def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline: dict,
+                pair: PairColumns | None = None, normalised: dict | None = None) -> pa.Table:
     """The long-table rows of one block: cells (with component, layer, head -> q_head, neuron, position),
-    values metric -> [len(cells), len(steps)], baseline metric -> [len(steps)]."""
+    values metric -> [len(cells), len(steps)], baseline metric -> [len(steps)]. A patching block also
+    has its `pair` and `normalised` metric -> [len(cells), len(steps)] (the normalised patching effect,
+    `analysis.sweep.effects.normalised_effect`)."""
     S = len(steps)
-    cols: dict[str, list] = {f.name: [] for f in block_schema()}
+    schema = block_schema(pair is not None)
+    cols: dict[str, list] = {f.name: [] for f in schema}
     for name, v in values.items():
         b = baseline[name]  # [S]
         for r, c in enumerate(cells):
@@ -67,7 +86,13 @@ def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline:
             cols["value"] += v[r].tolist()
             cols["baseline"] += b.tolist()
             cols["effect"] += (v[r] - b).tolist()
-    return pa.table(cols, schema=block_schema())
+            if pair is not None:
+                src = pair.source_values[name]
+                cols["pair"] += [pair.pair] * n
+                cols["source_sequence"] += [pair.source_sequence] * n
+                cols["source_value"] += src.tolist()
+                cols["normalised"] += normalised[name][r].tolist()
+    return pa.table(cols, schema=schema)
 
 
 def write_block(table: pa.Table, path: Path) -> None:

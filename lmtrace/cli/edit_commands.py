@@ -59,6 +59,8 @@ def sweep(
     over: Optional[str] = typer.Option(None, "--over", help="heads | attn | mlp | layers | neurons:LAYER | positions | resid:A-B"),
     edit: Optional[str] = typer.Option(None, "--edit", help="zero | mean | patch (default zero)."),
     source: Optional[str] = typer.Option(None, "--source", help="Patch: the run whose activations are patched in."),
+    pair_by: Optional[str] = typer.Option(None, "--pair-by", metavar="COLUMN", help="Patch: pair the two runs' "
+                                          "sequences by this id column of sequences.parquet (default: by index)."),
     metric: list[str] = typer.Option([], "--metric", "-m", help="logprob, prob, kl, rank, logit_diff:A,B (repeatable; "
                                      "the first ranks). Default: logprob, prob, kl, rank."),
     steps: Optional[str] = typer.Option(None, "--steps", help="Steps measured: 0,4,9 or 2-5 or all (default all)."),
@@ -86,7 +88,8 @@ def sweep(
     from .sweep import sweep_command
 
     try:
-        sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, metrics=metric,
+        sweep_command(run_ref, spec_path=spec_path, flags=dict(over=over, edit=edit, source=source, pair_by=pair_by,
+                                                               metrics=metric,
                                                                steps=steps, sequences=sequences, positions=positions,
                                                                batch=batch, from_step=from_step),
                       runs_dir=runs_dir, run_id=run_id, shard=shard, resume=resume, top=top, json_out=json_out,

@@ -40,9 +40,30 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
         print(summary["sweep_id"])
     else:
         _print(summary, spec)
+        if "patching" in summary:
+            _print_patching(summary["patching"], top)
         if "by" in summary:
             _print_grouped(summary["by"], top)
     return summary
+
+
+def _print_patching(patching: dict, top: int) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(f"normalised patching effect on {patching['metric']} (patched - corrupted) / (clean - "
+                           f"corrupted), clean = {patching['clean']}, corrupted = {patching['corrupted']}: mean over "
+                           f"{patching['n_pairs']} pairs (by {patching['pair_by']}), 95 % bootstrap interval over "
+                           f"pairs; top {top}"), title_justify="left")
+    for col in ("component", "layer", "q_head", "neuron", "position", "normalised", "95 % interval", "pairs"):
+        t.add_column(escape(col), justify="left" if col == "component" else "right")
+    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+    for c in patching["cells"][:top]:
+        interval = "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]"
+        t.add_row(c["component"], *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")),
+                  f"{c['effect']:.4f}", interval, str(c["n_pairs"]))
+    Console().print(t)
 
 
 def _print_grouped(by: dict, top: int) -> None:

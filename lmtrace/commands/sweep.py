@@ -25,12 +25,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..analysis.sweep.cells import Cell, build_cells
-from ..analysis.sweep.effects import cell_effects, effect_array, ranking, sequence_means
+from ..analysis.sweep.effects import cell_effects, effect_array, normalised_effect, ranking, sequence_means
 from ..analysis.sweep.metrics import Metric, parse_metrics
 from ..archive.liveness import OwnerLock, pause_for_tests
 from ..archive.runs import locked
-from ..archive.sweeps import (SWEEPS_DIR, EffectArray, block_table, create_partial, read_blocks,
+from ..archive.sweeps import (SWEEPS_DIR, EffectArray, PairColumns, block_table, create_partial, read_blocks,
                               record_sweep, write_block, write_sweep, writer_key)
 from ..archive.writer import atomic_write_json
 from ..capture.interventions import parse_range_list
@@ -65,10 +67,12 @@ class _Inputs:
     from_step: int
     source_run: object | None = None
     source_view: object | None = None
+    pairs: dict | None = None  # patch: parent sequence -> (source sequence, pair id)
 
 
 def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
     """Resolve the parent (and the patch source) and validate the spec against them; raises SpecError."""
+    from ..archive.pairs import pair_sequences
     from ..archive.reader import open_run
     from ..parent import ParentView, tokenizer_of
 
@@ -109,18 +113,17 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
         source_run = open_run(spec.source, parent.path.parent, require_complete=True)
         _check_source(parent, source_run)
         source_view = ParentView.read(source_run)
+        inputs.pairs = pair_sequences(parent, source_run, seqs, spec.pair_by)
         for s in seqs:
-            if s >= len(source_view.prompt_ids):
-                raise SpecError(f"source run {source_run.id} has {len(source_view.prompt_ids)} sequences; sequence {s} "
-                                f"of run {parent.id} has no partner (sequences are paired by index)")
-            a, b = len(view.prompt_ids[s]), len(source_view.prompt_ids[s])
+            t, pair = inputs.pairs[s]
+            a, b = len(view.prompt_ids[s]), len(source_view.prompt_ids[t])
             if a != b:
-                raise SpecError(f"sequence {s}: the prompt of run {parent.id} is {a} tokens, the source run "
-                                f"{source_run.id}'s is {b}; patching pairs positions, so the prompts must have the "
-                                f"same token length")
+                raise SpecError(f"pair {pair} (sequence {s} of run {parent.id}, sequence {t} of the source run "
+                                f"{source_run.id}): the prompts are {a} and {b} tokens; patching pairs positions, so "
+                                f"the prompts of a pair must have the same token length")
         inputs.source_run, inputs.source_view = source_run, source_view
-    elif spec.source is not None:
-        raise SpecError("--source is for --edit patch")
+    elif spec.source is not None or spec.pair_by is not None:
+        raise SpecError(f"--{'source' if spec.source is not None else 'pair-by'} is for --edit patch")
     return inputs
 
 
@@ -213,6 +216,8 @@ def _sweep_owned(inp: _Inputs, spec: SweepSpec, blocks: list, given: dict, sweep
     summary = {"sweep_id": sweep_id, "run_id": parent.id, "path": str(final), "n_cells": len(cells),
                "metric": inp.metrics[0].key, "baseline_max_abs_diff": info["baseline_max_abs_diff"],
                "seconds": round(time.time() - t0, 3), "sweep_s": info["timings"]["sweep_s"], "top": info["top"]}
+    if "patching" in info:
+        summary["patching"] = info["patching"]
     return SweepResult(sweep_id, final, "complete", summary, time.time() - t0)
 
 
@@ -254,21 +259,32 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                                      f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}")
                 baseline_check[s] = diff
                 base_metrics = {k: v[0] for k, v in engine.measure(base[None], base, steps, tokens, first).items()}
-                source = None
+                source, pair = None, None
                 if spec.edit == "patch":
                     wanted = {(c.component, c.layer) for c in inp.cells}
-                    sids = inp.source_view.prompt_ids[s] + inp.source_view.generated[s]
+                    t, pair_id = inp.pairs[s]
+                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
                     T = seq_in.ids.shape[1]
                     source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
-                    if len(sids) >= T:  # the source's logits at the same positions: steps 0..max(steps)
+                    # the source's own metrics (the clean run's, the normaliser): its logits at the same
+                    # positions (steps 0..max(steps)), scored on the patched run's tokens; NaN where the
+                    # source sequence is shorter than the measured context
+                    if len(sids) >= T:
+                        own = {k: v[0] for k, v in engine.measure(src_logits[first:][None], base, steps, tokens,
+                                                                  first).items()}
                         source_baseline[str(s)] = {
                             m.key: [float(src_logits[st, m.tokens[0]] - src_logits[st, m.tokens[1]]) for st in steps]
                             for m in inp.metrics if m.tokens}
-                current = (s, seq_in, steps, tokens, base, base_metrics, source)
-            _, seq_in, steps, tokens, base, base_metrics, source = current
+                    else:
+                        own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
+                    pair = PairColumns(pair_id, t, own)
+                current = (s, seq_in, steps, tokens, base, base_metrics, source, pair)
+            _, seq_in, steps, tokens, base, base_metrics, source, pair = current
             logits = engine.run_cells(seq_in, block_cells, source)
             values = engine.measure(logits, base, steps, tokens, seq_in.first_step)
-            write_block(block_table(block_cells, s, steps, values, base_metrics), path)
+            normalised = None if pair is None else {
+                k: normalised_effect(v, base_metrics[k][None], pair.source_values[k][None]) for k, v in values.items()}
+            write_block(block_table(block_cells, s, steps, values, base_metrics, pair, normalised), path)
             n_done += 1
             note(f"block {n_done}/{len(mine)} ({len(block_cells)} cells of sequence {s})")
             if stop.signal is not None:
@@ -305,6 +321,8 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
         "timings": {**timings, "shards": len(shards)},
         "top": ranking(table, metric_keys[0], top),
     }
+    if source_run is not None:
+        info["patching"] = patching_summary(table, inp, metric_keys[0], spec.pair_by)
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
@@ -316,6 +334,26 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
                                "edit": spec.edit, "source": source_run.id if source_run else None,
                                "metrics": metric_keys, "n_cells": len(inp.cells), "created": info["created"]})
     return info
+
+
+def patching_summary(table, inp: _Inputs, metric: str, pair_by: str | None) -> dict:
+    """sweep.json's `patching`: which run is clean and which corrupted, the pairs, and per cell the
+    mean normalised effect on `metric` across pairs with its 95 % bootstrap interval over pairs."""
+    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, normalised_cells
+
+    frame = normalised_cells(table, metric)
+    ints = ("layer", "q_head", "neuron", "position", "n_pairs", "n_rows")
+    cells = [{k: (None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v) if k in ints
+                  else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
+             for r in frame.to_dict("records")]
+    cells.sort(key=lambda c: -abs(c["effect"]))
+    return {"clean": inp.source_run.id, "corrupted": inp.parent.id, "pair_by": pair_by or "index",
+            "n_pairs": len(inp.seqs),
+            "pairs": [{"pair": pair, "sequence": s, "source_sequence": t} for s, (t, pair) in inp.pairs.items()],
+            "metric": metric, "formula": "(patched - corrupted) / (clean - corrupted), per (pair, step); "
+            "mean over the (pair, step) rows where clean != corrupted",
+            "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+            "interval": "95 % percentile bootstrap over pairs", "cells": cells}
 
 
 def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:

@@ -63,10 +63,12 @@ def effect_array(effects: pd.DataFrame) -> tuple[list[str], dict[str, list[int]]
 
 
 def sequence_means(table: pa.Table) -> pa.Table:
-    """The mean of value, baseline and effect over the steps of each (cell, sequence, metric), with n_steps."""
+    """The mean of value, baseline and effect (and a patching sweep's source_value and normalised)
+    over the steps of each (cell, sequence, metric), with n_steps (and the pair's id)."""
     df = table.to_pandas()
-    keys = [*CELL_KEYS, "sequence", "metric"]
-    mean = df.groupby(keys, dropna=False)[MEANS].mean().reset_index()
+    patch = "normalised" in df.columns
+    keys = [*CELL_KEYS, "sequence", *(["pair", "source_sequence"] if patch else []), "metric"]
+    mean = df.groupby(keys, dropna=False)[MEANS + (["source_value", "normalised"] if patch else [])].mean().reset_index()
     mean["n_steps"] = df.groupby(keys, dropna=False).step.count().values
     return pa.Table.from_pandas(mean, preserve_index=False)
 
@@ -119,3 +121,32 @@ def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: in
     result = pd.concat(out, ignore_index=True)
     order = result.group.map(lambda g: (g is None, str(g)))
     return result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
+
+
+def normalised_effect(value: np.ndarray, baseline: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """The normalised patching effect (value - baseline) / (source - baseline), elementwise.
+
+    In `sweep CORRUPT --source CLEAN`: value = the metric with the cell patched from the clean run,
+    baseline = the corrupted run's own (unedited) metric, source = the clean run's own metric; 1 = the
+    patch restores the clean behaviour, 0 = no effect. NaN where source == baseline (nothing to restore)
+    or the source value is unknown."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        denominator = source - baseline
+        out = (value - baseline) / np.where(denominator == 0, np.nan, denominator)
+    return out
+
+
+def normalised_cells(table: pa.Table, metric: str, *, resamples: int = BOOTSTRAP_RESAMPLES,
+                     seed: int = BOOTSTRAP_SEED) -> pd.DataFrame:
+    """Per cell of a patching sweep on `metric`: the mean normalised effect over every (pair, step)
+    row where it is defined, with a 95 % bootstrap interval over pairs (`grouped_effects` on the
+    `normalised` column, every pair one group's sequence): columns CELL_KEYS, effect, low, high,
+    n_pairs, n_rows. A pair is a row of the patched run (`sequence`), so resampling sequences
+    resamples pairs."""
+    t = table.select([*CELL_KEYS, "sequence", "metric", "normalised"]).to_pandas()
+    t = t[(t.metric == metric) & t.normalised.notna()].drop(columns="effect", errors="ignore").rename(columns={"normalised": "effect"})
+    if t.empty:
+        return pd.DataFrame(columns=[*CELL_KEYS, "effect", "low", "high", "n_pairs", "n_rows"])
+    frame = grouped_effects(pa.Table.from_pandas(t, preserve_index=False), metric, {},
+                            resamples=resamples, seed=seed)
+    return frame.drop(columns="group").rename(columns={"n_sequences": "n_pairs"})
