@@ -997,13 +997,13 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
                 page.select_option(".sweep-axes select.axis-row", "layer")
                 page.select_option(".sweep-axes select.axis-col", "head")
                 page.select_option(".sweep-axes select.axis-fixed[data-dim='position']", str(r["position"] - 1))
-                cell = page.locator(f".sweep-metric td.cell[data-layer='{r['layer']}'][data-head='{r['head']}']")
+                cell = page.locator(f".sweep-metric td.cell[data-layer='{r['layer']}'][data-head='{r['q_head']}']")
                 assert np.float32(float(cell.get_attribute("data-value"))) == np.float32(r["effect"])
             cell.click()
             page.wait_for_selector(".sweep-rows tbody tr")
             long = pq.read_table(d / "sweep.parquet").to_pandas()
             r = top[2]
-            own = long[(long.layer == r["layer"]) & (long["head"] == r["head"]) & (long.position == r["position"])]
+            own = long[(long.layer == r["layer"]) & (long["q_head"] == r["q_head"]) & (long.position == r["position"])]
             rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => +r.children[5].textContent)")
             assert rows == pytest.approx(own.sort_values(["sequence", "step"]).effect.tolist(), abs=5e-5)
             assert_no_placeholder_text(page)
