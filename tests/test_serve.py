@@ -63,7 +63,7 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
 
 def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
     """On runs/tiny (after the copies): a head sweep measuring logprob and kl, attributions of
-    sequence 1's steps 1 and 2, and runs/child, its intervention child (an MLP and a head ablated
+    sequence 1's steps 1 and 2 (and lrp of step 2, with its per-layer and per-head relevance), and runs/child, its intervention child (an MLP and a head ablated
     from step 2, regenerated, so the tokens can part from the parent's)."""
     from lmtrace.commands.explain import explain_run
     from lmtrace.commands.intervene import run_intervene
@@ -72,6 +72,7 @@ def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
                    "--metric", "kl")
     assert proc.returncode == 0, proc.stderr
     explain_run(runs / "tiny", "1,2", sequence=1, methods=["grad_x_input,occlusion"])
+    explain_run(runs / "tiny", "2", sequence=1, methods=["lrp"])
     run_intervene(str(runs / "tiny"), CHILD_EDITS, mode="regenerate", runs_dir=str(runs), run_id="child")
 
 
@@ -440,6 +441,16 @@ def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
     assert server.request("/api/runs/tiny/sequences/1/attention/2/9")[0] == 404
 
 
+def archived_lrp(run_dir: Path, seq: int, step: int) -> dict:
+    """The lrp explanation of (seq, step) read here: manifest.json's entry, its component arrays read with
+    zarr at the step's index, and the step's conservation numbers."""
+    entry = next(e for e in json.loads((run_dir / "manifest.json").read_text())["explain"]
+                 if e["method"] == "lrp" and e["sequence"] == seq and step in e["steps"])
+    k = entry["steps"].index(step)
+    arrays = {name: zarr.open_array(str(run_dir / path), mode="r")[k] for name, path in entry["components"].items()}
+    return {"id": entry["id"], "arrays": arrays, "result": next(r for r in entry["results"] if r["step"] == step)}
+
+
 def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     run_dir = runs_dir / "tiny"
     d = server.json("/api/runs/tiny/sequences/1/steps/2")
@@ -452,12 +463,24 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     assert d["over_heads"]["keys"] == archive_tokens(run_dir, 1).token_text.tolist()[:attn.shape[-1]]
     scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas()
     own = scores[(scores.sequence == 1) & (scores.step == 2)]
-    assert sorted(a["method"] for a in d["attributions"]) == ["grad_x_input", "occlusion"]
+    assert sorted(a["method"] for a in d["attributions"]) == ["grad_x_input", "lrp", "occlusion"]
     for a in d["attributions"]:
         rows = own[own.method == a["method"]].sort_values("position")
         assert [s["position"] for s in a["scores"]] == rows.position.tolist()
         assert [s["text"] for s in a["scores"]] == rows.token_text.tolist()
         assert [s["score"] for s in a["scores"]] == [float(x) for x in rows.score]
+        assert ("components" in a) == (a["method"] == "lrp")
+    # lrp's components: the zarr arrays at this step, and the conservation numbers of manifest.json
+    lrp = next(a for a in d["attributions"] if a["method"] == "lrp")
+    ref = archived_lrp(run_dir, 1, 2)
+    c = lrp["components"]
+    assert lrp["explain_id"] == ref["id"] and lrp["target"] == "chosen" and lrp["quantity"] == "logit"
+    assert c["heads"] == ref["arrays"]["heads"].tolist() and len(c["heads"]) == len(c["layers"])
+    assert c["per_layer"] == {n: ref["arrays"][n].tolist() for n in ("attention", "mlp", "attention_bias")}
+    assert c["layers"] == list(range(ref["arrays"]["heads"].shape[0]))
+    assert c["conservation"] == {k: ref["result"][k] for k in ("f_x", "sum_scores", "bias_relevance",
+                                                                "conservation_error", "conservation_error_relative")}
+    assert abs(c["conservation"]["conservation_error_relative"]) < 1e-4
     assert server.json("/api/runs/tiny/sequences/1/steps/3")["attributions"] == []
     assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
 
@@ -681,6 +704,34 @@ def first_divergence(a, b) -> int | None:
     return min(len(a), len(b)) if first is None and len(a) != len(b) else first
 
 
+def check_lrp_components(page, prefix: str, run_dir: Path, seq: int, step: int, rel: float = 0.0) -> None:
+    """The lrp attribution's per-layer table, head grid and conservation line on the page equal the zarr
+    arrays and manifest.json read here (the numbers from data-value, within `rel`: 0 for serve, the
+    report's rounding to 4 significant digits for its inlined answers; the shown text to 4 decimals)."""
+    ref = archived_lrp(run_dir, seq, step)
+    same = lambda a, b: a == pytest.approx(b, rel=rel, abs=1e-30)  # noqa: E731
+    box = f"#{prefix}attribution-panel .attribution[data-method='lrp'][data-explain='{ref['id']}']"
+    heads = ref["arrays"]["heads"]
+    cells = page.eval_on_selector_all(f"{box} .head-relevance td.cell",
+                                      "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, +c.dataset.value, c.textContent])")
+    assert len(cells) == heads.size
+    for layer, head, value, text in cells:
+        assert same(value, float(heads[layer, head])) and float(text) == pytest.approx(value, abs=5.1e-5)
+    rows = page.eval_on_selector_all(f"{box} .per-layer td.cell",
+                                     "cs => cs.map(c => [+c.closest('tr').dataset.layer, c.dataset.component, +c.dataset.value])")
+    assert sorted({r[1] for r in rows}) == ["attention", "attention_bias", "mlp"] and len(rows) == 3 * heads.shape[0]
+    for layer, name, value in rows:
+        assert same(value, float(ref["arrays"][name][layer]))
+    # attention[l] = Σ_h heads[l, h] + attention_bias[l], from the page's own numbers
+    got = {(r[0], r[1]): r[2] for r in rows}
+    for layer in range(heads.shape[0]):
+        terms = [c[2] for c in cells if c[0] == layer] + [got[(layer, "attention_bias")]]
+        assert got[(layer, "attention")] == pytest.approx(sum(terms), abs=1e-5 + (rel + 1e-6) * sum(map(abs, terms)))
+    line = page.eval_on_selector(f"{box} .conservation", "n => [+n.dataset.error, +n.dataset.relative, n.textContent]")
+    assert same(line[0], ref["result"]["conservation_error"]) and same(line[1], ref["result"]["conservation_error_relative"])
+    assert float(re.search(r"f = (\S+),", line[2]).group(1)) == pytest.approx(ref["result"]["f_x"], rel=rel, abs=5.1e-5)
+
+
 def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributions(server, runs_dir, tmp_path):
     """The views over a sweep, an intervention child, compare, picked heads and attributions, read back
     from the DOM and compared with the archive read here."""
@@ -759,12 +810,14 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         page.goto(server.base + "/#/run/tiny/seq/1/step/2")
         page.wait_for_selector("#detail[data-step='2'] #attribution-panel .attribution")
         scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas().query("sequence == 1 and step == 2")
-        for method in ("grad_x_input", "occlusion"):
+        for method in ("grad_x_input", "occlusion", "lrp"):
             got = page.eval_on_selector_all(f".attribution[data-method='{method}'] .tok",
                                             "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])")
             own = scores[scores.method == method].sort_values("position")
             assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown_token(t) for t in own.token_text]
             assert [g[1] for g in got] == [float(x) for x in own.score]
+        check_lrp_components(page, "", run_dir, 1, 2)
+        page.locator(".attribution[data-method='lrp']").screenshot(path=str(shots / "serve-lrp.png"))
         P, n = int(group["prompt_len"][1]), int(group["generated_len"][1])
         for layer, head in ((2, 3), (0, 1)):
             page.click(f"#attention-grid td.cell[data-layer='{layer}'][data-head='{head}']")
@@ -886,6 +939,7 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         # attributions of sequence 1's step 2 (lmtrace explain), from a click in the "Generated text" section
         page.click("#sec-text .tok[data-seq='1'][data-step='2']")
         page.wait_for_selector("#s1-detail[data-step='2'] #s1-attribution-panel .attribution")
+        check_lrp_components(page, "s1-", run_dir, 1, 2, rel=5.1e-4)  # the report inlines 4 significant digits
         assert page.eval_on_selector_all("img", "n => n.length") == 0
         assert page.evaluate("document.body.dataset.errors") is None
         assert_no_placeholder_text(page)
@@ -943,13 +997,13 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
                 page.select_option(".sweep-axes select.axis-row", "layer")
                 page.select_option(".sweep-axes select.axis-col", "head")
                 page.select_option(".sweep-axes select.axis-fixed[data-dim='position']", str(r["position"] - 1))
-                cell = page.locator(f".sweep-metric td.cell[data-layer='{r['layer']}'][data-head='{r['head']}']")
+                cell = page.locator(f".sweep-metric td.cell[data-layer='{r['layer']}'][data-head='{r['q_head']}']")
                 assert np.float32(float(cell.get_attribute("data-value"))) == np.float32(r["effect"])
             cell.click()
             page.wait_for_selector(".sweep-rows tbody tr")
             long = pq.read_table(d / "sweep.parquet").to_pandas()
             r = top[2]
-            own = long[(long.layer == r["layer"]) & (long["head"] == r["head"]) & (long.position == r["position"])]
+            own = long[(long.layer == r["layer"]) & (long["q_head"] == r["q_head"]) & (long.position == r["position"])]
             rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => +r.children[5].textContent)")
             assert rows == pytest.approx(own.sort_values(["sequence", "step"]).effect.tolist(), abs=5e-5)
             assert_no_placeholder_text(page)

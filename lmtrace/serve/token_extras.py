@@ -1,7 +1,8 @@
 """More of a selected token in `lmtrace serve`: the attention summarised over heads
 (`analysis.attention_heads`), one head's pattern over every step of a sequence, and the
 attributions `lmtrace explain` computed for that step (`archive.explanations.read_explanations`,
-read filtered to the sequence and step)."""
+read filtered to the sequence and step), with the per-component relevance of a method that archived
+some (lrp: per layer and per head, `manifest.explain[].components`)."""
 
 from __future__ import annotations
 
@@ -101,7 +102,34 @@ def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
                                     "runner_up_token_id": r["runner_up_token_id"], "scores": []})
         g["scores"].append({"position": r["position"], "text": r["token_text"], "is_prompt": r["is_prompt"],
                             "score": strict(r["score"])})
+    entries = {(e["id"], e["method"]): e for e in run.manifest.get("explain") or [] if e.get("sequence") == seq}
+    for g in groups.values():
+        entry = entries.get((g["explain_id"], g["method"]))
+        if entry and entry.get("components") and step in entry["steps"]:
+            g["components"] = components(run, entry, step)
     return list(groups.values())
+
+
+CONSERVATION_KEYS = ("f_x", "sum_scores", "bias_relevance", "conservation_error", "conservation_error_relative")
+
+
+def components(run: Run, entry: dict, step: int) -> dict:
+    """One explained step's per-component relevance (a manifest entry's `components`: [step, layer] arrays
+    and heads [step, layer, head]) and the conservation numbers of its `results`: layers x heads floats."""
+    import zarr
+
+    k = entry["steps"].index(step)
+    out: dict = {"per_layer": {}}
+    for name, path in entry["components"].items():
+        values = np.asarray(zarr.open_array(str(run.path / path), mode="r")[k], dtype=np.float32)
+        if values.ndim == 2:
+            out[name] = _lists(values)
+        else:
+            out["per_layer"][name] = _lists(values)
+        out["layers"] = list(range(values.shape[0]))
+    result = next((r for r in entry.get("results") or [] if r.get("step") == step), {})
+    out["conservation"] = {key: result[key] for key in CONSERVATION_KEYS if key in result}
+    return out
 
 
 def selected_token(run: Run, seq: int, step: int) -> dict:

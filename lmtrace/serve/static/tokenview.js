@@ -280,7 +280,44 @@ window.lmtraceView = (() => {
         el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
           data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
           style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
-        shownToken(x.text), el("small", { text: fmt(x.score, 3) }))))));
+        shownToken(x.text), el("small", { text: fmt(x.score, 3) })))),
+        g.components ? componentsBlock(g.components) : null));
+    }
+    return box;
+  }
+
+  // a signed number's cell: its value in data-value (as sent), its colour by |value| / max
+  function signedCell(x, max, data) {
+    return el("td", { class: "cell num", data: { ...data, value: x ?? "" }, text: fmt(x, 4),
+      style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } });
+  }
+
+  // A method's relevance per component (lrp): per layer (attention, MLP, ...), per layer and head, and
+  // how well the token relevance conserves the explained quantity.
+  function componentsBlock(c) {
+    const names = Object.keys(c.per_layer || {});
+    const box = el("div", { class: "components" });
+    const k = c.conservation || {};
+    if ("conservation_error" in k) {
+      box.appendChild(el("p", { class: "note conservation", data: { error: k.conservation_error ?? "", relative: k.conservation_error_relative ?? "" },
+        text: `conservation: f = ${fmt(k.f_x, 4)}, Σ scores + bias = ${fmt((k.sum_scores ?? NaN) + (k.bias_relevance ?? NaN), 4)}, `
+          + `error ${k.conservation_error === null ? "–" : Number(k.conservation_error).toExponential(2)} `
+          + `(relative ${k.conservation_error_relative === null || k.conservation_error_relative === undefined ? "–" : Number(k.conservation_error_relative).toExponential(2)})` }));
+    }
+    if (names.length) {
+      const max = absMax(names.flatMap((n) => c.per_layer[n]));
+      box.appendChild(el("table", { class: "grid per-layer" },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer" }), ...names.map((n) => el("th", { text: n.replace(/_/g, " ") })))),
+        el("tbody", {}, ...c.layers.map((layer, li) => el("tr", { data: { layer } }, el("th", { text: `L${layer}` }),
+          ...names.map((n) => signedCell(c.per_layer[n][li], max, { component: n })))))));
+    }
+    if (c.heads) {
+      const max = absMax(c.heads.flat());
+      box.appendChild(el("h3", { text: "Relevance per head (rows = layers)" }));
+      box.appendChild(el("table", { class: "grid head-relevance" },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...c.heads[0].map((_, h) => el("th", { text: `H${h}` })))),
+        el("tbody", {}, ...c.heads.map((row, li) => el("tr", {}, el("th", { text: `L${c.layers[li]}` }),
+          ...row.map((x, h) => signedCell(x, max, { layer: c.layers[li], head: h })))))));
     }
     return box;
   }
