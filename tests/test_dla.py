@@ -275,7 +275,7 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
     before = heads_command(str(run.path), json_out=True)
     dla = np.abs(zarr.open_array(str(run.path / "tensors.zarr" / "head_dla"), mode="r")[:])  # [seq, step, L, H]
     expected = np.nanmean(dla.reshape(-1, *dla.shape[2:]), axis=0)
-    got = {(h["layer"], h["head"]): h for h in before["heads"]}
+    got = {(h["layer"], h["q_head"]): h for h in before["heads"]}
     for (layer, head), h in got.items():
         assert h["importance"] == pytest.approx(expected[layer, head], rel=1e-5)
         assert h["sweep_effect"] is None and h["sweep_rank"] is None
@@ -287,8 +287,8 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
     after = heads_command(str(Run(run.path).path), json_out=True)
     assert after["sweep"]["metric"] == "logprob" and after["sweep"]["edit"] == "zero"
     long = pd.read_parquet(Path(sweep.path) / "sweep.parquet")
-    effect = long[long.metric == "logprob"].groupby(["layer", "head"]).effect.mean()
-    got = {(h["layer"], h["head"]): h for h in after["heads"]}
+    effect = long[long.metric == "logprob"].groupby(["layer", "q_head"]).effect.mean()
+    got = {(h["layer"], h["q_head"]): h for h in after["heads"]}
     for key, h in got.items():
         assert h["sweep_effect"] == pytest.approx(effect[key], abs=1e-6)
         assert h["dla_rank"] is not None

@@ -26,8 +26,8 @@ def _tiny_run(tmp, model_dir, batch_size: int, seed: int, **extra):
 @pytest.fixture(scope="module")
 def parent(tmp_path_factory, tiny_llama_dir):
     run = _tiny_run(tmp_path_factory.mktemp("parent"), tiny_llama_dir, batch_size=3, seed=4,
-                    # float32 residuals: patching the run with its own vectors is then exact
-                    capture={"residual": {"vectors_at": [1], "dtype": "float32"}})
+                    # float32 residuals: patching the run with its own vectors is then exact; q/k/v for the rescore test
+                    capture={"residual": {"vectors_at": [1], "dtype": "float32"}, "qkv": True})
     return with_lens(run)  # the deferred logit lens, computed: lens_probs is compared with children's
 
 

@@ -139,7 +139,7 @@ def test_sweep_as_an_array_job_equals_the_unsharded_sweep(slurm, tmp_path, sharp
     single = subprocess.run([sys.executable, "-m", "lmtrace.cli", "sweep", str(parent.path), *args, "--run-id", "single"],
                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env})
     assert single.returncode == 0, single.stderr
-    key = ["component", "layer", "head", "neuron", "position", "sequence", "step", "metric"]
+    key = ["component", "layer", "q_head", "neuron", "position", "sequence", "step", "metric"]
 
     def table(path):
         return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)
