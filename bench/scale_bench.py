@@ -21,8 +21,8 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     .venv/bin/python bench/scale_bench.py [--prompts 1000] [--tokens 16] [--runs-dir DIR] [--only PART ...]
                                           [--out bench/results/scale.json]
 
-PART: batch1, batch8, batch32, auto, small, slurm, tools (tools and slurm need the batch-8 run: made by
-batch8, or found in --runs-dir).
+PART: batch8, tools, batch1, batch32, auto, small, slurm, run in this order (tools and slurm need the
+batch-8 run: made by batch8, or found in --runs-dir). The JSON is written after every part.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import MODEL, REPO, Server, browse, run_facts  # noqa: E402
 
-PARTS = ("batch1", "batch8", "batch32", "auto", "small", "slurm", "tools")
+PARTS = ("batch8", "tools", "batch1", "batch32", "auto", "small", "slurm")
 
 # ---- the prompts --------------------------------------------------------------------------------
 # Short prompts of a few kinds, each kind a template filled from word lists; `label` is the kind,
@@ -223,6 +223,7 @@ def tools(runs: Path, run_id: str) -> dict:
         if m["rc"] != 0:
             raise SystemExit(f"lmtrace {' '.join(args)} failed (exit {m['rc']}): {m['stderr_tail']}")
         out[name] = {"seconds": m["seconds"], "peak_rss_mib": m["peak_rss_mib"]}
+    out["ls"]["runs"] = sum(1 for d in runs.iterdir() if (d / "manifest.json").is_file())
     report = runs / run_id / "report.html"
     if report.is_file():
         out["report"]["bytes"] = report.stat().st_size
@@ -271,45 +272,48 @@ def main() -> None:
     write_spec(specs / "batch8.json", prompts, args.tokens, 8, None)  # the SLURM array's spec
 
     result: dict = {}
+    commands: list[str] = []
     if args.only and args.out.is_file():  # parts not run now keep what an earlier run of the same size measured
         old = json.loads(args.out.read_text())
         if (old.get("prompts"), old.get("tokens")) == (n, args.tokens):
-            result = old.get("parts", {})
+            result, commands = old.get("parts", {}), old.get("commands", [])
+    commands.append(" ".join(sys.argv))
+    # batch 8 first (the SLURM array's and the tools' run), the tools right after (whatever else is cut)
+    plan = {"batch8": lambda: generate(runs, specs, "batch8", prompts, args.tokens, 8),
+            "tools": lambda: tools(runs, "batch8"),
+            "batch1": lambda: generate(runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n),
+                                       args.tokens, 1),
+            "batch32": lambda: generate(runs, specs, "batch32", prompts, args.tokens, 32),
+            "auto": lambda: generate(runs, specs, "auto", prompts, args.tokens, "auto", args.memory_budget),
+            "small": lambda: generate(runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n),
+                                      args.tokens, 8),
+            "slurm": lambda: slurm_array(runs, specs, Path(tmp.name))}
+    doc = {"commands": commands, "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens, "batch1_prompts": one_n,
+           "small_prompts": small_n, "memory_budget": args.memory_budget, "parts": result}
     try:
-        if "batch1" in parts:
-            result["batch1"] = generate(runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n),
-                                        args.tokens, 1)
-        if "batch8" in parts:
-            result["batch8"] = generate(runs, specs, "batch8", prompts, args.tokens, 8)
-        if "batch32" in parts:
-            result["batch32"] = generate(runs, specs, "batch32", prompts, args.tokens, 32)
-        if "auto" in parts:
-            result["auto"] = generate(runs, specs, "auto", prompts, args.tokens, "auto", args.memory_budget)
-        if "small" in parts:
-            result["small"] = generate(runs, specs, "batch8-small",
-                                       write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8)
-        if ("slurm" in parts or "tools" in parts) and not (runs / "batch8" / "manifest.json").is_file():
-            raise SystemExit(f"no batch-8 run in {runs}: run the batch8 part (with --runs-dir {runs})")
-        if "slurm" in parts:
-            result["slurm"] = slurm_array(runs, specs, Path(tmp.name))
-        if "tools" in parts:
-            result["tools"] = tools(runs, "batch8")
+        for part, measure in plan.items():
+            if part not in parts:
+                continue
+            if part in ("slurm", "tools") and not (runs / "batch8" / "manifest.json").is_file():
+                raise SystemExit(f"no batch-8 run in {runs}: run the batch8 part (with --runs-dir {runs})")
+            load = os.getloadavg()  # the machine is shared: the load each part started under
+            result[part] = {**measure(), "load_average_at_start": [round(x, 2) for x in load],
+                            "started": time.strftime("%H:%M UTC", time.gmtime())}
+            # written after every part, so that a bench stopped part way keeps what it measured
+            doc.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=1))
     finally:
         tmp.cleanup()
-    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-           "load_average": os.getloadavg(), "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens,
-           "batch1_prompts": one_n, "small_prompts": small_n, "memory_budget": args.memory_budget, "parts": result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
     print_table(doc)
     print(f"written to {args.out}")
 
 
 def print_table(doc: dict) -> None:
     p = doc["parts"]
-    print(f"{doc['prompts']} prompts x {doc['tokens']} tokens, default capture, {MODEL}; load average "
-          f"{', '.join(f'{x:.1f}' for x in doc['load_average'])} on {doc['cpus']} CPUs")
-    head = f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'tok/s proc':>10} {'files':>6} {'B/token':>8} {'peak RSS':>9}"
+    print(f"{doc['prompts']} prompts x {doc['tokens']} tokens, default capture, {MODEL}, {doc['cpus']} CPUs")
+    head = (f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'tok/s proc':>10} {'files':>6} {'B/token':>8} {'peak RSS':>9}"
+            f"  load at start")
     print(head)
     for key, label in (("batch1", "batch 1"), ("batch8", "batch 8"), ("batch32", "batch 32"), ("auto", "auto"),
                        ("small", "batch 8, fewer prompts")):
@@ -319,7 +323,7 @@ def print_table(doc: dict) -> None:
         if key == "auto":
             label = f"auto ({r['memory_budget']}; batches {r['batches']})"
         print(f"  {label:<28} {r['prompts']:>7} {r['tok_s_generation']:>9} {r['tok_s_process']:>10} {r['files']:>6} "
-              f"{r['bytes_per_token']:>8} {r['peak_rss_mib']:>5} MiB")
+              f"{r['bytes_per_token']:>8} {r['peak_rss_mib']:>5} MiB  {r['load_average_at_start'][0]}")
     s = p.get("slurm")
     if s:
         if "skipped" in s:
@@ -329,14 +333,14 @@ def print_table(doc: dict) -> None:
             print(f"  SLURM {s['tasks']}-task array: {s['submit_to_complete_s']} s submit to complete, {s['tok_s']} tok/s, "
                   f"{s['files']} files, {s['bytes_per_token']} B/token, peak RSS per task "
                   f"{', '.join(map(str, s['peak_rss_mib_per_task']))} MiB; one process (batch 8): "
-                  f"{one.get('process_s')} s")
+                  f"{one.get('process_s')} s (load at start {s['load_average_at_start'][0]})")
     t = p.get("tools")
     if t:
         sp = t["serve_run_page"]
-        print(f"  on the batch-8 run: ls {t['ls']['seconds']} s, heads {t['heads']['seconds']} s, report "
+        print(f"  on the batch-8 run: ls {t['ls']['seconds']} s ({t['ls']['runs']} runs), heads {t['heads']['seconds']} s, report "
               f"{t['report']['seconds']} s ({t['report'].get('bytes', 0) / 1e6:.1f} MB), python start {t['python_start_s']} s; "
               f"serve run page: sequences drawn {sp['sequences_drawn_first_load_ms']} ms (first load), "
-              f"{sp['sequences_drawn_second_load_ms']} ms (second)")
+              f"{sp['sequences_drawn_second_load_ms']} ms (second) (load at start {t['load_average_at_start'][0]})")
 
 
 if __name__ == "__main__":
