@@ -288,8 +288,8 @@ def main() -> None:
             "small": lambda: generate(runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n),
                                       args.tokens, 8),
             "slurm": lambda: slurm_array(runs, specs, Path(tmp.name))}
-    doc = {"commands": commands, "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens, "batch1_prompts": one_n,
-           "small_prompts": small_n, "memory_budget": args.memory_budget, "parts": result}
+    # each part records its own prompts (and the auto run its memory budget)
+    doc = {"commands": commands, "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens, "parts": result}
     try:
         for part, measure in plan.items():
             if part not in parts:
