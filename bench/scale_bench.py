@@ -297,8 +297,9 @@ def main() -> None:
             if part in ("slurm", "tools") and not (runs / "batch8" / "manifest.json").is_file():
                 raise SystemExit(f"no batch-8 run in {runs}: run the batch8 part (with --runs-dir {runs})")
             load = os.getloadavg()  # the machine is shared: the load each part started under
-            result[part] = {**measure(), "load_average_at_start": [round(x, 2) for x in load],
-                            "started": time.strftime("%H:%M UTC", time.gmtime())}
+            started = time.strftime("%H:%M:%S UTC", time.gmtime())
+            result[part] = {**measure(), "load_average_at_start": [round(x, 2) for x in load], "started": started,
+                            "finished": time.strftime("%H:%M:%S UTC", time.gmtime())}
             # written after every part, so that a bench stopped part way keeps what it measured
             doc.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
             args.out.parent.mkdir(parents=True, exist_ok=True)
