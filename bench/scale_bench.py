@@ -131,7 +131,23 @@ def archive_facts(run_dir: Path) -> dict:
     tokens = int(manifest["n_generated_tokens"])
     return {"files": len(files), "bytes": size, "generated_tokens": tokens,
             "bytes_per_token": round(size / max(tokens, 1)), "timings": manifest.get("timings", {}),
+            "pace": batch_pace(run_dir),
             "batches": batch_sizes(run_dir)}
+
+
+def batch_pace(run_dir: Path) -> dict:
+    """Seconds between consecutive `batch_done` events (log.jsonl) and the tok/s of the median batch: the
+    steady rate, which stalls on a shared machine (another process taking the cores) do not move."""
+    import statistics
+
+    done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if '"batch_done"' in line]
+    gaps = [b["time"] - a["time"] for a, b in zip(done, done[1:])]
+    if not gaps:
+        return {}
+    median = statistics.median(gaps)
+    tokens = statistics.median(b["tokens"] for b in done[1:])
+    return {"batch_s_median": round(median, 3), "batch_s_max": round(max(gaps), 2),
+            "tok_s_median_batch": round(tokens / median, 1)}
 
 
 def batch_sizes(run_dir: Path) -> dict:
@@ -159,7 +175,7 @@ def generate(runs: Path, specs: Path, name: str, prompts: Path, tokens: int, bat
     return {"run_id": name, "batch_size": batch, "memory_budget": budget, "prompts": sum(1 for _ in prompts.open()),
             "process_s": m["seconds"], "peak_rss_mib": m["peak_rss_mib"],
             "tok_s_generation": t.get("tokens_per_s"), "tok_s_process": round(facts["generated_tokens"] / m["seconds"], 2),
-            **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches")},
+            **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches", "pace")},
             "model_load_s": t.get("model_load_s"), "generate_s": t.get("generate_s"), "finalize_s": t.get("finalize_s")}
 
 
@@ -313,7 +329,8 @@ def main() -> None:
 def print_table(doc: dict) -> None:
     p = doc["parts"]
     print(f"{doc['prompts']} prompts x {doc['tokens']} tokens, default capture, {MODEL}, {doc['cpus']} CPUs")
-    head = (f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'tok/s proc':>10} {'files':>6} {'B/token':>8} {'peak RSS':>9}"
+    head = (f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'median batch':>12} {'tok/s proc':>10} {'files':>6} "
+            f"{'B/token':>8} {'peak RSS':>9}"
             f"  load at start")
     print(head)
     for key, label in (("batch1", "batch 1"), ("batch8", "batch 8"), ("batch32", "batch 32"), ("auto", "auto"),
@@ -323,7 +340,8 @@ def print_table(doc: dict) -> None:
             continue
         if key == "auto":
             label = f"auto ({r['memory_budget']}; batches {r['batches']})"
-        print(f"  {label:<28} {r['prompts']:>7} {r['tok_s_generation']:>9} {r['tok_s_process']:>10} {r['files']:>6} "
+        print(f"  {label:<28} {r['prompts']:>7} {r['tok_s_generation']:>9} {r.get('pace', {}).get('tok_s_median_batch', ''):>12} "
+              f"{r['tok_s_process']:>10} {r['files']:>6} "
               f"{r['bytes_per_token']:>8} {r['peak_rss_mib']:>5} MiB  {r['load_average_at_start'][0]}")
     s = p.get("slurm")
     if s:
