@@ -48,7 +48,7 @@ bench-serve: venv
 # 1,000 prompts x 16 tokens of the embedded model, default capture: tok/s at batch 1 / 8 / 32 / auto,
 # a 4-task SLURM array against one process (root and the SLURM packages, else skipped), files, bytes
 # per token, peak RSS at two sizes, and `ls`, `heads`, `report` and serve's run page on the run
-# (~30 min on 2 cores); SCALE_BENCH_ARGS="--prompts 200" for a shorter one, "--runs-dir DIR" keeps the runs.
+# (~20 min on 2 cores); SCALE_BENCH_ARGS="--prompts 200" for a shorter one, "--runs-dir DIR" keeps the runs.
 bench-scale: venv
 	$(BIN)/python bench/scale_bench.py $(SCALE_BENCH_ARGS)
 
