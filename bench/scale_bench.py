@@ -28,6 +28,7 @@ batch-8 run: made by batch8, or found in --runs-dir). The JSON is written after 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import MODEL, REPO, Server, browse, run_facts  # noqa: E402
+from serve_bench import MODEL, REPO, Server, browse, run_facts
 
 PARTS = ("batch8", "tools", "batch1", "batch32", "auto", "small", "slurm")
 
@@ -141,7 +142,7 @@ def batch_pace(run_dir: Path) -> dict:
     import statistics
 
     done = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if '"batch_done"' in line]
-    gaps = [b["time"] - a["time"] for a, b in zip(done, done[1:])]
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(done)]
     if not gaps:
         return {}
     median = statistics.median(gaps)
@@ -190,7 +191,7 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
         return {"skipped": f"SLURM packages not installed ({', '.join(missing)}): scripts/slurm-cluster.sh install"}
     state = tmp / "slurm-state"
     up = subprocess.run(["bash", str(REPO / "scripts/slurm-cluster.sh"), "up", str(state)], capture_output=True,
-                        text=True)
+                        text=True, check=False)
     if up.returncode != 0:
         return {"skipped": f"the local cluster did not start: {up.stderr.strip()[-500:]}"}
     env = {**bench_env(), "SLURM_CONF": str(state / "slurm.conf")}
@@ -205,12 +206,13 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
         print(f"[{time.strftime('%H:%M:%S')}] sbatch --array=0-{tasks - 1}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         sub = subprocess.run(["sbatch", "--parsable", f"--array=0-{tasks - 1}", "--cpus-per-task=1",
-                              "-o", str(logs / "task-%a.out"), str(script)], env=env, capture_output=True, text=True)
+                              "-o", str(logs / "task-%a.out"), str(script)], env=env, capture_output=True, text=True,
+                             check=False)
         if sub.returncode != 0:
             return {"skipped": f"sbatch failed: {sub.stderr.strip()}"}
         job = sub.stdout.strip().split(";")[0]
         while True:
-            q = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True)
+            q = subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True, check=False)
             if q.returncode == 0 and not q.stdout.strip():
                 break
             time.sleep(1)
@@ -227,7 +229,8 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
                 "tok_s": round(facts["generated_tokens"] / wall, 2), "peak_rss_mib_per_task": [round(r, 1) for r in rss],
                 **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token")}}
     finally:
-        subprocess.run(["bash", str(REPO / "scripts/slurm-cluster.sh"), "down", str(state)], capture_output=True)
+        subprocess.run(["bash", str(REPO / "scripts/slurm-cluster.sh"), "down", str(state)], capture_output=True,
+                       check=False)
 
 
 # ---- reading the big run ----------------------------------------------------------------------------
