@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test test-fast bench bench-serve support-table clean-cache clean
+.PHONY: venv demo test test-fast bench bench-serve bench-scale support-table clean-cache clean
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,13 @@ bench: venv
 # it there and reuses it next time.
 bench-serve: venv
 	$(BIN)/python bench/serve_bench.py $(SERVE_BENCH_ARGS)
+
+# 1,000 prompts x 16 tokens of the embedded model, default capture: tok/s at batch 1 / 8 / 32 / auto,
+# a 4-task SLURM array against one process (root and the SLURM packages, else skipped), files, bytes
+# per token, peak RSS at two sizes, and `ls`, `heads`, `report` and serve's run page on the run
+# (~20 min on 2 cores); SCALE_BENCH_ARGS="--prompts 200" for a shorter one, "--runs-dir DIR" keeps the runs.
+bench-scale: venv
+	$(BIN)/python bench/scale_bench.py $(SCALE_BENCH_ARGS)
 
 # Regenerates docs/architectures.md from the architecture tests.
 support-table: venv
