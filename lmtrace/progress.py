@@ -53,12 +53,14 @@ class Estimate:
         return max(0.0, (self.total - self.sequences) * per_sequence - in_progress) / rate
 
 
-def duration(seconds: float) -> str:
-    """12 s, 14 min, 2 h 05 min: a time left in the words a log line shows."""
+def duration(seconds: float, *, compact: bool = False) -> str:
+    """12 s, 14 min, 2 h 05 min: a time left in the words a log line shows; `compact`: 12s, 14m, 2h05m,
+    for a table cell."""
+    s, m, h, sep = ("s", "m", "h", "") if compact else (" s", " min", " h", " ")
     seconds = int(round(seconds))
     if seconds < 60:
-        return f"{seconds} s"
+        return f"{seconds}{s}"
     if seconds < 3600:
-        return f"{round(seconds / 60)} min"
+        return f"{round(seconds / 60)}{m}"
     hours, minutes = divmod(round(seconds / 60), 60)
-    return f"{hours} h {minutes:02d} min"
+    return f"{hours}{h}{sep}{minutes:02d}{m}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from ..errors import RunNotFoundError
+from .layout import LOG
 from .runs import dir_size, lens_state, read_manifest
 
 
@@ -37,7 +38,7 @@ def run_progress(path, m: dict, status: str) -> dict:
         return out
     started, since = None, 0
     try:
-        lines = (path / "log.jsonl").read_text().splitlines()
+        lines = (path / LOG).read_text().splitlines()
     except OSError:
         return out
     for line in lines:
@@ -65,8 +66,8 @@ def progress_label(p: dict) -> str | None:
     if "sequences_done" not in p:
         return None
     left = ""
-    if p.get("eta_s") is not None:  # 1 h 05 min -> 1h05m: a table cell
-        left = " ~" + duration(p["eta_s"]).replace(" h ", "h").replace(" min", "m").replace(" s", "s") + " left"
+    if p.get("eta_s") is not None:
+        left = " ~" + duration(p["eta_s"], compact=True) + " left"
     return f"{p['sequences_done']}/{p['sequences_total']}{left}"
 
 
