@@ -8,7 +8,9 @@ A sweep's metric `rank` keeps its name: it is a value of the `metric` column (an
 `effect_rank`), never a column.
 
 Archives written before these renames use the old names; every reader maps them per table when
-it reads (`current_names`, `stored_name`, and the query views through `RENAMED`).
+it reads (`current_names`, `stored_name`, and the query views through `RENAMED`). The tables of
+`lmtrace compare --out` (per_head's `q_head`, once `head`) are for the user: lmtrace never reads
+them back.
 """
 
 from __future__ import annotations
