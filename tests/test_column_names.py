@@ -11,7 +11,6 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import zarr
-
 from conftest import rerecord_checksums
 from test_cli_errors import lmtrace
 
@@ -70,9 +69,10 @@ def _old_archive(every_table_runs: Path, root: Path) -> tuple[Path, Path]:
 
 
 def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_runs, tmp_path):
+    from test_serve import LiveServer
+
     from lmtrace.archive.reader import Run
     from lmtrace.archive.sweeps import read_sweep
-    from test_serve import LiveServer
 
     root = tmp_path / "runs"
     old, new = _old_archive(every_table_runs, root)
