@@ -127,13 +127,16 @@ class Footprint:
     and position, the largest seen; nothing before the first batch. CPU: computed (KV cache, capture
     blocks, prefill transients) as the first guess, then calibrated by the peak RSS growth of the
     batches that ran (the larger of the two): the arithmetic misses what the allocator and torch's
-    temporaries hold. Until a CPU batch is measured, batches are cut to a quarter of the budget."""
+    temporaries hold. Until a CPU batch is measured, batches are cut to a quarter of the budget; the
+    RSS the process still holds above its start (`retained`: memory the allocator kept from earlier
+    batches, which a batch may not be able to reuse) is taken off the budget when a batch is cut."""
 
     def __init__(self, shape, n_layers: int, dtype_bytes: int, vocab: int, max_new: int, chunk_steps: int,
                  chunk_keys: int | None, measured: bool):
         self.shape, self.n_layers, self.dtype_bytes, self.vocab = shape, n_layers, dtype_bytes, vocab
         self.max_new, self.chunk_steps, self.chunk_keys, self.measured = max_new, chunk_steps, chunk_keys, measured
         self.per_position: float | None = None  # measured bytes per sequence and position, the largest seen
+        self.retained = 0  # CPU: RSS above the process's when the first batch started, after the last batch
 
     def computed(self, n: int, longest_prompt: int) -> int:
         s = self.shape
@@ -153,16 +156,20 @@ class Footprint:
         return max(self.computed(n, longest_prompt), observed or 0)
 
     def sizing_budget(self, budget: int) -> int:
-        """What the next cut batch may take: the budget, or (CPU, before a batch was measured, and with
-        a budget RSS can resolve) a quarter of it, so the first batch fits while the computed guess is off."""
-        if self.measured or self.per_position is not None or budget < PROBE_SHARE * RSS_RESOLUTION:
+        """What the next cut batch may take: the budget less what earlier batches left held (CPU), and
+        (CPU, before a batch was measured, with a budget RSS can resolve) a quarter of that, so the first
+        batch fits while the computed guess is off."""
+        if self.measured:
             return budget
-        return budget // PROBE_SHARE
+        left = budget - self.retained
+        if self.per_position is not None or budget < PROBE_SHARE * RSS_RESOLUTION:
+            return left
+        return left // PROBE_SHARE
 
     def observe(self, n: int, longest_prompt: int, peak_growth: int) -> None:
-        """A batch of `n` ran and grew the peak (CUDA allocation, CPU RSS above the process's after
-        the model was loaded) by `peak_growth` bytes. On the CPU a growth under RSS_RESOLUTION says
-        nothing about the batch (RSS moves that much for other reasons) and is not used."""
+        """A batch of `n` ran and grew the peak by `peak_growth` bytes above what was held when it
+        started (CUDA: allocated; CPU: RSS). On the CPU a growth under RSS_RESOLUTION says nothing about
+        the batch (RSS moves that much for other reasons) and is not used."""
         if not self.measured and peak_growth < RSS_RESOLUTION:
             return
         rate = peak_growth / max(1, n * (longest_prompt + self.max_new))

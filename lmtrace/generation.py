@@ -482,10 +482,11 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             growth = None  # the batch's peak above the model: CUDA allocations, or (CPU, a budget) RSS
             if gpus:
                 growth = sum(peaks.values()) - before
+                if queue.footprint is not None:
+                    queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), growth)
             elif rss_base is not None:
                 growth = rss.peak - rss_base
-            if queue.footprint is not None and growth is not None:
-                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), growth)
+                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), rss.peak - rss.start)
             sink.flush()
             if outcome_.interrupted:
                 raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
@@ -501,6 +502,8 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
             log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()),
                       **({"peak_growth": growth} if growth is not None else {}))
+            if rss_base is not None:  # what the allocator keeps is not free for the next batch's cut
+                queue.footprint.retained = max(0, rss_bytes() - rss_base)
             progress.sequences_done(len(seq_ids), int(gen_len.sum()))
         writer.drain()
     return _Generated(texts, n_tokens, time.time() - t_gen, run_peak)

@@ -37,10 +37,11 @@ def high_water_bytes() -> int | None:
 
 
 class PeakRss:
-    """`with PeakRss() as p: work()`; then `p.peak`: the process's largest RSS during the work, bytes."""
+    """`with PeakRss() as p: work()`; then `p.peak`: the process's largest RSS during the work, and
+    `p.start`: its RSS when the work started, bytes."""
 
     def __init__(self, sample_s: float = SAMPLE_S):
-        self.sample_s, self.peak, self.samples = sample_s, 0, 0
+        self.sample_s, self.start, self.peak, self.samples = sample_s, 0, 0, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._mark_before: int | None = None
@@ -53,7 +54,7 @@ class PeakRss:
 
     def __enter__(self) -> "PeakRss":
         self._mark_before = high_water_bytes()
-        self.peak = rss_bytes()
+        self.start = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._sample, name="lmtrace-peak-rss", daemon=True)
         self._thread.start()
         return self

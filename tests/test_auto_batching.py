@@ -230,7 +230,8 @@ def test_an_intervene_child_split_by_out_of_memory_equals_one_that_was_not(tmp_p
 def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_the_measured_growth(tmp_path):
     """CPU: the computed footprint is the first guess, the first batch takes a quarter of the budget by
     it; a measured growth three times the computed one sizes the next batches to a third of what the
-    computed footprint would let in; a growth RSS cannot resolve changes nothing."""
+    computed footprint would let in; a growth RSS cannot resolve changes nothing; RSS still held from
+    earlier batches is taken off the budget."""
     from lmtrace.archive.layout import RunShape
     from lmtrace.batching import MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
 
@@ -256,6 +257,10 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
     assert footprint.bytes(len(second.seqs), 5) <= budget < footprint.bytes(len(second.seqs) + 1, 5)
     footprint.observe(len(second.seqs), 5, per_seq * len(second.seqs))  # less than before: the largest rate stays
     assert len(next(queue).seqs) == budget // (3 * per_seq)
+    footprint.retained = budget // 2  # the allocator kept half the budget after the last batch
+    assert len(next(queue).seqs) == (budget - budget // 2) // (3 * per_seq)
+    footprint.retained = budget  # all of it: one sequence at a time, not a refusal
+    assert len(next(queue).seqs) == 1
 
     # a batch planned before the measurement (a resume's recorded one), now over the budget, is split
     assert queue.over_budget(Batch(list(range(budget // per_seq)))) == 3 * per_seq * (budget // per_seq)
@@ -299,20 +304,21 @@ def test_peak_rss_sees_a_transient_allocation_freed_before_the_end():
 
 
 def test_cpu_batches_feed_their_peak_rss_growth_to_the_footprint(tmp_path, tiny_llama_dir, monkeypatch):
-    """On the CPU with a budget the loop measures each batch's peak RSS above the process's before
-    the first batch, hands it to the footprint, and logs it with the batch (`peak_growth`)."""
-    from lmtrace import peak_rss
+    """On the CPU with a budget the loop measures each batch's peak RSS, hands its growth over the
+    batch to the footprint, logs the peak above the process's RSS before the first batch with the batch
+    (`peak_growth`), and leaves the RSS still held after it as the footprint's `retained`."""
     from lmtrace.batching import Footprint
 
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
     real_observe = Footprint.observe
-    monkeypatch.setattr(Footprint, "observe", lambda self, n, longest, growth: (seen.append((n, growth)),
-                                                                                  real_observe(self, n, longest, growth)))
-    bases = []
-    real_rss = peak_rss.rss_bytes
-    monkeypatch.setattr("lmtrace.generation.rss_bytes", lambda: bases.append(real_rss()) or bases[-1])
+
+    def observe(self, n, longest, growth):
+        seen.append((n, growth, self.retained))
+        real_observe(self, n, longest, growth)
+
+    monkeypatch.setattr(Footprint, "observe", observe)
     run = _run(tmp_path, tiny_llama_dir, "measured", batch_size=2, memory_budget="64GiB")
     done = _events(run, "batch_done")
-    assert [len(e["sequences"]) for e in done] == [2, 2, 1] and len(bases) == 1
-    assert seen == [(len(e["sequences"]), e["peak_growth"]) for e in done]
-    assert all(isinstance(g, int) and g > -bases[0] for _, g in seen)
+    assert [len(e["sequences"]) for e in done] == [n for n, _, _ in seen] == [2, 2, 1]
+    assert all(isinstance(e["peak_growth"], int) and isinstance(g, int) for e, (_, g, _) in zip(done, seen))
+    assert seen[0][2] == 0 and all(r >= 0 for _, _, r in seen)  # nothing held before the first batch
