@@ -230,21 +230,26 @@ def test_an_intervene_child_split_by_out_of_memory_equals_one_that_was_not(tmp_p
 def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_the_measured_growth(tmp_path):
     """CPU: the computed footprint is the first guess, the first batch takes a quarter of the budget by
     it; a measured growth three times the computed one sizes the next batches to a third of what the
-    computed footprint would let in; a growth RSS cannot resolve changes nothing; RSS still held from
-    earlier batches is taken off the budget."""
+    computed footprint would let in (to HEADROOM of the budget); a growth RSS cannot resolve changes
+    nothing; RSS still held from earlier batches is taken off the budget; a batch grows at most
+    GROWTH times past the largest measured one."""
     from lmtrace.archive.layout import RunShape
-    from lmtrace.batching import MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
+    from lmtrace.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
     shape = RunShape(n_sequences=20_000, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
                      head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
-    footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None,
-                          measured=False)
-    per_seq = footprint.computed(1, 5)  # the first guess, a sequence of 5 prompt + 10 new positions
+
+    def cpu_queue():
+        footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2,
+                              chunk_keys=None, measured=False)
+        return footprint, BatchQueue(tmp_path, "shard-0-of-1", list(range(20_000)), "auto", budget,
+                                     {s: 5 for s in range(20_000)}, footprint, lambda key: (0, False))
+
     budget = 16 * RSS_RESOLUTION  # 256 MiB
+    footprint, queue = cpu_queue()
+    per_seq = footprint.computed(1, 5)  # the first guess, a sequence of 5 prompt + 10 new positions
     assert budget // 3 // per_seq < MAX_BATCH  # the budget, not the cap, sizes the batches below
-    queue = BatchQueue(tmp_path, "shard-0-of-1", list(range(20_000)), "auto", budget, {s: 5 for s in range(20_000)},
-                       footprint, lambda key: (0, False))
 
     first = next(queue)
     assert len(first.seqs) == budget // 4 // per_seq  # a quarter of the budget, by the computed footprint
@@ -253,24 +258,30 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
 
     footprint.observe(len(first.seqs), 5, 3 * per_seq * len(first.seqs))  # it took 3x the computed footprint
     second = next(queue)
-    assert len(second.seqs) == budget // (3 * per_seq)
-    assert footprint.bytes(len(second.seqs), 5) <= budget < footprint.bytes(len(second.seqs) + 1, 5)
+    assert len(second.seqs) == int(budget * HEADROOM) // (3 * per_seq) < GROWTH * len(first.seqs)
+    assert footprint.bytes(len(second.seqs), 5) <= budget * HEADROOM < footprint.bytes(len(second.seqs) + 1, 5)
     footprint.observe(len(second.seqs), 5, per_seq * len(second.seqs))  # less than before: the largest rate stays
-    assert len(next(queue).seqs) == budget // (3 * per_seq)
+    assert len(next(queue).seqs) == int(budget * HEADROOM) // (3 * per_seq)
     footprint.retained = budget // 2  # the allocator kept half the budget after the last batch
-    assert len(next(queue).seqs) == (budget - budget // 2) // (3 * per_seq)
+    assert len(next(queue).seqs) == int((budget - budget // 2) * HEADROOM) // (3 * per_seq)
     footprint.retained = budget  # all of it: one sequence at a time, not a refusal
     assert len(next(queue).seqs) == 1
 
     # a batch planned before the measurement (a resume's recorded one), now over the budget, is split
     assert queue.over_budget(Batch(list(range(budget // per_seq)))) == 3 * per_seq * (budget // per_seq)
 
+    # 200 sequences grew 100 MiB: the budget would let 409 in, twice the measured batch is the most
+    footprint, queue = cpu_queue()
+    footprint.observe(200, 5, 100 << 20)
+    assert int(budget * HEADROOM) * 200 // (100 << 20) > 2 * 200
+    assert len(next(queue).seqs) == GROWTH * 200
+
 
 def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below_the_resolution(tmp_path):
     """A measured growth under the computed footprint leaves the computed one (the larger is used);
     budgets under 4x the RSS resolution are sized by the computed footprint from the first batch."""
     from lmtrace.archive.layout import RunShape
-    from lmtrace.batching import RSS_RESOLUTION, Footprint
+    from lmtrace.batching import HEADROOM, RSS_RESOLUTION, Footprint
 
     shape = RunShape(n_sequences=1, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
                      head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
@@ -280,7 +291,7 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
     assert footprint.sizing_budget(8 * RSS_RESOLUTION) == 2 * RSS_RESOLUTION
     n = 4 * RSS_RESOLUTION // footprint.computed(1, 5)
     footprint.observe(n, 5, 4 * RSS_RESOLUTION // 2)  # half the computed footprint
-    assert footprint.sizing_budget(8 * RSS_RESOLUTION) == 8 * RSS_RESOLUTION  # measured: the whole budget
+    assert footprint.sizing_budget(8 * RSS_RESOLUTION) == int(8 * RSS_RESOLUTION * HEADROOM)  # measured
     assert footprint.bytes(n, 5) == footprint.computed(n, 5)
 
 
