@@ -6,7 +6,7 @@ progress file). Before a batch runs, its sequences are appended to `progress/<sh
 (with `from_step`: steps its sequences committed in the batch they were split from), so a resume
 runs every batch that committed anything with exactly the sequences it had; the sequences of no
 such batch are planned again. A batch that runs out of memory (a CUDA out-of-memory error, or on
-the CPU a computed footprint over the budget) is split in halves, each continuing from the steps
+the CPU a footprint over the budget) is split in halves, each continuing from the steps
 the batch had committed, teacher-forced like a resume: no sequence is lost or run twice.
 """
 
@@ -25,6 +25,17 @@ PLAN_SUFFIX = ".plan.jsonl"
 MAX_BATCH = 4096
 # blocks of captured arrays a sequence holds at once: the one being filled and the writer's queue (depth 2)
 BLOCKS_IN_MEMORY = 3
+# CPU: until a batch's RSS growth is measured, batches take 1/PROBE_SHARE of the budget by the computed footprint
+PROBE_SHARE = 4
+# CPU: an RSS growth below this says nothing about a batch (allocator arenas, lazily loaded code, the
+# writer's buffers move RSS this much); budgets under PROBE_SHARE times it are sized by the computed footprint
+RSS_RESOLUTION = 16 << 20
+# CPU, measured: a batch takes at most this share of what is left of the budget, and at most GROWTH times the
+# largest batch measured. A small batch's RSS growth undercounts a larger one's (memory the allocator freed
+# earlier absorbs part of it): on SmolLM2-135M with a 512 MiB budget, 29 sequences grew RSS by 129 MiB, and the
+# 87 sized from that rate without these margins peaked 588 MiB above the start
+HEADROOM = 0.8
+GROWTH = 2
 
 
 class BatchOutOfMemory(Exception):
@@ -118,14 +129,21 @@ def _record(path: Path, batch: Batch) -> None:
 
 
 class Footprint:
-    """Bytes a batch takes beyond the model: computed (CPU: KV cache, capture blocks, prefill
-    transients), or measured (CUDA: peak allocation growth per sequence and position, the largest seen)."""
+    """Bytes a batch takes beyond the model. CUDA (`measured`): the peak allocation growth per sequence
+    and position, the largest seen; nothing before the first batch. CPU: computed (KV cache, capture
+    blocks, prefill transients) as the first guess, then calibrated by the peak RSS growth of the
+    batches that ran (the larger of the two): the arithmetic misses what the allocator and torch's
+    temporaries hold. Until a CPU batch is measured, batches are cut to a quarter of the budget; the
+    RSS the process still holds above its start (`retained`: memory the allocator kept from earlier
+    batches, which a batch may not be able to reuse) is taken off the budget when a batch is cut."""
 
     def __init__(self, shape, n_layers: int, dtype_bytes: int, vocab: int, max_new: int, chunk_steps: int,
                  chunk_keys: int | None, measured: bool):
         self.shape, self.n_layers, self.dtype_bytes, self.vocab = shape, n_layers, dtype_bytes, vocab
         self.max_new, self.chunk_steps, self.chunk_keys, self.measured = max_new, chunk_steps, chunk_keys, measured
-        self.per_position: float | None = None  # measured bytes per sequence and position (CUDA)
+        self.per_position: float | None = None  # measured bytes per sequence and position, the largest seen
+        self.retained = 0  # CPU: RSS above the process's when the first batch started, after the last batch
+        self.largest_measured = 0  # CPU: sequences in the largest batch whose growth was measured
 
     def computed(self, n: int, longest_prompt: int) -> int:
         s = self.shape
@@ -138,14 +156,39 @@ class Footprint:
         return n * (kv + blocks + prefill)
 
     def bytes(self, n: int, longest_prompt: int) -> int | None:
-        """The batch's footprint; None while a measured footprint has no measurement yet."""
-        if not self.measured:
-            return self.computed(n, longest_prompt)
+        """The batch's footprint; None while a measured (CUDA) footprint has no measurement yet."""
+        observed = None if self.per_position is None else int(n * self.per_position * (longest_prompt + self.max_new))
+        if self.measured:
+            return observed
+        return max(self.computed(n, longest_prompt), observed or 0)
+
+    def sizing_budget(self, budget: int) -> int:
+        """What the next cut batch may take. CPU: the budget less what earlier batches left held; before a
+        batch was measured (with a budget RSS can resolve) a quarter of that, so the first batch fits while
+        the computed guess is off; once measured, HEADROOM of it."""
+        if self.measured:
+            return budget
+        left = budget - self.retained
+        if budget < PROBE_SHARE * RSS_RESOLUTION:
+            return left
         if self.per_position is None:
-            return None
-        return int(n * self.per_position * (longest_prompt + self.max_new))
+            return left // PROBE_SHARE
+        return int(left * HEADROOM)
+
+    def largest_batch(self) -> int:
+        """The most sequences the next cut batch may take: CPU, once measured, GROWTH times the largest
+        measured batch, so each batch is measured at no more than twice the scale it was sized from."""
+        if self.measured or self.per_position is None:
+            return MAX_BATCH
+        return min(MAX_BATCH, GROWTH * self.largest_measured)
 
     def observe(self, n: int, longest_prompt: int, peak_growth: int) -> None:
+        """A batch of `n` ran and grew the peak by `peak_growth` bytes above what was held when it
+        started (CUDA: allocated; CPU: RSS). On the CPU a growth under RSS_RESOLUTION says nothing about
+        the batch (RSS moves that much for other reasons) and is not used."""
+        if not self.measured and peak_growth < RSS_RESOLUTION:
+            return
+        self.largest_measured = max(self.largest_measured, n)
         rate = peak_growth / max(1, n * (longest_prompt + self.max_new))
         self.per_position = max(self.per_position or 0.0, rate)
 
@@ -208,12 +251,13 @@ class BatchQueue:
         if self.size != "auto":
             return min(self.size, len(seqs))
         n, longest = 0, 0
-        for s in seqs[:MAX_BATCH]:
+        budget = self.footprint.sizing_budget(self.budget)
+        for s in seqs[:self.footprint.largest_batch()]:
             longest = max(longest, self.prompt_lens[s])
             need = self.footprint.bytes(n + 1, longest)
             if need is None:  # nothing measured yet: one sequence, to measure it
                 return 1
-            if n and need > self.budget:
+            if n and need > budget:
                 break
             n += 1
         return max(n, 1)

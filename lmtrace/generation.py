@@ -9,6 +9,7 @@ reopens the manifest), `_generate_batches` (the tracer loop streaming into the a
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,7 @@ from .context_length import check_context, model_positions
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
 from .interrupts import StopFlag
 from .models import LoadedModel, check_run_model, load_model
+from .peak_rss import PeakRss, rss_bytes
 from .progress import Progress
 from .prompt_metadata import schema_of
 from .prompts import load_prompts_and_metadata, render_prompts
@@ -420,6 +422,8 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
     gpus = cuda_devices(setup.loaded.model, setup.loaded.device)
     reset_peak_memory(gpus)
     run_peak: dict[str, int] = {}
+    # CPU, a budget: each batch's peak RSS above the process's now (the model loaded) calibrates the footprint
+    rss_base = rss_bytes() if queue.footprint is not None and not gpus else None
     stop = StopFlag()
     texts: dict[int, str] = {}
     n_tokens = 0
@@ -454,9 +458,12 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
                 feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
             before = sum(torch.cuda.memory_allocated(d) for d in gpus)
             reset_peak_memory(gpus)
+            rss = PeakRss() if rss_base is not None else nullcontext()
             try:
-                outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, should_stop=with_oom_fault(stop, len(seq_ids)),
-                                            teacher=teacher, edits=edits, forward_running=writer.forward_running())
+                with rss:
+                    outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, teacher=teacher, edits=edits,
+                                                should_stop=with_oom_fault(stop, len(seq_ids)),
+                                                forward_running=writer.forward_running())
             except (BatchOutOfMemory, torch.cuda.OutOfMemoryError) as err:
                 del sink, feed
                 if replay is not None and replay.batch_abandoned is not None:
@@ -472,8 +479,14 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             peaks = peak_memory(gpus)
             for d, v in peaks.items():
                 run_peak[d] = max(run_peak.get(d, 0), v)
-            if queue.footprint is not None and gpus:
-                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), sum(peaks.values()) - before)
+            growth = None  # the batch's peak above the model: CUDA allocations, or (CPU, a budget) RSS
+            if gpus:
+                growth = sum(peaks.values()) - before
+                if queue.footprint is not None:
+                    queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), growth)
+            elif rss_base is not None:
+                growth = rss.peak - rss_base
+                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), rss.peak - rss.start)
             sink.flush()
             if outcome_.interrupted:
                 raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
@@ -487,7 +500,10 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
             n_tokens += int(gen_len.sum())
             seq_table = _sequence_rows(setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, texts)
             writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
-            log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()))
+            log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()),
+                      **({"peak_growth": growth} if growth is not None else {}))
+            if rss_base is not None:  # what the allocator keeps is not free for the next batch's cut
+                queue.footprint.retained = max(0, rss_bytes() - rss_base)
             progress.sequences_done(len(seq_ids), int(gen_len.sum()))
         writer.drain()
     return _Generated(texts, n_tokens, time.time() - t_gen, run_peak)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 import yaml
 
 from lmtrace.archive.reader import Run
+from lmtrace.batching import Batch
 from lmtrace.errors import LmtraceError
 from lmtrace.generation import run_generate
 from lmtrace.spec import build_spec
@@ -223,3 +225,111 @@ def test_an_intervene_child_split_by_out_of_memory_equals_one_that_was_not(tmp_p
             np.testing.assert_allclose(a[column], b[column], rtol=1e-4, atol=1e-5, err_msg=column)
         else:
             assert [str(v) for v in a[column]] == [str(v) for v in b[column]], column
+
+
+def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_the_measured_growth(tmp_path):
+    """CPU: the computed footprint is the first guess, the first batch takes a quarter of the budget by
+    it; a measured growth three times the computed one sizes the next batches to a third of what the
+    computed footprint would let in (to HEADROOM of the budget); a growth RSS cannot resolve changes
+    nothing; RSS still held from earlier batches is taken off the budget; a batch grows at most
+    GROWTH times past the largest measured one."""
+    from lmtrace.archive.layout import RunShape
+    from lmtrace.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
+
+    (tmp_path / "progress").mkdir()
+    shape = RunShape(n_sequences=20_000, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
+                     head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
+
+    def cpu_queue():
+        footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2,
+                              chunk_keys=None, measured=False)
+        return footprint, BatchQueue(tmp_path, "shard-0-of-1", list(range(20_000)), "auto", budget,
+                                     {s: 5 for s in range(20_000)}, footprint, lambda key: (0, False))
+
+    budget = 16 * RSS_RESOLUTION  # 256 MiB
+    footprint, queue = cpu_queue()
+    per_seq = footprint.computed(1, 5)  # the first guess, a sequence of 5 prompt + 10 new positions
+    assert budget // 3 // per_seq < MAX_BATCH  # the budget, not the cap, sizes the batches below
+
+    first = next(queue)
+    assert len(first.seqs) == budget // 4 // per_seq  # a quarter of the budget, by the computed footprint
+    footprint.observe(len(first.seqs), 5, RSS_RESOLUTION - 1)  # under the resolution: not a measurement
+    assert len(next(queue).seqs) == budget // 4 // per_seq
+
+    footprint.observe(len(first.seqs), 5, 3 * per_seq * len(first.seqs))  # it took 3x the computed footprint
+    second = next(queue)
+    assert len(second.seqs) == int(budget * HEADROOM) // (3 * per_seq) < GROWTH * len(first.seqs)
+    assert footprint.bytes(len(second.seqs), 5) <= budget * HEADROOM < footprint.bytes(len(second.seqs) + 1, 5)
+    footprint.observe(len(second.seqs), 5, per_seq * len(second.seqs))  # less than before: the largest rate stays
+    assert len(next(queue).seqs) == int(budget * HEADROOM) // (3 * per_seq)
+    footprint.retained = budget // 2  # the allocator kept half the budget after the last batch
+    assert len(next(queue).seqs) == int((budget - budget // 2) * HEADROOM) // (3 * per_seq)
+    footprint.retained = budget  # all of it: one sequence at a time, not a refusal
+    assert len(next(queue).seqs) == 1
+
+    # a batch planned before the measurement (a resume's recorded one), now over the budget, is split
+    assert queue.over_budget(Batch(list(range(budget // per_seq)))) == 3 * per_seq * (budget // per_seq)
+
+    # 200 sequences grew 100 MiB: the budget would let 409 in, twice the measured batch is the most
+    footprint, queue = cpu_queue()
+    footprint.observe(200, 5, 100 << 20)
+    assert int(budget * HEADROOM) * 200 // (100 << 20) > 2 * 200
+    assert len(next(queue).seqs) == GROWTH * 200
+
+
+def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below_the_resolution(tmp_path):
+    """A measured growth under the computed footprint leaves the computed one (the larger is used);
+    budgets under 4x the RSS resolution are sized by the computed footprint from the first batch."""
+    from lmtrace.archive.layout import RunShape
+    from lmtrace.batching import HEADROOM, RSS_RESOLUTION, Footprint
+
+    shape = RunShape(n_sequences=1, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
+                     head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
+    footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None,
+                          measured=False)
+    assert footprint.sizing_budget(4 * RSS_RESOLUTION - 1) == 4 * RSS_RESOLUTION - 1
+    assert footprint.sizing_budget(8 * RSS_RESOLUTION) == 2 * RSS_RESOLUTION
+    n = 4 * RSS_RESOLUTION // footprint.computed(1, 5)
+    footprint.observe(n, 5, 4 * RSS_RESOLUTION // 2)  # half the computed footprint
+    assert footprint.sizing_budget(8 * RSS_RESOLUTION) == int(8 * RSS_RESOLUTION * HEADROOM)  # measured
+    assert footprint.bytes(n, 5) == footprint.computed(n, 5)
+
+
+def test_peak_rss_sees_a_transient_allocation_freed_before_the_end():
+    """The peak over a stretch includes memory allocated and freed within it (a batch's prefill
+    transients): a 128 MiB buffer touched, held until the sampler has read RSS twice, and freed."""
+    from lmtrace.peak_rss import PeakRss, rss_bytes
+
+    size = 128 << 20
+    before = rss_bytes()
+    with PeakRss() as p:
+        buffer = np.ones(size, dtype=np.uint8)
+        seen = p.samples
+        for _ in range(10_000):  # the sampler reads every 5 ms; wait for two readings (not a timing check)
+            if p.samples >= seen + 2:
+                break
+            time.sleep(0.001)
+        del buffer
+    assert rss_bytes() - before < size / 2  # freed: the end of the stretch alone would not show it
+    assert p.peak - before >= size * 0.9
+
+
+def test_cpu_batches_feed_their_peak_rss_growth_to_the_footprint(tmp_path, tiny_llama_dir, monkeypatch):
+    """On the CPU with a budget the loop measures each batch's peak RSS, hands its growth over the
+    batch to the footprint, logs the peak above the process's RSS before the first batch with the batch
+    (`peak_growth`), and leaves the RSS still held after it as the footprint's `retained`."""
+    from lmtrace.batching import Footprint
+
+    seen: list[tuple[int, int, int]] = []
+    real_observe = Footprint.observe
+
+    def observe(self, n, longest, growth):
+        seen.append((n, growth, self.retained))
+        real_observe(self, n, longest, growth)
+
+    monkeypatch.setattr(Footprint, "observe", observe)
+    run = _run(tmp_path, tiny_llama_dir, "measured", batch_size=2, memory_budget="64GiB")
+    done = _events(run, "batch_done")
+    assert [len(e["sequences"]) for e in done] == [n for n, _, _ in seen] == [2, 2, 1]
+    assert all(isinstance(e["peak_growth"], int) and isinstance(g, int) for e, (_, g, _) in zip(done, seen))
+    assert seen[0][2] == 0 and all(r >= 0 for _, _, r in seen)  # nothing held before the first batch
