@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..archive import layout
-from ..archive.reader import Run, lens_state, table_files
+from ..archive.reader import Run, lens_state, read_table_files
 from ..errors import ArchiveError, SpecError
 from ..jsonout import strict
 from . import kept
@@ -34,16 +34,17 @@ class NotFound(SpecError):
 def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None) -> pa.Table:
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
     complete run or the committed part files of a running one; only matching row groups are read."""
-    files = table_files(run.path, name)
-    if not files:
-        return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
-    try:
+    def read(files: list) -> pa.Table:
+        if not files:
+            return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
         dataset = kept.dataset(files)
-        if columns is not None:
-            columns = [c for c in columns if c in dataset.schema.names]
+        wanted = columns if columns is None else [c for c in columns if c in dataset.schema.names]
         # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
         # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
-        return dataset.to_table(columns=columns, filter=where, use_threads=False)
+        return dataset.to_table(columns=wanted, filter=where, use_threads=False)
+
+    try:
+        return read_table_files(run.path, name, read)
     except (OSError, pa.ArrowException) as err:
         raise run.damaged(layout.table_file(name), err) from None
 
