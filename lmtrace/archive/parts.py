@@ -35,7 +35,7 @@ from .liveness import kill_point
 # and a writer keeps fewer than FANOUT parts per level below FINAL_BYTES.
 FANOUT = 8
 FINAL_BYTES = 64 << 20  # a merged part this large is never merged again (until the run completes)
-ROW_GROUP_ROWS = 65536  # rows per row group of a merged (and the compacted) file
+ROW_GROUP_ROWS = 65536  # rows per row group of a merged part (at most, of the compacted table)
 
 UNITS_KEY = b"lmtrace.units"
 COVERS_KEY = b"lmtrace.covers"
@@ -104,9 +104,12 @@ def plain_schema(path: Path) -> pa.Schema:
     return schema.with_metadata(meta or None)
 
 
-def write_units(files: list[Path], out: pq.ParquetWriter, schema: pa.Schema) -> list[tuple[str, int]]:
+def write_units(files: list[Path], out: pq.ParquetWriter, schema: pa.Schema,
+                group_blocks: bool) -> list[tuple[str, int]]:
     """Write the blocks of `files` in block-name order (each file's blocks are in that order already:
-    a streaming merge) to `out`, in row groups of ROW_GROUP_ROWS; [(block name, rows)] written."""
+    a streaming merge) to `out`; [(block name, rows)] written. `group_blocks`: row groups of about
+    ROW_GROUP_ROWS rows (a merged part: read whole); else one row group per block, as the compacted
+    table has them (a reader of one sequence reads only its batch's row groups)."""
     streams = [_units_stream(f, schema) for f in files]
     written: list[tuple[str, int]] = []
     batch: list[pa.Table] = []
@@ -115,7 +118,7 @@ def write_units(files: list[Path], out: pq.ParquetWriter, schema: pa.Schema) -> 
         written.append((name, table.num_rows))
         batch.append(table)
         rows += table.num_rows
-        if rows >= ROW_GROUP_ROWS:
+        if rows >= ROW_GROUP_ROWS or not group_blocks:
             out.write_table(pa.concat_tables(batch), row_group_size=ROW_GROUP_ROWS)
             batch, rows = [], 0
     if batch:
@@ -140,7 +143,7 @@ def merge_parts(parts_dir: Path, sources: list[Path], target: str) -> Path:
     try:
         # the covered names go into the footer, written after the rows: known before the first row
         with pq.ParquetWriter(tmp, schema, use_dictionary=False, write_statistics=False) as out:
-            units = write_units(sources, out, schema)
+            units = write_units(sources, out, schema, group_blocks=True)
             out.add_key_value_metadata({UNITS_KEY: json.dumps(units, separators=(",", ":")),
                                         COVERS_KEY: json.dumps(covers, separators=(",", ":"))})
         with open(tmp, "rb") as fh:
@@ -218,7 +221,3 @@ class PartMerger:
                     self.next_n += 1
                     self._keep(table, merge_parts(sources[0].parent, sources, target), level + 1)
                 level += 1
-
-    def parts(self, table: str) -> int:
-        """How many live parts of `table` this writer holds."""
-        return sum(len(files) for files in self.levels.get(table, {}).values())

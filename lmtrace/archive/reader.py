@@ -19,7 +19,6 @@ from .integrity import damaged_message, quick_problem, verify
 from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 
-
 RELIST_TRIES = 5  # listings of a running run's parts a read tries (read_table_files)
 
 

@@ -406,7 +406,7 @@ class ArchiveWriter:
                         out.write_table(t, row_group_size=65536)
                         n = t.num_rows
                     else:
-                        n = sum(rows for _, rows in write_units(files, out, schema))
+                        n = sum(rows for _, rows in write_units(files, out, schema, group_blocks=False))
                 os.replace(tmp, target)
             except BaseException:
                 tmp.unlink(missing_ok=True)
