@@ -152,3 +152,51 @@ def test_a_read_that_races_a_merge_lists_the_parts_again(tmp_path, monkeypatch):
     rows = read_table_files(tmp_path, "steps", read)
     assert len(calls) == 2 and calls[1] == ["m1_shard-0-of-1_000000.parquet"], calls
     assert rows == sorted((s, t) for t in range(2 * FANOUT) for s in (0, 1))
+
+
+def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
+    """Two writers (SLURM shards) of one run, interleaved: each merges its own parts, a resumed one
+    clears what a kill during its merge left (and nothing of the other's), and the compacted table
+    holds every row once, in block order."""
+    monkeypatch.setattr("os.sync", lambda: None)
+    writers = {key: ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
+               for key in ("shard-0-of-2", "shard-1-of-2")}
+    for w in writers.values():
+        w.rollback([])
+    blocks = []
+    for s0 in range(0, 2 * FANOUT, 2):
+        for batch in (0, 2, 4, 6):  # shard 0 owns batches 0 and 4, shard 1 batches 2 and 6
+            writers[f"shard-{batch // 2 % 2}-of-2"].write_block(batch, [batch, batch + 1], s0, s0 + 2, {},
+                                                                {"steps": _block(batch, s0)})
+            blocks.append((batch, s0))
+    parts = tmp_path / "steps.parts"
+    merged = sorted(p.name for p in parts.glob("m*"))
+    assert merged == ["m1_shard-0-of-2_000000.parquet", "m1_shard-0-of-2_000001.parquet",
+                      "m1_shard-1-of-2_000000.parquet", "m1_shard-1-of-2_000001.parquet"], merged
+    for name in merged:  # each covers 8 blocks of its own shard's batches
+        covers = json.loads(pq.read_metadata(parts / name).metadata[b"lmtrace.covers"])
+        assert len(covers) == FANOUT and {int(c[1:7]) // 2 % 2 for c in covers} == {int(name[9])}, (name, covers)
+    # what a kill between a merge's rename and its deletions leaves: the merged part and its sources,
+    # each with its own rows again (the merged part's blocks, in its row order)
+    first = parts / merged[0]
+    meta = pq.read_metadata(first).metadata
+    sources = json.loads(meta[b"lmtrace.covers"])
+    table, at = pq.read_table(first), 0
+    for name, n in json.loads(meta[b"lmtrace.units"]):
+        pq.write_table(table.slice(at, n), parts / f"{name}.parquet")
+        at += n
+    assert sorted(f"{name}.parquet" for name, _ in json.loads(meta[b"lmtrace.units"])) == sources
+    assert _rows(table_files(tmp_path, "steps")) == sorted(r for b, s0 in blocks for r in _block_keys(b, s0))
+    ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-1-of-2").rollback([])
+    assert all((parts / name).exists() for name in sources)  # another shard's leftovers are not its to clear
+    ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-0-of-2").rollback([])
+    assert not any((parts / name).exists() for name in sources)
+    rows = writers["shard-0-of-2"].compact_tables()
+    assert rows == {"steps": 4 * len(blocks)}
+    order = sorted(blocks)  # block names sort by batch, then step
+    assert pq.read_table(tmp_path / "steps.parquet").equals(pa.concat_tables([_block(b, s0) for b, s0 in order]))
+
+
+def _block_keys(batch: int, s0: int) -> list[tuple]:
+    t = _block(batch, s0)
+    return list(zip(t.column("sequence").to_pylist(), t.column("step").to_pylist()))

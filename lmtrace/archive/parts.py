@@ -175,8 +175,10 @@ class PartMerger:
         self.pace = lambda: None
 
     def added(self, table: str, path: Path) -> None:
-        """A committed block part of this writer."""
-        self.levels.setdefault(table, {}).setdefault(0, []).append(path)
+        """A committed block part of this writer (once: merging one twice would duplicate its rows)."""
+        level0 = self.levels.setdefault(table, {}).setdefault(0, [])
+        if path not in level0:
+            level0.append(path)
 
     def _keep(self, table: str, path: Path, level: int) -> None:
         if level == 0 or path.stat().st_size < self.final_bytes:

@@ -5,7 +5,7 @@ Crash-safety protocol (see docs/archive.md):
      of different lengths; blocks of `chunk_steps` steps are written whole (one shard file per block
      and group of `chunk_sequences` sequences, replaced atomically);
   2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
-     once the footer is written, so the parts directory is always a readable dataset;
+     once the footer is written, so every visible part is a readable Parquet file;
   3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
      (write-to-temp + rename) with the committed step count of the batch;
   4. after each commit the writer merges its own committed parts, levelled (archive/parts.py), so
