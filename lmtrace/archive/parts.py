@@ -101,7 +101,8 @@ def plain_schema(path: Path) -> pa.Schema:
     """A part's schema without the merge's own metadata (what a block part and the compacted file have)."""
     schema = pq.read_schema(path)
     meta = {k: v for k, v in (schema.metadata or {}).items() if k not in (UNITS_KEY, COVERS_KEY)}
-    return schema.with_metadata(meta or None)
+    # none rather than empty: the Arrow schema stored in the compacted file is then the block parts' own
+    return schema.with_metadata(meta) if meta else schema.remove_metadata()
 
 
 def write_units(files: list[Path], out: pq.ParquetWriter, schema: pa.Schema,
