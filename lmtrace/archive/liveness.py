@@ -211,10 +211,18 @@ class Heartbeat:
         return False
 
 
+_kill_point_reached: dict[str, int] = {}
+
+
 def kill_point(name: str) -> None:
-    """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME
-    (the fault suite's deterministic kill points: finalisation, `lmtrace lens`)."""
-    if os.environ.get("LMTRACE_TEST_KILL_AT") == name:
+    """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME,
+    NAME@N the N-th time it does (the fault suite's deterministic kill points: finalisation, `lmtrace
+    lens`, a table part's merge, a committed block)."""
+    wanted = os.environ.get("LMTRACE_TEST_KILL_AT")
+    if wanted is None or wanted.split("@")[0] != name:
+        return
+    _kill_point_reached[name] = _kill_point_reached.get(name, 0) + 1
+    if "@" not in wanted or int(wanted.split("@")[1]) == _kill_point_reached[name]:
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

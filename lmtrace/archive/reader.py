@@ -17,7 +17,10 @@ from ..errors import ArchiveError
 from . import layout
 from .columns import current_names
 from .integrity import damaged_message, quick_problem, verify
+from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
+
+RELIST_TRIES = 5  # listings of a running run's parts a read tries (read_table_files)
 
 
 class IncompleteRunWarning(UserWarning):
@@ -26,12 +29,25 @@ class IncompleteRunWarning(UserWarning):
 
 def table_files(run_dir: Path, name: str) -> list[Path]:
     """The Parquet files holding a table: its compacted file once the run has one, else the part
-    files committed so far (in order; a part being written has a hidden temporary name)."""
+    files committed so far, each row in one of them (in order; a part being written has a hidden
+    temporary name, and the parts a merged part covers are left out: archive/parts.py)."""
     full = run_dir / layout.table_file(name)
     if full.is_file():
         return [full]
-    parts = run_dir / layout.table_parts_dir(name)
-    return sorted(parts.glob("[!.]*.parquet")) if parts.is_dir() else []
+    return live_parts(run_dir / layout.table_parts_dir(name))
+
+
+def read_table_files(run_dir: Path, name: str, read):
+    """`read(files)` over `table_files`, listed again when a part vanished while it was read: a
+    running writer merged it into a larger part (or the run completed and compacted its tables)."""
+    for _ in range(RELIST_TRIES - 1):
+        files = table_files(run_dir, name)
+        try:
+            return read(files)
+        except (OSError, pa.ArrowException):
+            if all(f.exists() for f in files):
+                raise  # not a merge: a real error
+    return read(table_files(run_dir, name))
 
 
 class Run:
@@ -185,7 +201,10 @@ class Run:
                 raise self.damaged(layout.table_file(name), err) from None
         if self.status == "complete" and name in (self.manifest.get("table_rows") or {}):
             raise ArchiveError(damaged_message(self.id, f"{layout.table_file(name)} is missing"))
-        files = table_files(self.path, name)  # the committed parts: there is no compacted file
+        return read_table_files(self.path, name, lambda files: self._parts_table(name, files))
+
+    def _parts_table(self, name: str, files: list[Path]) -> pa.Table:
+        """A table from its committed part files (there is no compacted file)."""
         if not files:
             if name in EMPTY_SCHEMAS:  # nothing committed yet: an empty table with the documented columns
                 return EMPTY_SCHEMAS[name]().empty_table()

@@ -209,8 +209,9 @@ def archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, l
     """Generated token ids of steps < upto for these sequences, from the committed table parts."""
     import pyarrow.dataset as ds
 
-    parts = run_dir / layout.table_parts_dir("tokens")
-    files = sorted(str(f) for f in parts.glob("*.parquet")) if parts.is_dir() else []
+    from .parts import live_parts
+
+    files = [str(f) for f in live_parts(run_dir / layout.table_parts_dir("tokens"))]
     out = {s: [] for s in seq_ids}
     if not files:
         return out

@@ -5,10 +5,12 @@ Crash-safety protocol (see docs/archive.md):
      of different lengths; blocks of `chunk_steps` steps are written whole (one shard file per block
      and group of `chunk_sequences` sequences, replaced atomically);
   2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
-     once the footer is written, so the parts directory is always a readable dataset;
+     once the footer is written, so every visible part is a readable Parquet file;
   3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
      (write-to-temp + rename) with the committed step count of the batch;
-  4. `status: complete` is written last, after parts are compacted and metadata consolidated.
+  4. after each commit the writer merges its own committed parts, levelled (archive/parts.py), so
+     the parts stay few; a merged part lists the parts it replaces, and readers skip those;
+  5. `status: complete` is written last, after parts are compacted and metadata consolidated.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from ..errors import LmtraceError
 from . import layout
 from .layout import RunShape
+from .liveness import kill_point
+from .parts import PartMerger, live_parts, plain_schema, write_units
 from .shards import ShardFiles
 
 
@@ -199,6 +203,7 @@ class ArchiveWriter:
         # Called before each chunk file, table part and commit of a block: BackgroundWriter makes it
         # wait while the model's forward runs (BackgroundWriter.forward_running).
         self.pace = lambda: None
+        self.merger = PartMerger(run_dir, writer_key)
         self.key_arrays = {spec.name for spec in shape.arrays() if spec.key_chunked}
         for spec in shape.arrays():
             self.arrays[spec.name] = create_array(self.group, spec, shape.shape_of(spec), chunk_steps,
@@ -283,12 +288,22 @@ class ArchiveWriter:
         """Write steps [s0, s1) of sequences `seqs` and the block's table rows, then commit."""
         for name, data in arrays.items():
             self._put(name, seqs, data, slice(s0, s1))
+        written = []
         for name, table in tables.items():
             if table is not None and table.num_rows:
                 self.pace()
-                self._write_part(name, layout.block_part_name(batch, s0), table)
+                written.append((name, self._write_part(name, layout.block_part_name(batch, s0), table)))
         self.pace()
         self._commit(batch, committed_steps=s1)
+        self._merge(written)
+        kill_point("block-committed")
+
+    def _merge(self, committed: list[tuple[str, Path]]) -> None:
+        """Hand the parts just committed to the merger, which merges a level once it is full."""
+        for table, path in committed:
+            self.merger.added(table, path)
+        self.merger.pace = self.pace
+        self.merger.compact()
 
     def write_prompt(self, seqs: list[int], arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
         for name, data in arrays.items():
@@ -297,8 +312,9 @@ class ArchiveWriter:
 
     def finish_batch(self, batch: int, seqs: list[int], generated_len: np.ndarray, sequences: pa.Table) -> None:
         self._put("generated_len", seqs, generated_len)
-        self._write_part("sequences", layout.batch_part_name(batch), sequences)
+        path = self._write_part("sequences", layout.batch_part_name(batch), sequences)
         self._commit(batch, done=True)
+        self._merge([("sequences", path)])
 
     def rollback(self, batches: list[int]) -> None:
         """Before resuming: drop table parts past each unfinished batch's committed step, and temp files.
@@ -319,19 +335,33 @@ class ArchiveWriter:
                         f.unlink()
                 for f in parts.glob(f".{layout.batch_part_name(batch)}*.tmp"):
                     f.unlink()
+        self.merger.adopt(self._committed_part)
 
-    def _write_part(self, table: str, name: str, data: pa.Table) -> None:
+    def _committed_part(self, table: str, filename: str) -> bool:
+        """Whether a block part (`b<batch>[-s<step>].parquet`) is this writer's and committed."""
+        batch = int(filename.split(".")[0].split("-")[0].lstrip("b"))
+        entry = self.progress["batches"].get(str(batch))
+        if entry is None:
+            return False
+        s0 = layout.part_start_step(filename)
+        if s0 is None:  # a batch's sequences part: written when the batch is done
+            return entry["done"]
+        return entry["done"] or s0 < entry["committed_steps"]
+
+    def _write_part(self, table: str, name: str, data: pa.Table) -> Path:
         parts = self.dir / layout.table_parts_dir(table)
         parts.mkdir(exist_ok=True)
         tmp = parts / f".{name}.tmp"
+        path = parts / f"{name}.parquet"
         # Parts are read back whole (by compaction or a reader of an unfinished run), never
         # filtered: dictionaries and column statistics would only cost the writer ~2 ms a block.
         try:
             pq.write_table(data, tmp, use_dictionary=False, write_statistics=False)
-            os.replace(tmp, parts / f"{name}.parquet")
+            os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return path
 
     def _commit(self, batch: int, committed_steps: int | None = None, done: bool = False) -> None:
         os.sync()  # arrays and parts must be durable before progress says they exist
@@ -349,7 +379,8 @@ class ArchiveWriter:
 
     # ---- completion --------------------------------------------------------------------------
     def compact_tables(self) -> dict[str, int]:
-        """Merge each table's part files into `<table>.parquet` (sorted by part name) and drop the parts."""
+        """Merge each table's live parts into `<table>.parquet` and drop the parts: rows in the order
+        of their blocks' names (`sequences`: in sequence order), whatever merges happened on the way."""
         rows = {}
         for table in layout.TABLES:
             parts = self.dir / layout.table_parts_dir(table)
@@ -363,22 +394,19 @@ class ArchiveWriter:
                 shutil.rmtree(parts)
                 rows[table] = pq.read_metadata(target).num_rows
                 continue
-            files = sorted(p for p in parts.glob("*.parquet"))
+            files = live_parts(parts)
             if not files:
                 continue
             tmp = self.dir / f".{table}.parquet.tmp"
-            schema = pq.read_schema(files[0])
-            n = 0
+            schema = plain_schema(files[0])
             try:
                 with pq.ParquetWriter(tmp, schema) as out:
                     if table == "sequences":  # one row per sequence: in sequence order, whatever the shards' batches
                         t = pa.concat_tables([pq.read_table(f).cast(schema) for f in files]).sort_by("sequence")
+                        out.write_table(t, row_group_size=65536)
                         n = t.num_rows
-                        out.write_table(t, row_group_size=65536)
-                    for f in files if table != "sequences" else []:
-                        t = pq.read_table(f).cast(schema)
-                        n += t.num_rows
-                        out.write_table(t, row_group_size=65536)
+                    else:
+                        n = sum(rows for _, rows in write_units(files, out, schema, group_blocks=False))
                 os.replace(tmp, target)
             except BaseException:
                 tmp.unlink(missing_ok=True)

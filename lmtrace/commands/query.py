@@ -8,6 +8,7 @@ from pathlib import Path
 
 import duckdb
 
+from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
 from ..errors import SpecError
 from ..query.catalog import VIEWS, Catalog, first_unreadable, read_catalog
@@ -86,6 +87,7 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
     catalog = read_catalog(root) if views else Catalog(root)  # SQL over no view reads no run
     for run_id, why in catalog.skipped:
         warn_line(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
+    relists = 0
     while True:
         con = None
         try:
@@ -95,6 +97,9 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
                 write_result(rel, fmt, out)
             return
         except duckdb.Error as err:  # a bad query, or a file that fails to read (checked by reading it)
+            if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read
+                relists += 1
+                continue
             skip_damaged(catalog, err, views, warn_line)
         finally:
             if con is not None:

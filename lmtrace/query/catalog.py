@@ -48,13 +48,22 @@ class Catalog:
     root: Path
     runs: list[dict] = field(default_factory=list)  # run_summary rows (without the size walk)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (run id, why)
+    listed: set[Path] = field(default_factory=set)  # every file `files` gave since the last `vanished`
 
     def files(self, view: str) -> list[TableFile]:
         """The committed files of `view` over every readable run, in run order."""
         out: list[TableFile] = []
         for row in self.runs:
             out += view_files(Path(row["path"]), row["run_id"], view)
+        self.listed.update(f.path for f in out)
         return out
+
+    def vanished(self) -> bool:
+        """Whether a file listed since the last call is gone: a running run merged its table parts
+        (or completed) meanwhile, so a read error is no damage and listing again reads the run."""
+        gone = any(not p.exists() for p in self.listed)
+        self.listed = set()
+        return gone
 
     def skip(self, run_id: str, why: str) -> None:
         """Leave a run out from now on (a file found damaged while reading it)."""

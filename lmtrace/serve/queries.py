@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from ..archive import layout
 from ..archive.columns import current_names, stored_name
-from ..archive.reader import Run, lens_state, table_files
+from ..archive.reader import Run, lens_state, read_table_files
 from ..errors import ArchiveError, SpecError
 from ..jsonout import strict
 from . import kept
@@ -36,17 +36,18 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
     complete run or the committed part files of a running one; only matching row groups are read.
     `columns` and the table's are today's names (an older archive's are mapped, archive/columns.py)."""
-    files = table_files(run.path, name)
-    if not files:
-        return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
-    try:
+    def read(files: list) -> pa.Table:
+        if not files:
+            return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
         dataset = kept.dataset(files)
-        if columns is not None:
-            stored = dataset.schema.names
-            columns = [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
+        stored = dataset.schema.names
+        wanted = None if columns is None else [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
         # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
         # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
-        return current_names(dataset.to_table(columns=columns, filter=where, use_threads=False), name)
+        return current_names(dataset.to_table(columns=wanted, filter=where, use_threads=False), name)
+
+    try:
+        return read_table_files(run.path, name, read)
     except (OSError, pa.ArrowException) as err:
         raise run.damaged(layout.table_file(name), err) from None
 
