@@ -248,7 +248,13 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 continue
             if current is None or current[0] != s:
                 P, steps = len(view.prompt_ids[s]), inp.seq_steps[s]
-                seq_in = engine.sequence(view.prompt_ids[s] + view.generated[s], P, max(steps))
+                ids = view.prompt_ids[s] + view.generated[s]
+                shared = 0
+                if spec.edit == "patch":
+                    t, _ = inp.pairs[s]
+                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
+                    shared = _agreeing_prefix(ids[: P + max(steps)], sids)
+                seq_in = engine.sequence(ids, P, max(steps), min(steps), shared)
                 base = engine.baseline(seq_in)
                 base_lp = base.log_softmax(-1)
                 tokens, first = view.generated[s], seq_in.first_step
@@ -263,7 +269,6 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 if spec.edit == "patch":
                     wanted = {(c.component, c.layer) for c in inp.cells}
                     t, pair_id = inp.pairs[s]
-                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
                     T = seq_in.ids.shape[1]
                     source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
                     # the source's own metrics (the clean run's, the normaliser): its logits at the same
@@ -291,6 +296,16 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 raise Interrupted(f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue with the "
                                   f"same command and --run-id {sweep_id} --resume")
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
+
+
+def _agreeing_prefix(ids: list[int], source_ids: list[int]) -> int:
+    """How many leading tokens a sequence and its patch source have in common."""
+    n = 0
+    for a, b in zip(ids, source_ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str, partial: Path, final: Path,

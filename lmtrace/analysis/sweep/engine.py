@@ -162,6 +162,33 @@ def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: 
     return out, logits[0].float()
 
 
+# The fixed cost of one forward through one layer (module calls, hooks, small kernels), in token
+# positions of compute: a group of cells is worth its own forward only when the layers it skips
+# save more than that.
+FORWARD_OVERHEAD_POSITIONS = 16
+
+
+def layer_groups(starts: list[int], n_layers: int, positions: int) -> list[tuple[int, int]]:
+    """Split cells whose lowest edited layers are `starts` (ascending) into contiguous groups [i, j),
+    one forward each, starting at its first cell's layer: a row whose edit begins at layer 20 needs
+    only layers 20.. computed, but one forward computes every row from the group's lowest layer.
+    Minimises sum over groups of (layers computed) x (rows x positions + FORWARD_OVERHEAD_POSITIONS),
+    by dynamic programming over the split points."""
+    n = len(starts)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of cells [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (n_layers - starts[i]) * ((j - i) * positions + FORWARD_OVERHEAD_POSITIONS)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], n
+    while j > 0:
+        out.append((cut[j], j))
+        j = cut[j]
+    return out[::-1]
+
+
 @dataclass
 class SequenceInput:
     """One sequence as the engine runs it: what each forward computes and which steps its logits are."""
@@ -191,21 +218,29 @@ class Engine:
         self.from_step = from_step
         self.skip = _PrefixSkip(adapter.layers)
         self.skip_ok = True
+        self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
 
     @torch.inference_mode()
-    def sequence(self, ids: list[int], prompt_len: int, last_step: int) -> SequenceInput:
-        """The input for steps up to `last_step`; with from_step, the unedited prefix is computed here, once."""
+    def sequence(self, ids: list[int], prompt_len: int, last_step: int, first_measured: int = 0,
+                 shared: int = 0) -> SequenceInput:
+        """The input for steps up to `last_step`. The positions no edit changes are computed here, once,
+        into a prefix KV cache every batch row continues: those before `from_step`'s (not edited), and
+        the first `shared` positions (a patch source whose tokens agree with this sequence's there: a
+        causal model gives both the same values, so patching them changes nothing). The prefix stops
+        at the first measured step's position: its logits are computed by every batch."""
         x = torch.tensor([ids[: prompt_len + last_step]], dtype=torch.long, device=self.device)
-        if not self.from_step:
+        unedited = prompt_len - 1 + self.from_step if self.from_step else 0
+        start = min(max(unedited, shared), prompt_len - 1 + first_measured)
+        if start <= 0:
             return SequenceInput(x, 0, last_step + 1)
         from transformers import DynamicCache
 
-        start = prompt_len - 1 + self.from_step
+        first_step = max(0, start - (prompt_len - 1))
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
                    position_ids=torch.arange(start, device=self.device)[None], cache=cache, use_cache=True,
                    logits_to_keep=1)
-        return SequenceInput(x, self.from_step, last_step - self.from_step + 1, start, cache)
+        return SequenceInput(x, first_step, last_step - first_step + 1, start, cache)
 
     def _forward(self, seq: SequenceInput, rows: int, start: int = 0, edits=None, patches=None):
         """Logits [rows, n_logits, V] (float32) of the last n_logits positions; `start`: the lowest edited layer."""
@@ -236,7 +271,8 @@ class Engine:
         """Unedited logits [n_logits, V]; saves every layer's output for the prefix shortcut and checks it."""
         with self.skip.recording():
             base = self._forward(seq, 1)[0]
-        if self.skip_ok:
+        if not self.skip_checked:
+            self.skip_checked = True
             half = max(1, len(self.adapter.layers) // 2)
             short = self._forward(seq, 1, start=half)[0]
             if not torch.allclose(short, base, atol=1e-5, rtol=0):
@@ -271,6 +307,14 @@ class Engine:
 
     @torch.inference_mode()
     def run_cells(self, seq: SequenceInput, cells: list[Cell], source: dict | None) -> torch.Tensor:
+        """Logits [len(cells), n_logits, V] of one batch of cells (sorted by their lowest edited layer),
+        computed in the groups `layer_groups` chooses: each group's forward starts at its own lowest
+        edited layer, the layers below it are the baseline's saved outputs (`_PrefixSkip`)."""
+        groups = layer_groups([c.start_layer() for c in cells], len(self.adapter.layers),
+                              seq.ids.shape[1] - seq.start) if self.skip_ok else [(0, len(cells))]
+        return torch.cat([self._run_group(seq, cells[i:j], source) for i, j in groups])
+
+    def _run_group(self, seq: SequenceInput, cells: list[Cell], source: dict | None) -> torch.Tensor:
         start = min(c.start_layer() for c in cells)
         if self.edit == "patch":
             return self._forward(seq, len(cells), start, patches=_Patches(self.adapter, cells, source, seq.start))
