@@ -465,6 +465,7 @@ def test_a_shared_prefix_is_computed_once_and_block_patching_still_equals_the_te
     monkeypatch.undo()
     T = len(p) + len(g) - 1
     assert {n for rows, n in seen if rows > 1} == {T - shared}  # every multi-row forward computes the rest only
+    assert {n for _, n in seen} == {shared, T - shared}  # the prefix once; the baseline and the source continue it
     df = read_sweep(corrupt, result.sweep_id).to_pandas()
     base = _logits(model, p + g)
     for L in range(4):

@@ -270,16 +270,24 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                     wanted = {(c.component, c.layer) for c in inp.cells}
                     t, pair_id = inp.pairs[s]
                     T = seq_in.ids.shape[1]
-                    source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
+                    if seq_in.prefix is not None and seq_in.start <= shared and len(sids) >= T:
+                        # the source shares the prefix: it continues the same KV cache
+                        source, src_logits = capture_source(adapter, sids[:T], wanted, seq_in.n_logits, seq_in.prefix,
+                                                            seq_in.start)
+                        src_first = first
+                    else:
+                        source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
+                        src_first = 0
                     # the source's own metrics (the clean run's, the normaliser): its logits at the same
-                    # positions (steps 0..max(steps)), scored on the patched run's tokens; NaN where the
+                    # positions (row i: step src_first + i), scored on the patched run's tokens; NaN where the
                     # source sequence is shorter than the measured context
                     if len(sids) >= T:
-                        own = {k: v[0] for k, v in engine.measure(src_logits[first:][None], base, steps, tokens,
-                                                                  first).items()}
+                        own = {k: v[0] for k, v in engine.measure(src_logits[first - src_first:][None], base, steps,
+                                                                  tokens, first).items()}
                         source_baseline[str(s)] = {
-                            m.key: [float(src_logits[st, m.tokens[0]] - src_logits[st, m.tokens[1]]) for st in steps]
-                            for m in inp.metrics if m.tokens}
+                            m.key: [float(src_logits[st - src_first, m.tokens[0]] - src_logits[st - src_first,
+                                                                                            m.tokens[1]])
+                                    for st in steps] for m in inp.metrics if m.tokens}
                     else:
                         own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
                     pair = PairColumns(pair_id, t, own)
