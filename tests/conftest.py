@@ -115,3 +115,39 @@ class Reference:
             "embed": out.hidden_states[0][0].float(),
             "ffn_act": [down[i].float() for i in range(len(layers))],  # [T, d_ffn]
         }
+
+
+@pytest.fixture(scope="session")
+def every_table_runs(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A folder with every Parquet table lmtrace writes, from the tiny Llama: runs/ holds a generate
+    run (inline lens, head DLA, prefill attention, a prompt-metadata column `topic`) with `lmtrace
+    heads` (--per-sequence, --by topic), a head sweep measuring every metric, a patching sweep,
+    attributions (grad_x_input, occlusion) and an intervene child (effects); compare/ holds
+    `lmtrace compare --out` of the two runs. Tests that change it work on a copy."""
+    import json
+
+    from lmtrace.commands.compare import compare_view
+    from lmtrace.commands.explain import explain_run
+    from lmtrace.commands.heads import heads_command
+    from lmtrace.commands.intervene import run_intervene
+    from lmtrace.commands.sweep import run_sweep
+    from lmtrace.sweep_spec import SweepSpec
+
+    root = tmp_path_factory.mktemp("every-table")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "topic": t}) + "\n" for p, t in zip(PROMPTS, ("a", "a", "b"))))
+    base = run_spec(root, {
+        "model": str(tiny_llama_dir), "prompts": {"file": str(prompts)},
+        "generation": {"max_new_tokens": 4, "batch_size": 3},
+        "capture": {"lens": {"when": "inline"}, "head_dla": True, "prefill_attention": True},
+        "output": {"float_dtype": "float32", "run_id": "every-table"}})
+    heads_command(str(base.path), quiet=True, per_sequence=True)
+    heads_command(str(base.path), quiet=True, by="topic")
+    run_sweep(str(base.path), SweepSpec(over="heads", metrics=["logprob", "prob", "kl", "rank", "logit_diff:42,7"],
+                                        sequences="0,1", steps="1,2"))
+    run_sweep(str(base.path), SweepSpec(over="attn", edit="patch", source=str(base.path), metrics=["logprob", "rank"],
+                                        sequences="0", steps="1"))
+    explain_run(base.path, "1,2", methods=["grad_x_input,occlusion"])
+    run_intervene(str(base.path), [{"kind": "ablate_layer", "layer": 1}], run_id="every-table-child")
+    compare_view(str(base.path), str(root / "runs" / "every-table-child"), out_dir=root / "compare", quiet=True)
+    return root

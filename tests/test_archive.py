@@ -44,7 +44,7 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
         assert set(tokens.columns) >= {{"sequence", "position", "step", "token_id", "logprob", "alt_ids"}}
         # the documented types, nulls on prompt rows included (not float64 / object)
         dtypes = {{c: str(t) for c, t in tokens.dtypes.items()}}
-        for col in ("step", "rank", "greedy_id", "eligible"):
+        for col in ("step", "token_rank", "greedy_id", "eligible"):
             assert dtypes[col] == "Int32", (col, dtypes[col])
         for col in ("filter_changed", "is_eos"):
             assert dtypes[col] == "boolean", (col, dtypes[col])

@@ -216,7 +216,7 @@ def test_head_ablated_child_changes_from_the_ablated_layer_on(runs):
         assert not np.array_equal(ga.alt_logprobs[0], gb.alt_logprobs[0]) and not mine.loc[0, "same_stored"]
         assert pd.isna(mine.loc[0, "js"]) or mine.loc[0, "js"] > 0
         lay = layers[layers.pair == p["pair"]].set_index(["step", "layer"])
-        hd = heads[heads.pair == p["pair"]].set_index(["step", "layer", "head"])
+        hd = heads[heads.pair == p["pair"]].set_index(["step", "layer", "q_head"])
         for s in range(n):
             for layer in range(4):
                 ra = float(sa[(sa.sequence == seq) & (sa.step == s) & (sa.layer == layer)].resid_norm.iloc[0])

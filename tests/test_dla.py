@@ -260,7 +260,7 @@ def test_unsupported_family_cli_exit_2_one_line(tokenizer, tmp_path):
 def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
     """`lmtrace heads`: `importance` is the mean |head_dla| (read here with zarr), `dla_rank` ranks by it;
     after `lmtrace sweep --over heads`, `sweep_effect` is the mean effect of the sweep's long table (read
-    here with pandas) and `rank` follows |sweep_effect|."""
+    here with pandas) and `head_rank` follows |sweep_effect|."""
     import pandas as pd
     import zarr
 
@@ -281,7 +281,7 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
         assert h["sweep_effect"] is None and h["sweep_rank"] is None
     order = sorted(got, key=lambda k: -expected[k])
     assert [got[k]["dla_rank"] for k in order] == list(range(1, len(order) + 1))
-    assert [got[k]["rank"] for k in order] == list(range(1, len(order) + 1))
+    assert [got[k]["head_rank"] for k in order] == list(range(1, len(order) + 1))
 
     sweep = run_sweep(str(run.path), SweepSpec(over="heads", edit="zero", metrics=["logprob"], batch=16))
     after = heads_command(str(Run(run.path).path), json_out=True)
@@ -294,9 +294,9 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
         assert h["dla_rank"] is not None
     order = sorted(got, key=lambda k: -abs(effect[k]))
     assert [got[k]["sweep_rank"] for k in order] == list(range(1, len(order) + 1))
-    assert [got[k]["rank"] for k in order] == list(range(1, len(order) + 1))
+    assert [got[k]["head_rank"] for k in order] == list(range(1, len(order) + 1))
     table = pd.read_parquet(run.path / "analysis" / "heads.parquet")
-    assert {"importance", "dla_rank", "sweep_effect", "sweep_rank", "rank"} <= set(table.columns)
+    assert {"importance", "dla_rank", "sweep_effect", "sweep_rank", "head_rank"} <= set(table.columns)
 
 
 def test_layers_left_out_are_the_rest_term(tiny_llama_dir, tmp_path):

@@ -163,9 +163,9 @@ def test_hand_set_heads_get_their_labels_and_the_tests_own_scores(base, tmp_path
     assert ind.induction_score == pytest.approx(1.0) and ind.n_induction_rows > 10
     assert got[(got.layer == 0) & (got["q_head"] == 0)].prev_token_score.iloc[0] == pytest.approx(1.0)
     assert got[(got.layer == 0) & (got["q_head"] == 1)].sink_score.iloc[0] == pytest.approx(1.0)
-    # ranked: the rank column orders the rows, labels first in their documented order
-    ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
-    assert ranked["rank"].tolist() == list(range(1, 17))
+    # ranked: the head_rank column orders the rows, labels first in their documented order
+    ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("head_rank")
+    assert ranked["head_rank"].tolist() == list(range(1, 17))
     assert ranked.label.map(RANK_ORDER.index).is_monotonic_increasing
     # per sequence: each sequence's means are the own computation over its rows only
     per = pd.read_parquet(path / "analysis" / "heads_per_sequence.parquet")
@@ -181,7 +181,7 @@ def test_without_a_sweep_specific_mechanisms_rank_first_and_sinks_late(base, tmp
     proc = lmtrace(tmp_path, "heads", str(path), "--json")
     assert proc.returncode == 0, proc.stderr
     heads = json.loads(proc.stdout)["heads"]
-    assert [h["rank"] for h in heads] == list(range(1, 17))
+    assert [h["head_rank"] for h in heads] == list(range(1, 17))
     hand = [h["label"] for h in heads if (h["layer"], h["q_head"]) in expected]
     assert hand == ["induction", "previous-token", "previous-token", "local", "focused", "sink", "sink", "diffuse"]
     assert heads[0]["label"] == "induction" and (heads[0]["layer"], heads[0]["q_head"]) == (0, 2)
@@ -209,7 +209,7 @@ def test_label_filter_shows_only_those_heads_in_the_table_and_json(base, tmp_pat
     proc = lmtrace(tmp_path, "heads", str(path), "--json", "--label", "sink", "--label", "induction")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("rank")
+    ranked = pd.read_parquet(path / "analysis" / "heads.parquet").sort_values("head_rank")
     assert len(ranked) == 16 and sum(got["labels"].values()) == 16  # the file and the counts: every head
     want = ranked[ranked.label.isin(["sink", "induction"])]
     assert [(h["layer"], h["q_head"]) for h in got["heads"]] == list(zip(want.layer, want["q_head"]))

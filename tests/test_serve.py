@@ -608,6 +608,12 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
                 page.keyboard.press("ArrowRight")
         assert page.get_attribute("#strip .tok.sel", "data-step") == "3"
         assert page.evaluate("location.hash") == "#/run/tiny/seq/2/step/3"
+        # the chosen token's rank (tokens.parquet's token_rank, counted from 1) in its tooltip and the step's facts
+        rank = int(archive_tokens(run_dir, 2).query("step == 3").token_rank.iloc[0]) + 1
+        assert f" rank {rank} " in page.get_attribute("#strip .tok.gen[data-step='3']", "title")
+        facts = dict(page.eval_on_selector_all("#detail table.list tr", """rs => rs.filter(r => r.querySelector('th')
+            && r.querySelector('td')).map(r => [r.querySelector('th').textContent, r.querySelector('td').textContent])"""))
+        assert facts["rank (1 = top-1)"] == str(rank)
 
         # one head's row over the keys
         page.click("#attention-grid td.cell[data-layer='1'][data-head='2']")

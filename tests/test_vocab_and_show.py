@@ -187,7 +187,7 @@ def test_show_step_prints_alternatives_as_text_and_says_the_lens_is_pending(run,
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert (d["sequence"], d["step"], d["position"]) == (1, 2, int(row.position))
-    assert d["token"]["text"] == decoded[int(row.token_id)] and d["token"]["rank"] == int(row["rank"])
+    assert d["token"]["text"] == decoded[int(row.token_id)] and d["token"]["rank"] == int(row["token_rank"])
     assert d["token"]["prob"] == pytest.approx(math.exp(row.logprob), rel=1e-6)
     assert [a["id"] for a in d["alternatives"]] == list(row.alt_ids)
     assert [a["text"] for a in d["alternatives"]] == [decoded[i] for i in row.alt_ids]
@@ -235,11 +235,11 @@ def test_show_step_counts_ranks_from_1_labels_both_margins_and_explains_stabilit
                                              "seed": 2}})
     g = generated(run)
     # a sampled step whose chosen token is not the top-1 but is among the stored alternatives
-    row = next(r for r in g.itertuples() if 0 < r.rank < len(r.alt_ids) and r.alt_ids[r.rank] == r.token_id)
+    row = next(r for r in g.itertuples() if 0 < r.token_rank < len(r.alt_ids) and r.alt_ids[r.token_rank] == r.token_id)
     text = lmtrace("show", str(run.path), "--step", str(row.step), "--sequence", str(row.sequence)).stdout
     numbered = {int(n): t for n, t in re.findall(r"^\s+(\d+)\. (\S.*?)\s{2}", text, re.M)}
-    assert numbered[row.rank + 1] == repr(decoded[row.token_id])  # the alternatives count from 1 ...
-    assert f"rank {row.rank + 1} (1 = the model's top-1)" in text  # ... and so does the chosen token's rank
+    assert numbered[row.token_rank + 1] == repr(decoded[row.token_id])  # the alternatives count from 1 ...
+    assert f"rank {row.token_rank + 1} (1 = the model's top-1)" in text  # ... and so does the chosen token's rank
     chosen = row.logprob - row.alt_logprobs[0]  # vs the best other token: the top-1, the first alternative
     m = re.search(r"the model's top-1 − top-2 (\S+) nats; the chosen token − the best other token (\S+) nats", text)
     assert m, text

@@ -25,7 +25,7 @@ Importance: with per-head direct logit attribution in the run (`capture.head_dla
 the mean |head_dla| over the rows (`dla_rank` ranks by it); with a head sweep of the run (`lmtrace
 sweep RUN --over heads`, the latest one), `sweep_effect` is the head's mean measured effect on the
 sweep's first metric over all its (sequence, step) rows (`sweep_rank` ranks by |sweep_effect|).
-`rank` follows the measured effect when there is a sweep, else the DLA, else the label in
+`head_rank` follows the measured effect when there is a sweep, else the DLA, else the label in
 RANK_ORDER and, within a label, the label's score (largest first).
 
 No printing, no paths: `lmtrace heads` (commands/heads.py) writes the tables through
@@ -292,7 +292,7 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
             return (2, RANK_ORDER.index(r["label"]), -label_score(r))
         rows.sort(key=key)
         for i, r in enumerate(rows):
-            r["rank"] = i + 1
+            r["head_rank"] = i + 1
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
 
 
@@ -337,5 +337,5 @@ def _schema(per_sequence: bool, ranked: bool) -> pa.Schema:
     fields += [(s, f32) for s in SCORES]
     fields += [("n_rows", i32), ("n_induction_rows", i32), ("importance", f32)]
     if ranked:
-        fields += [("dla_rank", i32), ("sweep_effect", f32), ("sweep_rank", i32), ("rank", i32)]
+        fields += [("dla_rank", i32), ("sweep_effect", f32), ("sweep_rank", i32), ("head_rank", i32)]
     return pa.schema(fields)

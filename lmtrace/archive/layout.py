@@ -296,7 +296,7 @@ def token_schema():
         ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
         ("token_id", i32), ("token_text", pa.string()),
         ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
-        ("rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
+        ("token_rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
         ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
         ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
     ]), ("sequence", "position", "is_prompt", "token_id"))

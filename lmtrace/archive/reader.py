@@ -15,6 +15,7 @@ import zarr
 
 from ..errors import ArchiveError
 from . import layout
+from .columns import current_names
 from .integrity import damaged_message, quick_problem, verify
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 
@@ -171,7 +172,11 @@ class Run:
 
     # ---- tables ------------------------------------------------------------------------------
     def table(self, name: str) -> pa.Table:
-        """A table, from the compacted file of a complete run or the part files of an unfinished one."""
+        """A table, from the compacted file of a complete run or the part files of an unfinished one,
+        with today's column names (an older archive's `rank` of tokens reads as `token_rank`)."""
+        return current_names(self._stored_table(name), name)
+
+    def _stored_table(self, name: str) -> pa.Table:
         full = self.path / layout.table_file(name)
         if full.is_file():
             try:

@@ -165,7 +165,7 @@ class BlockSink:
                 "is_prompt": False, "token_id": tok[b], "token_text": self._text(tok[b]),
                 "logprob": logprob[b], "prob": math.exp(logprob[b]),
                 "sampling_logprob": sampling_lp[b], "sampling_prob": math.exp(sampling_lp[b]),
-                "rank": rank[b], "entropy": entropy[b], "greedy_id": greedy[b],
+                "token_rank": rank[b], "entropy": entropy[b], "greedy_id": greedy[b],
                 "margin": margin[b], "stability": stability_class(math.exp(alt_lp[b][0]), margin[b]),
                 "filter_changed": changed[b], "eligible": eligible[b], "is_eos": eos[b],
                 "alt_ids": alt_ids[b], "alt_logits": alt_logits[b], "alt_logprobs": alt_lp[b],

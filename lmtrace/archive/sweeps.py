@@ -111,7 +111,7 @@ def create_partial(partial: Path, plan: dict) -> None:
 
 def read_blocks(partial: Path) -> pa.Table:
     """Every committed block of an unfinished sweep, in file-name order (sequence, then block)."""
-    return pa.concat_tables([current_names(pq.read_table(f)) for f in sorted((partial / "blocks").glob("*.parquet"))])
+    return pa.concat_tables([current_names(pq.read_table(f), "sweeps") for f in sorted((partial / "blocks").glob("*.parquet"))])
 
 
 @dataclass
@@ -183,7 +183,7 @@ def read_sweep(run, sweep_id: str | None = None) -> pa.Table:
     entry = entries[-1] if sweep_id is None else next((e for e in entries if e["id"] == sweep_id), None)
     if entry is None:
         raise ArchiveError(f"{path} has no sweep {sweep_id}")
-    return current_names(pq.read_table(path / entry["path"] / "sweep.parquet"))
+    return current_names(pq.read_table(path / entry["path"] / "sweep.parquet"), "sweeps")
 
 
 def finished_sweeps(run_dir: Path) -> list[Path]:

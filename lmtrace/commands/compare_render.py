@@ -166,7 +166,7 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
         for col in ("layer.head", "mean JS", "max JS"):
             t.add_column(col)
         for r in heads:
-            t.add_row(f"{r['layer']}.{r['head']}", _cmp_num(r["attn_js_mean"]), _cmp_num(r["attn_js_max"]))
+            t.add_row(f"{r['layer']}.{r['q_head']}", _cmp_num(r["attn_js_mean"]), _cmp_num(r["attn_js_max"]))
         console.print(t)
     after = [p["after_divergence"] for p in cmp.pairs if p["after_divergence"] and
              (p["after_divergence"]["steps_a"] or p["after_divergence"]["steps_b"])]
@@ -237,7 +237,7 @@ def comparison_markdown(cmp, top: int = 10) -> str:
     if heads:
         lines += ["", "## Heads (attention-row JS, nats)", "", "| layer.head | mean JS | max JS |", "|---|---|---|"]
         for r in heads[:top]:
-            lines.append(f"| {r['layer']}.{r['head']} | {_cmp_num(r['attn_js_mean'])} | {_cmp_num(r['attn_js_max'])} |")
+            lines.append(f"| {r['layer']}.{r['q_head']} | {_cmp_num(r['attn_js_mean'])} | {_cmp_num(r['attn_js_max'])} |")
     lines += ["", "KL/JS are in nats over the tokens stored on both sides plus one tail bucket (lower bounds of the "
               "full-vocabulary values); deltas are B − A; figures after a divergence are per side and not paired. "
               "Tables: per_step.parquet, per_layer.parquet, per_head.parquet, pairs.parquet. Definitions: docs/compare.md.", ""]

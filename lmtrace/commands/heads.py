@@ -133,7 +133,7 @@ def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | Non
         return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
 
     for r in shown[:top]:
-        cells = [str(r["rank"]), str(r["layer"]), str(r["q_head"]), r["label"], f(r["sink_score"]),
+        cells = [str(r["head_rank"]), str(r["layer"]), str(r["q_head"]), r["label"], f(r["sink_score"]),
                  f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
                  f(r["entropy"]), f(r["concentration"])]
         if result["dla"]:

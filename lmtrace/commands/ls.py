@@ -17,6 +17,7 @@ from rich.text import Text
 
 from ..archive.runs import human_bytes, list_runs, runs_root
 from ..archive.summary import progress_label, summary_or_damaged
+from ..column_fit import fitting_columns, table_width
 from ..errors import SpecError
 from ..jsonout import json_line
 
@@ -55,18 +56,14 @@ def fit_columns(natural: dict[str, int], width: int) -> dict[str, int]:
     """Column -> width for a terminal `width` cells wide, in `COLUMNS` order: columns are left out by `PRIORITY`
     while more than `ALWAYS` remain, then the edits column is cut. Every other cell is whole: the run id alone
     may exceed a very narrow terminal."""
-    kept = list(PRIORITY)
-    while True:
-        widths = {c: natural[c] for c in kept}
-        excess = sum(widths.values()) + GAP * (len(kept) - 1) - width
-        if excess <= 0:
-            break
-        if len(kept) > ALWAYS:
-            kept.pop()
-            continue
+    shown = [c for c in COLUMNS if c in PRIORITY]
+    kept = fitting_columns([natural[c] for c in shown], width, [shown.index(c) for c in reversed(PRIORITY)],
+                           gap=GAP, keep=ALWAYS)
+    widths = {shown[i]: natural[shown[i]] for i in kept}
+    excess = table_width(list(widths.values()), GAP) - width
+    if excess > 0:  # only the `ALWAYS` columns are left
         widths["edits"] -= min(excess, max(0, widths["edits"] - len("edits")))
-        break
-    return {c: widths[c] for c in COLUMNS if c in widths}
+    return widths
 
 
 def _terminal_table(rows: list[dict], root, console: Console) -> None:

@@ -158,7 +158,7 @@ def step_detail(run, sequence: int, step: int) -> dict:
     alt_ids = [int(i) for i in r.alt_ids]
     alternatives = [{"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
                     for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)]
-    rank = int(r["rank"])
+    rank = int(r["token_rank"])
     # the chosen token's logprob minus the best other token's: the model's margin when it chose its top-1,
     # else minus the top-1's logprob (the first alternative); unknown when no alternative was stored
     chosen_margin = (float(r.margin) if rank == 0 else

@@ -14,6 +14,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from ..column_fit import fitting_columns
 from ..jsonout import json_line
 from .views import ident
 
@@ -49,17 +50,12 @@ def cell_text(value) -> str:
 CELL_MAX = 30  # characters a cell shows before it is cut with …
 
 
-def fitting_columns(names: list[str], cells: list[list[str]], width: int) -> list[int]:
+def shown_columns(names: list[str], cells: list[list[str]], width: int) -> list[int]:
     """The columns (indices, in order) that fit `width` side by side at their widths (header or
-    longest cell, at most CELL_MAX), two spaces apart; the first always stays."""
-    kept, used = [], 0
-    for i, name in enumerate(names):
-        w = min(max([len(name), *(len(c[i]) for c in cells)]), CELL_MAX)
-        if kept and used + 2 + w > width:
-            continue
-        kept.append(i)
-        used += w + (2 if len(kept) > 1 else 0)
-    return kept
+    longest cell, at most CELL_MAX), two spaces apart: left out from the right, then a narrower
+    one further right takes the room left; the first always stays."""
+    widths = [min(max([len(name), *(len(c[i]) for c in cells)]), CELL_MAX) for i, name in enumerate(names)]
+    return fitting_columns(widths, width, list(reversed(range(len(names)))), gap=2, keep=1, refill=True)
 
 
 def print_table(rel: duckdb.DuckDBPyRelation, console=None) -> int:
@@ -74,7 +70,7 @@ def print_table(rel: duckdb.DuckDBPyRelation, console=None) -> int:
     table, more = first_rows(rel, TABLE_ROWS)
     names = table.schema.names
     cells = [[cell_text(v) for v in row] for row in zip(*(c.to_pylist() for c in table.columns))]
-    kept = fitting_columns(names, cells, console.width)
+    kept = shown_columns(names, cells, console.width)
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold", collapse_padding=True)
     for i in kept:
         kind = table.schema.field(i).type

@@ -29,8 +29,6 @@ RUN_COLUMNS = pa.schema([
     ("lens", pa.string()), ("shards_complete", pa.string()), ("seed", pa.int64()), ("created", pa.string()),
     ("completed", pa.string()), ("path", pa.string()),
 ])
-# the views whose tables older archives wrote with other column names (archive/columns.py)
-RENAMED_IN = ("heads", "heads_per_sequence", "sweeps")
 # the runs view's column -> the run_summary field it shows
 RUN_FIELDS = {"parent": "parent_id", "n_prompts": "prompts", "n_generated_tokens": "tokens"}
 
@@ -82,14 +80,14 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
     listed = "[" + ", ".join(_quote(str(f.path)) for f in files) + "]"
     # binding a view reads every file's footer: the renamed-columns step (one more binding) only
     # where older archives named a column otherwise
-    read = view if view not in RENAMED_IN else f"_{view}_read"
+    read = view if view not in RENAMED else f"_{view}_read"
     con.execute(
         f"CREATE OR REPLACE VIEW {read} AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
         f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
         f"JOIN _{view}_files f ON t.filename = f.filename")
     if read != view:
         columns = [row[0] for row in con.execute(f"DESCRIBE {read}").fetchall()]
-        con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns))} FROM {read}")
+        con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns, view))} FROM {read}")
 
 
 def ident(name: str) -> str:
@@ -97,16 +95,18 @@ def ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def current_columns(columns: list[str]) -> list[str]:
-    """SELECT expressions that show old column names under today's (archive/columns.py): an older
-    archive's `head` as `q_head`, merged with newer files' `q_head` when runs of both are read."""
+def current_columns(columns: list[str], view: str) -> list[str]:
+    """SELECT expressions that show a view's old column names under today's (archive/columns.py): an
+    older archive's `rank` of tokens as `token_rank`, merged with newer files' `token_rank` when runs
+    of both are read."""
+    renamed = RENAMED.get(view, {})
     out = []
     for name in columns:
-        if name in RENAMED:  # an old name: shown under today's, or merged into it when both are there
-            if RENAMED[name] not in columns:
-                out.append(f"{ident(name)} AS {ident(RENAMED[name])}")
+        if name in renamed:  # an old name: shown under today's, or merged into it when both are there
+            if renamed[name] not in columns:
+                out.append(f"{ident(name)} AS {ident(renamed[name])}")
             continue
-        olds = [ident(old) for old, new in RENAMED.items() if new == name and old in columns]
+        olds = [ident(old) for old, new in renamed.items() if new == name and old in columns]
         out.append(f"coalesce({ident(name)}, {', '.join(olds)}) AS {ident(name)}" if olds else ident(name))
     return out
 

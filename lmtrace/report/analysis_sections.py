@@ -35,7 +35,7 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     if not path.is_file():
         sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
         return sec
-    t = current_names(pq.read_table(path)).to_pylist()  # `head` in an older archive
+    t = current_names(pq.read_table(path), "heads").to_pylist()  # `head` in an older archive
     layers = sorted({r["layer"] for r in t})
     n_heads = max(r["q_head"] for r in t) + 1
     row = {layer: i for i, layer in enumerate(layers)}

@@ -94,13 +94,13 @@ def layers_section(cmp, blobs: Blobs) -> Section:
                                f"{_fmt(cmp.first_changed_layer)})", series, xtitle="layer", ytitle="change"))
     if cmp.heads:
         layers = sorted({r["layer"] for r in cmp.heads})
-        n_heads = max(r["head"] for r in cmp.heads) + 1
+        n_heads = max(r["q_head"] for r in cmp.heads) + 1
         mean = np.full((len(layers), n_heads), np.nan, dtype=np.float32)
         mx = np.full_like(mean, np.nan)
         row = {layer: i for i, layer in enumerate(layers)}
         for r in cmp.heads:
-            mean[row[r["layer"]], r["head"]] = r["attn_js_mean"]
-            mx[row[r["layer"]], r["head"]] = r["attn_js_max"]
+            mean[row[r["layer"]], r["q_head"]] = r["attn_js_mean"]
+            mx[row[r["layer"]], r["q_head"]] = r["attn_js_max"]
         top = float(np.nanmax(mx)) if np.isfinite(mx).any() else 1.0
         zm = blobs.add("cmp_heads_mean", mean, "float32")
         sec.figures.append(F.heatmap(

@@ -111,7 +111,7 @@ def _rank_1(rank):
 def _token_info(data: RunData, g: dict, s: int, alt_texts: list[str]) -> str:
     lp = g["logprob"][s]
     lines = [f"{display(g['token_text'][s])!r}  step {s}  (id {g['token_id'][s]})",
-             f"p = {_fmt(g['prob'][s], 4)}   logprob = {_fmt(lp, 4)}   rank {_fmt(_rank_1(g['rank'][s]))} (1 = top-1)",
+             f"p = {_fmt(g['prob'][s], 4)}   logprob = {_fmt(lp, 4)}   rank {_fmt(_rank_1(g['token_rank'][s]))} (1 = top-1)",
              f"top-1 − top-2 margin {_fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
              f"entropy {_fmt(g['entropy'][s])} nats"]
     sp = g.get("sampling_prob", [None] * (s + 1))[s]

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..archive import layout
+from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, table_files
 from ..errors import ArchiveError, SpecError
 from ..jsonout import strict
@@ -33,17 +34,19 @@ class NotFound(SpecError):
 # ---- tables, one sequence at a time -----------------------------------------------------------
 def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None) -> pa.Table:
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
-    complete run or the committed part files of a running one; only matching row groups are read."""
+    complete run or the committed part files of a running one; only matching row groups are read.
+    `columns` and the table's are today's names (an older archive's are mapped, archive/columns.py)."""
     files = table_files(run.path, name)
     if not files:
         return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
     try:
         dataset = kept.dataset(files)
         if columns is not None:
-            columns = [c for c in columns if c in dataset.schema.names]
+            stored = dataset.schema.names
+            columns = [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
         # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
         # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
-        return dataset.to_table(columns=columns, filter=where, use_threads=False)
+        return current_names(dataset.to_table(columns=columns, filter=where, use_threads=False), name)
     except (OSError, pa.ArrowException) as err:
         raise run.damaged(layout.table_file(name), err) from None
 
@@ -147,11 +150,11 @@ def sequence_tokens(run: Run, seq: int) -> dict:
     """One sequence's token strip: its prompt tokens, then its generated ones with their statistics
     (a running run: the committed ones)."""
     check_sequence(run, seq)
-    t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "rank"],
+    t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "token_rank"],
                    where=pc.field("sequence") == seq).sort_by("position")
     ready = steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
     tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": strict(r["prob"]),
-               "entropy": strict(r["entropy"]), "rank": r["rank"]} for r in t.to_pylist()
+               "entropy": strict(r["entropy"]), "token_rank": r["token_rank"]} for r in t.to_pylist()
               if r["step"] is None or r["step"] < ready]
     prompt = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq).column("prompt").to_pylist()
     return {"sequence": seq, "prompt": prompt[0] if prompt else None, "tokens": tokens,
@@ -240,7 +243,7 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     return {"sequence": seq, "step": step, "layer": layer, "head": head, "keys": keys, "dense": "attn" in names}
 
 
-ALTERNATIVE_COLUMNS = ["token_text", "token_id", "position", "prob", "rank", "entropy", "margin", "greedy_id", "alt_ids",
+ALTERNATIVE_COLUMNS = ["token_text", "token_id", "position", "prob", "token_rank", "entropy", "margin", "greedy_id", "alt_ids",
                        "alt_logprobs"]
 
 
@@ -256,7 +259,7 @@ def alternatives(run: Run, seq: int, step: int) -> dict | None:
     alt_texts = run.text(alt_ids) if alt_ids else []
     return {
         "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": strict(r.get("prob")),
-        "rank": r.get("rank"), "entropy": strict(r.get("entropy")), "margin": strict(r.get("margin")),
+        "token_rank": r.get("token_rank"), "entropy": strict(r.get("entropy")), "margin": strict(r.get("margin")),
         "greedy": run.text([r["greedy_id"]])[0] if r.get("greedy_id") is not None else None,
         "alternatives": [{"id": i, "text": text, "prob": None if lp is None else math.exp(lp)}
                          for i, text, lp in zip(alt_ids, alt_texts, alt_lp)],

@@ -17,7 +17,7 @@ from ..jsonout import strict
 from .queries import NotFound, table_rows
 
 # the API's name of a cell coordinate (a URL parameter and the frontend's, `head`) -> the tables' column
-API_DIM = {new: old for old, new in RENAMED.items()}
+API_DIM = {new: old for old, new in RENAMED["sweeps"].items()}
 CELL_ROW_LIMIT = 5000  # rows of one cell sent at most (a cell has one per measured (sequence, step))
 
 
@@ -75,7 +75,7 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
         dataset = ds.dataset(str(d / "sweep.parquet"), format="parquet")
         where = pc.field("metric") == metric
         for key in CELL_KEYS[1:]:
-            column = pc.field(stored_name(dataset.schema.names, key))  # `head` in a sweep of an older archive
+            column = pc.field(stored_name(dataset.schema.names, key, "sweeps"))  # `head` in a sweep of an older archive
             given = coords.get(API_DIM.get(key, key))
             where = where & ((column == given) if given is not None else column.is_null())
         t = dataset.to_table(columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)

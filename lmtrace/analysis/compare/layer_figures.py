@@ -29,7 +29,7 @@ LAYER_FIELDS = [
     ("resid_dist", pa.float64()), ("resid_cos", pa.float64()),
 ]
 HEAD_FIELDS = [("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("step", pa.int32()),
-               ("layer", pa.int32()), ("head", pa.int32()), ("attn_js", pa.float64())]
+               ("layer", pa.int32()), ("q_head", pa.int32()), ("attn_js", pa.float64())]
 
 
 def _steps_block(side: Side, seq: int, n: int, layers: list[int]) -> dict[str, np.ndarray]:
@@ -156,7 +156,7 @@ def pair_layer_figures(k: int, A: Side, B: Side, sa: int, sb: int, n: int, layer
         heads = {"pair": np.full(js.shape, k), "seq_a": np.full(js.shape, sa), "seq_b": np.full(js.shape, sb),
                  "step": np.broadcast_to(np.arange(n)[:, None, None], js.shape),
                  "layer": np.broadcast_to(np.asarray(layers)[None, :, None], js.shape),
-                 "head": np.broadcast_to(np.arange(H)[None, None, :], js.shape), "attn_js": js}
+                 "q_head": np.broadcast_to(np.arange(H)[None, None, :], js.shape), "attn_js": js}
         heads = {name: np.asarray(v).reshape(-1) for name, v in heads.items()}
     else:
         cols["attn_js_mean"] = cols["attn_js_max"] = nan

@@ -56,7 +56,7 @@ def rank_heads(per_head: pa.Table) -> list[dict]:
     if per_head.num_rows == 0:
         return []
     layer = per_head.column("layer").to_numpy()
-    head = per_head.column("head").to_numpy()
+    head = per_head.column("q_head").to_numpy()
     js = per_head.column("attn_js").to_numpy(zero_copy_only=False)
     key = layer.astype(np.int64) * 100000 + head
     out = []
@@ -65,8 +65,8 @@ def rank_heads(per_head: pa.Table) -> list[dict]:
         x = js[m][np.isfinite(js[m])]
         if not x.size:
             continue
-        out.append({"layer": int(u // 100000), "head": int(u % 100000), "steps": int(m.sum()),
+        out.append({"layer": int(u // 100000), "q_head": int(u % 100000), "steps": int(m.sum()),
                     "attn_js_mean": float(x.mean()), "attn_js_max": float(x.max())})
-    out.sort(key=lambda r: (-r["attn_js_mean"], -r["attn_js_max"], r["layer"], r["head"]))
+    out.sort(key=lambda r: (-r["attn_js_mean"], -r["attn_js_max"], r["layer"], r["q_head"]))
     return out
 

@@ -93,7 +93,7 @@ window.lmtraceView = (() => {
     const strip = el("div", { class: "strip", id: v.id("strip"), tabindex: "0" }, ...data.tokens.map((t) => t.step === null
       ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
       : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
-        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${rank1(t.rank)} · entropy ${fmt(t.entropy)}`,
+        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${rank1(t.token_rank)} · entropy ${fmt(t.entropy)}`,
         style: { background: probColour(t.prob) }, onclick: () => { strip.focus({ preventScroll: true }); select(t.step); } })));
     const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
       ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
@@ -147,7 +147,7 @@ window.lmtraceView = (() => {
     const t = d.token;
     if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
     const facts = el("table", { class: "list" }, el("tbody", {},
-      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.rank)],
+      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.token_rank)],
         ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", t.greedy === null ? null : shownToken(t.greedy)]].map(([k, x]) =>
         el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: x ?? "–" })))));
     const alts = el("table", { class: "list", id: v.id("alternatives") },
