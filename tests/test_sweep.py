@@ -447,6 +447,61 @@ def test_from_step_residual_patching_equals_the_tests_own_forward_without_a_cach
     assert checked == 8 and df[df.metric == "logprob"].effect.abs().max() > 1e-2
 
 
+def test_a_shared_prefix_is_computed_once_and_block_patching_still_equals_the_tests_own(runs, model, sharp_llama_dir,
+                                                                                        tmp_path, monkeypatch):
+    """Prompts of a pair that begin with the same tokens have the same activations there (a causal model):
+    those positions run once per sequence into a KV cache every row continues, and each attention-block
+    patch (all positions) still equals the test's own full forward patched at every position."""
+    words = "one two three four five six seven"
+    clean = _run(tmp_path, sharp_llama_dir, [f"{words} red"], "shared-clean")
+    corrupt = _run(tmp_path, sharp_llama_dir, [f"{words} blue"], "shared-corrupt")
+    cp, cg = _seq(clean, 0)
+    p, g = _seq(corrupt, 0)
+    assert len(cp) == len(p)
+    shared = next(i for i, (a, b) in enumerate(zip(cp, p)) if a != b)
+    assert shared >= 5
+    seen = _embedded_lengths(monkeypatch)
+    result = run_sweep(str(corrupt.path), SweepSpec(over="attn", edit="patch", source="shared-clean", metrics=METRICS))
+    monkeypatch.undo()
+    T = len(p) + len(g) - 1
+    assert {n for rows, n in seen if rows > 1} == {T - shared}  # every multi-row forward computes the rest only
+    assert {n for _, n in seen} == {shared, T - shared}  # the prefix once; the baseline and the source continue it
+    df = read_sweep(corrupt, result.sweep_id).to_pandas()
+    base = _logits(model, p + g)
+    for L in range(4):
+        attn = model.model.layers[L].self_attn
+        src = {}
+        _logits(model, (cp + cg)[:T], [(attn, "fwd", lambda m, a, o: src.__setitem__("x", o[0][0].clone()))])
+
+        def fn(m, a, o):
+            x = o[0].clone()
+            x[0, :T] = src["x"][:T]
+            return (x, *o[1:])
+        _compare(df, ("attn", L, None), _metrics(_logits(model, p + g, [(attn, "fwd", fn)]), base, len(p), g), 0)
+
+
+def test_layer_groups_are_the_cheapest_contiguous_split():
+    """The split of a batch of cells into forwards (each from its own lowest edited layer) is the cheapest of
+    every contiguous split, enumerated here, under the documented cost."""
+    from itertools import combinations
+
+    from lmtrace.analysis.sweep.engine import FORWARD_OVERHEAD_POSITIONS, layer_groups
+
+    def cost(groups, starts, n_layers, positions):
+        return sum((n_layers - starts[i]) * ((j - i) * positions + FORWARD_OVERHEAD_POSITIONS) for i, j in groups)
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, n_layers, positions = int(rng.integers(1, 10)), 30, int(rng.integers(1, 40))
+        starts = sorted(rng.integers(0, n_layers, n).tolist())
+        groups = layer_groups(starts, n_layers, positions)
+        assert [i for i, _ in groups] == [0, *[j for _, j in groups[:-1]]] and groups[-1][1] == n
+        best = min(cost(list(zip((0, *cuts), (*cuts, n))), starts, n_layers, positions)
+                   for k in range(n) for cuts in combinations(range(1, n), k))
+        assert cost(groups, starts, n_layers, positions) == best
+    assert len(layer_groups(list(range(30)), 30, 5)) > 1  # one attention block per layer: worth splitting
+
+
 def test_a_run_patched_from_itself_changes_nothing(runs):
     clean, _ = runs
     result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="patch", source="clean", metrics=["logprob", "kl"]))

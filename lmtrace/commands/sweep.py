@@ -248,7 +248,13 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 continue
             if current is None or current[0] != s:
                 P, steps = len(view.prompt_ids[s]), inp.seq_steps[s]
-                seq_in = engine.sequence(view.prompt_ids[s] + view.generated[s], P, max(steps))
+                ids = view.prompt_ids[s] + view.generated[s]
+                shared = 0
+                if spec.edit == "patch":
+                    t, _ = inp.pairs[s]
+                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
+                    shared = _agreeing_prefix(ids[: P + max(steps)], sids)
+                seq_in = engine.sequence(ids, P, max(steps), min(steps), shared)
                 base = engine.baseline(seq_in)
                 base_lp = base.log_softmax(-1)
                 tokens, first = view.generated[s], seq_in.first_step
@@ -263,18 +269,25 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 if spec.edit == "patch":
                     wanted = {(c.component, c.layer) for c in inp.cells}
                     t, pair_id = inp.pairs[s]
-                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
                     T = seq_in.ids.shape[1]
-                    source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
+                    if seq_in.prefix is not None and seq_in.start <= shared and len(sids) >= T:
+                        # the source shares the prefix: it continues the same KV cache
+                        source, src_logits = capture_source(adapter, sids[:T], wanted, seq_in.n_logits, seq_in.prefix,
+                                                            seq_in.start)
+                        src_first = first
+                    else:
+                        source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
+                        src_first = 0
                     # the source's own metrics (the clean run's, the normaliser): its logits at the same
-                    # positions (steps 0..max(steps)), scored on the patched run's tokens; NaN where the
+                    # positions (row i: step src_first + i), scored on the patched run's tokens; NaN where the
                     # source sequence is shorter than the measured context
                     if len(sids) >= T:
-                        own = {k: v[0] for k, v in engine.measure(src_logits[first:][None], base, steps, tokens,
-                                                                  first).items()}
+                        own = {k: v[0] for k, v in engine.measure(src_logits[first - src_first:][None], base, steps,
+                                                                  tokens, first).items()}
                         source_baseline[str(s)] = {
-                            m.key: [float(src_logits[st, m.tokens[0]] - src_logits[st, m.tokens[1]]) for st in steps]
-                            for m in inp.metrics if m.tokens}
+                            m.key: [float(src_logits[st - src_first, m.tokens[0]] - src_logits[st - src_first,
+                                                                                            m.tokens[1]])
+                                    for st in steps] for m in inp.metrics if m.tokens}
                     else:
                         own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
                     pair = PairColumns(pair_id, t, own)
@@ -291,6 +304,16 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 raise Interrupted(f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue with the "
                                   f"same command and --run-id {sweep_id} --resume")
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
+
+
+def _agreeing_prefix(ids: list[int], source_ids: list[int]) -> int:
+    """How many leading tokens a sequence and its patch source have in common."""
+    n = 0
+    for a, b in zip(ids, source_ids):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str, partial: Path, final: Path,

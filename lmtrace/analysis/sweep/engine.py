@@ -84,30 +84,38 @@ def _replace_first(output, value):
     return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
+@dataclass
+class SourceValues:
+    """A patch source's unedited values: values[(kind, layer)] -> [n, width], row i = position start + i
+    (kind: head = o_proj input, attn / mlp = block output, resid = layer output)."""
+
+    values: dict
+    start: int = 0
+
+
 class _Patches:
     """Patch edits: row b's component gets the source's value at its position(s).
 
-    source[(kind, layer)] -> [T_src, width] tensor from the source's own unedited forward
-    (kind: head = o_proj input, attn / mlp = block output, resid = layer output). The forward
-    computes positions `offset`.. (after a shared prefix, `from_step`); only those are patched."""
+    The forward computes positions `offset`.. (after a prefix no edit changes: `from_step`'s, or the
+    positions the source shares); only those are patched."""
 
-    def __init__(self, adapter, cells: list[Cell], source: dict, offset: int = 0):
+    def __init__(self, adapter, cells: list[Cell], source: SourceValues, offset: int = 0):
         self.adapter, self.cells, self.source, self.offset = adapter, cells, source, offset
 
     def _rows(self, kind: str, layer: int):
         return [(b, c) for b, c in enumerate(self.cells) if c.component == kind and c.layer == layer]
 
     def _apply(self, x: torch.Tensor, rows, src: torch.Tensor, cols: dict[int, slice]) -> torch.Tensor:
-        lo = self.offset  # x[:, i] is position lo + i
-        end = min(lo + x.shape[1], src.shape[0])  # positions both sequences have
+        lo, s0 = self.offset, self.source.start  # x[:, i] is position lo + i; src[i] is position s0 + i
+        end = min(lo + x.shape[1], s0 + src.shape[0])  # positions both sequences have
         x = x.clone()
         for b, c in rows:
             sl = cols.get(b, slice(None))
             if c.position is None:
                 if end > lo:
-                    x[b, : end - lo, sl] = src[lo:end, sl].to(x.dtype)
+                    x[b, : end - lo, sl] = src[lo - s0:end - s0, sl].to(x.dtype)
             elif lo <= c.position < end:
-                x[b, c.position - lo, sl] = src[c.position, sl].to(x.dtype)
+                x[b, c.position - lo, sl] = src[c.position - s0, sl].to(x.dtype)
         return x
 
     @contextmanager
@@ -119,7 +127,7 @@ class _Patches:
         try:
             for kind, layer in sorted({(c.component, c.layer) for c in self.cells}):
                 rows = self._rows(kind, layer)
-                src = self.source[(kind, layer)]
+                src = self.source.values[(kind, layer)]
                 if kind == "head":
                     d = a.head_dim
                     cols = {b: slice(c.head * d, (c.head + 1) * d) for b, c in rows}
@@ -137,9 +145,13 @@ class _Patches:
 
 
 @torch.inference_mode()
-def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: int = 1) -> tuple[dict, torch.Tensor]:
-    """The source sequence's unedited values at every position: (kind, layer) -> [T, width]; and its logits
-    [keep, V] at the last `keep` positions."""
+def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: int = 1, prefix=None,
+                   start: int = 0) -> tuple[SourceValues, torch.Tensor]:
+    """The source sequence's unedited values at positions `start`..; and its logits [keep, V] at the last
+    `keep` positions. With `prefix` (the KV cache of positions < start, which the source shares with
+    the patched sequence) only the positions from `start` on are computed."""
+    from ...capture.kv_cache import expand_prefix
+
     out: dict = {}
     handles = []
     a = adapter
@@ -155,11 +167,44 @@ def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: 
                     lambda m, args, o, key=key: out.__setitem__(key, _first(o)[0].detach().clone())))
         device = next(a.model.parameters()).device
         x = torch.tensor([ids], dtype=torch.long, device=device)
-        logits = a.model(input_ids=x, attention_mask=torch.ones_like(x), use_cache=False, logits_to_keep=keep).logits
+        if prefix is None:
+            start = 0
+            kw = {"attention_mask": torch.ones_like(x), "use_cache": False}
+        else:
+            kw = {"attention_mask": torch.ones_like(x), "use_cache": True, "cache": expand_prefix(prefix, 1),
+                  "position_ids": torch.arange(start, len(ids), device=device)[None]}
+        logits = a.model(input_ids=x[:, start:], logits_to_keep=keep, **kw).logits
     finally:
         for h in handles:
             h.remove()
-    return out, logits[0].float()
+    return SourceValues(out, start), logits[0].float()
+
+
+# The fixed cost of one forward through one layer (module calls, hooks, small kernels), in token
+# positions of compute: a group of cells is worth its own forward only when the layers it skips
+# save more than that.
+FORWARD_OVERHEAD_POSITIONS = 16
+
+
+def layer_groups(starts: list[int], n_layers: int, positions: int) -> list[tuple[int, int]]:
+    """Split cells whose lowest edited layers are `starts` (ascending) into contiguous groups [i, j),
+    one forward each, starting at its first cell's layer: a row whose edit begins at layer 20 needs
+    only layers 20.. computed, but one forward computes every row from the group's lowest layer.
+    Minimises sum over groups of (layers computed) x (rows x positions + FORWARD_OVERHEAD_POSITIONS),
+    by dynamic programming over the split points."""
+    n = len(starts)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of cells [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (n_layers - starts[i]) * ((j - i) * positions + FORWARD_OVERHEAD_POSITIONS)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], n
+    while j > 0:
+        out.append((cut[j], j))
+        j = cut[j]
+    return out[::-1]
 
 
 @dataclass
@@ -191,21 +236,29 @@ class Engine:
         self.from_step = from_step
         self.skip = _PrefixSkip(adapter.layers)
         self.skip_ok = True
+        self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
 
     @torch.inference_mode()
-    def sequence(self, ids: list[int], prompt_len: int, last_step: int) -> SequenceInput:
-        """The input for steps up to `last_step`; with from_step, the unedited prefix is computed here, once."""
+    def sequence(self, ids: list[int], prompt_len: int, last_step: int, first_measured: int = 0,
+                 shared: int = 0) -> SequenceInput:
+        """The input for steps up to `last_step`. The positions no edit changes are computed here, once,
+        into a prefix KV cache every batch row continues: those before `from_step`'s (not edited), and
+        the first `shared` positions (a patch source whose tokens agree with this sequence's there: a
+        causal model gives both the same values, so patching them changes nothing). The prefix stops
+        at the first measured step's position: its logits are computed by every batch."""
         x = torch.tensor([ids[: prompt_len + last_step]], dtype=torch.long, device=self.device)
-        if not self.from_step:
+        unedited = prompt_len - 1 + self.from_step if self.from_step else 0
+        start = min(max(unedited, shared), prompt_len - 1 + first_measured)
+        if start <= 0:
             return SequenceInput(x, 0, last_step + 1)
         from transformers import DynamicCache
 
-        start = prompt_len - 1 + self.from_step
+        first_step = max(0, start - (prompt_len - 1))
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
                    position_ids=torch.arange(start, device=self.device)[None], cache=cache, use_cache=True,
                    logits_to_keep=1)
-        return SequenceInput(x, self.from_step, last_step - self.from_step + 1, start, cache)
+        return SequenceInput(x, first_step, last_step - first_step + 1, start, cache)
 
     def _forward(self, seq: SequenceInput, rows: int, start: int = 0, edits=None, patches=None):
         """Logits [rows, n_logits, V] (float32) of the last n_logits positions; `start`: the lowest edited layer."""
@@ -236,7 +289,8 @@ class Engine:
         """Unedited logits [n_logits, V]; saves every layer's output for the prefix shortcut and checks it."""
         with self.skip.recording():
             base = self._forward(seq, 1)[0]
-        if self.skip_ok:
+        if not self.skip_checked:
+            self.skip_checked = True
             half = max(1, len(self.adapter.layers) // 2)
             short = self._forward(seq, 1, start=half)[0]
             if not torch.allclose(short, base, atol=1e-5, rtol=0):
@@ -270,7 +324,15 @@ class Engine:
         return EditSet(entries, self.adapter, {b: 0 for b in range(len(cells))}, resources)
 
     @torch.inference_mode()
-    def run_cells(self, seq: SequenceInput, cells: list[Cell], source: dict | None) -> torch.Tensor:
+    def run_cells(self, seq: SequenceInput, cells: list[Cell], source: SourceValues | None) -> torch.Tensor:
+        """Logits [len(cells), n_logits, V] of one batch of cells (sorted by their lowest edited layer),
+        computed in the groups `layer_groups` chooses: each group's forward starts at its own lowest
+        edited layer, the layers below it are the baseline's saved outputs (`_PrefixSkip`)."""
+        groups = layer_groups([c.start_layer() for c in cells], len(self.adapter.layers),
+                              seq.ids.shape[1] - seq.start) if self.skip_ok else [(0, len(cells))]
+        return torch.cat([self._run_group(seq, cells[i:j], source) for i, j in groups])
+
+    def _run_group(self, seq: SequenceInput, cells: list[Cell], source: SourceValues | None) -> torch.Tensor:
         start = min(c.start_layer() for c in cells)
         if self.edit == "patch":
             return self._forward(seq, len(cells), start, patches=_Patches(self.adapter, cells, source, seq.start))
