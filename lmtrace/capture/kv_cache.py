@@ -224,18 +224,47 @@ def expand_prefix(cache: DynamicCache, rows: int) -> DynamicCache:
     `batch_repeat_interleave`; `StackedLayer`, which appends in place, refuses (the prefix would be
     overwritten), so the prefix is computed with a plain DynamicCache.
     """
+    return repeat_prefix(cache, rows)
+
+
+def repeat_prefix(cache: DynamicCache, each: int) -> DynamicCache:
+    """A cache of K x `each` rows continuing the K-row prefix `cache`: row q * each + b continues row q
+    (expanded views when K is 1, copies otherwise; `cache` itself is never written)."""
     out = copy.copy(cache)
-    out.layers = [_expand_layer(layer, rows) for layer in cache.layers]
+    out.layers = [_repeat_layer(layer, each) for layer in cache.layers]
     return out
 
 
-def _expand_layer(layer, rows: int):
+def packable(cache: DynamicCache) -> bool:
+    """Whether the rows of this prefix can be selected and repeated (`select_prefix`): plain key/value layers."""
+    return all(isinstance(layer, DynamicLayer) and not isinstance(layer, StackedLayer) for layer in cache.layers)
+
+
+def select_prefix(cache: DynamicCache, rows: list[int]) -> DynamicCache:
+    """The prefix of some of a K-row cache's rows (a `packable` one), in the order given."""
+    index = torch.tensor(rows)
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        if layer.is_initialized and layer.keys.numel():
+            new.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+            new.values = layer.values.index_select(0, index.to(layer.values.device))
+        out.layers.append(new)
+    return out
+
+
+def _repeat_layer(layer, each: int):
     if isinstance(layer, DynamicLayer) and not isinstance(layer, StackedLayer):
         new = copy.copy(layer)
         if layer.is_initialized and layer.keys.numel():
-            new.keys = layer.keys.expand(rows, *layer.keys.shape[1:])
-            new.values = layer.values.expand(rows, *layer.values.shape[1:])
+            if layer.keys.shape[0] == 1:
+                new.keys = layer.keys.expand(each, *layer.keys.shape[1:])
+                new.values = layer.values.expand(each, *layer.values.shape[1:])
+            else:
+                new.keys = layer.keys.repeat_interleave(each, 0)
+                new.values = layer.values.repeat_interleave(each, 0)
         return new
     new = copy.deepcopy(layer)
-    new.batch_repeat_interleave(rows)
+    new.batch_repeat_interleave(each)
     return new

@@ -229,81 +229,163 @@ def _check_plan(partial: Path, plan: dict, sweep_id: str) -> None:
                         f"the same settings to continue it")
 
 
+# Sequences of one layout (prompt length, measured steps, shared prefix) run together, one forward
+# for all their rows: on a CPU a forward's cost is mostly streaming the weights, whatever its rows, so
+# short sequences are cheaper together. A pack holds at most `--batch` rows' worth of a
+# PACK_CONTEXT-token context: K x cells x tokens <= batch x PACK_CONTEXT.
+PACK_CONTEXT = 256
+MAX_PACK = 16
+
+
+@dataclass
+class _Sequence:
+    """One swept sequence's plan and, once its pack ran its baseline, what its blocks need."""
+
+    s: int
+    ids: list[int]
+    prompt_len: int
+    steps: list[int]
+    start: int
+    shared: int = 0
+    source_ids: list[int] | None = None
+    base: object | None = None  # unedited logits [n_logits, V]
+    base_metrics: dict | None = None
+    source: object | None = None  # SourceValues
+    pair: PairColumns | None = None
+
+
+def _plan_sequences(inp: _Inputs, spec: SweepSpec, engine, seqs: list[int]) -> list[_Sequence]:
+    view, out = inp.view, []
+    for s in seqs:
+        P, steps = len(view.prompt_ids[s]), inp.seq_steps[s]
+        ids = view.prompt_ids[s] + view.generated[s]
+        shared, sids = 0, None
+        if spec.edit == "patch":
+            t, _ = inp.pairs[s]
+            sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
+            shared = _agreeing_prefix(ids[: P + max(steps)], sids)
+        _, start = engine.layout(P, max(steps), min(steps), shared)
+        out.append(_Sequence(s, ids, P, steps, start, shared, sids))
+    return out
+
+
+def _packs(planned: list[_Sequence], limit: int) -> list[list[_Sequence]]:
+    """Consecutive sequences of the same layout, at most `limit` per pack."""
+    packs: list[list[_Sequence]] = []
+    for q in planned:
+        last = packs[-1] if packs else None
+        if (last and len(last) < limit and (last[0].prompt_len, last[0].steps, last[0].start)
+                == (q.prompt_len, q.steps, q.start)):
+            last.append(q)
+        else:
+            packs.append([q])
+    return packs
+
+
 def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, partial: Path, sweep_id: str,
                 note) -> dict:
-    """Run and commit this shard's blocks not committed yet; the baseline once per sequence (checked
-    against the archived log-probs). SIGTERM / SIGINT: finish the current block, then stop (exit 3)."""
-    from ..analysis.sweep.engine import capture_source
+    """Run and commit this shard's blocks not committed yet, packs of sequences at a time; the baseline
+    once per pack (each sequence's checked against the archived log-probs). SIGTERM / SIGINT: finish the
+    current blocks, then stop (exit 3)."""
+    from transformers import DynamicCache
 
-    parent, view = inp.parent, inp.view
+    from ..capture.kv_cache import packable
+
+    def block_path(s: int, j: int) -> Path:
+        return partial / "blocks" / f"s{s:05d}-b{j:06d}.parquet"
+
+    pending = [(s, j, cells) for s, j, cells in mine if not block_path(s, j).exists()]
+    order = list(dict.fromkeys(s for s, _, _ in pending))
+    block_cells = {j: cells for _, j, cells in pending}
+    planned = _plan_sequences(inp, spec, engine, order)
+    longest = max((q.prompt_len + max(q.steps) for q in planned), default=1)
+    widest = max((len(c) for c in block_cells.values()), default=1)
+    limit = max(1, min(MAX_PACK, spec.batch * PACK_CONTEXT // (widest * longest)))
+    if not packable(DynamicCache(config=engine.model.config)):
+        limit = 1  # linear-attention states and the like: rows cannot be selected
     stop = StopFlag()
-    baseline_check = {}
+    baseline_check: dict = {}
     source_baseline: dict[str, dict] = {}  # patch: the source's own unedited logit_diff per measured step
     n_done = 0
     with stop.installed():
-        current = None
-        for s, j, block_cells in mine:
-            path = partial / "blocks" / f"s{s:05d}-b{j:06d}.parquet"
-            if path.exists():
-                continue
-            if current is None or current[0] != s:
-                P, steps = len(view.prompt_ids[s]), inp.seq_steps[s]
-                ids = view.prompt_ids[s] + view.generated[s]
-                shared = 0
-                if spec.edit == "patch":
-                    t, _ = inp.pairs[s]
-                    sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
-                    shared = _agreeing_prefix(ids[: P + max(steps)], sids)
-                seq_in = engine.sequence(ids, P, max(steps), min(steps), shared)
-                base = engine.baseline(seq_in)
-                base_lp = base.log_softmax(-1)
-                tokens, first = view.generated[s], seq_in.first_step
-                diff = max(abs(float(base_lp[st - first, tokens[st]]) - view.logprob[s][st]) for st in steps)
-                tol = 1e-3 if parent.manifest.get("dtype") == "float32" else 5e-2
-                if diff > tol:
-                    raise SweepError(f"sequence {s}: the unedited forward's log-probs differ from the archived ones by "
-                                     f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}")
-                baseline_check[s] = diff
-                base_metrics = {k: v[0] for k, v in engine.measure(base[None], base, steps, tokens, first).items()}
-                source, pair = None, None
-                if spec.edit == "patch":
-                    wanted = {(c.component, c.layer) for c in inp.cells}
-                    t, pair_id = inp.pairs[s]
-                    T = seq_in.ids.shape[1]
-                    if seq_in.prefix is not None and seq_in.start <= shared and len(sids) >= T:
-                        # the source shares the prefix: it continues the same KV cache
-                        source, src_logits = capture_source(adapter, sids[:T], wanted, seq_in.n_logits, seq_in.prefix,
-                                                            seq_in.start)
-                        src_first = first
-                    else:
-                        source, src_logits = capture_source(adapter, sids[:T], wanted, max(steps) + 1)
-                        src_first = 0
-                    # the source's own metrics (the clean run's, the normaliser): its logits at the same
-                    # positions (row i: step src_first + i), scored on the patched run's tokens; NaN where the
-                    # source sequence is shorter than the measured context
-                    if len(sids) >= T:
-                        own = {k: v[0] for k, v in engine.measure(src_logits[first - src_first:][None], base, steps,
-                                                                  tokens, first).items()}
-                        source_baseline[str(s)] = {
-                            m.key: [float(src_logits[st - src_first, m.tokens[0]] - src_logits[st - src_first,
-                                                                                            m.tokens[1]])
-                                    for st in steps] for m in inp.metrics if m.tokens}
-                    else:
-                        own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
-                    pair = PairColumns(pair_id, t, own)
-                current = (s, seq_in, steps, tokens, base, base_metrics, source, pair)
-            _, seq_in, steps, tokens, base, base_metrics, source, pair = current
-            logits = engine.run_cells(seq_in, block_cells, source)
-            values = engine.measure(logits, base, steps, tokens, seq_in.first_step)
-            normalised = None if pair is None else {
-                k: normalised_effect(v, base_metrics[k][None], pair.source_values[k][None]) for k, v in values.items()}
-            write_block(block_table(block_cells, s, steps, values, base_metrics, pair, normalised), path)
-            n_done += 1
-            note(f"block {n_done}/{len(mine)} ({len(block_cells)} cells of sequence {s})")
-            if stop.signal is not None:
-                raise Interrupted(f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue with the "
-                                  f"same command and --run-id {sweep_id} --resume")
+        for pack in _packs(planned, limit):
+            seq_in = _prepare_pack(inp, spec, engine, adapter, pack, baseline_check, source_baseline)
+            mine_here = {q.s: {j for s, j, _ in pending if s == q.s} for q in pack}
+            for j in sorted(set().union(*mine_here.values())):
+                members = [k for k, q in enumerate(pack) if j in mine_here[q.s]]
+                cells = block_cells[j]
+                sources = [pack[k].source for k in members] if spec.edit == "patch" else None
+                logits = engine.run_cells(seq_in.select(members), cells, sources)
+                for n, k in enumerate(members):
+                    q = pack[k]
+                    rows = logits[n * len(cells):(n + 1) * len(cells)]
+                    values = engine.measure(rows, q.base, q.steps, inp.view.generated[q.s], seq_in.first_step)
+                    normalised = None if q.pair is None else {
+                        key: normalised_effect(v, q.base_metrics[key][None], q.pair.source_values[key][None])
+                        for key, v in values.items()}
+                    write_block(block_table(cells, q.s, q.steps, values, q.base_metrics, q.pair, normalised),
+                                block_path(q.s, j))
+                    n_done += 1
+                note(f"block {n_done}/{len(pending)} ({len(cells)} cells of {len(members)} sequence(s) from "
+                     f"{pack[members[0]].s})")
+                if stop.signal is not None:
+                    raise Interrupted(f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue "
+                                      f"with the same command and --run-id {sweep_id} --resume")
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
+
+
+def _prepare_pack(inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Sequence], baseline_check: dict,
+                  source_baseline: dict):
+    """The pack's input and baseline (checked per sequence against the archived log-probs), the baseline
+    metrics and, for patching, each sequence's source values and the source's own metrics."""
+    from ..analysis.sweep.engine import capture_source
+
+    parent, view = inp.parent, inp.view
+    first_q = pack[0]
+    seq_in = engine.pack([q.ids for q in pack], first_q.prompt_len, max(first_q.steps), first_q.start)
+    base = engine.baseline(seq_in)
+    first, T = seq_in.first_step, seq_in.ids.shape[1]
+    tol = 1e-3 if parent.manifest.get("dtype") == "float32" else 5e-2
+    for k, q in enumerate(pack):
+        q.base = base[k]
+        base_lp = q.base.log_softmax(-1)
+        tokens = view.generated[q.s]
+        diff = max(abs(float(base_lp[st - first, tokens[st]]) - view.logprob[q.s][st]) for st in q.steps)
+        if diff > tol:
+            raise SweepError(f"sequence {q.s}: the unedited forward's log-probs differ from the archived ones by "
+                             f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}")
+        baseline_check[q.s] = diff
+        q.base_metrics = {key: v[0] for key, v in engine.measure(q.base[None], q.base, q.steps, tokens,
+                                                                 first).items()}
+    if spec.edit != "patch":
+        return seq_in
+    wanted = {(c.component, c.layer) for c in inp.cells}
+    if seq_in.prefix is not None and all(seq_in.start <= q.shared and len(q.source_ids) >= T for q in pack):
+        # every source shares its sequence's prefix: one forward continues the pack's KV cache
+        sources, src_logits = capture_source(adapter, [q.source_ids[:T] for q in pack], wanted, seq_in.n_logits,
+                                             seq_in.prefix, seq_in.start)
+        found = [(src, lg, first) for src, lg in zip(sources, src_logits)]
+    else:
+        found = []
+        for q in pack:
+            (src,), lg = capture_source(adapter, [q.source_ids[:T]], wanted, max(q.steps) + 1)
+            found.append((src, lg[0], 0))
+    for q, (src, src_logits, src_first) in zip(pack, found):
+        t, pair_id = inp.pairs[q.s]
+        tokens = view.generated[q.s]
+        # the source's own metrics (the clean run's, the normaliser): its logits at the same positions
+        # (row i: step src_first + i), scored on the patched run's tokens; NaN where the source sequence
+        # is shorter than the measured context
+        if len(q.source_ids) >= T:
+            own = {key: v[0] for key, v in engine.measure(src_logits[first - src_first:][None], q.base, q.steps,
+                                                          tokens, first).items()}
+            source_baseline[str(q.s)] = {
+                m.key: [float(src_logits[st - src_first, m.tokens[0]] - src_logits[st - src_first, m.tokens[1]])
+                        for st in q.steps] for m in inp.metrics if m.tokens}
+        else:
+            own = {m.key: np.full(len(q.steps), np.nan) for m in inp.metrics}
+        q.source, q.pair = src, PairColumns(pair_id, t, own)
+    return seq_in
 
 
 def _agreeing_prefix(ids: list[int], source_ids: list[int]) -> int:

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,8 +34,14 @@ ENTRY_KIND = {"head": "ablate_head", "attn": "ablate_attention", "mlp": "ablate_
 MEAN_KIND = {"head": "head", "attn": "attn", "mlp": "mlp", "layer": "layer", "neuron": "ffn"}
 
 
+def _repeat_rows(t: torch.Tensor, each: int) -> torch.Tensor:
+    """[K, ...] -> [K * each, ...], row q * each + b = row q (a view when K is 1)."""
+    return t.expand(each, *t.shape[1:]) if t.shape[0] == 1 else t.repeat_interleave(each, 0)
+
+
 class _PrefixSkip:
-    """Layers below `start` return the unedited forward's outputs (saved for batch size 1) expanded to the batch."""
+    """Layers below `start` return the unedited forward's outputs (saved by the baseline of the
+    sequences, one row each) repeated for every row of the batch."""
 
     def __init__(self, layers):
         self.layers = layers
@@ -43,6 +49,7 @@ class _PrefixSkip:
 
     @contextmanager
     def recording(self):
+        self.saved = {}
         handles = [layer.register_forward_hook((lambda i: lambda m, a, o: self.saved.__setitem__(i, o))(i))
                    for i, layer in enumerate(self.layers)]
         try:
@@ -52,16 +59,16 @@ class _PrefixSkip:
                 h.remove()
 
     @contextmanager
-    def skipping(self, start: int, rows: int):
+    def skipping(self, start: int, saved: dict, each: int):
         replaced = []
 
         def make(i):
-            out = self.saved[i]
+            out = saved[i]
 
             def forward(*args, **kwargs):
                 if isinstance(out, tuple):
-                    return (out[0].expand(rows, *out[0].shape[1:]), *out[1:])
-                return out.expand(rows, *out.shape[1:])
+                    return (_repeat_rows(out[0], each), *out[1:])
+                return _repeat_rows(out, each)
             return forward
         try:
             for i in range(start):
@@ -94,22 +101,25 @@ class SourceValues:
 
 
 class _Patches:
-    """Patch edits: row b's component gets the source's value at its position(s).
+    """Patch edits: row b's component gets its source's value at its position(s).
 
     The forward computes positions `offset`.. (after a prefix no edit changes: `from_step`'s, or the
-    positions the source shares); only those are patched."""
+    positions the source shares); only those are patched. cells[b] and sources[b]: row b's cell and
+    the SourceValues of its sequence's source."""
 
-    def __init__(self, adapter, cells: list[Cell], source: SourceValues, offset: int = 0):
-        self.adapter, self.cells, self.source, self.offset = adapter, cells, source, offset
+    def __init__(self, adapter, cells: list[Cell], sources: list[SourceValues], offset: int = 0):
+        self.adapter, self.cells, self.sources, self.offset = adapter, cells, sources, offset
 
     def _rows(self, kind: str, layer: int):
         return [(b, c) for b, c in enumerate(self.cells) if c.component == kind and c.layer == layer]
 
-    def _apply(self, x: torch.Tensor, rows, src: torch.Tensor, cols: dict[int, slice]) -> torch.Tensor:
-        lo, s0 = self.offset, self.source.start  # x[:, i] is position lo + i; src[i] is position s0 + i
-        end = min(lo + x.shape[1], s0 + src.shape[0])  # positions both sequences have
+    def _apply(self, x: torch.Tensor, rows, key: tuple[str, int], cols: dict[int, slice]) -> torch.Tensor:
+        lo = self.offset  # x[:, i] is position lo + i
         x = x.clone()
         for b, c in rows:
+            source = self.sources[b]
+            src, s0 = source.values[key], source.start  # src[i] is position s0 + i
+            end = min(lo + x.shape[1], s0 + src.shape[0])  # positions both sequences have
             sl = cols.get(b, slice(None))
             if c.position is None:
                 if end > lo:
@@ -126,18 +136,18 @@ class _Patches:
         handles = []
         try:
             for kind, layer in sorted({(c.component, c.layer) for c in self.cells}):
-                rows = self._rows(kind, layer)
-                src = self.source.values[(kind, layer)]
+                rows, key = self._rows(kind, layer), (kind, layer)
                 if kind == "head":
                     d = a.head_dim
                     cols = {b: slice(c.head * d, (c.head + 1) * d) for b, c in rows}
                     handles.append(a.o_proj(layer).register_forward_pre_hook(
-                        lambda m, args, rows=rows, src=src, cols=cols: (self._apply(args[0], rows, src, cols), *args[1:]),
+                        lambda m, args, rows=rows, key=key, cols=cols: (self._apply(args[0], rows, key, cols),
+                                                                        *args[1:]),
                         prepend=True))
                 else:
                     module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
-                    handles.append(tap(module, lambda m, args, kw, out, rows=rows, src=src: _replace_first(
-                        out, self._apply(_first(out), rows, src, {})), prepend=True))
+                    handles.append(tap(module, lambda m, args, kw, out, rows=rows, key=key: _replace_first(
+                        out, self._apply(_first(out), rows, key, {})), prepend=True))
             yield
         finally:
             for h in handles:
@@ -145,12 +155,13 @@ class _Patches:
 
 
 @torch.inference_mode()
-def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: int = 1, prefix=None,
-                   start: int = 0) -> tuple[SourceValues, torch.Tensor]:
-    """The source sequence's unedited values at positions `start`..; and its logits [keep, V] at the last
-    `keep` positions. With `prefix` (the KV cache of positions < start, which the source shares with
-    the patched sequence) only the positions from `start` on are computed."""
-    from ...capture.kv_cache import expand_prefix
+def capture_source(adapter, ids: list[list[int]], wanted: set[tuple[str, int]], keep: int = 1, prefix=None,
+                   start: int = 0) -> tuple[list[SourceValues], torch.Tensor]:
+    """The unedited values of K source sequences of equal length, one forward: per sequence the values at
+    positions `start`..; and their logits [K, keep, V] at the last `keep` positions. With `prefix` (the
+    K-row KV cache of positions < start, which each source shares with its patched sequence) only the
+    positions from `start` on are computed."""
+    from ...capture.kv_cache import repeat_prefix
 
     out: dict = {}
     handles = []
@@ -160,30 +171,31 @@ def capture_source(adapter, ids: list[int], wanted: set[tuple[str, int]], keep: 
             key = (kind, layer)
             if kind == "head":
                 handles.append(a.o_proj(layer).register_forward_pre_hook(
-                    lambda m, args, key=key: out.__setitem__(key, args[0][0].detach().clone())))
+                    lambda m, args, key=key: out.__setitem__(key, args[0].detach().clone())))
             else:
                 module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
                 handles.append(module.register_forward_hook(
-                    lambda m, args, o, key=key: out.__setitem__(key, _first(o)[0].detach().clone())))
+                    lambda m, args, o, key=key: out.__setitem__(key, _first(o).detach().clone())))
         device = next(a.model.parameters()).device
-        x = torch.tensor([ids], dtype=torch.long, device=device)
+        x = torch.tensor(ids, dtype=torch.long, device=device)
         if prefix is None:
             start = 0
             kw = {"attention_mask": torch.ones_like(x), "use_cache": False}
         else:
-            kw = {"attention_mask": torch.ones_like(x), "use_cache": True, "cache": expand_prefix(prefix, 1),
-                  "position_ids": torch.arange(start, len(ids), device=device)[None]}
+            kw = {"attention_mask": torch.ones_like(x), "use_cache": True, "cache": repeat_prefix(prefix, 1),
+                  "position_ids": torch.arange(start, x.shape[1], device=device)[None].expand(len(ids), -1)}
         logits = a.model(input_ids=x[:, start:], logits_to_keep=keep, **kw).logits
     finally:
         for h in handles:
             h.remove()
-    return SourceValues(out, start), logits[0].float()
+    return [SourceValues({k: v[q] for k, v in out.items()}, start) for q in range(len(ids))], logits.float()
 
 
-# The fixed cost of one forward through one layer (module calls, hooks, small kernels), in token
-# positions of compute: a group of cells is worth its own forward only when the layers it skips
-# save more than that.
-FORWARD_OVERHEAD_POSITIONS = 16
+# The fixed cost of one forward through one layer, in token positions of compute: on a CPU a forward
+# streams every weight from memory once, whatever its rows (measured on the embedded model, float32,
+# 2 threads: 65 ms for 1 to 50 positions, then ~2.3 ms per position), and calls every module once.
+# A group of cells is worth its own forward only when the layers it skips save more than that.
+FORWARD_OVERHEAD_POSITIONS = 32
 
 
 def layer_groups(starts: list[int], n_layers: int, positions: int) -> list[tuple[int, int]]:
@@ -209,13 +221,33 @@ def layer_groups(starts: list[int], n_layers: int, positions: int) -> list[tuple
 
 @dataclass
 class SequenceInput:
-    """One sequence as the engine runs it: what each forward computes and which steps its logits are."""
+    """K sequences of equal length as the engine runs them together (a pack; K is often 1): what each
+    forward computes and which steps its logits are. Row q of every tensor is sequence q."""
 
-    ids: torch.Tensor  # [1, T]: prompt + generated tokens up to the last measured step's query position
+    ids: torch.Tensor  # [K, T]: prompt + generated tokens up to the last measured step's query position
     first_step: int  # logits row i is step first_step + i
     n_logits: int
-    start: int = 0  # the first position a forward computes: 0, or prompt_len - 1 + from_step
-    prefix: object | None = None  # the unedited KV cache of positions < start (a DynamicCache, batch 1)
+    start: int = 0  # the first position a forward computes (positions before it: `prefix`)
+    prefix: object | None = None  # the KV cache of positions < start (a DynamicCache of K rows)
+    layer_outputs: dict = field(default_factory=dict)  # layer -> the baseline's output [K, ...] (_PrefixSkip)
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, rows: list[int]) -> SequenceInput:
+        """The pack of some of these sequences (in the order given)."""
+        from ...capture.kv_cache import select_prefix
+
+        if rows == list(range(self.size)):
+            return self
+        index = torch.tensor(rows, device=self.ids.device)
+
+        def pick(out):
+            return (out[0].index_select(0, index), *out[1:]) if isinstance(out, tuple) else out.index_select(0, index)
+        return SequenceInput(self.ids.index_select(0, index), self.first_step, self.n_logits, self.start,
+                             None if self.prefix is None else select_prefix(self.prefix, rows),
+                             {i: pick(o) for i, o in self.layer_outputs.items()})
 
 
 class Engine:
@@ -238,17 +270,22 @@ class Engine:
         self.skip_ok = True
         self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
 
-    @torch.inference_mode()
-    def sequence(self, ids: list[int], prompt_len: int, last_step: int, first_measured: int = 0,
-                 shared: int = 0) -> SequenceInput:
-        """The input for steps up to `last_step`. The positions no edit changes are computed here, once,
-        into a prefix KV cache every batch row continues: those before `from_step`'s (not edited), and
-        the first `shared` positions (a patch source whose tokens agree with this sequence's there: a
-        causal model gives both the same values, so patching them changes nothing). The prefix stops
-        at the first measured step's position: its logits are computed by every batch."""
-        x = torch.tensor([ids[: prompt_len + last_step]], dtype=torch.long, device=self.device)
+    def layout(self, prompt_len: int, last_step: int, first_measured: int = 0, shared: int = 0) -> tuple[int, int]:
+        """(T, start) of a sequence measured up to `last_step`: its input's length, and the first position a
+        forward computes. The positions before `start` are the ones no edit changes, computed once into a
+        prefix KV cache every batch row continues: those before `from_step`'s (not edited), and the
+        first `shared` positions (a patch source whose tokens agree with this sequence's there: a causal
+        model gives both the same values, so patching them changes nothing). The prefix stops at the
+        first measured step's position: its logits are computed by every batch."""
         unedited = prompt_len - 1 + self.from_step if self.from_step else 0
-        start = min(max(unedited, shared), prompt_len - 1 + first_measured)
+        return prompt_len + last_step, max(0, min(max(unedited, shared), prompt_len - 1 + first_measured))
+
+    @torch.inference_mode()
+    def pack(self, ids: list[list[int]], prompt_len: int, last_step: int, start: int) -> SequenceInput:
+        """The input of K sequences of one `layout` (the same prompt length, measured steps and start);
+        their prefix is computed here, once, in one forward."""
+        T = prompt_len + last_step
+        x = torch.tensor([row[:T] for row in ids], dtype=torch.long, device=self.device)
         if start <= 0:
             return SequenceInput(x, 0, last_step + 1)
         from transformers import DynamicCache
@@ -256,23 +293,31 @@ class Engine:
         first_step = max(0, start - (prompt_len - 1))
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
-                   position_ids=torch.arange(start, device=self.device)[None], cache=cache, use_cache=True,
-                   logits_to_keep=1)
+                   position_ids=torch.arange(start, device=self.device)[None].expand(len(ids), -1), cache=cache,
+                   use_cache=True, logits_to_keep=1)
         return SequenceInput(x, first_step, last_step - first_step + 1, start, cache)
 
-    def _forward(self, seq: SequenceInput, rows: int, start: int = 0, edits=None, patches=None):
-        """Logits [rows, n_logits, V] (float32) of the last n_logits positions; `start`: the lowest edited layer."""
-        from ...capture.kv_cache import expand_prefix
+    def _forward(self, seq: SequenceInput, each: int, start: int = 0, edits=None, patches=None):
+        """Logits [K * each, n_logits, V] (float32) of the last n_logits positions, `each` rows per
+        sequence (row q * each + b: sequence q); `start`: the lowest edited layer."""
+        from ...capture.kv_cache import repeat_prefix
 
+        rows = seq.size * each
         T = seq.ids.shape[1]
-        x = seq.ids[:, seq.start:].expand(rows, -1)
+        x = _repeat_rows(seq.ids[:, seq.start:], each)
         mask = torch.ones((rows, T), dtype=torch.long, device=self.device)  # the prefix's positions too
         positions = torch.arange(seq.start, T, device=self.device)[None].expand(rows, -1)
-        cache = {"cache": expand_prefix(seq.prefix, rows), "use_cache": True} if seq.prefix is not None else {
+        cache = {"cache": repeat_prefix(seq.prefix, each), "use_cache": True} if seq.prefix is not None else {
             "use_cache": False}
         with ExitStack() as stack:
+            head = self.model.get_output_embeddings()
+            if head is not None:
+                # transformers hands the output head a strided slice of the kept positions; torch then
+                # multiplies [rows, 1, d] as a batched matmul against a copy of the weight per row
+                # (measured: 60 % of a patching sweep's time): a contiguous input is one matrix product
+                stack.callback(head.register_forward_pre_hook(lambda m, args: (args[0].contiguous(), *args[1:])).remove)
             if start > 0 and self.skip_ok:
-                stack.enter_context(self.skip.skipping(start, rows))
+                stack.enter_context(self.skip.skipping(start, seq.layer_outputs, each))
             if edits is not None:
                 stack.enter_context(edits.attached())
                 # every computed position belongs to a step >= from_step: all are edited
@@ -286,13 +331,15 @@ class Engine:
 
     @torch.inference_mode()
     def baseline(self, seq: SequenceInput) -> torch.Tensor:
-        """Unedited logits [n_logits, V]; saves every layer's output for the prefix shortcut and checks it."""
+        """Unedited logits [K, n_logits, V]; saves every layer's output for the prefix shortcut (checked
+        against the full forward on the first pack)."""
         with self.skip.recording():
-            base = self._forward(seq, 1)[0]
+            base = self._forward(seq, 1)
+        seq.layer_outputs = self.skip.saved
         if not self.skip_checked:
             self.skip_checked = True
             half = max(1, len(self.adapter.layers) // 2)
-            short = self._forward(seq, 1, start=half)[0]
+            short = self._forward(seq, 1, start=half)
             if not torch.allclose(short, base, atol=1e-5, rtol=0):
                 self.skip_ok = False  # the family does something between layers: compute every layer
         return base
@@ -324,19 +371,24 @@ class Engine:
         return EditSet(entries, self.adapter, {b: 0 for b in range(len(cells))}, resources)
 
     @torch.inference_mode()
-    def run_cells(self, seq: SequenceInput, cells: list[Cell], source: SourceValues | None) -> torch.Tensor:
-        """Logits [len(cells), n_logits, V] of one batch of cells (sorted by their lowest edited layer),
-        computed in the groups `layer_groups` chooses: each group's forward starts at its own lowest
-        edited layer, the layers below it are the baseline's saved outputs (`_PrefixSkip`)."""
+    def run_cells(self, seq: SequenceInput, cells: list[Cell], sources: list[SourceValues] | None) -> torch.Tensor:
+        """Logits [K * len(cells), n_logits, V] (row q * len(cells) + b: sequence q, cell b) of one batch of
+        cells (sorted by their lowest edited layer) on each of the pack's K sequences; sources[q]: the
+        patch source of sequence q. Computed in the groups `layer_groups` chooses: each group's forward
+        starts at its own lowest edited layer, the layers below it are the baseline's saved outputs."""
         groups = layer_groups([c.start_layer() for c in cells], len(self.adapter.layers),
-                              seq.ids.shape[1] - seq.start) if self.skip_ok else [(0, len(cells))]
-        return torch.cat([self._run_group(seq, cells[i:j], source) for i, j in groups])
+                              seq.size * (seq.ids.shape[1] - seq.start)) if self.skip_ok else [(0, len(cells))]
+        parts = [self._run_group(seq, cells[i:j], sources).unflatten(0, (seq.size, j - i)) for i, j in groups]
+        return torch.cat(parts, 1).flatten(0, 1)
 
-    def _run_group(self, seq: SequenceInput, cells: list[Cell], source: SourceValues | None) -> torch.Tensor:
+    def _run_group(self, seq: SequenceInput, cells: list[Cell], sources: list[SourceValues] | None) -> torch.Tensor:
         start = min(c.start_layer() for c in cells)
+        row_cells = [c for _ in range(seq.size) for c in cells]
         if self.edit == "patch":
-            return self._forward(seq, len(cells), start, patches=_Patches(self.adapter, cells, source, seq.start))
-        return self._forward(seq, len(cells), start, edits=self.entries_for(cells))
+            row_sources = [src for src in sources for _ in cells]
+            return self._forward(seq, len(cells), start,
+                                 patches=_Patches(self.adapter, row_cells, row_sources, seq.start))
+        return self._forward(seq, len(cells), start, edits=self.entries_for(row_cells))
 
     def measure(self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int],
                 first_step: int = 0) -> dict[str, np.ndarray]:
