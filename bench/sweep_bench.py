@@ -82,7 +82,7 @@ def _intervene_cells(runs: Path, args, table, extra: tuple[str, ...] = ()) -> tu
         times.append(t)
         child = json.loads(out)["children"][0]["run_id"]
         eff = pd.read_parquet(runs / child / "effects.parquet").sort_values("step")
-        mine = table[(table["layer"] == layer) & ((table["head"] == head) if not args.quick else True)]
+        mine = table[(table["layer"] == layer) & ((table["q_head"] == head) if not args.quick else True)]
         mine = mine.sort_values("step")
         eff = eff[eff.step.isin(mine.step)]
         worst = max(worst, float((mine.value.to_numpy() - eff.child_logprob_of_parent_token.to_numpy()).__abs__().max()))
