@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC = """model: embedded
+SPEC = """\
 prompts: ["The history of the city of Paris begins with", "A short poem about the sea:"]
 generation: {max_new_tokens: 24, batch_size: 2}
 """
