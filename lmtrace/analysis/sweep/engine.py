@@ -1,4 +1,4 @@
-"""The sweep's forward engine: one sequence, one cell per batch row, one forward per batch.
+"""The sweep's forward engine: a pack of sequences of one layout, one cell per batch row per sequence.
 
   edits      `zero` / `mean` are exactly `lmtrace intervene`'s ablations (`interventions.EditSet`
              with the same entry kinds), one entry per batch row; `patch` replaces a component's
@@ -7,13 +7,15 @@
   semantics  rescore: the sequence is the parent's prompt followed by its generated tokens
              (teacher-forced); one forward computes every measured step at once (step s is read at
              position prompt_len - 1 + s).
-  prefix KV  with `from_step` S the edits apply to the positions of steps >= S only: the unedited
-             prefix before them is computed once per sequence and its KV cache is shared by every
-             batch row, so each forward computes only the edited suffix.
+  pack       K sequences of the same prompt length, measured steps and prefix run in one forward:
+             row q * cells + b is sequence q with cell b (`SequenceInput`, `Engine.pack`).
+  prefix KV  the positions no edit changes (before `from_step`'s, or those a patch source shares)
+             are computed once per pack and their KV cache is continued by every batch row, so each
+             forward computes only the rest.
   shortcut   the layers below a batch's lowest edited layer are not computed: they return the
-             unedited forward's outputs, saved once per sequence (`_PrefixSkip`); a self-check on
-             the baseline compares the shortcut's logits with the full forward's and turns it off if
-             they differ.
+             unedited forward's outputs, saved once per pack (`_PrefixSkip`); a self-check on the
+             first baseline compares the shortcut's logits with the full forward's and turns it off
+             if they differ. A batch of cells spread over many layers runs in `layer_groups`.
 """
 
 from __future__ import annotations
@@ -251,12 +253,13 @@ class SequenceInput:
 
 
 class Engine:
-    """Runs one sequence's batches of cells: the baseline once, then one forward per batch.
+    """Runs packs of sequences (`pack`): the baseline once per pack, then the batches of cells
+    (`run_cells`), each in one forward per layer group.
 
     With `from_step` S > 0 the edits apply to the positions of steps >= S only (intervene's
     `--from-step`: step s computes position prompt_len - 1 + s): the positions before are the
-    unedited prefix, run once per sequence; every batch continues its KV cache (expanded to the
-    batch's rows, `kv_cache.expand_prefix`) and computes only the edited suffix."""
+    unedited prefix, run once per pack; every batch continues its KV cache (repeated for the
+    batch's rows, `kv_cache.repeat_prefix`) and computes only the edited suffix."""
 
     def __init__(self, adapter, edit: str, means: dict | None, metrics: list[Metric], from_step: int = 0):
         self.adapter = adapter
