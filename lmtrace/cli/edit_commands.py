@@ -67,7 +67,7 @@ def sweep(
     sequences: Optional[str] = typer.Option(None, "--sequences", help="Sequences: 0,2 or 0-3 or all (default all)."),
     positions: Optional[str] = typer.Option(None, "--positions", help="Edit one position at a time: 3-9 or 0,4 "
                                             "(default: every position at once; resid and positions: each prompt position)."),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Cells per forward (batch rows; default 32)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Cells per block (default 32); a forward runs a block on up to 16 sequences of one layout."),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on; the unedited "
                                             "prefix is computed once and its KV cache shared (steps >= it are measured)."),
     spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML sweep spec (the same keys; flags override)."),
