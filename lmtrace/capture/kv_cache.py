@@ -213,23 +213,22 @@ class StackedCache(DynamicCache):
         return cls(config, capacity_hint=hint, layer_devices=layer_devices)
 
 
-def expand_prefix(cache: DynamicCache, rows: int) -> DynamicCache:
-    """A cache for `rows` batch rows that all continue the one-row prefix held in `cache`.
-
-    `lmtrace sweep --from-step` computes the unedited prefix of a sequence once and runs many edited
-    continuations of it, one per batch row. Each layer's keys and values become expanded views of
-    the prefix's (no copy, no recomputation); the continuation's forward appends with `torch.cat`
-    into new tensors, so `cache` itself is never written and serves every batch. Layer kinds that
-    hold something else (linear-attention states) are copied and repeated with their own
-    `batch_repeat_interleave`; `StackedLayer`, which appends in place, refuses (the prefix would be
-    overwritten), so the prefix is computed with a plain DynamicCache.
-    """
-    return repeat_prefix(cache, rows)
+def repeat_rows(t: torch.Tensor, each: int) -> torch.Tensor:
+    """[K, ...] -> [K * each, ...], row q * each + b = row q (an expanded view when K is 1)."""
+    return t.expand(each, *t.shape[1:]) if t.shape[0] == 1 else t.repeat_interleave(each, 0)
 
 
 def repeat_prefix(cache: DynamicCache, each: int) -> DynamicCache:
-    """A cache of K x `each` rows continuing the K-row prefix `cache`: row q * each + b continues row q
-    (expanded views when K is 1, copies otherwise; `cache` itself is never written)."""
+    """A cache of K x `each` rows continuing the K-row prefix `cache`: row q * each + b continues row q.
+
+    `lmtrace sweep` computes the prefix no edit changes once and runs many edited continuations of
+    it, one per batch row. Each layer's keys and values become `repeat_rows` of the prefix's (views,
+    no recomputation, when K is 1); the continuation's forward appends with `torch.cat` into new
+    tensors, so `cache` itself is never written and serves every batch. Layer kinds that hold
+    something else (linear-attention states) are copied and repeated with their own
+    `batch_repeat_interleave`; `StackedLayer`, which appends in place, refuses (the prefix would be
+    overwritten), so the prefix is computed with a plain DynamicCache.
+    """
     out = copy.copy(cache)
     out.layers = [_repeat_layer(layer, each) for layer in cache.layers]
     return out
@@ -258,12 +257,7 @@ def _repeat_layer(layer, each: int):
     if isinstance(layer, DynamicLayer) and not isinstance(layer, StackedLayer):
         new = copy.copy(layer)
         if layer.is_initialized and layer.keys.numel():
-            if layer.keys.shape[0] == 1:
-                new.keys = layer.keys.expand(each, *layer.keys.shape[1:])
-                new.values = layer.values.expand(each, *layer.values.shape[1:])
-            else:
-                new.keys = layer.keys.repeat_interleave(each, 0)
-                new.values = layer.values.repeat_interleave(each, 0)
+            new.keys, new.values = repeat_rows(layer.keys, each), repeat_rows(layer.values, each)
         return new
     new = copy.deepcopy(layer)
     new.batch_repeat_interleave(each)

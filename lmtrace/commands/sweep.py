@@ -264,7 +264,7 @@ def _plan_sequences(inp: _Inputs, spec: SweepSpec, engine, seqs: list[int]) -> l
             t, _ = inp.pairs[s]
             sids = inp.source_view.prompt_ids[t] + inp.source_view.generated[t]
             shared = _agreeing_prefix(ids[: P + max(steps)], sids)
-        _, start = engine.layout(P, max(steps), min(steps), shared)
+        start = engine.prefix_end(P, min(steps), shared)
         out.append(_Sequence(s, ids, P, steps, start, shared, sids))
     return out
 
@@ -295,9 +295,11 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
         return partial / "blocks" / f"s{s:05d}-b{j:06d}.parquet"
 
     pending = [(s, j, cells) for s, j, cells in mine if not block_path(s, j).exists()]
-    order = list(dict.fromkeys(s for s, _, _ in pending))
+    todo: dict[int, set[int]] = {}  # sequence -> its blocks to run, in the order they come
+    for s, j, _ in pending:
+        todo.setdefault(s, set()).add(j)
     block_cells = {j: cells for _, j, cells in pending}
-    planned = _plan_sequences(inp, spec, engine, order)
+    planned = _plan_sequences(inp, spec, engine, list(todo))
     longest = max((q.prompt_len + max(q.steps) for q in planned), default=1)
     widest = max((len(c) for c in block_cells.values()), default=1)
     limit = max(1, min(MAX_PACK, spec.batch * PACK_CONTEXT // (widest * longest)))
@@ -310,9 +312,8 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
     with stop.installed():
         for pack in _packs(planned, limit):
             seq_in = _prepare_pack(inp, spec, engine, adapter, pack, baseline_check, source_baseline)
-            mine_here = {q.s: {j for s, j, _ in pending if s == q.s} for q in pack}
-            for j in sorted(set().union(*mine_here.values())):
-                members = [k for k, q in enumerate(pack) if j in mine_here[q.s]]
+            for j in sorted(set().union(*(todo[q.s] for q in pack))):
+                members = [k for k, q in enumerate(pack) if j in todo[q.s]]
                 cells = block_cells[j]
                 sources = [pack[k].source for k in members] if spec.edit == "patch" else None
                 logits = engine.run_cells(seq_in.select(members), cells, sources)
@@ -379,9 +380,7 @@ def _prepare_pack(inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Se
         if len(q.source_ids) >= T:
             own = {key: v[0] for key, v in engine.measure(src_logits[first - src_first:][None], q.base, q.steps,
                                                           tokens, first).items()}
-            source_baseline[str(q.s)] = {
-                m.key: [float(src_logits[st - src_first, m.tokens[0]] - src_logits[st - src_first, m.tokens[1]])
-                        for st in q.steps] for m in inp.metrics if m.tokens}
+            source_baseline[str(q.s)] = {m.key: own[m.key].tolist() for m in inp.metrics if m.tokens}
         else:
             own = {m.key: np.full(len(q.steps), np.nan) for m in inp.metrics}
         q.source, q.pair = src, PairColumns(pair_id, t, own)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ...capture.interventions import EditSet, parse_entries
+from ...capture.kv_cache import repeat_prefix, repeat_rows
 from .cells import Cell
 from .metrics import Metric, measure
 
@@ -34,11 +35,6 @@ ENTRY_KIND = {"head": "ablate_head", "attn": "ablate_attention", "mlp": "ablate_
               "neuron": "ablate_neurons"}
 # the `component_means` kind whose mean value a `mean` ablation of the cell's component writes
 MEAN_KIND = {"head": "head", "attn": "attn", "mlp": "mlp", "layer": "layer", "neuron": "ffn"}
-
-
-def _repeat_rows(t: torch.Tensor, each: int) -> torch.Tensor:
-    """[K, ...] -> [K * each, ...], row q * each + b = row q (a view when K is 1)."""
-    return t.expand(each, *t.shape[1:]) if t.shape[0] == 1 else t.repeat_interleave(each, 0)
 
 
 class _PrefixSkip:
@@ -69,8 +65,8 @@ class _PrefixSkip:
 
             def forward(*args, **kwargs):
                 if isinstance(out, tuple):
-                    return (_repeat_rows(out[0], each), *out[1:])
-                return _repeat_rows(out, each)
+                    return (repeat_rows(out[0], each), *out[1:])
+                return repeat_rows(out, each)
             return forward
         try:
             for i in range(start):
@@ -163,8 +159,6 @@ def capture_source(adapter, ids: list[list[int]], wanted: set[tuple[str, int]], 
     positions `start`..; and their logits [K, keep, V] at the last `keep` positions. With `prefix` (the
     K-row KV cache of positions < start, which each source shares with its patched sequence) only the
     positions from `start` on are computed."""
-    from ...capture.kv_cache import repeat_prefix
-
     out: dict = {}
     handles = []
     a = adapter
@@ -273,19 +267,19 @@ class Engine:
         self.skip_ok = True
         self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
 
-    def layout(self, prompt_len: int, last_step: int, first_measured: int = 0, shared: int = 0) -> tuple[int, int]:
-        """(T, start) of a sequence measured up to `last_step`: its input's length, and the first position a
-        forward computes. The positions before `start` are the ones no edit changes, computed once into a
-        prefix KV cache every batch row continues: those before `from_step`'s (not edited), and the
-        first `shared` positions (a patch source whose tokens agree with this sequence's there: a causal
-        model gives both the same values, so patching them changes nothing). The prefix stops at the
-        first measured step's position: its logits are computed by every batch."""
+    def prefix_end(self, prompt_len: int, first_measured: int = 0, shared: int = 0) -> int:
+        """The first position a forward computes for a sequence. The positions before it are the ones no
+        edit changes, computed once into a prefix KV cache every batch row continues: those before
+        `from_step`'s (not edited), and the first `shared` positions (a patch source whose tokens agree
+        with this sequence's there: a causal model gives both the same values, so patching them changes
+        nothing). The prefix stops at the first measured step's position: its logits are computed by
+        every batch."""
         unedited = prompt_len - 1 + self.from_step if self.from_step else 0
-        return prompt_len + last_step, max(0, min(max(unedited, shared), prompt_len - 1 + first_measured))
+        return max(0, min(max(unedited, shared), prompt_len - 1 + first_measured))
 
     @torch.inference_mode()
     def pack(self, ids: list[list[int]], prompt_len: int, last_step: int, start: int) -> SequenceInput:
-        """The input of K sequences of one `layout` (the same prompt length, measured steps and start);
+        """The input of K sequences of one layout (the same prompt length, measured steps and `prefix_end`);
         their prefix is computed here, once, in one forward."""
         T = prompt_len + last_step
         x = torch.tensor([row[:T] for row in ids], dtype=torch.long, device=self.device)
@@ -303,11 +297,9 @@ class Engine:
     def _forward(self, seq: SequenceInput, each: int, start: int = 0, edits=None, patches=None):
         """Logits [K * each, n_logits, V] (float32) of the last n_logits positions, `each` rows per
         sequence (row q * each + b: sequence q); `start`: the lowest edited layer."""
-        from ...capture.kv_cache import repeat_prefix
-
         rows = seq.size * each
         T = seq.ids.shape[1]
-        x = _repeat_rows(seq.ids[:, seq.start:], each)
+        x = repeat_rows(seq.ids[:, seq.start:], each)
         mask = torch.ones((rows, T), dtype=torch.long, device=self.device)  # the prefix's positions too
         positions = torch.arange(seq.start, T, device=self.device)[None].expand(rows, -1)
         cache = {"cache": repeat_prefix(seq.prefix, each), "use_cache": True} if seq.prefix is not None else {
