@@ -69,6 +69,11 @@ def block_part_name(batch: int, s0: int) -> str:
     return f"{batch_part_name(batch)}-s{s0:08d}"
 
 
+def part_batch(filename: str) -> int:
+    """The batch of a block or sequences part file (`b<batch>[-s<step>].parquet`)."""
+    return int(filename.split(".")[0].split("-")[0].lstrip("b"))
+
+
 def part_start_step(filename: str) -> int | None:
     stem = filename.split(".")[0].lstrip(".")
     if "-s" not in stem:

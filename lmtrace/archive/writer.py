@@ -339,8 +339,7 @@ class ArchiveWriter:
 
     def _committed_part(self, table: str, filename: str) -> bool:
         """Whether a block part (`b<batch>[-s<step>].parquet`) is this writer's and committed."""
-        batch = int(filename.split(".")[0].split("-")[0].lstrip("b"))
-        entry = self.progress["batches"].get(str(batch))
+        entry = self.progress["batches"].get(str(layout.part_batch(filename)))
         if entry is None:
             return False
         s0 = layout.part_start_step(filename)
