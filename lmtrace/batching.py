@@ -135,15 +135,18 @@ class Footprint:
     batches that ran (the larger of the two): the arithmetic misses what the allocator and torch's
     temporaries hold. Until a CPU batch is measured, batches are cut to a quarter of the budget; the
     RSS the process still holds above its start (`retained`: memory the allocator kept from earlier
-    batches, which a batch may not be able to reuse) is taken off the budget when a batch is cut."""
+    batches, which a batch may not be able to reuse) is taken off the budget when a batch is cut. A CPU
+    `budget` under PROBE_SHARE x RSS_RESOLUTION is sized by the computed footprint alone: RSS cannot
+    resolve what a batch takes there, so neither growths nor the RSS retained are used."""
 
     def __init__(self, shape, n_layers: int, dtype_bytes: int, vocab: int, max_new: int, chunk_steps: int,
-                 chunk_keys: int | None, measured: bool):
+                 chunk_keys: int | None, measured: bool, budget: int | None = None):
         self.shape, self.n_layers, self.dtype_bytes, self.vocab = shape, n_layers, dtype_bytes, vocab
         self.max_new, self.chunk_steps, self.chunk_keys, self.measured = max_new, chunk_steps, chunk_keys, measured
         self.per_position: float | None = None  # measured bytes per sequence and position, the largest seen
         self.retained = 0  # CPU: RSS above the process's when the first batch started, after the last batch
         self.largest_measured = 0  # CPU: sequences in the largest batch whose growth was measured
+        self.computed_only = not measured and budget is not None and budget < PROBE_SHARE * RSS_RESOLUTION
 
     def computed(self, n: int, longest_prompt: int) -> int:
         s = self.shape
@@ -166,11 +169,9 @@ class Footprint:
         """What the next cut batch may take. CPU: the budget less what earlier batches left held; before a
         batch was measured (with a budget RSS can resolve) a quarter of that, so the first batch fits while
         the computed guess is off; once measured, HEADROOM of it."""
-        if self.measured:
+        if self.measured or self.computed_only or budget < PROBE_SHARE * RSS_RESOLUTION:
             return budget
         left = budget - self.retained
-        if budget < PROBE_SHARE * RSS_RESOLUTION:
-            return left
         if self.per_position is None:
             return left // PROBE_SHARE
         return int(left * HEADROOM)
@@ -185,8 +186,9 @@ class Footprint:
     def observe(self, n: int, longest_prompt: int, peak_growth: int) -> None:
         """A batch of `n` ran and grew the peak by `peak_growth` bytes above what was held when it
         started (CUDA: allocated; CPU: RSS). On the CPU a growth under RSS_RESOLUTION says nothing about
-        the batch (RSS moves that much for other reasons) and is not used."""
-        if not self.measured and peak_growth < RSS_RESOLUTION:
+        the batch (RSS moves that much for other reasons) and is not used, nor is any growth when the
+        budget itself is under what RSS resolves (`computed_only`)."""
+        if not self.measured and (peak_growth < RSS_RESOLUTION or self.computed_only):
             return
         self.largest_measured = max(self.largest_measured, n)
         rate = peak_growth / max(1, n * (longest_prompt + self.max_new))

@@ -388,7 +388,7 @@ def _batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core
         on_cuda = bool(cuda_devices(setup.loaded.model, setup.loaded.device))
         footprint = Footprint(setup.shape, setup.adapter.n_layers, torch.empty((), dtype=setup.loaded.dtype).element_size(),
                               len(setup.loaded.tokenizer), g.max_new_tokens, spec.output.chunk_steps,
-                              spec.output.chunk_keys, measured=on_cuda)
+                              spec.output.chunk_keys, measured=on_cuda, budget=g.budget_bytes)
     return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, g.budget_bytes,
                       {s: len(setup.prompt_ids[s]) for s in my_seqs}, footprint, writer_core.committed)
 

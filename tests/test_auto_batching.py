@@ -279,7 +279,8 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
 
 def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below_the_resolution(tmp_path):
     """A measured growth under the computed footprint leaves the computed one (the larger is used);
-    budgets under 4x the RSS resolution are sized by the computed footprint from the first batch."""
+    budgets under 4x the RSS resolution are sized by the computed footprint alone, from the first batch
+    to the last."""
     from lmtrace.archive.layout import RunShape
     from lmtrace.batching import HEADROOM, RSS_RESOLUTION, Footprint
 
@@ -293,6 +294,15 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
     footprint.observe(n, 5, 4 * RSS_RESOLUTION // 2)  # half the computed footprint
     assert footprint.sizing_budget(8 * RSS_RESOLUTION) == int(8 * RSS_RESOLUTION * HEADROOM)  # measured
     assert footprint.bytes(n, 5) == footprint.computed(n, 5)
+
+    # a run whose budget RSS cannot resolve: what the process holds after a batch (allocator arenas,
+    # lazily loaded code) and a growth over the resolution leave the computed sizing as it was
+    small = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None,
+                      measured=False, budget=1_000_000)
+    small.retained = 400_000
+    small.observe(2, 5, 2 * RSS_RESOLUTION)
+    assert small.sizing_budget(1_000_000) == 1_000_000
+    assert small.bytes(2, 5) == small.computed(2, 5)
 
 
 def test_peak_rss_sees_a_transient_allocation_freed_before_the_end():
