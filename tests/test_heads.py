@@ -8,6 +8,7 @@ each head's class is known.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import zarr
 
 from conftest import rerecord_checksums, run_spec
 from test_cli_errors import assert_one_line_error, lmtrace
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # A random word sequence said several times: the second half repeats the first (induction targets).
 WORDS = "violet anchor mosaic thunder pepper glacier ribbon walnut".split()
@@ -194,13 +197,31 @@ def test_without_a_sweep_specific_mechanisms_rank_first_and_sinks_late(base, tmp
 
 
 def _table_rows(stdout: str) -> list[tuple[int, int, str]]:
-    """(layer, head, label) of each row of the printed heads table (rich's box lines)."""
+    """(layer, head, label) of each row of the printed heads table (rank, layer, head, label first)."""
     rows = []
     for line in stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("│").split("│")]
-        if len(cells) > 4 and cells[0].isdigit():
+        cells = line.split()
+        if len(cells) > 4 and all(c.isdigit() for c in cells[:3]):
             rows.append((int(cells[1]), int(cells[2]), cells[3]))
     return rows
+
+
+def test_the_table_fits_80_columns_leaving_out_the_secondary_scores_first(base, tmp_path):
+    """A terminal 80 columns wide (rich takes FORCE_COLOR as a terminal, COLUMNS as its width): every
+    line fits, rank / layer / head / label whole, the left-out columns named; 200 columns show all."""
+    path = _copy(base, tmp_path)
+    _set_rows_by_hand(path)
+    narrow = lmtrace(tmp_path, "heads", str(path), "--top", "16", env={"COLUMNS": "80", "FORCE_COLOR": "1"})
+    assert narrow.returncode == 0, narrow.stderr
+    lines = ANSI.sub("", narrow.stdout).splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    header = next(line.split() for line in lines if line.startswith("rank"))
+    assert header[:4] == ["rank", "layer", "head", "label"] and "max" not in header
+    assert "(left out to fit 80 columns: max w; --json has every score)" in lines
+    heads = json.loads(lmtrace(tmp_path, "heads", str(path), "--json").stdout)["heads"]
+    assert _table_rows(ANSI.sub("", narrow.stdout)) == [(h["layer"], h["q_head"], h["label"]) for h in heads]
+    wide = ANSI.sub("", lmtrace(tmp_path, "heads", str(path), env={"COLUMNS": "200", "FORCE_COLOR": "1"}).stdout)
+    assert "left out" not in wide and "max w" in wide
 
 
 def test_label_filter_shows_only_those_heads_in_the_table_and_json(base, tmp_path):

@@ -79,41 +79,64 @@ def _grouped_rows(table: pa.Table, by: str, wanted: list[str] | None) -> list[di
     return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
-def _print_grouped(run: Run, by: dict, top: int) -> None:
+# columns left out first when a table is wider than the terminal: the secondary scores, then the
+# label scores from the least specific; rank, layer, head, label and what the table is ranked by stay
+SCORE_COLUMNS = ("sink", "prev", "local", "induct", "dup", "entropy", "max w")
+DROP_FIRST = ("max w", "dup", "entropy", "sink", "local", "induct", "prev")
+
+
+def _console():
     from rich.console import Console
+
+    return Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
+
+
+def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], left: tuple[str, ...]) -> None:
+    """The table at the console's width: columns that do not fit left out (DROP_FIRST, then from the
+    right) and named in a line."""
     from rich.markup import escape
-    from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
+    from ..column_fit import fitted_table
+
+    first = [headers.index(h) for h in DROP_FIRST if h in headers]
+    order = first + [i for i in reversed(range(len(headers))) if i not in first]
+    table, left_out = fitted_table(headers, rows, console.width, order, title=title,
+                                   left=[headers.index(h) for h in left])
+    console.print(table)
+    if left_out:
+        console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has every score)"))
+
+
+def _score(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
+
+
+def _print_grouped(run: Run, by: dict, top: int) -> None:
+    from rich.markup import escape
+
+    console = _console()
     column = by["column"]
-    t = Table(title=escape(f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, "
-                           f"then the label's score"), title_justify="left")
-    for col in (column, "seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"):
-        t.add_column(escape(col), justify="left" if col in (column, "label") else "right")
-
-    def f(v):
-        return "-" if v is None else f"{v:.2f}"
-
     shown: dict = {}
+    rows = []
     for r in by["heads"]:
         key = r[column]
         shown[key] = shown.get(key, 0) + 1
         if shown[key] > top:
             continue
-        t.add_row(escape(str(key)), str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
-                  f(r["sink_score"]), f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]),
-                  f(r["entropy"]))
-    console.print(t)
+        rows.append([str(key), str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
+                     *(_score(r[k]) for k in ("sink_score", "prev_token_score", "local_score", "induction_score",
+                                              "entropy"))])
+    headers = [column, "seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"]
+    _print_fitted(console, f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, then the "
+                  f"label's score", headers, rows, left=(column, "label"))
     console.print(escape(f"every head of every group written to {by['path']}"))
 
 
 def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path,
            top: int) -> None:
-    from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
+    console = _console()
     labels = table.column("label").to_pylist()
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
     sweep = result.get("sweep")
@@ -121,25 +144,20 @@ def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | Non
           else "mean |head DLA|" if result["dla"] else f"label ({', '.join(RANK_ORDER)}), then the label's score")
     which = (f"top {min(top, len(shown))} of {len(shown)} {' / '.join(wanted)} heads; all {len(labels)}: {counts}"
              if wanted else f"top {min(top, len(labels))} of {len(labels)}: {counts}")
-    t = Table(title=escape(f"heads of {run.id}, ranked by {by} ({which})"), title_justify="left")
-    for col in ("rank", "layer", "head", "label", "sink", "prev", "local", "induct", "dup", "entropy", "max w"):
-        t.add_column(col, justify="left" if col == "label" else "right")
+    headers = ["rank", "layer", "head", "label", *SCORE_COLUMNS]
     if result["dla"]:
-        t.add_column("|DLA|", justify="right")
+        headers.append("|DLA|")
     if sweep:
-        t.add_column(f"Δ{sweep['metric']}", justify="right")
-
-    def f(v):
-        return "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.2f}"
-
+        headers.append(f"Δ{sweep['metric']}")
+    rows = []
     for r in shown[:top]:
-        cells = [str(r["head_rank"]), str(r["layer"]), str(r["q_head"]), r["label"], f(r["sink_score"]),
-                 f(r["prev_token_score"]), f(r["local_score"]), f(r["induction_score"]), f(r["duplicate_score"]),
-                 f(r["entropy"]), f(r["concentration"])]
+        cells = [str(r["head_rank"]), str(r["layer"]), str(r["q_head"]), r["label"],
+                 *(_score(r[k]) for k in ("sink_score", "prev_token_score", "local_score", "induction_score",
+                                          "duplicate_score", "entropy", "concentration"))]
         if result["dla"]:
-            cells.append(f(r["importance"]) + (f" #{r['dla_rank']}" if sweep and r["dla_rank"] else ""))
+            cells.append(_score(r["importance"]) + (f" #{r['dla_rank']}" if sweep and r["dla_rank"] else ""))
         if sweep:
             cells.append("-" if r["sweep_effect"] is None else f"{r['sweep_effect']:+.3f}")
-        t.add_row(*cells)
-    console.print(t)
+        rows.append(cells)
+    _print_fitted(console, f"heads of {run.id}, ranked by {by} ({which})", headers, rows, left=("label",))
     console.print(escape(f"{result['rows']} attention rows per head; written to {folder / HEADS_FILE}"))
