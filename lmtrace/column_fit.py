@@ -38,21 +38,35 @@ def fitting_columns(widths: Sequence[int], width: int, drop_order: Sequence[int]
     return sorted(kept)
 
 
-def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, drop_order: Sequence[int], *,
-                 left: Sequence[int] = (), title: str | None = None):
+def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, *, drop_first: Sequence[str] = (),
+                 keep: Sequence[str] = (), left: Sequence[str] = (), title: str | None = None, omit_empty: bool = False):
     """A borderless rich table (columns two spaces apart, each cell on one line) of the columns of
-    `headers` and `rows` (plain text, in display order) that fit `width`, left out in `drop_order`
-    (see fitting_columns; the last one always stays); `left`: the indices justified left (the others
-    right, as numbers). Returns the table and the headers of the columns left out."""
+    `headers` and `rows` (plain text, in display order) that fit `width`. Columns are left out first
+    those named in `drop_first` (in that order), then the others from the right, never those in `keep`
+    (nor the first column when `keep` is empty); `omit_empty`: columns whose every cell is `-` (not
+    applicable to these rows) are left out whatever the width. `left`: the headers justified left (the
+    others right, as numbers). Returns the table (under its `title`, when given) and the headers of the
+    columns left out for width."""
+    from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    kept = fitting_columns(widths, width, drop_order, gap=2, keep=1)
-    t = Table(title=None if title is None else escape(title), title_justify="left", show_edge=False, pad_edge=False,
-              box=None, header_style="bold")
-    for i in kept:
-        t.add_column(escape(headers[i]), justify="left" if i in left else "right", no_wrap=True)
+    present = [i for i in range(len(headers)) if not (omit_empty and rows and all(r[i] == "-" for r in rows))]
+    names = [headers[i] for i in present]
+    widths = [max([len(headers[i]), *(len(r[i]) for r in rows)]) for i in present]
+    kept_names = [n for n in names if n in keep] or names[:1]
+    first = [names.index(n) for n in drop_first if n in names and n not in kept_names]
+    order = first + [j for j in reversed(range(len(names))) if j not in first and names[j] not in kept_names]
+    order += [names.index(n) for n in kept_names]
+    shown = [present[j] for j in fitting_columns(widths, width, order, gap=2, keep=len(kept_names))]
+    t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for i in shown:
+        t.add_column(escape(headers[i]), justify="left" if headers[i] in left else "right", no_wrap=True)
     for r in rows:
-        t.add_row(*(escape(r[i]) for i in kept))
-    return t, [h for i, h in enumerate(headers) if i not in kept]
+        t.add_row(*(escape(r[i]) for i in shown))
+    left_out = [headers[i] for i in present if i not in shown]
+    if title is None:
+        return t, left_out
+    # the title above the table at the terminal's width (a table's own title wraps at the table's)
+    return Group(Text(title, style="italic"), t), left_out

@@ -1,9 +1,13 @@
-"""The one rule `lmtrace query` and `lmtrace ls` fit their terminal tables with (lmtrace/column_fit.py),
-against widths added up by hand."""
+"""The one rule `lmtrace query`, `ls`, `heads` and `sweep` fit their terminal tables with
+(lmtrace/column_fit.py), against widths added up by hand, and the tables as rich draws them."""
 
 from __future__ import annotations
 
-from lmtrace.column_fit import fitting_columns
+import io
+
+from rich.console import Console
+
+from lmtrace.column_fit import fitted_table, fitting_columns
 
 
 def test_columns_are_left_out_in_the_drop_order_until_the_rest_fit():
@@ -25,3 +29,29 @@ def test_the_last_keep_columns_of_the_drop_order_stay_even_when_too_wide():
     assert fitting_columns([40, 40, 5], 50, [2, 1, 0], keep=2) == [0, 1]
     assert fitting_columns([40, 40, 5], 10, [2, 1, 0]) == [0]
     assert fitting_columns([], 80, []) == []
+
+
+def _drawn(renderable, width: int) -> list[str]:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(renderable)
+    return console.file.getvalue().splitlines()
+
+
+def test_a_fitted_table_draws_the_columns_that_fit_two_spaces_apart_and_names_the_rest():
+    headers = ["component", "layer", "q_head", "baseline", "value", "effect"]
+    rows = [["layer", "0", "-", "-0.9356", "-10.8698", "-9.9342"], ["layer", "12", "-", "-0.9356", "-1.0", "0.1"]]
+    # natural widths 9, 5, 6, 8, 8, 7: q_head is all "-" and left out whatever the width
+    table, left_out = fitted_table(headers, rows, 80, omit_empty=True, left=("component",))
+    assert left_out == [] and _drawn(table, 80) == [
+        "component  layer  baseline     value   effect",
+        "layer          0   -0.9356  -10.8698  -9.9342",
+        "layer         12   -0.9356      -1.0      0.1"]
+    # 30 cells: baseline (named first) goes, then from the right: value; effect is kept, and the title
+    # wraps at the width given, not at the table's
+    table, left_out = fitted_table(headers, rows, 30, omit_empty=True, drop_first=("baseline",),
+                                   keep=("component", "effect"), left=("component",), title="a title of some words")
+    assert left_out == ["baseline", "value"]
+    assert _drawn(table, 30) == ["a title of some words", "component  layer   effect", "layer          0  -9.9342",
+                                 "layer         12      0.1"]
+    table, left_out = fitted_table(headers, rows, 10)  # the first column stays when nothing is kept
+    assert left_out == headers[1:] and _drawn(table, 10)[0] == "component"

@@ -47,65 +47,72 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
     return summary
 
 
+def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], *, drop_first: tuple[str, ...],
+                  keep: tuple[str, ...], left: tuple[str, ...] = ()) -> None:
+    """A sweep table at the console's width: coordinates no cell has (a layer sweep's heads, neurons,
+    positions) left out, then `drop_first` where it does not fit, named in a line (the tables in the
+    sweep's folder have every column)."""
+    from rich.markup import escape
+
+    from ..column_fit import fitted_table
+
+    table, left_out = fitted_table(headers, rows, console.width, drop_first=drop_first, keep=keep, left=left,
+                                   title=title, omit_empty=True)
+    console.print(table)
+    if left_out:
+        console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has them)"))
+
+
 def _print_patching(patching: dict, top: int) -> None:
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
-    t = Table(title=escape(f"normalised patching effect on {patching['metric']} (patched - corrupted) / (clean - "
-                           f"corrupted), clean = {patching['clean']}, corrupted = {patching['corrupted']}: mean over "
-                           f"{patching['n_pairs']} pairs (by {patching['pair_by']}), 95 % bootstrap interval over "
-                           f"pairs; top {top}"), title_justify="left")
-    for col in ("component", "layer", "q_head", "neuron", "position", "normalised", "95 % interval", "pairs"):
-        t.add_column(escape(col), justify="left" if col == "component" else "right")
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
-    for c in patching["cells"][:top]:
-        interval = "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]"
-        t.add_row(c["component"], *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")),
-                  f"{c['effect']:.4f}", interval, str(c["n_pairs"]))
-    Console().print(t)
+    rows = [[c["component"], *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}",
+             "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]", str(c["n_pairs"])]
+            for c in patching["cells"][:top]]
+    _print_fitted(Console(), f"normalised patching effect on {patching['metric']} (patched - corrupted) / (clean - "
+                  f"corrupted), clean = {patching['clean']}, corrupted = {patching['corrupted']}: mean over "
+                  f"{patching['n_pairs']} pairs (by {patching['pair_by']}), 95 % bootstrap interval over pairs; "
+                  f"top {top}", ["component", "layer", "q_head", "neuron", "position", "normalised", "95 % interval",
+                                 "pairs"], rows,
+                  drop_first=("pairs", "95 % interval"), keep=("component", "layer", "normalised"), left=("component",))
 
 
 def _print_grouped(by: dict, top: int) -> None:
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     column = by["column"]
-    t = Table(title=escape(f"by {column}: the top {top} cells of each group by |mean effect| on {by['metric']}, "
-                           f"with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, "
-                           f"seed {by['seed']})"), title_justify="left")
-    for col in (column, "seqs", "component", "layer", "q_head", "neuron", "position", "effect", "95 % interval"):
-        t.add_column(escape(col), justify="left" if col in (column, "component") else "right")
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
     groups: dict = {}
     for c in by["cells"]:
         groups.setdefault(c["group"], []).append(c)
+    rows = []
     for group, cells in groups.items():
         cells = sorted(cells, key=lambda c: -abs(c["effect"]) if c["effect"] is not None else 0.0)[:top]
         for c in cells:
             interval = "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]"
-            t.add_row(escape(fmt(group)), str(c["n_sequences"]), c["component"], *(fmt(c[k]) for k in
-                      ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}", interval)
-    Console().print(t)
+            rows.append([fmt(group), str(c["n_sequences"]), c["component"], *(fmt(c[k]) for k in
+                         ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}", interval])
+    _print_fitted(Console(), f"by {column}: the top {top} cells of each group by |mean effect| on {by['metric']}, "
+                  f"with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, seed {by['seed']})",
+                  [column, "seqs", "component", "layer", "q_head", "neuron", "position", "effect", "95 % interval"],
+                  rows, drop_first=("95 % interval", "seqs"), keep=(column, "component", "layer", "effect"),
+                  left=(column, "component"))
 
 
 def _print(summary: dict, spec) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     if summary["status"] != "complete":
         console.print(f"sweep {summary['sweep_id']}: this shard is complete; the sweep is assembled when the others are")
         return
-    t = Table(title=f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
-                    f"top {len(summary['top'])} by |mean effect| on {summary['metric']}")
-    for col in ("component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"):
-        t.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    for r in summary["top"]:
-        t.add_row(r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value",
-                                                         "effect")))
-    console.print(t)
+    rows = [[r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value",
+                                                    "effect"))] for r in summary["top"]]
+    _print_fitted(console, f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
+                  f"top {len(summary['top'])} by |mean effect| on {summary['metric']}",
+                  ["component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"], rows,
+                  drop_first=("baseline", "value"), keep=("component", "layer", "effect"), left=("component",))
     console.print(f"{summary['n_cells']} cells in {summary['sweep_s']:.1f} s (model load excluded); baseline matches "
                   f"the archived log-probs within {summary['baseline_max_abs_diff']:.1e}; tables in {summary['path']}")

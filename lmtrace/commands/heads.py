@@ -80,7 +80,8 @@ def _grouped_rows(table: pa.Table, by: str, wanted: list[str] | None) -> list[di
 
 
 # columns left out first when a table is wider than the terminal: the secondary scores, then the
-# label scores from the least specific; rank, layer, head, label and what the table is ranked by stay
+# label scores from the least specific; rank, layer, head, label and what the table is ranked by (|DLA|, the
+# sweep's effect) stay
 SCORE_COLUMNS = ("sink", "prev", "local", "induct", "dup", "entropy", "max w")
 DROP_FIRST = ("max w", "dup", "entropy", "sink", "local", "induct", "prev")
 
@@ -91,17 +92,16 @@ def _console():
     return Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
 
 
-def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], left: tuple[str, ...]) -> None:
+def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], left: tuple[str, ...],
+                  keep: tuple[str, ...]) -> None:
     """The table at the console's width: columns that do not fit left out (DROP_FIRST, then from the
-    right) and named in a line."""
+    right, never `keep`) and named in a line."""
     from rich.markup import escape
 
     from ..column_fit import fitted_table
 
-    first = [headers.index(h) for h in DROP_FIRST if h in headers]
-    order = first + [i for i in reversed(range(len(headers))) if i not in first]
-    table, left_out = fitted_table(headers, rows, console.width, order, title=title,
-                                   left=[headers.index(h) for h in left])
+    table, left_out = fitted_table(headers, rows, console.width, drop_first=DROP_FIRST, keep=keep, left=left,
+                                   title=title)
     console.print(table)
     if left_out:
         console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has every score)"))
@@ -128,7 +128,7 @@ def _print_grouped(run: Run, by: dict, top: int) -> None:
                                               "entropy"))])
     headers = [column, "seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"]
     _print_fitted(console, f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, then the "
-                  f"label's score", headers, rows, left=(column, "label"))
+                  f"label's score", headers, rows, left=(column, "label"), keep=(column, "layer", "head", "label"))
     console.print(escape(f"every head of every group written to {by['path']}"))
 
 
@@ -159,5 +159,6 @@ def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | Non
         if sweep:
             cells.append("-" if r["sweep_effect"] is None else f"{r['sweep_effect']:+.3f}")
         rows.append(cells)
-    _print_fitted(console, f"heads of {run.id}, ranked by {by} ({which})", headers, rows, left=("label",))
+    _print_fitted(console, f"heads of {run.id}, ranked by {by} ({which})", headers, rows, left=("label",),
+                  keep=("rank", "layer", "head", "label", *headers[len(SCORE_COLUMNS) + 4:]))
     console.print(escape(f"{result['rows']} attention rows per head; written to {folder / HEADS_FILE}"))
