@@ -38,23 +38,30 @@ def fitting_columns(widths: Sequence[int], width: int, drop_order: Sequence[int]
     return sorted(kept)
 
 
+EMPTY_CELLS = ("-", "–", "")  # a cell with nothing to show (`omit_empty`)
+WRAP_WIDTH = 16  # the cells a wrapping column is counted at when fitting (its text folds onto more lines)
+
+
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, *, drop_first: Sequence[str] = (),
-                 keep: Sequence[str] = (), left: Sequence[str] = (), title: str | None = None, omit_empty: bool = False):
+                 keep: Sequence[str] = (), left: Sequence[str] = (), wrap: Sequence[str] = (), title: str | None = None,
+                 omit_empty: bool = False):
     """A borderless rich table (columns two spaces apart, each cell on one line) of the columns of
     `headers` and `rows` (plain text, in display order) that fit `width`. Columns are left out first
     those named in `drop_first` (in that order), then the others from the right, never those in `keep`
-    (nor the first column when `keep` is empty); `omit_empty`: columns whose every cell is `-` (not
-    applicable to these rows) are left out whatever the width. `left`: the headers justified left (the
-    others right, as numbers). Returns the table (under its `title`, when given) and the headers of the
+    (nor the first column when `keep` is empty); `omit_empty`: columns with nothing in any cell (`-`,
+    not applicable to these rows) are left out whatever the width. `left`: the headers justified left (the
+    others right, as numbers); `wrap`: text columns whose cells may fold onto more lines (counted at
+    WRAP_WIDTH at most). Returns the table (under its `title`, when given) and the headers of the
     columns left out for width."""
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
-    present = [i for i in range(len(headers)) if not (omit_empty and rows and all(r[i] == "-" for r in rows))]
+    present = [i for i in range(len(headers)) if not (omit_empty and rows and all(r[i] in EMPTY_CELLS for r in rows))]
     names = [headers[i] for i in present]
     widths = [max([len(headers[i]), *(len(r[i]) for r in rows)]) for i in present]
+    widths = [min(w, WRAP_WIDTH) if headers[i] in wrap else w for i, w in zip(present, widths)]
     kept_names = [n for n in names if n in keep] or names[:1]
     first = [names.index(n) for n in drop_first if n in names and n not in kept_names]
     order = first + [j for j in reversed(range(len(names))) if j not in first and names[j] not in kept_names]
@@ -62,7 +69,9 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: i
     shown = [present[j] for j in fitting_columns(widths, width, order, gap=2, keep=len(kept_names))]
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for i in shown:
-        t.add_column(escape(headers[i]), justify="left" if headers[i] in left else "right", no_wrap=True)
+        folds = headers[i] in wrap
+        t.add_column(escape(headers[i]), justify="left" if headers[i] in left or folds else "right", no_wrap=not folds,
+                     overflow="fold" if folds else "ellipsis")
     for r in rows:
         t.add_row(*(escape(r[i]) for i in shown))
     left_out = [headers[i] for i in present if i not in shown]

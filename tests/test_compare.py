@@ -526,3 +526,42 @@ def test_clean_and_corrupted_prompts_report_the_step0_logit_difference(tmp_path)
                                                                  "prompts": ["The capital of Italy is the city of"]}).path,
                        pair="index").pairs[0]["step0_logit_diff"]
     assert few["under_a"] == pytest.approx(d["under_a"], abs=1e-5) and few["under_b"] is None
+
+
+def test_the_terminal_summary_fits_80_columns_and_names_what_it_left_out(runs):
+    """The summary on an 80-column terminal (rich's width): no line wider, every table's first columns
+    whole (each pair's and step's number, each layer and head that changed most), the columns left out
+    for width named; at 200 columns none is left out."""
+    import io
+
+    from rich.console import Console
+
+    from lmtrace.commands.compare_render import render_comparison
+
+    cmp = compare_runs(runs["seed2"].path, runs["sampled"].path)
+    diverged = [p for p in cmp.pairs if p["first_divergence"] is not None]
+    assert diverged  # the pairs table has token cells to fold
+
+    def drawn(width: int) -> list[str]:
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        render_comparison(cmp, console)
+        return console.file.getvalue().splitlines()
+
+    lines = drawn(80)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    header = next(i for i, line in enumerate(lines) if line.startswith("pair  A↔B"))
+    numbered = [line.split()[:2] for line in lines[header + 1:header + 1 + 3 * len(cmp.pairs)]
+                if line.split() and line.split()[0].isdigit()]
+    assert numbered == [[str(p["pair"]), f"{p['seq_a']}↔{p['seq_b']}"] for p in cmp.pairs]
+    assert any(line.startswith("(left out to fit 80 columns: ") for line in lines)
+    assert not any("left out" in line for line in drawn(200))
+
+    cmp = compare_runs(runs["parent"].path, runs["child"].path)  # layers and heads that changed
+    lines = drawn(80)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    layers = next(i for i, line in enumerate(lines) if line.startswith("layer  Δ output norm"))
+    changed = [r["layer"] for r in cmp.layers if r["changed"]][:5]
+    assert [int(line.split()[0]) for line in lines[layers + 1:layers + 1 + len(changed)]] == changed
+    heads = next(i for i, line in enumerate(lines) if line.startswith("layer.head"))
+    top = [f"{r['layer']}.{r['q_head']}" for r in cmp.heads if r["attn_js_mean"] > 0][:5]
+    assert [line.split()[0] for line in lines[heads + 1:heads + 1 + len(top)]] == top

@@ -76,6 +76,17 @@ def _cmp_top_steps(cmp, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -js(r))[:top]
 
 
+def _print_fitted(console: Console, title: str, headers: list[str], rows: list[list[str]], **how) -> None:
+    """A table at the console's width (column_fit.fitted_table), the columns left out named in a line."""
+    from ..column_fit import fitted_table
+
+    table, left_out = fitted_table(headers, rows, console.width, title=title, **how)
+    console.print(table)
+    if left_out:
+        console.print(Text(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json and --out have "
+                           f"every figure)", style="dim"))
+
+
 def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None:
     """The terminal summary of a `Comparison` (lmtrace.analysis.compare): verdict, pairs, texts, the layers and heads that changed most."""
     if console is None:
@@ -97,17 +108,18 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
     if not cmp.pairs:
         return
 
-    table = Table(title="sequence pairs (paired figures: steps with identical contexts only)", title_justify="left")
-    for col in ("pair", "A↔B", "first divergence", "A's token", "B's token", "paired steps", "mean KL(A‖B)",
-                "max JS", "top-1 agree"):
-        table.add_column(col, overflow="fold")
+    rows = []
     for p in cmp.pairs[: max(top, 10)]:
         f = p["paired_figures"] or {}
         where, ta, tb = _cmp_divergence_cells(p)
-        table.add_row(str(p["pair"]), f"{p['seq_a']}↔{p['seq_b']}", where, Text(ta), Text(tb), str(p["paired_steps"]),
-                      _cmp_num(f.get("mean_kl_ab")), _cmp_num(f.get("max_js")),
-                      "–" if f.get("top1_agreement") is None else f"{f['top1_agreement']:.0%}")
-    console.print(table)
+        rows.append([str(p["pair"]), f"{p['seq_a']}↔{p['seq_b']}", where, ta, tb, str(p["paired_steps"]),
+                     _cmp_num(f.get("mean_kl_ab")), _cmp_num(f.get("max_js")),
+                     "–" if f.get("top1_agreement") is None else f"{f['top1_agreement']:.0%}"])
+    _print_fitted(console, "sequence pairs (steps: paired steps, those with identical contexts, which the figures are "
+                  "over; top-1: how often the top tokens agree)",
+                  ["pair", "A↔B", "divergence", "A's token", "B's token", "steps", "KL(A‖B)", "max JS", "top-1"], rows,
+                  drop_first=("steps", "top-1", "max JS"), keep=("pair", "A↔B", "divergence", "A's token", "B's token"),
+                  left=("A↔B", "divergence"), wrap=("A's token", "B's token"), omit_empty=True)
     if len(cmp.pairs) > max(top, 10):
         console.print(Text(f"… {len(cmp.pairs) - max(top, 10)} more pair(s) in --json / --out", style="dim"))
 
@@ -132,42 +144,38 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
     steps = _cmp_top_steps(cmp, top)
     exact = any(r.get("exact_js") is not None for r in steps)
     if steps:
-        t = Table(title="steps whose next-token distribution changed most (paired steps)", title_justify="left")
-        cols = ["pair", "step", "chosen (A / B)", "JS (top-k, ≥)", "KL(A‖B) (top-k, ≥)"]
+        cols = ["pair", "step", "chosen (A / B)", "JS ≥", "KL(A‖B) ≥"]
         cols += ["exact JS", "exact KL(A‖B)", "max |Δ logit|"] if exact else []
-        for col in cols + ["Δ entropy", "Δ margin", "top-1 agree"]:
-            t.add_column(col, overflow="fold")
-        for r in steps:
-            extra = [_cmp_num(r.get("exact_js")), _cmp_num(r.get("exact_kl_ab")),
-                     _cmp_num(r.get("exact_max_abs_logit_diff"))] if exact else []
-            t.add_row(str(r["pair"]), str(r["step"]), Text(_cmp_chosen(r)), _cmp_num(r["js"]), _cmp_num(r["kl_ab"]),
-                      *extra, _cmp_num(r["entropy_delta"]), _cmp_num(r["margin_delta"]),
-                      "yes" if r["top1_agree"] else "no")
-        console.print(t)
+        cols += ["Δ entropy", "Δ margin", "top-1"]
+        rows = [[str(r["pair"]), str(r["step"]), _cmp_chosen(r), _cmp_num(r["js"]), _cmp_num(r["kl_ab"]),
+                 *([_cmp_num(r.get("exact_js")), _cmp_num(r.get("exact_kl_ab")),
+                    _cmp_num(r.get("exact_max_abs_logit_diff"))] if exact else []),
+                 _cmp_num(r["entropy_delta"]), _cmp_num(r["margin_delta"]), "yes" if r["top1_agree"] else "no"]
+                for r in steps]
+        _print_fitted(console, "steps whose next-token distribution changed most (paired steps; JS ≥ and KL ≥: over "
+                      "the stored top-k, lower bounds; top-1: the top tokens agree)", cols, rows,
+                      drop_first=("top-1", "Δ margin", "Δ entropy", "KL(A‖B) ≥", "max |Δ logit|", "exact KL(A‖B)"),
+                      keep=("pair", "step", "chosen (A / B)", "exact JS" if exact else "JS ≥"),
+                      left=("chosen (A / B)",), wrap=("chosen (A / B)",))
 
     layers = [r for r in cmp.layers if r["changed"]][:top]
     if layers:
-        t = Table(title=f"layers that changed most (of {len(cmp.layers)}; paired steps; changes start at layer "
-                        f"{cmp.first_changed_layer})", title_justify="left")
-        for col in ("layer", "Δ layer-output norm (rel)", "Δ resid norm (rel)", "attn JS mean", "lens winner changes",
-                    "Δ margin contrib"):
-            t.add_column(col)
-        for r in layers:
-            t.add_row(str(r["layer"]), _cmp_num(r["delta_norm_rel_change"]), _cmp_num(r["resid_norm_rel_change"]),
-                      _cmp_num(r["attn_js_mean"]), _cmp_num(r["lens_changes"]), _cmp_num(r["margin_contrib_abs_delta"]))
-        console.print(t)
+        rows = [[str(r["layer"]), _cmp_num(r["delta_norm_rel_change"]), _cmp_num(r["resid_norm_rel_change"]),
+                 _cmp_num(r["attn_js_mean"]), _cmp_num(r["lens_changes"]), _cmp_num(r["margin_contrib_abs_delta"])]
+                for r in layers]
+        _print_fitted(console, f"layers that changed most (of {len(cmp.layers)}; paired steps; changes start at layer "
+                      f"{cmp.first_changed_layer}; Δ norms relative: of the layer's output and of the residual "
+                      f"stream after it)",
+                      ["layer", "Δ output norm", "Δ resid norm", "attn JS", "lens changes", "Δ margin"], rows,
+                      drop_first=("Δ margin", "lens changes"), keep=("layer", "Δ output norm"))
     elif cmp.layers:
         console.print(Text(f"layers: no per-layer figure differs at any paired step ({len(cmp.layers)} layers)",
                            style="green"))
     heads = [r for r in cmp.heads if r["attn_js_mean"] > 0][:top]
     if heads:
-        t = Table(title=f"heads that changed most (of {len(cmp.heads)})", title_justify="left",
-                  caption="attention-row JS, nats", caption_justify="left")
-        for col in ("layer.head", "mean JS", "max JS"):
-            t.add_column(col)
-        for r in heads:
-            t.add_row(f"{r['layer']}.{r['q_head']}", _cmp_num(r["attn_js_mean"]), _cmp_num(r["attn_js_max"]))
-        console.print(t)
+        rows = [[f"{r['layer']}.{r['q_head']}", _cmp_num(r["attn_js_mean"]), _cmp_num(r["attn_js_max"])] for r in heads]
+        _print_fitted(console, f"heads that changed most (of {len(cmp.heads)}; attention-row JS, nats)",
+                      ["layer.head", "mean JS", "max JS"], rows, left=("layer.head",))
     after = [p["after_divergence"] for p in cmp.pairs if p["after_divergence"] and
              (p["after_divergence"]["steps_a"] or p["after_divergence"]["steps_b"])]
     if after:
