@@ -55,3 +55,32 @@ def test_a_fitted_table_draws_the_columns_that_fit_two_spaces_apart_and_names_th
                                  "layer         12      0.1"]
     table, left_out = fitted_table(headers, rows, 10)  # the first column stays when nothing is kept
     assert left_out == headers[1:] and _drawn(table, 10)[0] == "component"
+
+
+def test_intervene_and_sweep_tables_fit_80_columns(monkeypatch, capsys):
+    """The tables `lmtrace intervene` and `lmtrace sweep` print, on an 80-column terminal (COLUMNS is
+    rich's width): no line wider, the identifying columns whole, a layer sweep without the coordinates
+    no cell has."""
+    from types import SimpleNamespace
+
+    from lmtrace.cli import intervene, sweep
+
+    monkeypatch.setenv("COLUMNS", "80")
+    intervene._print([{"run_id": "20261205-091111-4249c3f4a", "mode": "regenerate", "sequences": [
+        {"sequence": 0, "first_divergence_step": None, "first_divergence": None, "winner_changes": 0,
+         "mean_logprob_shift": -0.163, "max_kl_topk": 0.42},
+        {"sequence": 1, "first_divergence_step": 1, "first_divergence": {"parent": " waves", "child": " sea"},
+         "winner_changes": 1, "mean_logprob_shift": -0.3627, "max_kl_topk": 0.5}]}])
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert [line.split()[:2] for line in lines if line.split()[:1] in (["0"], ["1"])] == [["0", "-"], ["1", "1"]]
+
+    top = [{"component": "layer", "layer": i, "q_head": None, "neuron": None, "position": None, "baseline": -0.9356,
+            "value": -10.8698, "effect": -9.9342} for i in range(3)]
+    sweep._print({"status": "complete", "sweep_id": "20261205-090624-366b8fff2", "run_id": "demo-20261205T014326",
+                  "top": top, "metric": "logprob", "n_cells": 30, "sweep_s": 27.3, "baseline_max_abs_diff": 5e-6,
+                  "path": "/runs/demo/sweeps/20261205-090624-366b8fff2"}, SimpleNamespace(over="layers", edit="zero"))
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert "component  layer  baseline     value   effect" in lines
+    assert "layer          0   -0.9356  -10.8698  -9.9342" in lines

@@ -7,7 +7,6 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from ..errors import SpecError
 from ..capture.interventions import shorthand_entries
@@ -105,20 +104,27 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
 
 
 def _print(children: list[dict]) -> None:
+    from ..column_fit import fitted_table
+
     console = Console()
+    headers = ["sequence", "diverges at", "parent → child token", "winner changes", "mean Δlogprob", "max KL ≥"]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     for child in children:
         label = f"temperature {child['temperature']}" if "temperature" in child else child.get("mode")
-        table = Table(title=f"child {child['run_id']} ({label}) — effects.parquet has every step")
-        for col in ("sequence", "first divergence", "parent → child token", "winner changes", "mean Δlogprob",
-                    "max KL(top-k)"):
-            table.add_column(col)
+        rows = []
         for s in child["sequences"]:
-            fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
             tokens = s.get("first_divergence")
-            swap = "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}"
-            table.add_row(str(s["sequence"]), fmt(s["first_divergence_step"]), escape(swap), fmt(s["winner_changes"]),
-                          fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"]))
+            rows.append([str(s["sequence"]), fmt(s["first_divergence_step"]),
+                         "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}", fmt(s["winner_changes"]),
+                         fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"])])
+        table, left_out = fitted_table(
+            headers, rows, console.width, drop_first=("winner changes", "max KL ≥"), keep=headers[:3],
+            left=("parent → child token",), wrap=("parent → child token",),
+            title=f"child {child['run_id']} ({label}); max KL ≥: over the stored top-k, a lower bound; "
+                  f"effects.parquet has every step")
         console.print(table)
+        if left_out:
+            console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has them)"))
         if child.get("lens"):
             lens = child["lens"]
             console.print(f"child {child['run_id']}: " + (f"logit lens computed ({lens['rows']} rows, "
