@@ -248,3 +248,23 @@ def test_every_command_takes_q_and_it_means_what_its_help_says(tmp_path, tiny_ll
     damaged = lmtrace(tmp_path, "verify", "r", "-q")
     assert damaged.returncode == 2 and damaged.stdout == "" and damaged.stderr.startswith("error: "), damaged
 
+
+
+def test_every_commands_help_reads_as_whole_paragraphs_at_80_columns():
+    """On an 80-column terminal each line of a command's prose is as full as rich can make it: a line
+    ends early only where a paragraph ends (a paragraph hard-wrapped at 100 columns in the source
+    came out ragged, a long line and then a stub)."""
+    from typer.testing import CliRunner
+
+    from lmtrace.cli import app
+
+    runner = CliRunner()
+    names = [info.name or info.callback.__name__ for info in app.registered_commands]
+    assert {"ls", "show", "query"} <= set(names)
+    for name in names:
+        text = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80", "TERM": "dumb"}).stdout
+        prose = text.split("Usage:", 1)[1].split("╭", 1)[0].splitlines()[1:]
+        lines = [line.strip() for line in prose]
+        for here, after in zip(lines, lines[1:]):
+            if here and after:  # within a paragraph: the next line's first word did not fit on this one
+                assert len(here) + 1 + len(after.split()[0]) > 78, (name, here, after)

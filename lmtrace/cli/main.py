@@ -176,6 +176,20 @@ def validate(
 from . import archive_commands, edit_commands, analysis_commands  # noqa: E402,F401,I001
 
 
+def _reflow_help() -> None:
+    """Each command's help with every paragraph on one line: typer keeps the single line breaks of a
+    docstring's later paragraphs, so text wrapped at 100 columns in the source came out ragged on an
+    80-column terminal; rich wraps a one-line paragraph at the terminal's width."""
+    import inspect
+
+    for info in app.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_reflow_help()
+
+
 def run() -> None:
     """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too."""
     try:
