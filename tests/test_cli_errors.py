@@ -181,6 +181,34 @@ def test_validate_demo_prints_resolved_spec_without_loading_weights(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_validate_on_an_80_column_terminal_wraps_its_estimate_into_comment_lines(tmp_path):
+    """stdout a terminal (a pseudo-terminal) 80 columns wide: the estimate is wrapped at word breaks,
+    every line a YAML comment no wider than the terminal."""
+    import pty
+
+    main, side = pty.openpty()
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli", "validate", str(DEMO)], stdout=side,
+                          stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=300)
+    os.close(side)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the terminal's other side is closed and everything was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.returncode == 0, proc.stderr
+    lines = b"".join(chunks).decode().replace("\r\n", "\n").splitlines()
+    comment = lines[lines.index(next(x for x in lines if x.startswith("# 2 prompt(s)"))):]
+    assert len(comment) >= 2 and all(x.startswith("# ") and len(x) <= 80 for x in comment), comment
+    assert " ".join(x[2:] for x in comment).startswith(
+        "# 2 prompt(s), up to 24 new tokens each, 30 of 30 layers captured; archive at most ~"[2:])
+
+
 def test_generate_then_ls_and_show(tmp_path):
     runs = tmp_path / "myruns"
     proc = lmtrace(tmp_path, "generate", str(DEMO), "--set", "generation.max_new_tokens=4", "--set",

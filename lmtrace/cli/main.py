@@ -164,11 +164,24 @@ def validate(
     import yaml
 
     typer.echo(yaml.safe_dump(report["resolved"], sort_keys=False).rstrip())
-    typer.echo(f"# {report['summary']}")
+    comments = [report["summary"]]
     if report.get("placement"):
-        typer.echo(f"# placement ({report['placement']['dtype']}): {report['placement']['text']}")
+        comments.append(f"placement ({report['placement']['dtype']}): {report['placement']['text']}")
+    for text in comments:  # YAML comments: on a terminal wrapped at its width, each line a comment
+        typer.echo(_comment(text))
     for line in report["warnings"]:
         typer.echo(f"warning: {line}", err=True)
+
+
+def _comment(text: str) -> str:
+    """`# text`: one line when piped (scripts read the last line), wrapped at a terminal's width."""
+    import shutil
+    import textwrap
+
+    if not sys.stdout.isatty():
+        return f"# {text}"
+    return textwrap.fill(text, width=max(shutil.get_terminal_size().columns - 1, 40), initial_indent="# ",
+                         subsequent_indent="# ", break_long_words=False, break_on_hyphens=False)
 
 
 # Registered after generate and validate, in this order, so `lmtrace --help` lists the commands
