@@ -215,6 +215,21 @@ def test_show_step_prints_the_logit_lens_as_text(run, decoded, tmp_path):
     text = lmtrace("show", str(ready.path), "--step", "0")
     assert text.returncode == 0, text.stderr
     assert "logit lens" in text.stdout and repr(decoded[int(ids[-1][0])]) in text.stdout
+    # at 40 columns (rich's width: COLUMNS) a layer's tokens continue on lines indented under the first,
+    # none split, every layer's tokens in order
+    narrow = lmtrace("show", str(ready.path), "--step", "0", env={"COLUMNS": "40"}).stdout.splitlines()
+    at = next(i for i, line in enumerate(narrow) if line.startswith("logit lens"))
+    for li, r in enumerate(d["lens"]["layers"]):
+        head = f"  layer {r['layer']:3d}: "
+        start = next(i for i, line in enumerate(narrow) if i > at and line.startswith(head))
+        block = [narrow[start][len(head):]]
+        for line in narrow[start + 1:]:
+            if not line.startswith(" " * len(head)):
+                break
+            block.append(line[len(head):])
+        cells = [f"{c['text']!r} {c['prob']:.2g}" for c in r["top"]]
+        assert "  ".join(block) == "  ".join(cells), (block, cells)
+        assert all(len(head) + len(x) <= 40 or "  " not in x for x in block), block
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -186,6 +186,19 @@ def step_detail(run, sequence: int, step: int) -> dict:
             "context": "".join(before), "token": token, "alternatives": alternatives, "lens": lens}
 
 
+def _packed(head: str, cells: list[str], width: int) -> list[str]:
+    """`head` and the cells two spaces apart, continued on lines indented under the first cell where
+    the next cell would pass `width` (a cell is never split)."""
+    lines, line = [], head + cells[0]
+    for cell in cells[1:]:
+        if len(line) + 2 + len(cell) > width:
+            lines.append(line)
+            line = " " * len(head) + cell
+        else:
+            line += "  " + cell
+    return lines + [line]
+
+
 def _print_step(d: dict, console: Console) -> None:
     def out(line: str) -> None:
         console.print(line, markup=False, highlight=False)
@@ -215,5 +228,6 @@ def _print_step(d: dict, console: Console) -> None:
     else:
         out("logit lens (top tokens of each captured layer's residual, with probabilities):")
         for row in lens.get("layers", []):
-            cells = "  ".join(f"{c['text']!r} {c['prob']:.2g}" for c in row["top"]) or "(not archived)"
-            out(f"  layer {row['layer']:3d}: {cells}")
+            cells = [f"{c['text']!r} {c['prob']:.2g}" for c in row["top"]] or ["(not archived)"]
+            for line in _packed(f"  layer {row['layer']:3d}: ", cells, console.width):
+                out(line)
