@@ -13,7 +13,7 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     one torch thread a task) on the one-node local cluster (scripts/slurm-cluster.sh), from submission
     to the run `complete`, against the batch-8 single process (needs root and the SLURM packages;
     otherwise the part says why it was skipped);
-  - on the batch-8 run of N prompts: how long `lmtrace ls` (the bench's runs directory), `lmtrace heads
+  - on the batch-8 run of N prompts (--tools-run: another of the runs above): how long `lmtrace ls` (the bench's runs directory), `lmtrace heads
     RUN` and `lmtrace report RUN` take (whole processes, Python's start included), and `lmtrace serve`'s
     run page in headless Chromium (bench/serve_bench.py's server and browser): the sequences list drawn
     on the first load after the server starts and on a second load.
@@ -21,8 +21,10 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     .venv/bin/python bench/scale_bench.py [--prompts 1000] [--tokens 16] [--runs-dir DIR] [--only PART ...]
                                           [--out bench/results/scale.json]
 
-PART: batch8, tools, batch1, batch32, auto, small, slurm, run in this order (tools and slurm need the
-batch-8 run: made by batch8, or found in --runs-dir). The JSON is written after every part.
+PART: batch8, tools, batch1, batch32, auto, small, slurm, run in this order (slurm needs the batch-8
+run, tools the run --tools-run names: made by its part, or found in --runs-dir). The JSON is written
+after every part. At 10,000 prompts: `--prompts 10000 --only batch32 --only tools --tools-run batch32`
+(tools then run after batch32).
 """
 
 from __future__ import annotations
@@ -277,6 +279,8 @@ def main() -> None:
     ap.add_argument("--runs-dir", type=Path, default=None,
                     help="keep the runs here (default: a temporary directory, removed after)")
     ap.add_argument("--only", action="append", choices=PARTS, help="run only this part (repeatable)")
+    ap.add_argument("--tools-run", default="batch8", choices=("batch8", "batch32", "auto"),
+                    help="the run the tools part measures ls, heads, report and serve on (default batch8)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     parts = args.only or list(PARTS)
@@ -299,7 +303,7 @@ def main() -> None:
     commands.append(" ".join(sys.argv))
     # batch 8 first (the SLURM array's and the tools' run), the tools right after (whatever else is cut)
     plan = {"batch8": lambda: generate(runs, specs, "batch8", prompts, args.tokens, 8),
-            "tools": lambda: tools(runs, "batch8"),
+            "tools": lambda: {**tools(runs, args.tools_run), "run": args.tools_run},
             "batch1": lambda: generate(runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n),
                                        args.tokens, 1),
             "batch32": lambda: generate(runs, specs, "batch32", prompts, args.tokens, 32),
@@ -309,12 +313,15 @@ def main() -> None:
             "slurm": lambda: slurm_array(runs, specs, Path(tmp.name))}
     # each part records its own prompts (and the auto run its memory budget)
     doc = {"commands": commands, "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens, "parts": result}
+    if args.tools_run != "batch8":  # the tools measure a run made before them
+        plan["tools"] = plan.pop("tools")
     try:
         for part, measure in plan.items():
             if part not in parts:
                 continue
-            if part in ("slurm", "tools") and not (runs / "batch8" / "manifest.json").is_file():
-                raise SystemExit(f"no batch-8 run in {runs}: run the batch8 part (with --runs-dir {runs})")
+            needs = args.tools_run if part == "tools" else "batch8" if part == "slurm" else None
+            if needs and not (runs / needs / "manifest.json").is_file():
+                raise SystemExit(f"no {needs} run in {runs}: run the {needs} part (with --runs-dir {runs})")
             load = os.getloadavg()  # the machine is shared: the load each part started under
             started = time.strftime("%H:%M:%S UTC", time.gmtime())
             result[part] = {**measure(), "load_average_at_start": [round(x, 2) for x in load], "started": started,
@@ -359,7 +366,7 @@ def print_table(doc: dict) -> None:
     t = p.get("tools")
     if t:
         sp = t["serve_run_page"]
-        print(f"  on the batch-8 run: ls {t['ls']['seconds']} s ({t['ls']['runs']} runs), heads {t['heads']['seconds']} s, report "
+        print(f"  on the {t.get('run', 'batch8')} run: ls {t['ls']['seconds']} s ({t['ls']['runs']} runs), heads {t['heads']['seconds']} s, report "
               f"{t['report']['seconds']} s ({t['report'].get('bytes', 0) / 1e6:.1f} MB), python start {t['python_start_s']} s; "
               f"serve run page: sequences drawn {sp['sequences_drawn_first_load_ms']} ms (first load), "
               f"{sp['sequences_drawn_second_load_ms']} ms (second) (load at start {t['load_average_at_start'][0]})")
