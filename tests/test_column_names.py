@@ -84,6 +84,10 @@ def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_run
     assert Run(old).tokens().column("token_rank").to_pylist() == stored["rank"].astype(object).where(
         stored["rank"].notna(), None).tolist()
     assert read_sweep(Run(old)).column_names == read_sweep(Run(new)).column_names
+    # only some columns, named today: the old file's `rank` is read as `token_rank`
+    picked = Run(old).table("tokens", columns=["sequence", "token_rank"])
+    assert picked.column_names == ["sequence", "token_rank"]
+    assert picked.equals(Run(new).table("tokens", columns=["sequence", "token_rank"]))
     assert read_sweep(Run(old)).column("q_head").to_pylist() == read_sweep(Run(new)).column("q_head").to_pylist()
 
     # lmtrace query: each run's rows under today's names, the old and the new run side by side

@@ -154,7 +154,7 @@ def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
 
 
 def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
-    t = run.tokens().select(["sequence", "position", "token_id"]).to_pandas()
+    t = run.table("tokens", columns=["sequence", "position", "token_id"]).to_pandas()
     out = {}
     for seq, g in t.groupby("sequence"):
         g = g.sort_values("position")
@@ -183,7 +183,10 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     prefill = "prefill_attn" in run.array_names()
     dla = run.array("head_dla") if "head_dla" in run.array_names() else None
     total = _Acc.new(L, H)
-    per_seq: list[tuple[int, _Acc, np.ndarray | None, int]] = []
+    # kept only where asked for: a sequence's sums are 2 x len(SCORES) arrays of (L, H) float64 (26 KB
+    # on SmolLM2), 260 MB over 10,000 sequences
+    per_parts: list[pa.Table] = []  # --per-sequence: each sequence's table
+    pooled: dict[object, tuple[_Acc, int]] = {}  # --by: each group's sums and its sequences
     dla_sum, dla_n = np.zeros((L, H)), np.zeros((L, H))
     n_rows = 0
     for seq in range(len(gen_len)):
@@ -218,7 +221,12 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
                 seq_dla = np.where(ok, np.abs(d), 0).sum(0) / np.maximum(ok.sum(0), 1)
         total.merge(acc)
         n_rows += seq_rows
-        per_seq.append((seq, acc, seq_dla, seq_rows))
+        if per_sequence:
+            per_parts.append(_table(layers, H, acc, seq_dla, ranked=False, sequence=seq))
+        if groups is not None:
+            group, n_seqs = pooled.get(groups.get(seq), (_Acc.new(L, H), 0))
+            group.merge(acc)
+            pooled[groups.get(seq)] = (group, n_seqs + 1)
     if n_rows == 0:
         raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
     if committed is not None:
@@ -233,11 +241,8 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
             importance = np.where(dla_n > 0, dla_sum / np.maximum(dla_n, 1), np.nan)
     sweep = head_sweep_effects(run, notes)
     table = _table(layers, H, total, importance, ranked=True, sweep=sweep)
-    per = None
-    if per_sequence:
-        parts = [_table(layers, H, acc, d, ranked=False, sequence=seq) for seq, acc, d, _ in per_seq]
-        per = pa.concat_tables(parts)
-    by_group = None if groups is None else _group_tables(layers, H, per_seq, groups, group_column)
+    per = pa.concat_tables(per_parts) if per_sequence else None
+    by_group = None if groups is None else _group_tables(layers, H, pooled, group_column)
     return {"table": table, "per_sequence": per, "by_group": by_group, "notes": notes, "rows": n_rows,
             "dla": dla is not None,
             "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
@@ -296,15 +301,10 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
 
 
-def _group_tables(layers: list[int], H: int, per_seq: list, groups: dict[int, object], column: str) -> pa.Table:
-    """Per group (sorted; None last): every head's scores over the pooled rows of its sequences, with
+def _group_tables(layers: list[int], H: int, pooled: dict[object, tuple["_Acc", int]], column: str) -> pa.Table:
+    """Per group (sorted; None last): every head's scores over the pooled rows of its sequences
+    (`pooled`: group -> the sums over its sequences' rows, its number of sequences), with
     n_sequences; importance (direct logit attribution) is left null."""
-    pooled: dict[object, tuple[_Acc, int]] = {}
-    for seq, acc, _, _ in per_seq:
-        key = groups.get(seq)
-        total, n = pooled.get(key, (_Acc.new(len(layers), H), 0))
-        total.merge(acc)
-        pooled[key] = (total, n + 1)
     parts = []
     for key in sorted(pooled, key=lambda k: (k is None, str(k))):
         acc, n = pooled[key]

@@ -43,3 +43,8 @@ def stored_name(schema_names: list[str], column: str, name: str) -> str:
         return column
     renamed = RENAMED.get(name, {})
     return next((old for old, new in renamed.items() if new == column and old in schema_names), column)
+
+
+def stored_names(schema_names: list[str], columns: list[str], name: str) -> list[str]:
+    """`stored_name` of each of `columns`."""
+    return [stored_name(schema_names, c, name) for c in columns]
