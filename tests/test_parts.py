@@ -79,6 +79,19 @@ def _assert_each_committed_row_once(run_dir: Path) -> None:
     gen = tokens[~tokens.is_prompt]
     for seq, n in run.committed_steps().items():
         assert set(range(n)) <= set(gen[gen.sequence == seq].step), (seq, n)
+    _assert_reads_of_some_rows_equal_the_whole_table_filtered(run)
+
+
+def _assert_reads_of_some_rows_equal_the_whole_table_filtered(run: Run) -> None:
+    """`Run.table(name, columns=, sequences=)` (what heads and report read) against the whole table
+    filtered here with pandas: from part files (an unfinished run) or the compacted file."""
+    for name, columns in (("tokens", ["sequence", "position", "token_id"]), ("steps", ["sequence", "step", "layer"])):
+        whole = run.table(name).to_pandas()
+        assert run.table(name, columns=columns).to_pandas().equals(whole[columns])
+        for seqs in ([0], [3, 7], [11]):
+            got = run.table(name, sequences=seqs).to_pandas()
+            want = whole[whole.sequence.isin(seqs)].reset_index(drop=True)
+            assert len(want) and got.equals(want), (name, seqs)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +142,7 @@ def test_a_run_killed_late_holds_few_parts_and_resumes_to_the_same_archive(refer
     out = _run(["generate", "--resume", "k"], runs)
     assert out.returncode == 0, out.stderr
     assert_same_archive(Run(reference), Run(runs / "k"))
+    _assert_reads_of_some_rows_equal_the_whole_table_filtered(Run(runs / "k"))
 
 
 def test_a_read_that_races_a_merge_lists_the_parts_again(tmp_path, monkeypatch):

@@ -187,34 +187,40 @@ class Run:
         return self.array("attn")[sequence, step, self.layer_index(layer), :, :n_keys]
 
     # ---- tables ------------------------------------------------------------------------------
-    def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+    def table(self, name: str, columns: list[str] | None = None, sequences: list[int] | None = None) -> pa.Table:
         """A table, from the compacted file of a complete run or the part files of an unfinished one,
         with today's column names (an older archive's `rank` of tokens reads as `token_rank`);
-        `columns` (today's names): only those are read."""
-        return current_names(self._stored_table(name, columns), name)
+        `columns` (today's names): only those are read; `sequences`: only those sequences' rows (the
+        compacted table has a row group per block, so only their batches' row groups are read)."""
+        return current_names(self._stored_table(name, columns, sequences), name)
 
-    def _stored_table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+    def _stored_table(self, name: str, columns: list[str] | None = None,
+                      sequences: list[int] | None = None) -> pa.Table:
         full = self.path / layout.table_file(name)
         if full.is_file():
             try:
-                if columns is not None:
-                    columns = stored_names(pq.read_schema(full).names, columns, name)
-                return pq.read_table(full, columns=columns)
+                return self._read(ds.dataset(str(full), format="parquet"), name, columns, sequences)
             except (OSError, pa.ArrowException) as err:
                 raise self.damaged(layout.table_file(name), err) from None
         if self.status == "complete" and name in (self.manifest.get("table_rows") or {}):
             raise ArchiveError(damaged_message(self.id, f"{layout.table_file(name)} is missing"))
-        return read_table_files(self.path, name, lambda files: self._parts_table(name, files, columns))
+        return read_table_files(self.path, name, lambda files: self._parts_table(name, files, columns, sequences))
 
-    def _parts_table(self, name: str, files: list[Path], columns: list[str] | None = None) -> pa.Table:
+    def _parts_table(self, name: str, files: list[Path], columns: list[str] | None = None,
+                     sequences: list[int] | None = None) -> pa.Table:
         """A table from its committed part files (there is no compacted file)."""
         if not files:
             if name in EMPTY_SCHEMAS:  # nothing committed yet: an empty table with the documented columns
                 empty = EMPTY_SCHEMAS[name]().empty_table()
                 return empty if columns is None else empty.select(columns)
             raise ArchiveError(f"run {self.id} has no {name} table yet")
-        dataset = ds.dataset([str(f) for f in files], format="parquet")
-        return dataset.to_table(columns=None if columns is None else stored_names(dataset.schema.names, columns, name))
+        return self._read(ds.dataset([str(f) for f in files], format="parquet"), name, columns, sequences)
+
+    @staticmethod
+    def _read(dataset: ds.Dataset, name: str, columns: list[str] | None, sequences: list[int] | None) -> pa.Table:
+        stored = dataset.schema.names
+        return dataset.to_table(columns=None if columns is None else stored_names(stored, columns, name),
+                                filter=None if sequences is None else ds.field("sequence").isin(list(sequences)))
 
     def tokens(self) -> pa.Table:
         return self.table("tokens")

@@ -77,7 +77,7 @@ def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[i
     sel = select(n_sequences=data.n_sequences, committed=data.committed, captured_layers=data.layers,
                  sequences=sequences, steps=steps, layers=layers, attention_step=attention_step)
     blobs = Blobs()
-    capture_none = not (data.steps_table is not None and data.steps_table.num_rows)
+    capture_none = not data.has_steps
     sections = [manifest_section(data), text_section(data, sel)]
     if capture_none:
         sections.append(Section("internals", "Internals", notes=[

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import pyarrow.compute as pc
 
 from ..archive.reader import IncompleteRunWarning, Run, lens_state
 
@@ -43,6 +42,7 @@ class SequenceTokens:
 class RunData:
     def __init__(self, run: Run):
         self.run = run
+        self._tokens: dict[int, SequenceTokens] = {}  # read per sequence shown, once
 
     @classmethod
     def open(cls, ref, runs_dir=None) -> "RunData":
@@ -88,17 +88,20 @@ class RunData:
             return self.run.committed_steps()
         except Exception:  # noqa: BLE001 - no tensors: fall back to the token table
             counts: dict[int, int] = {}
-            t = self._tokens_table
+            t = self.run.table("tokens", columns=["sequence", "is_prompt"])
             for s, is_prompt in zip(t.column("sequence").to_pylist(), t.column("is_prompt").to_pylist()):
                 counts[s] = counts.get(s, 0) + (not is_prompt)
             return counts
 
-    @cached_property
-    def _tokens_table(self):
-        return self.run.tokens()
-
+    # The page shows a few sequences: their rows are read, not the whole table (on a 10,000-sequence
+    # run the steps table alone is 4.8 million rows).
     def tokens(self, seq: int) -> SequenceTokens:
-        t = self._tokens_table.filter(pc.equal(self._tokens_table.column("sequence"), seq))
+        if seq not in self._tokens:  # each section asks again
+            self._tokens[seq] = self._read_tokens(seq)
+        return self._tokens[seq]
+
+    def _read_tokens(self, seq: int) -> SequenceTokens:
+        t = self.run.table("tokens", sequences=[seq])
         rows = t.sort_by("position").to_pydict()
         prompt = [i for i, p in enumerate(rows["is_prompt"]) if p]
         gen = [i for i, p in enumerate(rows["is_prompt"]) if not p]
@@ -109,17 +112,21 @@ class RunData:
                               {k: [v[i] for i in gen] for k, v in rows.items()})
 
     @cached_property
-    def steps_table(self):
+    def has_steps(self) -> bool:
+        """Whether the run has per-layer rows (not `capture: none`): a complete run's manifest counts
+        them, an unfinished run's table is read by one column."""
+        rows = (self.manifest.get("table_rows") or {}) if self.run.status == "complete" else {}
+        if "steps" in rows:
+            return rows["steps"] > 0
         try:
-            return self.run.steps()
+            return self.run.table("steps", columns=["sequence"]).num_rows > 0
         except Exception:  # noqa: BLE001 - capture: none has no steps table
-            return None
+            return False
 
     def step_columns(self, seq: int) -> dict[str, np.ndarray] | None:
-        t = self.steps_table
-        if t is None or t.num_rows == 0:
+        if not self.has_steps:
             return None
-        t = t.filter(pc.equal(t.column("sequence"), seq))
+        t = self.run.table("steps", sequences=[seq])
         return {name: t.column(name).to_numpy(zero_copy_only=False) for name in t.column_names}
 
     @property

@@ -318,7 +318,7 @@ NORMS = (("resid_norm", "residual norm after the layer"), ("delta_norm", "layer'
 
 def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
     sec = Section("layers", "Per-layer norms and margin contributions")
-    if data.steps_table is None or data.steps_table.num_rows == 0:
+    if not data.has_steps:
         sec.notes.append("no per-layer statistics: the run was forward-only (`capture: none`)")
         return sec
     for seq in sel.sequences:
