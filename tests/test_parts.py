@@ -88,7 +88,8 @@ def _assert_reads_of_some_rows_equal_the_whole_table_filtered(run: Run) -> None:
     for name, columns in (("tokens", ["sequence", "position", "token_id"]), ("steps", ["sequence", "step", "layer"])):
         whole = run.table(name).to_pandas()
         assert run.table(name, columns=columns).to_pandas().equals(whole[columns])
-        for seqs in ([0], [3, 7], [11]):
+        present = sorted(whole.sequence.unique())  # a killed run: those with committed rows
+        for seqs in ([present[0]], present[1::3] or present[:1], [present[-1]]):
             got = run.table(name, sequences=seqs).to_pandas()
             want = whole[whole.sequence.isin(seqs)].reset_index(drop=True)
             assert len(want) and got.equals(want), (name, seqs)
