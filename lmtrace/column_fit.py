@@ -1,5 +1,5 @@
 """Which columns of a terminal table fit the terminal's width: one rule for `lmtrace query`,
-`lmtrace ls` and `lmtrace heads`.
+`lmtrace ls`, and (`fitted_table`, `print_fitted`) `heads`, `sweep`, `compare` and `intervene`.
 
 Columns are left out in a drop order (`ls`: its lowest-priority column first; `query`: from the
 right) while the others, side by side `gap` spaces apart, are wider than the terminal, down to the
@@ -79,3 +79,15 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: i
         return t, left_out
     # the title above the table at the terminal's width (a table's own title wraps at the table's)
     return Group(Text(title, style="italic"), t), left_out
+
+
+def print_fitted(console, headers: Sequence[str], rows: Sequence[Sequence[str]], *, complete_in: str, **how) -> None:
+    """`fitted_table` at the console's width, printed, then a line naming the columns it left out and
+    where every column is (`complete_in`, e.g. "--json has them")."""
+    from rich.text import Text
+
+    table, left_out = fitted_table(headers, rows, console.width, **how)
+    console.print(table)
+    if left_out:
+        console.print(Text(f"(left out to fit {console.width} columns: {', '.join(left_out)}; {complete_in})",
+                           style="dim"))

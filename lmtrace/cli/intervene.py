@@ -6,7 +6,6 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
 
 from ..errors import SpecError
 from ..capture.interventions import shorthand_entries
@@ -104,7 +103,7 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
 
 
 def _print(children: list[dict]) -> None:
-    from ..column_fit import fitted_table
+    from ..column_fit import print_fitted
 
     console = Console()
     headers = ["sequence", "diverges at", "parent → child token", "winner changes", "mean Δlogprob", "max KL ≥"]
@@ -117,14 +116,10 @@ def _print(children: list[dict]) -> None:
             rows.append([str(s["sequence"]), fmt(s["first_divergence_step"]),
                          "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}", fmt(s["winner_changes"]),
                          fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"])])
-        table, left_out = fitted_table(
-            headers, rows, console.width, drop_first=("winner changes", "max KL ≥"), keep=headers[:3],
-            left=("parent → child token",), wrap=("parent → child token",),
-            title=f"child {child['run_id']} ({label}); max KL ≥: over the stored top-k, a lower bound; "
-                  f"effects.parquet has every step")
-        console.print(table)
-        if left_out:
-            console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has them)"))
+        print_fitted(console, headers, rows, complete_in="--json has them", drop_first=("winner changes", "max KL ≥"),
+                     keep=headers[:3], left=("parent → child token",), wrap=("parent → child token",),
+                     title=f"child {child['run_id']} ({label}); max KL ≥: over the stored top-k, a lower bound; "
+                           f"effects.parquet has every step")
         if child.get("lens"):
             lens = child["lens"]
             console.print(f"child {child['run_id']}: " + (f"logit lens computed ({lens['rows']} rows, "

@@ -47,20 +47,13 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
     return summary
 
 
-def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], *, drop_first: tuple[str, ...],
-                  keep: tuple[str, ...], left: tuple[str, ...] = ()) -> None:
+def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], **how) -> None:
     """A sweep table at the console's width: coordinates no cell has (a layer sweep's heads, neurons,
     positions) left out, then `drop_first` where it does not fit, named in a line (the tables in the
     sweep's folder have every column)."""
-    from rich.markup import escape
+    from ..column_fit import print_fitted
 
-    from ..column_fit import fitted_table
-
-    table, left_out = fitted_table(headers, rows, console.width, drop_first=drop_first, keep=keep, left=left,
-                                   title=title, omit_empty=True)
-    console.print(table)
-    if left_out:
-        console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has them)"))
+    print_fitted(console, headers, rows, complete_in="--json has them", title=title, omit_empty=True, **how)
 
 
 def _print_patching(patching: dict, top: int) -> None:

@@ -77,14 +77,10 @@ def _cmp_top_steps(cmp, top: int) -> list[dict]:
 
 
 def _print_fitted(console: Console, title: str, headers: list[str], rows: list[list[str]], **how) -> None:
-    """A table at the console's width (column_fit.fitted_table), the columns left out named in a line."""
-    from ..column_fit import fitted_table
+    """A table at the console's width (column_fit.print_fitted), the columns left out named in a line."""
+    from ..column_fit import print_fitted
 
-    table, left_out = fitted_table(headers, rows, console.width, title=title, **how)
-    console.print(table)
-    if left_out:
-        console.print(Text(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json and --out have "
-                           f"every figure)", style="dim"))
+    print_fitted(console, headers, rows, complete_in="--json and --out have every figure", title=title, **how)
 
 
 def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None:

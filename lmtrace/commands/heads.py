@@ -96,15 +96,10 @@ def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]]
                   keep: tuple[str, ...]) -> None:
     """The table at the console's width: columns that do not fit left out (DROP_FIRST, then from the
     right, never `keep`) and named in a line."""
-    from rich.markup import escape
+    from ..column_fit import print_fitted
 
-    from ..column_fit import fitted_table
-
-    table, left_out = fitted_table(headers, rows, console.width, drop_first=DROP_FIRST, keep=keep, left=left,
-                                   title=title)
-    console.print(table)
-    if left_out:
-        console.print(escape(f"(left out to fit {console.width} columns: {', '.join(left_out)}; --json has every score)"))
+    print_fitted(console, headers, rows, complete_in="--json has every score", drop_first=DROP_FIRST, keep=keep,
+                 left=left, title=title)
 
 
 def _score(v) -> str:
