@@ -224,9 +224,10 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
         if per_sequence:
             per_parts.append(_table(layers, H, acc, seq_dla, ranked=False, sequence=seq))
         if groups is not None:
-            group, n_seqs = pooled.get(groups.get(seq), (_Acc.new(L, H), 0))
+            key = groups.get(seq)
+            group, n_seqs = pooled.get(key, (_Acc.new(L, H), 0))
             group.merge(acc)
-            pooled[groups.get(seq)] = (group, n_seqs + 1)
+            pooled[key] = (group, n_seqs + 1)
     if n_rows == 0:
         raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
     if committed is not None:
