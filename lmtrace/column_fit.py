@@ -42,6 +42,17 @@ EMPTY_CELLS = ("-", "–", "")  # a cell with nothing to show (`omit_empty`)
 WRAP_WIDTH = 16  # the cells a wrapping column is counted at when fitting (its text folds onto more lines)
 
 
+def drop_order(names: Sequence[str], drop_first: Sequence[str], keep: Sequence[str]) -> tuple[list[int], int]:
+    """Every index of `names` once, the first left out first: the columns named in `drop_first` (in
+    that order), then the others from the right, last the columns named in `keep` (the first column
+    when none is); and how many of those last are never left out. Two columns may have one name
+    (a name stands for every column that has it): each index is still in the order once."""
+    kept = [j for j, n in enumerate(names) if n in keep] or list(range(len(names)))[:1]
+    first = [j for n in dict.fromkeys(drop_first) for j, m in enumerate(names) if m == n and j not in kept]
+    rest = [j for j in reversed(range(len(names))) if j not in first and j not in kept]
+    return first + rest + kept, len(kept)
+
+
 def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, *, drop_first: Sequence[str] = (),
                  keep: Sequence[str] = (), left: Sequence[str] = (), wrap: Sequence[str] = (), title: str | None = None,
                  omit_empty: bool = False):
@@ -62,11 +73,8 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: i
     names = [headers[i] for i in present]
     widths = [max([len(headers[i]), *(len(r[i]) for r in rows)]) for i in present]
     widths = [min(w, WRAP_WIDTH) if headers[i] in wrap else w for i, w in zip(present, widths)]
-    kept_names = [n for n in names if n in keep] or names[:1]
-    first = [names.index(n) for n in drop_first if n in names and n not in kept_names]
-    order = first + [j for j in reversed(range(len(names))) if j not in first and names[j] not in kept_names]
-    order += [names.index(n) for n in kept_names]
-    shown = [present[j] for j in fitting_columns(widths, width, order, gap=2, keep=len(kept_names))]
+    order, n_kept = drop_order(names, drop_first, keep)
+    shown = [present[j] for j in fitting_columns(widths, width, order, gap=2, keep=n_kept)]
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for i in shown:
         folds = headers[i] in wrap

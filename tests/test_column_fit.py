@@ -84,3 +84,23 @@ def test_intervene_and_sweep_tables_fit_80_columns(monkeypatch, capsys):
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     assert "component  layer  baseline     value   effect" in lines
     assert "layer          0   -0.9356  -10.8698  -9.9342" in lines
+
+
+def test_two_columns_with_one_header_are_fitted_as_two_columns():
+    """Headers need not be unique (a group column named like another column): every column is fitted
+    once, a name in `keep` or `drop_first` standing for each column of that name."""
+    headers = ["label", "seqs", "layer", "label", "entropy"]
+    rows = [["x", "2", "0", "local", "1.93"], ["y", "1", "3", "sink", "2.00"]]
+    # natural widths 5, 4, 5, 5, 7 and four gaps: 34
+    table, left_out = fitted_table(headers, rows, 34, keep=("label", "layer"), left=("label",))
+    assert left_out == [] and _drawn(table, 34) == [
+        "label  seqs  layer  label  entropy",
+        "x         2      0  local     1.93",
+        "y         1      3  sink      2.00"]
+    # 19 cells: entropy and seqs go (from the right), both label columns and layer stay
+    table, left_out = fitted_table(headers, rows, 19, keep=("label", "layer"), left=("label",))
+    assert left_out == ["seqs", "entropy"] and _drawn(table, 19) == [
+        "label  layer  label", "x          0  local", "y          3  sink "]  # label: left-justified
+    # drop_first by a repeated name leaves out both columns of that name, first of all
+    table, left_out = fitted_table(headers, rows, 26, drop_first=("label",), keep=("layer",))
+    assert left_out == ["label", "label"] and _drawn(table, 26)[0] == "seqs  layer  entropy"

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, SequenceGroups, group_order
 from ..archive.reader import Run
 from ..archive.sweeps import read_sweep
 from ..errors import ArchiveError
@@ -164,14 +165,13 @@ def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
     return out
 
 
-def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups: dict[int, object] | None = None,
-                  group_column: str = "group") -> dict:
+def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups: SequenceGroups | None = None) -> dict:
     """Head scores of a run. Returns {"table": pa.Table, "per_sequence": pa.Table | None, "by_group": pa.Table |
     None, "notes": [...], "rows": n}.
 
-    groups: sequence -> its group (a value of a sequences.parquet column, named `group_column`): then
-    "by_group" holds every head's scores over each group's rows (the rows of its sequences pooled,
-    as the whole run's are), one table with the group column first, groups in sorted order."""
+    groups: the run's sequences grouped by a sequences.parquet column: then "by_group" holds every
+    head's scores over each group's rows (the rows of its sequences pooled, as the whole run's are),
+    one table (`group_schema`), groups in the column's order, null last."""
     _check_run(run)
     notes = []
     committed = run.committed_steps() if run.status != "complete" else None
@@ -224,7 +224,7 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
         if per_sequence:
             per_parts.append(_table(layers, H, acc, seq_dla, ranked=False, sequence=seq))
         if groups is not None:
-            key = groups.get(seq)
+            key = groups.of.get(seq)
             group, n_seqs = pooled.get(key, (_Acc.new(L, H), 0))
             group.merge(acc)
             pooled[key] = (group, n_seqs + 1)
@@ -243,7 +243,7 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     sweep = head_sweep_effects(run, notes)
     table = _table(layers, H, total, importance, ranked=True, sweep=sweep)
     per = pa.concat_tables(per_parts) if per_sequence else None
-    by_group = None if groups is None else _group_tables(layers, H, pooled, group_column)
+    by_group = None if groups is None else _group_tables(layers, H, pooled, groups)
     return {"table": table, "per_sequence": per, "by_group": by_group, "notes": notes, "rows": n_rows,
             "dla": dla is not None,
             "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
@@ -302,17 +302,27 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
 
 
-def _group_tables(layers: list[int], H: int, pooled: dict[object, tuple["_Acc", int]], column: str) -> pa.Table:
-    """Per group (sorted; None last): every head's scores over the pooled rows of its sequences
-    (`pooled`: group -> the sums over its sequences' rows, its number of sequences), with
-    n_sequences; importance (direct logit attribution) is left null."""
+def _group_tables(layers: list[int], H: int, pooled: dict[object, tuple["_Acc", int]],
+                  groups: SequenceGroups) -> pa.Table:
+    """Per group (in the column's order, null last): every head's scores over the pooled rows of its
+    sequences (`pooled`: group -> the sums over its sequences' rows, its number of sequences), with
+    n_sequences; importance (direct logit attribution) is left null. Columns: `group_schema`."""
     parts = []
-    for key in sorted(pooled, key=lambda k: (k is None, str(k))):
+    for key in sorted(pooled, key=group_order):
         acc, n = pooled[key]
         t = _table(layers, H, acc, None, ranked=False)
         t = t.add_column(0, "n_sequences", pa.array([n] * t.num_rows, pa.int32()))
-        parts.append(t.add_column(0, column, pa.array([None if key is None else str(key)] * t.num_rows, pa.string())))
-    return pa.concat_tables(parts)
+        t = t.add_column(0, GROUP_VALUE, pa.array([key] * t.num_rows, groups.type))
+        parts.append(t.add_column(0, GROUP_COLUMN, pa.array([groups.column] * t.num_rows, pa.string())))
+    return pa.concat_tables(parts).cast(group_schema(groups.type))
+
+
+def group_schema(value_type: pa.DataType) -> pa.Schema:
+    """heads_by_<COLUMN>.parquet: group_column (the sequences.parquet column's name), group_value (its
+    value, of its type `value_type`; null for sequences without one), n_sequences, then the columns
+    of heads_per_sequence.parquet without `sequence`."""
+    return pa.schema([(GROUP_COLUMN, pa.string()), (GROUP_VALUE, value_type), ("n_sequences", pa.int32()),
+                      *_schema(False, False)])
 
 
 def _rank_by(rows: list[dict], column: str, value) -> None:

@@ -33,7 +33,7 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
                        top=top, note=note)
     summary = {"status": result.status, **result.summary}
     if groups is not None and result.status == "complete":
-        summary["by"] = grouped_cells(run_ref, runs_dir, summary["sweep_id"], summary["metric"], by, groups)
+        summary["by"] = grouped_cells(run_ref, runs_dir, summary["sweep_id"], summary["metric"], groups)
     if json_out:
         print(json_line(summary))
     elif quiet:  # the id alone, for scripts
@@ -74,23 +74,26 @@ def _print_patching(patching: dict, top: int) -> None:
 def _print_grouped(by: dict, top: int) -> None:
     from rich.console import Console
 
-    column = by["column"]
+    from ..archive.groups import GROUP_VALUE, group_header, group_text
+
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
     groups: dict = {}
     for c in by["cells"]:
-        groups.setdefault(c["group"], []).append(c)
+        groups.setdefault(group_text(c[GROUP_VALUE]), []).append(c)
     rows = []
     for group, cells in groups.items():
         cells = sorted(cells, key=lambda c: -abs(c["effect"]) if c["effect"] is not None else 0.0)[:top]
         for c in cells:
             interval = "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]"
-            rows.append([fmt(group), str(c["n_sequences"]), c["component"], *(fmt(c[k]) for k in
+            rows.append([group, str(c["n_sequences"]), c["component"], *(fmt(c[k]) for k in
                          ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}", interval])
-    _print_fitted(Console(), f"by {column}: the top {top} cells of each group by |mean effect| on {by['metric']}, "
-                  f"with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, seed {by['seed']})",
-                  [column, "seqs", "component", "layer", "q_head", "neuron", "position", "effect", "95 % interval"],
-                  rows, drop_first=("95 % interval", "seqs"), keep=(column, "component", "layer", "effect"),
-                  left=(column, "component"))
+    headers = ["seqs", "component", "layer", "q_head", "neuron", "position", "effect", "95 % interval"]
+    column = group_header(by["column"], headers)
+    _print_fitted(Console(), f"by {by['column']}: the top {top} cells of each group by |mean effect| on "
+                  f"{by['metric']}, with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, "
+                  f"seed {by['seed']})",
+                  [column, *headers], rows, drop_first=("95 % interval", "seqs"),
+                  keep=(column, "component", "layer", "effect"), left=(column, "component"))
 
 
 def _print(summary: dict, spec) -> None:

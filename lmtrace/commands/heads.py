@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
-from ..archive.groups import sequence_groups
+from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
 from ..archive.writer import atomic_write_parquet
 from ..archive.reader import IncompleteRunWarning, Run, open_run
@@ -42,7 +42,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
         warnings.simplefilter("ignore", IncompleteRunWarning)  # said in the notes, in one line
         run = open_run(ref, runs_dir)
     groups = sequence_groups(run, by) if by is not None else None
-    result = compute_heads(run, per_sequence=per_sequence, groups=groups, group_column=by or "group")
+    result = compute_heads(run, per_sequence=per_sequence, groups=groups)
     folder = Path(out) if out is not None else run.path / ANALYSIS_DIR
     try:
         write_heads(folder, result["table"], result["per_sequence"])
@@ -59,7 +59,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
                "label_filter": wanted, "by": None if by is None else
-               {"column": by, "path": str(folder / by_file(by)), "heads": _grouped_rows(result["by_group"], by, wanted)},
+               {"column": by, "path": str(folder / by_file(by)), "heads": _grouped_rows(result["by_group"], wanted)},
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
                          for r in shown]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
@@ -71,11 +71,12 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
     return summary
 
 
-def _grouped_rows(table: pa.Table, by: str, wanted: list[str] | None) -> list[dict]:
-    """Every group's heads (those with the labels asked for), each group's in rank order (label, then
-    the label's score), NaN as null."""
-    rows = [r for r in table.to_pylist() if wanted is None or r["label"] in wanted]
-    rows.sort(key=lambda r: (r[by] is None, str(r[by]), RANK_ORDER.index(r["label"]), -label_score(r)))
+def _grouped_rows(table: pa.Table, wanted: list[str] | None) -> list[dict]:
+    """Every group's heads (those with the labels asked for): the rows of heads_by_<COLUMN>.parquet
+    without group_column (`by.column` names it), groups in the file's order, each group's heads in
+    rank order (label, then the label's score), NaN as null."""
+    rows = [r for r in table.drop_columns([GROUP_COLUMN]).to_pylist() if wanted is None or r["label"] in wanted]
+    rows.sort(key=lambda r: (group_order(r[GROUP_VALUE]), RANK_ORDER.index(r["label"]), -label_score(r)))
     return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
@@ -114,16 +115,18 @@ def _print_grouped(run: Run, by: dict, top: int) -> None:
     shown: dict = {}
     rows = []
     for r in by["heads"]:
-        key = r[column]
+        key = group_text(r[GROUP_VALUE])
         shown[key] = shown.get(key, 0) + 1
         if shown[key] > top:
             continue
-        rows.append([str(key), str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
+        rows.append([key, str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
                      *(_score(r[k]) for k in ("sink_score", "prev_token_score", "local_score", "induction_score",
                                               "entropy"))])
-    headers = [column, "seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"]
+    headers = ["seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"]
+    group = group_header(column, headers)
     _print_fitted(console, f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, then the "
-                  f"label's score", headers, rows, left=(column, "label"), keep=(column, "layer", "head", "label"))
+                  f"label's score", [group, *headers], rows, left=(group, "label"),
+                  keep=(group, "layer", "head", "label"))
     console.print(escape(f"every head of every group written to {by['path']}"))
 
 

@@ -490,28 +490,30 @@ def _check_source(parent, source) -> None:
                             f"run of the same model, tokenizer and dtype")
 
 
-def sweep_groups(run_ref: str, runs_dir: str | None, by: str) -> dict[int, object]:
-    """sequence -> its value of the sequences.parquet column `by` (checked before any cell is run)."""
+def sweep_groups(run_ref: str, runs_dir: str | None, by: str):
+    """The run's sequences grouped by the sequences.parquet column `by` (archive.groups.SequenceGroups;
+    checked before any cell is run)."""
     from ..archive.groups import sequence_groups
     from ..archive.reader import open_run
 
     return sequence_groups(open_run(run_ref, runs_dir, require_complete=True), by)
 
 
-def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str, by: str,
-                  groups: dict[int, object]) -> dict:
+def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str, groups) -> dict:
     """A finished sweep's mean effect per group and cell on `metric`, with 95 % bootstrap intervals
-    over the group's sequences (analysis.sweep.effects.grouped_effects), as plain dicts."""
+    over the group's sequences (analysis.sweep.effects.grouped_effects), as plain dicts: `--json`'s
+    `by` (each cell's group under `group_value`, archive/groups.py). groups: `sweep_groups`."""
     import numpy as np
 
     from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, grouped_effects
+    from ..archive.groups import GROUP_VALUE
     from ..archive.reader import open_run
     from ..archive.sweeps import read_sweep
 
-    frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups)
+    frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups.of)
     ints = ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows")
-    cells = [{k: (None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v) if k in ints
-                  else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
-             for r in frame.to_dict("records")]
-    return {"column": by, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+    cells = [{k: (v if k == GROUP_VALUE else None if v is None or (isinstance(v, float) and np.isnan(v))
+                  else int(v) if k in ints else float(v) if k in ("effect", "low", "high") else v)
+              for k, v in r.items()} for r in frame.to_dict("records")]
+    return {"column": groups.column, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
             "interval": "95 % percentile bootstrap over the group's sequences", "cells": cells}

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from ...archive.groups import GROUP_VALUE, group_order, plain_value
 from .cells import CELL_KEYS
 
 MEANS = ["value", "baseline", "effect"]
@@ -96,13 +97,19 @@ def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: in
 
     The draws: per group, its sequences in ascending order, `bootstrap_weights(n, resamples, seed)`
     (the same resamples for every cell of the group: intervals of two cells are paired). groups:
-    sequence -> group value (sequences missing from it form the group None)."""
+    sequence -> group value (sequences missing from it form the group None). Columns: group_value (a
+    plain Python value, None for the null group), CELL_KEYS, effect, low, high, n_sequences, n_rows;
+    groups in the column's order (`archive.groups.group_order`), null last, cells by layer."""
     df = table.select([*CELL_KEYS, "sequence", "metric", "effect"]).to_pandas()
     df = df[df.metric == metric]
-    df = df.assign(group=df.sequence.map(lambda s: groups.get(int(s))))
+    # grouped by the index of each value in `values`: pandas would turn the values of an int column with
+    # a null into floats, a bool into numpy's
+    values = list(dict.fromkeys(groups.get(int(s)) for s in df.sequence.unique()))
+    index = {v: i for i, v in enumerate(values)}
+    df = df.assign(_g=df.sequence.map(lambda s: index[groups.get(int(s))]))
     keys = list(CELL_KEYS)
     out = []
-    for group, rows in df.groupby("group", dropna=False, sort=False):
+    for code, rows in df.groupby("_g", sort=False):
         seqs = np.sort(rows.sequence.unique())
         per = rows.groupby([*keys, "sequence"], dropna=False).effect.agg(["sum", "count"])
         sums = per["sum"].unstack("sequence").reindex(columns=seqs).fillna(0.0)
@@ -112,14 +119,14 @@ def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: in
             boot = (sums.to_numpy() @ w.T) / (counts.to_numpy() @ w.T)  # [cells, B]
         low, high = np.nanpercentile(boot, [2.5, 97.5], axis=1)
         cells = sums.index.to_frame(index=False)
-        cells.insert(0, "group", None if pd.isna(group) else group)
+        cells.insert(0, GROUP_VALUE, pd.Series([plain_value(values[code])] * len(cells), dtype=object))
         cells["effect"] = sums.sum(axis=1).to_numpy() / counts.sum(axis=1).to_numpy()
         cells["low"], cells["high"] = low, high
         cells["n_sequences"] = (counts.to_numpy() > 0).sum(axis=1)
         cells["n_rows"] = counts.sum(axis=1).to_numpy().astype(int)
         out.append(cells)
     result = pd.concat(out, ignore_index=True)
-    order = result.group.map(lambda g: (g is None, str(g)))
+    order = result[GROUP_VALUE].map(group_order)
     return result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
 
 
@@ -149,4 +156,4 @@ def normalised_cells(table: pa.Table, metric: str, *, resamples: int = BOOTSTRAP
         return pd.DataFrame(columns=[*CELL_KEYS, "effect", "low", "high", "n_pairs", "n_rows"])
     frame = grouped_effects(pa.Table.from_pandas(t, preserve_index=False), metric, {},
                             resamples=resamples, seed=seed)
-    return frame.drop(columns="group").rename(columns={"n_sequences": "n_pairs"})
+    return frame.drop(columns=GROUP_VALUE).rename(columns={"n_sequences": "n_pairs"})
