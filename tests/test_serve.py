@@ -369,7 +369,7 @@ def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, 
         assert mean["values"][layer][head] == pytest.approx(float(own.effect.mean()), rel=1e-5, abs=1e-9)
     status, _, body = server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=9&head=0")
     assert status == 404 and b"measured no cell" in body
-    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 404
+    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 400  # a bad parameter
 
 
 def test_child_against_its_parent_aligns_tokens_by_step_with_edits_and_logprob_shift(server, runs_dir):
