@@ -54,21 +54,31 @@ def _loopback_address(name: str) -> bool:
         return False
 
 
+def _addresses(host: str) -> list[str] | None:
+    """The addresses a --host name resolves to (None: it resolves to none)."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return None
+    return [info[4][0] for info in infos] or None
+
+
 def is_loopback(host: str) -> bool:
     """True for a loopback address (127.0.0.0/8, ::1), `localhost`, and a name every address of which
     is a loopback one (`ip6-localhost`, `localhost6` where /etc/hosts has them)."""
     name = host.strip("[]").lower()
     if name in LOOPBACK_NAMES or _loopback_address(name):
         return True
-    try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError, ValueError):
-        return False
-    return bool(infos) and all(_loopback_address(info[4][0]) for info in infos)
+    addresses = _addresses(name)
+    return addresses is not None and all(_loopback_address(a) for a in addresses)
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """Refuse to serve runs on a non-loopback address without an access token."""
+    """Refuse a --host that names no address of this machine, and to serve runs on a non-loopback
+    address without an access token."""
+    if _addresses(host) is None:
+        raise SpecError(f"--host {host}: not an address this machine can bind (it resolves to none); "
+                        f"pass an address such as 127.0.0.1")
     if token is not None and not TOKEN_FORM.fullmatch(token):
         raise SpecError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in an address "
                         "and a cookie); e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`")
