@@ -1210,7 +1210,7 @@ def test_a_loopback_name_the_server_was_bound_to_is_an_accepted_host(runs_dir, m
             return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))]
         return resolve(name, *args, **kwargs)
 
-    monkeypatch.setattr(guard.socket, "getaddrinfo", hosts_file)
+    monkeypatch.setattr(socket, "getaddrinfo", hosts_file)
     guard.check_bind("ip6-localhost", None)  # a loopback name: no token needed
     app = create_app(runs_dir, host="ip6-localhost")
 
@@ -1303,9 +1303,9 @@ def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_fo
             assert page.inner_text("#runs tr.run-row td.status-killed") == "killed"
             for address in (f"/#/run/{name}", f"/#/run/{name}/seq/0"):
                 page.goto(s.base + address)
-                page.wait_for_selector("#run-meta")
+                page.wait_for_selector(".meta")
+                assert "status: killed" in page.inner_text(".meta")
                 assert page.get_attribute("#run-meta", "data-status") == "killed"
-                assert "status: killed" in page.inner_text("#run-meta")
             page.wait_for_selector("#strip .tok.gen")
             assert page.inner_text("#prompt") == prompt
             assert page.eval_on_selector_all("#strip .tok.gen", strip_steps) == list(range(committed))
