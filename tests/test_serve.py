@@ -1147,11 +1147,16 @@ def test_hostile_and_odd_addresses_get_json_errors_never_a_5xx_a_redirect_away_o
     assert got == 403 and json.loads(body)["error"]
 
 
-def test_a_run_not_there_is_named_without_the_runs_directory_path(server, runs_dir):
+def test_no_answer_names_where_the_runs_directory_is(server, runs_dir):
     status, _, body = server.request("/api/runs/nope/sequences/0")
     assert status == 404 and json.loads(body)["error"] == "no run 'nope' in the runs directory"
-    assert str(runs_dir.resolve()).encode() not in body
     assert server.json("/api/runs")["runs_dir"] == runs_dir.resolve().name
+    where = str(runs_dir.resolve().parent).encode()
+    for path in ("/api/runs", "/api/runs/tiny", "/api/runs/child", "/api/runs/damaged", "/api/compare?a=tiny&b=child",
+                 "/api/runs/child/sequences/0/parent", "/api/runs/tiny/sequences/1/steps/2", "/api/runs/tiny/sequences",
+                 "/api/runs/damaged/sequences/0/steps/0", "/api/runs/nope/sequences/0", "/api/runs/tiny/sweeps/x"):
+        status, _, body = server.request(path)
+        assert status in (200, 404, 409) and where not in body, (path, status, body[max(0, body.find(where) - 200):][:400])
 
 
 # ---- a loopback --host other than 127.0.0.1 answers its own requests ------------------------------

@@ -106,6 +106,8 @@ class Catalog:
         for path, links in self.listed():
             row = summary_or_damaged(path)
             row.pop("path", None)  # where the runs live on disk is not the page's business
+            if isinstance(row.get("parent"), dict):
+                row["parent"] = {k: v for k, v in row["parent"].items() if k != "path"}
             if row.get("run_id") != path.name:  # a copy (or a renamed run): its address is its directory
                 row["manifest_run_id"] = row.get("run_id")
             row["run_id"] = path.name
