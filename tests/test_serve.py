@@ -701,6 +701,21 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
         assert seq["steps"] == committed
         # its batch never finished (no row of sequences.parquet): the prompt is the spec's
         assert seq["prompt"] == "Count slowly from one to one hundred:" and seq["prompt_source"] == "spec"
+        assert not list(run_dir.glob("sequences.parts/*.parquet"))
+        # and the run page lists the sequence, with the steps committed so far
+        [listed] = s.json(f"/api/runs/{run_dir.name}/sequences")["rows"]
+        assert listed["sequence"] == 0 and listed["prompt"] == seq["prompt"] and listed["generated_len"] == committed
+        # prompts read from a file (not in the manifest): the committed prompt tokens, joined
+        shutil.copytree(run_dir, runs / "from-file")
+        manifest = json.loads((runs / "from-file" / "manifest.json").read_text())
+        manifest["spec_resolved"]["prompts"] = {**manifest["spec_resolved"]["prompts"], "texts": None, "file": "prompts.txt"}
+        (runs / "from-file" / "manifest.json").write_text(json.dumps(manifest))
+        parts = pq.read_table(runs / "from-file" / "tokens.parts").to_pandas()
+        own = "".join(parts[(parts.sequence == 0) & parts.is_prompt].sort_values("position").token_text)
+        seq = s.json("/api/runs/from-file/sequences/0")
+        assert seq["prompt"] == own and seq["prompt_source"] == "tokens" and own.endswith("one hundred:")
+        assert s.json("/api/runs/from-file/sequences")["rows"][0]["prompt"] == own
+        shutil.rmtree(runs / "from-file")
         grid = s.json(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed - 1}")["attention"]
         attn = archive_attention(run_dir, 0, committed - 1)
         assert [[c["weight"] for c in cells] for cells in grid["cells"]] == attn.max(axis=-1).tolist()

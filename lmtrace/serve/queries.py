@@ -110,6 +110,8 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
     if sort not in SORTS:
         raise BadParameter(f"sort {sort!r}: expected one of {', '.join(SORTS)}")
     seqs = table_rows(run, "sequences")
+    if run.status != "complete":
+        seqs = _with_unfinished(run, seqs)
     if seqs.num_rows == 0:
         return {"total": 0, "page": 0, "pages": 0, "page_size": PAGE_SIZE, "rows": []}
     stats = sequence_stats(run)
@@ -166,6 +168,42 @@ def sequence_tokens(run: Run, seq: int) -> dict:
             "steps": sum(1 for x in tokens if x["step"] is not None)}
 
 
+def spec_prompts(run: Run) -> list[str] | None:
+    """The run's inline prompts (`prompts.texts` of its resolved spec), one per sequence; None for
+    prompts read from a file."""
+    texts = ((run.manifest.get("spec_resolved") or {}).get("prompts") or {}).get("texts")
+    if isinstance(texts, list) and len(texts) == run.shape.get("n_sequences") and all(isinstance(t, str) for t in texts):
+        return texts
+    return None
+
+
+def _with_unfinished(run: Run, seqs: pa.Table) -> pa.Table:
+    """A run being written (or killed): its sequences table with a row for each sequence whose batch has
+    not finished (no row of sequences.parquet yet): its prompt (the spec's, else its committed prompt
+    tokens joined) and the steps committed so far as `generated_len`."""
+    have = set(seqs.column("sequence").to_pylist()) if "sequence" in seqs.column_names else set()
+    missing = [i for i in range(run.shape.get("n_sequences") or 0) if i not in have]
+    if not missing:
+        return seqs
+    committed = run.committed_steps()
+    texts = spec_prompts(run)
+    if texts is not None:
+        prompts = [texts[i] for i in missing]
+    else:
+        t = table_rows(run, "tokens", ["sequence", "position", "token_text"],
+                       where=pc.field("is_prompt") & pc.field("sequence").isin(missing))
+        t = t.sort_by([("sequence", "ascending"), ("position", "ascending")])
+        joined: dict[int, str] = {}
+        for q, x in zip(t.column("sequence").to_pylist(), t.column("token_text").to_pylist()):
+            joined[q] = joined.get(q, "") + (x or "")
+        prompts = [joined.get(i) for i in missing]
+    rows = pa.table({"sequence": pa.array(missing, pa.int32()), "prompt": pa.array(prompts, pa.string()),
+                     "generated_len": pa.array([committed.get(i, 0) for i in missing], pa.int32())})
+    if not seqs.column_names:
+        return rows
+    return pa.concat_tables([seqs, rows], promote_options="default")
+
+
 def sequence_prompt(run: Run, seq: int, prompt_tokens: list[str]) -> tuple[str | None, str | None]:
     """A sequence's prompt and where it was read: `sequences` (its row of sequences.parquet, written
     when its batch finishes), else `spec` (the run's inline prompts, `prompts.texts`, one per
@@ -175,8 +213,8 @@ def sequence_prompt(run: Run, seq: int, prompt_tokens: list[str]) -> tuple[str |
     found = rows.column("prompt").to_pylist() if "prompt" in rows.column_names else []
     if found and found[0] is not None:
         return found[0], "sequences"
-    texts = ((run.manifest.get("spec_resolved") or {}).get("prompts") or {}).get("texts")
-    if isinstance(texts, list) and len(texts) == run.shape.get("n_sequences") and isinstance(texts[seq], str):
+    texts = spec_prompts(run)
+    if texts is not None:
         return texts[seq], "spec"
     if prompt_tokens:
         return "".join(t or "" for t in prompt_tokens), "tokens"
