@@ -1,6 +1,7 @@
 """The Starlette application of `lmtrace serve`: a page, its script and style, and JSON routes.
 
-Routes (all GET; `{run}` is a run id as the runs directory lists it):
+Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
+`{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
   /static/{app,tokenview}.{js,css}            the frontend, from this package (no other file is served)
   /api/runs?kind=&status=&model=&q=            runs list
@@ -16,6 +17,7 @@ Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
 Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
+Every error is one JSON line with its status (errors.py), an address no route matches included.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .child_view import against_parent, edits
 from .compare_view import comparison
 from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
 from .catalog import Catalog
-from .guard import Guard, is_loopback
+from .guard import Guard
 
 # The only files served, by name: nothing under /static is looked up on disk from the address
 STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
@@ -89,7 +91,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
     def static(request: Request):
         name = request.path_params["name"]
         if name not in STATIC:
-            return _error(404, f"no static file {name!r}")
+            return _error(NOT_FOUND, f"no static file {name!r}")
         return Response(_static(name), media_type=STATIC[name])
 
     def runs(request: Request):
