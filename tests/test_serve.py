@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -369,7 +370,7 @@ def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, 
         assert mean["values"][layer][head] == pytest.approx(float(own.effect.mean()), rel=1e-5, abs=1e-9)
     status, _, body = server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=9&head=0")
     assert status == 404 and b"measured no cell" in body
-    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 404
+    assert server.request(f"/api/runs/tiny/sweeps/{d.name}/cell?metric=kl&layer=x")[0] == 400  # a bad parameter
 
 
 def test_child_against_its_parent_aligns_tokens_by_step_with_edits_and_logprob_shift(server, runs_dir):
@@ -694,7 +695,27 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
     try:
         [row] = s.json("/api/runs")["runs"]
         assert row["status"] == "killed" and row["live"] is None  # as `lmtrace ls` says it
-        assert s.json(f"/api/runs/{run_dir.name}/sequences/0")["steps"] == committed
+        head = s.json(f"/api/runs/{run_dir.name}")  # the run's own page says what the list says
+        assert head["status"] == "killed" and head["live"] is None
+        seq = s.json(f"/api/runs/{run_dir.name}/sequences/0")
+        assert seq["steps"] == committed
+        # its batch never finished (no row of sequences.parquet): the prompt is the spec's
+        assert seq["prompt"] == "Count slowly from one to one hundred:" and seq["prompt_source"] == "spec"
+        assert not list(run_dir.glob("sequences.parts/*.parquet"))
+        # and the run page lists the sequence, with the steps committed so far
+        [listed] = s.json(f"/api/runs/{run_dir.name}/sequences")["rows"]
+        assert listed["sequence"] == 0 and listed["prompt"] == seq["prompt"] and listed["generated_len"] == committed
+        # prompts read from a file (not in the manifest): the committed prompt tokens, joined
+        shutil.copytree(run_dir, runs / "from-file")
+        manifest = json.loads((runs / "from-file" / "manifest.json").read_text())
+        manifest["spec_resolved"]["prompts"] = {**manifest["spec_resolved"]["prompts"], "texts": None, "file": "prompts.txt"}
+        (runs / "from-file" / "manifest.json").write_text(json.dumps(manifest))
+        parts = pq.read_table(runs / "from-file" / "tokens.parts").to_pandas()
+        own = "".join(parts[(parts.sequence == 0) & parts.is_prompt].sort_values("position").token_text)
+        seq = s.json("/api/runs/from-file/sequences/0")
+        assert seq["prompt"] == own and seq["prompt_source"] == "tokens" and own.endswith("one hundred:")
+        assert s.json("/api/runs/from-file/sequences")["rows"][0]["prompt"] == own
+        shutil.rmtree(runs / "from-file")
         grid = s.json(f"/api/runs/{run_dir.name}/sequences/0/steps/{committed - 1}")["attention"]
         attn = archive_attention(run_dir, 0, committed - 1)
         assert [[c["weight"] for c in cells] for cells in grid["cells"]] == attn.max(axis=-1).tolist()
@@ -803,10 +824,10 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas().query("sequence == @seq").set_index("step")
         assert [r[0] for r in rows] == sorted(set(pt.index) | set(ct.index))
         for step, ptext, ctext, differs, shift in rows:
-            assert ptext == shown_token(pt.get(step, "–")) and ctext == shown_token(ct.get(step, "–"))
+            assert ptext == shown_token(pt.get(step, "")) and ctext == shown_token(ct.get(step, ""))  # missing: an empty box
             assert differs == (pt.get(step) != ct.get(step))
             ref = effects.logprob_shift.get(step)
-            assert shift == "–" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
+            assert shift == "" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
         assert any(r[3] for r in rows)
         assert page.eval_on_selector_all("#interventions li", "ls => ls.length") == 2
         assert_no_placeholder_text(page)
@@ -1078,4 +1099,327 @@ def test_doc_screenshots_of_the_embedded_model(tmp_path):
             browser.close()
     finally:
         live.stop()
+    assert problems == []
+
+
+# ---- hostile and odd addresses: JSON errors with the documented codes, never a 5xx ----------------
+TOKEN = "s3cret-token"
+HOSTILE = [
+    # (address, the documented status: 303 for a first visit with the token, 4xx for the rest)
+    (f"//evil.example.com?token={TOKEN}", 303), (f"///evil.example.com/x?token={TOKEN}", 303),
+    (f"/\\evil.example.com?token={TOKEN}", 303), (f"/%2F%2Fevil.example.com?token={TOKEN}", 303),
+    (f"/%5C%5Cevil.example.com?token={TOKEN}", 303), (f"/%E2%82%AC?token={TOKEN}", 303),
+    (f"/api/runs/tiny/sequences/%E2%82%AC?token={TOKEN}", 303),
+    ("/%E2%82%AC", 404), ("/%FF%FE", 404), ("/api/runs/%E2%82%AC", 404), ("/api/runs/tiny%00", 404),
+    ("/api/runs/tiny/sequences/%E2%82%AC", 404), ("/api/runs/tiny/sequences/%D9%A3", 404),  # an Arabic-Indic 3
+    ("/api/runs/tiny/sequences/" + "9" * 5000, 404), ("/api/runs/tiny/sequences/0/steps/" + "1" * 4400, 404),
+    ("/api/runs/tiny/sequences/0/steps/0/attention/" + "2" * 4301 + "/0", 404),
+    ("/api/runs/tiny/sequences/1/attention/0/" + "7" * 6000, 404),
+    ("/api/runs/tiny/sequences?page=" + "9" * 5000, 400), ("/api/runs/tiny/sequences?page=abc", 400),
+    ("/api/runs/tiny/sequences?page=%E2%82%AC", 400), ("/api/runs/tiny/sequences?sort=nope", 400),
+    ("/api/runs/tiny/sequences/abc", 404), ("/api/runs/tiny/sequences/-5", 404), ("/api/runs/tiny/sequences/0x1", 404),
+    ("/api/runs/tiny/sequences/0/steps/x", 404), ("/api/runs/tiny/sequences/0/steps/-1", 404),
+    ("/api/runs/tiny/sequences/0/steps/0/attention/x/0", 404), ("/api/runs/tiny/sequences/0/steps/0/attention/0/99", 404),
+    ("/api/runs/tiny/sequences/99", 404), ("/api/runs/nope", 404), ("/api/runs/nope/sequences/0", 404),
+    ("/api/nothing", 404), ("/nothing/at/all", 404), ("/static/nope.js", 404), ("/api/runs/tiny/sweeps/nope", 404),
+    ("/api/compare?a=tiny&b=nope", 404), ("/api/runs/tiny/sweeps/x/cell?metric=kl&layer=" + "9" * 5000, 400),
+]
+
+
+@pytest.fixture(scope="module")
+def token_server(runs_dir):
+    s = LiveServer(runs_dir, token=TOKEN)
+    yield s
+    s.stop()
+
+
+def test_hostile_and_odd_addresses_get_json_errors_never_a_5xx_a_redirect_away_or_a_server_path(token_server, runs_dir):
+    """Each address of HOSTILE (sent only to this loopback server) gets its documented status, a JSON
+    body, a Location (if any) on this server, and no absolute path of the runs directory."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    secrets = {str(runs_dir), str(runs_dir.resolve()), str(runs_dir.parent.resolve())}
+    for path, expected in HOSTILE:
+        status, headers, body = token_server.request(path, headers=None if "token=" in path else auth)
+        assert status < 500, (path, status, body[:200])
+        assert status == expected, (path, status, body[:200])
+        assert headers["content-type"] == "application/json", (path, headers["content-type"])
+        answer = json.loads(body)
+        if status >= 400:
+            assert set(answer) == {"error"} and answer["error"] and "\n" not in answer["error"], (path, answer)
+        location = headers.get("location")
+        if location is not None:
+            assert location.startswith("/") and location[1:2] not in ("/", "\\"), (path, location)
+            assert location.isascii() and urlsplit(location).netloc == "" and urlsplit(location).scheme == "", location
+        assert not any(s.encode() in body for s in secrets), (path, body[:300])
+    # the redirect keeps the path on this server, percent-encoded, the token left out
+    assert token_server.request(f"//evil.example.com?token={TOKEN}")[1]["location"] == "/evil.example.com"
+    assert token_server.request(f"/%E2%82%AC?token={TOKEN}&x=1")[1]["location"] == "/%E2%82%AC?x=1"
+    # the guard's own refusals are JSON too
+    for status, kwargs in ((401, {}), (405, {"method": "POST", "headers": auth})):
+        got, headers, body = token_server.request("/api/runs", **kwargs)
+        assert got == status and headers["content-type"] == "application/json" and json.loads(body)["error"]
+    got, headers, body = token_server.request("/api/runs", headers={**auth, "Host": "evil.example"})
+    assert got == 403 and json.loads(body)["error"]
+
+
+def test_no_answer_names_where_the_runs_directory_is(server, runs_dir):
+    status, _, body = server.request("/api/runs/nope/sequences/0")
+    assert status == 404 and json.loads(body)["error"] == "no run 'nope' in the runs directory"
+    assert server.json("/api/runs")["runs_dir"] == runs_dir.resolve().name
+    where = str(runs_dir.resolve().parent).encode()
+    for path in ("/api/runs", "/api/runs/tiny", "/api/runs/child", "/api/runs/damaged", "/api/compare?a=tiny&b=child",
+                 "/api/runs/child/sequences/0/parent", "/api/runs/tiny/sequences/1/steps/2", "/api/runs/tiny/sequences",
+                 "/api/runs/damaged/sequences/0/steps/0", "/api/runs/nope/sequences/0", "/api/runs/tiny/sweeps/x"):
+        status, _, body = server.request(path)
+        assert status in (200, 404, 409) and where not in body, (path, status, body[max(0, body.find(where) - 200):][:400])
+
+
+# ---- a loopback --host other than 127.0.0.1 answers its own requests ------------------------------
+def serve_process(runs_dir: Path, tmp_path: Path, *args: str):
+    """`lmtrace serve --port 0 ARGS` started; (process, the address it printed)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0",
+                             *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    found = re.search(r"http://(\S+?):(\d+)/", line)
+    assert found, line
+    return proc, found.group(1), int(found.group(2))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2", "::1"])
+def test_serve_on_another_loopback_address_answers_requests_addressed_to_it(runs_dir, tmp_path, host):
+    import signal
+
+    proc, shown, port = serve_process(runs_dir, tmp_path, "--host", host)
+    try:
+        assert shown == (f"[{host}]" if ":" in host else host)
+        for host_header in (f"{shown}:{port}", f"localhost:{port}", f"127.0.0.1:{port}", f"127.9.8.7:{port}", f"[::1]:{port}"):
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/api/runs", headers={"Host": host_header})
+            r = conn.getresponse()
+            assert r.status == 200, (host_header, r.status, r.read())
+            assert sorted(x["run_id"] for x in json.loads(r.read())["runs"]) == RUN_IDS
+            conn.close()
+        for host_header in (f"evil.example:{port}", f"127.0.0.2.evil.example:{port}", f"localhost.evil.example:{port}"):
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/api/runs", headers={"Host": host_header})
+            r = conn.getresponse()
+            assert r.status == 403 and json.loads(r.read())["error"], host_header
+            conn.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+
+
+def test_a_loopback_name_the_server_was_bound_to_is_an_accepted_host(runs_dir, monkeypatch):
+    """`--host ip6-localhost` (resolving to ::1, as /etc/hosts has it on Debian; this machine's resolver
+    is given that entry): requests naming it pass the Host check; other names do not, even ones that
+    resolve to loopback (what a DNS-rebinding page sends)."""
+    import asyncio
+    import socket
+
+    from lmtrace.serve import create_app, guard
+
+    resolve = socket.getaddrinfo
+
+    def hosts_file(name, *args, **kwargs):
+        if name in ("ip6-localhost", "rebound.example"):
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))]
+        return resolve(name, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hosts_file)
+    guard.check_bind("ip6-localhost", None)  # a loopback name: no token needed
+    app = create_app(runs_dir, host="ip6-localhost")
+
+    def status_for(host_header: str) -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": "/api/runs", "raw_path": b"/api/runs", "query_string": b"",
+                 "headers": [(b"host", host_header.encode())], "root_path": "", "scheme": "http", "http_version": "1.1",
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8765)}
+        asyncio.run(app(scope, receive, send))
+        return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+    assert status_for("ip6-localhost:8765") == 200 and status_for("IP6-LOCALHOST") == 200
+    assert status_for("[::1]:8765") == 200 and status_for("127.0.0.1:8765") == 200
+    assert status_for("evil.example:8765") == 403 and status_for("ip6-localhost.evil.example") == 403
+    assert status_for("rebound.example:8765") == 403
+
+
+def test_a_host_that_resolves_to_nothing_is_refused_at_start_in_one_line(tmp_path):
+    proc = lmtrace(tmp_path, "serve", "--host", "no-such-host.invalid", "--port", "0", timeout=60)
+    assert_one_line_error(proc, 2, "--host no-such-host.invalid: not an address this machine can bind")
+
+
+# ---- a run's address is its directory's name: a copy opens, a symlink is listed once ---------------
+def test_a_copy_of_a_run_opens_under_its_own_name_and_a_symlink_to_a_run_is_listed_once(runs_dir, tmp_path):
+    runs = tmp_path / "runs"
+    shutil.copytree(runs_dir / "tiny", runs / "tiny", ignore=shutil.ignore_patterns("sweeps", "explain"))
+    shutil.copytree(runs / "tiny", runs / "tiny-copy")  # the same manifest, run_id "tiny"
+    (runs / "latest").symlink_to("tiny", target_is_directory=True)
+    s = LiveServer(runs)
+    try:
+        rows = s.json("/api/runs")["runs"]
+        assert sorted(r["run_id"] for r in rows) == ["tiny", "tiny-copy"]  # each directory once
+        by_id = {r["run_id"]: r for r in rows}
+        assert by_id["tiny"]["links"] == ["latest"] and by_id["tiny-copy"]["links"] == []
+        assert by_id["tiny-copy"]["manifest_run_id"] == "tiny" and "manifest_run_id" not in by_id["tiny"]
+        # the copy opens under its own name, with its own (identical) archive
+        head = s.json("/api/runs/tiny-copy")
+        assert head["run_id"] == "tiny-copy" and head["manifest_run_id"] == "tiny" and head["status"] == "complete"
+        copy_tokens = archive_tokens(runs / "tiny-copy", 1)
+        seq = s.json("/api/runs/tiny-copy/sequences/1")
+        assert [t["text"] for t in seq["tokens"]] == copy_tokens.token_text.tolist()
+        grid = s.json("/api/runs/tiny-copy/sequences/1/steps/2")["attention"]
+        check_grid(grid, runs / "tiny-copy", 1, 2)
+        # the symlink's name still opens the run it points to
+        assert s.json("/api/runs/latest")["run_id"] == "latest"
+        assert s.json("/api/runs/latest/sequences/1") == s.json("/api/runs/tiny/sequences/1")
+    finally:
+        s.stop()
+
+
+def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_follows_it_to_the_end(tmp_path, tiny_llama_dir):
+    """A writer SIGKILLed mid-run: its run and sequence pages say `killed`, as the list does, with the
+    spec's prompt. Resumed, it is `running · live` while its writer holds the owner lock; the sequence page
+    opened then, never reloaded, follows it to the end: every generated token, and `complete`."""
+    import signal
+
+    import yaml
+
+    from test_archive import _cli, _wait_committed
+
+    sync_playwright = _playwright()
+    prompt = "Count slowly from one to one hundred:"
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": [prompt],
+                                    "generation": {"max_new_tokens": 96, "eos_token_id": 0}, "output": {"chunk_steps": 4}}))
+    runs = tmp_path / "runs"
+    writer = _cli(["generate", str(spec)], runs)
+    run_dir = _wait_committed(runs, 8)
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate(timeout=60)
+    [progress] = (run_dir / "progress").glob("*.json")
+    committed = json.loads(progress.read_text())["batches"]["0"]["committed_steps"]
+    name = run_dir.name
+    s = LiveServer(runs)
+    shots = tmp_path / "shots"
+    problems, requests = [], []
+    strip_steps = "ts => ts.map(t => +t.dataset.step)"
+    try:
+        with sync_playwright() as p:
+            browser, page = open_page(p, problems, requests)
+            page.goto(s.base + "/")
+            page.wait_for_selector("#runs tr.run-row")
+            assert page.inner_text("#runs tr.run-row td.status-killed") == "killed"
+            for address in (f"/#/run/{name}", f"/#/run/{name}/seq/0"):
+                page.goto(s.base + address)
+                page.wait_for_selector(".meta")
+                assert "status: killed" in page.inner_text(".meta")
+                assert page.get_attribute("#run-meta", "data-status") == "killed"
+            page.wait_for_selector("#strip .tok.gen")
+            assert page.inner_text("#prompt") == prompt
+            assert page.eval_on_selector_all("#strip .tok.gen", strip_steps) == list(range(committed))
+            for width in (1280, 800):
+                page.set_viewport_size({"width": width, "height": 900})
+                page.screenshot(path=str(shots / f"killed-seq-{width}.png"), full_page=True)
+            page.set_viewport_size({"width": 1400, "height": 1000})
+
+            # resumed: the writer holds its owner lock, paused before it writes (the test's window)
+            resume = _cli(["generate", "--resume", name], runs, env={"LMTRACE_TEST_PAUSE_AFTER_CREATE": "8"})
+            deadline = time.monotonic() + 60
+            while s.json(f"/api/runs/{name}")["live"] is not True:
+                assert time.monotonic() < deadline and resume.poll() is None, "the resumed writer never held its lock"
+                time.sleep(0.1)
+            assert s.json(f"/api/runs/{name}")["status"] == "running"
+            page.reload()
+            page.wait_for_selector("#strip .tok.gen")
+            assert page.get_attribute("#run-meta", "data-status") == "running"
+            assert "running · live" in page.inner_text("#run-meta") and "adds new ones" in page.inner_text("#run-note")
+            page.screenshot(path=str(shots / "running-seq.png"), full_page=True)
+            out, err = resume.communicate(timeout=600)
+            assert resume.returncode == 0, err
+            # the open page polls: it turns complete with every generated token, without a reload
+            page.wait_for_selector("#run-meta[data-status='complete']", timeout=60_000)
+            n = int(zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")["generated_len"][0])
+            assert n > committed
+            assert page.eval_on_selector_all("#strip .tok.gen", strip_steps) == list(range(n))
+            generated = archive_tokens(run_dir, 0).query("not is_prompt").token_text.tolist()
+            assert page.eval_on_selector_all("#strip .tok.gen", "ts => ts.map(t => t.textContent)") == [shown(t) for t in generated]
+            assert page.query_selector("#run-note") is None and page.inner_text("#prompt") == prompt
+            browser.close()
+    finally:
+        s.stop()
+    assert problems == []
+
+
+# ---- a token "-" and a missing value look different --------------------------------------------------
+MISSING_VS_DASH = {
+    "sequence": 0, "step": 0, "attention": None, "head_dla": None, "attributions": None,
+    "token": {"token": "-", "token_id": 12, "position": 1, "prob": 0.5, "token_rank": 0, "entropy": 1.0, "margin": None,
+              "greedy": None, "alternatives": [{"id": 12, "text": "-", "prob": 0.5}, {"id": 13, "text": "–", "prob": None}]},
+    "lens": {"state": "ready", "rows": [
+        {"layer": 0, "top1": "-", "top1_id": 12, "top1_prob": 0.4, "target_rank": None, "target_prob": None},
+        {"layer": 1, "top1": "–", "top1_id": 13, "top1_prob": 0.3, "target_rank": 0, "target_prob": 0.3}]},
+}
+
+
+def test_a_lens_token_dash_is_drawn_unlike_a_missing_value(server, tmp_path):
+    """The page's own token view (tokenview.js, in Chromium) given a step whose lens top-1 tokens are
+    "-" and "–" and whose chosen rank, probability, margin and greedy choice are missing: each token is a
+    boxed token with its text; each missing value an empty box titled "no value", drawn differently."""
+    sync_playwright = _playwright()
+    shots = tmp_path / "shots"
+    problems = []
+    with sync_playwright() as p:
+        browser, page = open_page(p, problems, [])
+        page.goto(server.base + "/#/run/tiny/seq/1/step/1")
+        page.wait_for_selector("#detail[data-step='1'] #lens")
+        page.evaluate("""answer => {
+            const view = window.lmtraceView.tokenView(async () => answer, {sequence: 0, prompt: "p", tokens: [
+                {position: 0, step: null, text: "a"},
+                {position: 1, step: 0, text: "-", prob: 0.5, entropy: 1, token_rank: 0}]}, {prefix: "dash-"});
+            document.getElementById("app").prepend(view.strip, view.detail);
+            view.select(0, false);
+        }""", MISSING_VS_DASH)
+        page.wait_for_selector("#dash-lens tbody tr")
+        cells = page.eval_on_selector_all("#dash-lens tbody tr", """rows => rows.map(r => [...r.children].map(c => ({
+            text: c.textContent, token: c.querySelector('.t') ? c.querySelector('.t').textContent : null,
+            none: c.querySelector('.none') ? c.querySelector('.none').getAttribute('aria-label') : null})))""")
+        # layer 0: top-1 "-" (a token), chosen rank and p missing; layer 1: top-1 "–" (a token), rank 1
+        assert [cells[0][1]["token"], cells[1][1]["token"]] == ["-", "–"]
+        assert cells[0][1]["none"] is None and cells[1][1]["none"] is None
+        assert cells[0][3] == {"text": "", "token": None, "none": "no value"} and cells[0][4]["none"] == "no value"
+        assert cells[1][3]["text"] == "1" and cells[1][3]["none"] is None
+        facts = dict(page.eval_on_selector_all("#dash-token-panel table.list tr", """rs => rs.filter(r => r.querySelector('th')
+            && r.querySelector('td')).map(r => [r.querySelector('th').textContent,
+            r.querySelector('td .none') ? 'none' : r.querySelector('td .t') ? 'token ' + r.querySelector('td .t').textContent
+            : r.querySelector('td').textContent])"""))
+        assert facts["greedy choice"] == "none" and facts["margin (top-1 − top-2)"] == "none"
+        alts = page.eval_on_selector_all("#dash-alternatives tbody tr", """rs => rs.map(r => [r.children[0].querySelector('.t').textContent,
+            r.children[1].querySelector('.none') ? 'none' : r.children[1].textContent])""")
+        assert alts == [["-", "0.5000"], ["–", "none"]]
+        # drawn differently: a token is a bordered box with its text, a missing value an empty hatched box
+        token_style = page.eval_on_selector("#dash-lens tbody tr .t", "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]")
+        none_style = page.eval_on_selector("#dash-lens tbody tr .none", "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]")
+        assert token_style[0] == "solid" and token_style[1] == "none"
+        assert none_style[0] == "none" and "repeating-linear-gradient" in none_style[1]
+        token_shot = page.locator("#dash-lens tbody tr").nth(0).locator("td").nth(1).screenshot()
+        none_shot = page.locator("#dash-lens tbody tr").nth(0).locator("td").nth(3).screenshot()
+        assert token_shot != none_shot
+        shots.mkdir()
+        for width in (1280, 800):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.locator("#dash-detail").screenshot(path=str(shots / f"dash-vs-missing-{width}.png"))
+            page.screenshot(path=str(shots / f"token-page-{width}.png"), full_page=True)
+        browser.close()
     assert problems == []

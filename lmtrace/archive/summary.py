@@ -71,22 +71,31 @@ def progress_label(p: dict) -> str | None:
     return f"{p['sequences_done']}/{p['sequences_total']}{left}"
 
 
+def status_label(path, m: dict, problem=None) -> str:
+    """The status a run is shown with, by `lmtrace ls` and by serve's runs list and run pages alike:
+    the manifest's, `killed` for a run it says is running that no live process writes
+    (liveness.shown_status), `damaged` when `problem` (a committed file missing or truncated), and
+    `STATUS (done/total shards done)` for an unfinished sharded run."""
+    from .liveness import shown_status
+
+    status = "damaged" if problem is not None else shown_status(path, m)
+    shards = shards_done(path, m)
+    return status if shards is None or status == "complete" else f"{status} ({shards} shards done)"
+
+
 def run_summary(path, *, size: bool = True) -> dict:
     """The run at `path` in one row: id, status (damaged when a file is missing), kind, model, sizes, parent, edits.
     `size`: walk the directory for size_bytes (None without: a thousand runs' files are many stats)."""
     from .integrity import quick_problem
-    from .liveness import shown_status
 
     m = read_manifest(path)
     shards = shards_done(path, m)
-    status = shown_status(path, m)  # `killed`: says running, but no live process writes it
-    problem = quick_problem(path, m)
-    if problem is not None:  # a complete run with a missing or truncated file (`lmtrace verify` says which)
-        status = "damaged"
+    problem = quick_problem(path, m)  # a complete run with a missing or truncated file (`lmtrace verify` says which)
+    label = status_label(path, m, problem)  # `killed`: says running, but no live process writes it
+    status = label.split(" ")[0]
     progress = run_progress(path, m, status) if status in ("running", "killed", "interrupted", "failed") else {}
     return {
-        "run_id": m.get("run_id", path.name), "status": status if shards is None or status == "complete"
-        else f"{status} ({shards} shards done)", **progress, "shards_complete": shards, "kind": m.get("kind"),
+        "run_id": m.get("run_id", path.name), "status": label, **progress, "shards_complete": shards, "kind": m.get("kind"),
         "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
         "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path) if size else None,
         "created": m.get("created"), "completed": m.get("completed") or m.get("ended"), "seed": m.get("seed"),

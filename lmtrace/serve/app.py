@@ -1,6 +1,7 @@
 """The Starlette application of `lmtrace serve`: a page, its script and style, and JSON routes.
 
-Routes (all GET; `{run}` is a run id as the runs directory lists it):
+Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
+`{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
   /static/{app,tokenview}.{js,css}            the frontend, from this package (no other file is served)
   /api/runs?kind=&status=&model=&q=            runs list
@@ -16,6 +17,7 @@ Routes (all GET; `{run}` is a run id as the runs directory lists it):
   /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
 Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
+Every error is one JSON line with its status (errors.py), an address no route matches included.
 """
 
 from __future__ import annotations
@@ -24,17 +26,20 @@ from importlib import resources
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import ArchiveError, LmtraceError, RunNotFoundError
 from . import queries, token_extras
+from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
+                     int_parameter, whole_number)
 from .child_view import against_parent, edits
 from .compare_view import comparison
 from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
 from .catalog import Catalog
-from .guard import Guard, is_loopback
+from .guard import Guard
 
 # The only files served, by name: nothing under /static is looked up on disk from the address
 STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
@@ -45,38 +50,39 @@ def _static(name: str) -> bytes:
     return resources.files(__package__).joinpath("static", name).read_bytes()
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
-
-
 def _int_param(request: Request, name: str, default: int = 0) -> int:
-    value = request.query_params.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise queries.NotFound(f"{name}={value!r} is not a whole number") from None
+    return int_parameter(request.query_params.get(name), name, default)
+
+
+# The path parts that name a number, and what they are called in an answer that says one is not there
+NUMBERS = {"seq": "sequence", "step": "step", "layer": "layer", "head": "head"}
+
+
+def _numbers(request: Request) -> dict:
+    """The route's path parameters, those in NUMBERS as ints (NotFound for anything that is not a number)."""
+    return {k: whole_number(v, NUMBERS[k]) if k in NUMBERS else v for k, v in request.path_params.items()}
 
 
 def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0.1") -> Guard:
     """The ASGI application over `runs_dir`, wrapped in its Guard (token, Host, methods, headers)."""
     catalog = Catalog(Path(runs_dir))
     page = _static("index.html")
+    scrub = Scrubber(catalog.root)
+
+    def _error(status: int, message: str) -> JSONResponse:
+        return error_response(status, message, scrub)
 
     def answer(fn):
         """A route handler: calls `fn(request)` and maps lmtrace's errors to one-line JSON errors."""
         def handler(request: Request):
             try:
                 return JSONResponse(fn(request))
-            except RunNotFoundError as err:
-                return _error(404, str(err))
-            except queries.NotFound as err:
-                return _error(404, str(err))
+            except (RunNotFoundError, NotFound) as err:
+                return _error(NOT_FOUND, str(err))
             except ArchiveError as err:  # a damaged or unfinished archive: the run's own one-line message
-                return _error(409, str(err))
-            except LmtraceError as err:  # a bad query parameter
-                return _error(400, str(err))
+                return _error(CONFLICT, str(err))
+            except (BadParameter, LmtraceError) as err:  # a bad query parameter
+                return _error(BAD_PARAMETER, str(err))
         return handler
 
     def index(request: Request):
@@ -85,14 +91,17 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
     def static(request: Request):
         name = request.path_params["name"]
         if name not in STATIC:
-            return _error(404, f"no static file {name!r}")
+            return _error(NOT_FOUND, f"no static file {name!r}")
         return Response(_static(name), media_type=STATIC[name])
 
     def runs(request: Request):
         q = request.query_params
-        return {"runs_dir": catalog.root.name or str(catalog.root),
-                "runs": catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
-                                     model=q.get("model") or None, query=q.get("q") or None)}
+        rows = catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
+                            model=q.get("model") or None, query=q.get("q") or None)
+        for r in rows:
+            if r.get("error"):
+                r["error"] = scrub(r["error"])
+        return {"runs_dir": catalog.root.resolve().name or "runs", "runs": rows}
 
     def run(request: Request):
         rid = request.path_params["run"]
@@ -100,7 +109,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
             r = catalog.open(rid)
             return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
         except ArchiveError as err:  # damaged: the page shows the one line instead of the run
-            return {"run_id": rid, "damaged": str(err)}
+            return {"run_id": rid, "damaged": scrub(str(err))}
 
     def sequences(request: Request):
         r = catalog.open(request.path_params["run"])
@@ -108,23 +117,23 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
                                      sort=request.query_params.get("sort", "index"))
 
     def sequence(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return queries.sequence_tokens(catalog.open(p["run"]), p["seq"])
 
     def step(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return token_extras.selected_token(catalog.open(p["run"]), p["seq"], p["step"])
 
     def over_heads(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return token_extras.step_over_heads(catalog.open(p["run"]), p["seq"], p["step"])
 
     def pattern(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return token_extras.head_pattern(catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
 
     def parent(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         child = catalog.open(p["run"])
         parent_id = (child.manifest.get("parent") or {}).get("run_id")
         try:
@@ -134,22 +143,22 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         return against_parent(child, parent_run, p["seq"])
 
     def sweep(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return sweep_heatmaps(catalog.open(p["run"]), p["sweep"])
 
     def cell(request: Request):
-        p, q = request.path_params, request.query_params
+        p, q = _numbers(request), request.query_params
         coords = {k: _int_param(request, k) for k in ("layer", "head", "neuron", "position") if q.get(k, "") != ""}
         return cell_rows(catalog.open(p["run"]), p["sweep"], q.get("metric", ""), coords)
 
     def compare(request: Request):
         q = request.query_params
         if not q.get("a") or not q.get("b"):
-            raise queries.NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
+            raise NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
         return comparison(catalog.open(q["a"]), catalog.open(q["b"]))
 
     def head(request: Request):
-        p = request.path_params
+        p = _numbers(request)
         return queries.head_row(catalog.open(p["run"]), p["seq"], p["step"], p["layer"], p["head"])
 
     routes = [
@@ -158,14 +167,25 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         Route("/api/runs", answer(runs)),
         Route("/api/runs/{run}", answer(run)),
         Route("/api/runs/{run}/sequences", answer(sequences)),
-        Route("/api/runs/{run}/sequences/{seq:int}", answer(sequence)),
-        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}", answer(step)),
-        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/over_heads", answer(over_heads)),
-        Route("/api/runs/{run}/sequences/{seq:int}/steps/{step:int}/attention/{layer:int}/{head:int}", answer(head)),
-        Route("/api/runs/{run}/sequences/{seq:int}/attention/{layer:int}/{head:int}", answer(pattern)),
-        Route("/api/runs/{run}/sequences/{seq:int}/parent", answer(parent)),
+        Route("/api/runs/{run}/sequences/{seq}", answer(sequence)),
+        Route("/api/runs/{run}/sequences/{seq}/steps/{step}", answer(step)),
+        Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads", answer(over_heads)),
+        Route("/api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}", answer(head)),
+        Route("/api/runs/{run}/sequences/{seq}/attention/{layer}/{head}", answer(pattern)),
+        Route("/api/runs/{run}/sequences/{seq}/parent", answer(parent)),
         Route("/api/runs/{run}/sweeps/{sweep}", answer(sweep)),
         Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(cell)),
         Route("/api/compare", answer(compare)),
     ]
-    return Guard(Starlette(routes=routes), token=token, loopback=is_loopback(host))
+
+    def not_found(request: Request, exc: HTTPException):
+        """No route matches: JSON like every other answer (a 404, or the status Starlette chose)."""
+        return _error(exc.status_code, "no such address: the routes are listed in docs/serve.md"
+                      if exc.status_code == NOT_FOUND else exc.detail)
+
+    def internal(request: Request, exc: Exception):
+        """A fault of the server itself: one JSON line naming the kind, never a path or a traceback."""
+        return _error(INTERNAL, f"internal error ({type(exc).__name__}); the server's terminal has the details")
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: internal})
+    return Guard(app, token=token, host=host)

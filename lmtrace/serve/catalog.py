@@ -1,5 +1,10 @@
 """The runs a server may show: run ids checked against the runs directory's own listing, opened
-runs cached while their manifest is unchanged, and the runs list with its filters and search."""
+runs cached while their manifest is unchanged, and the runs list with its filters and search.
+
+A run's address is its directory's name, in the list, its links and every route: a copy of a run
+under another name is a run of its own (its manifest may still name the original: `manifest_run_id`).
+A symlink to a run the list already holds is listed once, on that run's row (`links`); its name
+still opens the run."""
 
 from __future__ import annotations
 
@@ -36,6 +41,23 @@ class Catalog:
         """Run directories directly under the root that resolve inside it (a symlink out of it is not a run here)."""
         return [p for p in list_runs(self.root) if not p.name.startswith(".") and self._inside(p)]
 
+    def listed(self) -> list[tuple[Path, list[str]]]:
+        """The runs of the list, each directory once: (its path, the names of the symlinks to it). A run
+        reached by several names is listed under its real directory's name (or the first link's, when
+        the directory itself is not directly under the root)."""
+        groups: dict[Path, list[Path]] = {}
+        for p in self.run_dirs():
+            try:
+                groups.setdefault(p.resolve(), []).append(p)
+            except OSError:
+                continue
+        out = []
+        for paths in groups.values():
+            real = [p for p in paths if not p.is_symlink()]
+            main = (real or paths)[0]
+            out.append((main, sorted(p.name for p in paths if p != main)))
+        return sorted(out, key=lambda x: x[0].name)
+
     def _inside(self, path: Path) -> bool:
         try:
             return path.resolve().is_relative_to(self._real_root)
@@ -48,7 +70,7 @@ class Catalog:
         for p in self.run_dirs():
             if p.name == run_id:
                 return p
-        raise RunNotFoundError(f"no run {run_id!r} in {self.root}")
+        raise RunNotFoundError(f"no run {run_id!r} in the runs directory")
 
     # ---- opened runs -------------------------------------------------------------------------
     def open(self, run_id: str) -> Run:
@@ -81,15 +103,29 @@ class Catalog:
         """One row per run (as `lmtrace ls --json` has it, plus `live`, `sequences`, `children`),
         filtered; `query` matches the run id or any prompt's text (case-insensitive)."""
         rows = []
-        for path in self.run_dirs():
+        for path, links in self.listed():
             row = summary_or_damaged(path)
             row.pop("path", None)  # where the runs live on disk is not the page's business
+            if isinstance(row.get("parent"), dict):
+                row["parent"] = {k: v for k, v in row["parent"].items() if k != "path"}
+            if row.get("run_id") != path.name:  # a copy (or a renamed run): its address is its directory
+                row["manifest_run_id"] = row.get("run_id")
+            row["run_id"] = path.name
+            row["links"] = links
             row["sequences"] = row.get("prompts")
-            row["live"] = _live(path) if str(row.get("status", "")).startswith("running") else None
+            row["live"] = live(path, row.get("status"))
             rows.append(row)
+        # a parent is named by its manifest's id: link to the directory of that name, else to one whose
+        # manifest has that id
+        by_manifest: dict[str, str] = {}
+        for r in rows:
+            by_manifest.setdefault(r.get("manifest_run_id") or r["run_id"], r["run_id"])
+        names = {r["run_id"] for r in rows}
         children: dict[str, list[str]] = {}
         for r in rows:
             if r.get("parent_id"):
+                if r["parent_id"] not in names:
+                    r["parent_id"] = by_manifest.get(r["parent_id"], r["parent_id"])
                 children.setdefault(r["parent_id"], []).append(r["run_id"])
         for r in rows:
             r["children"] = children.get(r["run_id"], [])
@@ -117,8 +153,11 @@ class Catalog:
         return False
 
 
-def _live(path: Path) -> bool | None:
-    """Whether a process is writing the run now (None when that cannot be told)."""
+def live(path: Path, status: str | None) -> bool | None:
+    """For a run shown `running`: whether a process is writing it now (None when that cannot be
+    told, and for a run in any other status)."""
+    if not str(status or "").startswith("running"):
+        return None
     try:
         return bool(live_writers(path))
     except (OSError, LmtraceError):

@@ -18,17 +18,16 @@ import pyarrow.compute as pc
 from ..archive import layout
 from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, read_table_files
-from ..errors import ArchiveError, SpecError
+from ..archive.summary import status_label
+from ..errors import ArchiveError
 from ..jsonout import strict
 from . import kept
+from .catalog import live
+from .errors import BadParameter, NotFound
 
 PAGE_SIZE = 50
 SORTS = ("index", "lowest_prob", "highest_entropy", "length")
 TEXT_LIMIT = 400  # characters of a prompt / generated text in a sequences-list row
-
-
-class NotFound(SpecError):
-    """A sequence, step, layer or head the run does not have (answered 404)."""
 
 
 # ---- tables, one sequence at a time -----------------------------------------------------------
@@ -53,14 +52,19 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
 
 
 def run_info(run: Run) -> dict:
-    """The run page's header: what was captured and how far it got."""
+    """The run page's header: what was captured and how far it got. `run_id` is the run's address (its
+    directory's name); `status` is what the runs list shows (`killed` for a running run no process writes)."""
     m = run.manifest
+    name = run.path.name
     problem = kept.integrity_problem(run)
+    status = status_label(run.path, m, problem)
     names = kept.array_names(run) if (run.path / layout.TENSORS).exists() else set()
     return {
-        "run_id": run.id, "status": run.status, "kind": m.get("kind"), "model": (m.get("model") or {}).get("reference"),
+        "run_id": name, **({"manifest_run_id": run.id} if run.id != name else {}),
+        "status": status, "live": live(run.path, status), "kind": m.get("kind"),
+        "model": (m.get("model") or {}).get("reference"),
         "created": m.get("created"), "parent_id": (m.get("parent") or {}).get("run_id"),
-        "damaged": None if problem is None else f"run {run.id} is damaged: {problem}; `lmtrace verify {run.id}`",
+        "damaged": None if problem is None else f"run {name} is damaged: {problem}; `lmtrace verify {name}`",
         "sequences": run.shape.get("n_sequences"), "max_new_tokens": run.shape.get("n_steps"),
         "layers": run.layers, "heads": run.shape.get("n_heads"),
         "attention": "dense" if "attn" in names else "top-k" if "attn_topk_prob" in names else None,
@@ -104,8 +108,10 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
     `query` matches the prompt, the generated text and any text metadata column (case-insensitive);
     `sort`: index | lowest_prob (lowest-probability token first) | highest_entropy | length (longest first)."""
     if sort not in SORTS:
-        raise SpecError(f"sort {sort!r}: expected one of {', '.join(SORTS)}")
+        raise BadParameter(f"sort {sort!r}: expected one of {', '.join(SORTS)}")
     seqs = table_rows(run, "sequences")
+    if run.status != "complete":
+        seqs = _with_unfinished(run, seqs)
     if seqs.num_rows == 0:
         return {"total": 0, "page": 0, "pages": 0, "page_size": PAGE_SIZE, "rows": []}
     stats = sequence_stats(run)
@@ -157,9 +163,62 @@ def sequence_tokens(run: Run, seq: int) -> dict:
     tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": strict(r["prob"]),
                "entropy": strict(r["entropy"]), "token_rank": r["token_rank"]} for r in t.to_pylist()
               if r["step"] is None or r["step"] < ready]
-    prompt = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq).column("prompt").to_pylist()
-    return {"sequence": seq, "prompt": prompt[0] if prompt else None, "tokens": tokens,
+    prompt, source = sequence_prompt(run, seq, [x["text"] for x in tokens if x["step"] is None])
+    return {"sequence": seq, "prompt": prompt, "prompt_source": source, "tokens": tokens,
             "steps": sum(1 for x in tokens if x["step"] is not None)}
+
+
+def spec_prompts(run: Run) -> list[str] | None:
+    """The run's inline prompts (`prompts.texts` of its resolved spec), one per sequence; None for
+    prompts read from a file."""
+    texts = ((run.manifest.get("spec_resolved") or {}).get("prompts") or {}).get("texts")
+    if isinstance(texts, list) and len(texts) == run.shape.get("n_sequences") and all(isinstance(t, str) for t in texts):
+        return texts
+    return None
+
+
+def _with_unfinished(run: Run, seqs: pa.Table) -> pa.Table:
+    """A run being written (or killed): its sequences table with a row for each sequence whose batch has
+    not finished (no row of sequences.parquet yet): its prompt (the spec's, else its committed prompt
+    tokens joined) and the steps committed so far as `generated_len`."""
+    have = set(seqs.column("sequence").to_pylist()) if "sequence" in seqs.column_names else set()
+    missing = [i for i in range(run.shape.get("n_sequences") or 0) if i not in have]
+    if not missing:
+        return seqs
+    committed = run.committed_steps()
+    texts = spec_prompts(run)
+    if texts is not None:
+        prompts = [texts[i] for i in missing]
+    else:
+        t = table_rows(run, "tokens", ["sequence", "position", "token_text"],
+                       where=pc.field("is_prompt") & pc.field("sequence").isin(missing))
+        t = t.sort_by([("sequence", "ascending"), ("position", "ascending")])
+        joined: dict[int, str] = {}
+        for q, x in zip(t.column("sequence").to_pylist(), t.column("token_text").to_pylist()):
+            joined[q] = joined.get(q, "") + (x or "")
+        prompts = [joined.get(i) for i in missing]
+    rows = pa.table({"sequence": pa.array(missing, pa.int32()), "prompt": pa.array(prompts, pa.string()),
+                     "generated_len": pa.array([committed.get(i, 0) for i in missing], pa.int32())})
+    if not seqs.column_names:
+        return rows
+    return pa.concat_tables([seqs, rows], promote_options="default")
+
+
+def sequence_prompt(run: Run, seq: int, prompt_tokens: list[str]) -> tuple[str | None, str | None]:
+    """A sequence's prompt and where it was read: `sequences` (its row of sequences.parquet, written
+    when its batch finishes), else `spec` (the run's inline prompts, `prompts.texts`, one per
+    sequence), else `tokens` (its committed prompt tokens joined: the text the model read, chat
+    template included). (None, None) before any of them holds it."""
+    rows = table_rows(run, "sequences", ["prompt"], where=pc.field("sequence") == seq)
+    found = rows.column("prompt").to_pylist() if "prompt" in rows.column_names else []
+    if found and found[0] is not None:
+        return found[0], "sequences"
+    texts = spec_prompts(run)
+    if texts is not None:
+        return texts[seq], "spec"
+    if prompt_tokens:
+        return "".join(t or "" for t in prompt_tokens), "tokens"
+    return None, None
 
 
 def steps_ready(run: Run, seq: int) -> int:

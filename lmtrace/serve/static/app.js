@@ -12,7 +12,8 @@
   let keyHandler = null;
 
   // ---- helpers (the token view's, shared with the report: tokenview.js) ---------------------------
-  const { el, put, fmt, fmtP, shown, shownToken, signedColour, absMax, rank1, tokenView } = window.lmtraceView;
+  const { el, put, fmt, fmtP, shown, tokenBox, MISSING, signedColour, absMax, tokenView } = window.lmtraceView;
+  const REFRESH_MS = 5000; // a running run's list and sequence pages ask again this often
 
   async function api(path) {
     const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
@@ -40,12 +41,18 @@
     return { parts, params: new URLSearchParams(query || "") };
   }
 
-  function statusCell(row) {
-    const base = String(row.status || "").split(" ")[0];
+  // A run's status as the runs list and its own pages show it (the server's one status, with `live`)
+  function statusLabel(row) {
     let label = String(row.status || "?");
     if (row.live === true) label += " · live";
     else if (row.live === false) label += " · no live writer";
-    return el("td", { class: `status-${base}`, text: label, title: row.error || null });
+    return label;
+  }
+  const statusBase = (row) => String(row.status || "").split(" ")[0];
+  const isRunning = (row) => statusBase(row) === "running";
+
+  function statusCell(row) {
+    return el("td", { class: `status-${statusBase(row)}`, text: statusLabel(row), title: row.error || null });
   }
 
   // ---- runs list -------------------------------------------------------------------------------
@@ -104,29 +111,40 @@
       const rows = data.runs.map((r) => el("tr", { class: "run-row", data: { run: r.run_id } },
         el("td", {}, el("input", { type: "checkbox", class: "pick", data: { run: r.run_id }, title: "tick two runs to compare them",
           onchange: (e) => tick(r.run_id, e.target) })),
-        el("td", {}, el("a", { href: `#/run/${enc(r.run_id)}`, text: r.run_id })),
-        el("td", { text: r.kind || "–" }), statusCell(r), el("td", { text: r.model || "–" }),
-        el("td", { class: "num", text: r.sequences ?? "–" }), el("td", { class: "num", text: r.tokens ?? "–" }),
-        el("td", {}, r.parent_id ? el("a", { href: `#/run/${enc(r.parent_id)}`, text: r.parent_id }) : "–"),
-        el("td", { text: r.children.length ? r.children.join(", ") : "–" }), el("td", { text: r.created || "–" })));
+        el("td", {}, el("a", { href: `#/run/${enc(r.run_id)}`, text: r.run_id }), runAliases(r)),
+        el("td", { text: r.kind || MISSING }), statusCell(r), el("td", { text: r.model || MISSING }),
+        el("td", { class: "num", text: r.sequences ?? MISSING }), el("td", { class: "num", text: r.tokens ?? MISSING }),
+        el("td", {}, r.parent_id ? el("a", { href: `#/run/${enc(r.parent_id)}`, text: r.parent_id }) : MISSING),
+        el("td", { text: r.children.length ? r.children.join(", ") : MISSING }), el("td", { text: r.created || MISSING })));
       body.replaceChildren(el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows)),
         el("div", { class: "controls" }, compareBtn));
-      if (data.runs.some((r) => String(r.status).startsWith("running"))) {
-        refreshTimer = setTimeout(() => { if (gen === generation) load().catch((e) => showError(e, body)); }, 5000);
+      if (data.runs.some(isRunning)) {
+        refreshTimer = setTimeout(() => { if (gen === generation) load().catch((e) => showError(e, body)); }, REFRESH_MS);
       }
     };
     await load().catch((e) => showError(e, body));
   }
 
+  // Other names of a run: the symlinks to it (listed once, on its row), the id its manifest gives a copy
+  function runAliases(r) {
+    const notes = [];
+    if (r.links && r.links.length) notes.push(`also linked as ${r.links.join(", ")}`);
+    if (r.manifest_run_id) notes.push(`its manifest names it ${r.manifest_run_id}`);
+    return notes.length ? el("div", { class: "note aliases", text: notes.join(" · ") }) : null;
+  }
+
   // ---- one run: header and its sequences ------------------------------------------------------
   function runHeader(info) {
-    const items = [["status", info.status], ["kind", info.kind], ["model", info.model],
+    const items = [["status", statusLabel(info)], ["kind", info.kind], ["model", info.model],
       ["sequences", info.sequences], ["layers × heads", info.layers ? `${info.layers.length} × ${info.heads}` : null],
       ["attention", info.attention || "not captured"], ["lens", info.lens], ["created", info.created]];
     const meta = el("div", { class: "meta" }, ...items.filter(([, v]) => v !== null && v !== undefined).map(([k, v]) =>
       el("span", {}, el("b", { text: `${k}: ` }), String(v))));
-    if (info.edits) meta.appendChild(el("span", {}, el("b", { text: "edits: " }), el("code", { id: "edits-label", text: info.edits.label || "–" })));
+    if (info.edits) meta.appendChild(el("span", {}, el("b", { text: "edits: " }), el("code", { id: "edits-label", text: info.edits.label || MISSING })));
     if (info.parent_id) meta.appendChild(el("span", {}, el("b", { text: "parent: " }), el("a", { href: `#/run/${enc(info.parent_id)}`, text: info.parent_id })));
+    if (info.manifest_run_id) meta.appendChild(el("span", { class: "aliases" }, el("b", { text: "manifest id: " }), info.manifest_run_id));
+    meta.id = "run-meta";
+    meta.dataset.status = info.status || "";
     return meta;
   }
 
@@ -172,9 +190,9 @@
       el("td", { class: "num" }, el("a", { href: `#/run/${enc(runId)}/seq/${r.sequence}`, text: r.sequence })),
       el("td", { class: "clip prompt", text: shown(r.prompt), title: r.prompt }),
       el("td", { class: "clip", text: shown(r.generated_text), title: r.generated_text }),
-      ...metaCols.map((c) => el("td", { text: r.metadata[c] ?? "–" })),
-      el("td", { class: "num", text: r.generated_len ?? "–" }), el("td", { class: "num", text: fmtP(r.min_prob) }),
-      el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || "–" })));
+      ...metaCols.map((c) => el("td", { text: r.metadata[c] ?? MISSING })),
+      el("td", { class: "num", text: r.generated_len ?? MISSING }), el("td", { class: "num", text: fmtP(r.min_prob) }),
+      el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || MISSING })));
     body.replaceChildren(pager, data.rows.length ? el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows))
       : el("p", { class: "note", text: "no sequence matches" }));
     for (const sw of info.sweeps || []) {
@@ -242,7 +260,7 @@
           const td = el("td", { class: "cell", data: { value: v === null ? "" : v, ...coords },
             title: `${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")}: mean effect ${v === null ? "not measured" : v}`,
             style: { background: v === null ? "#eaeef2" : signedColour(v, max), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
-          v === null ? "–" : Number(v).toPrecision(3));
+          v === null ? MISSING : Number(v).toPrecision(3));
           if (v !== null) td.addEventListener("click", () => {
             for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
             td.classList.add("picked");
@@ -271,7 +289,7 @@
           el("th", { text: h, class: h === "token" ? null : "num" })))),
         el("tbody", {}, ...c.rows.map((r) => el("tr", { data: { seq: r.sequence, step: r.step } },
           el("td", { class: "num" }, el("a", { href: `#/run/${enc(runId)}/seq/${r.sequence}/step/${r.step}`, text: r.sequence })),
-          el("td", { class: "num", text: r.step }), el("td", { class: "mono", text: shownToken(r.token) }),
+          el("td", { class: "num", text: r.step }), el("td", { class: "mono" }, tokenBox(r.token)),
           el("td", { class: "num", text: fmt(r.value, 4) }), el("td", { class: "num", text: fmt(r.baseline, 4) }),
           el("td", { class: "num eff", text: fmt(r.effect, 4), style: { background: signedColour(r.effect, max) } }))))));
   }
@@ -288,7 +306,7 @@
         el("td", { class: "num", text: p.pair }),
         el("td", { class: "num" }, el("a", { href: `#/run/${enc(a)}/seq/${p.seq_a}`, text: p.seq_a })),
         el("td", { class: "num" }, el("a", { href: `#/run/${enc(b)}/seq/${p.seq_b}`, text: p.seq_b })),
-        el("td", { class: "num first", text: fd ? fd.step : "–" }), el("td", { text: fd ? `${fd.kind}: ${fd.explanation || ""}` : "none" }),
+        el("td", { class: "num first", text: fd ? fd.step : MISSING }), el("td", { text: fd ? `${fd.kind}: ${fd.explanation || ""}` : "none" }),
         el("td", { class: "texts" }, el("span", { class: "common", text: shown(p.text.common) }),
           el("div", { class: "side a" }, el("b", { text: "A: " }), el("span", { class: "rest", text: shown(p.text.a) })),
           el("div", { class: "side b" }, el("b", { text: "B: " }), el("span", { class: "rest", text: shown(p.text.b) }))));
@@ -303,39 +321,70 @@
   }
 
   // ---- one sequence: token strip and the selected step ----------------------------------------
+  // A running run's page asks again every REFRESH_MS and redraws when more steps are committed or
+  // its status changes (complete, killed, ...), keeping the selected token; it stops once the run
+  // is no longer running.
   async function sequenceView(runId, seq, step, gen) {
     setCrumbs({ text: "runs", href: "#/" }, { text: runId, href: `#/run/${enc(runId)}` }, { text: `sequence ${seq}` });
-    const [info, data] = await Promise.all([api(runUrl(runId)), api(`${runUrl(runId)}/sequences/${seq}`)]);
+    const load = () => Promise.all([api(runUrl(runId)), api(`${runUrl(runId)}/sequences/${seq}`)]);
+    let [info, data] = await load();
     if (gen !== generation) return;
-    if (info.damaged) {
-      app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
-      return;
-    }
-    const view = tokenView((path) => api(`${runUrl(runId)}/${path}`), data, {
-      alive: () => gen === generation,
-      onSelect: (s, push) => { if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`); },
-    });
-    put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
-      info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: ${data.steps} committed step(s) shown.` }) : null,
-      el("h2", { text: "Prompt" }), el("p", { class: "mono", id: "prompt", text: data.prompt ?? "" }),
-      el("h2", { text: "Tokens" }), view.legend, view.strip, view.detail);
-    if (info.edits) {
-      const against = el("div", { class: "panel", id: "against-parent" }, el("p", { class: "note", text: "loading…" }));
-      app.insertBefore(against, view.detail);
-      api(`${runUrl(runId)}/sequences/${seq}/parent`).then((d) => { if (gen === generation) parentPanel(runId, seq, d, against); })
-        .catch((e) => showError(e, against));
-    }
-    keyHandler = view.keydown;
-    document.addEventListener("keydown", keyHandler);
-    if (view.steps.length) view.select(step !== null && view.steps.includes(step) ? step : view.steps[0], step !== null);
+    let selected = step;
+    const draw = () => {
+      if (info.damaged) {
+        app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
+        return;
+      }
+      const view = tokenView((path) => api(`${runUrl(runId)}/${path}`), data, {
+        alive: () => gen === generation,
+        onSelect: (s, push) => {
+          selected = s;
+          if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`);
+        },
+      });
+      put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
+        info.status !== "complete" ? el("p", { class: "note", id: "run-note", text: `This run is ${statusLabel(info)}: ${data.steps} committed step(s) shown`
+          + (isRunning(info) ? "; the page adds new ones as they are committed." : ".") }) : null,
+        el("h2", { text: "Prompt" }),
+        data.prompt === null ? el("p", { id: "prompt" }, MISSING)
+          : el("p", { class: "mono", id: "prompt", data: { source: data.prompt_source || "" }, text: data.prompt }),
+        data.prompt_source === "tokens" ? el("p", { class: "note", text: "(its prompt tokens as the model read them: the prompt's own text is written when its batch finishes)" }) : null,
+        el("h2", { text: "Tokens" }), view.legend, view.strip, view.detail);
+      if (info.edits) {
+        const against = el("div", { class: "panel", id: "against-parent" }, el("p", { class: "note", text: "loading…" }));
+        app.insertBefore(against, view.detail);
+        api(`${runUrl(runId)}/sequences/${seq}/parent`).then((d) => { if (gen === generation) parentPanel(runId, seq, d, against); })
+          .catch((e) => showError(e, against));
+      }
+      if (keyHandler) document.removeEventListener("keydown", keyHandler);
+      keyHandler = view.keydown;
+      document.addEventListener("keydown", keyHandler);
+      if (view.steps.length) view.select(selected !== null && view.steps.includes(selected) ? selected : view.steps[0], selected !== null);
+    };
+    draw();
+    const poll = async () => {
+      if (gen !== generation) return;
+      let next;
+      try { next = await load(); } catch (e) { next = null; } // a failed poll: try again at the next one
+      if (gen !== generation) return;
+      if (next) {
+        const [i, d] = next;
+        const changed = d.steps !== data.steps || d.tokens.length !== data.tokens.length || statusLabel(i) !== statusLabel(info)
+          || d.prompt !== data.prompt;
+        [info, data] = [i, d];
+        if (changed) draw();
+      }
+      if (isRunning(info)) refreshTimer = setTimeout(poll, REFRESH_MS);
+    };
+    if (isRunning(info)) refreshTimer = setTimeout(poll, REFRESH_MS);
   }
 
   function parentPanel(runId, seq, d, box) {
     const max = absMax(d.rows.map((r) => r.logprob_shift));
     const parentCell = (r) => d.parent_found && r.parent !== null
-      ? el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}/step/${r.step}`, text: shownToken(r.parent) }) : shownToken(r.parent ?? "–");
+      ? el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}/step/${r.step}` }, tokenBox(r.parent)) : tokenBox(r.parent);
     put(box, el("h2", {}, "Against its parent ", el("a", { href: `#/run/${enc(d.parent_id)}/seq/${seq}`, text: d.parent_id })),
-      el("p", {}, el("b", { text: "edits: " }), el("code", { text: d.label || "–" }),
+      el("p", {}, el("b", { text: "edits: " }), el("code", { text: d.label || MISSING }),
         ` · mode ${d.mode}` + (d.first_edited_step !== null && d.first_edited_step !== undefined ? ` · first edited step ${d.first_edited_step}` : "")),
       el("ul", { id: "interventions" }, ...d.interventions.map((e) => el("li", { class: "mono", text: JSON.stringify(e) }))),
       d.parent_found ? null : el("p", { class: "note", text: `the parent ${d.parent_id} is not in this runs directory` }),
@@ -346,10 +395,10 @@
           el("th", { text: h, class: ["parent", "child"].includes(h) ? null : "num" })))),
         el("tbody", {}, ...d.rows.map((r) => el("tr", { class: r.differs ? "differs" : null, data: { step: r.step } },
           el("td", { class: "num", text: r.step }), el("td", { class: "mono parent" }, parentCell(r)),
-          el("td", { class: "mono child", text: shownToken(r.child ?? "–") }),
+          el("td", { class: "mono child" }, tokenBox(r.child)),
           el("td", { class: "num shift", text: fmt(r.logprob_shift, 4), style: { background: r.logprob_shift === null ? null : signedColour(r.logprob_shift, max) } }),
           el("td", { class: "num", text: fmt(r.kl_parent_child_topk, 4) }),
-          el("td", { class: "num", text: r.winner_changed === null ? "–" : r.winner_changed ? "yes" : "no" }))))));
+          el("td", { class: "num", text: r.winner_changed === null ? MISSING : r.winner_changed ? "yes" : "no" }))))));
   }
 
   // ---- routing ---------------------------------------------------------------------------------

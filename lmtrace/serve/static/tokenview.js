@@ -8,11 +8,25 @@
 
 window.lmtraceView = (() => {
   // ---- helpers ---------------------------------------------------------------------------------
+  // A value the run does not have. As an element's text or child it is drawn as `none()`: an empty,
+  // hatched box titled "no value", never a character a token could also be ("-", "–"); inside a
+  // string (a tooltip) it reads "no value".
+  const MISSING = Object.freeze({ toString: () => "no value" });
+  function none() {
+    const node = document.createElement("span");
+    node.className = "none";
+    node.title = "no value";
+    node.setAttribute("role", "img");
+    node.setAttribute("aria-label", "no value");
+    return node;
+  }
+
   function el(tag, props, ...children) {
     const node = document.createElement(tag);
     for (const [k, v] of Object.entries(props || {})) {
       if (v === undefined || v === null) continue;
       if (k === "class") node.className = v;
+      else if (k === "text" && v === MISSING) node.appendChild(none());
       else if (k === "text") node.textContent = v;
       else if (k === "data") Object.assign(node.dataset, v);
       else if (k === "style") Object.assign(node.style, v);
@@ -21,20 +35,25 @@ window.lmtraceView = (() => {
     }
     for (const c of children) {
       if (c === null || c === undefined || c === false) continue;
+      if (c === MISSING) { node.appendChild(none()); continue; }
       node.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
     }
     return node;
   }
 
-  const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : Number(x).toFixed(d));
+  const fmt = (x, d = 3) => (x === null || x === undefined ? MISSING : Number(x).toFixed(d));
   // a probability: fixed decimals, or 2 significant digits when it would read as 0
-  const fmtP = (x, d = 3) => (x === null || x === undefined ? "–"
+  const fmtP = (x, d = 3) => (x === null || x === undefined ? MISSING
     : x !== 0 && Math.abs(x) < 0.5 * 10 ** -d ? Number(x).toExponential(1) : Number(x).toFixed(d));
   // running text (the strip, prompts): newlines and tabs as visible marks, so one token stays on one line
   const shown = (t) => (t === null || t === undefined ? "" : String(t).replace(/\n/g, "↵").replace(/\t/g, "⇥"));
   // one token on its own (a table cell, a key label): its leading spaces as ␣ as well, which in
   // running text are the gaps between words but alone would read as indentation or nothing
   const shownToken = (t) => shown(t).replace(/^ +/, (s) => "␣".repeat(s.length));
+  // one token in a table cell: boxed, so that a token "-" or "." reads as a token and never as the
+  // page's own punctuation; a token the run does not have is none()
+  const tokenBox = (t) => (t === null || t === undefined ? none()
+    : el("span", { class: "t", title: `token ${JSON.stringify(t)}`, text: shownToken(t) }));
 
   function mix(a, b, t) { return a.map((x, i) => Math.round(x + (b[i] - x) * t)); }
   const ORANGE = [253, 184, 99], LIGHT = [247, 247, 247], BLUE = [146, 197, 222];
@@ -76,7 +95,7 @@ window.lmtraceView = (() => {
   }
 
   // Ranks are stored 0-based (tokens.parquet, steps.parquet); shown from 1 like the alternatives, as `show` does.
-  function rank1(r) { return r == null ? "–" : String(r + 1); }
+  function rank1(r) { return r == null ? MISSING : String(r + 1); }
 
   // heads' pattern and grid views kept while moving between tokens (and pages)
   let gridView = "heads";
@@ -148,11 +167,11 @@ window.lmtraceView = (() => {
     if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
     const facts = el("table", { class: "list" }, el("tbody", {},
       ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.token_rank)],
-        ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", t.greedy === null ? null : shownToken(t.greedy)]].map(([k, x]) =>
-        el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num", text: x ?? "–" })))));
+        ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", tokenBox(t.greedy)]].map(([k, x]) =>
+        el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num" }, x ?? MISSING)))));
     const alts = el("table", { class: "list", id: v.id("alternatives") },
       el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
-      el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono", text: shownToken(a.text) }),
+      el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono" }, tokenBox(a.text)),
         el("td", { class: "num", text: fmtP(a.prob, 4) })))));
     return el("div", { class: "panel", id: v.id("token-panel") }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shownToken(t.token) })),
       facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
@@ -165,7 +184,7 @@ window.lmtraceView = (() => {
     box.appendChild(el("table", { class: "list", id: v.id("lens") },
       el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank (1 = top-1)", "chosen p"].map((h) => el("th", { text: h })))),
       el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
-        el("td", { class: "mono", text: shownToken(r.top1) }), el("td", { class: "num", text: fmtP(r.top1_prob) }),
+        el("td", { class: "mono" }, tokenBox(r.top1)), el("td", { class: "num", text: fmtP(r.top1_prob) }),
         el("td", { class: "num", text: rank1(r.target_rank) }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
     return box;
   }
@@ -276,7 +295,7 @@ window.lmtraceView = (() => {
     for (const g of groups) {
       const max = absMax(g.scores.map((x) => x.score));
       box.appendChild(el("div", { class: "attribution", data: { method: g.method, explain: g.explain_id } },
-        el("h3", { text: `${g.method} · ${g.target || "–"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
+        el("h3", { text: `${g.method} · ${g.target || "no target"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
         el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
           data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
           style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
@@ -301,8 +320,8 @@ window.lmtraceView = (() => {
     if ("conservation_error" in k) {
       box.appendChild(el("p", { class: "note conservation", data: { error: k.conservation_error ?? "", relative: k.conservation_error_relative ?? "" },
         text: `conservation: f = ${fmt(k.f_x, 4)}, Σ scores + bias = ${fmt((k.sum_scores ?? NaN) + (k.bias_relevance ?? NaN), 4)}, `
-          + `error ${k.conservation_error === null ? "–" : Number(k.conservation_error).toExponential(2)} `
-          + `(relative ${k.conservation_error_relative === null || k.conservation_error_relative === undefined ? "–" : Number(k.conservation_error_relative).toExponential(2)})` }));
+          + `error ${k.conservation_error === null ? "not recorded" : Number(k.conservation_error).toExponential(2)} `
+          + `(relative ${k.conservation_error_relative === null || k.conservation_error_relative === undefined ? "not recorded" : Number(k.conservation_error_relative).toExponential(2)})` }));
     }
     if (names.length) {
       const max = absMax(names.flatMap((n) => c.per_layer[n]));
@@ -342,5 +361,6 @@ window.lmtraceView = (() => {
           ...row.map((x) => el("td", { class: "cell", text: fmt(x), style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } })))))));
   }
 
-  return { el, put, fmt, fmtP, shown, shownToken, probColour, signedColour, absMax, showError, rank1, tokenView };
+  return { el, put, fmt, fmtP, shown, shownToken, tokenBox, none, MISSING, probColour, signedColour, absMax, showError, rank1,
+    tokenView };
 })();
