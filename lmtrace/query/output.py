@@ -1,8 +1,8 @@
 """A query's result in the formats `lmtrace query` writes: a terminal table, CSV, JSON lines, Parquet.
 
-Rows stream from DuckDB in Arrow record batches (CSV and Parquet are written by DuckDB itself), so
-a large result never becomes Python objects except for JSON, and the table reads only the rows it
-shows.
+Rows stream from DuckDB in Arrow record batches, written by lmtrace (CSV column-wise by Arrow,
+Parquet by pyarrow), so a large result never becomes Python objects except for JSON, and the table
+reads only the rows it shows.
 """
 
 from __future__ import annotations
@@ -101,41 +101,88 @@ def write_json_lines(rel: duckdb.DuckDBPyRelation, fh) -> int:
     return n
 
 
-def flat_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
-    """The relation with list, struct and map columns as text (`[1, 2]`, as DuckDB's CSV writes
-    them), which a CSV writer can take."""
-    nested = ("[]", "STRUCT", "MAP", "UNION")
-    exprs = []
-    for name, kind in zip(rel.columns, rel.types):
-        quoted = ident(name)
-        exprs.append(f"CAST({quoted} AS VARCHAR) AS {quoted}" if any(n in str(kind) for n in nested) else quoted)
-    return rel.project(", ".join(exprs))
+def text_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """The relation with every column as DuckDB's text of it (as its CSV writer spells values:
+    `1.5`, `true`, `[1, 2]`, `2026-01-01 00:00:00`), null kept null."""
+    return rel.project(", ".join(f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}" for name in rel.columns))
 
 
-def write_csv_stream(rel: duckdb.DuckDBPyRelation, fh) -> None:
-    """CSV with a header line, streamed batch by batch to a text stream (stdout)."""
-    import pyarrow.csv as pacsv
+NEEDS_QUOTES = r'[",\r\n]'
 
-    reader = flat_columns(rel).to_arrow_reader(batch_size=65536)
-    fh.flush()
-    sink = fh.buffer if hasattr(fh, "buffer") else fh
-    options = pacsv.WriteOptions(quoting_style="needed")
-    with pacsv.CSVWriter(sink, reader.schema, write_options=options) as writer:
-        for batch in reader:
-            writer.write_batch(batch)
+
+def csv_field(text: str | None) -> str:
+    """One CSV field: quoted (quotes doubled) only when it holds a comma, a quote or a line break,
+    or is empty text (null is an empty field), as DuckDB writes CSV."""
+    if text is None:
+        return ""
+    if text == "" or any(c in text for c in ',"\r\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def csv_lines(batch: pa.RecordBatch) -> bytes:
+    """A batch of text columns as CSV lines (`csv_field` on every cell, computed column-wise by Arrow)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    cells = []
+    for column in batch.columns:
+        column = column.cast(pa.string())
+        quote = pc.or_(pc.match_substring_regex(column, NEEDS_QUOTES), pc.equal(pc.utf8_length(column), 0))
+        quoted = pc.binary_join_element_wise('"', pc.replace_substring(column, '"', '""'), '"', "")
+        cells.append(pc.fill_null(pc.if_else(quote, quoted, column), ""))
+    lines = pc.binary_join_element_wise(*cells, ",") if len(cells) > 1 else cells[0]
+    lines = pc.binary_join_element_wise(lines, "\n", "")  # each row ends with a line break
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset:lines.offset + len(lines) + 1]
+    return lines.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+
+
+class TextSink:
+    """A text stream (with no binary buffer under it) taking the UTF-8 bytes `write_csv` writes."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data: bytes) -> None:
+        self.fh.write(data.decode())
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def write_csv(rel: duckdb.DuckDBPyRelation, sink) -> None:
+    """CSV with a header line, streamed batch by batch to a binary stream (`csv_lines`)."""
+    reader = text_columns(rel).to_arrow_reader(batch_size=65536)
+    sink.write((",".join(csv_field(n) for n in reader.schema.names) + "\n").encode())
+    for batch in reader:
+        if batch.num_rows:
+            sink.write(csv_lines(batch))
     sink.flush()
 
 
+def write_parquet(rel: duckdb.DuckDBPyRelation, out: Path) -> None:
+    """The result as a Parquet file, streamed batch by batch."""
+    import pyarrow.parquet as pq
+
+    reader = rel.to_arrow_reader(batch_size=65536)
+    with pq.ParquetWriter(out, reader.schema) as writer:
+        for batch in reader:
+            writer.write_batch(batch)
+
+
 def write_result(rel: duckdb.DuckDBPyRelation, fmt: str, out: Path | None) -> None:
-    """The whole result in `fmt`, to `out` or (csv, json) to stdout."""
+    """The whole result in `fmt`, to `out` or (csv, json) to stdout. lmtrace writes the file, not
+    DuckDB (whose connection may open no file for writing: query/guard.py)."""
     if fmt == "table":
         print_table(rel)
     elif fmt == "parquet":
-        rel.write_parquet(str(out))
+        write_parquet(rel, out)
     elif fmt == "csv" and out is not None:
-        rel.write_csv(str(out), header=True)
+        with open(out, "wb") as fh:
+            write_csv(rel, fh)
     elif fmt == "csv":
-        write_csv_stream(rel, sys.stdout)
+        sys.stdout.flush()
+        write_csv(rel, sys.stdout.buffer if hasattr(sys.stdout, "buffer") else TextSink(sys.stdout))
     elif out is not None:
         with open(out, "w") as fh:
             write_json_lines(rel, fh)
