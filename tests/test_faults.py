@@ -806,7 +806,7 @@ def test_query_locks_duckdb_itself_to_reading_the_views_files(complete_runs, tmp
     monkeypatch.chdir(tmp_path)
     catalog = read_catalog(Path("runs"))
     con = connect(catalog, ["tokens"])
-    lock(con, [str(p) for p in catalog.listed], "SELECT * FROM tokens", Path("runs"), str(tmp_path / "tmp"))
+    lock(con, [str(p) for p in catalog.listed], "SELECT * FROM tokens", str(tmp_path / "tmp"))
     assert con.execute("SELECT count(*) FROM tokens").fetchall()[0][0] == len(Run(runs / "a").tokens())
     for sql in ("COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet)", "ATTACH 'runs/x.duckdb'",
                 "EXPORT DATABASE 'runs/exp'", "SET enable_external_access = true", "RESET lock_configuration",

@@ -90,7 +90,7 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
             con = None
             try:
                 con = connect(catalog, views)
-                lock(con, [str(p) for p in catalog.listed], sql, root, temp_dir)
+                lock(con, [str(p) for p in catalog.listed], sql, temp_dir)
                 rel = con.sql(sql)
                 if rel is not None:
                     write_result(rel, fmt, out)

@@ -7,9 +7,8 @@ Two layers, both DuckDB's own:
   connection is made.
 - its configuration (`lock`): after the views are created, external access is turned off and the
   configuration locked, so the query can open only the Parquet files the views read and the files
-  its SQL names as strings (`allowed_paths`); a directory or glob the SQL names is allowed as a
-  whole (`allowed_directories`) only outside the runs directory. No extension can be installed or
-  loaded, and no SET can undo any of it.
+  its SQL names as strings (`allowed_paths`: a file, or a glob and the files it matches); no
+  directory. No extension can be installed or loaded, and no SET can undo any of it.
 
 Writing a result is `--out`'s job (written by lmtrace, never inside the runs directory).
 """
@@ -64,15 +63,14 @@ def check_out(out: Path | None, root: Path) -> None:
                         f"write the result elsewhere")
 
 
-def named_paths(sql: str, root: Path) -> tuple[list[str], list[str]]:
-    """The files and directories the SQL names as string constants that DuckDB may read:
-    (existing files anywhere, as given and absolute; directories outside the runs directory, and the
-    directory part of a glob outside it)."""
-    files, dirs = [], []
+def named_paths(sql: str) -> list[str]:
+    """The files the SQL names as string constants, which DuckDB may read: an existing file (as given,
+    absolute and with symlinks resolved), or a glob (the pattern and the files it matches now)."""
+    out: list[str] = []
     try:
         tokens = duckdb.tokenize(sql)
     except duckdb.Error:
-        return files, dirs
+        return out
     starts = [start for start, _ in tokens] + [len(sql)]
     for i, (start, kind) in enumerate(tokens):
         if kind != duckdb.token_type.string_const:
@@ -83,39 +81,30 @@ def named_paths(sql: str, root: Path) -> tuple[list[str], list[str]]:
         value = os.path.expanduser(text[1:-1].replace("''", "'"))
         if not value or "\0" in value:
             continue
-        if any(c in value for c in GLOB_CHARS):
-            base = value[:min(value.index(c) for c in GLOB_CHARS if c in value)]
-            folder = Path(base if base.endswith(os.sep) else os.path.dirname(base) or ".")
-            if folder.is_dir() and not inside(folder, root) and not inside(root, folder):
-                dirs.append(str(folder.resolve()) + os.sep)
-            elif folder.is_dir():  # a glob over (or above) the runs directory: its existing files only
-                files += [os.path.abspath(p) for p in glob.glob(value, recursive=True) if os.path.isfile(p)]
-            continue
-        p = Path(value)
         try:
-            if p.is_file():
-                files += [os.path.abspath(p), os.path.realpath(p)]
-            elif p.is_dir() and not inside(p, root) and not inside(root, p):
-                dirs.append(str(p.resolve()) + os.sep)
-        except OSError:
+            if any(c in value for c in GLOB_CHARS):
+                matched = [p for p in glob.glob(value, recursive=True) if os.path.isfile(p)]
+                out += [os.path.abspath(value)] + [os.path.abspath(p) for p in matched]
+            elif os.path.isfile(value):
+                out += [os.path.abspath(value), os.path.realpath(value)]
+        except (OSError, ValueError):
             continue
-    return files, dirs
+    return out
 
 
 def _list(values: list[str]) -> str:
     return "[" + ", ".join("'" + v.replace("'", "''") + "'" for v in dict.fromkeys(values)) + "]"
 
 
-def lock(con: duckdb.DuckDBPyConnection, read: list[str], sql: str, root: Path, temp_dir: str) -> None:
+def lock(con: duckdb.DuckDBPyConnection, read: list[str], sql: str, temp_dir: str) -> None:
     """Lock `con` down: DuckDB may open only the files `read` (the views' files) and those the SQL
     names (`named_paths`); nothing else, no extension, and no setting can change afterwards.
     `temp_directory` (where DuckDB spills a large sort) is a private one outside the runs."""
-    files, dirs = named_paths(sql, root)
-    paths = [os.path.abspath(p) for p in read] + [os.path.realpath(p) for p in read] + files
+    paths = [os.path.abspath(p) for p in read] + [os.path.realpath(p) for p in read] + named_paths(sql)
     con.execute(f"SET temp_directory = {_list([temp_dir])[1:-1]}")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
     con.execute(f"SET allowed_paths = {_list(paths)}")
-    con.execute(f"SET allowed_directories = {_list(dirs + [temp_dir.rstrip(os.sep) + os.sep])}")
+    con.execute(f"SET allowed_directories = {_list([temp_dir.rstrip(os.sep) + os.sep])}")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
