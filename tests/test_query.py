@@ -198,6 +198,13 @@ def test_format_flags_are_checked(runs_dir, tmp_path):
     assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "x.txt")), 2, "--format")
 
 
+def test_out_that_cannot_be_a_file_is_one_line_exit_2(tmp_path):
+    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path), "-f", "csv"), 2,
+                          "is a directory")
+    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "no" / "x.csv")), 2,
+                          "does not exist")
+
+
 def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, tmp_path):
     root = tmp_path / "runs"
     good = shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000000-000aaaaaa")

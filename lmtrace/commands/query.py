@@ -93,7 +93,12 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
                 lock(con, [str(p) for p in catalog.listed], sql, temp_dir)
                 rel = con.sql(sql)
                 if rel is not None:
-                    write_result(rel, fmt, out)
+                    try:
+                        write_result(rel, fmt, out)
+                    except OSError as err:
+                        if out is None:
+                            raise
+                        raise SpecError(f"cannot write --out {out} ({err.strerror or err})") from None
                 return
             except duckdb.Error as err:  # a bad query, or a file that fails to read (checked by reading it)
                 if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read

@@ -57,10 +57,17 @@ def inside(path: Path, root: Path) -> bool:
 
 
 def check_out(out: Path | None, root: Path) -> None:
-    """--out inside the runs directory (after symlinks, relative paths) is refused."""
-    if out is not None and inside(out, root):
+    """--out inside the runs directory (after symlinks, relative paths) is refused, and so is one that
+    cannot be a file (a directory; a folder that does not exist)."""
+    if out is None:
+        return
+    if inside(out, root):
         raise SpecError(f"--out {out}: inside the runs directory {root}, which lmtrace query never changes; "
                         f"write the result elsewhere")
+    if out.is_dir():
+        raise SpecError(f"--out {out} is a directory; give a file name")
+    if not out.absolute().parent.is_dir():
+        raise SpecError(f"--out {out}: the folder {out.absolute().parent} does not exist; create it first")
 
 
 def named_paths(sql: str) -> list[str]:
