@@ -219,6 +219,31 @@ def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, 
     assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000009-000ffffff is damaged"), proc.stderr
 
 
+def test_a_file_duckdb_fails_to_read_is_pinned_to_its_own_run(runs_dir, tmp_path, monkeypatch, capsys):
+    """Past the byte check (here: switched off), DuckDB's error quotes every file of the view; the run
+    whose file fails is the one found by reading each file alone, not the first run the message names."""
+    import lmtrace.commands.query as query
+
+    root = tmp_path / "runs"
+    shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000000-000aaaaaa")
+    bad = shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000009-000ffffff")
+    _rename(bad, "20260101-000009-000ffffff")
+    data = bytearray((bad / "tokens.parquet").read_bytes())
+    data[4:len(data) - 8] = bytes(len(data) - 12)  # same size, does not decode
+    (bad / "tokens.parquet").write_bytes(bytes(data))
+    monkeypatch.setattr(query, "damaged_runs", lambda *args: [], raising=False)
+    monkeypatch.delenv("LMTRACE_RUNS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # ./runs, as the views name the files: relative
+    query.query_command("SELECT run_id, count(*) AS n FROM tokens GROUP BY ALL", fmt="json")
+    captured = capsys.readouterr()
+    got = pd.read_json(io.StringIO(captured.out), lines=True)
+    assert got.run_id.tolist() == ["20260101-000000-000aaaaaa"]
+    assert got.n.tolist() == [len(pd.read_parquet(root / "20260101-000000-000aaaaaa" / "tokens.parquet"))]
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000009-000ffffff is damaged "
+                                                   "(tokens.parquet does not decode"), captured.err
+
+
 def test_an_older_archive_s_head_column_reads_as_q_head(runs_dir, tmp_path):
     """Archives written before the rename call the query-head column `head` (pandas' DataFrame.head):
     the views, read_sweep and the report's heads read it as `q_head`, next to newer runs."""

@@ -127,8 +127,8 @@ def failing_file(catalog: Catalog, views: list[str]) -> tuple[str, str] | None:
                 continue
             for f in catalog.files(view):
                 try:
-                    reader = con.execute("SELECT * FROM read_parquet(?)", [str(f.path)]).fetch_record_batch(65536)
-                    for _ in reader:
+                    literal = "'" + str(f.path).replace("'", "''") + "'"
+                    for _ in con.sql(f"SELECT * FROM read_parquet({literal})").to_arrow_reader(batch_size=65536):
                         pass
                 except duckdb.Error as err:
                     if not f.path.exists():
