@@ -316,6 +316,19 @@ def test_csv_quotes_only_the_fields_that_need_it(tmp_path):
     assert (tmp_path / "o.csv").read_text() == want.getvalue()
 
 
+def test_csv_is_what_duckdb_s_own_writer_writes(tmp_path):
+    import duckdb
+
+    sql = ("SELECT i, i / 3 AS third, 1e-7 * i AS tiny, 0.0 AS zero, [i, i + 1] AS pair, {'k': i} AS rec, "
+           "TIMESTAMP '2026-01-01 00:00:00' + INTERVAL (i) HOUR AS at, i % 2 = 0 AS even, "
+           "CASE WHEN i = 1 THEN '' WHEN i = 2 THEN NULL ELSE 'a,b \"c\"' END AS text, 1.5::DECIMAL(5, 2) AS d "
+           "FROM range(4) r(i) ORDER BY i")
+    duckdb.execute(f"COPY ({sql}) TO '{tmp_path / 'duck.csv'}' (HEADER)")
+    proc = lmtrace(tmp_path, "query", sql, "-f", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (tmp_path / "duck.csv").read_text()
+
+
 def test_a_changed_page_of_an_unfinished_run_s_part_fails_its_checksum_and_skips_the_run(runs_dir, tmp_path):
     """No checksums are recorded before completion: the parts' Parquet page checksums find the change."""
     root = tmp_path / "runs"

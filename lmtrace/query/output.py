@@ -101,13 +101,30 @@ def write_json_lines(rel: duckdb.DuckDBPyRelation, fh) -> int:
     return n
 
 
+# types Arrow writes as text exactly as DuckDB does (left to Arrow: faster than DuckDB's cast)
+ARROW_TEXT = {"VARCHAR", "BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT",
+              "UINTEGER", "UBIGINT"}
+
+
 def text_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
     """The relation with every column as DuckDB's text of it (as its CSV writer spells values:
-    `1.5`, `true`, `[1, 2]`, `2026-01-01 00:00:00`), null kept null."""
-    return rel.project(", ".join(f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}" for name in rel.columns))
+    `1.5`, `true`, `[1, 2]`, `2026-01-01 00:00:00`), null kept null; text, integers and booleans
+    as they are (Arrow's text of them is DuckDB's)."""
+    return rel.project(", ".join(ident(name) if str(kind).upper() in ARROW_TEXT
+                                 else f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}"
+                                 for name, kind in zip(rel.columns, rel.types)))
 
 
-NEEDS_QUOTES = r'[",\r\n]'
+# DuckDB types whose text never holds a comma, a quote or a line break (nor is empty): never quoted
+PLAIN_TYPES = ("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+               "UINTEGER", "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL", "DATE", "TIME", "TIMESTAMP",
+               "INTERVAL", "UUID")
+
+
+def plain_type(kind) -> bool:
+    text = str(kind).upper()
+    return any(text == t or text.startswith(t + "(") or text.startswith(t + " ") or text.startswith(t + "_")
+               for t in PLAIN_TYPES)
 
 
 def csv_field(text: str | None) -> str:
@@ -120,21 +137,49 @@ def csv_field(text: str | None) -> str:
     return text
 
 
-def csv_lines(batch: pa.RecordBatch) -> bytes:
-    """A batch of text columns as CSV lines (`csv_field` on every cell, computed column-wise by Arrow)."""
+def _may_need_quotes(column: pa.Array) -> bool:
+    """Whether any value of a string array may need quotes: a comma, quote or line break among its
+    bytes, or an empty value (or a null), found on the raw buffers."""
+    import numpy as np
+
+    _, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32)[column.offset:column.offset + len(column) + 1]
+    if len(column) and (np.diff(offsets) == 0).any():
+        return True
+    if data_buf is None:
+        return False
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0]:offsets[-1]]
+    return bool(((data == ord(",")) | (data == ord('"')) | (data == ord("\n")) | (data == ord("\r"))).any())
+
+
+def _quoted_where_needed(column: pa.Array) -> pa.Array:
+    import pyarrow.compute as pc
+
+    if not _may_need_quotes(column):
+        return column
+    need = pc.equal(pc.utf8_length(column), 0)
+    for c in (",", '"', "\n", "\r"):
+        need = pc.or_(need, pc.match_substring(column, c))
+    if not pc.any(need).as_py():
+        return column
+    quoted = pc.binary_join_element_wise('"', pc.replace_substring(column, '"', '""'), '"', "")
+    return pc.if_else(need, quoted, column)
+
+
+def csv_lines(batch: pa.RecordBatch, plain: list[bool]) -> pa.Buffer:
+    """A batch of text columns as CSV lines (`csv_field` on every cell, computed column-wise by
+    Arrow; `plain`: the columns whose text never needs quotes)."""
     import numpy as np
     import pyarrow.compute as pc
 
     cells = []
-    for column in batch.columns:
+    for column, is_plain in zip(batch.columns, plain):
         column = column.cast(pa.string())
-        quote = pc.or_(pc.match_substring_regex(column, NEEDS_QUOTES), pc.equal(pc.utf8_length(column), 0))
-        quoted = pc.binary_join_element_wise('"', pc.replace_substring(column, '"', '""'), '"', "")
-        cells.append(pc.fill_null(pc.if_else(quote, quoted, column), ""))
+        cells.append(pc.fill_null(column if is_plain else _quoted_where_needed(column), ""))
     lines = pc.binary_join_element_wise(*cells, ",") if len(cells) > 1 else cells[0]
     lines = pc.binary_join_element_wise(lines, "\n", "")  # each row ends with a line break
     offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset:lines.offset + len(lines) + 1]
-    return lines.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])]
 
 
 class TextSink:
@@ -143,8 +188,8 @@ class TextSink:
     def __init__(self, fh):
         self.fh = fh
 
-    def write(self, data: bytes) -> None:
-        self.fh.write(data.decode())
+    def write(self, data) -> None:
+        self.fh.write(bytes(data).decode())
 
     def flush(self) -> None:
         self.fh.flush()
@@ -152,11 +197,12 @@ class TextSink:
 
 def write_csv(rel: duckdb.DuckDBPyRelation, sink) -> None:
     """CSV with a header line, streamed batch by batch to a binary stream (`csv_lines`)."""
+    plain = [plain_type(kind) for kind in rel.types]
     reader = text_columns(rel).to_arrow_reader(batch_size=65536)
     sink.write((",".join(csv_field(n) for n in reader.schema.names) + "\n").encode())
     for batch in reader:
         if batch.num_rows:
-            sink.write(csv_lines(batch))
+            sink.write(csv_lines(batch, plain))
     sink.flush()
 
 
