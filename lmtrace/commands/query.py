@@ -46,8 +46,8 @@ def sql_error(err: duckdb.Error) -> SpecError:
     if isinstance(err, duckdb.CatalogException) and "Table" in first:
         first += f" (views: {', '.join(VIEWS)})"
     if isinstance(err, duckdb.PermissionException):
-        first += (" (lmtrace query reads the views' files and the files its SQL names as strings, and writes "
-                  "nothing: write a result with --out FILE)")
+        first += (" (lmtrace query reads the views' files and the files its SQL names as strings outside the runs "
+                  "directory, and writes nothing: write a result with --out FILE)")
     return SpecError(first)
 
 
@@ -90,7 +90,7 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
             con = None
             try:
                 con = connect(catalog, views)
-                lock(con, [str(p) for p in catalog.listed], sql, temp_dir)
+                lock(con, [str(p) for p in catalog.listed], sql, root, temp_dir)
                 rel = con.sql(sql)
                 if rel is not None:
                     try:

@@ -22,25 +22,59 @@ from pathlib import Path
 import duckdb
 
 from ..errors import SpecError
+from .check import printable
 
 # statements that read and answer (DuckDB's StatementType names); MULTI: PIVOT (an enum type, then a SELECT)
 READING = {"SELECT", "EXPLAIN", "MULTI"}
 GLOB_CHARS = "*?["
 
 
+def _kind(statement) -> str:
+    return str(statement.type).rsplit(".", 1)[-1]
+
+
+def explained(query: str) -> str | None:
+    """The statement an EXPLAIN statement explains (`EXPLAIN [ANALYZE] [(options)] STATEMENT`), or None."""
+    tokens = duckdb.tokenize(query)
+    starts = [start for start, _ in tokens] + [len(query)]
+    word = lambda i: query[starts[i]:starts[i + 1]].strip().upper()  # noqa: E731
+    i = 1
+    if i < len(tokens) and word(i) in ("ANALYZE", "ANALYSE"):
+        i += 1
+    if i < len(tokens) and word(i).startswith("("):
+        depth = 0
+        while i < len(tokens):
+            depth += word(i).count("(") - word(i).count(")")
+            i += 1
+            if depth <= 0:
+                break
+    return query[starts[i]:] if i < len(tokens) else None
+
+
 def statement_refusal(sql: str) -> str | None:
     """Why the SQL is refused as a writer (None when every statement only reads, or DuckDB cannot parse
-    it: running it then gives DuckDB's own parser error)."""
+    it: running it then gives DuckDB's own parser error). An EXPLAIN (ANALYZE runs what it explains)
+    passes only when what it explains does."""
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error:
         return None
     for st in statements:
-        kind = str(st.type).rsplit(".", 1)[-1]
-        if kind not in READING:
-            word = (st.query.strip().split() or [kind])[0].upper()
-            return (f"lmtrace query is read-only: {word} statements are refused (only SELECT and EXPLAIN run); "
-                    f"write a result with --out FILE")
+        kind, query = _kind(st), st.query
+        if kind == "EXPLAIN":
+            inner = explained(query)
+            try:
+                inner_kinds = [_kind(x) for x in duckdb.extract_statements(inner)] if inner else []
+            except duckdb.Error:
+                inner_kinds = []
+            if inner_kinds and all(k in READING - {"EXPLAIN"} for k in inner_kinds):
+                continue
+            query = inner or query
+        elif kind in READING:
+            continue
+        word = printable((query.strip().split() or [kind])[0].upper())
+        return (f"lmtrace query is read-only: {word} statements are refused (only SELECT and EXPLAIN run); "
+                f"write a result with --out FILE")
     return None
 
 
@@ -62,7 +96,7 @@ def check_out(out: Path | None, root: Path) -> None:
     if out is None:
         return
     if inside(out, root):
-        raise SpecError(f"--out {out}: inside the runs directory {root}, which lmtrace query never changes; "
+        raise SpecError(f"--out {printable(str(out))}: inside the runs directory {root}, which lmtrace query never changes; "
                         f"write the result elsewhere")
     if out.is_dir():
         raise SpecError(f"--out {out} is a directory; give a file name")
@@ -70,9 +104,10 @@ def check_out(out: Path | None, root: Path) -> None:
         raise SpecError(f"--out {out}: the folder {out.absolute().parent} does not exist; create it first")
 
 
-def named_paths(sql: str) -> list[str]:
+def named_paths(sql: str, root: Path) -> list[str]:
     """The files the SQL names as string constants, which DuckDB may read: an existing file (as given,
-    absolute and with symlinks resolved), or a glob (the pattern and the files it matches now)."""
+    absolute and with symlinks resolved), or a glob (the pattern and the files it matches now); none
+    inside the runs directory `root` (the views read the runs: DuckDB may open no other file there)."""
     out: list[str] = []
     try:
         tokens = duckdb.tokenize(sql)
@@ -91,8 +126,10 @@ def named_paths(sql: str) -> list[str]:
         try:
             if any(c in value for c in GLOB_CHARS):
                 matched = [p for p in glob.glob(value, recursive=True) if os.path.isfile(p)]
+                if any(inside(Path(p), root) for p in matched):
+                    continue
                 out += [os.path.abspath(value)] + [os.path.abspath(p) for p in matched]
-            elif os.path.isfile(value):
+            elif os.path.isfile(value) and not inside(Path(value), root):
                 out += [os.path.abspath(value), os.path.realpath(value)]
         except (OSError, ValueError):
             continue
@@ -103,11 +140,11 @@ def _list(values: list[str]) -> str:
     return "[" + ", ".join("'" + v.replace("'", "''") + "'" for v in dict.fromkeys(values)) + "]"
 
 
-def lock(con: duckdb.DuckDBPyConnection, read: list[str], sql: str, temp_dir: str) -> None:
+def lock(con: duckdb.DuckDBPyConnection, read: list[str], sql: str, root: Path, temp_dir: str) -> None:
     """Lock `con` down: DuckDB may open only the files `read` (the views' files) and those the SQL
     names (`named_paths`); nothing else, no extension, and no setting can change afterwards.
     `temp_directory` (where DuckDB spills a large sort) is a private one outside the runs."""
-    paths = [os.path.abspath(p) for p in read] + [os.path.realpath(p) for p in read] + named_paths(sql)
+    paths = [os.path.abspath(p) for p in read] + [os.path.realpath(p) for p in read] + named_paths(sql, root)
     con.execute(f"SET temp_directory = {_list([temp_dir])[1:-1]}")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
