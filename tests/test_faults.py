@@ -771,6 +771,8 @@ def _query_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     "COPY (SELECT * FROM tokens) TO 'runs/a/copy.csv'",
     "SELECT 1; COPY (SELECT 1 AS a) TO 'runs/new.parquet' (FORMAT parquet)",
     "EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+    "COPY (PIVOT (SELECT sequence, is_prompt FROM tokens) ON is_prompt USING count(*)) "
+    "TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
     "ATTACH 'runs/x.duckdb'",
     "EXPORT DATABASE 'runs/exp'",
     "INSTALL httpfs",

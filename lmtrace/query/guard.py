@@ -24,8 +24,11 @@ import duckdb
 from ..errors import SpecError
 from .check import printable
 
-# statements that read and answer (DuckDB's StatementType names); MULTI: PIVOT (an enum type, then a SELECT)
+# statements that read and answer (DuckDB's StatementType names). MULTI: a PIVOT (an enum type
+# created, then a SELECT), but also whatever statement holds one (`COPY (PIVOT ...) TO ...`): it
+# passes only when its first word is one of MULTI_READING
 READING = {"SELECT", "EXPLAIN", "MULTI"}
+MULTI_READING = {"PIVOT", "UNPIVOT", "SELECT", "FROM", "WITH", "VALUES", "(", "EXPLAIN"}
 GLOB_CHARS = "*?["
 
 
@@ -51,31 +54,46 @@ def explained(query: str) -> str | None:
     return query[starts[i]:] if i < len(tokens) else None
 
 
-def statement_refusal(sql: str) -> str | None:
-    """Why the SQL is refused as a writer (None when every statement only reads, or DuckDB cannot parse
-    it: running it then gives DuckDB's own parser error). An EXPLAIN (ANALYZE runs what it explains)
-    passes only when what it explains does."""
-    try:
-        statements = duckdb.extract_statements(sql)
-    except duckdb.Error:
-        return None
-    for st in statements:
+def _first_word(query: str) -> str:
+    tokens = duckdb.tokenize(query)
+    if not tokens:
+        return ""
+    end = tokens[1][0] if len(tokens) > 1 else len(query)
+    return query[tokens[0][0]:end].strip().upper()
+
+
+def refused_word(sql: str) -> str | None:
+    """The first word of the first statement in `sql` that may write (None: every one only reads).
+    An EXPLAIN passes only when what it explains does (EXPLAIN ANALYZE runs it)."""
+    for st in duckdb.extract_statements(sql):
         kind, query = _kind(st), st.query
-        if kind == "EXPLAIN":
+        word = _first_word(query) or kind
+        if kind == "MULTI" and word not in MULTI_READING:
+            return word
+        if kind == "EXPLAIN" or word == "EXPLAIN":
             inner = explained(query)
             try:
-                inner_kinds = [_kind(x) for x in duckdb.extract_statements(inner)] if inner else []
+                inner_word = refused_word(inner) if inner else word
             except duckdb.Error:
-                inner_kinds = []
-            if inner_kinds and all(k in READING - {"EXPLAIN"} for k in inner_kinds):
-                continue
-            query = inner or query
-        elif kind in READING:
-            continue
-        word = printable((query.strip().split() or [kind])[0].upper())
-        return (f"lmtrace query is read-only: {word} statements are refused (only SELECT and EXPLAIN run); "
-                f"write a result with --out FILE")
+                inner_word = word
+            if inner_word is not None:
+                return inner_word
+        elif kind not in READING:
+            return word
     return None
+
+
+def statement_refusal(sql: str) -> str | None:
+    """Why the SQL is refused as a writer (None when every statement only reads, or DuckDB cannot parse
+    it: running it then gives DuckDB's own parser error)."""
+    try:
+        word = refused_word(sql)
+    except duckdb.Error:
+        return None
+    if word is None:
+        return None
+    return (f"lmtrace query is read-only: {printable(word)} statements are refused (only SELECT and EXPLAIN "
+            f"run); write a result with --out FILE")
 
 
 def check_read_only(sql: str) -> None:
