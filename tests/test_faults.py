@@ -747,3 +747,131 @@ def test_a_killed_intervene_child_is_never_complete_and_keeps_its_flushed_steps(
     assert steps[:8] == list(range(8))
     again = _run(["intervene", "parent", "--ablate-head", "1.1", "--run-id", "kid"], runs)
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
+
+
+# ---- query: read-only over the archives, damaged runs left out ----------------------------------
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under `root` (relative path -> sha256 of its bytes): what `query` must never change."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _query_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`lmtrace query ARGS` in `cwd` with no --runs-dir and no $LMTRACE_RUNS_DIR: the runs are ./runs."""
+    from tests.test_cli_errors import lmtrace
+
+    return lmtrace(cwd, "query", *args, env={"LMTRACE_RUNS_DIR": ""})
+
+
+@pytest.mark.parametrize("sql", [
+    "COPY (SELECT 1 AS a) TO 'runs/a/tokens.parquet' (FORMAT parquet)",
+    "COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+    "COPY (SELECT * FROM tokens) TO 'runs/a/copy.csv'",
+    "SELECT 1; COPY (SELECT 1 AS a) TO 'runs/new.parquet' (FORMAT parquet)",
+    "EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+    "COPY (PIVOT (SELECT sequence, is_prompt FROM tokens) ON is_prompt USING count(*)) "
+    "TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+    "ATTACH 'runs/x.duckdb'",
+    "EXPORT DATABASE 'runs/exp'",
+    "INSTALL httpfs",
+    "LOAD parquet",
+    "SET enable_external_access = true",
+    "SET lock_configuration = false",
+    "PRAGMA enable_profiling = 'json'",
+    "SELECT * FROM query('COPY (SELECT 1 AS a) TO ''runs/q.csv''')",
+])
+def test_query_refuses_every_write_and_the_runs_stay_byte_identical(complete_runs, tmp_path, sql):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    before = _tree(runs)
+    proc = _query_here(tmp_path, sql.replace("{abs}", str(tmp_path)))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert _tree(runs) == before
+    code, out, err = _cli(["verify", "a"], runs)
+    assert code == 0, (out, err)
+
+
+def test_query_locks_duckdb_itself_to_reading_the_views_files(complete_runs, tmp_path, monkeypatch):
+    """Past the statement check, DuckDB's own configuration refuses a write beside the files the
+    views read, and refuses to be unlocked."""
+    import duckdb
+
+    from lmtrace.query.catalog import read_catalog
+    from lmtrace.query.guard import lock
+    from lmtrace.query.views import connect
+
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    monkeypatch.chdir(tmp_path)
+    catalog = read_catalog(Path("runs"))
+    con = connect(catalog, ["tokens"])
+    # the SQL names a run's file as a string: still not one DuckDB may open (the views read the runs)
+    named = "SELECT * FROM tokens, read_text('runs/a/manifest.json')"
+    lock(con, [str(p) for p in catalog.listed], named, Path("runs"), str(tmp_path / "tmp"))
+    assert con.execute("SELECT count(*) FROM tokens").fetchall()[0][0] == len(Run(runs / "a").tokens())
+    for sql in ("COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet)", "ATTACH 'runs/x.duckdb'",
+                "EXPORT DATABASE 'runs/exp'", "SET enable_external_access = true", "RESET lock_configuration",
+                "SELECT * FROM read_text('runs/a/manifest.json')",
+                "COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet, USE_TMP_FILE false)"):
+        with pytest.raises(duckdb.Error):
+            con.execute(sql)
+    assert sorted(p.name for p in (runs / "a").iterdir()) == sorted(p.name for p in complete_runs[0].iterdir())
+
+
+def test_query_out_inside_the_runs_directory_is_refused(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    (tmp_path / "link").symlink_to(runs / "a")
+    (tmp_path / "elsewhere").mkdir()
+    before = _tree(runs)
+    for out in ("runs/a/sequences.parquet", str(runs / "new.csv"), "link/sequences.parquet",
+                "elsewhere/../runs/a/x.json", "runs"):
+        proc = _query_here(tmp_path, "SELECT * FROM sequences", "--out", out, "-f", "csv")
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and "inside the runs directory" in lines[0], (out, proc.stderr)
+    assert _tree(runs) == before
+    proc = _query_here(tmp_path, "SELECT count(*) AS n FROM sequences", "--out", "elsewhere/n.csv")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "elsewhere" / "n.csv").read_text() == f"n\n{len(Run(runs / 'a').sequences())}\n"
+
+
+def test_query_reads_the_user_s_own_files_and_writes_none(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "one.csv").write_text("sequence,note\n0,first\n")
+    (tmp_path / "data" / "two.csv").write_text("sequence,note\n1,second\n")
+    proc = _query_here(tmp_path, "SELECT s.sequence, n.note FROM sequences s JOIN read_csv('data/one.csv') n "
+                                 "USING (sequence)", "-f", "csv")
+    assert proc.returncode == 0 and proc.stdout == "sequence,note\n0,first\n", proc.stderr
+    proc = _query_here(tmp_path, "SELECT note FROM 'data/*.csv' ORDER BY note", "-f", "csv")
+    assert proc.returncode == 0 and proc.stdout == "note\nfirst\nsecond\n", proc.stderr
+    proc = _query_here(tmp_path, f"SELECT content FROM read_text('{tmp_path / 'data' / 'one.csv'}')", "-f", "json")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["content"] == "sequence,note\n0,first\n", proc.stderr
+    proc = _query_here(tmp_path, "COPY (SELECT 1 AS a) TO 'data/out.csv'")  # a result is written with --out
+    assert proc.returncode == 2 and "read-only" in proc.stderr and "--out" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["one.csv", "two.csv"]
+
+
+def test_query_skips_one_damaged_run_and_the_healthy_one_answers(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    b = _copy(complete_runs[1], runs)
+    manifest = json.loads((b / "manifest.json").read_text())
+    manifest["run_id"] = "b\x1b[2J\x07"  # control bytes in what the warning quotes
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    raw = bytearray((b / "tokens.parquet").read_bytes())
+    raw[-200] ^= 0x01  # near the end, same size
+    (b / "tokens.parquet").write_bytes(bytes(raw))
+    proc = _query_here(tmp_path, "SELECT run_id, count(*) AS n FROM tokens GROUP BY ALL", "-f", "json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert rows == [{"run_id": "a", "n": len(Run(runs / "a").tokens())}]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("warning: run b\\x1b[2J\\x07 is damaged (tokens.parquet is changed)"), lines
+    assert all(c.isprintable() for c in lines[0])

@@ -38,6 +38,7 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
                           "capture": {"lens": {"when": "inline"}},
                           "output": {"run_id": "20260101-000000-000aaaaaa", "float_dtype": "float32"}})
     heads_command(str(base.path), quiet=True, per_sequence=True)
+    heads_command(str(base.path), quiet=True, by="stop_reason")  # analysis/heads_by_stop_reason.parquet
     run_sweep(str(base.path), SweepSpec(over="attn", metrics=["logprob"], sequences="0,1"))
     run_intervene(str(base.path), [{"kind": "ablate_layer", "layer": 1}], run_id="20260101-000001-000bbbbbb")
     root = base.path.parent
@@ -197,6 +198,13 @@ def test_format_flags_are_checked(runs_dir, tmp_path):
     assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "x.txt")), 2, "--format")
 
 
+def test_out_that_cannot_be_a_file_is_one_line_exit_2(tmp_path):
+    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path), "-f", "csv"), 2,
+                          "is a directory")
+    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "no" / "x.csv")), 2,
+                          "does not exist")
+
+
 def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, tmp_path):
     root = tmp_path / "runs"
     good = shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000000-000aaaaaa")
@@ -209,6 +217,31 @@ def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, 
     assert _frame(proc).run_id.tolist() == ["20260101-000000-000aaaaaa"]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000009-000ffffff is damaged"), proc.stderr
+
+
+def test_a_file_duckdb_fails_to_read_is_pinned_to_its_own_run(runs_dir, tmp_path, monkeypatch, capsys):
+    """Past the byte check (here: switched off), DuckDB's error quotes every file of the view; the run
+    whose file fails is the one found by reading each file alone, not the first run the message names."""
+    import lmtrace.commands.query as query
+
+    root = tmp_path / "runs"
+    shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000000-000aaaaaa")
+    bad = shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000009-000ffffff")
+    _rename(bad, "20260101-000009-000ffffff")
+    data = bytearray((bad / "tokens.parquet").read_bytes())
+    data[4:len(data) - 8] = bytes(len(data) - 12)  # same size, does not decode
+    (bad / "tokens.parquet").write_bytes(bytes(data))
+    monkeypatch.setattr(query, "damaged_runs", lambda *args: [], raising=False)
+    monkeypatch.delenv("LMTRACE_RUNS_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # ./runs, as the views name the files: relative
+    query.query_command("SELECT run_id, count(*) AS n FROM tokens GROUP BY ALL", fmt="json")
+    captured = capsys.readouterr()
+    got = pd.read_json(io.StringIO(captured.out), lines=True)
+    assert got.run_id.tolist() == ["20260101-000000-000aaaaaa"]
+    assert got.n.tolist() == [len(pd.read_parquet(root / "20260101-000000-000aaaaaa" / "tokens.parquet"))]
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000009-000ffffff is damaged "
+                                                   "(tokens.parquet does not decode"), captured.err
 
 
 def test_an_older_archive_s_head_column_reads_as_q_head(runs_dir, tmp_path):
@@ -233,6 +266,89 @@ def test_an_older_archive_s_head_column_reads_as_q_head(runs_dir, tmp_path):
         assert heads[heads.run_id == run_id][["layer", "q_head", "label"]].values.tolist() == want
     assert read_sweep(Run(old)).column_names == read_sweep(Run(new)).column_names
     assert read_sweep(Run(old)).column("q_head").to_pylist() == read_sweep(Run(new)).column("q_head").to_pylist()
+
+
+def test_heads_by_view_has_every_group_and_head_of_the_heads_by_files(runs_dir):
+    got = _frame(_query(runs_dir, "SELECT * FROM heads_by ORDER BY run_id, group_value, layer, q_head", "-f", "json"))
+    frames = []
+    for run in sorted(runs_dir.iterdir()):
+        f = run / "analysis" / "heads_by_stop_reason.parquet"
+        if run.name.endswith("eeeeee") or not f.is_file():
+            continue
+        t = pd.read_parquet(f)
+        # the group's value: `group_value` (the group's own name space), or in files written before, the
+        # column named after the sequences.parquet column, first
+        value = t["group_value"] if "group_value" in t.columns else t[t.columns[0]]
+        frames.append(pd.DataFrame({"run_id": run.name, "group_value": value.astype(str), "layer": t.layer,
+                                    "q_head": t.q_head, "n_sequences": t.n_sequences,
+                                    "induction_score": t.induction_score}))
+    want = pd.concat(frames).sort_values(["run_id", "group_value", "layer", "q_head"]).reset_index(drop=True)
+    assert len(want) > 0 and len(got) == len(want)
+    assert set(got.group_column) == {"stop_reason"}
+    for col in ("run_id", "group_value", "layer", "q_head", "n_sequences"):
+        assert got[col].astype(str).tolist() == want[col].astype(str).tolist(), col
+    np.testing.assert_allclose(got.induction_score.astype(float), want.induction_score.astype(float), rtol=1e-6)
+
+
+def test_runs_view_counts_an_unsharded_run_as_one_shard(runs_dir):
+    got = _frame(_query(runs_dir, "SELECT run_id, status, shards_complete FROM runs ORDER BY run_id", "-f", "json"))
+    for row in got.itertuples():
+        manifest = json.loads((runs_dir / row.run_id / "manifest.json").read_text())
+        assert manifest.get("shards", 1) == 1
+        assert row.shards_complete == ("1/1" if manifest["status"] == "complete" else "0/1"), row
+
+
+def test_csv_quotes_only_the_fields_that_need_it(tmp_path):
+    import csv
+
+    rows = [("a,b", 1, None), ('say "hi"', 2, "x"), ("two\nlines", 3, "plain"), ("café", -4, "tab\there")]
+    values = ", ".join("(" + ", ".join("NULL" if v is None else str(v) if isinstance(v, int)
+                                       else "'" + v.replace("'", "''") + "'" for v in row) + ")" for row in rows)
+    sql = f"SELECT * FROM (VALUES {values}) t(text, n, other) ORDER BY n DESC"
+    want = io.StringIO()
+    writer = csv.writer(want, quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
+    writer.writerow(["text", "n", "other"])
+    writer.writerows(sorted(rows, key=lambda r: -r[1]))
+    proc = lmtrace(tmp_path, "query", sql, "-f", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want.getvalue()
+    assert lmtrace(tmp_path, "query", sql, "--out", str(tmp_path / "o.csv")).returncode == 0
+    assert (tmp_path / "o.csv").read_text() == want.getvalue()
+
+
+def test_csv_is_what_duckdb_s_own_writer_writes(tmp_path):
+    import duckdb
+
+    sql = ("SELECT i, i / 3 AS third, 1e-7 * i AS tiny, 0.0 AS zero, [i, i + 1] AS pair, {'k': i} AS rec, "
+           "TIMESTAMP '2026-01-01 00:00:00' + INTERVAL (i) HOUR AS at, i % 2 = 0 AS even, "
+           "CASE WHEN i = 1 THEN '' WHEN i = 2 THEN NULL ELSE 'a,b \"c\"' END AS text, 1.5::DECIMAL(5, 2) AS d "
+           "FROM range(4) r(i) ORDER BY i")
+    duckdb.execute(f"COPY ({sql}) TO '{tmp_path / 'duck.csv'}' (HEADER)")
+    proc = lmtrace(tmp_path, "query", sql, "-f", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (tmp_path / "duck.csv").read_text()
+
+
+def test_a_changed_page_of_an_unfinished_run_s_part_fails_its_checksum_and_skips_the_run(runs_dir, tmp_path):
+    """No checksums are recorded before completion: the parts' Parquet page checksums find the change."""
+    root = tmp_path / "runs"
+    good = shutil.copytree(runs_dir / "20260101-000003-000dddddd", root / "20260101-000003-000dddddd")
+    bad = shutil.copytree(good, root / "20260101-000005-000ffffff")
+    _rename(bad, "20260101-000005-000ffffff")
+    part = bad / "tokens.parts" / "b000000.parquet"
+    t = pq.read_table(part)
+    # page checksums, as the writer stores parts; plain values, so a changed byte still decodes
+    pq.write_table(t, part, compression="none", use_dictionary=False, write_page_checksum=True)
+    probs = pq.ParquetFile(part).metadata.row_group(0).column(t.schema.get_field_index("prob"))
+    raw = bytearray(part.read_bytes())
+    raw[probs.data_page_offset + probs.total_compressed_size - 3] ^= 0x01  # the last value's byte
+    part.write_bytes(bytes(raw))
+    assert pq.read_table(part).num_rows == t.num_rows  # readers that skip the checksums see no damage
+    proc = _query(root, "SELECT run_id, count(*) AS n FROM tokens GROUP BY run_id", "-f", "json")
+    assert _frame(proc).run_id.tolist() == ["20260101-000003-000dddddd"]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000005-000ffffff is damaged "
+                                                   "(tokens.parts/b000000.parquet is changed"), proc.stderr
 
 
 # ---- the recipes of docs/query.md, each against pandas on the files ------------------------------

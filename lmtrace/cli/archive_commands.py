@@ -82,12 +82,14 @@ def verify(
 
 @app.command()
 def query(
-    sql: str = typer.Argument(..., metavar="SQL", help="A DuckDB query over the views runs, sequences, tokens, steps, "
-                              "effects, heads, heads_per_sequence, sweeps, explain (each with a run_id column)."),
+    sql: str = typer.Argument(..., metavar="SQL", help="A DuckDB SELECT over the views runs, sequences, tokens, steps, "
+                              "effects, heads, heads_per_sequence, heads_by, sweeps, explain (each with a run_id "
+                              "column). Read-only: COPY, ATTACH, SET, ... are refused."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     fmt: Optional[str] = typer.Option(None, "--format", "-f", help="table (default on stdout) | csv | json (one object "
                                       "a line) | parquet (needs --out); with --out, the file's suffix decides."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the result to this file."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the result to this file (never inside "
+                                       "the runs directory)."),
 ):
     """Answer questions across runs with SQL: every run's committed tables as DuckDB views (docs/query.md).
 

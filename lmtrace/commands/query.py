@@ -1,9 +1,11 @@
 """`lmtrace query "SQL"`: run SQL over views of every run's tables (lmtrace/query) and print or
-write the result. Damaged runs are left out, each named in one warning line."""
+write the result. Read-only over the archives (query/guard.py); damaged runs are left out, each
+named in one warning line (query/check.py)."""
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import duckdb
@@ -11,7 +13,9 @@ import duckdb
 from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
 from ..errors import SpecError
-from ..query.catalog import VIEWS, Catalog, first_unreadable, read_catalog
+from ..query.catalog import VIEWS, Catalog, read_catalog
+from ..query.check import damaged_runs, failing_file, first_line, printable
+from ..query.guard import check_out, check_read_only, lock
 from ..query.output import FORMATS, write_result
 from ..query.views import connect, named_views
 
@@ -38,9 +42,12 @@ def output_format(fmt: str | None, out: Path | None) -> str:
 
 def sql_error(err: duckdb.Error) -> SpecError:
     """DuckDB's message in one line (its first; a missing table also lists the views)."""
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    first = first_line(err)
     if isinstance(err, duckdb.CatalogException) and "Table" in first:
         first += f" (views: {', '.join(VIEWS)})"
+    if isinstance(err, duckdb.PermissionException):
+        first += (" (lmtrace query reads the views' files and the files its SQL names as strings outside the runs "
+                  "directory, and writes nothing: write a result with --out FILE)")
     return SpecError(first)
 
 
@@ -49,58 +56,59 @@ def sql_error(err: duckdb.Error) -> SpecError:
 READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException)
 
 
-def damaged_run(catalog: Catalog, err: duckdb.Error, views: list[str]) -> tuple[str, str] | None:
-    """(run id, why) of the readable run whose file failed to read: the file the error names, else
-    (a read error naming none) the first file of the views that does not decode."""
-    message = str(err)
-    first = (message.splitlines() or [type(err).__name__])[0]
-    for row in catalog.runs:
-        if row["path"].rstrip("/") + "/" in message:
-            return row["run_id"], first
-    if type(err) is duckdb.Error or isinstance(err, READ_ERRORS):
-        return first_unreadable(catalog, views)
-    return None
-
-
-def skip_damaged(catalog: Catalog, err: duckdb.Error, views: list[str], warn) -> None:
-    """Leave out the run whose file failed to read, warning; any other error is the SQL's."""
-    found = damaged_run(catalog, err, views)
-    if found is None:
-        raise sql_error(err) from None
-    run_id, why = found
-    catalog.skip(run_id, why)
-    warn(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
-
-
 def warn_line(text: str) -> None:
-    print(f"warning: {text}", file=sys.stderr)
+    print(f"warning: {printable(text)}", file=sys.stderr)
+
+
+def skip(catalog: Catalog, run_id: str, why: str) -> None:
+    """Leave a damaged run out of the query, in one warning line."""
+    catalog.skip(run_id, why)
+    warn_line(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
 
 
 def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = None, out: Path | None = None) -> None:
-    """`lmtrace query`: check the flags, read the catalog, build the views the SQL names, run it and
-    print or write its result. A run whose file fails to read is left out and the query run again."""
+    """`lmtrace query`: check the flags and that the SQL only reads, read the catalog, check the bytes
+    of the files the SQL's views read (damaged runs are left out, each in a warning line), build
+    the views on a DuckDB connection locked to reading them, run the SQL and print or write its
+    result. A run whose file still fails to read is found, left out, and the query run again."""
     if not sql.strip():
         raise SpecError(f"no SQL given: e.g. lmtrace query \"SELECT * FROM runs\" (views: {', '.join(VIEWS)})")
     fmt = output_format(fmt, out)
-    views = named_views(sql)
+    check_read_only(sql)
     root = runs_root(runs_dir)
+    check_out(out, root)
+    views = named_views(sql)
     catalog = read_catalog(root) if views else Catalog(root)  # SQL over no view reads no run
     for run_id, why in catalog.skipped:
         warn_line(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
+    verified: set = set()
     relists = 0
-    while True:
-        con = None
-        try:
-            con = connect(catalog, views)
-            rel = con.sql(sql)
-            if rel is not None:  # None: a statement without a result (SET, ...)
-                write_result(rel, fmt, out)
-            return
-        except duckdb.Error as err:  # a bad query, or a file that fails to read (checked by reading it)
-            if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read
-                relists += 1
-                continue
-            skip_damaged(catalog, err, views, warn_line)
-        finally:
-            if con is not None:
-                con.close()
+    with tempfile.TemporaryDirectory(prefix="lmtrace-query-") as temp_dir:
+        while True:
+            for run_id, why in damaged_runs(catalog, views, verified):
+                skip(catalog, run_id, why)
+            con = None
+            try:
+                con = connect(catalog, views)
+                lock(con, [str(p) for p in catalog.listed], sql, root, temp_dir)
+                rel = con.sql(sql)
+                if rel is not None:
+                    try:
+                        write_result(rel, fmt, out)
+                    except OSError as err:
+                        if out is None:
+                            raise
+                        raise SpecError(f"cannot write --out {out} ({err.strerror or err})") from None
+                return
+            except duckdb.Error as err:  # a bad query, or a file that fails to read (checked by reading it)
+                if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read
+                    relists += 1
+                    continue
+                found = failing_file(catalog, views) if type(err) is duckdb.Error or isinstance(err, READ_ERRORS) \
+                    else None
+                if found is None:
+                    raise sql_error(err) from None
+                skip(catalog, *found)
+            finally:
+                if con is not None:
+                    con.close()

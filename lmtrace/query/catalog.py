@@ -3,7 +3,8 @@ Parquet files that hold its rows, with the run (and sweep) each file belongs to.
 
 Reads manifests and lists files; opens no table. A damaged run (a missing or truncated committed
 file, an unreadable manifest: what `lmtrace ls` shows as `damaged`) is left out and named in
-`Catalog.skipped`, so one bad archive does not hide every other run.
+`Catalog.skipped`, so one bad archive does not hide every other run; query/check.py then checks the
+bytes of the files a query reads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ VIEWS = {
     "effects": "effects.parquet of intervene children: per-step effects",
     "heads": "analysis/heads.parquet: per-head scores and labels (`lmtrace heads`)",
     "heads_per_sequence": "analysis/heads_per_sequence.parquet (`lmtrace heads --per-sequence`)",
+    "heads_by": "analysis/heads_by_<COLUMN>.parquet (`lmtrace heads --by COLUMN`): per group and head",
     "sweeps": "sweeps/<id>/sweep.parquet of finished sweeps, with a sweep_id column",
     "explain": "explain/scores.parts/*.parquet: attribution scores (`lmtrace explain`)",
 }
@@ -71,24 +73,6 @@ class Catalog:
         self.skipped.append((run_id, why))
 
 
-def first_unreadable(catalog: Catalog, views: list[str]) -> tuple[str, str] | None:
-    """(run id, why) of the first file of `views` that does not decode, read whole with pyarrow:
-    what finds a file damaged without a size change when DuckDB's error does not name it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for view in views:
-        if view == "runs":
-            continue
-        for f in catalog.files(view):
-            try:
-                pq.read_table(f.path)
-            except (OSError, pa.ArrowException) as err:
-                first = (str(err).splitlines() or [type(err).__name__])[0]
-                return f.run_id, f"{f.path.name} is unreadable: {first}"
-    return None
-
-
 def read_catalog(root: Path) -> Catalog:
     """Every run under `root`, as `lmtrace ls` sees it (status included); damaged ones set aside."""
     catalog = Catalog(root)
@@ -109,6 +93,9 @@ def view_files(run_dir: Path, run_id: str, view: str) -> list[TableFile]:
         paths = [p for p in [run_dir / ANALYSIS_DIR / HEADS_FILE] if p.is_file()]
     elif view == "heads_per_sequence":
         paths = [p for p in [run_dir / ANALYSIS_DIR / PER_SEQUENCE_FILE] if p.is_file()]
+    elif view == "heads_by":
+        folder = run_dir / ANALYSIS_DIR
+        paths = sorted(p for p in folder.glob("heads_by_*.parquet") if p.is_file()) if folder.is_dir() else []
     elif view == "explain":
         folder = run_dir / EXPLAIN_DIR / SCORES_PARTS
         paths = sorted(folder.glob("[!.]*.parquet")) if folder.is_dir() else []

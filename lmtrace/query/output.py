@@ -1,8 +1,8 @@
 """A query's result in the formats `lmtrace query` writes: a terminal table, CSV, JSON lines, Parquet.
 
-Rows stream from DuckDB in Arrow record batches (CSV and Parquet are written by DuckDB itself), so
-a large result never becomes Python objects except for JSON, and the table reads only the rows it
-shows.
+Rows stream from DuckDB in Arrow record batches, written by lmtrace (CSV column-wise by Arrow,
+Parquet by pyarrow), so a large result never becomes Python objects except for JSON, and the table
+reads only the rows it shows.
 """
 
 from __future__ import annotations
@@ -101,41 +101,134 @@ def write_json_lines(rel: duckdb.DuckDBPyRelation, fh) -> int:
     return n
 
 
-def flat_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
-    """The relation with list, struct and map columns as text (`[1, 2]`, as DuckDB's CSV writes
-    them), which a CSV writer can take."""
-    nested = ("[]", "STRUCT", "MAP", "UNION")
-    exprs = []
-    for name, kind in zip(rel.columns, rel.types):
-        quoted = ident(name)
-        exprs.append(f"CAST({quoted} AS VARCHAR) AS {quoted}" if any(n in str(kind) for n in nested) else quoted)
-    return rel.project(", ".join(exprs))
+# types Arrow writes as text exactly as DuckDB does (left to Arrow: faster than DuckDB's cast)
+ARROW_TEXT = {"VARCHAR", "BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT",
+              "UINTEGER", "UBIGINT"}
 
 
-def write_csv_stream(rel: duckdb.DuckDBPyRelation, fh) -> None:
-    """CSV with a header line, streamed batch by batch to a text stream (stdout)."""
-    import pyarrow.csv as pacsv
+def text_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """The relation with every column as DuckDB's text of it (as its CSV writer spells values:
+    `1.5`, `true`, `[1, 2]`, `2026-01-01 00:00:00`), null kept null; text, integers and booleans
+    as they are (Arrow's text of them is DuckDB's)."""
+    return rel.project(", ".join(ident(name) if str(kind).upper() in ARROW_TEXT
+                                 else f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}"
+                                 for name, kind in zip(rel.columns, rel.types)))
 
-    reader = flat_columns(rel).to_arrow_reader(batch_size=65536)
-    fh.flush()
-    sink = fh.buffer if hasattr(fh, "buffer") else fh
-    options = pacsv.WriteOptions(quoting_style="needed")
-    with pacsv.CSVWriter(sink, reader.schema, write_options=options) as writer:
-        for batch in reader:
-            writer.write_batch(batch)
+
+# DuckDB types whose text never holds a comma, a quote or a line break (nor is empty): never quoted
+PLAIN_TYPES = ("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
+               "UINTEGER", "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL", "DATE", "TIME", "TIMESTAMP",
+               "INTERVAL", "UUID")
+
+
+def plain_type(kind) -> bool:
+    text = str(kind).upper()
+    return any(text == t or text.startswith(t + "(") or text.startswith(t + " ") or text.startswith(t + "_")
+               for t in PLAIN_TYPES)
+
+
+def csv_field(text: str | None) -> str:
+    """One CSV field: quoted (quotes doubled) only when it holds a comma, a quote or a line break,
+    or is empty text (null is an empty field), as DuckDB writes CSV."""
+    if text is None:
+        return ""
+    if text == "" or any(c in text for c in ',"\r\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
+
+
+def _may_need_quotes(column: pa.Array) -> bool:
+    """Whether any value of a string array may need quotes: a comma, quote or line break among its
+    bytes, or an empty value (or a null), found on the raw buffers."""
+    import numpy as np
+
+    _, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32)[column.offset:column.offset + len(column) + 1]
+    if len(column) and (np.diff(offsets) == 0).any():
+        return True
+    if data_buf is None:
+        return False
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0]:offsets[-1]]
+    return bool(((data == ord(",")) | (data == ord('"')) | (data == ord("\n")) | (data == ord("\r"))).any())
+
+
+def _quoted_where_needed(column: pa.Array) -> pa.Array:
+    import pyarrow.compute as pc
+
+    if not _may_need_quotes(column):
+        return column
+    need = pc.equal(pc.utf8_length(column), 0)
+    for c in (",", '"', "\n", "\r"):
+        need = pc.or_(need, pc.match_substring(column, c))
+    if not pc.any(need).as_py():
+        return column
+    quoted = pc.binary_join_element_wise('"', pc.replace_substring(column, '"', '""'), '"', "")
+    return pc.if_else(need, quoted, column)
+
+
+def csv_lines(batch: pa.RecordBatch, plain: list[bool]) -> pa.Buffer:
+    """A batch of text columns as CSV lines (`csv_field` on every cell, computed column-wise by
+    Arrow; `plain`: the columns whose text never needs quotes)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    cells = []
+    for column, is_plain in zip(batch.columns, plain):
+        column = column.cast(pa.string())
+        cells.append(pc.fill_null(column if is_plain else _quoted_where_needed(column), ""))
+    lines = pc.binary_join_element_wise(*cells, ",") if len(cells) > 1 else cells[0]
+    lines = pc.binary_join_element_wise(lines, "\n", "")  # each row ends with a line break
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset:lines.offset + len(lines) + 1]
+    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])]
+
+
+class TextSink:
+    """A text stream (with no binary buffer under it) taking the UTF-8 bytes `write_csv` writes."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data) -> None:
+        self.fh.write(bytes(data).decode())
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def write_csv(rel: duckdb.DuckDBPyRelation, sink) -> None:
+    """CSV with a header line, streamed batch by batch to a binary stream (`csv_lines`)."""
+    plain = [plain_type(kind) for kind in rel.types]
+    reader = text_columns(rel).to_arrow_reader(batch_size=65536)
+    sink.write((",".join(csv_field(n) for n in reader.schema.names) + "\n").encode())
+    for batch in reader:
+        if batch.num_rows:
+            sink.write(csv_lines(batch, plain))
     sink.flush()
 
 
+def write_parquet(rel: duckdb.DuckDBPyRelation, out: Path) -> None:
+    """The result as a Parquet file, streamed batch by batch."""
+    import pyarrow.parquet as pq
+
+    reader = rel.to_arrow_reader(batch_size=65536)
+    with pq.ParquetWriter(out, reader.schema) as writer:
+        for batch in reader:
+            writer.write_batch(batch)
+
+
 def write_result(rel: duckdb.DuckDBPyRelation, fmt: str, out: Path | None) -> None:
-    """The whole result in `fmt`, to `out` or (csv, json) to stdout."""
+    """The whole result in `fmt`, to `out` or (csv, json) to stdout. lmtrace writes the file, not
+    DuckDB (whose connection may open no file for writing: query/guard.py)."""
     if fmt == "table":
         print_table(rel)
     elif fmt == "parquet":
-        rel.write_parquet(str(out))
+        write_parquet(rel, out)
     elif fmt == "csv" and out is not None:
-        rel.write_csv(str(out), header=True)
+        with open(out, "wb") as fh:
+            write_csv(rel, fh)
     elif fmt == "csv":
-        write_csv_stream(rel, sys.stdout)
+        sys.stdout.flush()
+        write_csv(rel, sys.stdout.buffer if hasattr(sys.stdout, "buffer") else TextSink(sys.stdout))
     elif out is not None:
         with open(out, "w") as fh:
             write_json_lines(rel, fh)

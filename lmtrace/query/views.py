@@ -46,11 +46,19 @@ def _quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def shards_complete(r: dict) -> str:
+    """`done/total` shards: a sharded run's count, `1/1` for a complete run of one shard (`0/1` before)."""
+    if r.get("shards_complete"):
+        return r["shards_complete"]
+    return "1/1" if r.get("status") == "complete" else "0/1"
+
+
 def runs_table(catalog: Catalog) -> pa.Table:
     """The `runs` view's rows: one per readable run."""
     rows = []
     for r in catalog.runs:
         row = {c: r.get(RUN_FIELDS.get(c, c)) for c in RUN_COLUMNS.names}
+        row["shards_complete"] = shards_complete(r)
         rows.append({k: (str(v) if v is not None and RUN_COLUMNS.field(k).type == pa.string() else v)
                      for k, v in row.items()})
     return pa.Table.from_pylist(rows, schema=RUN_COLUMNS)
@@ -68,8 +76,13 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
         return
     keys = _key_columns(view)
     files = catalog.files(view)
+    if view == "heads_by" and files:
+        create_heads_by(con, files)
+        return
     if not files:
         schema = EMPTY_COLUMNS[view]() if view in EMPTY_COLUMNS else pa.schema([])
+        if view == "heads_by":
+            keys = [*keys, GROUP_COLUMN, GROUP_VALUE]
         empty = pa.schema([(k, pa.string()) for k in keys] + list(schema)).empty_table()
         con.register(f"_{view}_empty", empty)
         con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM _{view}_empty")
@@ -88,6 +101,39 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
     if read != view:
         columns = [row[0] for row in con.execute(f"DESCRIBE {read}").fetchall()]
         con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns, view))} FROM {read}")
+
+
+# heads_by_<COLUMN>.parquet names its group with these two columns; files written before name the
+# group's column itself (its first column, the value as text)
+GROUP_COLUMN, GROUP_VALUE = "group_column", "group_value"
+
+
+def create_heads_by(con: duckdb.DuckDBPyConnection, files: list) -> None:
+    """The `heads_by` view: run_id, group_column (the sequences.parquet column grouped by), group_value
+    (its value as text, null for sequences without one), then the file's other columns
+    (n_sequences, the head's scores). Files of both layouts are read together by name."""
+    import pyarrow.parquet as pq
+
+    layouts: dict[str | None, list] = {}  # None: group_column/group_value; else the group's own column
+    for f in files:
+        names = pq.read_schema(f.path).names
+        key = None if GROUP_COLUMN in names and GROUP_VALUE in names else names[0]
+        layouts.setdefault(key, []).append(f)
+    owners = pa.table({"filename": [str(f.path) for f in files], "run_id": [f.run_id for f in files]})
+    con.register("_heads_by_files", owners)
+    selects = []
+    for column, group in layouts.items():
+        listed = "[" + ", ".join(_quote(str(f.path)) for f in group) + "]"
+        if column is None:
+            head = f"t.{GROUP_COLUMN}, CAST(t.{GROUP_VALUE} AS VARCHAR) AS {GROUP_VALUE}"
+            drop = f"filename, {GROUP_COLUMN}, {GROUP_VALUE}"
+        else:
+            head = f"{_quote(column)} AS {GROUP_COLUMN}, CAST(t.{ident(column)} AS VARCHAR) AS {GROUP_VALUE}"
+            drop = f"filename, {ident(column)}"
+        selects.append(f"SELECT f.run_id, {head}, t.* EXCLUDE ({drop}) "
+                       f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
+                       f"JOIN _heads_by_files f ON t.filename = f.filename")
+    con.execute("CREATE OR REPLACE VIEW heads_by AS " + " UNION ALL BY NAME ".join(selects))
 
 
 def ident(name: str) -> str:
