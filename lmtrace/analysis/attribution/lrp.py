@@ -123,7 +123,7 @@ def relevance(ctx: StepContext) -> dict:
     return {"scores": scores.cpu().numpy(), "components": components, "f": float(y.item()), "bias_relevance": bias_rel}
 
 
-@register("lrp", needs_model=True, check=check,
+@register("lrp", needs_model=True, check=check, shortfall=lambda info, s: conservation_shortfall(info),
           settings=lambda s: {"target": s.target, "quantity": s.quantity, "rules": RULES},
           description="layer-wise relevance propagation (AttnLRP rules, CP-LRP attention): one backward pass, "
                       "conserving f, with relevance per layer's attention/MLP and per head")
