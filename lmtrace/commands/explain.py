@@ -170,8 +170,7 @@ def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[st
     failed = failed_checks(result)
     if strict and failed:
         raise NotConvergedError(f"--strict: {len(failed)} result(s) failed their method's own check, first "
-                                f"{failed[0]} (results written to {result.path}, flagged in the manifest: "
-                                f"converged: false or conserved: false)")
+                                f"{failed[0]} (results written to {result.path}; the manifest flags them)")
     return result
 
 

@@ -76,8 +76,8 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
                 console.print(Text(f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} "
                                    f"≤ {tol:g}", style="dim"))
             else:
-                console.print(Text(f"NOT CONSERVED: {e.method} {METHODS[e.method].failed_check(e.info, s)}",
-                                   style="bold yellow"))
+                why = METHODS[e.method].failed_check(e.info, s) or ""
+                console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
         if "heads" in e.components:
             tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
             console.print(Text(f"top heads by |relevance|: {tops}", style="dim"))
