@@ -314,6 +314,46 @@ def test_an_rms_normaliser_under_another_class_name_gets_the_norm_rule_and_lrp_c
     assert got.info["conserved"] is True
 
 
+class Whitener(torch.nn.Module):
+    """torch's LayerNorm written out under another name: (x − mean)/√(var + ε)·w + b."""
+
+    def __init__(self, ln: torch.nn.LayerNorm):
+        super().__init__()
+        self.w, self.b, self.eps = torch.nn.Parameter(ln.weight.clone()), torch.nn.Parameter(ln.bias.clone()), ln.eps
+
+    def forward(self, x):
+        xc = x - x.mean(-1, keepdim=True)
+        return xc / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * self.w + self.b
+
+
+class Smooth(torch.nn.Module):
+    """GELU (tanh form) written out under another name."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x.pow(3))))
+
+
+def test_a_renamed_layernorm_and_activation_are_recognised_by_what_they_do_on_gpt2():
+    (case,) = [c for c in DENSE if c.id == "gpt2"]
+    model = tiny(case, seed=1)
+    original = lrp(context(model, IDS))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.LayerNorm):
+                setattr(module, name, Whitener(child))
+            elif name == "act":
+                setattr(module, name, Smooth())
+    model.requires_grad_(False)
+    assert not any(isinstance(m, torch.nn.LayerNorm) or "GELU" in type(m).__name__ for m in model.modules())
+    got = lrp(context(model, IDS))
+    f = own_f(model, IDS, 5, 7, "contrast")
+    total = float(np.float64(got.scores).sum()) + got.info["bias_relevance"]
+    assert abs(total - f) <= CONSERVATION_TOL * max(1.0, abs(f)), (total, f)  # the Whiteners' offsets included
+    np.testing.assert_allclose(got.scores, original.scores, atol=1e-4 * np.abs(original.scores).max())
+    np.testing.assert_allclose(got.components["heads"], original.components["heads"],
+                               atol=1e-4 * np.abs(original.components["heads"]).max())
+
+
 def test_a_module_in_the_path_with_no_rule_is_refused_naming_it():
     model = _swap_norms(_tiny_llama_with_random_norms(), SoftGate)
     with pytest.raises(SpecError, match=r"module model\.layers\.0\.input_layernorm \(SoftGate\) is neither affine"):

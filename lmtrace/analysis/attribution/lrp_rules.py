@@ -86,6 +86,11 @@ def _linear_classes() -> tuple[type, ...]:
     return (torch.nn.Linear, torch.nn.Embedding, torch.nn.Dropout, torch.nn.Identity, Conv1D)
 
 
+def _carries(t) -> bool:
+    """A floating tensor that depends on the input embeddings (relevance flows through it)."""
+    return torch.is_tensor(t) and t.requires_grad and torch.is_floating_point(t)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, scale: float, tol: float) -> bool:
     return bool(torch.isfinite(a).all() and torch.isfinite(b).all()
                 and (a - b).abs().max().item() <= tol * scale + 1e-30)
@@ -171,21 +176,22 @@ class _Probe:
         return [m for m in model.modules() if next(m.children(), None) is None and not isinstance(m, self.linear)]
 
     def hook(self, module, args, kwargs, output):
-        x = args[0] if args else None
-        if not (torch.is_tensor(x) and x.requires_grad and torch.is_floating_point(x)):
+        inputs = [(i, a) for i, a in enumerate(args) if _carries(a)] + [(k, v) for k, v in kwargs.items() if _carries(v)]
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if not inputs or not any(_carries(o) for o in outputs):
             return None  # relevance does not flow through this call (rotary tables, position ids, ...)
         if not torch.is_tensor(output):
-            parts = output if isinstance(output, (tuple, list)) else ()
-            if any(torch.is_tensor(o) and o.requires_grad for o in parts):
-                return self.refuse(module, "returns several tensors that carry relevance")
-            return None
-        if not output.requires_grad:
-            return None
+            return self.refuse(module, "returns several tensors that carry relevance")
+        if len(inputs) > 1:
+            return self.refuse(module, f"takes {len(inputs)} inputs that carry relevance (a product or mix of them)")
+        slot, x = inputs[0]
         if isinstance(module, self.acts):
             return self.identity(module, "activation", x, output)
 
-        def f(v):
-            return module.forward(v, *args[1:], **kwargs)
+        def f(v):  # the module on another value of its relevance-carrying input, hooks bypassed
+            if isinstance(slot, int):
+                return module.forward(*args[:slot], v, *args[slot + 1:], **kwargs)
+            return module.forward(*args, **{**kwargs, slot: v})
 
         kind = self.classify(f, x.detach(), output.detach())
         if kind == "element-wise" or kind == "normaliser (RMS form)":
