@@ -18,8 +18,8 @@ the relevance. Every forward value is unchanged; only the backward pass differs.
   linear layers, residuals    the plain gradient (ε = 0 LRP); biases absorb their share
   final logit soft-capping    identity rule on cap·tanh(z/cap)
 
-Components are recognised by what they do, never by their class name. The attention modules, MLP down
-projections and the final norm are where the architecture adapter (`capture/arch.py`) says they are.
+Components are recognised by what they do, never by their class name. The attention modules and the MLP
+down projections (for the gated product) are where the architecture adapter (`capture/arch.py`) says.
 Every other leaf module that relevance flows through (its input depends on the input embeddings and so
 does its output) is classified on the step's own activations, inside the relevance pass (`_Probe`):
 linear, embedding and dropout modules and the activation classes of torch/transformers are known by type;
@@ -32,9 +32,10 @@ any other module is called again (hooks bypassed, no gradient) on variations of 
                  scale s_t = 1/√(mean z(x_t)² + ε) for one ε ≥ 0: the norm rule
   affine         f(2x) − f(0) = 2 (f(x) − f(0)): the gradient (its offset is absorbed like a bias)
 
-and a module that is none of these is refused in one line naming it (`SpecError`, exit 2). Modules with no
-rule here that the modules cannot show (a normaliser written inline in a block's forward) surface in the
-conservation check every result carries (`lrp.CONSERVATION_TOLERANCE`).
+and a module that is none of these (or has several inputs or outputs that carry relevance) is refused in one
+line naming it (`SpecError`, exit 2). A non-linearity that is no module of its own (a normaliser written
+inline in a block's `forward`) cannot be probed: it shows in the conservation check every result carries
+(`lrp.CONSERVATION_TOLERANCE`).
 
 `installed` puts the rules on a model and removes them in a `finally`; `refusal` says (before any pass) why
 a model cannot be explained at all (a router, a non-eager attention kernel)."""
