@@ -143,7 +143,8 @@ def conservation_shortfall(info: dict) -> str | None:
     """None if an lrp result conserves f to CONSERVATION_TOLERANCE, else what failed, in words."""
     if info.get("conserved", True):
         return None
-    return (f"does not conserve: f = {info['f_x']:.6g} but Σ scores + bias relevance = "
-            f"{info['sum_scores'] + info['bias_relevance']:.6g} (relative error {info['conservation_error_relative']:.2e} "
-            f"> {CONSERVATION_TOLERANCE:g}): a step of the model has no relevance rule, so the scores do not "
-            f"add up to f; do not read them as its decomposition (docs/explain.md, 'When lrp does not conserve')")
+    total = info["sum_scores"] + info["bias_relevance"]
+    return (f"does not conserve: f = {info['f_x']:.6g} but Σ scores + bias relevance = {total:.6g} (relative "
+            f"error {info['conservation_error_relative']:.2e} > {CONSERVATION_TOLERANCE:g}): a step of the model "
+            f"has no relevance rule, so the scores do not add up to f; do not read them as its decomposition "
+            f"(docs/explain.md, 'When lrp does not conserve')")

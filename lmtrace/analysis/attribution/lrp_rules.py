@@ -177,7 +177,8 @@ class _Probe:
         return [m for m in model.modules() if next(m.children(), None) is None and not isinstance(m, self.linear)]
 
     def hook(self, module, args, kwargs, output):
-        inputs = [(i, a) for i, a in enumerate(args) if _carries(a)] + [(k, v) for k, v in kwargs.items() if _carries(v)]
+        inputs = [(i, a) for i, a in enumerate(args) if _carries(a)]
+        inputs += [(k, v) for k, v in kwargs.items() if _carries(v)]
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         if not inputs or not any(_carries(o) for o in outputs):
             return None  # relevance does not flow through this call (rotary tables, position ids, ...)
