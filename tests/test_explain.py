@@ -422,6 +422,8 @@ def test_cli_strict_exits_1_when_not_converged_and_json_is_strict(forward_only_r
     assert out.exit_code == 0, out.output
     summary = json.loads(out.stdout.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert summary["converged"] is False and summary["top"][0]["converged"] is False
+    assert summary["checks_passed"] is False and summary["top"][0]["check_passed"] is False  # the method's own check
+    assert summary["top"][0]["check_failed"].startswith("integrated_gradients did not converge: completeness error")
     strict = runner.invoke(app, args + ["--strict"])
     assert strict.exit_code == 1 and "did not converge" in strict.output and "Traceback" not in strict.output
     for bad in (["--ig-rule", "trapezoid"], ["--ig-tolerance", "0"], ["--baseline", "random"]):

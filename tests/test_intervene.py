@@ -491,3 +491,68 @@ def test_the_readme_tours_intervene_changes_the_demo_text_and_gives_the_child_it
     texts = lambda run: run.sequences().column("generated_text").to_pylist()  # noqa: E731
     assert texts(child) != texts(parent), (line, texts(child))
     assert lens_state(child.manifest) == "ready", line
+
+
+# --- one KL for intervene and compare ---------------------------------------------------------------
+def _tests_own_stored_kl(parent_row, child_row) -> float | None:
+    """KL(parent ‖ child), nats, on {each token id whose logprob both archived rows hold (top-k alternatives
+    and the chosen token)} + {one tail bucket: 1 − the stored mass of those ids, floored at 1e-12}."""
+    import math
+
+    def known(row):
+        k = {int(i): float(v) for i, v in zip(row.alt_ids, row.alt_logprobs) if int(i) >= 0}
+        k[int(row.token_id)] = float(row.logprob)
+        return k
+
+    p, q = known(parent_row), known(child_row)
+    common = sorted(set(p) & set(q))
+    if not common:
+        return None
+    ps = [math.exp(p[i]) for i in common]
+    qs = [math.exp(q[i]) for i in common]
+    ps.append(max(1.0 - sum(ps), 0.0, 1e-12))
+    qs.append(max(1.0 - sum(qs), 0.0, 1e-12))
+    return sum(a * (math.log(a) - math.log(b)) for a, b in zip(ps, qs) if a > 0)
+
+
+@pytest.mark.parametrize("mode", ["rescore", "regenerate"])
+def test_intervene_and_compare_report_the_same_kl_the_tests_own_from_the_archived_tables(parent, tmp_path, mode):
+    import json
+
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from lmtrace.cli.main import app
+
+    def cli(*args):
+        out = CliRunner().invoke(app, [*map(str, args), "--json"])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    made = cli("intervene", parent.path, "--ablate-layer", "1", "--ablate-head", "2.0", "--mode", mode,
+               *(["--from-step", 2] if mode == "regenerate" else []), "--runs-dir", tmp_path)["children"][0]
+    child = Run(made["run_dir"])
+    effects = pd.read_parquet(child.path / "effects.parquet")
+    compared = pd.DataFrame(cli("compare", parent.path, child.path)["per_step"])
+    pt, ct = pd.read_parquet(parent.path / "tokens.parquet"), pd.read_parquet(child.path / "tokens.parquet")
+    checked = 0
+    for _, e in effects.iterrows():
+        (c,) = compared[(compared.seq_a == e.sequence) & (compared.seq_b == e.sequence) & (compared.step == e.step)].kl_ab
+        if not e.context_identical:  # a different context: neither side pairs the step
+            assert pd.isna(e.kl_parent_child_topk) and pd.isna(c), (e.sequence, e.step)
+            continue
+        (p_row,) = [r for r in pt[(pt.sequence == e.sequence) & ~pt.is_prompt & (pt.step == e.step)].itertuples()]
+        (c_row,) = [r for r in ct[(ct.sequence == e.sequence) & ~ct.is_prompt & (ct.step == e.step)].itertuples()]
+        own = _tests_own_stored_kl(p_row, c_row)
+        if own is None:  # no token stored on both sides: unknown for both
+            assert pd.isna(e.kl_parent_child_topk) and pd.isna(c), (e.sequence, e.step)
+            continue
+        assert e.kl_parent_child_topk == c, (e.sequence, e.step, e.kl_parent_child_topk, c)
+        assert abs(e.kl_parent_child_topk - own) <= 1e-12 * max(1.0, own), (e.sequence, e.step, own)
+        checked += 1
+    assert checked >= 6 and (effects.kl_parent_child_topk > 0).any()  # the edit changed the distributions
+    for s in made["sequences"]:  # the printed / JSON summary: the largest of those KLs
+        same = effects[(effects.sequence == s["sequence"]) & effects.context_identical]
+        assert s["max_kl_topk"] == same.kl_parent_child_topk.max()
+    if mode == "regenerate":
+        assert (~effects.context_identical).any(), "no sequence diverged: the null case was not exercised"

@@ -249,3 +249,255 @@ def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
         np.testing.assert_array_equal(shown, e.components["heads"])
         np.testing.assert_array_equal(shown, heads[k])
     assert any(f["id"] == f"explain-heads-{result.explain_id}-0-2" for f in page_json(page, "lmtrace-figures"))
+
+
+# ---- components recognised by what they do, and the method's own check ------------------------------------
+class ScaleNormalizer(torch.nn.Module):
+    """Llama's RMSNorm under another class name: x · g / √(mean x² + ε)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class SoftGate(torch.nn.Module):
+    """Not a normaliser, not element-wise, not affine: x ⊙ softmax(x)·d (each output depends on every dim)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+
+    def forward(self, x):
+        return self.weight * x * x.softmax(-1) * x.shape[-1]
+
+
+def _swap_norms(model, cls):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LlamaRMSNorm):
+                setattr(module, name, cls(child.weight, child.variance_epsilon))
+    return model
+
+
+def _tiny_llama_with_random_norms(seed=3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, initializer_range=0.4, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    return model.requires_grad_(False)
+
+
+def test_an_rms_normaliser_under_another_class_name_gets_the_norm_rule_and_lrp_conserves():
+    model = _tiny_llama_with_random_norms()
+    ids = [3, 14, 15, 9, 26, 5]
+    expected, heads, f = reference_lrp(model, ids, 5, 7)  # the rules written out, on the Llama's own norms
+    renamed = _swap_norms(model, ScaleNormalizer)
+    assert not any(type(m).__name__.endswith(("Norm", "RMSNorm", "LayerNorm")) for m in renamed.modules())
+    got = lrp(context(renamed, ids, "contrast"))
+    total = float(np.float64(got.scores).sum()) + got.info["bias_relevance"]
+    assert abs(total - own_f(renamed, ids, 5, 7, "contrast")) <= 1e-4 * max(1.0, abs(f))
+    np.testing.assert_allclose(got.scores, expected, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_allclose(got.components["heads"], heads, atol=1e-4 * np.abs(heads).max())
+    assert got.info["conserved"] is True
+
+
+class Whitener(torch.nn.Module):
+    """torch's LayerNorm written out under another name: (x − mean)/√(var + ε)·w + b."""
+
+    def __init__(self, ln: torch.nn.LayerNorm):
+        super().__init__()
+        self.w, self.b, self.eps = torch.nn.Parameter(ln.weight.clone()), torch.nn.Parameter(ln.bias.clone()), ln.eps
+
+    def forward(self, x):
+        xc = x - x.mean(-1, keepdim=True)
+        return xc / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * self.w + self.b
+
+
+class Smooth(torch.nn.Module):
+    """GELU (tanh form) written out under another name."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x.pow(3))))
+
+
+def test_a_renamed_layernorm_and_activation_are_recognised_by_what_they_do_on_gpt2():
+    (case,) = [c for c in DENSE if c.id == "gpt2"]
+    model = tiny(case, seed=1)
+    original = lrp(context(model, IDS))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.LayerNorm):
+                setattr(module, name, Whitener(child))
+            elif name == "act":
+                setattr(module, name, Smooth())
+    model.requires_grad_(False)
+    assert not any(isinstance(m, torch.nn.LayerNorm) or "GELU" in type(m).__name__ for m in model.modules())
+    got = lrp(context(model, IDS))
+    f = own_f(model, IDS, 5, 7, "contrast")
+    total = float(np.float64(got.scores).sum()) + got.info["bias_relevance"]
+    assert abs(total - f) <= CONSERVATION_TOL * max(1.0, abs(f)), (total, f)  # the Whiteners' offsets included
+    np.testing.assert_allclose(got.scores, original.scores, atol=1e-4 * np.abs(original.scores).max())
+    np.testing.assert_allclose(got.components["heads"], original.components["heads"],
+                               atol=1e-4 * np.abs(original.components["heads"]).max())
+
+
+def test_a_module_in_the_path_with_no_rule_is_refused_naming_it():
+    model = _swap_norms(_tiny_llama_with_random_norms(), SoftGate)
+    with pytest.raises(SpecError, match=r"module model\.layers\.0\.input_layernorm \(SoftGate\) is neither affine"):
+        lrp(context(model, [3, 14, 15, 9, 26, 5]))
+
+
+# A model with custom code (trust_remote_code): a Llama whose RMS normalisers are replaced, either by a leaf
+# module called ScaleNormalizer (recognised by what it does), or by a block that normalises inline in its own
+# forward (no leaf module to give a rule to: conservation then fails, and the method's check must say so).
+MODELING = '''
+import torch
+from transformers import LlamaForCausalLM
+
+
+class ScaleNormalizer(torch.nn.Module):
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class InlineScale(ScaleNormalizer):
+    """The same normaliser, computed inline by a module that has a child (so it is no leaf)."""
+
+    def __init__(self, weight, eps):
+        super().__init__(weight, eps)
+        self.out = torch.nn.Identity()
+
+    def forward(self, x):
+        return self.out(super().forward(x))
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        cls = {"leaf": ScaleNormalizer, "inline": InlineScale}[config.norm_module]
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if type(child).__name__ == "LlamaRMSNorm":
+                    setattr(module, name, cls(child.weight, child.variance_epsilon))
+'''
+
+
+def _custom_code_run(root, tokenizer_dir, norm_module: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok_cfg = json.loads((tokenizer_dir / "config.json").read_text())
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=tok_cfg["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok_cfg["bos_token_id"],
+                      eos_token_id=tok_cfg["eos_token_id"], pad_token_id=tok_cfg["pad_token_id"])
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    path = root / f"custom-{norm_module}"
+    model.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (path / f.name).write_bytes(f.read_bytes())
+    (path / "modeling_custom.py").write_text(MODELING)
+    config = json.loads((path / "config.json").read_text())
+    config.update(auto_map={"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
+                  architectures=["CustomForCausalLM"], norm_module=norm_module)
+    (path / "config.json").write_text(json.dumps(config))
+    return run_spec(root, {"model": {"ref": str(path), "trust_remote_code": True}, "prompts": ["The capital of France is"],
+                           "capture": "none", "generation": {"max_new_tokens": 3}}), path
+
+
+def _own_relative_errors(run, model_dir, js) -> list[float]:
+    """|f − (Σ archived scores + bias relevance)| / max(1, |f|) per explained step, f from the custom model's own
+    forward (transformers, trust_remote_code) on the context read from tokens.parquet."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    t = pd.read_parquet(run.path / "tokens.parquet")
+    prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
+    gen = t[~t.is_prompt].sort_values("step")
+    scores = pd.read_parquet(run.path / js["entries"][0]["table"])
+    out = []
+    for item in js["top"]:
+        step = item["step"]
+        ids = prompt + gen.token_id.tolist()[:step]
+        chosen = int(gen.token_id.iloc[step])
+        runner = next(int(a) for a in gen.alt_ids.iloc[step] if int(a) != chosen)
+        f = own_f(model, ids, chosen, runner, "contrast")
+        s = scores[scores.step == step].score.astype(np.float64).sum()
+        out.append(abs(f - (s + item["bias_relevance"])) / max(1.0, abs(f)))
+    return out
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from lmtrace.cli.main import app
+
+    out = CliRunner().invoke(app, ["explain", *map(str, args)])
+    return out, [line for line in out.output.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def custom_code_runs(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("lrp-custom-code")
+    return {kind: _custom_code_run(root, tiny_llama_dir, kind) for kind in ("leaf", "inline")}
+
+
+def test_a_custom_code_model_whose_normaliser_is_called_scalenormalizer_conserves_through_the_cli(custom_code_runs):
+    run, model_dir = custom_code_runs["leaf"]
+    out, errors = _cli(run.path, "--steps", "0,1,2", "-m", "lrp", "--target", "contrast", "--top", "100", "--json",
+                       "--strict")
+    assert out.exit_code == 0 and not errors, out.output
+    js = json.loads(out.stdout.strip().splitlines()[-1])
+    own = _own_relative_errors(run, model_dir, js)
+    assert max(own) <= 1e-4, own  # the test's own sum, against the model's own forward
+    for item, mine in zip(js["top"], own):
+        assert item["conserved"] is True and item["check_passed"] is True
+        assert item["conservation_error_relative"] == pytest.approx(mine, abs=1e-6)
+    assert js["checks_passed"] is True and not js["notes"]
+
+
+def test_lrp_that_does_not_conserve_says_so_in_text_and_json_and_strict_exits_1(custom_code_runs):
+    run, model_dir = custom_code_runs["inline"]
+    text, errors = _cli(run.path, "--steps", "0,1", "-m", "lrp", "--target", "contrast")
+    assert text.exit_code == 0 and not errors, text.output
+    notes = [line for line in text.output.splitlines() if line.startswith("sequence 0 step ")]
+    assert [n.split(": lrp does not conserve: f = ")[0] for n in notes if "does not conserve" in n] == \
+        ["sequence 0 step 0", "sequence 0 step 1"], text.output
+    assert text.output.count("NOT CONSERVED: f = ") == 2
+    out, errors = _cli(run.path, "--steps", "0,1", "-m", "lrp", "--target", "contrast", "--top", "100", "--json")
+    assert out.exit_code == 0 and not errors, out.output
+    js = json.loads(out.stdout.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    own = _own_relative_errors(run, model_dir, js)
+    assert min(own) > 1e-4, own  # the inline normaliser got no rule: the test's own sum sees the failure too
+    for item, mine in zip(js["top"], own):
+        assert item["conserved"] is False and item["check_passed"] is False
+        assert item["conservation_error_relative"] == pytest.approx(mine, rel=1e-3)
+        assert item["check_failed"].startswith("lrp does not conserve")
+    assert js["checks_passed"] is False and sum("lrp does not conserve" in n for n in js["notes"]) == 2
+    strict, errors = _cli(run.path, "--steps", "0", "-m", "lrp", "--target", "contrast", "--strict")
+    assert strict.exit_code == 1 and len(errors) == 1 and "does not conserve" in errors[0], strict.output
+    assert "Traceback" not in strict.output

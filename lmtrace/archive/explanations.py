@@ -141,6 +141,9 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
         flags = [e.info["converged"] for e in explanations if e.method == m.name and "converged" in e.info]
         if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
             entries[-1]["converged"] = all(flags)
+        flags = [e.info["conserved"] for e in explanations if e.method == m.name and "conserved" in e.info]
+        if flags:  # lrp: did every step conserve f (relative error within its tolerance)?
+            entries[-1]["conserved"] = all(flags)
     _atomic_json(tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created,
                                                 "entries": entries}))
     return entries

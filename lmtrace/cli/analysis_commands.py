@@ -34,7 +34,8 @@ def explain(
                                 "special token, e.g. a chat template's), none, or 0,3,..."),
     ig_dtype: str = typer.Option("float32", "--ig-dtype", help="Integrated gradients: float32 | float64 forwards and "
                                  "gradients (float64: twice the memory, a remedy when not converged)."),
-    strict: bool = typer.Option(False, "--strict", help="Exit 1 when integrated gradients did not converge."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a result failed its method's own check "
+                                "(integrated gradients did not converge, lrp did not conserve f)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
     rollout_exclude: str = typer.Option("", "--rollout-exclude", help="Attention rollout: leave out these key "
                                         "positions and renormalise: `sink` (position 0) or 0,3,..."),

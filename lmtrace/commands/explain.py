@@ -41,7 +41,7 @@ from ..errors import ArchiveError, LmtraceError, SpecError
 from ..jsonout import json_line
 from ..spec import check_device_option
 from ..steps import parse_steps
-from .explain_render import converged, render, summary
+from .explain_render import failed_checks, render, summary
 
 __all__ = ["ExplainResult", "NotConvergedError", "Settings", "explain_command", "explain_run"]
 
@@ -167,13 +167,13 @@ def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[st
         print(json_line(summary(result, top)))
     elif not quiet:
         render(result, top=top)
-    if strict and converged(result) is False:
-        bad = [f"step {e.step}" for e in result.explanations if e.info.get("converged") is False]
-        raise NotConvergedError(f"--strict: integrated gradients did not converge to --ig-tolerance "
-                                f"{settings.ig_tolerance:g} at {', '.join(bad)} (results written to {result.path}, "
-                                f"flagged converged: false)")
+    failed = failed_checks(result)
+    if strict and failed:
+        raise NotConvergedError(f"--strict: {len(failed)} result(s) failed their method's own check, first "
+                                f"{failed[0]} (results written to {result.path}; the manifest flags them)")
     return result
 
 
 class NotConvergedError(LmtraceError):
-    """`--strict` and an attribution that missed its tolerance: exit 1."""
+    """`--strict` and an attribution that failed its method's own check (IG completeness, lrp conservation):
+    exit 1."""

@@ -70,6 +70,14 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
             else:
                 console.print(Text(f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
                                    f"'When a result did not converge'", style="bold yellow"))
+        if "conserved" in e.info:
+            rel, tol = e.info.get("conservation_error_relative"), e.info.get("conservation_tolerance")
+            if e.info["conserved"]:
+                console.print(Text(f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} "
+                                   f"≤ {tol:g}", style="dim"))
+            else:
+                why = METHODS[e.method].failed_check(e.info, s) or ""
+                console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
         if "heads" in e.components:
             tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
             console.print(Text(f"top heads by |relevance|: {tops}", style="dim"))
@@ -106,18 +114,25 @@ def legend(colour: bool) -> str:
 
 
 def summary(result: "ExplainResult", top: int = 10) -> dict:
-    """The `--json` summary: ids, manifest entries, notes, convergence and the top positions per step and method."""
+    """The `--json` summary: ids, manifest entries, notes, convergence, the methods' own checks and the top
+    positions per step and method."""
     out = {"explain_id": result.explain_id, "run_id": result.run_id, "path": str(result.path),
-           "entries": result.entries, "notes": result.notes, "converged": converged(result), "top": []}
+           "entries": result.entries, "notes": result.notes, "converged": converged(result),
+           "checks_passed": checks_passed(result), "top": []}
     for e in result.explanations:
         order = _top(e.scores, top)
         item = {"method": e.method, "sequence": e.sequence, "step": e.step,
                 "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
                               for i in order]}
         for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative",
-                    "bias_relevance", "conservation_error"):
+                    "bias_relevance", "conservation_error", "conservation_error_relative", "conserved"):
             if key in e.info:
                 item[key] = e.info[key]
+        if METHODS[e.method].shortfall is not None:  # the method's own check: passed, or what failed
+            failed = METHODS[e.method].failed_check(e.info, result.settings)
+            item["check_passed"] = failed is None
+            if failed is not None:
+                item["check_failed"] = f"{e.method} {failed}"
         if "heads" in e.components:  # lrp: relevance per layer's attention and MLP output, and the top heads
             item["components"] = {"attention": [float(x) for x in e.components["attention"]],
                                   "mlp": [float(x) for x in e.components["mlp"]],
@@ -132,6 +147,24 @@ def top_heads(components: dict, top: int) -> list[dict]:
     order = np.argsort(-np.abs(heads), axis=None, kind="stable")[:top]
     return [{"layer": int(i // heads.shape[1]), "head": int(i % heads.shape[1]), "relevance": float(heads.flat[i])}
             for i in order]
+
+
+def failed_checks(result: "ExplainResult") -> list[str]:
+    """`sequence S step T: METHOD <what failed>` for every result whose method's own check failed."""
+    out = []
+    for e in result.explanations:
+        failed = METHODS[e.method].failed_check(e.info, result.settings)
+        if failed is not None:
+            out.append(f"sequence {e.sequence} step {e.step}: {e.method} {failed}")
+    return out
+
+
+def checks_passed(result: "ExplainResult") -> bool | None:
+    """False if any result failed its method's own check (IG completeness, lrp conservation); None if no
+    method run has a check."""
+    if not any(METHODS[e.method].shortfall is not None for e in result.explanations):
+        return None
+    return not failed_checks(result)
 
 
 def converged(result: "ExplainResult") -> bool | None:

@@ -8,7 +8,8 @@ Modes:
 
 effects.parquet (one row per sequence and child step): the parent's token, the child's top-1,
 logprob of the parent's token before (archived) and after (child), margin shift, KL(parent || child)
-over the parent's stored top-k plus one tail bucket, and whether the winner changed; the four
+on the tokens both archives store at the step plus one tail bucket (`analysis.compare.stored_kl`, the
+KL `compare` reports), and whether the winner changed; the four
 token ids also as text (`parent_token_text`, ..., from the child's vocab.parquet).
 
 What an edit needs beyond the parent's archive is prepared before the child's run directory is
@@ -20,7 +21,6 @@ forced) and each MoE router's routing rule (`routing_rule`).
 
 from __future__ import annotations
 
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,8 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
+from ..analysis.compare import stored_kl, stored_logprobs
+from ..analysis.compare.values import finite
 from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import LmtraceError, SpecError
 from ..archive.writer import atomic_write_parquet
@@ -75,21 +77,6 @@ class ParentTeacher:
         return rows
 
 
-def kl_topk_with_tail(p_logprobs: np.ndarray, q_logprobs: np.ndarray) -> float:
-    """KL(p || q) over the parent's stored top-k ids plus one bucket for the rest of the vocabulary.
-
-    Both distributions are coarsened to the same k + 1 outcomes, so this is a lower bound of the
-    full-vocabulary KL (coarsening never increases KL), exact when the tail mass is negligible.
-    """
-    p = np.exp(p_logprobs.astype(np.float64))
-    q = np.exp(q_logprobs.astype(np.float64))
-    p_tail, q_tail = max(1.0 - p.sum(), 0.0), max(1.0 - q.sum(), 1e-300)
-    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))))
-    if p_tail > 0:
-        kl += p_tail * (math.log(p_tail) - math.log(q_tail))
-    return max(kl, 0.0)
-
-
 class EffectsRecorder:
     """A StepSink collecting one effects row per active sequence and step; each finished batch's rows
     go to effects.parts/ (`batch_done`), and `write` joins them into effects.parquet."""
@@ -112,8 +99,12 @@ class EffectsRecorder:
             ref = c.ref_logprobs[b].numpy() if c.ref_logprobs is not None else None
             after = float(ref[0]) if have_parent and ref is not None else None
             before = self.p.logprob[seq][step] if have_parent else None
-            kl = (kl_topk_with_tail(np.asarray(self.p.alt_logprobs[seq][step]), ref[1: 1 + len(self.p.alts[seq][step])])
-                  if have_parent and identical and ref is not None else None)
+            # KL(parent ‖ child) from what the two archives store at this step, as `compare` computes it
+            kl = (finite(stored_kl(stored_logprobs(self.p.alts[seq][step], self.p.alt_logprobs[seq][step],
+                                                   parent_tok, self.p.logprob[seq][step]),
+                                   stored_logprobs(c.alt_ids[b].tolist(), c.alt_logprobs[b].tolist(), child_tok,
+                                                   float(c.logprob[b]))))
+                  if have_parent and identical else None)
             values = {
                 "sequence": seq, "step": step, "context_identical": identical, "parent_token": parent_tok,
                 "child_token": child_tok, "child_top1": int(c.greedy_token[b]),

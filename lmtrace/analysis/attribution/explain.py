@@ -15,7 +15,6 @@ import torch
 from ...archive.explanations import StepExplanation
 from ...archive.reader import Run
 from ...errors import ArchiveError, LmtraceError, SpecError
-from .integrated_gradients import ig_shortfall
 from .registry import METHODS, StepContext
 from .replay import REPLAY_TOLERANCE, ContextEdits
 from .settings import Settings
@@ -79,10 +78,9 @@ def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names:
                     if res.scores.shape != (ctx.n,):
                         raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
                     info = {**res.info, **(check if METHODS[name].needs_model else {})}
-                    if res.info.get("converged") is False:
-                        note(f"sequence {sequence} step {step}: {name} did not converge: "
-                             f"{ig_shortfall(res.info, settings.ig_tolerance)}: treat these scores as approximate "
-                             f"(docs/explain.md, 'When a result did not converge')")
+                    failed = METHODS[name].failed_check(res.info, settings)
+                    if failed is not None:  # the method's own check (IG completeness, lrp conservation)
+                        note(f"sequence {sequence} step {step}: {name} {failed}")
                     explanations.append(StepExplanation(
                         name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
                         prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,

@@ -204,6 +204,9 @@ def _model_dtype(model: torch.nn.Module, dtype: torch.dtype):
 
 # ---- the method -------------------------------------------------------------------------------------
 @register("integrated_gradients", needs_model=True, settings=ig_settings,
+          shortfall=lambda info, s: (None if info.get("converged", True) else
+                                     f"did not converge: {ig_shortfall(info, s.ig_tolerance)}: treat these scores as "
+                                     f"approximate (docs/explain.md, 'When a result did not converge')"),
           description="integrated gradients along the straight path from a baseline (mean, pad or zero embedding), "
                       "adaptive until completeness holds to --ig-tolerance")
 def integrated_gradients(ctx: StepContext) -> MethodResult:

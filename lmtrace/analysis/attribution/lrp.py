@@ -4,9 +4,11 @@ forward and one backward pass per step.
   score_i = Σ_d e_{i,d} · ĝ_{i,d}      ĝ = the gradient of f under the rules' modified backward pass
 
 Conservation: f = Σ_i score_i + bias_relevance, where bias_relevance = Σ_b b · ĝ_b over every bias
-parameter (linear, LayerNorm, lm_head) and every learned position embedding (GPT-2, OPT), the terms the
-rules let absorb relevance. `conservation_error` = f − (Σ_i score_i + bias_relevance) is recorded per
-step; the rules make it zero up to float32 rounding (docs/explain.md states the tolerance).
+parameter (linear, lm_head), every LayerNorm-form offset and every learned position embedding (GPT-2, OPT),
+the terms the rules let absorb relevance. `conservation_error` = f − (Σ_i score_i + bias_relevance) is
+recorded per step; the rules make it zero up to float32 rounding. It is the method's own check: a result
+whose relative error exceeds CONSERVATION_TOLERANCE has `conserved: false` (`conservation_shortfall` says
+so in words), which explain notes and `--strict` turns into exit 1.
 
 Components (archived beside the scores, [layer] / [layer, head]): the relevance entering each layer's
 attention output and MLP output (Σ over positions and dims of output · ĝ), per head on the output
@@ -14,6 +16,8 @@ projection's input split by head, and the output projection's bias share, so tha
 attention[l] = Σ_h heads[l, h] + attention_bias[l]."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -27,6 +31,7 @@ from .registry import MethodResult, StepContext, register
 from .settings import Settings
 from .targets import target_values
 
+CONSERVATION_TOLERANCE = 1e-4  # |f − (Σ scores + bias relevance)| / max(1, |f|) a result must meet: its own check
 RULES = {"norms": "identity (1/rms, 1/std constant)", "activations": "identity",
          "gated_product": "uniform (half to each factor)", "attention": "CP-LRP (attention weights constant)",
          "linear": "gradient (epsilon 0); biases absorb their share", "final_softcap": "identity"}
@@ -83,24 +88,27 @@ def relevance(ctx: StepContext) -> dict:
             handles.append(adapter.attn(i).register_forward_hook(keep(attn_out, i)))
             handles.append(adapter.mlp(i).register_forward_hook(keep(mlp_out, i)))
             handles.append(adapter.o_proj(i).register_forward_pre_hook(keep(heads_in, i, pre=True)))
-        with torch.enable_grad(), installed(adapter):
+        with torch.enable_grad(), installed(adapter) as probe:
             cap = adapter.final_softcap
             logits = soft_capped(sc.logits(e[None]), cap)
             y = target_values(logits, ctx.chosen_id, ctx.runner_up_id, s.target, "logit")
-            grads = torch.autograd.grad(y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak], allow_unused=True)
+            offsets = list(probe.offsets)  # the LayerNorm-form rule's constant offsets, one per call
+            grads = torch.autograd.grad(y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak, *offsets],
+                                        allow_unused=True)
     finally:
         for h in handles:
             h.remove()
         for p, w in zip(leak, was):
             p.requires_grad_(w)
     g_e, rest = grads[0], grads[1:]
-    g_attn, g_mlp, g_heads, g_leak = rest[:L], rest[L:2 * L], rest[2 * L:3 * L], rest[3 * L:]
+    g_attn, g_mlp, g_heads = rest[:L], rest[L:2 * L], rest[2 * L:3 * L]
+    g_leak, g_offsets = rest[3 * L:3 * L + len(leak)], rest[3 * L + len(leak):]
 
     def rel(x, g) -> float:
         return 0.0 if g is None else float((x.detach().double() * g.double()).sum())
 
     scores = (e.detach().double() * g_e.double()).sum(-1)
-    bias_rel = sum(rel(p, g) for p, g in zip(leak, g_leak))
+    bias_rel = sum(rel(p, g) for p, g in zip(leak, g_leak)) + sum(rel(b, g) for b, g in zip(offsets, g_offsets))
     heads = np.zeros((L, H))
     attn_bias = np.zeros(L)
     for i in range(L):
@@ -115,7 +123,7 @@ def relevance(ctx: StepContext) -> dict:
     return {"scores": scores.cpu().numpy(), "components": components, "f": float(y.item()), "bias_relevance": bias_rel}
 
 
-@register("lrp", needs_model=True, check=check,
+@register("lrp", needs_model=True, check=check, shortfall=lambda info, s: conservation_shortfall(info),
           settings=lambda s: {"target": s.target, "quantity": s.quantity, "rules": RULES},
           description="layer-wise relevance propagation (AttnLRP rules, CP-LRP attention): one backward pass, "
                       "conserving f, with relevance per layer's attention/MLP and per head")
@@ -123,7 +131,20 @@ def lrp(ctx: StepContext) -> MethodResult:
     r = relevance(ctx)
     total = float(r["scores"].sum())
     error = r["f"] - (total + r["bias_relevance"])
+    relative = abs(error) / max(1.0, abs(r["f"])) if math.isfinite(error) else math.inf
     info = {"f_x": r["f"], "sum_scores": total, "bias_relevance": r["bias_relevance"], "conservation_error": error,
-            "conservation_error_relative": abs(error) / max(1.0, abs(r["f"]))}
+            "conservation_error_relative": relative, "conserved": relative <= CONSERVATION_TOLERANCE,
+            "conservation_tolerance": CONSERVATION_TOLERANCE}
     return MethodResult(r["scores"].astype(np.float32), info,
                         components={k: v.astype(np.float32) for k, v in r["components"].items()})
+
+
+def conservation_shortfall(info: dict) -> str | None:
+    """None if an lrp result conserves f to CONSERVATION_TOLERANCE, else what failed, in words."""
+    if info.get("conserved", True):
+        return None
+    total = info["sum_scores"] + info["bias_relevance"]
+    return (f"does not conserve: f = {info['f_x']:.6g} but Σ scores + bias relevance = {total:.6g} (relative "
+            f"error {info['conservation_error_relative']:.2e} > {CONSERVATION_TOLERANCE:g}): a step of the model "
+            f"has no relevance rule, so the scores do not add up to f; do not read them as its decomposition "
+            f"(docs/explain.md, 'When lrp does not conserve')")

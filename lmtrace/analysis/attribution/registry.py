@@ -54,6 +54,13 @@ class Method:
     settings: Callable[[Settings], dict]  # the settings that define its result (recorded in the manifest)
     requirements: Callable[[Run], list[str]] | None = None  # archived data it needs: list of what is missing
     check: Callable[[Run, Settings], None] | None = None  # refuses (SpecError) what it cannot explain, before loading
+    # the method's own check of a result (IG: completeness; lrp: conservation): None if it passed, else what
+    # failed, as a clause after the method's name ("did not converge: ...")
+    shortfall: Callable[[dict, Settings], str | None] | None = None
+
+    def failed_check(self, info: dict, settings: Settings) -> str | None:
+        """What the method's own check of a result (its `info`) found wrong, or None (passed, or no check)."""
+        return self.shortfall(info, settings) if self.shortfall is not None else None
 
 
 METHODS: dict[str, Method] = {}
@@ -62,13 +69,15 @@ ALIASES = {"gxi": "grad_x_input", "ig": "integrated_gradients", "rollout": "atte
 
 def register(name: str, *, needs_model: bool, description: str, settings: Callable[[Settings], dict] | None = None,
              requirements: Callable[[Run], list[str]] | None = None,
-             check: Callable[[Run, Settings], None] | None = None):
-    """Add an attribution method: `fn(ctx: StepContext) -> MethodResult` with one score per context position."""
+             check: Callable[[Run, Settings], None] | None = None,
+             shortfall: Callable[[dict, Settings], str | None] | None = None):
+    """Add an attribution method: `fn(ctx: StepContext) -> MethodResult` with one score per context position;
+    `shortfall(info, settings)` is its own check of a result (None: passed)."""
 
     def wrap(fn):
         METHODS[name] = Method(name, fn, needs_model, description,
                                settings or (lambda s: {"target": s.target, "quantity": s.quantity}), requirements,
-                               check)
+                               check, shortfall)
         return fn
 
     return wrap

@@ -2,7 +2,16 @@
 
 KL and JS between two next-token distributions known only on their stored top-k (each side's
 tail mass kept as one bucket: exact on that partition, a lower bound on the full vocabulary), and
-JS between attention rows stored dense or as top-k."""
+JS between attention rows stored dense or as top-k.
+
+`stored_kl` is the one top-k KL of the project: `compare`'s kl_ab/kl_ba and `intervene`'s
+kl_parent_child_topk both call it on what the two archives store at a step (`stored_logprobs`).
+Why this partition: a KL over a partition of the vocabulary is a lower bound of the full KL (merging
+outcomes never increases it) and refining the partition never lowers it; every bucket needs its mass
+on both sides, and from the archives that is known only for a token stored on both sides, or for
+the complement of such tokens. So {each token stored on both sides} + {one tail bucket} is the finest
+partition the archives allow: the largest lower bound, the closest to the full-vocabulary KL that
+`compare --exact` computes from the models."""
 
 from __future__ import annotations
 
@@ -27,6 +36,21 @@ def _js(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     q = np.asarray(q, np.float64)
     m = 0.5 * (p + q)
     return np.maximum(0.5 * _kl(p, m) + 0.5 * _kl(q, m), 0.0)
+
+
+def stored_logprobs(alt_ids, alt_logprobs, token_id: int, logprob: float) -> dict[int, float]:
+    """Token id -> logprob that a run stores at one step: its top-k alternatives (ids ≥ 0) and its chosen
+    token (`token_id`, `logprob`: the archived `tokens.parquet` row's, T=1)."""
+    known = {int(i): float(v) for i, v in zip(alt_ids, alt_logprobs) if int(i) >= 0}
+    known[int(token_id)] = float(logprob)
+    return known
+
+
+def stored_kl(known_p: dict[int, float], known_q: dict[int, float]) -> float | None:
+    """KL(P‖Q) in nats from what two runs store at a step (`stored_logprobs`), on the partition
+    {each token known on both sides} + {one tail bucket} (`topk_divergence`); None if no token is known
+    on both sides."""
+    return topk_divergence(known_p, known_q)["kl_ab"]
 
 
 def topk_divergence(known_a: dict[int, float], known_b: dict[int, float]) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from .divergence import topk_divergence
+from .divergence import stored_logprobs, topk_divergence
 from .values import finite
 
 STEP_FIELDS = [
@@ -41,9 +41,7 @@ def stored_alternatives(g: dict, s: int) -> dict[int, float]:
 
 def known_logprobs(g: dict, s: int) -> dict[int, float]:
     """Token id -> logprob stored at step s: the top-k alternatives and the chosen token."""
-    known = {int(i): float(v) for i, v in zip(g["alt_ids"][s], g["alt_logprobs"][s])}
-    known[int(g["token_id"][s])] = float(g["logprob"][s])
-    return known
+    return stored_logprobs(g["alt_ids"][s], g["alt_logprobs"][s], g["token_id"][s], g["logprob"][s])
 
 
 def is_paired(row: dict) -> bool:
