@@ -343,3 +343,37 @@ def test_cpu_batches_feed_their_peak_rss_growth_to_the_footprint(tmp_path, tiny_
     assert [len(e["sequences"]) for e in done] == [n for n, _, _ in seen] == [2, 2, 1]
     assert all(isinstance(e["peak_growth"], int) and isinstance(g, int) for e, (_, g, _) in zip(done, seen))
     assert seen[0][2] == 0 and all(r >= 0 for _, _, r in seen)  # nothing held before the first batch
+
+
+def _mem_available() -> int:
+    """/proc/meminfo's MemAvailable in bytes, read here, independently of lmtrace."""
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable from /proc (Linux)")
+def test_auto_without_a_budget_validates_and_generates_with_half_the_available_ram(tmp_path, tiny_llama_dir,
+                                                                                    batch_of_one):
+    data = _data(tmp_path, tiny_llama_dir, "auto-free", batch_size="auto")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "lmtrace.cli"]
+    valid = subprocess.run([*cli, "validate", str(spec), "--json"], capture_output=True, text=True, env=env)
+    assert valid.returncode == 0, valid.stderr
+    note = json.loads(valid.stdout)["memory_budget"]
+    assert note["share_ram"] == 0.5 and "50% of the RAM available once the model is loaded" in note["text"], note
+    before = _mem_available()
+    proc = subprocess.run([*cli, "generate", str(spec)], capture_output=True, text=True, env=env)
+    after = _mem_available()
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "memory budget" in x]
+    assert len(lines) == 1 and "batch_size: auto: memory budget auto (" in lines[0], proc.stderr
+    run = Run(tmp_path / "runs" / "auto-free")
+    chosen = run.manifest["memory_budget"]
+    assert chosen["from"] == "auto" and chosen["memory"] == "ram", chosen
+    # half of what was available while the run started (the machine's other processes move it: 10 % slack)
+    low, high = sorted((before, after))
+    assert 0.5 * low * 0.9 <= chosen["bytes"] <= 0.5 * high * 1.1, (chosen, before, after)
+    assert run.manifest["spec_resolved"]["generation"]["memory_budget"] is None  # a resume chooses again
+    assert_same_as(batch_of_one, run)
