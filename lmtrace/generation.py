@@ -35,7 +35,7 @@ from .capture.sampling import Sampler
 from .capture.tracer import ForcedTokens, Tracer
 from .context_length import check_context, model_positions
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
-from .interrupts import StopFlag
+from .interrupts import StopFlag, work_recorded, work_started
 from .models import LoadedModel, check_run_model, load_model
 from .peak_rss import PeakRss, rss_bytes
 from .progress import Progress
@@ -242,6 +242,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     progress = progress or Progress()
     shard = shard or Shard()
     t_start = time.time()
+    work_started()  # (a second child of `intervene --temperatures`: not recorded until it completes)
     root = runs_root(runs_dir_flag, spec.output.runs_dir)
     setup = prepare(spec, replay, progress)
     setup.budget = memory_budget(spec.generation, cuda_devices(setup.loaded.model, setup.loaded.device))
@@ -549,6 +550,7 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
         if not rd.all_shards_complete():
             log.event("shard_complete", shard=rd.shard.key, tokens=generated.n_tokens)
             failed = [k for k, v in rd.other_shard_statuses().items() if v in ("failed", "interrupted")]
+            work_recorded()  # this shard is complete: a signal now leaves the exit code at 0 (or 4)
             return "shard-complete-others-failed:" + ",".join(failed) if failed else "shard-complete"
         if replay is not None and replay.finalize is not None:
             replay.finalize(rd.path)
@@ -568,5 +570,6 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
                         table_rows=rows, checksums=record(rd.path))
         kill_point("finalize-checksums")
         write_manifest(rd.path, manifest)
+        work_recorded()  # the run is complete: a signal now leaves the exit code at 0
         log.event("complete", tokens=n_generated)
         return "complete"
