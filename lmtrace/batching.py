@@ -337,8 +337,9 @@ def memory_budget(generation, gpus: list) -> MemoryBudget | None:
     if gpus:
         import torch
 
-        free = sum(int(torch.cuda.mem_get_info(d)[0]) for d in gpus)
-        share, what = AUTO_SHARE_CUDA, f"free on {', '.join(str(d) for d in gpus)}"
+        indices = sorted({torch.cuda.current_device() if d.index is None else d.index for d in gpus})
+        free = sum(int(torch.cuda.mem_get_info(i)[0]) for i in indices)  # (`cuda` and `cuda:0` counted once)
+        share, what = AUTO_SHARE_CUDA, f"free on {', '.join(f'cuda:{i}' for i in indices)}"
     else:
         free = available_ram()
         if free is None:
