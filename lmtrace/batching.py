@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .archive import layout
-from .errors import LmtraceError
+from .errors import LmtraceError, SpecError
 
 PLAN_SUFFIX = ".plan.jsonl"
 MAX_BATCH = 4096
@@ -286,6 +286,70 @@ class BatchQueue:
         self.items.appendleft(second)
         self.items.appendleft(first)
         return first, second
+
+
+# `batch_size: auto` without `memory_budget`: the budget is this share of the memory free once the model is
+# loaded: RAM (MemAvailable) on the CPU, where the allocator, torch's temporaries and other processes need the
+# rest; on CUDA the devices' free memory (torch.cuda.mem_get_info), where the caching allocator's slack and the
+# kernels' workspaces need the rest (a batch that still runs out of memory is split)
+AUTO_SHARE_RAM = 0.5
+AUTO_SHARE_CUDA = 0.8
+
+
+@dataclass
+class MemoryBudget:
+    """The budget the batches are sized to: `generation.memory_budget`, or chosen from the free memory."""
+
+    bytes: int
+    text: str  # how messages name it: `8GiB`, or `auto (3.1 GB: 50 % of the 6.2 GB of RAM free)`
+    record: dict  # the manifest's `memory_budget`
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM available to a new allocation without swapping: /proc/meminfo's MemAvailable,
+    else psutil's `virtual_memory().available` where psutil is installed, else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def memory_budget(generation, gpus: list) -> MemoryBudget | None:
+    """The budget of this process's batches: `generation.memory_budget` when given; for `batch_size:
+    auto` without one, AUTO_SHARE_CUDA of the free memory of the CUDA devices the model computes on
+    (`gpus`, summed: the budget is their allocations' sum), else AUTO_SHARE_RAM of the RAM available;
+    None for a fixed batch size without a budget. Measured when called: once the model is loaded."""
+    from .archive.runs import human_bytes
+
+    if generation.memory_budget is not None:
+        n = generation.budget_bytes
+        return MemoryBudget(n, str(generation.memory_budget), {"bytes": n, "from": "generation.memory_budget"})
+    if generation.batch_size != "auto":
+        return None
+    if gpus:
+        import torch
+
+        indices = sorted({torch.cuda.current_device() if d.index is None else d.index for d in gpus})
+        free = sum(int(torch.cuda.mem_get_info(i)[0]) for i in indices)  # (`cuda` and `cuda:0` counted once)
+        share, what = AUTO_SHARE_CUDA, f"free on {', '.join(f'cuda:{i}' for i in indices)}"
+    else:
+        free = available_ram()
+        if free is None:
+            raise SpecError("batch_size: auto cannot measure the free memory on this system (no /proc/meminfo, "
+                            "no psutil): give generation.memory_budget (e.g. 8GiB, or --memory-budget 8GiB)")
+        share, what = AUTO_SHARE_RAM, "of RAM available"
+    n = max(1, int(free * share))
+    text = f"auto ({human_bytes(n)}: {share:.0%} of the {human_bytes(free)} {what})"
+    return MemoryBudget(n, text, {"bytes": n, "from": "auto", "share": share, "free_bytes": free,
+                                  "memory": "cuda" if gpus else "ram"})
 
 
 def budget_refusal(budget_text, need: int | None, seq: int, reason: str) -> LmtraceError:

@@ -25,7 +25,8 @@ from .archive.runs import RunLog, human_bytes, now_iso, runs_root, write_manifes
 from .archive.sink import BlockSink
 from .archive.vocab import store_vocab
 from .archive.writer import ArchiveWriter, BackgroundWriter
-from .batching import Batch, BatchOutOfMemory, BatchQueue, Footprint, budget_refusal, with_oom_fault
+from .batching import Batch, BatchOutOfMemory, BatchQueue, Footprint, MemoryBudget, budget_refusal, memory_budget, \
+    with_oom_fault
 from .capture import attention
 from .capture.arch import adapter_for, sdpa_refused
 from .capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
@@ -34,7 +35,7 @@ from .capture.sampling import Sampler
 from .capture.tracer import ForcedTokens, Tracer
 from .context_length import check_context, model_positions
 from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
-from .interrupts import StopFlag
+from .interrupts import StopFlag, work_recorded, work_started
 from .models import LoadedModel, check_run_model, load_model
 from .peak_rss import PeakRss, rss_bytes
 from .progress import Progress
@@ -175,6 +176,7 @@ class Setup:
     step_columns: list[str]
     load_s: float
     metadata: pa.Table | None = None  # the prompt file's other columns, one row per prompt (prompt_metadata.py)
+    budget: MemoryBudget | None = None  # what the batches may take (batching.memory_budget), once the model is loaded
 
 
 def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
@@ -240,8 +242,13 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     progress = progress or Progress()
     shard = shard or Shard()
     t_start = time.time()
+    work_started()  # (a second child of `intervene --temperatures`: not recorded until it completes)
     root = runs_root(runs_dir_flag, spec.output.runs_dir)
     setup = prepare(spec, replay, progress)
+    setup.budget = memory_budget(spec.generation, cuda_devices(setup.loaded.model, setup.loaded.device))
+    if setup.budget is not None and setup.budget.record["from"] == "auto":
+        progress.message(f"batch_size: auto: memory budget {setup.budget.text}; generation.memory_budget "
+                         f"(--memory-budget) sets another")
     kind = replay.manifest_extra.get("kind", "generate") if replay is not None else "generate"
     run_id, run_dir, existing, owner = open_run_dir(root, spec, shard, resume, fresh=replay is not None and not resume,
                                                     kind=kind)
@@ -251,7 +258,7 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
             setup.metadata = _resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
         _start_run(spec, given_text, rd, existing, lambda: _new_manifest(spec, given_text, setup, run_id, shard, replay),
-                   root, resume, setup.loaded.tokenizer)
+                   root, resume, setup.loaded.tokenizer, setup.budget)
         # From here on the manifest exists: every failure is recorded in it (finish_failed).
         return _write_run(spec, run_id, rd, existing, setup, replay, progress, t_start)
     except Interrupted as err:
@@ -272,6 +279,8 @@ def _new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict
         manifest["attention"]["row_method"] = setup.probes.row_method
     manifest["shards"] = shard.count
     manifest["prompt_metadata"] = schema_of(setup.metadata)
+    if setup.budget is not None:
+        manifest["memory_budget"] = setup.budget.record
     if replay is not None:
         manifest.update(replay.manifest_extra)
     return manifest
@@ -290,7 +299,8 @@ def _resumed_metadata(existing: dict, run_id: str, metadata: pa.Table | None) ->
     return metadata
 
 
-def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer) -> None:
+def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer,
+               budget: MemoryBudget | None = None) -> None:
     """Write the new run's manifest (status running), or mark a resumed / joined run running again,
     then the run's vocab.parquet when it has none yet.
 
@@ -310,6 +320,8 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
                 manifest = read_manifest(run_dir)
                 manifest.update(status="running", resumed=now_iso())
                 manifest.pop("error", None)
+                if budget is not None:  # (auto: chosen again from the memory free now; the last one chosen)
+                    manifest["memory_budget"] = budget.record
                 write_manifest(run_dir, manifest)
             # after the manifest (a directory with anything but it and the locks is not taken for a
             # run a kill interrupted at its start), under the lock (shards do not all decode it)
@@ -350,7 +362,8 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
                                         chunk_sequences=shard.sequences_per_file(len(setup.prompts), spec.output.chunk_sequences))
         my_seqs = shard.sequences(len(setup.prompts), writer_core.sequence_group)
         rd.set_shard_status("running")
-        log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts))
+        log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts),
+                  **({"memory_budget": setup.budget.record} if setup.budget is not None else {}))
         queue = _batch_queue(spec, rd, setup, my_seqs, writer_core)
         writer_core.rollback(queue.rollback_keys)
         writer = BackgroundWriter(writer_core)
@@ -384,12 +397,13 @@ def _batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core
 
     g = spec.generation
     footprint = None
-    if g.budget_bytes is not None:
+    budget = setup.budget.bytes if setup.budget is not None else None
+    if budget is not None:
         on_cuda = bool(cuda_devices(setup.loaded.model, setup.loaded.device))
         footprint = Footprint(setup.shape, setup.adapter.n_layers, torch.empty((), dtype=setup.loaded.dtype).element_size(),
                               len(setup.loaded.tokenizer), g.max_new_tokens, spec.output.chunk_steps,
-                              spec.output.chunk_keys, measured=on_cuda, budget=g.budget_bytes)
-    return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, g.budget_bytes,
+                              spec.output.chunk_keys, measured=on_cuda, budget=budget)
+    return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, budget,
                       {s: len(setup.prompt_ids[s]) for s in my_seqs}, footprint, writer_core.committed)
 
 
@@ -427,7 +441,7 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
     stop = StopFlag()
     texts: dict[int, str] = {}
     n_tokens = 0
-    budget_text = g.memory_budget
+    budget_text = setup.budget.text if setup.budget is not None else None
     progress.start(len(rd.shard.sequences(len(setup.prompts))), g.max_new_tokens)
     t_gen = time.time()
     with stop.installed(), Heartbeat(rd.path, rd.shard.key):
@@ -536,6 +550,7 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
         if not rd.all_shards_complete():
             log.event("shard_complete", shard=rd.shard.key, tokens=generated.n_tokens)
             failed = [k for k, v in rd.other_shard_statuses().items() if v in ("failed", "interrupted")]
+            work_recorded()  # this shard is complete: a signal now leaves the exit code at 0 (or 4)
             return "shard-complete-others-failed:" + ",".join(failed) if failed else "shard-complete"
         if replay is not None and replay.finalize is not None:
             replay.finalize(rd.path)
@@ -555,5 +570,6 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
                         table_rows=rows, checksums=record(rd.path))
         kill_point("finalize-checksums")
         write_manifest(rd.path, manifest)
+        work_recorded()  # the run is complete: a signal now leaves the exit code at 0
         log.event("complete", tokens=n_generated)
         return "complete"

@@ -195,7 +195,9 @@ class GenerationSpec(_Strict):
     seed: int = Field(0, ge=0, lt=2**63)
     eos_token_id: int | list[int] | None = None
     stop: list[str] = Field(default_factory=list)
-    batch_size: int | Literal["auto"] = Field(8, description="prompts run together, or auto: sized to memory_budget")
+    batch_size: int | Literal["auto"] = Field(8, description="prompts run together, or auto: sized to memory_budget "
+                                                              "(without one, to a share of the memory free once the "
+                                                              "model is loaded)")
     memory_budget: str | int | None = Field(None, description="memory the batches may take beyond the model, "
                                                                 "e.g. 8GiB (docs/batch.md, auto batching)")
 
@@ -217,13 +219,6 @@ class GenerationSpec(_Strict):
         if size is None or size <= 0:
             raise ValueError(f"expected a size such as 8GiB, 512MB or a number of bytes (got {v!r})")
         return v
-
-    @model_validator(mode="after")
-    def _auto_needs_budget(self) -> "GenerationSpec":
-        if self.batch_size == "auto" and self.memory_budget is None:
-            raise ValueError("batch_size: auto needs generation.memory_budget (e.g. 8GiB, or --memory-budget 8GiB): "
-                             "the memory the batches may take beyond the model")
-        return self
 
     @property
     def budget_bytes(self) -> int | None:

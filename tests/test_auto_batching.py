@@ -343,3 +343,70 @@ def test_cpu_batches_feed_their_peak_rss_growth_to_the_footprint(tmp_path, tiny_
     assert [len(e["sequences"]) for e in done] == [n for n, _, _ in seen] == [2, 2, 1]
     assert all(isinstance(e["peak_growth"], int) and isinstance(g, int) for e, (_, g, _) in zip(done, seen))
     assert seen[0][2] == 0 and all(r >= 0 for _, _, r in seen)  # nothing held before the first batch
+
+
+def _mem_available() -> int:
+    """/proc/meminfo's MemAvailable in bytes, read here, independently of lmtrace."""
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable from /proc (Linux)")
+def test_auto_without_a_budget_validates_and_generates_with_half_the_available_ram(tmp_path, tiny_llama_dir,
+                                                                                    batch_of_one):
+    data = _data(tmp_path, tiny_llama_dir, "auto-free", batch_size="auto")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "lmtrace.cli"]
+    valid = subprocess.run([*cli, "validate", str(spec), "--json"], capture_output=True, text=True, env=env)
+    assert valid.returncode == 0, valid.stderr
+    note = json.loads(valid.stdout)["memory_budget"]
+    assert note["share_ram"] == 0.5 and "50% of the RAM available once the model is loaded" in note["text"], note
+    before = _mem_available()
+    proc = subprocess.run([*cli, "generate", str(spec)], capture_output=True, text=True, env=env)
+    after = _mem_available()
+    assert proc.returncode == 0, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if "memory budget" in x]
+    assert len(lines) == 1 and "batch_size: auto: memory budget auto (" in lines[0], proc.stderr
+    run = Run(tmp_path / "runs" / "auto-free")
+    chosen = run.manifest["memory_budget"]
+    assert chosen["from"] == "auto" and chosen["memory"] == "ram", chosen
+    # half of what was available while the run started (the machine's other processes move it: 10 % slack)
+    low, high = sorted((before, after))
+    assert 0.5 * low * 0.9 <= chosen["bytes"] <= 0.5 * high * 1.1, (chosen, before, after)
+    assert run.manifest["spec_resolved"]["generation"]["memory_budget"] is None  # a resume chooses again
+    assert_same_as(batch_of_one, run)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_without_a_budget_on_cuda_takes_80_percent_of_the_free_device_memory(tmp_path, tiny_llama_dir):
+    data = _data(tmp_path, tiny_llama_dir, "cuda-free", batch_size="auto")
+    data["model"]["device"] = "cuda"
+    before = torch.cuda.mem_get_info(0)[0]
+    run = Run(run_generate(build_spec(data, "t"), yaml.safe_dump(data)).run_dir)
+    after = torch.cuda.mem_get_info(0)[0]
+    chosen = run.manifest["memory_budget"]
+    assert chosen["from"] == "auto" and chosen["memory"] == "cuda", chosen
+    low, high = sorted((before, after))  # (the tiny model and the run's cache take a few MB of it)
+    assert 0.8 * low * 0.95 <= chosen["bytes"] <= 0.8 * high * 1.05, (chosen, before, after)
+
+
+def test_auto_without_a_budget_on_cuda_sums_the_free_memory_of_each_gpu_once(monkeypatch):
+    """The CUDA choice on any machine: torch.cuda's free memory stood in for, two GPUs (the model's
+    `cuda` and `cuda:0` are one of them)."""
+    from lmtrace.batching import memory_budget
+    from lmtrace.spec import GenerationSpec
+
+    free = {0: 10 * 2**30, 1: 6 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    chosen = memory_budget(GenerationSpec(batch_size="auto"),
+                           [torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert chosen.bytes == int(0.8 * 16 * 2**30)
+    assert chosen.record == {"bytes": chosen.bytes, "from": "auto", "share": 0.8, "free_bytes": 16 * 2**30,
+                             "memory": "cuda"}
+    assert "80% of the 16.0 GB free on cuda:0, cuda:1" in chosen.text, chosen.text
+    given = memory_budget(GenerationSpec(batch_size="auto", memory_budget="8GiB"), [torch.device("cuda", 0)])
+    assert (given.bytes, given.record["from"]) == (8 * 2**30, "generation.memory_budget")
+    assert memory_budget(GenerationSpec(batch_size=4), [torch.device("cuda", 0)]) is None

@@ -152,18 +152,65 @@ def test_model_that_fails_to_load_is_exit_1_and_leaves_no_complete_run(tmp_path)
 
 # ---- ls / show ----------------------------------------------------------------------------------
 def test_show_unknown_run(tmp_path):
+    (tmp_path / "runs").mkdir()
     proc = lmtrace(tmp_path, "show", "nonexistent-run")
     assert_one_line_error(proc, 2, "no run 'nonexistent-run'", "lmtrace ls")
 
 
-def test_ls_without_runs_succeeds(tmp_path):
-    proc = lmtrace(tmp_path, "ls")  # the runs dir does not exist yet
+def test_ls_of_an_empty_runs_directory_succeeds(tmp_path):
+    (tmp_path / "runs").mkdir()
+    proc = lmtrace(tmp_path, "ls")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "no runs in" in proc.stdout
     (tmp_path / "empty").mkdir()
     proc = lmtrace(tmp_path, "ls", "--json", "--runs-dir", "empty")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A runs directory holding one complete run `a` of the tiny model."""
+    from tests.conftest import run_spec
+
+    base = tmp_path_factory.mktemp("one_run")
+    run_spec(base, {"model": str(tiny_llama_dir), "prompts": ["Hello there"], "output": {"run_id": "a"},
+                    "generation": {"max_new_tokens": 3, "batch_size": 1}})
+    return base / "runs"
+
+
+# every command that takes --runs-dir and reads runs from it (generate creates its runs directory)
+READING_COMMANDS = {
+    "ls": ["ls"], "show": ["show", "a"], "verify": ["verify", "a"],
+    "query": ["query", "SELECT count(*) AS n FROM tokens"],
+    "explain": ["explain", "a", "--steps", "0"], "lens": ["lens", "a"], "heads": ["heads", "a"],
+    "stats": ["stats", "a"], "compare": ["compare", "a", "a"], "report": ["report", "a"],
+    "serve": ["serve", "--port", "0"], "intervene": ["intervene", "a", "--ablate-head", "0.0"],
+    "sweep": ["sweep", "a", "--over", "heads"], "generate --resume": ["generate", "--resume", "a"],
+}
+
+
+@pytest.mark.parametrize("args", READING_COMMANDS.values(), ids=READING_COMMANDS.keys())
+def test_a_runs_dir_that_does_not_exist_is_refused_by_every_reading_command(tmp_path, one_run, args):
+    # the flag is mistyped; $LMTRACE_RUNS_DIR holds the run, so the flag alone is what is wrong
+    proc = lmtrace(tmp_path, *args, "--runs-dir", "rnus", env={"LMTRACE_RUNS_DIR": str(one_run)}, timeout=60)
+    assert_one_line_error(proc, 2, "runs directory rnus does not exist", "--runs-dir")
+    assert not (tmp_path / "rnus").exists()
+
+
+@pytest.mark.parametrize("args", [READING_COMMANDS["ls"], READING_COMMANDS["query"], READING_COMMANDS["show"]],
+                         ids=["ls", "query", "show"])
+def test_a_runs_dir_from_the_environment_that_does_not_exist_is_refused(tmp_path, args):
+    proc = lmtrace(tmp_path, *args, env={"LMTRACE_RUNS_DIR": str(tmp_path / "rnus")}, timeout=60)
+    assert_one_line_error(proc, 2, f"runs directory {tmp_path / 'rnus'} does not exist ($LMTRACE_RUNS_DIR)")
+
+
+def test_generate_creates_a_runs_dir_that_does_not_exist(tmp_path, tiny_llama_dir):
+    write(tmp_path / "spec.yaml", json.dumps({"model": str(tiny_llama_dir), "prompts": ["hi"],
+                                              "generation": {"max_new_tokens": 2}}))
+    proc = lmtrace(tmp_path, "generate", "spec.yaml", "--runs-dir", "new/runs", "--run-id", "first", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert Run(tmp_path / "new" / "runs" / "first").manifest["status"] == "complete"
 
 
 # ---- success paths ----------------------------------------------------------------------------

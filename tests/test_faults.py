@@ -220,6 +220,83 @@ def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp
     assert _run(["verify", "a"], runs, quiet=False).returncode == 0
 
 
+def _sigterm_at(point: str, args, runs: Path, pause: float = 30.0) -> tuple[int, str]:
+    """Start `lmtrace ARGS` with the test-only LMTRACE_TEST_PAUSE_AT=POINT:PAUSE, send SIGTERM once it
+    says `paused at POINT` (interrupts.pause_point); (exit code, stderr)."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs, LMTRACE_TEST_PAUSE_AT=f"{point}:{pause}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # (stdout stays small: the pipe cannot fill meanwhile)
+        seen.append(line)
+        if line.strip() == f"paused at {point}":
+            break
+    else:
+        proc.wait(60)
+        raise AssertionError(f"never paused at {point}: exit {proc.returncode}, {''.join(seen)[-2000:]}")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + err
+
+
+RECORDED = {  # each command, and how to see that its work is recorded in run `a` (or its child `kid`)
+    "lens": (["lens", "a"], lambda runs: Run(runs / "a").manifest["lens"]["computed"]["by"] == "lmtrace lens"),
+    "explain": (["explain", "a", "--steps", "0"], lambda runs: len(Run(runs / "a").manifest["explain"]) == 1),
+    "heads": (["heads", "a"], lambda runs: (runs / "a" / "analysis" / "heads.parquet").is_file()),
+    "report": (["report", "a"], lambda runs: (runs / "a" / "report.html").is_file()),
+    "sweep": (["sweep", "a", "--over", "heads"], lambda runs: len(Run(runs / "a").manifest["sweeps"]) == 1),
+    "intervene": (["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid"],
+                  lambda runs: Run(runs / "kid").manifest["status"] == "complete"),
+}
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_sigterm_after_a_command_recorded_its_work_exits_0_with_the_work_kept(complete_runs, tmp_path, name):
+    args, recorded = RECORDED[name]
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    code, err = _sigterm_at("recorded", [*args, "-q"], runs)
+    assert code == 0 and "error" not in err, (code, err[-2000:])
+    assert recorded(runs)
+    assert not [p for p in runs.rglob("*.tmp")], [str(p) for p in runs.rglob("*.tmp")]
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
+def test_sigterm_after_generate_completed_its_run_exits_0(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    code, err = _sigterm_at("recorded", ["generate", str(_spec(tmp_path, tiny_llama_dir)), "--run-id", "g", "-q"], runs)
+    assert code == 0 and "error" not in err, (code, err[-2000:])
+    assert Run(runs / "g").manifest["status"] == "complete"
+
+
+def test_sigterm_after_the_run_of_generate_lens_completed_stops_it_before_the_lens_with_3(tmp_path, tiny_llama_dir):
+    runs = tmp_path / "runs"
+    code, err = _sigterm_at("recorded", ["generate", str(_spec(tmp_path, tiny_llama_dir)), "--run-id", "g", "--lens",
+                                         "-q"], runs)
+    assert code == 3 and err.strip().splitlines()[-1].startswith("error: interrupted by signal 15 (SIGTERM)"), err
+    run = Run(runs / "g")
+    assert run.manifest["status"] == "complete" and run.manifest["lens"]["computed"] is None  # kept, lens pending
+
+
+@pytest.mark.parametrize("args", [["lens", "a", "-q"], ["show", "a", "-q"], ["verify", "a", "-q"]],
+                         ids=lambda v: v[0])
+def test_sigterm_while_the_process_exits_after_its_command_leaves_exit_0_never_143(complete_runs, tmp_path, args):
+    runs = tmp_path / "runs"
+    _copy(complete_runs[0], runs)
+    code, err = _sigterm_at("exit", args, runs)
+    assert code == 0 and "error" not in err, (code, err[-2000:])
+
+
+def test_sigterm_just_before_the_lens_is_recorded_exits_3_and_leaves_it_pending(complete_runs, tmp_path):
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    before = (a / "manifest.json").read_text()
+    code, err = _sigterm_at("lens-written", ["lens", "a", "-q"], runs)
+    assert code == 3, (code, err[-2000:])
+    assert err.strip().splitlines()[-1].startswith("error: interrupted by signal 15 (SIGTERM)"), err
+    assert (a / "manifest.json").read_text() == before  # the lens still pending
+    assert _run(["verify", "a"], runs, quiet=False).returncode == 0
+
+
 def test_sigterm_while_an_intervene_child_is_written_records_it_interrupted(tmp_path, tiny_llama_dir):
     runs = tmp_path / "runs"
     spec = _spec(tmp_path, tiny_llama_dir, max_new_tokens=400, batch_size=1, temperature=0.0)

@@ -7,6 +7,7 @@ import json
 import signal
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -215,3 +216,62 @@ def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
 def _block_keys(batch: int, s0: int) -> list[tuple]:
     t = _block(batch, s0)
     return list(zip(t.column("sequence").to_pylist(), t.column("step").to_pylist()))
+
+
+def test_two_shards_updating_prompt_and_generated_lengths_at_once_lose_neither(tmp_path, monkeypatch):
+    """prompt_len and generated_len are one chunk over every sequence, which each writer (a SLURM task)
+    updates by read-modify-write. Forced interleaving: each read of their chunk waits (up to 2 s) until
+    the other writer has read it too, so unguarded both read the chunk before either writes it, and the
+    second write puts the first writer's sequences back to -1. Guarded, the second writer only reads
+    once the first has written, and the waits time out."""
+    import asyncio
+    import threading
+
+    from zarr.storage import LocalStore
+
+    monkeypatch.setattr("os.sync", lambda: None)
+    writers = [ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
+               for i in (0, 1)]
+    barriers = {name: threading.Barrier(2, timeout=2.0) for name in ("prompt_len", "generated_len")}
+    read = LocalStore.get
+
+    async def get_after_the_other_writer(self, key, *args, **kwargs):
+        value = await read(self, key, *args, **kwargs)
+        name = key.split("/")[0]
+        if name in barriers and "/c/" in key:
+            try:
+                await asyncio.to_thread(barriers[name].wait)
+            except threading.BrokenBarrierError:
+                pass
+        return value
+
+    monkeypatch.setattr(LocalStore, "get", get_after_the_other_writer)
+    seqs = {0: [0, 1], 1: [2, 3]}  # shard i's batch of two sequences
+    prompt = {s: 10 + s for s in range(4)}
+    generated = {s: 20 + s for s in range(4)}
+
+    def shard(i: int) -> None:
+        w = writers[i]
+        w.write_prompt(seqs[i], {}, np.asarray([prompt[s] for s in seqs[i]], dtype=np.int32))
+        w.finish_batch(seqs[i][0], seqs[i], np.asarray([generated[s] for s in seqs[i]], dtype=np.int32),
+                       pa.table({"sequence": pa.array(seqs[i], pa.int32())}))
+
+    failures = []
+
+    def run(i: int) -> None:
+        try:
+            shard(i)
+        except BaseException as err:  # noqa: BLE001 (reported below, not lost in the thread)
+            failures.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures and not any(t.is_alive() for t in threads), failures
+    import zarr
+
+    group = zarr.open_group(str(tmp_path / "tensors.zarr"), mode="r")
+    assert group["prompt_len"][:4].tolist() == [prompt[s] for s in range(4)]
+    assert group["generated_len"][:4].tolist() == [generated[s] for s in range(4)]

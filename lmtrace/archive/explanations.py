@@ -231,6 +231,9 @@ def record_entries(run_dir: Path, entries: list[dict]) -> None:
         manifest = read_manifest(run_dir)
         manifest.setdefault("explain", []).extend(entries)
         _atomic_json(run_dir / layout.MANIFEST, manifest)
+    from ..interrupts import work_recorded
+
+    work_recorded()  # the explanation is recorded: a signal now leaves the exit code at 0
 
 
 def read_explanations(run: Run | str | Path, *, sequence: int | None = None, step: int | None = None) -> pa.Table:

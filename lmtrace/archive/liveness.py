@@ -218,6 +218,9 @@ def kill_point(name: str) -> None:
     """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME,
     NAME@N the N-th time it does (the fault suite's deterministic kill points: finalisation, `lmtrace
     lens`, a table part's merge, a committed block)."""
+    from ..interrupts import pause_point
+
+    pause_point(name)  # (LMTRACE_TEST_PAUSE_AT=NAME:SECONDS: a signal sent here lands before the commit)
     wanted = os.environ.get("LMTRACE_TEST_KILL_AT")
     if wanted is None or wanted.split("@")[0] != name:
         return

@@ -28,6 +28,28 @@ def runs_root(flag: str | None = None, spec_value: str | None = None) -> Path:
     return Path("runs")
 
 
+def require_runs_root(root: Path) -> Path:
+    """`root` when it is a directory, else one line naming it, where it came from and how to fix it.
+
+    What every command that reads runs calls before it looks inside the runs directory (`find_run`
+    for a run id, `list_runs`): a mistyped --runs-dir or $LMTRACE_RUNS_DIR is an error, never an
+    empty answer. Only `generate` (and the children `intervene` and `sweep` write) creates a runs
+    directory that does not exist yet."""
+    if root.is_dir():
+        return root
+    if root.exists():
+        raise SpecError(f"runs directory {root} is not a directory; pass --runs-dir or set LMTRACE_RUNS_DIR")
+    env = os.environ.get("LMTRACE_RUNS_DIR")
+    if env and Path(env).expanduser() == root:
+        where = " ($LMTRACE_RUNS_DIR)"
+    elif root == Path("runs"):
+        where = f" (the default, ./runs under {Path.cwd()}; no --runs-dir or $LMTRACE_RUNS_DIR given)"
+    else:
+        where = ""
+    raise SpecError(f"runs directory {root} does not exist{where}; pass the directory that holds your runs with "
+                    f"--runs-dir or $LMTRACE_RUNS_DIR (`lmtrace generate SPEC` creates it with a first run)")
+
+
 def check_runs_root(root: Path, run_id: str | None = None) -> None:
     """Fail early (before a model is loaded) if runs cannot be created under `root`; creates nothing."""
     existing = root
@@ -181,25 +203,21 @@ def find_run(ref: str, root: Path | None = None) -> Path:
     path = Path(ref).expanduser()
     if (path / layout.MANIFEST).is_file():
         return path
-    root = root or runs_root()
+    root = require_runs_root(root or runs_root())
     candidate = root / ref
     if (candidate / layout.MANIFEST).is_file():
         return candidate
-    if root.is_dir():
-        matches = sorted(p for p in root.iterdir() if p.name.startswith(ref) and (p / layout.MANIFEST).is_file())
-        if len(matches) == 1:
-            return matches[0]
-        if len(matches) > 1:
-            raise RunNotFoundError(f"run id prefix {ref!r} is ambiguous in {root}: {', '.join(m.name for m in matches[:5])}")
+    matches = sorted(p for p in root.iterdir() if p.name.startswith(ref) and (p / layout.MANIFEST).is_file())
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise RunNotFoundError(f"run id prefix {ref!r} is ambiguous in {root}: {', '.join(m.name for m in matches[:5])}")
     raise RunNotFoundError(f"no run {ref!r} in {root} (nor a run directory at that path); `lmtrace ls` lists runs")
 
 
 def list_runs(root: Path) -> list[Path]:
-    """Run directories under `root`, oldest first; none when `root` does not exist yet."""
-    if not root.exists():
-        return []
-    if not root.is_dir():
-        raise SpecError(f"runs directory {root} is not a directory; pass --runs-dir or set LMTRACE_RUNS_DIR")
+    """Run directories under `root`, oldest first; a `root` that does not exist is an error (`require_runs_root`)."""
+    require_runs_root(root)
     try:
         return sorted(p for p in root.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file())
     except OSError as err:

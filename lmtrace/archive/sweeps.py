@@ -172,6 +172,9 @@ def record_sweep(run_dir: Path, entry: dict) -> None:
         manifest = read_manifest(run_dir)
         manifest.setdefault("sweeps", []).append(entry)
         atomic_write_json(run_dir / layout.MANIFEST, manifest)
+    from ..interrupts import work_recorded
+
+    work_recorded()  # the sweep is recorded: a signal now leaves the exit code at 0
 
 
 def read_sweep(run, sweep_id: str | None = None) -> pa.Table:

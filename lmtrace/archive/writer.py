@@ -35,8 +35,17 @@ from . import layout
 from .layout import RunShape
 from .liveness import kill_point
 from .parts import PartMerger, live_parts, plain_schema, write_units
+from .runs import locked
 from .shards import ShardFiles
 
+
+# prompt_len and generated_len are one zarr chunk over every sequence, which each writer updates by
+# read-modify-write of the whole chunk. Every writer of a run (the tasks of a sharded run, a resumed
+# task beside running ones) holds this flock (in the run directory) around that update: two that read
+# the chunk before either wrote it would each write the other's sequences back as they read them, and
+# the first one's lengths would be lost (-1, the fill value) for good, since a resumed batch does not
+# write its prompt again.
+LENGTHS_LOCK = ".lengths.lock"
 
 # JSON files whose status may have to change on a full disk (manifest, shard status) are written
 # with this much trailing whitespace, so `rewrite_in_place` can record `failed` in the blocks the
@@ -308,10 +317,19 @@ class ArchiveWriter:
     def write_prompt(self, seqs: list[int], arrays: dict[str, np.ndarray], prompt_len: np.ndarray) -> None:
         for name, data in arrays.items():
             self._put(name, seqs, data)
-        self._put("prompt_len", seqs, prompt_len)
+        self._put_lengths("prompt_len", seqs, prompt_len)
+
+    def _put_lengths(self, name: str, seqs: list[int], data: np.ndarray) -> None:
+        """prompt_len / generated_len of `seqs`: a chunk every writer of the run shares (LENGTHS_LOCK),
+        held for the update alone (the pause for the model's forward comes before it)."""
+        self.pace()
+        array = self.arrays[name]
+        with locked(self.dir / LENGTHS_LOCK):
+            for off, first, n in self._runs(seqs):
+                array[first: first + n] = data[off: off + n]
 
     def finish_batch(self, batch: int, seqs: list[int], generated_len: np.ndarray, sequences: pa.Table) -> None:
-        self._put("generated_len", seqs, generated_len)
+        self._put_lengths("generated_len", seqs, generated_len)
         path = self._write_part("sequences", layout.batch_part_name(batch), sequences)
         self._commit(batch, done=True)
         self._merge([("sequences", path)])

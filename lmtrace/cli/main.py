@@ -204,7 +204,18 @@ _reflow_help()
 
 
 def run() -> None:
-    """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too."""
+    """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too.
+    The command's signal handler stays until the process exits (interrupts.until_exit)."""
+    from ..interrupts import pause_point, until_exit
+
+    until_exit()
+    try:
+        _run()
+    finally:
+        pause_point("exit")  # (test-only: the command returned, the process about to exit)
+
+
+def _run() -> None:
     try:
         rv = app(standalone_mode=False)
     except typer.Abort:

@@ -14,6 +14,7 @@ from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
 from ..archive.writer import atomic_write_parquet
+from ..interrupts import work_recorded
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..errors import SpecError
 from ..jsonout import json_line
@@ -50,6 +51,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
             atomic_write_parquet(result["by_group"], folder / by_file(by))
     except OSError as err:
         raise SpecError(f"cannot write {folder} ({err.strerror}); pass another --out") from None
+    work_recorded()  # (what is left is printing: a signal now leaves the exit code at 0)
     for note in [] if quiet else result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     table = result["table"]

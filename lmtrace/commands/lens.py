@@ -82,7 +82,9 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
     from ..archive.rundir import RunDir, Shard
     from ..archive.liveness import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
+    from ..interrupts import work_recorded, work_started
 
+    work_started()  # (a second run of `lmtrace lens A B`, the lens after `generate --lens`)
     with RunDir(run.path, Shard()).lock():
         manifest = read_manifest(run.path)
         if lens_state(manifest) == "ready":  # another `lmtrace lens` finished it meanwhile
@@ -110,6 +112,7 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
         manifest["checksums"] = checksums
         write_manifest(run.path, manifest)
+        work_recorded()  # a signal from now on leaves the lens recorded and the exit code 0
     run.manifest = manifest  # the caller's Run sees the lens without reopening the run
     run.__dict__.pop("tensors", None)
     return {"run_id": run.id, "computed": True, **rows, "seconds": manifest["lens"]["computed"]["seconds"]}

@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..archive.runs import runs_root
+from ..archive.runs import require_runs_root, runs_root
 from ..errors import SpecError
 from ..serve.guard import check_bind
 
@@ -41,9 +41,7 @@ def serve(runs_dir: str | None, host: str, port: int, token: str | None, open_br
     from ..serve import create_app
 
     check_bind(host, token)  # before anything listens
-    root = runs_root(runs_dir)
-    if root.exists() and not root.is_dir():
-        raise SpecError(f"runs directory {root} is not a directory; pass --runs-dir or set LMTRACE_RUNS_DIR")
+    root = require_runs_root(runs_root(runs_dir))  # a mistyped --runs-dir is an error, never an empty list
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     shown_host = f"[{host}]" if ":" in host and not host.startswith("[") else host

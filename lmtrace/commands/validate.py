@@ -301,6 +301,9 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
                         f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
                         f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
                         f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner")
+    budget = auto_budget_note(spec)
+    if budget is not None:
+        summary += f"; {budget['text']}"
     placement = planned_placement(spec.model)
     return {
         "resolved": spec.model_dump(mode="json"),
@@ -310,5 +313,25 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         "estimate": {"bytes_per_sequence_step": per_step, "tensor_bytes_max": tensors, "table_bytes_max": tables,
                      f"bytes_first_{first}_steps": first_tensors + first_tables},
         "summary": summary,
+        "memory_budget": budget,
         "warnings": warnings,
     }
+
+
+def auto_budget_note(spec: RunSpec) -> dict | None:
+    """What `batch_size: auto` without `generation.memory_budget` will choose (batching.memory_budget):
+    the share of the memory free once the model is loaded, with what that share of the RAM available
+    now comes to (the model is not loaded here, so a run's own figure is lower by the model's size)."""
+    from ..batching import AUTO_SHARE_CUDA, AUTO_SHARE_RAM, available_ram
+
+    g = spec.generation
+    if g.batch_size != "auto" or g.memory_budget is not None:
+        return None
+    free = available_ram()
+    ram = (f"{AUTO_SHARE_RAM:.0%} of the RAM available once the model is loaded"
+           + (f" ({human_bytes(free)} available now, before the model is loaded)" if free is not None else ""))
+    cuda = f"{AUTO_SHARE_CUDA:.0%} of the free memory of the GPUs it runs on"
+    where = ram if spec.model.device == "cpu" else f"on CUDA {cuda}, on the CPU {ram}"
+    return {"from": "auto", "share_ram": AUTO_SHARE_RAM, "share_cuda": AUTO_SHARE_CUDA, "ram_available_bytes": free,
+            "text": f"batch_size: auto sizes the batches to {where}; generation.memory_budget (--memory-budget) "
+                    f"sets another"}

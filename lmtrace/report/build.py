@@ -65,6 +65,9 @@ def _finish(title: str, subtitle: str, sections: list[Section], blobs: Blobs, ou
         from .static import export_figures
 
         images = export_figures([f for s in sections for f in s.figures], blobs, Path(png_dir), image_format)
+    from ..interrupts import work_recorded
+
+    work_recorded()  # the page (and its images) written: a signal now leaves the exit code at 0
     return ReportResult(Path(out), size, time.perf_counter() - t0, sum(len(s.figures) for s in sections), images, notes)
 
 
