@@ -147,7 +147,8 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
     keys = 0  # key columns written by each block: its context, rounded up to whole chunks of K
     for s0 in range(0, N, cs):
         keys += min(-(-max_len // K), -(-(P + s0 + cs - 1) // K)) * K * cs
-    assert on_disk == 3 * keys * L * H * 2  # float16
+    # float16 rows, and the crc32c (4 bytes) each inner chunk (K keys of a block of cs steps) ends in
+    assert on_disk == 3 * keys * L * H * 2 + 4 * 3 * keys // (K * cs)
     assert on_disk < 3 * N * max_len * L * H * 2 * 0.9  # well under the rows padded to max_len
     shape = RunShape(n_sequences=3, n_steps=N, max_prompt=P, layers=tuple(range(L)), resid_layers=(), n_heads=H,
                      n_kv_heads=1, head_dim=1, d_model=1, d_ffn=1, kv_head_of_head=(0,) * H)
@@ -155,12 +156,15 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
 
 
 def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
-    """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
+    """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all; each
+    followed by the chunk's crc32c."""
     def codecs(run, name):
         meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
         (sharding,) = meta["codecs"]  # format 3: every array over `sequence` is sharded
         assert sharding["name"] == "sharding_indexed", meta["codecs"]
-        return [c["name"] for c in sharding["configuration"]["codecs"]]
+        names = [c["name"] for c in sharding["configuration"]["codecs"]]
+        assert names[-1] == "crc32c", names  # format 4: every inner chunk ends in its checksum
+        return names[:-1]
 
     full = {"preset": "full", "residual": {"vectors_at": [1]}}
     auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture=full))

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ArchiveError, LmtraceError, RunNotFoundError
+from ..errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from . import queries, token_extras
 from .child_view import against_parent, edits
 from .compare_view import comparison
@@ -73,6 +73,9 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
                 return _error(404, str(err))
             except queries.NotFound as err:
                 return _error(404, str(err))
+            except ArchiveDamaged as err:  # bytes that fail their checksum: named relative to the run
+                catalog.note_damage(err)
+                return JSONResponse({"error": str(err), "file": err.path}, status_code=409)
             except ArchiveError as err:  # a damaged or unfinished archive: the run's own one-line message
                 return _error(409, str(err))
             except LmtraceError as err:  # a bad query parameter
@@ -100,6 +103,8 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
             r = catalog.open(rid)
             return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
         except ArchiveError as err:  # damaged: the page shows the one line instead of the run
+            if isinstance(err, ArchiveDamaged):
+                catalog.note_damage(err)
             return {"run_id": rid, "damaged": str(err)}
 
     def sequences(request: Request):
