@@ -5,7 +5,8 @@ sharding codec: one file (a shard) holds `output.chunk_sequences` sequences × o
 and inside it one inner chunk per sequence (per key chunk for attention rows), so a reader of one
 (sequence, step) decodes only that sequence's inner chunk. A shard file is
 
-    inner chunk bytes, in Morton order of their coordinates in the shard (absent ones left out)
+    inner chunk bytes, in Morton order of their coordinates in the shard (absent ones left out);
+      from format 4 each ends in its own crc32c (zarr's `crc32c` codec, last of the inner codecs)
     index: uint64 (offset, nbytes) per inner chunk, C order, little-endian; 2**64-1 twice = absent
     crc32c of the index, 4 bytes little-endian
 
