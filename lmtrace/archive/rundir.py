@@ -207,7 +207,6 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
 
 def archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, list[int]]:
     """Generated token ids of steps < upto for these sequences, from the committed table parts."""
-
     from .parts import live_parts
 
     files = [str(f) for f in live_parts(run_dir / layout.table_parts_dir("tokens"))]
