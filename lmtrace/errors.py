@@ -47,6 +47,18 @@ class ArchiveError(LmtraceError):
     exit_code = EXIT_USAGE
 
 
+class ArchiveDamaged(ArchiveError):
+    """A file of a run failed its checksum, is missing or truncated, or does not decode.
+
+    `path` names the file relative to the run directory (never where the runs live on disk), so a
+    server can say which file without showing its own paths; `run_dir` is the run's directory."""
+
+    def __init__(self, message: str, *, path: str | None = None, run_dir=None):
+        super().__init__(message)
+        self.path = path
+        self.run_dir = run_dir
+
+
 class Interrupted(BaseException):
     """SIGINT/SIGTERM stopped the command: `str(err)` is the one line shown, exit 3.
 

@@ -147,7 +147,8 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
     keys = 0  # key columns written by each block: its context, rounded up to whole chunks of K
     for s0 in range(0, N, cs):
         keys += min(-(-max_len // K), -(-(P + s0 + cs - 1) // K)) * K * cs
-    assert on_disk == 3 * keys * L * H * 2  # float16
+    # float16 rows, and the crc32c (4 bytes) each inner chunk (K keys of a block of cs steps) ends in
+    assert on_disk == 3 * keys * L * H * 2 + 4 * 3 * keys // (K * cs)
     assert on_disk < 3 * N * max_len * L * H * 2 * 0.9  # well under the rows padded to max_len
     shape = RunShape(n_sequences=3, n_steps=N, max_prompt=P, layers=tuple(range(L)), resid_layers=(), n_heads=H,
                      n_kv_heads=1, head_dim=1, d_model=1, d_ffn=1, kv_head_of_head=(0,) * H)
@@ -155,12 +156,15 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
 
 
 def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
-    """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all."""
+    """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all; each
+    followed by the chunk's crc32c."""
     def codecs(run, name):
         meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
         (sharding,) = meta["codecs"]  # format 3: every array over `sequence` is sharded
         assert sharding["name"] == "sharding_indexed", meta["codecs"]
-        return [c["name"] for c in sharding["configuration"]["codecs"]]
+        names = [c["name"] for c in sharding["configuration"]["codecs"]]
+        assert names[-1] == "crc32c", names  # format 4: every inner chunk ends in its checksum
+        return names[:-1]
 
     full = {"preset": "full", "residual": {"vectors_at": [1]}}
     auto = run_spec(tmp_path / "auto", _tiny(tiny_llama_dir, capture=full))
@@ -469,6 +473,62 @@ def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llam
     for name in ("lens_ids", "lens_probs"):
         assert sharding_of(lensed.tensors[name]) is None and sharding_of(lensed_v3.tensors[name]) is not None
         np.testing.assert_array_equal(lensed.array(name)[...], lensed_v3.array(name)[...], err_msg=name)
+    assert verify(old, open_run(old).manifest)[0] == []
+
+
+def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_in_their_layout(tmp_path, tiny_llama_dir):
+    """Format 4 ends every chunk in its crc32c and writes Parquet page checksums; a format-3 archive
+    (the same shards, no chunk checksums, Parquet pages without them) rewritten here with zarr and
+    pyarrow themselves still opens, verifies, compares and takes a lens whose arrays are like its own."""
+    import shutil
+
+    import pyarrow.parquet as pq
+    import zarr
+
+    from conftest import rerecord_checksums, with_lens
+    from lmtrace import open_run
+    from lmtrace.analysis.compare import compare_runs
+    from lmtrace.archive.integrity import verify
+    from lmtrace.archive.shards import checksummed, sharding_of
+    from lmtrace.archive.writer import consolidate
+
+    run = run_spec(tmp_path / "v4", _tiny(tiny_llama_dir))
+    old = tmp_path / "v3" / run.path.name
+    shutil.copytree(run.path, old)
+    group = zarr.open_group(str(old / "tensors.zarr"), mode="a", zarr_format=3)
+    for name in list(group.array_keys()):
+        a = group[name]
+        sharding = sharding_of(a)
+        codecs = [c.to_dict()["name"] for c in (sharding.codecs if sharding is not None else a.metadata.codecs)]
+        assert codecs[-1] == "crc32c" and checksummed(a), (name, codecs)
+        data = a[...]
+        inner = list((sharding.codecs if sharding is not None else a.metadata.codecs)[1:-1])
+        shutil.rmtree(old / "tensors.zarr" / name)
+        b = zarr.create_array(str(old / "tensors.zarr" / name), shape=a.shape, dtype=a.dtype, fill_value=a.fill_value,
+                              chunks=sharding.chunk_shape if sharding is not None else a.chunks,
+                              shards=a.shards, compressors=inner or None,
+                              dimension_names=a.metadata.dimension_names, zarr_format=3)
+        b[...] = data
+        assert not checksummed(b), name
+    for table in old.glob("*.parquet"):
+        pq.write_table(pq.read_table(table), table)  # pyarrow's default: no page checksums
+    consolidate(old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 3
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rerecord_checksums(old)
+
+    v3 = open_run(old)
+    for name in run.manifest["arrays"]:
+        np.testing.assert_array_equal(v3.array(name)[...], run.array(name)[...], err_msg=name)
+    assert v3.tokens().equals(run.tokens()) and v3.steps().equals(run.steps())
+    assert verify(old, v3.manifest)[0] == []
+    assert compare_runs(str(old), str(run.path)).identical
+    lensed, lensed_v4 = with_lens(v3), with_lens(run)
+    for name in ("lens_ids", "lens_probs"):
+        assert not checksummed(lensed.tensors[name]) and checksummed(lensed_v4.tensors[name]), name
+        assert sharding_of(lensed.tensors[name]) is not None
+        np.testing.assert_array_equal(lensed.array(name)[...], lensed_v4.array(name)[...], err_msg=name)
     assert verify(old, open_run(old).manifest)[0] == []
 
 

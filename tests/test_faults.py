@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmtrace.archive.reader import Run
@@ -440,6 +442,136 @@ def test_lens_refuses_a_changed_file_it_reads_and_never_launders_damage_elsewher
     for args in (["lens", "a"], ["verify", "a"]):
         code, out, err = _cli(args, tmp_path / "third")
         assert code == 2 and "steps.parquet is changed" in err, (args, out, err)
+
+
+# ---- damaged bytes that still decode: the checksums every read checks (issue 41) ---------------
+def _flip_inside_a_chunk(run_dir: Path, array: str = "attn") -> tuple[Path, int]:
+    """Flip one byte inside a compressed inner chunk of the array's first shard file, at a place
+    where the chunk still decompresses (numcodecs' zstd, which keeps no checksum of its own) to as
+    many bytes with other values: damage no codec notices. Returns the shard file and the sequence
+    whose inner chunk it is."""
+    import math
+
+    import numcodecs
+
+    shard = _a_chunk(run_dir, array)
+    meta = json.loads((run_dir / "tensors.zarr" / array / "zarr.json").read_text())
+    (sharding,) = meta["codecs"]
+    names = [c["name"] for c in sharding["configuration"]["codecs"]]
+    assert "zstd" in names, names
+    tail = 4 if names[-1] == "crc32c" else 0  # the chunk's own checksum, where it has one
+    per_shard = tuple(o // i for o, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"],
+                                              sharding["configuration"]["chunk_shape"]))
+    data = bytearray(shard.read_bytes())
+    n = math.prod(per_shard)
+    index = np.frombuffer(bytes(data[-16 * n - 4: -4]), "<u8").reshape(n, 2)
+    zstd = numcodecs.Zstd()
+    for i, (offset, nbytes) in enumerate(index.tolist()):
+        if offset == 2**64 - 1:
+            continue
+        payload = bytes(data[offset: offset + nbytes - tail])
+        clean = zstd.decode(payload)
+        for pos in range(len(payload) // 2, len(payload)):  # past the frame header
+            trial = bytearray(payload)
+            trial[pos] ^= 0x10
+            try:
+                out = zstd.decode(bytes(trial))
+            except Exception:  # noqa: BLE001 - a flip zstd itself refuses: try the next byte
+                continue
+            if len(out) == len(clean) and out != clean:
+                data[offset + pos] ^= 0x10
+                shard.write_bytes(bytes(data))
+                return shard, int(np.unravel_index(i, per_shard)[0])
+    raise AssertionError(f"no byte of {shard} flips without zstd noticing")
+
+
+def _flip_inside_a_page(path: Path, column: str) -> None:
+    """Flip one byte inside the data page of `column` in the first row group of a Parquet file, at a
+    place where pyarrow, not checking page checksums, reads the file without error but other values."""
+    import pyarrow.parquet as pq
+
+    before = pq.read_table(path)
+    md = pq.ParquetFile(path).metadata
+    chunk = md.row_group(0).column(md.schema.names.index(column))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    original = path.read_bytes()
+    for pos in range(start + chunk.total_compressed_size - 1, start + chunk.total_compressed_size // 2, -1):
+        raw = bytearray(original)
+        raw[pos] ^= 0x10
+        path.write_bytes(bytes(raw))
+        try:
+            after = pq.read_table(path)
+        except Exception:  # noqa: BLE001 - a flip the decoder itself refuses: try the next byte
+            continue
+        if not after.equals(before):
+            return
+    path.write_bytes(original)
+    raise AssertionError(f"no byte of {path}'s {column} page flips without pyarrow noticing")
+
+
+def test_a_flipped_byte_inside_an_attention_chunk_is_refused_by_zarr_and_named_by_every_reader(complete_runs, tmp_path):
+    import zarr
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    _copy(complete_runs[1], runs)
+    clean = zarr.open_array(str(a / "tensors.zarr" / "attn"), mode="r")[...]
+    shard, seq = _flip_inside_a_chunk(a)
+    rel = shard.relative_to(a)
+    attn = zarr.open_array(str(a / "tensors.zarr" / "attn"), mode="r")
+    with pytest.raises(ValueError, match="checksum"):  # zarr alone, no lmtrace: the chunk's crc32c
+        attn[seq, 0]
+    other = 1 - seq  # the shard's other sequence still reads, as it was written
+    np.testing.assert_array_equal(attn[other], clean[other])
+    expected = f"error: run a is damaged: {rel} is changed; `lmtrace verify a`"
+    for args in (["report", "a", "--sequence", str(seq), "--out", str(tmp_path / "r.html")], ["heads", "a"]):
+        code, out, err = _cli(args, runs)
+        assert (code, err.strip()) == (2, expected), (args, code, out, err)
+    code, out, err = _cli(["report", "b", "--out", str(tmp_path / "b.html")], runs)
+    assert code == 0, err
+
+
+def test_serve_answers_409_naming_the_damaged_file_and_lists_the_run_damaged(complete_runs, tmp_path):
+    from test_serve import LiveServer
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    _copy(complete_runs[1], runs)
+    shard, seq = _flip_inside_a_chunk(a)
+    rel = str(shard.relative_to(a))
+    server = LiveServer(runs)
+    try:
+        listed = {r["run_id"]: r["status"] for r in server.json("/api/runs")["runs"]}
+        assert listed == {"a": "complete", "b": "complete"}  # the same size: a stat cannot tell
+        status, headers, body = server.request(f"/api/runs/a/sequences/{seq}/steps/0")
+        assert status == 409 and headers["content-type"] == "application/json", (status, body)
+        answer = json.loads(body)
+        assert answer == {"error": f"run a is damaged: {rel} is changed; `lmtrace verify a`", "file": rel}
+        assert str(tmp_path) not in body.decode()
+        listed = {r["run_id"]: (r["status"], r.get("error")) for r in server.json("/api/runs")["runs"]}
+        assert listed == {"a": ("damaged", answer["error"]), "b": ("complete", None)}
+        assert server.json("/api/runs/a")["damaged"] == answer["error"]
+        assert server.json(f"/api/runs/b/sequences/{seq}/steps/0")["sequence"] == seq
+        shutil.copy(complete_runs[0] / rel, shard)  # restored from a copy: the run is whole again
+        assert {r["run_id"]: r["status"] for r in server.json("/api/runs")["runs"]}["a"] == "complete"
+        assert server.json(f"/api/runs/a/sequences/{seq}/steps/0")["sequence"] == seq
+    finally:
+        server.stop()
+
+
+def test_a_flipped_byte_inside_a_parquet_data_page_is_refused_naming_the_file(complete_runs, tmp_path):
+    import pyarrow.parquet as pq
+
+    runs = tmp_path / "runs"
+    a = _copy(complete_runs[0], runs)
+    _copy(complete_runs[1], runs)
+    _flip_inside_a_page(a / "tokens.parquet", "logprob")
+    with pytest.raises(OSError, match="CRC checksum verification failed"):  # pyarrow alone: the page's checksum
+        pq.read_table(a / "tokens.parquet", page_checksum_verification=True)
+    expected = "error: run a is damaged: tokens.parquet is changed; `lmtrace verify a`"
+    for args in (["show", "a"], ["show", "a", "--step", "1"], ["stats", "a"], ["compare", "a", "b"], ["report", "a"]):
+        code, out, err = _cli(args, runs)
+        assert (code, err.strip()) == (2, expected), (args, code, out, err)
 
 
 # ---- intervene: refused requests ----------------------------------------------------------------

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import ArchiveError
 from ..jsonout import strict
-from . import layout
+from . import layout, parquet_io
 from .reader import Run
 from .runs import locked, now_iso, read_manifest
 
@@ -88,7 +87,7 @@ def write_explanation(run: Run, explain_id: str, methods: list[MethodRecord], st
     parts.mkdir(exist_ok=True)
     part_tmp = parts / f".{explain_id}.tmp"
     try:
-        pq.write_table(_table(explain_id, methods, explanations), part_tmp)
+        parquet_io.write_table(_table(explain_id, methods, explanations), part_tmp)
         os.replace(part_tmp, parts / f"{explain_id}.parquet")
     except BaseException:  # (a full disk, a signal): no half-written part, no directory the manifest never names
         part_tmp.unlink(missing_ok=True)
@@ -244,4 +243,4 @@ def read_explanations(run: Run | str | Path, *, sequence: int | None = None, ste
     if not files:
         raise ArchiveError(f"{path} has no explanations yet; run `lmtrace explain`")
     filters = [(k, "==", v) for k, v in (("sequence", sequence), ("step", step)) if v is not None] or None
-    return pa.concat_tables([pq.read_table(f, filters=filters).cast(scores_schema()) for f in files])
+    return pa.concat_tables([parquet_io.read_table(f, filters=filters).cast(scores_schema()) for f in files])

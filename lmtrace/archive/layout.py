@@ -39,8 +39,10 @@ import numpy as np
 # the position dimensions (key, prompt_pos, query_pos, key_pos) carry coordinates. Readers take both.
 # 3: arrays over `sequence` are sharded (one file per `output.chunk_sequences` sequences × block of
 # steps, archive/shards.py); the capture presets store `resid` as float16. Zarr reads all three alike.
-FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+# 4: every chunk of every array ends in its crc32c (zarr's `crc32c` codec, inside the shards too) and
+# every Parquet page carries its CRC32, so a read of damaged bytes fails (docs/archive.md, "Checksums").
+FORMAT_VERSION = 4
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 MANIFEST = "manifest.json"
 SPEC = "spec.yaml"

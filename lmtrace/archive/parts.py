@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import layout
+from . import layout, parquet_io
 from .liveness import kill_point
 
 # Levelled merging: every row is rewritten once per level it climbs, so a run of P block parts
@@ -86,15 +86,23 @@ def live_parts(parts_dir: Path) -> list[Path]:
 
 def _units_stream(path: Path, schema: pa.Schema) -> Iterator[tuple[str, pa.Table]]:
     """The blocks of one part file, in its row order, read a row group at a time."""
-    reader = pq.ParquetFile(path)
+    reader = parquet_io.parquet_file(path)
     units = units_of(path)
     pending = schema.empty_table()
     groups = iter(range(reader.num_row_groups))
     for name, rows in units:
         while pending.num_rows < rows:
-            pending = pa.concat_tables([pending, reader.read_row_group(next(groups)).cast(schema)])
+            pending = pa.concat_tables([pending, _row_group(reader, path, next(groups)).cast(schema)])
         yield name, pending.slice(0, rows)
         pending = pending.slice(rows)
+
+
+def _row_group(reader: pq.ParquetFile, path: Path, i: int) -> pa.Table:
+    """Row group `i` of a part, its pages checked: a damaged part is never merged into a fresh one."""
+    try:
+        return reader.read_row_group(i)
+    except parquet_io.READ_ERRORS as err:
+        raise parquet_io.damage_of([path], err) from None
 
 
 def plain_schema(path: Path) -> pa.Schema:
@@ -143,7 +151,7 @@ def merge_parts(parts_dir: Path, sources: list[Path], target: str) -> Path:
     tmp = parts_dir / f".{target}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         # the covered names go into the footer, written after the rows: known before the first row
-        with pq.ParquetWriter(tmp, schema, use_dictionary=False, write_statistics=False) as out:
+        with parquet_io.writer(tmp, schema, use_dictionary=False, write_statistics=False) as out:
             units = write_units(sources, out, schema, group_blocks=True)
             out.add_key_value_metadata({UNITS_KEY: json.dumps(units, separators=(",", ":")),
                                         COVERS_KEY: json.dumps(covers, separators=(",", ":"))})

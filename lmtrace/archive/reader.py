@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 import zarr
 
-from ..errors import ArchiveError
-from . import layout
+from ..errors import ArchiveDamaged, ArchiveError
+from . import layout, parquet_io
 from .columns import current_names, stored_names
-from .integrity import damaged_message, quick_problem, verify
+from .integrity import Problem, damaged_message, quick_problem, verify
 from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 
@@ -64,7 +63,7 @@ class Run:
         if check:  # a complete run's committed files are all there, at their recorded sizes (stat only)
             problem = quick_problem(self.path, self.manifest)
             if problem is not None:
-                raise ArchiveError(damaged_message(self.id, problem))
+                raise ArchiveDamaged(damaged_message(self.id, problem), path=problem.path, run_dir=self.path)
         if self.status != "complete":
             if require_complete:
                 raise ArchiveError(self._not_complete())
@@ -158,15 +157,22 @@ class Run:
         array = self.tensors[name]
         return CheckedArray(array._async_array, run=self) if isinstance(array, zarr.Array) else array
 
-    def damaged(self, prefix: str, err: BaseException) -> ArchiveError:
-        """The error for a file under `prefix` that failed to read: names the damaged file when
-        the checksums find it."""
+    def damaged(self, prefix: str, err: BaseException, candidates: list[str] = ()) -> ArchiveDamaged:
+        """The error for a file under `prefix` that failed to read: names the damaged file when its own
+        checksums (`candidates`: the files the read touched, relative to the run) or the run's
+        recorded ones find it."""
+        from .shards import chunk_problem
+
+        for rel in candidates:
+            if chunk_problem(self.path / rel) is not None:
+                return ArchiveDamaged(damaged_message(self.id, Problem(rel, "changed")), path=rel, run_dir=self.path)
         if self.status == "complete":
             problems, _, _ = verify(self.path, self.manifest, prefix=prefix)
             if problems:
-                return ArchiveError(damaged_message(self.id, problems[0]))
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        return ArchiveError(damaged_message(self.id, f"{prefix.rstrip('/')} is unreadable ({first})"))
+                return ArchiveDamaged(damaged_message(self.id, problems[0]), path=problems[0].path, run_dir=self.path)
+        first = parquet_io.first_line(err, self.path)
+        return ArchiveDamaged(damaged_message(self.id, f"{prefix.rstrip('/')} is unreadable ({first})"),
+                              path=prefix.rstrip("/"), run_dir=self.path)
 
     def layer_index(self, layer: int) -> int:
         """Position of a model layer along the archive's `layer` dim."""
@@ -176,10 +182,10 @@ class Run:
             raise ArchiveError(f"layer {layer} was not captured in run {self.id} (captured: {self.layers})") from None
 
     def generated_len(self) -> np.ndarray:
-        return self.tensors["generated_len"][:]
+        return self.array("generated_len")[:]
 
     def prompt_len(self) -> np.ndarray:
-        return self.tensors["prompt_len"][:]
+        return self.array("prompt_len")[:]
 
     def attention_row(self, sequence: int, step: int, layer: int) -> np.ndarray:
         """[head, key] attention of the query position at `step`, trimmed to the context length."""
@@ -199,7 +205,7 @@ class Run:
         full = self.path / layout.table_file(name)
         if full.is_file():
             try:
-                return self._read(ds.dataset(str(full), format="parquet"), name, columns, sequences)
+                return self._read(parquet_io.dataset(full), name, columns, sequences)
             except (OSError, pa.ArrowException) as err:
                 raise self.damaged(layout.table_file(name), err) from None
         if self.status == "complete" and name in (self.manifest.get("table_rows") or {}):
@@ -214,13 +220,13 @@ class Run:
                 empty = EMPTY_SCHEMAS[name]().empty_table()
                 return empty if columns is None else empty.select(columns)
             raise ArchiveError(f"run {self.id} has no {name} table yet")
-        return self._read(ds.dataset([str(f) for f in files], format="parquet"), name, columns, sequences)
+        return self._read(parquet_io.dataset(files), name, columns, sequences)
 
     @staticmethod
     def _read(dataset: ds.Dataset, name: str, columns: list[str] | None, sequences: list[int] | None) -> pa.Table:
         stored = dataset.schema.names
-        return dataset.to_table(columns=None if columns is None else stored_names(stored, columns, name),
-                                filter=None if sequences is None else ds.field("sequence").isin(list(sequences)))
+        return parquet_io.read_dataset(dataset, columns=None if columns is None else stored_names(stored, columns, name),
+                                       filter=None if sequences is None else ds.field("sequence").isin(list(sequences)))
 
     def tokens(self) -> pa.Table:
         return self.table("tokens")
@@ -241,6 +247,8 @@ class Run:
             return stored
         try:
             t = self.tokens().select(["token_id", "token_text"])
+        except ArchiveDamaged:
+            raise
         except ArchiveError:
             return Vocabulary([], complete=False)
         ids = t.column("token_id").to_numpy()
@@ -288,7 +296,7 @@ class Vocabulary:
         path = Path(run_dir) / layout.VOCAB
         if not path.is_file():
             return None
-        t = pq.read_table(path, columns=["id", "text"])
+        t = parquet_io.read_table(path, columns=["id", "text"])
         ids = t.column("id").to_numpy()
         if not np.array_equal(ids, np.arange(len(ids))):
             raise ArchiveError(f"{path}: ids are not 0..{len(ids) - 1} in order; the file is damaged")
@@ -325,7 +333,10 @@ class CheckedArray(zarr.Array):
         except ArchiveError:
             raise
         except Exception as err:  # noqa: BLE001 - any decoding failure of a chunk is reported as damage
-            raise self._run.damaged(f"{layout.TENSORS}/{self.basename}/", err) from None
+            from .shards import chunk_files
+
+            prefix = f"{layout.TENSORS}/{self.basename}/"
+            raise self._run.damaged(prefix, err, [prefix + key for key in chunk_files(self, selection)]) from None
 
 
 # Tables of a run with no committed block yet read as empty tables with these columns.

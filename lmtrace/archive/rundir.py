@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Interrupted, LmtraceError, SpecError
-from . import layout
+from . import layout, parquet_io
 from .runs import create_run_dir, locked, now_iso
 
 
@@ -207,15 +207,13 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
 
 def archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, list[int]]:
     """Generated token ids of steps < upto for these sequences, from the committed table parts."""
-    import pyarrow.dataset as ds
-
     from .parts import live_parts
 
     files = [str(f) for f in live_parts(run_dir / layout.table_parts_dir("tokens"))]
     out = {s: [] for s in seq_ids}
     if not files:
         return out
-    t = ds.dataset(files, format="parquet").to_table(columns=["sequence", "step", "is_prompt", "token_id"]).to_pandas()
+    t = parquet_io.read_dataset(parquet_io.dataset(files), columns=["sequence", "step", "is_prompt", "token_id"]).to_pandas()
     t = t[(~t.is_prompt) & t.sequence.isin(seq_ids) & (t.step < upto)].sort_values(["sequence", "step"])
     for seq, g in t.groupby("sequence"):
         out[int(seq)] = g.token_id.tolist()

@@ -5,7 +5,8 @@ sharding codec: one file (a shard) holds `output.chunk_sequences` sequences × o
 and inside it one inner chunk per sequence (per key chunk for attention rows), so a reader of one
 (sequence, step) decodes only that sequence's inner chunk. A shard file is
 
-    inner chunk bytes, in Morton order of their coordinates in the shard (absent ones left out)
+    inner chunk bytes, in Morton order of their coordinates in the shard (absent ones left out);
+      from format 4 each ends in its own crc32c (zarr's `crc32c` codec, last of the inner codecs)
     index: uint64 (offset, nbytes) per inner chunk, C order, little-endian; 2**64-1 twice = absent
     crc32c of the index, 4 bytes little-endian
 
@@ -50,15 +51,26 @@ def morton_order(chunks_per_shard: tuple[int, ...]) -> list[tuple[int, ...]]:
     return sorted((tuple(int(x) for x in c) for c in np.ndindex(*chunks_per_shard)), key=code)
 
 
+def with_crc32c(encode):
+    """`encode`, then the crc32c of its output appended (4 bytes, little-endian): zarr's `crc32c` codec."""
+    def encoded(chunk) -> bytes:
+        blob = encode(chunk)
+        return blob + np.uint32(google_crc32c.value(blob)).tobytes()
+    return encoded
+
+
 def encoder_of(codecs) -> "callable | None":
-    """bytes (little-endian) then at most one of zstd / blosc, as numcodecs encodes them (byte-identical
-    to zarr's own codecs); None for anything else."""
-    from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
+    """bytes (little-endian), then at most one of zstd / blosc, then optionally crc32c (format 4), as
+    numcodecs and zarr encode them (byte-identical to zarr's own codecs); None for anything else."""
+    from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 
     codecs = list(codecs)
     if not codecs or not isinstance(codecs[0], BytesCodec) or codecs[0].endian is None or codecs[0].endian.value != "little":
         return None
     rest = codecs[1:]
+    if rest and isinstance(rest[-1], Crc32cCodec):
+        inner = encoder_of(codecs[:-1])
+        return None if inner is None else with_crc32c(inner)
     if not rest:
         return bytes
     if len(rest) == 1 and isinstance(rest[0], ZstdCodec):
@@ -92,6 +104,15 @@ def sharding_of(array: zarr.Array):
             or index[0].endian.value != "little" or not isinstance(index[1], Crc32cCodec)):
         return None
     return sharding
+
+
+def checksummed(array: zarr.Array) -> bool:
+    """Whether the array's chunks (inner chunks, when sharded) end in their crc32c (format 4)."""
+    from zarr.codecs import Crc32cCodec
+
+    sharding = sharding_of(array)
+    codecs = list(sharding.codecs if sharding is not None else getattr(array.metadata, "codecs", ()))
+    return bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
 
 
 def sequences_per_shard(array: zarr.Array) -> int | None:
@@ -205,3 +226,65 @@ class ShardFiles:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+
+def chunk_files(array: zarr.Array, selection) -> list[str]:
+    """The chunk (shard) files, relative to the array's directory, that reading `selection` (a
+    basic selection: ints, slices, Ellipsis) of `array` touches; [] for any other selection."""
+    from zarr.core.indexing import BasicIndexer
+
+    meta = array.metadata
+    try:
+        indexer = BasicIndexer(selection if isinstance(selection, tuple) else (selection,), array.shape, meta.chunk_grid)
+        return [meta.encode_chunk_key(p.chunk_coords) for p in indexer]
+    except Exception:  # noqa: BLE001 - an index zarr itself refuses: no file to name
+        return []
+
+
+def chunk_problem(path: Path) -> str | None:
+    """What is wrong with one chunk file of an array whose chunks end in their crc32c (format 4): a
+    shard's index or one of its inner chunks, or an unsharded chunk, fails its checksum; None when it
+    checks out, or when the array's chunks carry no checksum (its zarr.json says which)."""
+    from zarr.codecs import Crc32cCodec
+
+    meta = _array_meta(path)
+    codecs = meta.get("codecs") or []
+    sharded = len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed"
+    inner = codecs[0]["configuration"]["codecs"] if sharded else codecs
+    if not inner or inner[-1].get("name") != Crc32cCodec().to_dict()["name"]:
+        return None
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # never written: reads as the fill value (a missing committed file is quick_problem's)
+        return None
+    if not sharded:
+        return None if _crc_ok(data) else "chunk checksum mismatch"
+    shard = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    n_inner = int(np.prod([s // c for s, c in zip(shard, codecs[0]["configuration"]["chunk_shape"])]))
+    try:
+        index = read_index(data, n_inner)
+    except ValueError:
+        return "index checksum mismatch"
+    for offset, nbytes in index:
+        if offset != ABSENT and not _crc_ok(data[int(offset): int(offset + nbytes)]):
+            return "chunk checksum mismatch"
+    return None
+
+
+def _crc_ok(blob: bytes) -> bool:
+    """Whether `blob` ends in the crc32c (4 bytes, little-endian) of what precedes it."""
+    return len(blob) >= 4 and np.uint32(google_crc32c.value(blob[:-4])).tobytes() == blob[-4:]
+
+
+def _array_meta(path: Path) -> dict:
+    """The zarr.json of the array a chunk file belongs to ({} when none is found or it is unreadable)."""
+    import json
+
+    for parent in path.parents:
+        meta = parent / "zarr.json"
+        if meta.is_file():
+            try:
+                return json.loads(meta.read_text())
+            except (OSError, ValueError):
+                return {}
+    return {}

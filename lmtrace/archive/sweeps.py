@@ -22,10 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import ArchiveError
-from . import layout
+from . import layout, parquet_io
 from .columns import current_names
 from .runs import locked, read_manifest
 from .writer import atomic_write_json, atomic_write_parquet
@@ -111,7 +110,7 @@ def create_partial(partial: Path, plan: dict) -> None:
 
 def read_blocks(partial: Path) -> pa.Table:
     """Every committed block of an unfinished sweep, in file-name order (sequence, then block)."""
-    return pa.concat_tables([current_names(pq.read_table(f), "sweeps") for f in sorted((partial / "blocks").glob("*.parquet"))])
+    return pa.concat_tables([current_names(parquet_io.read_table(f), "sweeps") for f in sorted((partial / "blocks").glob("*.parquet"))])
 
 
 @dataclass
@@ -141,8 +140,8 @@ def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects:
 
     tmp = final.with_name(f".final-{final.name}")
     tmp.mkdir()
-    pq.write_table(table, tmp / "sweep.parquet")
-    pq.write_table(sequence_means, tmp / "sweep_mean.parquet")
+    parquet_io.write_table(table, tmp / "sweep.parquet")
+    parquet_io.write_table(sequence_means, tmp / "sweep_mean.parquet")
     group = zarr.open_group(str(tmp / "effects.zarr"), mode="w", zarr_format=3)
     arrays = {}
     bases = [e.metric.split(":")[0] for e in effects]
@@ -186,7 +185,7 @@ def read_sweep(run, sweep_id: str | None = None) -> pa.Table:
     entry = entries[-1] if sweep_id is None else next((e for e in entries if e["id"] == sweep_id), None)
     if entry is None:
         raise ArchiveError(f"{path} has no sweep {sweep_id}")
-    return current_names(pq.read_table(path / entry["path"] / "sweep.parquet"), "sweeps")
+    return current_names(parquet_io.read_table(path / entry["path"] / "sweep.parquet"), "sweeps")
 
 
 def finished_sweeps(run_dir: Path) -> list[Path]:

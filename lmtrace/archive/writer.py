@@ -28,10 +28,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from ..errors import LmtraceError
-from . import layout
+from . import layout, parquet_io
 from .layout import RunShape
 from .liveness import kill_point
 from .parts import PartMerger, live_parts, plain_schema, write_units
@@ -76,7 +76,7 @@ def atomic_write_parquet(table: pa.Table, path: Path) -> None:
     """Write a Parquet file whole or not at all: a temporary name of this process, then a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        pq.write_table(table, tmp)
+        parquet_io.write_table(table, tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # never leave a temporary file behind (a full disk, a signal)
@@ -133,22 +133,30 @@ def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
     with tmp.open("wb") as fh:
         # every text is distinct, so a dictionary only costs: zstd without one was the smallest and
         # fastest (SmolLM2's 49,152 tokens: 369 KB in 8 ms, against 742 KB / 13 ms with the defaults)
-        pq.write_table(table, fh, compression="zstd", use_dictionary=False)
+        parquet_io.write_table(table, fh, compression="zstd", use_dictionary=False)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return True
 
 
-def compressors_for(codec: str, level: int, spec: layout.ArraySpec):
-    """The compressors of one array; `auto` is the layout's choice for it (`ArraySpec.auto_codec`)."""
+def compressors_for(codec: str, level: int, spec: layout.ArraySpec, checksum: bool = True):
+    """The compressors of one array; `auto` is the layout's choice for it (`ArraySpec.auto_codec`).
+    `checksum` (format 4): each chunk ends in its crc32c (zarr's `crc32c` codec), so a reader that
+    decodes a damaged chunk fails instead of returning its bytes."""
     if codec == "auto":
         codec = spec.auto_codec
     if codec == "zstd":
-        return [ZstdCodec(level=level)]
-    if codec == "blosc":
-        return [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
-    return None
+        out = [ZstdCodec(level=level)]
+    elif codec == "blosc":
+        out = [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
+    else:
+        out = []
+    return out + [Crc32cCodec()] if checksum else (out or None)
+
+
+# Coordinates, prompt_len and generated_len: zarr's default compressor, then each chunk's crc32c
+SMALL_ARRAY_COMPRESSORS = (ZstdCodec(level=0), Crc32cCodec())
 
 
 def consolidate(run_dir: Path) -> None:
@@ -256,12 +264,14 @@ class ArchiveWriter:
         for name, values in coords.items():
             if name not in self.group:
                 arr = self.group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape or (1,),
-                                              dimension_names=dims.get(name, (name,)), fill_value=-1)
+                                              dimension_names=dims.get(name, (name,)), fill_value=-1,
+                                              compressors=SMALL_ARRAY_COMPRESSORS)
                 arr[...] = values
         for name in ("prompt_len", "generated_len"):
             if name not in self.group:
                 self.group.create_array(name, shape=(s.n_sequences,), dtype="int32", chunks=(max(1, min(s.n_sequences, 4096)),),
-                                        dimension_names=("sequence",), fill_value=-1)
+                                        dimension_names=("sequence",), fill_value=-1,
+                                        compressors=SMALL_ARRAY_COMPRESSORS)
         self.arrays["prompt_len"] = self.group["prompt_len"]
         self.arrays["generated_len"] = self.group["generated_len"]
 
@@ -373,7 +383,7 @@ class ArchiveWriter:
         # Parts are read back whole (by compaction or a reader of an unfinished run), never
         # filtered: dictionaries and column statistics would only cost the writer ~2 ms a block.
         try:
-            pq.write_table(data, tmp, use_dictionary=False, write_statistics=False)
+            parquet_io.write_table(data, tmp, use_dictionary=False, write_statistics=False)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -417,9 +427,9 @@ class ArchiveWriter:
             tmp = self.dir / f".{table}.parquet.tmp"
             schema = plain_schema(files[0])
             try:
-                with pq.ParquetWriter(tmp, schema) as out:
+                with parquet_io.writer(tmp, schema) as out:
                     if table == "sequences":  # one row per sequence: in sequence order, whatever the shards' batches
-                        t = pa.concat_tables([pq.read_table(f).cast(schema) for f in files]).sort_by("sequence")
+                        t = pa.concat_tables([parquet_io.read_table(f).cast(schema) for f in files]).sort_by("sequence")
                         out.write_table(t, row_group_size=65536)
                         n = t.num_rows
                     else:

@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.text import Text
 
 from ..analysis.compare import Comparison, compare_runs
+from ..archive import parquet_io
 from ..errors import SpecError
 from ..spec import check_device_option
 from ..jsonout import json_line
@@ -28,7 +28,7 @@ def write_tables(cmp: Comparison, out_dir: str | Path) -> list[Path]:
     written = []
     for name, table in cmp.tables().items():
         path = out / f"{name}.parquet"
-        pq.write_table(table, path)
+        parquet_io.write_table(table, path)
         written.append(path)
     path = out / "summary.json"
     path.write_text(json.dumps(cmp.summary(include_steps=False), indent=2))

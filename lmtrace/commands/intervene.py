@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import yaml
 
 from ..analysis.compare import stored_kl, stored_logprobs
 from ..analysis.compare.values import finite
+from ..archive import parquet_io
 from ..archive.reader import Run, Vocabulary, open_run
 from ..errors import LmtraceError, SpecError
 from ..archive.writer import atomic_write_parquet
@@ -143,9 +143,9 @@ class EffectsRecorder:
         parts = run_dir / EFFECTS_PARTS
         files = sorted(parts.glob("batch-*.parquet")) if parts.is_dir() else []
         if not files and (run_dir / EFFECTS).is_file():  # a finalisation killed after it wrote it
-            self.final = pq.read_table(run_dir / EFFECTS)
+            self.final = parquet_io.read_table(run_dir / EFFECTS)
             return
-        table = pa.concat_tables([pq.read_table(f) for f in files]) if files else EFFECTS_SCHEMA.empty_table()
+        table = pa.concat_tables([parquet_io.read_table(f) for f in files]) if files else EFFECTS_SCHEMA.empty_table()
         vocabulary = Vocabulary.read(run_dir)
         for col in TEXT_COLUMNS:
             ids = table.column(col).to_pylist()

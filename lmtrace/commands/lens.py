@@ -34,9 +34,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from ..archive import layout
+from ..archive import layout, parquet_io
 from ..archive.reader import Run, lens_state
 from ..errors import ArchiveError
 
@@ -133,7 +132,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     import torch  # here, not at the top: a no-op `lmtrace lens` answers without importing it (seconds)
 
     from ..capture.arch import adapter_for
-    from ..archive.shards import sequences_per_shard
+    from ..archive.shards import checksummed, sequences_per_shard
     from ..archive.writer import compressors_for, consolidate, create_array
     from ..analysis.lens_stats import lens_target_columns
     from ..capture.lens import LogitLens
@@ -171,10 +170,11 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
         shutil.rmtree(run.path / layout.TENSORS / s.name, ignore_errors=True)
     group = _writable_group(run.path)
     codec, level = spec["output"]["codec"], int(spec["output"]["level"])
-    # sharded like the run's own arrays (format 3), or one chunk file per sequence and block (format 2)
+    # sharded like the run's own arrays (format 3), or one chunk file per sequence and block (format 2);
+    # chunks with their crc32c when the run's have them (format 4)
     per_shard = sequences_per_shard(resid)
-    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk, compressors_for(codec, level, s),
-                                chunk_sequences=per_shard)
+    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk,
+                                compressors_for(codec, level, s, checksum=checksummed(resid)), chunk_sequences=per_shard)
            for s in layout.LENS_ARRAYS}
     gen_len = run.generated_len()
 
@@ -266,7 +266,7 @@ def _steps_with_columns(run: Run, values: dict[str, np.ndarray], layers: list[in
     """steps.parquet with the lens columns (in the archive's column order), written to a temporary
     file beside it; returns its path."""
     target = run.path / layout.table_file("steps")
-    table = pq.read_table(target)
+    table = parquet_io.read_table(target)
     seq = table.column("sequence").to_numpy()
     step = table.column("step").to_numpy()
     li = np.searchsorted(np.asarray(layers), table.column("layer").to_numpy())
@@ -275,7 +275,7 @@ def _steps_with_columns(run: Run, values: dict[str, np.ndarray], layers: list[in
     out = pa.table(columns, schema=layout.step_schema(names))
     tmp = target.with_name(f".{target.name}.lens.tmp")
     try:
-        pq.write_table(out, tmp, row_group_size=65536)
+        parquet_io.write_table(out, tmp, row_group_size=65536)
     except BaseException:
         tmp.unlink(missing_ok=True)  # (a full disk, a signal)
         raise

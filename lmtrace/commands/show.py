@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ..archive.runs import find_run, human_bytes, lens_state, runs_root
 from ..archive.summary import run_summary
-from ..errors import LmtraceError, SpecError
+from ..errors import ArchiveDamaged, LmtraceError, SpecError
 from ..jsonout import json_line
 from ..prob_colours import terminal_colour, terminal_legend
 
@@ -143,6 +143,8 @@ def step_detail(run, sequence: int, step: int) -> dict:
     _check_sequence(run, sequence)
     try:
         t = run.tokens().to_pandas()
+    except ArchiveDamaged:
+        raise
     except LmtraceError:
         t = None
     if t is not None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from ..archive import parquet_io
 from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
-from ..archive.reader import IncompleteRunWarning, open_run
+from ..archive.reader import IncompleteRunWarning, open_run, read_table_files
 from ..jsonout import json_line
 from ..query.catalog import Catalog
 from ..query.views import connect, ident
@@ -24,6 +25,8 @@ def compute_stats(run, by: str | None, lowest: int = LOWEST) -> dict:
     its order, NaN then null last."""
     if by is not None:
         sequence_groups(run, by)  # an unknown column: one line naming the columns there are
+    for table in ("sequences", "tokens", "steps"):  # DuckDB reads pages without their checksums: checked here first
+        read_table_files(run.path, table, parquet_io.check_pages)  # (listed again when a running writer merged a part)
     catalog = Catalog(run.path.parent, runs=[{"run_id": run.id, "path": str(run.path)}])
     con = connect(catalog, ["sequences", "tokens", "steps"])
     try:

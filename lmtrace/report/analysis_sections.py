@@ -6,10 +6,10 @@ columns and arrays (docs/heads.md, docs/sweep.md)."""
 from __future__ import annotations
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from ..analysis.heads import LABELS as HEAD_LABELS
 from ..analysis.sweep.cells import OVER_SIMPLE
+from ..archive import parquet_io
 from ..archive.columns import current_names
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
 from ..archive.sweeps import EffectArray, finished_sweeps, read_effects, read_sweep_info
@@ -35,7 +35,7 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     if not path.is_file():
         sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
         return sec
-    t = current_names(pq.read_table(path), "heads").to_pylist()  # `head` in an older archive
+    t = current_names(parquet_io.read_table(path), "heads").to_pylist()  # `head` in an older archive
     layers = sorted({r["layer"] for r in t})
     n_heads = max(r["q_head"] for r in t) + 1
     row = {layer: i for i, layer in enumerate(layers)}

@@ -16,6 +16,7 @@ import numpy as np
 import yaml
 
 from ..analysis.attention_heads import mean_max_over_heads
+from ..archive import parquet_io
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
 from ..prob_colours import page_colour
 from . import figures as F
@@ -403,8 +404,6 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
     effects_path = data.run.path / "effects.parquet"
     if m.get("kind") != "intervene" and not effects_path.is_file():
         return None
-    import pyarrow.parquet as pq
-
     parent = m.get("parent") or {}
     sec = Section("intervention", "Intervention: parent vs child")
     listed = yaml.safe_dump(m.get("interventions") or [], sort_keys=False).strip()
@@ -414,7 +413,7 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
     if not effects_path.is_file():
         sec.notes.append("this child has no effects.parquet (it was interrupted before finishing)")
         return sec
-    eff = pq.read_table(effects_path).to_pydict()
+    eff = parquet_io.read_table(effects_path).to_pydict()
     rows_html = []
     for seq in sel.sequences:
         idx = [i for i, s in enumerate(eff["sequence"]) if s == seq]
@@ -466,9 +465,8 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
             f"no attributions yet: `lmtrace explain {data.run.id} --steps 0,1,2 -m grad_x_input,occlusion` computes "
             f"them for the generated tokens you ask about"])
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    t = pa.concat_tables([pq.read_table(f) for f in files], promote_options="default").to_pydict()
+    t = pa.concat_tables([parquet_io.read_table(f) for f in files], promote_options="default").to_pydict()
     failed = _unconverged(data.manifest)
     sec = Section("explain", "Attributions (lmtrace explain)")
     for seq in sorted(set(t["sequence"])):

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ArchiveError, LmtraceError, RunNotFoundError
+from ..errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from . import queries, token_extras
 from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
                      int_parameter, whole_number)
@@ -79,6 +79,10 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
                 return JSONResponse(fn(request))
             except (RunNotFoundError, NotFound) as err:
                 return _error(NOT_FOUND, str(err))
+            except ArchiveDamaged as err:  # bytes that fail their checksum: named relative to the run
+                catalog.note_damage(err)
+                return JSONResponse({"error": " ".join(scrub(str(err)).split()), "file": err.path},
+                                    status_code=CONFLICT)
             except ArchiveError as err:  # a damaged or unfinished archive: the run's own one-line message
                 return _error(CONFLICT, str(err))
             except (BadParameter, LmtraceError) as err:  # a bad query parameter
@@ -109,6 +113,8 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
             r = catalog.open(rid)
             return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
         except ArchiveError as err:  # damaged: the page shows the one line instead of the run
+            if isinstance(err, ArchiveDamaged):
+                catalog.note_damage(err)
             return {"run_id": rid, "damaged": scrub(str(err))}
 
     def sequences(request: Request):

@@ -14,14 +14,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from ..archive import layout
+from ..archive import layout, parquet_io
 from ..archive.liveness import live_writers
 from ..archive.reader import IncompleteRunWarning, Run, table_files
 from ..archive.runs import list_runs
 from ..archive.summary import summary_or_damaged
-from ..errors import LmtraceError, RunNotFoundError
+from ..errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from . import kept
 
 OPEN_RUNS = 16  # runs kept open (manifest, zarr group, vocabulary); each holds no array data
@@ -35,6 +34,9 @@ class Catalog:
         self._real_root = self.root.resolve()
         self._runs: OrderedDict[tuple, Run] = OrderedDict()
         self._lock = threading.Lock()
+        # runs a request found damaged (a checksum that failed): resolved run directory -> (the file
+        # relative to it, that file's (mtime, size) then, the one-line message)
+        self._damaged: dict[Path, tuple[str, tuple | None, str]] = {}
 
     # ---- which directories are runs ----------------------------------------------------------
     def run_dirs(self) -> list[Path]:
@@ -76,6 +78,9 @@ class Catalog:
     def open(self, run_id: str) -> Run:
         """The run, opened once per manifest version (a damaged run raises its one-line ArchiveError)."""
         path = self.path_of(run_id)
+        found = self.known_damage(path)
+        if found is not None:  # a read found damaged bytes: every route of the run says so, as the runs list does
+            raise ArchiveDamaged(found[1], path=found[0], run_dir=path)
         try:
             key = (run_id, (path / layout.MANIFEST).stat().st_mtime_ns)
         except OSError as err:
@@ -97,6 +102,32 @@ class Catalog:
                 self._runs.popitem(last=False)
         return run
 
+    # ---- damage found by reads ----------------------------------------------------------------
+    def note_damage(self, err: ArchiveDamaged) -> None:
+        """Remember that a request read damaged bytes of a run (its runs-list row and pages then say
+        `damaged`) until the damaged file changes (restored from a copy, or the run rewritten)."""
+        if err.run_dir is None or not err.path:
+            return
+        run_dir = Path(err.run_dir)
+        with self._lock:
+            self._damaged[run_dir.resolve()] = (err.path, _stat_key(run_dir / err.path), str(err))
+
+    def known_damage(self, path: Path) -> tuple[str, str] | None:
+        """(file, message) of the damage a request found in the run at `path`, while that file is unchanged."""
+        if not self._damaged:
+            return None
+        where = path.resolve()
+        with self._lock:
+            entry = self._damaged.get(where)
+        if entry is None:
+            return None
+        rel, stat, message = entry
+        if _stat_key(path / rel) != stat:
+            with self._lock:
+                self._damaged.pop(where, None)
+            return None
+        return rel, message
+
     # ---- the runs list -----------------------------------------------------------------------
     def rows(self, *, kind: str | None = None, status: str | None = None, model: str | None = None,
              query: str | None = None) -> list[dict]:
@@ -105,6 +136,9 @@ class Catalog:
         rows = []
         for path, links in self.listed():
             row = summary_or_damaged(path)
+            found = self.known_damage(path)
+            if found is not None:  # bytes a request read failed their checksum
+                row["status"], row["error"] = "damaged", found[1]
             row.pop("path", None)  # where the runs live on disk is not the page's business
             if isinstance(row.get("parent"), dict):
                 row["parent"] = {k: v for k, v in row["parent"].items() if k != "path"}
@@ -145,12 +179,20 @@ class Catalog:
         path = self.path_of(run_id)
         for f in table_files(path, "sequences"):
             try:
-                prompts = pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
-            except (OSError, pa.ArrowException, KeyError):
+                prompts = parquet_io.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
+            except (OSError, pa.ArrowException, KeyError, ArchiveError):
                 continue  # a damaged or foreign table: its run still matches by id, and shows its damage
             if any(q in (p or "").lower() for p in prompts):
                 return True
         return False
+
+
+def _stat_key(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def live(path: Path, status: str | None) -> bool | None:

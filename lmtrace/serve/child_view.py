@@ -5,8 +5,8 @@ labelled as `lmtrace ls` labels them) and the child's effects.parquet rows of th
 from __future__ import annotations
 
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
+from ..archive import parquet_io
 from ..archive.reader import Run
 from ..archive.summary import edits_label
 from ..errors import ArchiveError
@@ -38,7 +38,7 @@ def _effects(run: Run, seq: int) -> dict[int, dict]:
     if not path.is_file():
         return {}
     try:
-        t = ds.dataset(str(path), format="parquet").to_table(columns=EFFECT_COLUMNS, filter=pc.field("sequence") == seq)
+        t = parquet_io.read_dataset(parquet_io.dataset(path), columns=EFFECT_COLUMNS, filter=pc.field("sequence") == seq)
     except OSError as err:
         raise ArchiveError(f"run {run.id}: {EFFECTS} is unreadable ({err}); `lmtrace verify {run.id}`") from None
     return {r["step"]: r for r in t.to_pylist()}

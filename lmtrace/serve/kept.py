@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import zarr
 
+from ..archive import parquet_io
 from ..archive.integrity import Problem, quick_problem
 from ..archive.reader import Run
 
@@ -59,7 +60,7 @@ def array(run: Run, name: str) -> zarr.Array:
 
 def lengths(run: Run, name: str) -> np.ndarray:
     """`prompt_len` or `generated_len`, one value per sequence."""
-    return _once(run, ("lengths", name), lambda: run.tensors[name][:])
+    return _once(run, ("lengths", name), lambda: run.array(name)[:])
 
 
 def dataset(files: list[Path]) -> ds.Dataset:
@@ -70,7 +71,7 @@ def dataset(files: list[Path]) -> ds.Dataset:
         if found is not None:
             _datasets.move_to_end(key)
             return found
-    made = ds.dataset([str(f) for f in files], format="parquet")
+    made = parquet_io.dataset(files)
     with _lock:
         _datasets[key] = made
         while len(_datasets) > DATASETS:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..archive import layout
+from ..archive import layout, parquet_io
 from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, read_table_files
 from ..archive.summary import status_label
@@ -43,7 +43,7 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
         wanted = None if columns is None else [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
         # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
         # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
-        return current_names(dataset.to_table(columns=wanted, filter=where, use_threads=False), name)
+        return current_names(parquet_io.read_dataset(dataset, columns=wanted, filter=where, use_threads=False), name)
 
     try:
         return read_table_files(run.path, name, read)

@@ -6,9 +6,9 @@ per-(sequence, step) rows of sweep.parquet, read with a filter on the cell's coo
 from __future__ import annotations
 
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from ..analysis.sweep.cells import CELL_KEYS
+from ..archive import parquet_io
 from ..archive.reader import Run
 from ..archive.columns import RENAMED, stored_name
 from ..archive.sweeps import finished_sweeps, read_effects, read_sweep_info
@@ -72,13 +72,13 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
     if unknown:
         raise NotFound(f"a sweep cell has coordinates {', '.join(names[1:])}, not {', '.join(sorted(unknown))}")
     try:
-        dataset = ds.dataset(str(d / "sweep.parquet"), format="parquet")
+        dataset = parquet_io.dataset(d / "sweep.parquet")
         where = pc.field("metric") == metric
         for key in CELL_KEYS[1:]:
             column = pc.field(stored_name(dataset.schema.names, key, "sweeps"))  # `head` in a sweep of an older archive
             given = coords.get(API_DIM.get(key, key))
             where = where & ((column == given) if given is not None else column.is_null())
-        t = dataset.to_table(columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)
+        t = parquet_io.read_dataset(dataset, columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)
     except OSError as err:
         raise ArchiveError(f"{d / 'sweep.parquet'} is unreadable ({err}); the sweep is damaged: run it again") from None
     if t.num_rows == 0:

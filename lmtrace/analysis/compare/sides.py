@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ...archive.reader import Run
-from ...errors import ArchiveError
+from ...errors import ArchiveDamaged, ArchiveError
 
 
 @dataclass
@@ -61,6 +61,8 @@ def load_side(label: str, run: Run) -> Side:
     n_seq = int(m.get("n_prompts") or m["shape"]["n_sequences"])
     try:
         seq_rows = {int(r["sequence"]): r for r in run.sequences().to_pylist()}
+    except ArchiveDamaged:
+        raise
     except ArchiveError:
         seq_rows = {}
     spec_prompts = (m.get("spec_resolved") or {}).get("prompts") or {}
@@ -87,6 +89,8 @@ def load_side(label: str, run: Run) -> Side:
 
     try:
         tokens = run.tokens()
+    except ArchiveDamaged:
+        raise
     except ArchiveError:
         tokens = None
     prompt_ids: dict[int, tuple[int, ...]] = {}
@@ -118,6 +122,8 @@ def load_side(label: str, run: Run) -> Side:
             gen[int(s)] = d
     try:
         steps = run.steps()
+    except ArchiveDamaged:
+        raise
     except ArchiveError:  # capture: none, or no committed block yet
         steps = None
     return Side(label, run, n_seq, prompt_text, prompt_ids, gen, seq_rows, steps, token_text)
