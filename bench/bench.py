@@ -6,12 +6,12 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
   floor         a minimal loop written here: one prefill call and one decode call per token with
                 `cache=DynamicCache(...)`, `logits_to_keep=1`, explicit attention mask and position
                 ids (the same call pattern as lmtrace's tracer), argmax; no hooks. The model is loaded
-                once through `lmtrace.models.load_model(ModelSpec())` (sdpa attention).
+                once through `lmtrace.runner.models.load_model(ModelSpec())` (sdpa attention).
   floor-stacked the same loop with lmtrace's KV cache (lmtrace/kv_cache.py: DynamicCache's values,
                 appended in place instead of concatenated). lmtrace's loop uses that cache, the floor
                 keeps transformers' own; this row shows how much of lmtrace's ratio the cache
                 accounts for. No target.
-  default       `lmtrace.generation.run_generate` with the default capture (`capture.preset: standard`:
+  default       `lmtrace.runner.generation.run_generate` with the default capture (`capture.preset: standard`:
                 attention rows, FFN top-k, norms, margin contributions, and the float16 residual at
                 every layer for the deferred logit lens; no q/k/v) streamed to a run archive. Its deferred lens is then
                 computed as `lmtrace lens` does, and that time (model load excluded) is reported
@@ -105,11 +105,11 @@ import yaml  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()  # read before anything can change it
 
-from lmtrace.generation import Progress, run_generate  # noqa: E402
+from lmtrace.runner.generation import Progress, run_generate  # noqa: E402
 from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
-from lmtrace.models import load_model  # noqa: E402
+from lmtrace.runner.models import load_model  # noqa: E402
 from lmtrace.archive.runs import dir_size, package_versions  # noqa: E402
-from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
+from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 MODEL_REF = "embedded:smollm2-135m"

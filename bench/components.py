@@ -33,10 +33,10 @@ import bench  # noqa: E402
 import yaml  # noqa: E402
 
 from lmtrace.capture import attention, attention_rows, probes, tracer  # noqa: E402
-from lmtrace import generation as gen  # noqa: E402
+from lmtrace.runner import generation as gen  # noqa: E402
 from lmtrace.archive import sink, writer  # noqa: E402
-from lmtrace.models import load_model  # noqa: E402
-from lmtrace.spec import ModelSpec, build_spec  # noqa: E402
+from lmtrace.runner.models import load_model  # noqa: E402
+from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 
 SECONDS: dict[str, float] = {}
 

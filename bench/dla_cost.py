@@ -30,8 +30,8 @@ from lmtrace.capture.arch import adapter_for  # noqa: E402
 from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
 from lmtrace.capture.probes import ForwardContext, Probes  # noqa: E402
 from lmtrace.capture.sampling import Sampler, choose  # noqa: E402
-from lmtrace.models import load_model  # noqa: E402
-from lmtrace.spec import ModelSpec  # noqa: E402
+from lmtrace.runner.models import load_model  # noqa: E402
+from lmtrace.spec.run_spec import ModelSpec  # noqa: E402
 
 
 def best_ms(fn, repeats: int) -> float:

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
 from lmtrace.analysis.attribution import METHODS, Scorer, Settings, StepContext  # noqa: E402
-from lmtrace.models import load_model  # noqa: E402
-from lmtrace.spec import ModelSpec  # noqa: E402
+from lmtrace.runner.models import load_model  # noqa: E402
+from lmtrace.spec.run_spec import ModelSpec  # noqa: E402
 
 
 def best_ms(fn, repeats: int) -> tuple[float, object]:

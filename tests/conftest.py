@@ -17,8 +17,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
 
 from lmtrace.archive.reader import Run  # noqa: E402
-from lmtrace.generation import run_generate  # noqa: E402
-from lmtrace.spec import build_spec  # noqa: E402
+from lmtrace.runner.generation import run_generate  # noqa: E402
+from lmtrace.spec.run_spec import build_spec  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three, four, five, six, seven,"]
 
@@ -66,8 +66,8 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     """A randomly initialised 4-layer GQA Llama with the embedded model's tokenizer (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     tok = load_model(ModelSpec()).tokenizer
     torch.manual_seed(0)
@@ -85,8 +85,8 @@ class Reference:
     """The model's own full forward on a final sequence (eager attention, float32)."""
 
     def __init__(self, model_ref: str, dtype: str = "float32"):
-        from lmtrace.models import load_model
-        from lmtrace.spec import ModelSpec
+        from lmtrace.runner.models import load_model
+        from lmtrace.spec.run_spec import ModelSpec
 
         self.loaded = load_model(ModelSpec(ref=model_ref, attn_implementation="eager", dtype=dtype))
         self.model = self.loaded.model
@@ -131,7 +131,7 @@ def every_table_runs(tmp_path_factory, tiny_llama_dir) -> Path:
     from lmtrace.commands.heads import heads_command
     from lmtrace.commands.intervene import run_intervene
     from lmtrace.commands.sweep import run_sweep
-    from lmtrace.sweep_spec import SweepSpec
+    from lmtrace.spec.sweep_spec import SweepSpec
 
     root = tmp_path_factory.mktemp("every-table")
     prompts = root / "prompts.jsonl"

@@ -126,8 +126,8 @@ def _get(obj, path):
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     return load_model(ModelSpec()).tokenizer
 
@@ -149,8 +149,8 @@ class FullForward:
     placed from the test's own `Case` table."""
 
     def __init__(self, model_ref: str, case: Case, dtype: str = "float32"):
-        from lmtrace.models import load_model
-        from lmtrace.spec import ModelSpec
+        from lmtrace.runner.models import load_model
+        from lmtrace.spec.run_spec import ModelSpec
 
         self.case = case
         self.model = load_model(ModelSpec(ref=model_ref, attn_implementation="eager", dtype=dtype)).model
@@ -511,7 +511,7 @@ def test_embedded_smollm2_bfloat16_is_within_bfloat16_of_the_float32_forward(tmp
 def test_unknown_architecture_fails_before_any_run_directory(tmp_path, tokenizer):
     from transformers import BloomConfig, BloomForCausalLM
 
-    from lmtrace.errors import UnsupportedArchitectureError
+    from lmtrace.exits.errors import UnsupportedArchitectureError
 
     torch.manual_seed(0)
     model = BloomForCausalLM(BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4))
@@ -533,7 +533,7 @@ def test_family_with_missing_modules_fails_naming_the_class():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lmtrace.capture.arch import adapter_for
-    from lmtrace.errors import UnsupportedArchitectureError
+    from lmtrace.exits.errors import UnsupportedArchitectureError
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2))

@@ -17,10 +17,10 @@ import torch
 import yaml
 
 from lmtrace.archive.reader import Run
-from lmtrace.batching import Batch
-from lmtrace.errors import LmtraceError
-from lmtrace.generation import run_generate
-from lmtrace.spec import build_spec
+from lmtrace.runner.batching import Batch
+from lmtrace.exits.errors import LmtraceError
+from lmtrace.runner.generation import run_generate
+from lmtrace.spec.run_spec import build_spec
 
 PROMPTS = ["The cat", "Paris is the capital of", "One, two, three,", "Hello", "A long story about a dog"]
 
@@ -94,7 +94,7 @@ def test_auto_batching_under_injected_oom_equals_batch_size_one(tmp_path, tiny_l
 
 def test_a_budget_splits_fixed_batches_and_sizes_auto_ones_and_one_sequence_over_it_fails(
         tmp_path, tiny_llama_dir, batch_of_one):
-    from lmtrace.batching import Footprint
+    from lmtrace.runner.batching import Footprint
 
     run = _run(tmp_path, tiny_llama_dir, "fixed", batch_size=4, memory_budget="1MB")
     splits = _events(run, "batch_split")
@@ -177,7 +177,8 @@ def test_a_cuda_out_of_memory_error_is_caught_and_splits_the_batch(tmp_path, tin
 def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_recorded(tmp_path):
     """The CUDA path's arithmetic without a GPU: one sequence first, then as many as its measured
     peak growth per sequence and position lets the budget hold; and the plan file's records."""
-    from lmtrace.batching import Batch, BatchQueue, Footprint, read_plan
+    from lmtrace.archive.batch_plan import read_plan
+    from lmtrace.runner.batching import Batch, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
     footprint = Footprint(shape=None, n_layers=0, dtype_bytes=0, vocab=0, max_new=10, chunk_steps=1, chunk_keys=None,
@@ -234,7 +235,7 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
     nothing; RSS still held from earlier batches is taken off the budget; a batch grows at most
     GROWTH times past the largest measured one."""
     from lmtrace.archive.layout import RunShape
-    from lmtrace.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
+    from lmtrace.runner.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
     shape = RunShape(n_sequences=20_000, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
@@ -282,7 +283,7 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
     budgets under 4x the RSS resolution are sized by the computed footprint alone, from the first batch
     to the last."""
     from lmtrace.archive.layout import RunShape
-    from lmtrace.batching import HEADROOM, RSS_RESOLUTION, Footprint
+    from lmtrace.runner.batching import HEADROOM, RSS_RESOLUTION, Footprint
 
     shape = RunShape(n_sequences=1, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
                      head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
@@ -308,7 +309,7 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
 def test_peak_rss_sees_a_transient_allocation_freed_before_the_end():
     """The peak over a stretch includes memory allocated and freed within it (a batch's prefill
     transients): a 128 MiB buffer touched, held until the sampler has read RSS twice, and freed."""
-    from lmtrace.peak_rss import PeakRss, rss_bytes
+    from lmtrace.runner.peak_rss import PeakRss, rss_bytes
 
     size = 128 << 20
     before = rss_bytes()
@@ -328,7 +329,7 @@ def test_cpu_batches_feed_their_peak_rss_growth_to_the_footprint(tmp_path, tiny_
     """On the CPU with a budget the loop measures each batch's peak RSS, hands its growth over the
     batch to the footprint, logs the peak above the process's RSS before the first batch with the batch
     (`peak_growth`), and leaves the RSS still held after it as the footprint's `retained`."""
-    from lmtrace.batching import Footprint
+    from lmtrace.runner.batching import Footprint
 
     seen: list[tuple[int, int, int]] = []
     real_observe = Footprint.observe
@@ -395,8 +396,8 @@ def test_auto_without_a_budget_on_cuda_takes_80_percent_of_the_free_device_memor
 def test_auto_without_a_budget_on_cuda_sums_the_free_memory_of_each_gpu_once(monkeypatch):
     """The CUDA choice on any machine: torch.cuda's free memory stood in for, two GPUs (the model's
     `cuda` and `cuda:0` are one of them)."""
-    from lmtrace.batching import memory_budget
-    from lmtrace.spec import GenerationSpec
+    from lmtrace.runner.batching import memory_budget
+    from lmtrace.spec.run_spec import GenerationSpec
 
     free = {0: 10 * 2**30, 1: 6 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * 2**30))

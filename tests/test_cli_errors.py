@@ -1,7 +1,7 @@
 """The real CLI as a user runs it (a subprocess): bad input gets ONE `error: ...` line on stderr,
 the documented exit code, no traceback, and never a run directory marked `complete`.
 
-Exit codes (lmtrace/errors.py): 2 bad usage / spec / unknown run, 1 the run failed.
+Exit codes (lmtrace/exits/errors.py): 2 bad usage / spec / unknown run, 1 the run failed.
 """
 
 from __future__ import annotations

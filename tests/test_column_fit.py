@@ -1,5 +1,5 @@
 """The one rule `lmtrace query`, `ls`, `heads` and `sweep` fit their terminal tables with
-(lmtrace/column_fit.py), against widths added up by hand, and the tables as rich draws them."""
+(lmtrace/output/column_fit.py), against widths added up by hand, and the tables as rich draws them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from lmtrace.column_fit import fitted_table, fitting_columns
+from lmtrace.output.column_fit import fitted_table, fitting_columns
 
 
 def test_columns_are_left_out_in_the_drop_order_until_the_rest_fit():

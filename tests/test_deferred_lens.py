@@ -24,7 +24,7 @@ from lmtrace.archive.reader import IncompleteRunWarning, Run, lens_state
 from lmtrace.cli.main import app
 from lmtrace.analysis.compare import compare_runs
 from lmtrace.commands.lens import compute_lens
-from lmtrace.errors import ArchiveError
+from lmtrace.exits.errors import ArchiveError
 from test_cli_errors import assert_one_line_error, lmtrace
 
 LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 1, not captured:

@@ -33,8 +33,8 @@ def wide_llama_dir(tmp_path_factory):
     memory budget can split it between layers; the embedded model's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lmtrace.models import load_tokenizer
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_tokenizer
+    from lmtrace.spec.run_spec import ModelSpec
 
     tok = load_tokenizer(ModelSpec())
     torch.manual_seed(1)
@@ -106,8 +106,8 @@ def test_explicit_map_gives_the_single_device_archive(tmp_path, wide_llama_dir, 
     # commands that edit or differentiate the model run on one device: a spread run is refused in
     # one line before any model is loaded (explain loads it on one device with --device)
     from lmtrace.commands.intervene import run_intervene
-    from lmtrace.errors import SpecError
-    from lmtrace.models import load_run_model
+    from lmtrace.exits.errors import SpecError
+    from lmtrace.runner.models import load_run_model
 
     with pytest.raises(SpecError, match=r"model.device_map .* lmtrace intervene runs on one device only"):
         run_intervene(str(spread.path), [{"kind": "ablate_head", "layer": 1, "head": 0}])
@@ -190,7 +190,7 @@ BAD_MAPS = {
 def test_bad_maps_are_one_line_usage_errors(tmp_path, wide_llama_dir, case):
     """In-process (the message) here; the real CLI's exit code and one line in the test below."""
     from lmtrace.commands.validate import validate_spec
-    from lmtrace.errors import SpecError
+    from lmtrace.exits.errors import SpecError
 
     if case == "device_not_present" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")

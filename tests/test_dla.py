@@ -175,15 +175,15 @@ def _case(case_id: str) -> Case:
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     return load_model(ModelSpec()).tokenizer
 
 
 def test_embedded_head_dla_matches_hooked_forward(tmp_path):
     """SmolLM2-135M: head_dla equals the hook-based computation to 1e-4, and the sum identity holds."""
-    from lmtrace.spec import ModelSpec
+    from lmtrace.spec.run_spec import ModelSpec
 
     run = run_spec(tmp_path, _spec(ModelSpec().ref, n=3))
     ref = FullForward(ModelSpec().ref, BY_ID["llama"])
@@ -222,7 +222,7 @@ def test_unsupported_family_is_refused_before_any_run_directory(case_id, fragmen
     """Final logit soft-capping (Gemma 2's default) is not linear in the residual stream, and post-LN blocks
     normalise the residual after every add: no exact attribution, so `capture.head_dla: true` is a spec
     error naming what is unsupported, raised before the run exists."""
-    from lmtrace.errors import SpecError
+    from lmtrace.exits.errors import SpecError
 
     model_dir = build_tiny(BY_ID[case_id], tokenizer, tmp_path / "model")
     with pytest.raises(SpecError, match="capture.head_dla") as err:
@@ -267,7 +267,7 @@ def test_heads_ranks_by_dla_and_by_a_head_sweep(tiny_llama_dir, tmp_path):
     from lmtrace.archive.reader import Run
     from lmtrace.commands.heads import heads_command
     from lmtrace.commands.sweep import run_sweep
-    from lmtrace.sweep_spec import SweepSpec
+    from lmtrace.spec.sweep_spec import SweepSpec
 
     data = _spec(str(tiny_llama_dir), n=4)
     data["capture"] = {"head_dla": True}

@@ -20,7 +20,7 @@ from lmtrace.analysis import attribution as attr
 from lmtrace.archive.explanations import record_entries
 from lmtrace.commands.explain import explain_run
 from lmtrace.commands.explain_render import summary
-from lmtrace.errors import ArchiveError, ModelLoadError, SpecError
+from lmtrace.exits.errors import ArchiveError, ModelLoadError, SpecError
 
 TOL = 1e-4
 
@@ -516,8 +516,8 @@ def embedded_run(tmp_path_factory):
 def embedded_model64():
     from transformers import AutoModelForCausalLM
 
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     source = load_model(ModelSpec(dtype="float32", attn_implementation="eager")).model
     # a plain transformers copy in float64: the reference f values carry no float32 rounding

@@ -137,8 +137,8 @@ def test_shard_without_run_id_is_refused_before_the_model_load(tmp_path, tiny_ll
 
 
 def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_llama_dir, monkeypatch):
-    import lmtrace.generation as gen
-    from lmtrace.errors import LmtraceError
+    import lmtrace.runner.generation as gen
+    from lmtrace.exits.errors import LmtraceError
     from tests.conftest import run_spec
 
     def broken_tracer(*args, **kwargs):
@@ -395,7 +395,7 @@ def test_every_reading_command_refuses_a_damaged_complete_run_in_one_line(comple
 
 
 def test_a_chunk_that_does_not_decode_is_named(complete_runs, tmp_path):
-    from lmtrace.errors import ArchiveError
+    from lmtrace.exits.errors import ArchiveError
 
     runs = tmp_path / "runs"
     a = _copy(complete_runs[0], runs)
@@ -738,7 +738,7 @@ def test_an_exceeded_quota_in_lens_is_one_line_naming_the_run(complete_runs, tmp
 def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_path, tiny_llama_dir, monkeypatch):
     import warnings
 
-    import lmtrace.generation as gen
+    import lmtrace.runner.generation as gen
     from lmtrace.archive import layout
     from tests.conftest import run_spec
 
@@ -759,8 +759,8 @@ def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_
 def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_dir):
     import yaml
 
-    from lmtrace.generation import Shard, run_generate
-    from lmtrace.spec import build_spec
+    from lmtrace.runner.generation import Shard, run_generate
+    from lmtrace.spec.run_spec import build_spec
 
     data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],
             "generation": {"max_new_tokens": 2, "batch_size": 2},

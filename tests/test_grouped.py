@@ -249,7 +249,7 @@ def test_sweep_by_a_column_named_like_an_output_column_groups_by_the_metadata(co
     from lmtrace.archive.groups import sequence_groups
     from lmtrace.archive.reader import Run
     from lmtrace.commands.sweep import grouped_cells
-    from lmtrace.jsonout import json_line
+    from lmtrace.output.jsonout import json_line
 
     groups = _groups(column)
     narrow = _ok(lmtrace(tmp_path, "sweep", str(colliding.path), "--over", "attn", "--steps", "0", "--metric",

@@ -8,10 +8,10 @@ import torch
 
 from conftest import PROMPTS, run_spec, with_lens
 from lmtrace.archive.reader import Run
-from lmtrace.errors import SpecError
+from lmtrace.exits.errors import SpecError
 from lmtrace.commands.intervene import run_intervene
-from lmtrace.models import load_model
-from lmtrace.spec import ModelSpec
+from lmtrace.runner.models import load_model
+from lmtrace.spec.run_spec import ModelSpec
 
 
 def _tiny_run(tmp, model_dir, batch_size: int, seed: int, **extra):

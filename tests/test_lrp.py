@@ -17,7 +17,7 @@ from conftest import run_spec
 from lmtrace.analysis import attribution as attr
 from lmtrace.analysis.attribution.lrp import lrp
 from lmtrace.commands.explain import explain_run
-from lmtrace.errors import SpecError
+from lmtrace.exits.errors import SpecError
 from test_architectures import CASES
 
 CONSERVATION_TOL = 1e-5  # |f − (Σ scores + bias relevance)| / max(1, |f|), float32 (docs/explain.md)
@@ -173,8 +173,8 @@ def embedded_run(tmp_path_factory):
 
 def test_lrp_on_the_embedded_model_conserves_and_archives_components(embedded_run):
     from lmtrace.commands.explain_render import summary
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     result = explain_run(embedded_run.path, "0,2", methods=["lrp"], settings=attr.Settings(target="contrast"))
     model = load_model(ModelSpec(dtype="float32", attn_implementation="eager")).model

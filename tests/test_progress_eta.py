@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from lmtrace.progress import Estimate, duration
+from lmtrace.output.progress import Estimate, duration
 
 PROMPTS = ["The cat", "Paris is the capital of", "One, two, three,", "Hello"]
 
@@ -71,9 +71,9 @@ def test_plain_progress_lines_name_the_shard_sequences_tokens_rate_and_eta(tmp_p
 
 def test_ls_shows_how_far_a_running_run_has_got_and_its_eta(tmp_path, tiny_llama_dir):
     from lmtrace.archive.summary import run_summary
-    from lmtrace.generation import run_generate
-    from lmtrace.progress import Progress
-    from lmtrace.spec import build_spec
+    from lmtrace.runner.generation import run_generate
+    from lmtrace.output.progress import Progress
+    from lmtrace.spec.run_spec import build_spec
 
     data = yaml.safe_load(_spec(tmp_path, tiny_llama_dir).read_text())
     data["output"] = {"runs_dir": str(tmp_path / "runs"), "run_id": "live"}

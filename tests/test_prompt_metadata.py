@@ -15,11 +15,11 @@ import yaml
 
 from lmtrace.archive.reader import Run
 from lmtrace.archive.rundir import Shard
-from lmtrace.errors import LmtraceError, SpecError
-from lmtrace.generation import run_generate
-from lmtrace.progress import Progress
-from lmtrace.prompts import load_prompts_and_metadata
-from lmtrace.spec import PromptsSpec, build_spec
+from lmtrace.exits.errors import LmtraceError, SpecError
+from lmtrace.runner.generation import run_generate
+from lmtrace.output.progress import Progress
+from lmtrace.spec.prompts import load_prompts_and_metadata
+from lmtrace.spec.run_spec import PromptsSpec, build_spec
 
 ROWS = [  # prompt, then metadata of every type, with a null in each column
     {"prompt": "The cat sat", "id": 10, "label": "a", "score": 0.25, "ok": True},
@@ -123,7 +123,7 @@ def test_metadata_reaches_sequences_parquet_and_joins_every_table(tmp_path, tiny
     assert joined.num_rows == pq.read_metadata(run.path / "tokens.parquet").num_rows
     by_seq = {s: lab for s, lab in zip(joined.column("sequence").to_pylist(), joined.column("label").to_pylist())}
     assert by_seq == {0: "a", 1: None, 2: "c"}
-    from lmtrace.serve.queries import sequence_page  # serve's sequence list shows them
+    from lmtrace.viewdata.queries import sequence_page  # serve's sequence list shows them
 
     assert [r["metadata"] for r in sequence_page(run)["rows"]] == [
         {k: v for k, v in r.items() if k != "prompt"} for r in ROWS]

@@ -30,7 +30,7 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
     from lmtrace.commands.heads import heads_command
     from lmtrace.commands.intervene import run_intervene
     from lmtrace.commands.sweep import run_sweep
-    from lmtrace.sweep_spec import SweepSpec
+    from lmtrace.spec.sweep_spec import SweepSpec
 
     tmp = tmp_path_factory.mktemp("query")
     base = run_spec(tmp, {"model": str(tiny_llama_dir), "prompts": PROMPTS,

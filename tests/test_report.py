@@ -580,7 +580,7 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
 
 
 def test_attention_step_past_a_sequences_end_starts_it_at_its_last_step():
-    from lmtrace.errors import SpecError
+    from lmtrace.exits.errors import SpecError
     from lmtrace.report.selection import select
 
     sel = select(n_sequences=3, committed={0: 30, 1: 8, 2: 20}, captured_layers=[0, 1], sequences=["0-2"],

@@ -489,7 +489,8 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
 def test_kept_reads_follow_a_rewritten_table_and_a_run_damaged_after_opening(runs_dir, tmp_path, monkeypatch):
     import pyarrow as pa
 
-    from lmtrace.serve import kept, queries
+    from lmtrace.viewdata import kept
+    from lmtrace.viewdata import queries
     from lmtrace.serve.catalog import Catalog
 
     table = tmp_path / "t.parquet"

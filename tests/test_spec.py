@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lmtrace.errors import EXIT_USAGE, SpecError
-from lmtrace.prompts import load_prompts
-from lmtrace.spec import (
+from lmtrace.exits.errors import EXIT_USAGE, SpecError
+from lmtrace.spec.prompts import load_prompts
+from lmtrace.spec.run_spec import (
     DEFAULT_MODEL,
     LayerStride,
     PromptsSpec,
@@ -338,7 +338,7 @@ def test_setting_one_prompts_source_replaces_the_other(tmp_path, monkeypatch):
 
 # ---- validate's model inspection (no weights) ------------------------------------------------
 def test_gguf_header_gives_the_embedded_model_sizes():
-    from lmtrace.models import _embedded_gguf
+    from lmtrace.runner.models import _embedded_gguf
     from lmtrace.commands.validate import _gguf_config
 
     cfg = _gguf_config(_embedded_gguf("smollm2-135m"))
@@ -347,8 +347,8 @@ def test_gguf_header_gives_the_embedded_model_sizes():
 
 
 def test_classify_model_agrees_with_locate(tmp_path):
-    from lmtrace.models import locate
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import locate
+    from lmtrace.spec.run_spec import ModelSpec
     from lmtrace.commands.validate import classify_model
 
     (tmp_path / "ckpt").mkdir()

@@ -22,7 +22,7 @@ from conftest import run_spec
 from lmtrace.archive.reader import Run
 from lmtrace.archive.sweeps import read_sweep
 from lmtrace.commands.sweep import run_sweep
-from lmtrace.sweep_spec import SweepSpec
+from lmtrace.spec.sweep_spec import SweepSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CLEAN = ["The quick brown fox", "Paris is the capital of"]
@@ -600,7 +600,7 @@ def _cli(tmp, *args, env: dict | None = None):
 
 
 def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs):
-    from lmtrace.errors import EXIT_INTERRUPTED, Interrupted
+    from lmtrace.exits.errors import EXIT_INTERRUPTED, Interrupted
 
     clean, _ = runs
     spec = SweepSpec(over="heads", edit="zero", batch=1)
@@ -758,8 +758,8 @@ def test_a_bad_sweep_in_a_real_process_prints_one_line_without_traceback(runs, t
 @pytest.mark.slow
 def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path):
     """Clean -> corrupted residual patching at every layer and prompt position of SmolLM2-135M."""
-    from lmtrace.models import load_model
-    from lmtrace.spec import ModelSpec
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
 
     def run(prompts, run_id):
         return run_spec(tmp_path, {"prompts": prompts, "capture": "none", "output": {"run_id": run_id},
@@ -887,7 +887,7 @@ class _Ids:
 
 def test_pairing_by_id_matches_ids_and_refuses_ids_without_a_partner_in_one_line():
     from lmtrace.archive.pairs import pair_sequences
-    from lmtrace.errors import SpecError
+    from lmtrace.exits.errors import SpecError
 
     parent, source = _Ids("corrupt", ["a", "b", "c"]), _Ids("clean", ["c", "a", "b"])
     assert pair_sequences(parent, source, [0, 1, 2], "pair_id") == {0: (1, "a"), 1: (2, "b"), 2: (0, "c")}

@@ -105,8 +105,8 @@ def test_a_run_without_vocab_parquet_reads_the_texts_its_tokens_table_saw(run, d
 def test_shards_and_a_run_that_lacks_it_get_vocab_parquet(tiny_llama_dir, tmp_path, decoded):
     import yaml
 
-    from lmtrace.generation import Shard, run_generate
-    from lmtrace.spec import build_spec
+    from lmtrace.runner.generation import Shard, run_generate
+    from lmtrace.spec.run_spec import build_spec
 
     data = {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
             "generation": {"max_new_tokens": 3}, "output": {"runs_dir": str(tmp_path), "run_id": "sharded"}}

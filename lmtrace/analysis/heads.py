@@ -42,7 +42,7 @@ import pyarrow as pa
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, SequenceGroups, group_order
 from ..archive.reader import Run
 from ..archive.sweeps import read_sweep
-from ..errors import ArchiveError
+from ..exits.errors import ArchiveError
 from .sweep.effects import cell_effects
 
 LOCAL_WINDOW = 4  # local_score: keys q − 4 .. q

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ArchiveError
-from ..jsonout import strict
+from ..exits.errors import ArchiveError
+from ..output.jsonout import strict
 from . import layout, parquet_io
 from .reader import Run
 from .runs import locked, now_iso, read_manifest
@@ -230,7 +230,7 @@ def record_entries(run_dir: Path, entries: list[dict]) -> None:
         manifest = read_manifest(run_dir)
         manifest.setdefault("explain", []).extend(entries)
         _atomic_json(run_dir / layout.MANIFEST, manifest)
-    from ..interrupts import work_recorded
+    from ..exits.interrupts import work_recorded
 
     work_recorded()  # the explanation is recorded: a signal now leaves the exit code at 0
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 
 GROUP_VALUE = "group_value"  # the group's value, in the column's own type
 GROUP_COLUMN = "group_column"  # the name of the sequences.parquet column grouped by

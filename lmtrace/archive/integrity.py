@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout
-from ..errors import ArchiveError
+from ..exits.errors import ArchiveError
 
 CHECKSUMS = "checksums.json"
 

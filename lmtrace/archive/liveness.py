@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from . import layout
-from ..errors import SpecError
+from ..exits.errors import SpecError
 
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_S = 5.0
@@ -218,7 +218,7 @@ def kill_point(name: str) -> None:
     """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME,
     NAME@N the N-th time it does (the fault suite's deterministic kill points: finalisation, `lmtrace
     lens`, a table part's merge, a committed block)."""
-    from ..interrupts import pause_point
+    from ..exits.interrupts import pause_point
 
     pause_point(name)  # (LMTRACE_TEST_PAUSE_AT=NAME:SECONDS: a signal sent here lands before the commit)
     wanted = os.environ.get("LMTRACE_TEST_KILL_AT")

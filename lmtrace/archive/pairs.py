@@ -4,7 +4,7 @@ by index (sequence i with sequence i), or by an id column both runs' sequences.p
 
 from __future__ import annotations
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 
 
 def _ids(run, column: str, role: str) -> dict[object, int]:

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import zarr
 
-from ..errors import ArchiveDamaged, ArchiveError
+from ..exits.errors import ArchiveDamaged, ArchiveError
 from . import layout, parquet_io
 from .columns import current_names, stored_names
 from .integrity import Problem, damaged_message, quick_problem, verify
@@ -100,7 +100,7 @@ class Run:
     @property
     def progress(self) -> dict:
         """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
-        from ..batching import merged_progress
+        from .batch_plan import merged_progress
 
         return merged_progress(self.path)
 
@@ -120,7 +120,7 @@ class Run:
         return out
 
     def batch_plan(self) -> tuple[dict[int, int], dict[int, int]]:
-        from ..batching import batch_plan
+        from .batch_plan import batch_plan
 
         return batch_plan(self.path, self.manifest)
 

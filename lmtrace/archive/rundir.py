@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Interrupted, LmtraceError, SpecError
+from ..exits.errors import Interrupted, LmtraceError, SpecError
 from . import layout, parquet_io
 from .runs import create_run_dir, locked, now_iso
 

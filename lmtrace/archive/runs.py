@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import layout
-from ..errors import LmtraceError, RunNotFoundError, SpecError
+from ..exits.errors import LmtraceError, RunNotFoundError, SpecError
 
 PACKAGES = ("lmtrace", "torch", "transformers", "zarr", "numcodecs", "pyarrow", "numpy", "tokenizers", "gguf", "typer", "pydantic")
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from ..capture.sampling import stability_class
 from ..capture.tracer import StepResult
-from ..progress import Progress
+from ..output.progress import Progress
 from . import layout
 from .layout import RunShape
 from .writer import BackgroundWriter

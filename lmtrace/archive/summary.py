@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..errors import RunNotFoundError
+from ..exits.errors import RunNotFoundError
 from .layout import LOG
 from .runs import dir_size, lens_state, read_manifest
 
@@ -29,7 +29,7 @@ def run_progress(path, m: dict, status: str) -> dict:
     """An unfinished run's sequences done (committed as done, over every shard) of its total, and for a
     running one the estimated seconds left: the sequences not done at the rate batches finished since
     the last writer started (log.jsonl); None until one has."""
-    from ..batching import sequences_done
+    from .batch_plan import sequences_done
 
     total = (m.get("shape") or {}).get("n_sequences") or m.get("n_prompts") or 0
     done = sequences_done(path, m)
@@ -61,7 +61,7 @@ def run_progress(path, m: dict, status: str) -> dict:
 
 def progress_label(p: dict) -> str | None:
     """`40/100 ~3m left`: an unfinished run's progress in `ls`; None for a complete run."""
-    from ..progress import duration
+    from ..output.progress import duration
 
     if "sequences_done" not in p:
         return None

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..errors import ArchiveError
+from ..exits.errors import ArchiveError
 from . import layout, parquet_io
 from .columns import current_names
 from .runs import locked, read_manifest
@@ -171,7 +171,7 @@ def record_sweep(run_dir: Path, entry: dict) -> None:
         manifest = read_manifest(run_dir)
         manifest.setdefault("sweeps", []).append(entry)
         atomic_write_json(run_dir / layout.MANIFEST, manifest)
-    from ..interrupts import work_recorded
+    from ..exits.interrupts import work_recorded
 
     work_recorded()  # the sweep is recorded: a signal now leaves the exit code at 0
 

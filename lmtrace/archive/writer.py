@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from ..errors import LmtraceError
+from ..exits.errors import LmtraceError
 from . import layout, parquet_io
 from .layout import RunShape
 from .liveness import kill_point

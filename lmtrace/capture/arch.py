@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import UnsupportedArchitectureError
+from ..exits.errors import UnsupportedArchitectureError
 
 
 def _get(obj, path: str):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from .arch import Adapter, _get
 from .devices import execution_device
 

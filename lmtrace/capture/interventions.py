@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from ..errors import SpecError, UnsupportedArchitectureError
+from ..exits.errors import SpecError, UnsupportedArchitectureError
 from .taps import tap
 
 

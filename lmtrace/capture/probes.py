@@ -20,7 +20,7 @@ from .devices import execution_device, stack_on
 from .arch import Adapter
 from .dla import FrozenFinalNorm, FrozenNormDLA
 from ..archive.layout import RunShape
-from ..analysis.lens_stats import lens_target_columns, lens_targets
+from .lens_stats import lens_target_columns, lens_targets
 from .lens import LogitLens
 from .sampling import Choice
 from .taps import tap

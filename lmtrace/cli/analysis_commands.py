@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..jsonout import json_line
+from ..output.jsonout import json_line
 from . import help_format
 from .app import _Reporter, _fail, _lens_line, _run_dir, app
 
@@ -73,7 +73,7 @@ def lens(
 
     from ..archive.reader import IncompleteRunWarning, open_run
     from ..commands.lens import compute_lens
-    from ..spec import check_device_option
+    from ..spec.run_spec import check_device_option
 
     reporter = _Reporter(quiet or json_out)
     ref = runs[0]  # (the run being computed, named if the disk fills up)
@@ -199,7 +199,7 @@ def report(
         from ..report import report_compare, report_run
 
         if png is not None and svg is not None:
-            from ..errors import SpecError
+            from ..exits.errors import SpecError
 
             raise SpecError("give --png DIR or --svg DIR, not both")
         images, fmt = (svg, "svg") if svg is not None else (png, "png")
@@ -210,7 +210,7 @@ def report(
             result = report_compare(runs[0], runs[1], runs_dir=runs_dir, out=out, pair=pair,
                                     allow_incomplete=allow_incomplete, png_dir=images, image_format=fmt)
         else:
-            from ..errors import SpecError
+            from ..exits.errors import SpecError
 
             raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
     except BaseException as err:  # noqa: BLE001

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import typer
 
-from ..errors import EXIT_RUN_FAILED, Interrupted, LmtraceError
-from ..interrupts import interrupt_on_signals
+from ..exits.errors import EXIT_RUN_FAILED, Interrupted, LmtraceError
+from ..exits.interrupts import interrupt_on_signals
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -117,7 +117,7 @@ class _Reporter:
 
     def progress(self):
         """The callbacks a generating command reports through."""
-        from ..progress import Progress
+        from ..output.progress import Progress
 
         return Progress(self.start, self.advance, self.message, self.sequences_done)
 
@@ -137,7 +137,7 @@ class _Reporter:
             self.message(text)
 
     def start(self, n_prompts: int, max_tokens: int) -> None:
-        from ..progress import Estimate
+        from ..output.progress import Estimate
 
         self.t0 = self.last_line = time.time()
         self.estimate = Estimate(n_prompts, max_tokens, self.t0)
@@ -171,7 +171,7 @@ class _Reporter:
         e = self.estimate
         rate, left = e.rate(now), e.seconds_left(now)
         if self.bar is not None:
-            from ..progress import duration
+            from ..output.progress import duration
 
             eta = f", about {duration(left)} left" if left is not None else ""
             self.bar.update(self.task, advance=sequences, status=f"{e.tokens} tokens, {rate:.1f} tok/s{eta}")
@@ -183,7 +183,7 @@ class _Reporter:
 
     def progress_line(self, now: float) -> str:
         """`shard-0-of-4: 120/500 sequences, 9695 tokens, 8.8 tok/s, ETA ~14 min (estimate)`."""
-        from ..progress import duration
+        from ..output.progress import duration
 
         e = self.estimate
         left = e.seconds_left(now)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..jsonout import json_line
+from ..output.jsonout import json_line
 from .app import _Reporter, _fail, _run_dir, app
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from ..capture.interventions import shorthand_entries
 from ..commands.intervene import run_intervene
 
@@ -103,7 +103,7 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
 
 
 def _print(children: list[dict]) -> None:
-    from ..column_fit import print_fitted
+    from ..output.column_fit import print_fitted
 
     console = Console()
     headers = ["sequence", "diverges at", "parent → child token", "winner changes", "mean Δlogprob", "max KL ≥"]

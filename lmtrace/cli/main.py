@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from ..errors import Interrupted
-from ..jsonout import json_line
+from ..exits.errors import Interrupted
+from ..output.jsonout import json_line
 from .app import _Reporter, _fail, _lens_line, _one_line, _run_dir, app
 
 
@@ -37,7 +37,7 @@ def generate(
                               "this process (no second model load; as `lmtrace lens RUN`)."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
-    from ..spec import load_spec
+    from ..spec.run_spec import load_spec
 
     reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
     try:
@@ -48,7 +48,7 @@ def generate(
             shard_obj, slurm_run_id = parse_shard(shard)
         child = False  # an intervene child being resumed: its edits are replayed from its parent
         if resume:
-            from ..commands.resume import run_kind, spec_for_resume
+            from ..runner.resume import run_kind, spec_for_resume
 
             spec, text = spec_for_resume(resume, runs_dir, set_ + ([f"generation.memory_budget={memory_budget}"]
                                                                    if memory_budget is not None else []))
@@ -56,7 +56,7 @@ def generate(
             child = run_kind(resume, runs_dir) == "intervene"
         else:
             if spec_path is None:
-                from ..errors import SpecError
+                from ..exits.errors import SpecError
 
                 raise SpecError("give a SPEC file, or --resume RUN_ID")
             run_id = run_id or slurm_run_id
@@ -65,7 +65,7 @@ def generate(
                 overrides.append(f"generation.memory_budget={json.dumps(memory_budget)}")
             spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
         if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
-            from ..errors import SpecError
+            from ..exits.errors import SpecError
 
             raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
                             "slurm-<SLURM_ARRAY_JOB_ID>)")
@@ -75,14 +75,14 @@ def generate(
             preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
         reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
         from ..archive.rundir import check_target, parse_shard
-        from ..generation import run_generate
+        from ..runner.generation import run_generate
         from ..archive.runs import runs_root
 
         if shard_obj is None:
             shard_obj, _ = parse_shard(None)
 
         if lens and not spec.capture.lens_deferred:
-            from ..errors import SpecError
+            from ..exits.errors import SpecError
 
             if not spec.capture.lens_inline:
                 raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
@@ -116,7 +116,7 @@ def generate(
     if log_json:
         reporter.message(f"run {result.run_id}: {result.status}", event="finished", **summary)
     if result.status.startswith("shard-complete-others-failed:"):
-        from ..errors import EXIT_PARTIAL_SHARDS
+        from ..exits.errors import EXIT_PARTIAL_SHARDS
 
         others = result.status.split(":", 1)[1]
         typer.echo(f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
@@ -206,7 +206,7 @@ _reflow_help()
 def run() -> None:
     """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too.
     The command's signal handler stays until the process exits (interrupts.until_exit)."""
-    from ..interrupts import pause_point, until_exit
+    from ..exits.interrupts import pause_point, until_exit
 
     until_exit()
     try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import SpecError
-from ..jsonout import json_line
+from ..exits.errors import SpecError
+from ..output.jsonout import json_line
 from ..commands.sweep import grouped_cells, run_sweep, sweep_groups
-from ..sweep_spec import build_sweep_spec, load_sweep_spec
+from ..spec.sweep_spec import build_sweep_spec, load_sweep_spec
 
 
 def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir: str | None, run_id: str | None,
@@ -51,7 +51,7 @@ def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]]
     """A sweep table at the console's width: coordinates no cell has (a layer sweep's heads, neurons,
     positions) left out, then `drop_first` where it does not fit, named in a line (the tables in the
     sweep's folder have every column)."""
-    from ..column_fit import print_fitted
+    from ..output.column_fit import print_fitted
 
     print_fitted(console, headers, rows, complete_in="--json has them", title=title, omit_empty=True, **how)
 

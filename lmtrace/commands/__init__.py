@@ -1,6 +1,7 @@
-"""One thin module per command: resolve runs, lock, call `analysis`, write through `archive`, print.
+"""One thin module per command: resolve runs, lock, call `analysis` or a view, write through `archive`, print.
 
 intervene, sweep, lens, explain (+ explain_render), compare (+ compare_render, its terminal and
-markdown rendering), heads, validate, resume (a run's spec for `generate --resume`), ls, show,
-verify, serve. `generate` runs `lmtrace.generation` (shared with intervene's replays and resume);
-the report command lives in `lmtrace.report`. No command module imports another."""
+markdown rendering), heads, validate, ls, show, verify, serve, query, stats. `generate` runs
+`lmtrace.runner.generation` (shared with intervene's replays and resume; `lmtrace.runner.resume`
+rebuilds a run's spec for `generate --resume`); the report command lives in `lmtrace.report`. No
+command module imports another."""

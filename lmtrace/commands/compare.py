@@ -12,9 +12,9 @@ from rich.text import Text
 
 from ..analysis.compare import Comparison, compare_runs
 from ..archive import parquet_io
-from ..errors import SpecError
-from ..spec import check_device_option
-from ..jsonout import json_line
+from ..exits.errors import SpecError
+from ..spec.run_spec import check_device_option
+from ..output.jsonout import json_line
 from .compare_render import comparison_markdown, render_comparison
 
 

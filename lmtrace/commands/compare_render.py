@@ -78,7 +78,7 @@ def _cmp_top_steps(cmp, top: int) -> list[dict]:
 
 def _print_fitted(console: Console, title: str, headers: list[str], rows: list[list[str]], **how) -> None:
     """A table at the console's width (column_fit.print_fitted), the columns left out named in a line."""
-    from ..column_fit import print_fitted
+    from ..output.column_fit import print_fitted
 
     print_fitted(console, headers, rows, complete_in="--json and --out have every figure", title=title, **how)
 

@@ -37,10 +37,10 @@ from ..analysis.attribution import (METHODS, NOT_REPLAYABLE, Scorer, Settings, c
 from ..archive.explanations import EXPLAIN_DIR, MethodRecord, StepExplanation, write_explanation
 from ..archive.reader import IncompleteRunWarning, Run
 from ..archive.runs import find_run, new_run_id, runs_root
-from ..errors import ArchiveError, LmtraceError, SpecError
-from ..jsonout import json_line
-from ..spec import check_device_option
-from ..steps import parse_steps
+from ..exits.errors import ArchiveError, LmtraceError, SpecError
+from ..output.jsonout import json_line
+from ..spec.run_spec import check_device_option
+from ..spec.steps import parse_steps
 from .explain_render import failed_checks, render, summary
 
 __all__ = ["ExplainResult", "NotConvergedError", "Settings", "explain_command", "explain_run"]
@@ -78,7 +78,7 @@ def _open(run_ref: str | Path, runs_dir: str | None) -> Run:
 
 def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda text: None) -> tuple[Scorer, dict]:
     """The run's model in float32 with eager attention (gradients and masks behave the same everywhere)."""
-    from ..models import load_run_model
+    from ..runner.models import load_run_model
 
     needing = ", ".join(m for m in methods if METHODS[m].needs_model)
     loaded = load_run_model(run.manifest, run.id, purpose=f"method(s) {needing} (attention_rollout does not need them)",

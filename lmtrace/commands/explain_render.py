@@ -10,7 +10,7 @@ import numpy as np
 
 from ..analysis.attribution import METHODS, ig_shortfall
 from ..analysis.attribution.integrated_gradients import percent
-from ..jsonout import strict
+from ..output.jsonout import strict
 
 if TYPE_CHECKING:
     from .explain import ExplainResult

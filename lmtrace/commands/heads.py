@@ -14,10 +14,10 @@ from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
 from ..archive.writer import atomic_write_parquet
-from ..interrupts import work_recorded
+from ..exits.interrupts import work_recorded
 from ..archive.reader import IncompleteRunWarning, Run, open_run
-from ..errors import SpecError
-from ..jsonout import json_line
+from ..exits.errors import SpecError
+from ..output.jsonout import json_line
 
 
 def parse_labels(given: list[str] | None) -> list[str] | None:
@@ -99,7 +99,7 @@ def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]]
                   keep: tuple[str, ...]) -> None:
     """The table at the console's width: columns that do not fit left out (DROP_FIRST, then from the
     right, never `keep`) and named in a line."""
-    from ..column_fit import print_fitted
+    from ..output.column_fit import print_fitted
 
     print_fitted(console, headers, rows, complete_in="--json has every score", drop_first=DROP_FIRST, keep=keep,
                  left=left, title=title)

@@ -34,14 +34,14 @@ from ..analysis.compare import stored_kl, stored_logprobs
 from ..analysis.compare.values import finite
 from ..archive import parquet_io
 from ..archive.reader import Run, Vocabulary, open_run
-from ..errors import LmtraceError, SpecError
+from ..exits.errors import LmtraceError, SpecError
 from ..archive.writer import atomic_write_parquet
-from ..generation import GenerateResult, Progress, Replay, run_generate
-from ..parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
+from ..runner.generation import GenerateResult, Progress, Replay, run_generate
+from ..runner.parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
                                      PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
                                      patch_source, routing_rule, validate_against)
-from ..spec import build_spec
+from ..spec.run_spec import build_spec
 
 EFFECTS = "effects.parquet"
 # A finished batch's effects rows, until the child completes (a resumed child skips finished batches)
@@ -240,7 +240,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     itself therefore changes nothing, bit for bit.
     """
     from ..capture import attention
-    from ..generation import capture_kernel, eager_kernel_reason, eos_ids
+    from ..runner.generation import capture_kernel, eager_kernel_reason, eos_ids
     from ..capture.sampling import Sampler
     from ..capture.tracer import ForcedTokens, Tracer
 
@@ -319,7 +319,7 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         raise SpecError(f"--mode {mode!r}: use rescore or regenerate")
     parent = open_run(parent_ref, runs_dir, require_complete=True)
     if (parent.manifest.get("spec_resolved", {}).get("model") or {}).get("device_map") is not None:
-        from ..models import refuse_spread
+        from ..runner.models import refuse_spread
 
         refuse_spread(parent.id, "lmtrace intervene")
     root = Path(runs_dir) if runs_dir else parent.path.parent
@@ -342,7 +342,7 @@ def resume_child(child_ref: str, runs_dir: str | None = None, progress: Progress
     its manifest records, replayed from its parent: finished batches are skipped (their effects rows
     are in effects.parts/), an unfinished one continues after its last committed block."""
     from ..archive.runs import read_manifest
-    from .resume import spec_for_resume
+    from ..runner.resume import spec_for_resume
 
     spec, text = spec_for_resume(child_ref, runs_dir, [])
     child = Path(spec.output.runs_dir) / spec.output.run_id

@@ -37,10 +37,10 @@ import pyarrow as pa
 
 from ..archive import layout, parquet_io
 from ..archive.reader import Run, lens_state
-from ..errors import ArchiveError
+from ..exits.errors import ArchiveError
 
 if TYPE_CHECKING:
-    from ..generation import GenerateResult
+    from ..runner.generation import GenerateResult
 
 # What the lens reads from the archive: hashed against the checksums before it computes (on the demo
 # run 17 ms for these 9 files, against 34 ms for all 71; the arrays it does not read dominate larger
@@ -81,7 +81,7 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
     from ..archive.rundir import RunDir, Shard
     from ..archive.liveness import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
-    from ..interrupts import work_recorded, work_started
+    from ..exits.interrupts import work_recorded, work_started
 
     work_started()  # (a second run of `lmtrace lens A B`, the lens after `generate --lens`)
     with RunDir(run.path, Shard()).lock():
@@ -134,9 +134,9 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     from ..capture.arch import adapter_for
     from ..archive.shards import checksummed, sequences_per_shard
     from ..archive.writer import compressors_for, consolidate, create_array
-    from ..analysis.lens_stats import lens_target_columns
+    from ..capture.lens_stats import lens_target_columns
     from ..capture.lens import LogitLens
-    from ..models import load_run_model
+    from ..runner.models import load_run_model
 
     spec = manifest["spec_resolved"]
     t_load = time.time()
@@ -235,7 +235,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
 def _targets(run: Run, n_seq: int, n_steps: int) -> np.ndarray:
     """[sequence, step, 2] int64: the chosen token and the runner-up (the most likely other token at
     T=1, from `alt_ids`) of every generated step, from tokens.parquet; 0 where no step was generated."""
-    from ..analysis.lens_stats import lens_targets
+    from ..capture.lens_stats import lens_targets
 
     t = run.tokens().select(["sequence", "step", "is_prompt", "token_id", "alt_ids"]).to_pandas()
     t = t[~t.is_prompt]

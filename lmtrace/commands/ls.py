@@ -17,9 +17,9 @@ from rich.text import Text
 
 from ..archive.runs import human_bytes, list_runs, runs_root
 from ..archive.summary import progress_label, summary_or_damaged
-from ..column_fit import fitting_columns, table_width
-from ..errors import SpecError
-from ..jsonout import json_line
+from ..output.column_fit import fitting_columns, table_width
+from ..exits.errors import SpecError
+from ..output.jsonout import json_line
 
 KINDS = ("generate", "intervene")
 COLUMNS = ("run id", "kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created",

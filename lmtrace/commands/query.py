@@ -12,7 +12,7 @@ import duckdb
 
 from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from ..query.catalog import VIEWS, Catalog, read_catalog
 from ..query.check import damaged_runs, failing_file, first_line, printable
 from ..query.guard import check_out, check_read_only, lock

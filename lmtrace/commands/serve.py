@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..archive.runs import require_runs_root, runs_root
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from ..serve.guard import check_bind
 
 DEFAULT_PORT = 8765

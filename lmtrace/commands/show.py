@@ -14,9 +14,9 @@ from rich.text import Text
 
 from ..archive.runs import find_run, human_bytes, lens_state, runs_root
 from ..archive.summary import run_summary
-from ..errors import ArchiveDamaged, LmtraceError, SpecError
-from ..jsonout import json_line
-from ..prob_colours import terminal_colour, terminal_legend
+from ..exits.errors import ArchiveDamaged, LmtraceError, SpecError
+from ..output.jsonout import json_line
+from ..output.prob_colours import terminal_colour, terminal_legend
 
 # what `stability` means (capture.sampling.stability_class), said under --step
 STABILITY_LEGEND = ("of the model's top-1, whatever was chosen: locked = top-1 prob ≥ 0.9, stable = top-1 − top-2 "

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..archive import parquet_io
 from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
 from ..archive.reader import IncompleteRunWarning, open_run, read_table_files
-from ..jsonout import json_line
+from ..output.jsonout import json_line
 from ..query.catalog import Catalog
 from ..query.views import connect, ident
 

@@ -4,7 +4,7 @@ This module orchestrates (docs/sweep.md has the full text): it resolves the pare
 patch source, checks every input before the model is loaded, plans the blocks (one batch of cells
 of one sequence), runs them through the engine, commits each block, and assembles the result.
 What is computed lives below it:
-  lmtrace/sweep_spec.py           the sweep spec (flags or YAML)
+  lmtrace/spec/sweep_spec.py           the sweep spec (flags or YAML)
   lmtrace/analysis/sweep/cells    the swept cells
   lmtrace/analysis/sweep/metrics  the metrics per (cell, sequence, step)
   lmtrace/analysis/sweep/engine   the forward: one cell per batch row, prefix KV reuse, patches
@@ -36,9 +36,9 @@ from ..archive.sweeps import (SWEEPS_DIR, EffectArray, PairColumns, block_table,
                               record_sweep, write_block, write_sweep, writer_key)
 from ..archive.writer import atomic_write_json
 from ..capture.interventions import parse_range_list
-from ..errors import Interrupted, LmtraceError, SpecError
-from ..interrupts import StopFlag
-from ..sweep_spec import SweepSpec
+from ..exits.errors import Interrupted, LmtraceError, SpecError
+from ..exits.interrupts import StopFlag
+from ..spec.sweep_spec import SweepSpec
 
 
 class SweepError(LmtraceError):
@@ -74,7 +74,7 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
     """Resolve the parent (and the patch source) and validate the spec against them; raises SpecError."""
     from ..archive.pairs import pair_sequences
     from ..archive.reader import open_run
-    from ..parent import ParentView, tokenizer_of
+    from ..runner.parent import ParentView, tokenizer_of
 
     parent = open_run(parent_ref, runs_dir, require_complete=True)
     view = ParentView.read(parent)
@@ -164,7 +164,7 @@ def _sweep_owned(inp: _Inputs, spec: SweepSpec, blocks: list, given: dict, sweep
     from ..archive.runs import now_iso
     from ..capture.arch import adapter_for
     from ..capture.interventions import component_means
-    from ..models import load_run_model
+    from ..runner.models import load_run_model
 
     parent, view, cells = inp.parent, inp.view, inp.cells
     index, count = shard
@@ -462,7 +462,7 @@ def patching_summary(table, inp: _Inputs, metric: str, pair_by: str | None) -> d
 
 def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:
     """The steps measured in a sequence of n generated tokens; with from_step, only steps >= from_step exist."""
-    from ..steps import parse_steps
+    from ..spec.steps import parse_steps
 
     if n == 0:
         raise SpecError(f"sequence {seq} of run {run_id} generated no tokens: nothing to measure")

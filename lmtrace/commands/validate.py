@@ -11,11 +11,11 @@ import json
 import struct
 from pathlib import Path
 
-from ..errors import ModelLoadError, SpecError
-from ..prompts import load_prompts
+from ..exits.errors import ModelLoadError, SpecError
+from ..spec.prompts import load_prompts
 from ..archive.runs import human_bytes, runs_root
-from ..context_length import check_context, model_positions
-from ..spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
+from ..runner.context_length import check_context, model_positions
+from ..spec.run_spec import ModelSpec, RunSpec, load_spec, resolve_layers, resolve_vector_layers
 
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -103,7 +103,7 @@ def classify_model(model: ModelSpec) -> tuple[str, str]:
     """
     ref = model.ref
     if ref.startswith("embedded:"):
-        from ..models import _embedded_gguf
+        from ..runner.models import _embedded_gguf
 
         return "embedded", str(_embedded_gguf(ref.split(":", 1)[1]))
     path = Path(ref).expanduser()
@@ -115,7 +115,7 @@ def classify_model(model: ModelSpec) -> tuple[str, str]:
             return "local", str(path.resolve())
     elif not path.exists() and not ref.startswith((".", "/", "~")):
         return "hub", ref
-    from ..models import locate
+    from ..runner.models import locate
 
     kind, source, _, _ = locate(model)
     return kind, source
@@ -233,8 +233,8 @@ def planned_placement(model: ModelSpec) -> dict | None:
     for a model on one device."""
     if model.device_map is None:
         return None
-    from ..models import load_config
-    from ..placement import plan, planning_dtype
+    from ..runner.models import load_config
+    from ..runner.placement import plan, planning_dtype
 
     dtype = planning_dtype(model)
     placement = plan(model, load_config(model), dtype)
@@ -322,7 +322,7 @@ def auto_budget_note(spec: RunSpec) -> dict | None:
     """What `batch_size: auto` without `generation.memory_budget` will choose (batching.memory_budget):
     the share of the memory free once the model is loaded, with what that share of the RAM available
     now comes to (the model is not loaded here, so a run's own figure is lower by the model's size)."""
-    from ..batching import AUTO_SHARE_CUDA, AUTO_SHARE_RAM, available_ram
+    from ..runner.batching import AUTO_SHARE_CUDA, AUTO_SHARE_RAM, available_ram
 
     g = spec.generation
     if g.batch_size != "auto" or g.memory_budget is not None:

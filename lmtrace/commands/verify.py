@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..archive.runs import find_run, read_manifest, runs_root
-from ..jsonout import json_line
+from ..output.jsonout import json_line
 
 
 def verify_run(ref: str, runs_dir: str | None, json_out: bool, quiet: bool = False) -> int:

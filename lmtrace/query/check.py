@@ -25,7 +25,7 @@ import duckdb
 
 from ..archive.integrity import verify
 from ..archive.runs import read_manifest
-from ..errors import RunNotFoundError
+from ..exits.errors import RunNotFoundError
 from .catalog import Catalog, TableFile
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import duckdb
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from .check import printable
 
 # statements that read and answer (DuckDB's StatementType names). MULTI: a PIVOT (an enum type

@@ -14,8 +14,8 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from ..column_fit import fitting_columns
-from ..jsonout import json_line
+from ..output.column_fit import fitting_columns
+from ..output.jsonout import json_line
 from .views import ident
 
 FORMATS = ("table", "csv", "json", "parquet")

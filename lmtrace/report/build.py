@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from .analysis_sections import dla_section, heads_section, sweeps_section
 from .blobs import Blobs
 from .page import render_page
@@ -65,7 +65,7 @@ def _finish(title: str, subtitle: str, sections: list[Section], blobs: Blobs, ou
         from .static import export_figures
 
         images = export_figures([f for s in sections for f in s.figures], blobs, Path(png_dir), image_format)
-    from ..interrupts import work_recorded
+    from ..exits.interrupts import work_recorded
 
     work_recorded()  # the page (and its images) written: a signal now leaves the exit code at 0
     return ReportResult(Path(out), size, time.perf_counter() - t0, sum(len(s.figures) for s in sections), images, notes)

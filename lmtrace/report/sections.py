@@ -18,7 +18,7 @@ import yaml
 from ..analysis.attention_heads import mean_max_over_heads
 from ..archive import parquet_io
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
-from ..prob_colours import page_colour
+from ..output.prob_colours import page_colour
 from . import figures as F
 from .blobs import Blobs
 from .run_data import RunData, display, stack_steps, token_prob

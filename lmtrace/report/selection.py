@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import SpecError
-from ..steps import parse_sequences, parse_steps
+from ..exits.errors import SpecError
+from ..spec.steps import parse_sequences, parse_steps
 
 DEFAULT_SEQUENCES = 2
 MAX_STEPS = 256

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from .blobs import Blobs, resolve
 
 MAX_TICKS = 60

@@ -2,8 +2,8 @@
 the page inlines instead of fetched from a server.
 
 What is inlined is the answer serve's routes give, computed by the same functions
-(`serve.queries.sequence_tokens`, `serve.token_extras.selected_token`, `serve.token_extras.step_over_heads`,
-`serve.token_extras.head_pattern`), keyed by the route's path under /api/runs/RUN/, attention weights
+(`viewdata.queries.sequence_tokens`, `viewdata.token_extras.selected_token`,
+`viewdata.token_extras.step_over_heads`, `viewdata.token_extras.head_pattern`), keyed by the route's path under /api/runs/RUN/, attention weights
 rounded to `WEIGHT_DECIMALS` decimals and other floats to `DIGITS` significant digits: per shown
 sequence its token strip, the selected-token answer and the attention over heads of each step shown
 (at most `MAX_VIEW_STEPS`, a regular stride past that, always with the initial step), and the pattern over
@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import math
 
-from ..serve.queries import sequence_tokens, steps_ready
-from ..serve.token_extras import head_pattern, selected_token, step_over_heads
+from ..viewdata.queries import sequence_tokens, steps_ready
+from ..viewdata.token_extras import head_pattern, selected_token, step_over_heads
 from .run_data import RunData
 from .sections import Section
 from .selection import Selection, thin

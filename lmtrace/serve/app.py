@@ -31,8 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
-from . import queries, token_extras
+from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
+from ..viewdata import queries
+from ..viewdata import token_extras
 from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
                      int_parameter, whole_number)
 from .child_view import against_parent, edits

@@ -20,8 +20,8 @@ from ..archive.liveness import live_writers
 from ..archive.reader import IncompleteRunWarning, Run, table_files
 from ..archive.runs import list_runs
 from ..archive.summary import summary_or_damaged
-from ..errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
-from . import kept
+from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
+from ..viewdata import kept
 
 OPEN_RUNS = 16  # runs kept open (manifest, zarr group, vocabulary); each holds no array data
 

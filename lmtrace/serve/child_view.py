@@ -9,9 +9,9 @@ import pyarrow.compute as pc
 from ..archive import parquet_io
 from ..archive.reader import Run
 from ..archive.summary import edits_label
-from ..errors import ArchiveError
-from ..jsonout import strict
-from .queries import NotFound, check_sequence, table_rows
+from ..exits.errors import ArchiveError
+from ..output.jsonout import strict
+from ..viewdata.queries import NotFound, check_sequence, table_rows
 
 EFFECTS = "effects.parquet"  # commands/intervene.py writes it; this module reads it without torch
 EFFECT_COLUMNS = ["step", "context_identical", "logprob_shift", "parent_logprob", "child_logprob_of_parent_token",

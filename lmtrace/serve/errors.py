@@ -16,7 +16,7 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 
 BAD_PARAMETER, UNAUTHORISED, FORBIDDEN, NOT_FOUND, NOT_ALLOWED, CONFLICT, INTERNAL = 400, 401, 403, 404, 405, 409, 500
 

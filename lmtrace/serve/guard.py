@@ -24,7 +24,7 @@ import socket
 from http.cookies import CookieError, SimpleCookie
 from urllib.parse import parse_qsl, quote, urlencode
 
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from .errors import FORBIDDEN, NOT_ALLOWED, UNAUTHORISED, error_body, error_headers
 
 COOKIE = "lmtrace_token"

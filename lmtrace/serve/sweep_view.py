@@ -12,9 +12,9 @@ from ..archive import parquet_io
 from ..archive.reader import Run
 from ..archive.columns import RENAMED, stored_name
 from ..archive.sweeps import finished_sweeps, read_effects, read_sweep_info
-from ..errors import ArchiveError
-from ..jsonout import strict
-from .queries import NotFound, table_rows
+from ..exits.errors import ArchiveError
+from ..output.jsonout import strict
+from ..viewdata.queries import NotFound, table_rows
 
 # the API's name of a cell coordinate (a URL parameter and the frontend's, `head`) -> the tables' column
 API_DIM = {new: old for old, new in RENAMED["sweeps"].items()}

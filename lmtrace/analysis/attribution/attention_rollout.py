@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...archive.reader import Run
-from ...errors import ArchiveError
+from ...exits.errors import ArchiveError
 from .registry import MethodResult, StepContext, register
 
 

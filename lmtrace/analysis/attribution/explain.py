@@ -14,7 +14,7 @@ import torch
 
 from ...archive.explanations import StepExplanation
 from ...archive.reader import Run
-from ...errors import ArchiveError, LmtraceError, SpecError
+from ...exits.errors import ArchiveError, LmtraceError, SpecError
 from .registry import METHODS, StepContext
 from .replay import REPLAY_TOLERANCE, ContextEdits
 from .settings import Settings

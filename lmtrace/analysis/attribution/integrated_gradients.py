@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ...errors import LmtraceError, SpecError
+from ...exits.errors import LmtraceError, SpecError
 from .registry import MethodResult, StepContext, register
 from .settings import Settings
 

@@ -25,7 +25,7 @@ import torch
 from ...archive.reader import Run
 from ...capture.arch import adapter_for
 from ...capture.devices import is_spread
-from ...errors import SpecError
+from ...exits.errors import SpecError
 from .lrp_rules import installed, soft_capped
 from .registry import MethodResult, StepContext, register
 from .settings import Settings

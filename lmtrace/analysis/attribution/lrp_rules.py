@@ -49,7 +49,7 @@ from typing import Iterator
 import torch
 
 from ...capture.arch import Adapter
-from ...errors import SpecError
+from ...exits.errors import SpecError
 
 PROBE_TOLERANCE = 1e-3  # relative: how closely a module's outputs must follow a form to be classified by it
 EXACT_TOLERANCE = 1e-5  # relative: element-wise modules reproduce the same values (up to vectorisation order)

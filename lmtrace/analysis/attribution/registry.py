@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ...archive.reader import Run
-from ...errors import SpecError
+from ...exits.errors import SpecError
 from .settings import Settings
 
 if TYPE_CHECKING:

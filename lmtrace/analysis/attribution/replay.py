@@ -14,7 +14,7 @@ import torch
 from ...archive.reader import IncompleteRunWarning, Run
 from ...capture.interventions import (CHAT_SPANS, EditSet, MaskExperts, MaskPositions, Steer, load_steer_vector,
                                       mean_ablation_values, parse_entries, routing_rule)
-from ...errors import ArchiveError, LmtraceError, SpecError
+from ...exits.errors import ArchiveError, LmtraceError, SpecError
 
 if TYPE_CHECKING:
     from .targets import Scorer
@@ -94,7 +94,7 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
     (None for an ordinary run). Refuses (exit 2) edit kinds that cannot be replayed under gradients."""
     from ...archive.reader import open_run
     from ...capture.arch import adapter_for
-    from ...parent import ParentView, chat_span_ranges, tokenizer_of
+    from ...runner.parent import ParentView, chat_span_ranges, tokenizer_of
 
     if not is_child(run):
         return None

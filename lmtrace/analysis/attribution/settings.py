@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...errors import SpecError
+from ...exits.errors import SpecError
 
 TARGETS = ("chosen", "runner-up", "contrast")
 QUANTITIES = ("logit", "logprob")

@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from ...archive.reader import IncompleteRunWarning, Run, open_run
-from ...errors import ArchiveError, SpecError
+from ...exits.errors import ArchiveError, SpecError
 from .layer_figures import HEAD_FIELDS, LAYER_FIELDS, concat_columns, pair_layer_figures, typed_table
 from .pair_summary import summarise_pair
 from .pairing import PAIRING_MODES, compatibility, pair_sequences, spec_differences

@@ -16,8 +16,8 @@ from contextlib import nullcontext
 
 import torch
 
-from ...errors import SpecError
-from ...steps import parse_steps
+from ...exits.errors import SpecError
+from ...spec.steps import parse_steps
 from ..attribution import NOT_REPLAYABLE, Scorer, child_edits, unreplayable_edit
 
 
@@ -29,7 +29,7 @@ def _parse_steps(text: str | None) -> set[int] | None:
 
 
 def _load(side, device):
-    from ...models import load_run_model
+    from ...runner.models import load_run_model
 
     loaded = load_run_model(side.run.manifest, side.run.id, purpose="compare --exact (without it compare loads no model)",
                             overrides={"dtype": "float32", "attn_implementation": "eager", "device": device})

@@ -8,7 +8,7 @@ from ...archive import layout
 from ...archive.reader import LENS_NOT_COMPUTED
 from ...archive.runs import lens_state
 from ...archive.summary import edit_label
-from ...errors import ArchiveError, SpecError
+from ...exits.errors import ArchiveError, SpecError
 
 PAIRING_MODES = ("auto", "index", "prompt")
 MANIFEST_RUN_KEYS = ("kind", "interventions", "mode", "from_step")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from ...jsonout import strict
+from ...output.jsonout import strict
 from .divergence import TAIL_FLOOR
 
 JSON_MAX_STEP_ROWS = 20000  # larger per-step tables go to --out only

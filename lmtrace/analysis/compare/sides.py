@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ...archive.reader import Run
-from ...errors import ArchiveDamaged, ArchiveError
+from ...exits.errors import ArchiveDamaged, ArchiveError
 
 
 @dataclass

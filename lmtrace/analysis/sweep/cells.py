@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import SpecError
+from ...exits.errors import SpecError
 
 OVER_SIMPLE = {"heads": "head", "attn": "attn", "mlp": "mlp", "layers": "layer", "positions": "position"}
 # the columns that name a cell in the sweep's tables (null where a coordinate does not apply); `q_head`

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...errors import SpecError
+from ...exits.errors import SpecError
 
 METRICS = ("logprob", "prob", "kl", "rank", "logit_diff")
 

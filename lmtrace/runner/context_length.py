@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .errors import SpecError
+from ..exits.errors import SpecError
 
 
 # Config keys that give a model's position limit, in order (GPT-2: n_positions, some: n_ctx).

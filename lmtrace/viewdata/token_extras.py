@@ -11,7 +11,7 @@ import numpy as np
 from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
 from ..archive.reader import Run
-from ..jsonout import strict
+from ..output.jsonout import strict
 from . import kept
 from .queries import (
     NotFound,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import SpecError
+from ..exits.errors import SpecError
 
 DEFAULT_METRICS = ("logprob", "prob", "kl", "rank")
 

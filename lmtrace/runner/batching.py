@@ -12,16 +12,14 @@ the batch had committed, teacher-forced like a resume: no sequence is lost or ru
 
 from __future__ import annotations
 
-import json
 import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .archive import layout
-from .errors import LmtraceError, SpecError
+from ..archive.batch_plan import Batch, plan_path, read_plan, record_batch
+from ..exits.errors import LmtraceError, SpecError
 
-PLAN_SUFFIX = ".plan.jsonl"
 MAX_BATCH = 4096
 # blocks of captured arrays a sequence holds at once: the one being filled and the writer's queue (depth 2)
 BLOCKS_IN_MEMORY = 3
@@ -40,92 +38,6 @@ GROWTH = 2
 
 class BatchOutOfMemory(Exception):
     """A batch did not fit: CUDA ran out of memory, or (CPU) its footprint exceeds the budget."""
-
-
-@dataclass
-class Batch:
-    seqs: list[int]
-    from_step: int = 0  # steps committed for these sequences in the batch they were split from
-
-    @property
-    def key(self) -> int:
-        return self.seqs[0]
-
-
-def plan_path(run_dir: Path, shard_key: str) -> Path:
-    return run_dir / layout.PROGRESS_DIR / f"{shard_key}{PLAN_SUFFIX}"
-
-
-def read_plan(run_dir: Path) -> dict[int, Batch]:
-    """The batches recorded in every shard's plan file: key -> Batch. A later record takes its
-    sequences from the batches recorded before it (a split's second half, recorded first, leaves the
-    first half under the batch's key; the last record of a key wins). A torn last line (a kill) is ignored."""
-    out: dict[int, Batch] = {}
-    folder = run_dir / layout.PROGRESS_DIR
-    for f in sorted(folder.glob(f"*{PLAN_SUFFIX}")) if folder.is_dir() else []:
-        for line in f.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                batch = Batch([int(s) for s in rec["sequences"]], int(rec.get("from_step", 0)))
-            except (ValueError, KeyError, TypeError):
-                continue
-            if not batch.seqs:
-                continue
-            taken = set(batch.seqs)
-            for key, other in list(out.items()):
-                other.seqs = [s for s in other.seqs if s not in taken]
-                if not other.seqs:
-                    del out[key]
-            out[batch.key] = batch
-    return out
-
-
-def merged_progress(run_dir: Path) -> dict:
-    """Committed steps per batch, merged over every writer (shard): {"batches": {batch: {...}}}."""
-    merged: dict = {"batches": {}}
-    folder = run_dir / layout.PROGRESS_DIR
-    for f in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            merged["batches"].update(json.loads(f.read_text())["batches"])
-        except (OSError, json.JSONDecodeError, KeyError):
-            continue
-    return merged
-
-
-def batch_plan(run_dir: Path, manifest: dict) -> tuple[dict[int, int], dict[int, int]]:
-    """sequence -> its batch, and batch -> steps it inherited from the batch it was split from:
-    from the writers' plan files (batching.py), else (runs from before them) the fixed batch size."""
-    batch_of, from_step = {}, {}
-    for key, batch in read_plan(run_dir).items():
-        from_step[key] = batch.from_step
-        for s in batch.seqs:
-            batch_of[s] = key
-    if batch_of:
-        return batch_of, from_step
-    size = manifest.get("spec_resolved", {}).get("generation", {}).get("batch_size", 1)
-    if not isinstance(size, int):
-        return {}, {}
-    n, shards = manifest.get("shape", {}).get("n_sequences", 0), manifest.get("shards", 1)
-    for shard in range(shards):
-        seqs = list(range(shard, n, shards))
-        for i in range(0, len(seqs), size):
-            for s in seqs[i: i + size]:
-                batch_of[s] = seqs[i]
-    return batch_of, from_step
-
-
-def sequences_done(run_dir: Path, manifest: dict) -> int:
-    """Sequences whose batch is committed as done, over every writer (shard)."""
-    batch_of, _ = batch_plan(run_dir, manifest)
-    batches = merged_progress(run_dir)["batches"]
-    return sum(1 for b in batch_of.values() if batches.get(str(b), {}).get("done"))
-
-
-def _record(path: Path, batch: Batch) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps({"batch": batch.key, "sequences": batch.seqs, "from_step": batch.from_step}) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 class Footprint:
@@ -272,7 +184,7 @@ class BatchQueue:
         return need if need is not None and need > self.budget else None
 
     def record(self, batch: Batch) -> None:
-        _record(self.path, batch)
+        record_batch(self.path, batch)
 
     def split(self, batch: Batch, committed_steps: int) -> tuple[Batch, Batch]:
         """The halves of a batch that ran out of memory, both continuing from its committed steps."""
@@ -281,8 +193,8 @@ class BatchQueue:
         half = len(batch.seqs) // 2
         start = max(batch.from_step, committed_steps)
         first, second = Batch(batch.seqs[:half], start), Batch(batch.seqs[half:], start)
-        _record(self.path, second)  # before the first half runs: a resume must not run these again
-        _record(self.path, first)
+        record_batch(self.path, second)  # before the first half runs: a resume must not run these again
+        record_batch(self.path, first)
         self.items.appendleft(second)
         self.items.appendleft(first)
         return first, second
@@ -327,7 +239,7 @@ def memory_budget(generation, gpus: list) -> MemoryBudget | None:
     auto` without one, AUTO_SHARE_CUDA of the free memory of the CUDA devices the model computes on
     (`gpus`, summed: the budget is their allocations' sum), else AUTO_SHARE_RAM of the RAM available;
     None for a fixed batch size without a budget. Measured when called: once the model is loaded."""
-    from .archive.runs import human_bytes
+    from ..archive.runs import human_bytes
 
     if generation.memory_budget is not None:
         n = generation.budget_bytes
@@ -353,7 +265,7 @@ def memory_budget(generation, gpus: list) -> MemoryBudget | None:
 
 
 def budget_refusal(budget_text, need: int | None, seq: int, reason: str) -> LmtraceError:
-    from .archive.runs import human_bytes
+    from ..archive.runs import human_bytes
 
     need_text = f" (it needs about {human_bytes(need)})" if need else ""
     return LmtraceError(f"sequence {seq} alone does not fit generation.memory_budget {budget_text}{need_text}: "

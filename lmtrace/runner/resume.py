@@ -7,9 +7,9 @@ import json
 import yaml
 
 from ..archive import layout
-from ..errors import SpecError
+from ..exits.errors import SpecError
 from ..archive.runs import find_run, read_manifest, runs_root
-from ..spec import apply_override, build_spec
+from ..spec.run_spec import apply_override, build_spec
 
 
 def spec_for_resume(ref: str, runs_dir: str | None, overrides: list[str]):

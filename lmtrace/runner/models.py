@@ -27,8 +27,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import LmtraceError, ModelLoadError, SpecError
-from .spec import ModelSpec, check_device_option
+from ..exits.errors import LmtraceError, ModelLoadError, SpecError
+from ..spec.run_spec import ModelSpec, check_device_option
 
 if TYPE_CHECKING:
     import torch
@@ -346,7 +346,7 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
-    from .capture.devices import execution_device
+    from ..capture.devices import execution_device
 
     kind, source, sha, extra, kwargs = _source(spec, note)
     if spec.device_map is None:
@@ -427,7 +427,7 @@ def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> Non
     """Interventions, sweeps, attribution and exact compare edit or differentiate a model loaded on
     one device; a model spread by `model.device_map` (several devices, disk offload) is not
     supported there yet, so they stop before loading rather than fail midway."""
-    from .errors import SpecError
+    from ..exits.errors import SpecError
 
     hint = ("give --device DEVICE to load the whole model on one device, or " if device_option else "")
     raise SpecError(f"run {run_id} was generated with model.device_map (spread over devices): {purpose} runs on "

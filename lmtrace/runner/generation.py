@@ -17,31 +17,31 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from .archive import layout
-from .archive.layout import RunShape
-from .archive.manifest import manifest_base
-from .archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
-from .archive.runs import RunLog, human_bytes, now_iso, runs_root, write_manifest
-from .archive.sink import BlockSink
-from .archive.vocab import store_vocab
-from .archive.writer import ArchiveWriter, BackgroundWriter
+from ..archive import layout
+from ..archive.layout import RunShape
+from ..archive.manifest import manifest_base
+from ..archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
+from ..archive.runs import RunLog, human_bytes, now_iso, runs_root, write_manifest
+from ..archive.sink import BlockSink
+from ..archive.vocab import store_vocab
+from ..archive.writer import ArchiveWriter, BackgroundWriter
 from .batching import Batch, BatchOutOfMemory, BatchQueue, Footprint, MemoryBudget, budget_refusal, memory_budget, \
     with_oom_fault
-from .capture import attention
-from .capture.arch import adapter_for, sdpa_refused
-from .capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
-from .capture.probes import Probes
-from .capture.sampling import Sampler
-from .capture.tracer import ForcedTokens, Tracer
+from ..capture import attention
+from ..capture.arch import adapter_for, sdpa_refused
+from ..capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
+from ..capture.probes import Probes
+from ..capture.sampling import Sampler
+from ..capture.tracer import ForcedTokens, Tracer
 from .context_length import check_context, model_positions
-from .errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
-from .interrupts import StopFlag, work_recorded, work_started
+from ..exits.errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
+from ..exits.interrupts import StopFlag, work_recorded, work_started
 from .models import LoadedModel, check_run_model, load_model
 from .peak_rss import PeakRss, rss_bytes
-from .progress import Progress
-from .prompt_metadata import schema_of
-from .prompts import load_prompts_and_metadata, render_prompts
-from .spec import RunSpec, resolve_layers, resolve_vector_layers
+from ..output.progress import Progress
+from ..spec.prompt_metadata import schema_of
+from ..spec.prompts import load_prompts_and_metadata, render_prompts
+from ..spec.run_spec import RunSpec, resolve_layers, resolve_vector_layers
 
 
 def eos_ids(spec_value, model, tokenizer) -> set[int]:
@@ -313,7 +313,7 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
                 write_manifest(run_dir, manifest)
                 (run_dir / layout.SPEC).write_text(given_text)
             else:
-                from .archive.runs import read_manifest
+                from ..archive.runs import read_manifest
 
                 if existing is None:  # another shard created the run meanwhile: it must be this one
                     check_target(root, spec, rd.shard, resume, owned=True)
@@ -333,7 +333,7 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
         if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
             finish_failed(None, rd, RunLog(run_dir / layout.LOG), *outcome(err))
         if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
-            from .archive.writer import space_note
+            from ..archive.writer import space_note
 
             raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
         raise
@@ -414,7 +414,7 @@ def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, bu
     first, second = queue.split(batch, committed)
     log.event("batch_split", batch=batch.key, size=len(batch.seqs), sizes=[len(first.seqs), len(second.seqs)],
               batches=[first.key, second.key], from_step=first.from_step, reason=reason)
-    from .archive.liveness import kill_point
+    from ..archive.liveness import kill_point
 
     kill_point("batch-split")
 
@@ -426,7 +426,7 @@ def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progr
     one that runs out of memory is split (batching.py)."""
     import torch
 
-    from .archive.liveness import Heartbeat
+    from ..archive.liveness import Heartbeat
 
     g, tokenizer, writer_core = spec.generation, setup.loaded.tokenizer, writer.writer
     tracer = Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
@@ -541,9 +541,9 @@ def _sequence_rows(setup: Setup, seq_ids, batch, batch_prompts, gen_len, stop_re
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:
     """This shard is complete. The last shard to finish (or the only one) compacts the tables,
     consolidates the Zarr metadata, records checksums and marks the run complete; the status."""
-    from .archive.integrity import record
-    from .archive.liveness import kill_point
-    from .archive.runs import read_manifest
+    from ..archive.integrity import record
+    from ..archive.liveness import kill_point
+    from ..archive.runs import read_manifest
 
     t_done = time.time()
     with rd.lock():

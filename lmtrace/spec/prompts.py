@@ -18,8 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from . import prompt_metadata
-from .errors import SpecError
-from .spec import PromptsSpec
+from ..exits.errors import SpecError
+from .run_spec import PromptsSpec
 
 _COLUMN_GUESSES = ("prompt", "text", "input")
 
@@ -92,7 +92,7 @@ def _read_file(path: Path, column: str | None) -> tuple[list[str], pa.Table | No
                 rows.append(row)
             return texts, prompt_metadata.from_csv_rows(list(reader.fieldnames), rows, col, str(path))
     if suffix == ".parquet":
-        from .archive import parquet_io
+        from ..archive import parquet_io
 
         try:
             table = parquet_io.read_table(path)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .archive.reader import Run
-from .errors import SpecError
-from .spec import build_spec
+from ..archive.reader import Run
+from ..exits.errors import SpecError
+from ..spec.run_spec import build_spec
 
 
 @dataclass
@@ -49,7 +49,7 @@ class ParentView:
 def prompt_metadata_of(run: Run):
     """The parent's prompt metadata columns (sequences.parquet's columns past lmtrace's own), one row per
     sequence in sequence order, for a child to carry; None when it has none."""
-    from .archive import layout
+    from ..archive import layout
 
     seqs = run.sequences().sort_by("sequence")
     own = set(layout.sequence_schema().names)
@@ -65,7 +65,7 @@ def tokenizer_of(run: Run):
 
 
 def chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, tokenizer) -> dict[int, tuple[int, int]]:
-    from .prompts import chat_spans
+    from ..spec.prompts import chat_spans
 
     prompts = parent.manifest["spec_resolved"]["prompts"]
     if not prompts.get("chat"):

@@ -1,4 +1,4 @@
-"""What the server keeps between requests, so that selecting a token reads only its own slices.
+"""What a long-lived reader (the server) keeps between requests, so that selecting a token reads only its own slices.
 
 Opening a zarr array, listing a run's arrays, reading its per-sequence lengths and scanning a
 Parquet file's footer cost a few milliseconds each on every request otherwise (several per

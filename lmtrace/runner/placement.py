@@ -14,9 +14,9 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-from .archive.runs import human_bytes
-from .errors import SpecError
-from .spec import ModelSpec, memory_bytes
+from ..archive.runs import human_bytes
+from ..exits.errors import SpecError
+from ..spec.run_spec import ModelSpec, memory_bytes
 
 
 @dataclass

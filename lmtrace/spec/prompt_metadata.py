@@ -20,7 +20,7 @@ import re
 
 import pyarrow as pa
 
-from .errors import SpecError
+from ..exits.errors import SpecError
 
 # sequences.parquet's own columns, and the columns `serve` joins onto it
 RESERVED = ("sequence", "batch", "prompt", "prompt_rendered", "prompt_len", "generated_len", "stop_reason",

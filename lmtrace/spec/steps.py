@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .errors import SpecError
+from ..exits.errors import SpecError
 
 
 def _expand(part: str, available: int, stride: bool) -> range:

@@ -1,4 +1,5 @@
-"""What each page of `lmtrace serve` shows, as JSON-ready dicts, read lazily from one run.
+"""What each page shows, as JSON-ready dicts, read lazily from one run: `lmtrace serve` answers its
+routes with them and the report inlines the same answers.
 
 Every function reads only what its answer needs: one sequence's rows of a table (a filtered
 Parquet read), or one (sequence, step) slice of an array, which zarr serves from the chunks
@@ -19,11 +20,11 @@ from ..archive import layout, parquet_io
 from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, read_table_files
 from ..archive.summary import status_label
-from ..errors import ArchiveError
-from ..jsonout import strict
+from ..exits.errors import ArchiveError
+from ..output.jsonout import strict
 from . import kept
-from .catalog import live
-from .errors import BadParameter, NotFound
+from ..serve.catalog import live
+from ..serve.errors import BadParameter, NotFound
 
 PAGE_SIZE = 50
 SORTS = ("index", "lowest_prob", "highest_entropy", "length")

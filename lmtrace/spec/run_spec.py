@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import SpecError
+from ..exits.errors import SpecError
 
 DEFAULT_MODEL = "embedded:smollm2-135m"
 

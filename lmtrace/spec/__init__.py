@@ -1,0 +1,1 @@
+"""What a user writes: the run spec, prompt files and their metadata, step ranges, sweep specs."""

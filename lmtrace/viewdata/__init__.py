@@ -1,0 +1,2 @@
+"""What a page shows, read lazily from the archive: token views, attention grids and patterns,
+lrp components, and the opened runs kept between answers. serve and the report both call it."""
