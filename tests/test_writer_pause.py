@@ -32,6 +32,43 @@ def _chunk_files(core) -> int:
     return sum(1 for f in (core.dir / "tensors.zarr" / "attn" / "c").rglob("*") if f.is_file() and not f.name.startswith("."))
 
 
+_Event = threading.Event
+
+
+class WatchedEvent(_Event):
+    """The writer's pause event, telling the test when the writer thread is held at a pause point
+    (waiting on it while it is clear), instead of the test sleeping and hoping it got there."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = _Event()
+
+    def wait(self, timeout=None):
+        if not self.is_set():
+            self.held.set()
+        return super().wait(timeout)
+
+
+@pytest.fixture
+def watched_writer(core, monkeypatch):
+    """A BackgroundWriter whose pause event is a WatchedEvent: (writer, event)."""
+    events: list[WatchedEvent] = []
+
+    def make():
+        events.append(WatchedEvent())
+        return events[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(threading, "Event", make)
+        writer = BackgroundWriter(core)
+    event = writer._outside_forward  # the pause event (the thread's own start event is another)
+    assert isinstance(event, WatchedEvent)
+    try:
+        yield writer, event
+    finally:
+        writer.close()
+
+
 def _wait_for(predicate, timeout=10.0) -> None:
     end = time.monotonic() + timeout
     while not predicate():
@@ -39,22 +76,19 @@ def _wait_for(predicate, timeout=10.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_block_handed_over_during_a_forward_is_written_after_it(core):
-    writer = BackgroundWriter(core)
-    try:
-        with writer.forward_running():
-            writer.submit(core.write_block, 0, [0, 1], 0, STEPS, _block(), {})
-            time.sleep(0.3)
-            assert _chunk_files(core) == 0 and core.committed(0) == (0, False)
-        writer.drain()
-        assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
-        assert (core.arrays["attn"][:] == np.float16(0.5)).all()
-    finally:
-        writer.close()
+def test_a_block_handed_over_during_a_forward_is_written_after_it(core, watched_writer):
+    writer, event = watched_writer
+    with writer.forward_running():
+        writer.submit(core.write_block, 0, [0, 1], 0, STEPS, _block(), {})
+        _wait_for(event.held.is_set)  # the writer took the block and is held before writing any of it
+        assert _chunk_files(core) == 0 and core.committed(0) == (0, False)
+    writer.drain()
+    assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
+    assert (core.arrays["attn"][:] == np.float16(0.5)).all()
 
 
-def test_a_forward_starting_mid_block_stops_the_writer_at_its_next_file(core):
-    writer = BackgroundWriter(core)
+def test_a_forward_starting_mid_block_stops_the_writer_at_its_next_file(core, watched_writer):
+    writer, event = watched_writer
     forward = writer.forward_running()
     files_at_pause: list[int] = []
     wait = core.pace
@@ -66,16 +100,12 @@ def test_a_forward_starting_mid_block_stops_the_writer_at_its_next_file(core):
         wait()
 
     core.pace = pace
-    try:
-        writer.submit(core.write_block, 0, [0, 1], 0, STEPS, _block(), {})
-        _wait_for(lambda: files_at_pause)
-        time.sleep(0.3)
-        assert _chunk_files(core) == 1 and core.committed(0) == (0, False)
-        forward.__exit__(None, None, None)
-        writer.drain()
-        assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
-    finally:
-        writer.close()
+    writer.submit(core.write_block, 0, [0, 1], 0, STEPS, _block(), {})
+    _wait_for(lambda: files_at_pause and event.held.is_set())  # held at the pause before the second file
+    assert _chunk_files(core) == 1 and core.committed(0) == (0, False)
+    forward.__exit__(None, None, None)
+    writer.drain()
+    assert _chunk_files(core) == 2 and core.committed(0) == (STEPS, False)
 
 
 def test_a_forward_that_raises_lets_the_writer_go_on(core):
