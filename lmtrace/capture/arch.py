@@ -257,14 +257,6 @@ class Adapter:
         weight = down.weight  # GPT-2's Conv1D stores [in, out]
         return weight.shape[0]
 
-    def unembed_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] normed residual -> [..., vocab] logits, with final soft-capping if the model has it."""
-        head = self.unembed
-        logits = torch.nn.functional.linear(normed, head.weight, getattr(head, "bias", None))
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
-
 
 def adapter_for(model: torch.nn.Module) -> Adapter:
     model_type = getattr(model.config, "model_type", None)

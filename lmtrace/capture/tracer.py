@@ -8,6 +8,7 @@ The cache is lmtrace's `StackedCache` (lmtrace/kv_cache.py): DynamicCache's valu
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -126,9 +127,9 @@ class Tracer:
         active = np.ones(B, dtype=bool)
         total = T
         probes = self.probes
-        context = probes.attached() if probes is not None else _nullcontext()
-        edit_context = edits.attached() if edits is not None else _nullcontext()
-        in_forward = forward_running if forward_running is not None else _nullcontext()
+        context = probes.attached() if probes is not None else nullcontext()
+        edit_context = edits.attached() if edits is not None else nullcontext()
+        in_forward = forward_running if forward_running is not None else nullcontext()
         with context, edit_context:
             for step in range(self.max_new_tokens):
                 if probes is not None:
@@ -178,11 +179,3 @@ class Tracer:
                 positions = positions[:, -1:] + 1
                 total += 1
         return BatchOutcome(generated, stop_reason)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -7,7 +7,6 @@ capture (or which command to run) instead. Figures reference their numbers throu
 from __future__ import annotations
 
 import html
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -577,7 +576,3 @@ def banner(data: RunData, sel: Selection) -> str:
     shown = ", ".join(f"sequence {s}: {sel.available[s]} steps" for s in sel.sequences)
     return (f"<div class='banner'>This run is <b>{esc(status)}</b>, not complete: the report shows its committed "
             f"steps only ({esc(shown)}).</div>")
-
-
-def as_json(x) -> str:
-    return json.dumps(x, separators=(",", ":"), allow_nan=False)
