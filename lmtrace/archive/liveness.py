@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from . import layout
-from ..exits.errors import SpecError
+from ..exits.errors import LmtraceError, SpecError
 
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_S = 5.0
@@ -237,3 +237,14 @@ def pause_for_tests() -> None:
     pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
     if pause:
         time.sleep(float(pause))
+
+
+def live(path: Path, status: str | None) -> bool | None:
+    """For a run shown `running`: whether a process is writing it now (None when that cannot be
+    told, and for a run in any other status)."""
+    if not str(status or "").startswith("running"):
+        return None
+    try:
+        return bool(live_writers(path))
+    except (OSError, LmtraceError):
+        return None

@@ -16,11 +16,11 @@ from pathlib import Path
 import pyarrow as pa
 
 from ..archive import layout, parquet_io
-from ..archive.liveness import live_writers
+from ..archive.liveness import live
 from ..archive.reader import IncompleteRunWarning, Run, table_files
 from ..archive.runs import list_runs
 from ..archive.summary import summary_or_damaged
-from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
+from ..exits.errors import ArchiveDamaged, ArchiveError, RunNotFoundError
 from ..viewdata import kept
 
 OPEN_RUNS = 16  # runs kept open (manifest, zarr group, vocabulary); each holds no array data
@@ -193,14 +193,3 @@ def _stat_key(path: Path) -> tuple | None:
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size
-
-
-def live(path: Path, status: str | None) -> bool | None:
-    """For a run shown `running`: whether a process is writing it now (None when that cannot be
-    told, and for a run in any other status)."""
-    if not str(status or "").startswith("running"):
-        return None
-    try:
-        return bool(live_writers(path))
-    except (OSError, LmtraceError):
-        return None

@@ -16,17 +16,9 @@ from pathlib import Path
 
 from starlette.responses import JSONResponse
 
-from ..exits.errors import SpecError
+from ..viewdata.errors import BadParameter, NotFound  # noqa: F401 (raised by the routes, answered here)
 
 BAD_PARAMETER, UNAUTHORISED, FORBIDDEN, NOT_FOUND, NOT_ALLOWED, CONFLICT, INTERNAL = 400, 401, 403, 404, 405, 409, 500
-
-
-class NotFound(SpecError):
-    """A run, sequence, step, layer, head or address that is not there (answered 404)."""
-
-
-class BadParameter(SpecError):
-    """A query parameter that cannot be read (answered 400)."""
 
 
 class Scrubber:

@@ -19,12 +19,12 @@ import pyarrow.compute as pc
 from ..archive import layout, parquet_io
 from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, read_table_files
+from ..archive.liveness import live
 from ..archive.summary import status_label
 from ..exits.errors import ArchiveError
 from ..output.jsonout import strict
 from . import kept
-from ..serve.catalog import live
-from ..serve.errors import BadParameter, NotFound
+from .errors import BadParameter, NotFound
 
 PAGE_SIZE = 50
 SORTS = ("index", "lowest_prob", "highest_entropy", "length")
