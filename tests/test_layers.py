@@ -34,10 +34,7 @@ KNOWN = {
     ("lmtrace.capture.probes", "lmtrace.archive.layout"):
         "the probes fill arrays shaped by the archive's RunShape; the shape belongs below both",
 }
-KNOWN_CIRCLES = {
-    frozenset({"lmtrace.archive.liveness", "lmtrace.archive.parts", "lmtrace.archive.writer"}):
-        "liveness writes its heartbeat with the writer's atomic_write_json (imported lazily)",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def module_name(path: Path) -> str:

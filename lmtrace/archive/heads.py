@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .writer import atomic_write_parquet
+from .files import atomic_write_parquet
 
 ANALYSIS_DIR = "analysis"
 HEADS_FILE = "heads.parquet"

@@ -21,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout
+from .damage import Problem, damaged_message
 from ..exits.errors import ArchiveError
 
 CHECKSUMS = "checksums.json"
@@ -69,7 +69,7 @@ def _entry(text: str, files: dict) -> dict:
 
 def record(run_dir: Path) -> dict:
     """Write checksums.json for the run's committed files; returns the manifest's `checksums` entry."""
-    from .writer import atomic_write_text
+    from .files import atomic_write_text
 
     files = {rel: _size_and_sha(run_dir / rel) for rel in committed_files(run_dir)}
     text = _checksums_text(files)
@@ -103,7 +103,7 @@ def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], repla
     Every other file keeps its recorded size and sha256. The replacements are moved into place here,
     in an order where a kill at any point leaves every file matching the old record or the new one
     (`save_manifest` writes the manifest with the RECORDING note first)."""
-    from .writer import atomic_write_text
+    from .files import atomic_write_text
 
     files, problem = _recorded(run_dir, manifest)
     if problem is None and files is not None and _sha256(run_dir / CHECKSUMS) not in _checksums_accepted(manifest):
@@ -134,13 +134,6 @@ def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], repla
     return entry
 
 
-@dataclass
-class Problem:
-    path: str  # relative to the run directory
-    kind: str  # missing | truncated | changed | unreadable | extra
-
-    def __str__(self) -> str:
-        return f"{self.path} is {self.kind}"
 
 
 def _recorded(run_dir: Path, manifest: dict) -> tuple[dict | None, Problem | None]:
@@ -248,5 +241,3 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
     return problems, n, True
 
 
-def damaged_message(run_id: str, problem: Problem | str) -> str:
-    return f"run {run_id} is damaged: {problem}; `lmtrace verify {run_id}`"

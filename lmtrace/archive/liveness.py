@@ -184,7 +184,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="lmtrace-heartbeat", daemon=True)
 
     def _beat(self) -> None:
-        from .writer import atomic_write_json  # (here: `lmtrace ls` asks who is alive without importing zarr)
+        from .files import atomic_write_json  # (here: `lmtrace ls` asks who is alive without importing zarr)
 
         atomic_write_json(self.path, {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()})
 

@@ -97,7 +97,7 @@ def damaged_file(path: Path, err: BaseException | None = None) -> ArchiveDamaged
     if run_dir is None:
         reason = f" ({first_line(err, path.parent)})" if err is not None else ""
         return ArchiveDamaged(f"{path} is damaged{reason}", path=path.name)
-    from .integrity import Problem, damaged_message
+    from .damage import Problem, damaged_message
 
     return ArchiveDamaged(damaged_message(run_id_of(run_dir), Problem(rel, "changed")), path=rel, run_dir=run_dir)
 

@@ -15,7 +15,8 @@ import zarr
 from ..exits.errors import ArchiveDamaged, ArchiveError
 from . import layout, parquet_io
 from .columns import current_names, stored_names
-from .integrity import Problem, damaged_message, quick_problem, verify
+from .integrity import quick_problem, verify
+from .damage import Problem, damaged_message
 from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 

@@ -225,7 +225,7 @@ def outcome(err: BaseException) -> tuple[str, str]:
     if isinstance(err, Interrupted):
         return "interrupted", str(err)
     if isinstance(err, OSError):
-        from .writer import space_note
+        from .files import space_note
 
         return "failed", space_note(Path("."), err)
     return "failed", str(err) if isinstance(err, LmtraceError) else f"{type(err).__name__}: {err}"

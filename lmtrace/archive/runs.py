@@ -156,7 +156,7 @@ class RunLog:
 
 
 def write_manifest(run_dir: Path, manifest: dict) -> None:
-    from .writer import STATUS_SLACK, atomic_write_json  # the writer imports zarr: not for `lmtrace ls`
+    from .files import STATUS_SLACK, atomic_write_json
 
     atomic_write_json(run_dir / layout.MANIFEST, manifest, slack=STATUS_SLACK)
 
@@ -166,7 +166,7 @@ def write_status(path: Path, obj: dict) -> None:
     space, in place within the file's reserved slack."""
     import errno
 
-    from .writer import STATUS_SLACK, atomic_write_json, rewrite_in_place
+    from .files import STATUS_SLACK, atomic_write_json, rewrite_in_place
 
     try:
         atomic_write_json(path, obj, slack=STATUS_SLACK)

@@ -27,7 +27,7 @@ from ..exits.errors import ArchiveError
 from . import layout, parquet_io
 from .columns import current_names
 from .runs import locked, read_manifest
-from .writer import atomic_write_json, atomic_write_parquet
+from .files import atomic_write_json, atomic_write_parquet
 
 SWEEPS_DIR = "sweeps"
 

@@ -34,6 +34,7 @@ from ..exits.errors import LmtraceError
 from . import layout, parquet_io
 from .layout import RunShape
 from .liveness import kill_point
+from .files import atomic_write_json, space_note
 from .parts import PartMerger, live_parts, plain_schema, write_units
 from .runs import locked
 from .shards import ShardFiles
@@ -46,75 +47,6 @@ from .shards import ShardFiles
 # the first one's lengths would be lost (-1, the fill value) for good, since a resumed batch does not
 # write its prompt again.
 LENGTHS_LOCK = ".lengths.lock"
-
-# JSON files whose status may have to change on a full disk (manifest, shard status) are written
-# with this much trailing whitespace, so `rewrite_in_place` can record `failed` in the blocks the
-# file already has.
-STATUS_SLACK = 4096
-
-
-def atomic_write_json(path: Path, obj, slack: int = 0) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n" + " " * slack)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write-to-temp + fsync + rename: readers see the old file or the new one, never a part."""
-    # a unique temporary name: several writers (shards, explain) may replace the same file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with tmp.open("w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never leave a temporary file behind (a full disk, a signal)
-        raise
-
-
-def atomic_write_parquet(table: pa.Table, path: Path) -> None:
-    """Write a Parquet file whole or not at all: a temporary name of this process, then a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        parquet_io.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never leave a temporary file behind (a full disk, a signal)
-        raise
-
-
-def rewrite_in_place(path: Path, obj) -> None:
-    """Overwrite a JSON file within its current length (padding with spaces): needs no free space.
-
-    Not atomic, so only the fallback when `atomic_write_json` fails for lack of space: the status
-    change to `failed` must not itself need free space."""
-    text = json.dumps(obj, default=str).encode()
-    size = os.path.getsize(path)
-    if len(text) > size:
-        raise OSError(28, f"{path.name} has no room left for the new status ({len(text)} > {size} bytes)", str(path))
-    with open(path, "r+b") as fh:
-        fh.write(text + b" " * (size - len(text)))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def space_note(path: Path, err: OSError) -> str:
-    """'No space left on device writing PATH; N bytes free there' for an OSError."""
-    import errno
-
-    target = getattr(err, "filename", None) or path
-    probe = Path(target)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-        where = f"; {free} bytes free there"
-    except OSError:
-        where = ""
-    # (pyarrow's own words around the errno's are long: "Error writing bytes to file. Detail: ...")
-    reason = os.strerror(err.errno) if err.errno in (errno.ENOSPC, errno.EDQUOT) else err.strerror or err
-    return f"{reason} writing {target}{where}"
-
 
 def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
     """Write `vocab.parquet` (id, text, is_special) unless the run has it. Returns whether it wrote.

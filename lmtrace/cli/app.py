@@ -84,7 +84,7 @@ def _fail(err: BaseException, where=None) -> None:
         raise typer.Exit(err.exit_code)
     full = _disk_full(err)
     if full is not None:  # the same line and exit code as a run that fails on a full disk
-        from ..archive.writer import space_note
+        from ..archive.files import space_note
 
         target = where() if where is not None else _run_dir(None, None)
         typer.echo(f"error: {space_note(target, full)}; free some space and run it again", err=True)

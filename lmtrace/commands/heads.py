@@ -13,7 +13,7 @@ import pyarrow as pa
 from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
-from ..archive.writer import atomic_write_parquet
+from ..archive.files import atomic_write_parquet
 from ..exits.interrupts import work_recorded
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError

@@ -35,7 +35,7 @@ from ..analysis.compare.values import finite
 from ..archive import parquet_io
 from ..archive.reader import Run, Vocabulary, open_run
 from ..exits.errors import LmtraceError, SpecError
-from ..archive.writer import atomic_write_parquet
+from ..archive.files import atomic_write_parquet
 from ..runner.generation import GenerateResult, Progress, Replay, run_generate
 from ..runner.parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,

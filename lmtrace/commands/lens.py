@@ -119,7 +119,8 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
 
 def _check_inputs(path: Path, manifest: dict, run_id: str) -> None:
     """Refuse (exit 2, naming the file) a run whose files the lens reads differ from their checksums."""
-    from ..archive.integrity import damaged_message, verify
+    from ..archive.integrity import verify
+    from ..archive.damage import damaged_message
 
     problems, _, _ = verify(path, manifest, prefix=LENS_READS)
     if problems:

@@ -34,7 +34,7 @@ from ..archive.liveness import OwnerLock, pause_for_tests
 from ..archive.runs import locked
 from ..archive.sweeps import (SWEEPS_DIR, EffectArray, PairColumns, block_table, create_partial, read_blocks,
                               record_sweep, write_block, write_sweep, writer_key)
-from ..archive.writer import atomic_write_json
+from ..archive.files import atomic_write_json
 from ..capture.interventions import parse_range_list
 from ..exits.errors import Interrupted, LmtraceError, SpecError
 from ..exits.interrupts import StopFlag

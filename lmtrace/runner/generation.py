@@ -333,7 +333,7 @@ def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resum
         if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
             finish_failed(None, rd, RunLog(run_dir / layout.LOG), *outcome(err))
         if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
-            from ..archive.writer import space_note
+            from ..archive.files import space_note
 
             raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
         raise

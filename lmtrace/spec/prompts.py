@@ -92,10 +92,10 @@ def _read_file(path: Path, column: str | None) -> tuple[list[str], pa.Table | No
                 rows.append(row)
             return texts, prompt_metadata.from_csv_rows(list(reader.fieldnames), rows, col, str(path))
     if suffix == ".parquet":
-        from ..archive import parquet_io
+        import pyarrow.parquet as pq
 
-        try:
-            table = parquet_io.read_table(path)
+        try:  # a page that carries a checksum is checked, as every Parquet read of lmtrace's
+            table = pq.read_table(path, page_checksum_verification=True)
         except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid & co. for a damaged file
             raise SpecError(f"prompts.file: cannot read {path} as Parquet ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         col = _pick_column(table.column_names, column, str(path))
