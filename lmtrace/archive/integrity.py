@@ -124,7 +124,7 @@ def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], repla
     entry = _entry(text, new)
     manifest[RECORDING] = {"sha256": entry["sha256"], "files": {rel: fresh[rel] for rel in replacements}}
     save_manifest(manifest)
-    from .liveness import kill_point
+    from ..exits.faults import kill_point
 
     for rel, tmp in replacements.items():
         os.replace(tmp, run_dir / rel)

@@ -211,34 +211,6 @@ class Heartbeat:
         return False
 
 
-_kill_point_reached: dict[str, int] = {}
-
-
-def kill_point(name: str) -> None:
-    """Test-only: LMTRACE_TEST_KILL_AT=NAME SIGKILLs this process when it reaches the point NAME,
-    NAME@N the N-th time it does (the fault suite's deterministic kill points: finalisation, `lmtrace
-    lens`, a table part's merge, a committed block)."""
-    from ..exits.interrupts import pause_point
-
-    pause_point(name)  # (LMTRACE_TEST_PAUSE_AT=NAME:SECONDS: a signal sent here lands before the commit)
-    wanted = os.environ.get("LMTRACE_TEST_KILL_AT")
-    if wanted is None or wanted.split("@")[0] != name:
-        return
-    _kill_point_reached[name] = _kill_point_reached.get(name, 0) + 1
-    if "@" not in wanted or int(wanted.split("@")[1]) == _kill_point_reached[name]:
-        import signal
-
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def pause_for_tests() -> None:
-    """Test-only: LMTRACE_TEST_PAUSE_AFTER_CREATE=SECONDS widens the window after a writer has taken
-    ownership, so the fault suite can race two writers deterministically."""
-    pause = os.environ.get("LMTRACE_TEST_PAUSE_AFTER_CREATE")
-    if pause:
-        time.sleep(float(pause))
-
-
 def live(path: Path, status: str | None) -> bool | None:
     """For a run shown `running`: whether a process is writing it now (None when that cannot be
     told, and for a run in any other status)."""

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import layout, parquet_io
-from .liveness import kill_point
+from ..exits.faults import kill_point
 
 # Levelled merging: every row is rewritten once per level it climbs, so a run of P block parts
 # rewrites its table bytes about log_FANOUT(P) times (at most log_FANOUT(FINAL_BYTES / part size)),

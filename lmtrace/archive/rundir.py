@@ -180,7 +180,8 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
     about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
     (intervene's new children): the run id must not exist at all. `kind`: as for check_target.
     """
-    from .liveness import OwnerLock, pause_for_tests
+    from .liveness import OwnerLock
+    from ..exits.faults import pause_after_owning
 
     run_id = spec.output.run_id
     if run_id is None or fresh:
@@ -196,7 +197,7 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
             raise SpecError(f"cannot create run directory {path} ({err.strerror})") from None
     owner = OwnerLock(path, shard.key, run_id).acquire()
     try:
-        pause_for_tests()
+        pause_after_owning()
         existing = (None if spec.output.run_id is None or fresh else
                     check_target(root, spec, shard, resume, owned=True, kind=kind))
     except BaseException:

@@ -33,7 +33,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 from ..exits.errors import LmtraceError
 from . import layout, parquet_io
 from .layout import RunShape
-from .liveness import kill_point
+from ..exits.faults import kill_point
 from .files import atomic_write_json, space_note
 from .parts import PartMerger, live_parts, plain_schema, write_units
 from .runs import locked

@@ -206,7 +206,8 @@ _reflow_help()
 def run() -> None:
     """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too.
     The command's signal handler stays until the process exits (interrupts.until_exit)."""
-    from ..exits.interrupts import pause_point, until_exit
+    from ..exits.interrupts import until_exit
+    from ..exits.faults import pause_point
 
     until_exit()
     try:

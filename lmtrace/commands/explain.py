@@ -102,12 +102,13 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
         note(text)
 
     run = _open(run_ref, runs_dir)
-    from ..archive.liveness import OwnerLock, pause_for_tests
+    from ..archive.liveness import OwnerLock
+    from ..exits.faults import pause_after_owning
 
     # One explain writer of a run at a time: a second exits 2 naming the holder's pid.
     owner = OwnerLock(run.path, "explain", run.id).acquire()
     try:
-        pause_for_tests()
+        pause_after_owning()
         return _explain_owned(run, notes, note_, note, steps, sequence, settings, names, device)
     finally:
         owner.release()

@@ -56,7 +56,8 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None,
 
     `loaded`: the run's model, already in memory (`generate --lens`, `intervene --lens`: the process
     that just generated the run), so it is not loaded again."""
-    from ..archive.liveness import OwnerLock, pause_for_tests
+    from ..archive.liveness import OwnerLock
+    from ..exits.faults import pause_after_owning
 
     state = lens_state(run.manifest)
     if state == "ready":  # answered before taking any lock or importing torch
@@ -67,7 +68,7 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None,
     # One lens writer at a time: a second `lmtrace lens` of the run exits 2 naming the holder's pid.
     owner = OwnerLock(run.path, "lens", run.id).acquire()
     try:
-        pause_for_tests()
+        pause_after_owning()
         return _compute_owned(run, device, note, loaded)
     finally:
         owner.release()
@@ -79,7 +80,7 @@ def _already(run: Run) -> dict:
 
 def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
     from ..archive.rundir import RunDir, Shard
-    from ..archive.liveness import kill_point
+    from ..exits.faults import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
     from ..exits.interrupts import work_recorded, work_started
 
@@ -186,7 +187,7 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     t_rank = np.full((n_seq, n_steps, L, 2), -1, dtype=np.int32)
     t_prob = np.full((n_seq, n_steps, L, 2), np.nan, dtype=np.float32)
     n_rows = 0
-    from ..archive.liveness import kill_point
+    from ..exits.faults import kill_point
 
     for seqs in _batches(run):
         B = len(seqs)

@@ -30,7 +30,8 @@ import numpy as np
 from ..analysis.sweep.cells import Cell, build_cells
 from ..analysis.sweep.effects import cell_effects, effect_array, normalised_effect, ranking, sequence_means
 from ..analysis.sweep.metrics import Metric, parse_metrics
-from ..archive.liveness import OwnerLock, pause_for_tests
+from ..archive.liveness import OwnerLock
+from ..exits.faults import pause_after_owning
 from ..archive.runs import locked
 from ..archive.sweeps import (SWEEPS_DIR, EffectArray, PairColumns, block_table, create_partial, read_blocks,
                               record_sweep, write_block, write_sweep, writer_key)
@@ -150,7 +151,7 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     # exits 2 at once naming the holder's pid; the shards of one sweep hold keys of their own.
     owner = OwnerLock(parent.path, writer_key(sweep_id, index, count), parent.id).acquire()
     try:
-        pause_for_tests()
+        pause_after_owning()
         return _sweep_owned(inp, spec, blocks, given, sweep_id, shard, resume, top, note, t0)
     finally:
         owner.release()

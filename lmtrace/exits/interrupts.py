@@ -11,13 +11,11 @@ is, never 143 (death by SIGTERM, which a scheduler reads as a failed job)."""
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-import time
 from contextlib import contextmanager
 
 from .errors import Interrupted, signal_name
+from .faults import pause_point
 
 _state = {"recorded": False, "until_exit": False, "signal": None, "what": "the command"}
 
@@ -45,20 +43,6 @@ def work_started() -> None:
     if signum is not None:
         raise Interrupted(f"interrupted by {signal_name(signum)}: {_state['what']} stopped before it finished "
                           f"and recorded nothing more as done; run it again", signum)
-
-
-def pause_point(name: str) -> None:
-    """Test-only: LMTRACE_TEST_PAUSE_AT=NAME:SECONDS stops here for SECONDS, after printing
-    `paused at NAME` on stderr, so the fault suite can send a signal at a known point (`recorded`:
-    the command's work just recorded; `exit`: the command returned, the process about to exit;
-    the names of `liveness.kill_point`: just before a commit)."""
-    wanted = os.environ.get("LMTRACE_TEST_PAUSE_AT")
-    if not wanted or wanted.rsplit(":", 1)[0] != name:
-        return
-    print(f"paused at {name}", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + float(wanted.rsplit(":", 1)[1])
-    while time.monotonic() < deadline:  # (a handler that returns lets the sleep go on; one that raises ends it)
-        time.sleep(max(0.0, deadline - time.monotonic()))
 
 
 def _ignore(signum, frame) -> None:

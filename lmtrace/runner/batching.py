@@ -12,13 +12,13 @@ the batch had committed, teacher-forced like a resume: no sequence is lost or ru
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..archive.batch_plan import Batch, plan_path, read_plan, record_batch
 from ..exits.errors import LmtraceError, SpecError
+from ..exits.faults import oom_at
 
 MAX_BATCH = 4096
 # blocks of captured arrays a sequence holds at once: the one being filled and the writer's queue (depth 2)
@@ -276,18 +276,18 @@ def budget_refusal(budget_text, need: int | None, seq: int, reason: str) -> Lmtr
 def with_oom_fault(should_stop, n_seqs: int):
     """`should_stop` for a batch of `n_seqs` sequences (the tracer calls it after every step but the
     last). Test-only: with LMTRACE_TEST_OOM_AT=STEP:SIZE a batch of more than SIZE sequences raises
-    BatchOutOfMemory after step STEP, standing in for a CUDA out-of-memory error there. Read here only."""
-    value = os.environ.get("LMTRACE_TEST_OOM_AT")
-    if not value:
+    BatchOutOfMemory after step STEP, standing in for a CUDA out-of-memory error there (exits/faults.py)."""
+    fault = oom_at()
+    if fault is None:
         return should_stop
-    step, size = (int(x) for x in value.split(":"))
+    step, size = fault
     if n_seqs <= size:
         return should_stop
     calls = iter(range(1 << 62))
 
     def check() -> bool:
         if next(calls) == step:
-            raise BatchOutOfMemory(f"LMTRACE_TEST_OOM_AT={value}")
+            raise BatchOutOfMemory(f"LMTRACE_TEST_OOM_AT={step}:{size}")
         return should_stop()
 
     return check

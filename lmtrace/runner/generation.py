@@ -414,7 +414,7 @@ def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, bu
     first, second = queue.split(batch, committed)
     log.event("batch_split", batch=batch.key, size=len(batch.seqs), sizes=[len(first.seqs), len(second.seqs)],
               batches=[first.key, second.key], from_step=first.from_step, reason=reason)
-    from ..archive.liveness import kill_point
+    from ..exits.faults import kill_point
 
     kill_point("batch-split")
 
@@ -542,7 +542,7 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Ge
     """This shard is complete. The last shard to finish (or the only one) compacts the tables,
     consolidates the Zarr metadata, records checksums and marks the run complete; the status."""
     from ..archive.integrity import record
-    from ..archive.liveness import kill_point
+    from ..exits.faults import kill_point
     from ..archive.runs import read_manifest
 
     t_done = time.time()
