@@ -282,7 +282,7 @@ def test_a_failed_scores_part_write_leaves_no_tmp_and_no_unnamed_explanation(for
         open(where, "wb").write(b"half")  # as a real write that ran out of room would leave it
         raise OSError(errno.ENOSPC, "No space left on device", str(where))
 
-    monkeypatch.setattr(explanations.pq, "write_table", full)
+    monkeypatch.setattr(explanations.parquet_io.pq, "write_table", full)  # under parquet_io's page checksums
     with pytest.raises(OSError):
         explain_run(forward_only_run.path, "1", methods=["grad_x_input"])
     root = forward_only_run.path / "explain"

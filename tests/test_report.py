@@ -329,6 +329,7 @@ def test_report_sequence_takes_ranges_and_all_as_steps_do(tmp_path, tiny_run):
 
 
 def test_report_cli_errors_are_one_line(tmp_path, tiny_run):
+    (tmp_path / "runs").mkdir()  # a runs directory without that run (a missing directory is its own error)
     assert_one_line_error(lmtrace(tmp_path, "report", "no-such-run"), 2, "no-such-run")
     assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--sequence", "9"), 2, "--sequence 9")
     assert_one_line_error(lmtrace(tmp_path, "report", str(tiny_run.path), "--sequence", "0-9"), 2, "--sequence 3")

@@ -177,7 +177,10 @@ def _compare(df, cell, own, seq):
         r = _cell_rows(df, comp, L, h, seq=seq)
         r = r[r.metric == metric].sort_values("step")
         assert len(r) == len(values), (cell, metric)
-        np.testing.assert_allclose(r.value.to_numpy(), values, atol=1e-4, rtol=0, err_msg=f"{cell} {metric}")
+        # a rank counts the tokens scored above the chosen one: deep in the vocabulary (rank ~10,000) two
+        # logits can sit within float32 noise of each other, and either order is the same forward's answer
+        tolerance = 1 if metric == "rank" else 1e-4
+        np.testing.assert_allclose(r.value.to_numpy(), values, atol=tolerance, rtol=0, err_msg=f"{cell} {metric}")
 
 
 @pytest.mark.parametrize("over,mode,sample", [
