@@ -224,7 +224,7 @@ def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp
 
 def _sigterm_at(point: str, args, runs: Path, pause: float = 30.0) -> tuple[int, str]:
     """Start `lmtrace ARGS` with the test-only LMTRACE_TEST_PAUSE_AT=POINT:PAUSE, send SIGTERM once it
-    says `paused at POINT` (interrupts.pause_point); (exit code, stderr)."""
+    says `paused at POINT` (exits/faults.py, pause_point); (exit code, stderr)."""
     proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs, LMTRACE_TEST_PAUSE_AT=f"{point}:{pause}"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
