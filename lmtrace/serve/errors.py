@@ -56,21 +56,30 @@ def error_headers(body: bytes) -> list[tuple[bytes, bytes]]:
 def whole_number(value: str, what: str) -> int:
     """A path part naming a sequence, step, layer or head as an int; anything else is not there (NotFound).
     At most 18 digits: a longer number names nothing a run can hold (and int() refuses > 4,300 digits)."""
-    text = value.strip()
-    digits = text[1:] if text.startswith("-") else text
-    if not digits.isascii() or not digits.isdigit() or len(digits) > 18:
-        shown = value if len(value) <= 40 else value[:40] + "…"
-        raise NotFound(f"{what} {shown!r} is not there: {what}s are numbered 0, 1, 2, …")
-    return int(text)
+    number = _whole(value)
+    if number is None:
+        raise NotFound(f"{what} {_shown(value)!r} is not there: {what}s are numbered 0, 1, 2, …")
+    return number
 
 
 def int_parameter(value: str | None, name: str, default: int = 0) -> int:
     """A query parameter that must be a whole number (BadParameter otherwise)."""
     if value is None or value == "":
         return default
+    number = _whole(value)
+    if number is None:
+        raise BadParameter(f"{name}={_shown(value)!r} is not a whole number")
+    return number
+
+
+def _whole(value: str) -> int | None:
+    """`value` as an int when it is an optionally negative run of at most 18 ASCII digits, else None."""
     text = value.strip()
     digits = text[1:] if text.startswith("-") else text
     if not digits.isascii() or not digits.isdigit() or len(digits) > 18:
-        shown = value if len(value) <= 40 else value[:40] + "…"
-        raise BadParameter(f"{name}={shown!r} is not a whole number")
+        return None
     return int(text)
+
+
+def _shown(value: str) -> str:
+    return value if len(value) <= 40 else value[:40] + "…"
