@@ -14,7 +14,7 @@ import typer
 
 from ..exits.errors import Interrupted
 from ..output.jsonout import json_line
-from .app import _Reporter, _fail, _lens_line, _one_line, _run_dir, app
+from .app import Reporter, app, fail, lens_line, one_line, run_dir_or_root
 
 
 @app.command()
@@ -39,7 +39,7 @@ def generate(
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..spec.run_spec import load_spec
 
-    reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
+    reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     try:
         shard_obj, slurm_run_id = None, None
         if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
@@ -108,7 +108,7 @@ def generate(
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
-        _fail(err, lambda: _run_dir(resume or run_id, runs_dir))
+        fail(err, lambda: run_dir_or_root(resume or run_id, runs_dir))
     reporter.stop()
     summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
                "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
@@ -136,7 +136,7 @@ def generate(
         if len(result.texts) > 5:
             typer.echo(f"  ... {len(result.texts) - 5} more (lmtrace show {result.run_id})")
         if lens_summary is not None:
-            typer.echo(f"  {_lens_line(lens_summary)}")
+            typer.echo(f"  {lens_line(lens_summary)}")
 
 
 @app.command()
@@ -153,7 +153,7 @@ def validate(
     try:
         report = validate_spec(spec_path, list(set_))
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
     if json_out:
         typer.echo(json_line(report))
         return
@@ -223,7 +223,7 @@ def _run() -> None:
         typer.echo("error: aborted by the user", err=True)
         sys.exit(130)
     except Interrupted as err:  # a signal before a command's own error mapping (its imports, say)
-        typer.echo(f"error: {_one_line(err)}", err=True)
+        typer.echo(f"error: {one_line(err)}", err=True)
         sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001
         # click's exceptions (typer may vendor its own copy of click, so match them by shape, not class)
@@ -232,7 +232,7 @@ def _run() -> None:
         code = getattr(err, "exit_code", None)
         if not (hasattr(err, "format_message") and isinstance(code, int)):
             raise
-        message = _one_line(err.format_message()).rstrip(".")
+        message = one_line(err.format_message()).rstrip(".")
         ctx = getattr(err, "ctx", None)
         if code == 2 and ctx is not None:
             message += f"; see `{ctx.command_path} --help`"
