@@ -90,7 +90,7 @@ class Probes:
         # softmax, as Llama's), the rows are computed here with grouped matmuls instead: same
         # formula, without copying every key per query head (repeat_kv) or computing the output.
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
-        # ... and, for the rows of the query position, all layers at once (lmtrace/attention_rows.py)
+        # ... and, for the rows of the query position, all layers at once (lmtrace/capture/attention_rows.py)
         self.batched = BatchedRows() if self.plain_eager and shape.attention else None
         self.row_method = (None if self.eager is None else
                            "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
@@ -167,7 +167,7 @@ class Probes:
             for h in handles:
                 h.remove()
 
-    # ---- taps (lmtrace/taps.py: forward hooks without torch's slow hook path) -----------------
+    # ---- taps (lmtrace/capture/taps.py: forward hooks without torch's slow hook path) -----------------
     # At a decode step they only keep references to what the module got and returned: every torch
     # op here would run once per layer (~120 taps a step), while `collect` stacks all layers and
     # does the arithmetic once per step (one slice, one norm, one top-k). At the prefill they keep
