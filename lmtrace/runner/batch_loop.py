@@ -167,8 +167,8 @@ class _BatchLoop:
         sink.flush()
         if outcome_.interrupted:
             raise Interrupted(f"interrupted by {signal_name(self.stop.signal)} (batch of sequence {batch}); flushed "
-                              f"steps are kept; resume with `lmtrace generate --resume {self.run_id}`", self.stop.signal,
-                              resumable=True)
+                              f"steps are kept; resume with `lmtrace generate --resume {self.run_id}`",
+                              self.stop.signal, resumable=True)
         if self.replay is not None and self.replay.batch_done is not None:
             self.replay.batch_done(self.rd.path, batch)
         self._finish(seq_ids, batch, batch_prompts, outcome_, growth)
