@@ -36,7 +36,6 @@ class Generated:
     peak_gpu_memory: dict[str, int] = field(default_factory=dict)  # bytes per CUDA device, when on CUDA
 
 
-
 class _ResumedReplay:
     """A replay's teacher in a batch resumed at step `upto`: below it the run's own archived tokens
     (what it chose then: sampled ones too, as a generate resume forces them), from it on the
@@ -59,7 +58,6 @@ class _Tee:
     def on_step(self, result) -> None:
         for sink in self.sinks:
             sink.on_step(result)
-
 
 
 def batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core) -> BatchQueue:
@@ -89,7 +87,6 @@ def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, bu
     from ..exits.faults import kill_point
 
     kill_point("batch-split")
-
 
 
 def generate_batches(tracer, spec, run_id, rd: RunDir, log, setup: Setup, replay: Replay | None, progress,

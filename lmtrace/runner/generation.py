@@ -91,7 +91,6 @@ class Replay:
     parent: tuple[str, dict] | None = None  # (run id, manifest) of the replayed run: its model must be unchanged
 
 
-
 @dataclass
 class GenerateResult:
     run_id: str
@@ -243,7 +242,6 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
         owner.release()
 
 
-
 def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progress, t_start) -> GenerateResult:
     """Generate and stream into a run whose manifest exists, then finalise; every failure ends in
     `failed` (or `interrupted`) with the error recorded in the manifest and the shard's status file."""
@@ -286,7 +284,6 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
     ordered = [generated.texts.get(i, "") for i in my_seqs]
     return GenerateResult(run_id, run_dir, status, len(my_seqs), generated.n_tokens, time.time() - t_start, ordered,
                           setup.loaded)
-
 
 
 def _tracer(spec: RunSpec, setup: Setup) -> Tracer:
