@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Generated:
+    """What this shard's batches generated: the texts by sequence, the tokens, the seconds taken."""
+
     texts: dict[int, str]
     n_tokens: int
     seconds: float
@@ -52,6 +54,8 @@ class _ResumedReplay:
 
 
 class _Tee:
+    """Each step fed to several sinks: the archive's, and a replay's observer."""
+
     def __init__(self, *sinks):
         self.sinks = sinks
 
