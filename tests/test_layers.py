@@ -188,7 +188,7 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     (copy / "spec" / "loop_a.py").write_text("from . import loop_b\n")
     (copy / "spec" / "loop_b.py").write_text("from . import loop_a\n")
     (copy / "report" / "sideways.py").write_text("from ..serve import guard\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", copy)
+    monkeypatch.setattr(f"{__name__}.PACKAGE", copy)
     graph = import_graph()
     assert ("lmtrace.archive.bad", "lmtrace.commands.ls") in upward_imports(graph)
     assert ("lmtrace.report.sideways", "lmtrace.serve.guard") in upward_imports(graph)
