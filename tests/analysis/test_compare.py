@@ -28,7 +28,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.conftest import PROMPTS, rerecord_checksums, run_spec, with_lens
+from tests.helpers.runs import PROMPTS, rerecord_checksums, run_spec, with_lens
 from lmtrace.cli.main import app
 from lmtrace.analysis.compare import compare_runs
 
@@ -501,7 +501,7 @@ def test_clean_and_corrupted_prompts_report_the_step0_logit_difference(tmp_path)
     against the model's own forward on each prompt."""
     import torch
 
-    from tests.conftest import Reference
+    from tests.helpers.reference import Reference
 
     spec = {"prompts": ["The capital of France is the city of"], "generation": {"max_new_tokens": 1},
             "capture": {"alternatives": 1000, "attention": {"enabled": False}, "qkv": False, "ffn": {"enabled": False},

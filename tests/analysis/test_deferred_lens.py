@@ -1,7 +1,7 @@
 """The deferred logit lens (`capture.lens.when: deferred`, the default) and `lmtrace lens`.
 
 References, never lmtrace/deferred_lens.py itself: an inline run of the same spec (the lens computed
-during generation by the tracer), the model's own full forward (conftest.Reference), and the archive
+during generation by the tracer), the model's own full forward (tests/helpers/reference.py), and the archive
 files read with pyarrow / zarr / xarray directly.
 """
 
@@ -19,13 +19,14 @@ import pytest
 import zarr
 from typer.testing import CliRunner
 
-from tests.conftest import PROMPTS, Reference, run_spec
+from tests.helpers.reference import Reference
+from tests.helpers.runs import PROMPTS, run_spec
 from lmtrace.archive.reader import IncompleteRunWarning, Run, lens_state
 from lmtrace.cli.main import app
 from lmtrace.analysis.compare import compare_runs
 from lmtrace.commands.lens import compute_lens
 from lmtrace.exits.errors import ArchiveError
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
 
 LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 1, not captured:
 VECTORS_AT = [1]  # so `resid` holds layers 0..3 and the lens reads rows 0, 2, 3 of it

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import run_spec
+from tests.helpers.runs import run_spec
 from lmtrace.analysis import attribution as attr
 from lmtrace.archive.explanations import record_entries
 from lmtrace.commands.explain import explain_run

@@ -15,8 +15,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest import run_spec
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.runs import run_spec
 
 PROMPTS = ["one two three one two three one two", "The cat sat on the mat and the cat",
            "red green blue red green blue red", "Paris is the capital of France and"]

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from tests.conftest import rerecord_checksums, run_spec
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.runs import rerecord_checksums, run_spec
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

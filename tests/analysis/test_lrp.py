@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import run_spec
+from tests.helpers.runs import run_spec
 from lmtrace.analysis import attribution as attr
 from lmtrace.analysis.attribution.lrp import lrp
 from lmtrace.commands.explain import explain_run
 from lmtrace.exits.errors import SpecError
-from tests.capture.test_architectures import CASES
+from tests.helpers.architectures import CASES
 
 CONSERVATION_TOL = 1e-5  # |f − (Σ scores + bias relevance)| / max(1, |f|), float32 (docs/explain.md)
 IDS = [5, 17, 33, 9, 70, 3, 44, 12]
@@ -208,7 +208,7 @@ def test_cli_shows_heads_and_refuses_logprob_and_experts_in_one_line(embedded_ru
 
     from typer.testing import CliRunner
 
-    from tests.conftest import rerecord_checksums
+    from tests.helpers.runs import rerecord_checksums
     from lmtrace.cli.main import app
 
     runner = CliRunner()
@@ -236,7 +236,7 @@ def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
     import zarr
 
     from lmtrace.report import report_run
-    from tests.report.test_report import blob, page_json
+    from tests.helpers.page import blob, page_json
 
     run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["One two three"], "capture": "none",
                               "generation": {"max_new_tokens": 3}})

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import run_spec
+from tests.helpers.runs import run_spec
 from lmtrace.archive.reader import Run
 from lmtrace.archive.sweeps import read_sweep
 from lmtrace.commands.sweep import run_sweep
@@ -34,24 +34,6 @@ def _run(tmp, model_dir, prompts, run_id):
     return run_spec(tmp, {"model": str(model_dir), "prompts": prompts, "capture": "none",
                           "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5},
                           "output": {"run_id": run_id}})
-
-
-@pytest.fixture(scope="module")
-def sharp_llama_dir(tmp_path_factory, tiny_llama_dir):
-    """conftest's tiny Llama with larger random weights: peaked distributions, so that ablating one head moves
-    probabilities and KL far beyond the tolerance (with the default init every effect is below 1e-4)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3 if "embed" not in name else 1.0)
-    path = tmp_path_factory.mktemp("sharp-llama")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import PROMPTS, Reference, run_spec
+from tests.helpers.cli import start_cli as _cli
+from tests.helpers.cli import wait_committed as _wait_committed
+from tests.helpers.reference import Reference
+
+from tests.helpers.runs import PROMPTS, run_spec
 
 
 def _tiny(tiny_llama_dir, **over):
@@ -216,26 +219,6 @@ def test_topk_attention_and_prefill_matrices_match_the_reference(tmp_path, tiny_
                 np.testing.assert_array_equal(np.sort(idx[seq, s, layer], -1), np.sort(top.indices.numpy(), -1))
 
 
-def _cli(args, runs, env=None, **kw):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LMTRACE_RUNS_DIR": str(runs), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
-
-
-def _wait_committed(runs: Path, at_least: int, timeout: float = 120) -> Path:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for progress in runs.glob("*/progress/*.json"):
-            try:
-                batches = json.loads(progress.read_text())["batches"]
-            except (json.JSONDecodeError, OSError):
-                continue
-            if any(b["committed_steps"] >= at_least for b in batches.values()):
-                return progress.parent.parent
-        time.sleep(0.05)
-    raise AssertionError("the run never committed a block")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_is_never_complete_and_keeps_flushed_steps(tmp_path, sig):
@@ -308,7 +291,7 @@ def test_format_1_archives_still_read_and_compare(tmp_path, tiny_llama_dir):
     import json
     import shutil
 
-    from tests.conftest import rerecord_checksums
+    from tests.helpers.runs import rerecord_checksums
     from lmtrace.analysis.compare import compare_runs
 
     run = run_spec(tmp_path / "v2", _tiny(tiny_llama_dir))
@@ -436,7 +419,7 @@ def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llam
 
     import zarr
 
-    from tests.conftest import rerecord_checksums, with_lens
+    from tests.helpers.runs import rerecord_checksums, with_lens
     from lmtrace import open_run
     from lmtrace.analysis.compare import compare_runs
     from lmtrace.archive.integrity import verify
@@ -485,7 +468,7 @@ def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_i
     import pyarrow.parquet as pq
     import zarr
 
-    from tests.conftest import rerecord_checksums, with_lens
+    from tests.helpers.runs import rerecord_checksums, with_lens
     from lmtrace import open_run
     from lmtrace.analysis.compare import compare_runs
     from lmtrace.archive.integrity import verify

@@ -11,10 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import zarr
-from tests.conftest import rerecord_checksums
-from tests.cli.test_cli_errors import lmtrace
-
-# every table a run, its analyses and `compare --out` write (a missing one fails the audit below)
+from tests.helpers.cli import lmtrace
+from tests.helpers.runs import rerecord_checksums
 EXPECTED_TABLES = {
     "tokens.parquet", "steps.parquet", "sequences.parquet", "vocab.parquet", "effects.parquet",
     "heads.parquet", "heads_per_sequence.parquet", "heads_by_topic.parquet", "sweep.parquet",
@@ -69,7 +67,7 @@ def _old_archive(every_table_runs: Path, root: Path) -> tuple[Path, Path]:
 
 
 def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_runs, tmp_path):
-    from tests.serve.test_serve import LiveServer
+    from tests.helpers.server import LiveServer
 
     from lmtrace.archive.reader import Run
     from lmtrace.archive.sweeps import read_sweep

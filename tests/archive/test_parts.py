@@ -16,7 +16,7 @@ from lmtrace.archive.layout import RunShape
 from lmtrace.archive.parts import FANOUT
 from lmtrace.archive.reader import IncompleteRunWarning, Run, table_files
 from lmtrace.archive.writer import ArchiveWriter
-from tests.runner.test_faults import _run
+from tests.helpers.cli import run_cli as _run
 
 SHAPE = RunShape(n_sequences=64, n_steps=64, max_prompt=2, layers=(0,), resid_layers=(), n_heads=1, n_kv_heads=1,
                  head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0,), attention=False, qkv=False, ffn=False,
@@ -108,7 +108,7 @@ def reference_run(tmp_path_factory, tiny_llama_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("point", ["merge-written", "merge-renamed", "merge-removing@3", "merge-removing@12"])
 def test_a_kill_at_each_step_of_a_merge_resumes_to_the_same_archive(reference_run, tmp_path, point):
-    from tests.runner.test_batch_ops import assert_same_archive
+    from tests.helpers.archives import assert_same_archive
 
     spec, reference = reference_run
     runs = tmp_path / "runs"
@@ -128,7 +128,7 @@ def test_a_kill_at_each_step_of_a_merge_resumes_to_the_same_archive(reference_ru
 
 @pytest.mark.slow
 def test_a_run_killed_late_holds_few_parts_and_resumes_to_the_same_archive(reference_run, tmp_path):
-    from tests.runner.test_batch_ops import assert_same_archive
+    from tests.helpers.archives import assert_same_archive
 
     spec, reference = reference_run
     runs = tmp_path / "runs"

@@ -22,7 +22,7 @@ import pytest
 import zarr
 
 from lmtrace.archive.reader import Run
-from tests.conftest import PROMPTS, run_spec, with_lens
+from tests.helpers.runs import PROMPTS, run_spec, with_lens
 
 REPO = Path(__file__).resolve().parents[2]
 

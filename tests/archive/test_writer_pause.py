@@ -125,7 +125,7 @@ def test_a_forward_that_raises_lets_the_writer_go_on(core):
 
 def test_generate_runs_every_forward_with_the_writer_paused(tmp_path, tiny_llama_dir, monkeypatch):
     """`lmtrace generate` wraps each model forward (prefill and decode steps) in forward_running."""
-    from tests.conftest import PROMPTS, run_spec
+    from tests.helpers.runs import PROMPTS, run_spec
     from lmtrace.runner import generation as generate
 
     class Recording:

@@ -1,7 +1,7 @@
 """Per-head direct logit attribution (`capture.head_dla`) against the test's own hook-based computation.
 
 The reference is a plain transformers forward (eager attention, float32) over the final sequence,
-with forward hooks placed from tests/capture/test_architectures.py's own `Case` table: each head's output is
+with forward hooks placed from the tests' own `Case` table (tests/helpers/architectures.py): each head's output is
 its slice of the output projection's input times its slice of the projection's weight, and the final
 norm is frozen at the scale the final residual actually has (σ computed here from the norm module's
 own weight / bias / eps). Where a block normalises its attention and MLP outputs before the residual
@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import run_spec
-from tests.capture.test_architectures import BY_ID, OPT, Case, D, FullForward, _cfg, _get, build_tiny, frozen_norm
+from tests.helpers.architectures import BY_ID, D, OPT, Case, FullForward, build_tiny, frozen_norm
+from tests.helpers.architectures import attr_path as _get
+from tests.helpers.architectures import hf_config as _cfg
+from tests.helpers.runs import run_spec
 
 CAPTURE = {"attention": {"enabled": False}, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
            "component_norms": False, "margin_contributions": False, "head_dla": True}
@@ -249,7 +251,7 @@ def test_output_norm_that_is_not_an_rmsnorm_is_refused_naming_it():
 
 def test_unsupported_family_cli_exit_2_one_line(tokenizer, tmp_path):
     import yaml
-    from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+    from tests.helpers.cli import assert_one_line_error, lmtrace
 
     model_dir = build_tiny(BY_ID["gemma2"], tokenizer, tmp_path / "model")
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(_spec(str(model_dir))))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PROMPTS, run_spec, with_lens
+from tests.helpers.runs import PROMPTS, run_spec, with_lens
 from lmtrace.archive.reader import Run
 from lmtrace.exits.errors import SpecError
 from lmtrace.commands.intervene import run_intervene

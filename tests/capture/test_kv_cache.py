@@ -90,7 +90,7 @@ def test_beam_reordering_is_refused():
 def test_llama_rows_come_from_one_product_over_the_stack(tmp_path, tiny_llama_dir, monkeypatch):
     """On a Llama every captured layer's row comes from the batched product (the per-layer fallback is
     for sliding windows): otherwise the rows stay right (other tests) but cost ~3 ms more a step."""
-    from tests.conftest import PROMPTS, run_spec
+    from tests.helpers.runs import PROMPTS, run_spec
 
     from lmtrace.capture.attention_rows import BatchedRows
 

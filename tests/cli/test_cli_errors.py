@@ -16,43 +16,9 @@ from pathlib import Path
 import pytest
 
 from lmtrace.archive.reader import Run
+from tests.helpers.cli import REPO, assert_no_complete_run, assert_one_line_error, lmtrace, write
 
-REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
-
-
-def lmtrace(tmp_path: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m lmtrace.cli ARGS` in tmp_path, runs under tmp_path/runs, never touching the network."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "LMTRACE_RUNS_DIR": str(tmp_path / "runs"),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
-    output = proc.stdout + proc.stderr
-    assert "Traceback" not in output, output
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one stderr line, got:\n{proc.stderr}"
-    line = lines[0]
-    assert line.startswith("error: "), line
-    for fragment in fragments:
-        assert fragment in line, f"{fragment!r} not in {line!r}"
-    assert proc.returncode == code, (proc.returncode, line)
-    return line
-
-
-def assert_no_complete_run(runs: Path) -> None:
-    for manifest in runs.glob("*/manifest.json"):
-        assert json.loads(manifest.read_text()).get("status") != "complete", manifest
-
-
-def write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
 
 
 # ---- bad specs: caught before torch is imported or a model loaded (about a second each) ------------
@@ -171,7 +137,7 @@ def test_ls_of_an_empty_runs_directory_succeeds(tmp_path):
 @pytest.fixture(scope="module")
 def one_run(tmp_path_factory, tiny_llama_dir) -> Path:
     """A runs directory holding one complete run `a` of the tiny model."""
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     base = tmp_path_factory.mktemp("one_run")
     run_spec(base, {"model": str(tiny_llama_dir), "prompts": ["Hello there"], "output": {"run_id": "a"},
@@ -288,7 +254,6 @@ def test_generate_then_ls_and_show(tmp_path):
     plain = re.sub(r"\[[0-9.e+-]+\]", "", proc.stdout)  # piped: each token is followed by [probability]
     for text in texts:
         assert text.strip() in plain
-
 
 
 @pytest.mark.parametrize("args", [["lens", "any-run"], ["compare", "a", "b", "--exact"]], ids=["lens", "compare"])

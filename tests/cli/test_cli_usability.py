@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tests.cli.test_cli_errors import REPO, lmtrace
+from tests.helpers.cli import REPO, assert_help_shows_no_python_types, lmtrace
 
 COMMANDS = ("generate", "validate", "ls", "show", "verify", "intervene", "sweep", "explain", "lens", "heads",
             "compare", "report")
@@ -32,18 +32,7 @@ def _tiny_spec(tmp_path: Path, model_dir: Path, name: str = "tiny.yaml", **over)
 
 def test_help_shows_no_python_types_and_posix_arguments(tmp_path):
     env = {"COLUMNS": "200"}
-    for command in COMMANDS:
-        proc = lmtrace(tmp_path, command, "-h", env=env)
-        assert proc.returncode == 0, (command, proc.stderr)
-        text = proc.stdout
-        # typer's default prints `<bool>`, `<list[str]>`, `<str>` after every option and `{RUN}` in usage
-        assert not re.search(r"<(bool|str|int|float|path|list\[[a-z]+\])>", text), (command, text)
-        usage = next(line for line in text.splitlines() if "Usage:" in line)
-        assert "{" not in usage, usage
-        for line in text.splitlines():  # every option row has a help text after its metavar
-            m = re.match(r"^\W*(--[a-z-]+)(?:\s+-\w)?\s+(\S.*?)\s*\W*$", line)
-            if m:
-                assert len(m.group(2).split()) >= 2 or m.group(2).isupper(), (command, line)
+    assert_help_shows_no_python_types(tmp_path, COMMANDS)
     assert "Usage: python -m lmtrace.cli generate [OPTIONS] [SPEC]" in lmtrace(tmp_path, "generate", "--help",
                                                                                  env=env).stdout
     assert "RUN..." in lmtrace(tmp_path, "lens", "--help", env=env).stdout
@@ -247,7 +236,6 @@ def test_every_command_takes_q_and_it_means_what_its_help_says(tmp_path, tiny_ll
     tokens.write_bytes(tokens.read_bytes()[:-100])  # damaged: nothing on stdout, one error line, exit 2
     damaged = lmtrace(tmp_path, "verify", "r", "-q")
     assert damaged.returncode == 2 and damaged.stdout == "" and damaged.stderr.startswith("error: "), damaged
-
 
 
 def test_every_commands_help_reads_as_whole_paragraphs_at_80_columns():

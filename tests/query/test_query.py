@@ -16,8 +16,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest import rerecord_checksums, run_spec
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.runs import rerecord_checksums, run_spec
 
 PROMPTS = ["one two three one two three one two", "The cat sat on the mat and the cat", "Paris is the capital of"]
 

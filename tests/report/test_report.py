@@ -24,26 +24,13 @@ import pytest
 import zarr
 
 from tests.helpers.browser import CHROMIUM, distinct_colours, external_urls, open_page, section_shots
-from tests.conftest import PROMPTS, run_spec, with_lens
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.page import blob, page_json
+from tests.helpers.runs import PROMPTS, run_spec, with_lens
 
 REPO = Path(__file__).resolve().parents[2]
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's `chromium` is not installed "
                                     "(.ci/run installs it when run as root)")
-
-
-def page_json(page: str, element_id: str):
-    m = re.search(rf"<script type='application/json' id='{element_id}'>(.*?)</script>", page, re.S)
-    assert m, element_id
-    return json.loads(m.group(1).replace("<\\/", "</"))
-
-
-def blob(blobs: dict, name: str) -> np.ndarray:
-    item = blobs[name]
-    if item["kind"] == "text":
-        return np.asarray(item["values"], dtype=object).reshape(item["shape"])
-    dtype = {"f2": "<f2", "f4": "<f4", "i4": "<i4"}[item["kind"]]
-    return np.frombuffer(base64.b64decode(item["b64"]), dtype=dtype).reshape(item["shape"])
 
 
 def token_spans(page: str) -> list[dict]:
@@ -366,7 +353,8 @@ def test_large_runs_embed_a_stride_of_steps_and_say_so():
 
 
 def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path, tiny_llama_dir):
-    from tests.archive.test_archive import _cli, _wait_committed
+    from tests.helpers.cli import start_cli as _cli
+    from tests.helpers.cli import wait_committed as _wait_committed
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"

@@ -12,10 +12,10 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from lmtrace.archive.reader import IncompleteRunWarning, Run
+from tests.helpers.archives import assert_same_archive
 
 
 def _spec(tmp_path: Path, model: str, **gen) -> Path:
@@ -67,15 +67,6 @@ def _open(path: Path) -> Run:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)
         return Run(path)
-
-
-def assert_same_archive(a: Run, b: Run) -> None:
-    for table in ("tokens", "steps", "sequences"):
-        ta, tb = a.table(table).to_pandas(), b.table(table).to_pandas()
-        assert ta.equals(tb), table
-    assert a.array_names() == b.array_names()
-    for name in a.array_names():
-        np.testing.assert_array_equal(a.tensors[name][...], b.tensors[name][...], err_msg=name)
 
 
 @pytest.mark.slow

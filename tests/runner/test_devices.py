@@ -3,7 +3,7 @@
 On a CPU machine "spread" means part of the layers offloaded to disk by accelerate (their weights
 read from disk for every call) and, to run the multi-device assembly code, the KV cache split into
 several stacks. The references are the same spec run on one device, and the model's own eager
-forward (conftest.Reference), never lmtrace's placement code. The CUDA tests skip without a GPU.
+forward (tests/helpers/reference.py), never lmtrace's placement code. The CUDA tests skip without a GPU.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import PROMPTS, Reference, run_spec
-from tests.capture.test_capture_matches_forward import check_sequence
-from tests.cli.test_cli_errors import assert_no_complete_run, assert_one_line_error, lmtrace, write
+from tests.helpers.cli import assert_no_complete_run, assert_one_line_error, lmtrace, write
+from tests.helpers.reference import Reference, check_sequence
+from tests.helpers.runs import PROMPTS, run_spec
 
 TOL = 1e-5
 CAPTURE = {"lens": {"when": "inline"}, "prefill_attention": True}

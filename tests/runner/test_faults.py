@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from lmtrace.archive.reader import Run
-
-ENV = {"OMP_NUM_THREADS": "1"}
+from tests.helpers.cli import cli_env as _env
+from tests.helpers.cli import run_cli as _run
 
 
 def _spec(tmp_path: Path, model, name="spec.yaml", **gen) -> Path:
@@ -34,18 +34,9 @@ def _spec(tmp_path: Path, model, name="spec.yaml", **gen) -> Path:
     return path
 
 
-def _env(runs: Path, **extra) -> dict:
-    return {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs), **extra}
-
-
 def _start(args, runs: Path, **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=_env(runs, **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _run(args, runs: Path, timeout=300, quiet=True, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, *(["-q"] if quiet else [])],
-                          env=_env(runs, **env), capture_output=True, text=True, timeout=timeout)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -76,7 +67,7 @@ def _one_wrote_one_refused(procs) -> subprocess.Popen:
 
 
 def test_two_writers_of_one_run_id_exactly_one_writes_and_the_archive_is_one_run(tmp_path, tiny_llama_dir):
-    from tests.runner.test_batch_ops import assert_same_archive
+    from tests.helpers.archives import assert_same_archive
 
     runs = tmp_path / "runs"
     spec = _spec(tmp_path, tiny_llama_dir)
@@ -139,7 +130,7 @@ def test_shard_without_run_id_is_refused_before_the_model_load(tmp_path, tiny_ll
 def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_llama_dir, monkeypatch):
     import lmtrace.runner.generation as gen
     from lmtrace.exits.errors import LmtraceError
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     def broken_tracer(*args, **kwargs):
         raise RuntimeError("tracer could not start")
@@ -327,7 +318,7 @@ def _cli(args, runs: Path):
 @pytest.fixture(scope="module")
 def complete_runs(tmp_path_factory, tiny_llama_dir):
     """Two complete runs of the tiny model (the second differs in seed) to damage copies of."""
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     base = tmp_path_factory.mktemp("damage")
     spec = {"model": str(tiny_llama_dir), "prompts": ["Hello there", "One two"],
@@ -532,7 +523,7 @@ def test_a_flipped_byte_inside_an_attention_chunk_is_refused_by_zarr_and_named_b
 
 
 def test_serve_answers_409_naming_the_damaged_file_and_lists_the_run_damaged(complete_runs, tmp_path):
-    from tests.serve.test_serve import LiveServer
+    from tests.helpers.server import LiveServer
 
     runs = tmp_path / "runs"
     a = _copy(complete_runs[0], runs)
@@ -740,7 +731,7 @@ def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_
 
     import lmtrace.runner.generation as gen
     from lmtrace.archive import layout
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     def no_steps(self, *args, **kwargs):
         raise RuntimeError("killed before the first block")
@@ -814,7 +805,7 @@ def _peak_rss_kb(args, runs: Path, out: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc (Linux)")
 def test_peak_memory_follows_the_tokens_generated_not_max_new_tokens(tmp_path, long_llama_dir):
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     spec = {"model": str(long_llama_dir), "prompts": ["Count slowly:"], "output": {"chunk_steps": 16},
             "generation": {"max_new_tokens": 64, "temperature": 1.0, "seed": 3}}
@@ -883,7 +874,7 @@ def _killed_at(point: str, args, runs: Path) -> None:
 
 @pytest.mark.slow
 def test_sigkill_during_finalisation_never_leaves_a_false_complete_and_a_resume_completes(complete_runs, tmp_path):
-    from tests.runner.test_batch_ops import assert_same_archive
+    from tests.helpers.archives import assert_same_archive
 
     runs = tmp_path / "runs"
     reference = Run(complete_runs[0])
@@ -908,8 +899,8 @@ def test_sigkill_during_finalisation_never_leaves_a_false_complete_and_a_resume_
 @pytest.mark.slow
 def test_sigkill_during_lens_never_leaves_a_false_lens_and_a_rerun_completes(complete_runs, tmp_path):
     from lmtrace.archive.reader import lens_state
-    from tests.conftest import with_lens
-    from tests.runner.test_batch_ops import assert_same_archive
+    from tests.helpers.archives import assert_same_archive
+    from tests.helpers.runs import with_lens
 
     runs = tmp_path / "runs"
     a = _copy(complete_runs[0], runs)
@@ -969,7 +960,7 @@ def _tree(root: Path) -> dict[str, str]:
 
 def _query_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`lmtrace query ARGS` in `cwd` with no --runs-dir and no $LMTRACE_RUNS_DIR: the runs are ./runs."""
-    from tests.cli.test_cli_errors import lmtrace
+    from tests.helpers.cli import lmtrace
 
     return lmtrace(cwd, "query", *args, env={"LMTRACE_RUNS_DIR": ""})
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from tests.conftest import PROMPTS, run_spec
+from tests.helpers.runs import PROMPTS, run_spec
 from lmtrace.analysis.compare import compare_runs
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_one_line_error, lmtrace
 
 
 def _spec(model_dir) -> dict:

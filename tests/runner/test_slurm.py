@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 
 from lmtrace.archive.reader import Run
-from tests.runner.test_batch_ops import assert_same_archive
-from tests.analysis.test_sweep import sharp_llama_dir  # noqa: F401  (a fixture: the tiny Llama with peaked distributions)
+from tests.helpers.archives import assert_same_archive
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +107,7 @@ def test_sweep_as_an_array_job_equals_the_unsharded_sweep(slurm, tmp_path, sharp
     import pandas as pd
     import pyarrow.parquet as pq
 
-    from tests.conftest import run_spec
+    from tests.helpers.runs import run_spec
 
     parent = run_spec(tmp_path, {"model": str(sharp_llama_dir), "prompts": ["The quick brown fox", "Paris is the"],
                                  "capture": "none", "output": {"run_id": "parent"},

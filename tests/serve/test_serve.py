@@ -15,7 +15,6 @@ import math
 import os
 import re
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +26,9 @@ import pytest
 import zarr
 
 from tests.helpers.browser import CHROMIUM
-from tests.conftest import PROMPTS, run_spec, with_lens
-from tests.cli.test_cli_errors import assert_one_line_error, lmtrace
+from tests.helpers.cli import assert_help_shows_no_python_types, assert_one_line_error, lmtrace
+from tests.helpers.runs import PROMPTS, run_spec, with_lens
+from tests.helpers.server import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
 INJECTIONS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
@@ -75,47 +75,6 @@ def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
     explain_run(runs / "tiny", "1,2", sequence=1, methods=["grad_x_input,occlusion"])
     explain_run(runs / "tiny", "2", sequence=1, methods=["lrp"])
     run_intervene(str(runs / "tiny"), CHILD_EDITS, mode="regenerate", runs_dir=str(runs), run_id="child")
-
-
-class LiveServer:
-    """uvicorn serving `create_app(...)` from a thread, on a free loopback port."""
-
-    def __init__(self, runs: Path, token: str | None = None):
-        import uvicorn
-
-        from lmtrace.commands.serve import bind_socket
-        from lmtrace.serve import create_app
-
-        sock = bind_socket("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(runs, token=token), log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def request(self, path: str, method: str = "GET", headers: dict | None = None) -> tuple[int, dict, bytes]:
-        """One request with `path` sent exactly as given (no client-side normalisation of `..`)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, path, headers=headers or {})
-            r = conn.getresponse()
-            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
-        finally:
-            conn.close()
-
-    def json(self, path: str):
-        status, headers, body = self.request(path)
-        assert status == 200, (path, status, body)
-        assert headers["content-type"] == "application/json"
-        return json.loads(body)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -666,11 +625,8 @@ def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, t
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
-def test_serve_help_shows_no_python_types(tmp_path, monkeypatch):
-    from tests.cli import test_cli_usability
-
-    monkeypatch.setattr(test_cli_usability, "COMMANDS", ("serve",))
-    test_cli_usability.test_help_shows_no_python_types_and_posix_arguments(tmp_path)
+def test_serve_help_shows_no_python_types(tmp_path):
+    assert_help_shows_no_python_types(tmp_path, ("serve",))
 
 
 def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama_dir):
@@ -679,7 +635,8 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
 
     import yaml
 
-    from tests.archive.test_archive import _cli, _wait_committed
+    from tests.helpers.cli import start_cli as _cli
+    from tests.helpers.cli import wait_committed as _wait_committed
 
     spec = tmp_path / "long.yaml"
     spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": ["Count slowly from one to one hundred:"],
@@ -1297,7 +1254,8 @@ def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_fo
 
     import yaml
 
-    from tests.archive.test_archive import _cli, _wait_committed
+    from tests.helpers.cli import start_cli as _cli
+    from tests.helpers.cli import wait_committed as _wait_committed
 
     sync_playwright = _playwright()
     prompt = "Count slowly from one to one hundred:"
