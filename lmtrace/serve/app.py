@@ -3,7 +3,7 @@
 Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
 `{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
-  /static/{app,tokenview}.{js,css}            the frontend, from this package (no other file is served)
+  /static/{app,tokenview}.{js,css}            the frontend: app.* from this package, tokenview.* from viewdata
   /api/runs?kind=&status=&model=&q=            runs list
   /api/runs/{run}                              a run's header
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
@@ -34,6 +34,7 @@ from starlette.routing import Route
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from ..viewdata import queries
 from ..viewdata import token_extras
+from ..viewdata.page_code import token_view_css, token_view_js
 from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
                      int_parameter, whole_number)
 from .child_view import against_parent, edits
@@ -45,9 +46,13 @@ from .guard import Guard
 # The only files served, by name: nothing under /static is looked up on disk from the address
 STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
           "tokenview.js": "application/javascript; charset=utf-8", "tokenview.css": "text/css; charset=utf-8"}
+# the token view is the report's too: its code comes from viewdata (page_code.py)
+SHARED = {"tokenview.js": token_view_js, "tokenview.css": token_view_css}
 
 
 def _static(name: str) -> bytes:
+    if name in SHARED:
+        return SHARED[name]().encode("utf-8")
     return resources.files(__package__).joinpath("static", name).read_bytes()
 
 
