@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ..archive.attention import topk_dense
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, SequenceGroups, group_order
 from ..archive.reader import Run
 from ..archive.sweeps import read_sweep
@@ -143,15 +144,13 @@ def _check_run(run: Run) -> None:
 
 
 def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
-    """[s1 - s0, L, H, K] attention rows of steps s0..s1-1 of a sequence; with `attention.top_k` the
-    kept weights are scattered into rows of zeros."""
+    """[s1 - s0, L, H, K] float32 attention rows of steps s0..s1-1 of a sequence; with `attention.top_k`
+    as `archive.attention.topk_dense` (a NaN weight counts as 0 in `row_scores`, as in `attn`)."""
     if "attn" in run.array_names():
         return np.asarray(run.array("attn")[seq, s0:s1, :, :, :K], dtype=np.float32)
     idx = np.asarray(run.array("attn_topk_idx")[seq, s0:s1])
     prob = np.asarray(run.array("attn_topk_prob")[seq, s0:s1], dtype=np.float32)
-    out = np.zeros((*idx.shape[:-1], K + 1), dtype=np.float32)
-    np.put_along_axis(out, np.where(idx >= 0, np.minimum(idx, K), K), np.where(idx >= 0, np.nan_to_num(prob), 0.0), -1)
-    return out[..., :K]
+    return topk_dense(idx, prob, K)
 
 
 def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
@@ -174,8 +173,8 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     one table (`group_schema`), groups in the column's order, null last."""
     _check_run(run)
     notes = []
-    committed = run.committed_steps() if run.status != "complete" else None
     gen_len = run.generated_len()
+    ready = run.ready_steps(gen_len)
     prompt_len = run.prompt_len()
     layers = list(run.layers)
     L, H = len(layers), int(run.shape["n_heads"])
@@ -190,7 +189,7 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     dla_sum, dla_n = np.zeros((L, H)), np.zeros((L, H))
     n_rows = 0
     for seq in range(len(gen_len)):
-        n = committed.get(seq, 0) if committed is not None else int(max(gen_len[seq], 0))
+        n = ready.get(seq, 0)
         if n <= 0 or seq not in tokens:
             continue
         P = int(prompt_len[seq])
@@ -230,9 +229,9 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
             pooled[key] = (group, n_seqs + 1)
     if n_rows == 0:
         raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
-    if committed is not None:
+    if run.status != "complete":
         notes.append(f"run {run.id} is {run.status}: computed on its committed steps "
-                     f"({sum(committed.values())} of up to {len(gen_len) * run.shape['n_steps']})")
+                     f"({sum(ready.values())} of up to {len(gen_len) * run.shape['n_steps']})")
     if "attn" not in run.array_names():
         notes.append(f"run {run.id} kept the top {run.shape.get('k_attn')} weights per row "
                      f"(capture.attention.top_k): scores count only those, entropy is of the kept weights")
