@@ -153,6 +153,30 @@ def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
     return topk_dense(idx, prob, K)
 
 
+def _sequence_scores(run: Run, seq: int, n: int, P: int, tokens: np.ndarray, prefill: bool,
+                     block: int) -> tuple[_Acc, int]:
+    """The summed scores of one sequence's rows (its prompt's with `prefill`, then its first n steps', `block`
+    steps of every layer at a time: bounded memory) and how many rows there were."""
+    acc = _Acc.new(len(run.layers), int(run.shape["n_heads"]))
+    n_rows = 0
+    if prefill:
+        q = np.arange(1, P - 1)
+        if len(q):
+            rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
+            acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens))
+            n_rows += len(q)
+    for s0 in range(0, n, block):
+        s1 = min(n, s0 + block)
+        q = P + np.arange(s0, s1) - 1
+        K = int(q.max()) + 1
+        rows = _dense_rows(run, seq, s0, s1, K)
+        keep = q >= 1
+        if keep.any():
+            acc.add(row_scores(rows[keep], q[keep], tokens))
+            n_rows += int(keep.sum())
+    return acc, n_rows
+
+
 def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
     t = run.table("tokens", columns=["sequence", "position", "token_id"]).to_pandas()
     out = {}
@@ -192,24 +216,7 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
         n = ready.get(seq, 0)
         if n <= 0 or seq not in tokens:
             continue
-        P = int(prompt_len[seq])
-        acc = _Acc.new(L, H)
-        seq_rows = 0
-        if prefill:
-            q = np.arange(1, P - 1)
-            if len(q):
-                rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
-                acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens[seq]))
-                seq_rows += len(q)
-        for s0 in range(0, n, block):  # bounded memory: `block` steps of every layer at a time
-            s1 = min(n, s0 + block)
-            q = P + np.arange(s0, s1) - 1
-            K = int(q.max()) + 1
-            rows = _dense_rows(run, seq, s0, s1, K)
-            keep = q >= 1
-            if keep.any():
-                acc.add(row_scores(rows[keep], q[keep], tokens[seq]))
-                seq_rows += int(keep.sum())
+        acc, seq_rows = _sequence_scores(run, seq, n, int(prompt_len[seq]), tokens[seq], prefill, block)
         seq_dla = None
         if dla is not None:
             d = np.asarray(dla[seq, :n], dtype=np.float64)  # [n, L, H]
