@@ -163,6 +163,21 @@ def test_page_has_no_external_address_outside_the_vendored_plotly(tiny_report):
     assert external_urls(page.replace(plotly_js(), "")) == []
 
 
+def test_a_report_is_built_without_loading_the_web_server(tiny_run, tmp_path):
+    """The report reads what its token view shows through viewdata, never through serve: building a page
+    (the token view's script included) in a fresh interpreter imports neither lmtrace.serve nor starlette."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from lmtrace.report import report_run; "
+            f"page = report_run({str(tiny_run.path)!r}, out={str(tmp_path / 'r.html')!r}, sequences=[0]).path.read_text(); "
+            "assert 'window.lmtraceView' in page, 'no token view on the page'; "
+            "print(sorted(m for m in sys.modules if m.startswith(('lmtrace.serve', 'starlette'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_capture_none_run_gets_the_text_sections_only(tmp_path, tiny_llama_dir):
     from lmtrace.report import report_run
 

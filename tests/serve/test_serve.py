@@ -219,6 +219,42 @@ def test_an_absolute_run_path_gets_a_4xx(server, runs_dir):
         assert status == 404, path
 
 
+NODE = shutil.which("node")
+# probabilities where the scale's arithmetic is tested: its stops, between them, halves that round
+# (at 0.75 the green channel is 196.5: Python rounds halves to even, JavaScript up), out of range, missing
+SCALE_PROBES = [0, 0.05, 0.1, 0.25, 1 / 3, 0.5, 0.51, 0.625, 0.75, 0.99, 1, -0.5, 1.5, None, "nan", "inf"]
+
+
+def _prob_colours_in_node(code: str) -> list[str]:
+    """probColour of `code` (a page's token view script) at SCALE_PROBES, run by node with a bare `document`."""
+    import subprocess
+
+    probes = json.dumps(SCALE_PROBES)
+    script = ("globalThis.window = globalThis; globalThis.document = {getElementById: () => null, "
+              "querySelectorAll: () => []};\n" + code + "\n;const v = {nan: NaN, inf: Infinity};"
+              f"console.log(JSON.stringify({probes}.map((p) => window.lmtraceView.probColour(p in v ? v[p] : p))));")
+    proc = subprocess.run([NODE, "-"], input=script, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node to run the page's script")
+def test_served_and_inlined_token_view_colour_probabilities_as_the_python_scale(server):
+    """The token view's probability colours (serve's /static/tokenview.js, and the script the report
+    inlines) are output/prob_colours.py's page_colour at every probe, a missing value included."""
+    from lmtrace.output.prob_colours import page_colour
+    from lmtrace.report.page import token_view_code
+
+    status, _, served = server.request("/static/tokenview.js")
+    assert status == 200
+    expected = [page_colour(float("nan") if p is None else float(p)) for p in SCALE_PROBES]
+    # the scale's ends and middle, and the missing colour, as written in prob_colours.py's docstring
+    assert expected[0] == "#fdb863" and expected[5] == "#f7f7f7" and expected[10] == "#92c5de"
+    assert expected[13] == expected[14] == expected[15] == "#eeeeee"
+    assert _prob_colours_in_node(served.decode()) == expected
+    assert _prob_colours_in_node(token_view_code()[1]) == expected
+
+
 def test_writes_foreign_hosts_and_cross_origin_reads_are_refused(server):
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         assert server.request("/api/runs", method=method)[0] == 405

@@ -56,12 +56,25 @@ window.lmtraceView = (() => {
     : el("span", { class: "t", title: `token ${JSON.stringify(t)}`, text: shownToken(t) }));
 
   function mix(a, b, t) { return a.map((x, i) => Math.round(x + (b[i] - x) * t)); }
-  const ORANGE = [253, 184, 99], LIGHT = [247, 247, 247], BLUE = [146, 197, 222];
-  // probability: orange (0) → light grey (0.5) → blue (1)
+  // probability: orange (0) → light grey (0.5) → blue (1). The scale is lmtrace/output/prob_colours.py's
+  // (the report's text and `lmtrace show` use it too), written in here when the script is served
+  // (viewdata/page_code.py): {"stops": [[p, [r, g, b]], ...], "missing": colour of a missing value}
+  const PROB_SCALE = null /* PROB_SCALE */;
+  const hex2 = (x) => x.toString(16).padStart(2, "0");
+  // Python's round(): halves to the even neighbour (Math.round takes them up)
+  function roundEven(x) { const r = Math.round(x); return Math.abs(x % 1) === 0.5 && r % 2 !== 0 ? r - 1 : r; }
+  // page_colour of prob_colours.py, the same arithmetic: linear between the stops, p clamped to 0..1
   function probColour(p) {
-    if (p === null || p === undefined || Number.isNaN(p)) return "rgb(234,238,242)";
-    const c = p < 0.5 ? mix(ORANGE, LIGHT, p / 0.5) : mix(LIGHT, BLUE, (p - 0.5) / 0.5);
-    return `rgb(${c[0]},${c[1]},${c[2]})`;
+    if (typeof p !== "number" || !Number.isFinite(p)) return PROB_SCALE.missing;
+    const q = Math.max(0, Math.min(1, p)), stops = PROB_SCALE.stops;
+    for (let i = 0; i + 1 < stops.length; i++) {
+      const [p0, c0] = stops[i], [p1, c1] = stops[i + 1];
+      if (q <= p1) {
+        const t = (q - p0) / (p1 - p0);
+        return "#" + c0.map((a, j) => hex2(roundEven(a + (c1[j] - a) * t))).join("");
+      }
+    }
+    return "#" + stops[stops.length - 1][1].map(hex2).join("");
   }
   const WHITE = [247, 251, 255], MID = [107, 174, 214], DARK = [8, 48, 107];
   // attention weight: white (0) → dark blue (1); on the log scale 0.001 (and below) → 1
@@ -80,6 +93,7 @@ window.lmtraceView = (() => {
     return x > 0.55 ? "#fff" : "#1b1f24";
   }
   // signed values (effects, attributions, DLA): orange (negative) → light → blue (positive), by |v| / max
+  const LIGHT = [247, 247, 247];
   function signedColour(v, max) {
     const t = Math.min(1, Math.abs(v || 0) / (max || 1));
     const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
