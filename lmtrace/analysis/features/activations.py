@@ -3,7 +3,8 @@
 `replay(...)` runs token sequences (a run's prompt + generated ids) through the model, right-padded in
 batches of at most `batch_tokens` tokens, and yields each batch's activations at the site, every real
 position but the first (position 0 is the attention sink, whose norm is tens of times the others';
-SAELens's evaluations leave out BOS the same way). `ActivationStore` keeps what a source yields in a
+SAELens's evaluations leave out BOS the same way); the forward stops at the site, so a site at layer L
+costs the layers up to L only. `ActivationStore` keeps what a source yields in a
 float16 memory-mapped file, so training can make several passes over more tokens than fit in memory.
 """
 
@@ -66,11 +67,18 @@ def replay(model, adapter, site: Site, sequences: list[list[int]], *, pad_id: in
 
         def grab(tensor, b=ids.shape[0], t=ids.shape[1]):
             seen.append(as_positions(tensor, b, t).detach())
-            return None
+            raise _Enough  # the layers above the site are not needed
 
-        with at_site(adapter, site, grab):
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
+        try:
+            with at_site(adapter, site, grab):
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+        except _Enough:
+            pass
         yield seen[0][kept_positions(mask)].float().cpu()
+
+
+class _Enough(Exception):
+    """Raised at the site to end a forward whose later layers nothing reads."""
 
 
 class ActivationStore:

@@ -6,7 +6,8 @@ BatchTopK), sized for a CPU:
   as SAELens folds its `expected_average_only_in` factor, so the saved SAE reads raw activations);
 - b_dec starts at the mean input, decoder rows are random unit vectors, W_enc starts as W_decᵀ;
 - loss: squared reconstruction error over the total variance (so 1 − explained variance of the batch),
-  plus 1/32 × the auxiliary loss of the top-k_aux dead latents (not active for `dead_after` tokens)
+  plus 1/32 × the auxiliary loss of the top-k_aux dead latents (not active for `dead_after` tokens,
+  100,000 or half the training tokens if fewer)
   reconstructing the remaining error (k_aux = d_in / 2), which keeps latents alive;
 - Adam; decoder rows renormalised to unit norm after every step;
 - data in blocks of 4,096 rows, the blocks in a new random order every epoch and shuffled inside.
@@ -39,7 +40,8 @@ class TrainSettings:
     lr: float = 1e-3
     seed: int = 0
     aux_coefficient: float = 1 / 32
-    dead_after: int = 100_000  # tokens without activity after which a latent counts as dead in training
+    dead_after: int = 100_000  # tokens without activity after which a latent counts as dead in training (at most
+                               # half the training tokens, so a small data set still revives its dead latents)
 
 
 def _order(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -84,6 +86,7 @@ def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *
     opt = torch.optim.Adam(params.values(), lr=settings.lr)
     since_fired = torch.zeros(settings.d_sae, dtype=torch.long)
     k_aux = d // 2
+    dead_after = min(settings.dead_after, max(n // 2, settings.batch))
     threshold = None
     steps, seen, t0 = 0, 0, time.time()
     total_steps = settings.epochs * math.ceil(n / settings.batch)
@@ -103,7 +106,7 @@ def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *
             error = x - recon
             mse = (error ** 2).sum(-1).mean() / variance
             loss = mse
-            dead = since_fired > settings.dead_after
+            dead = since_fired > dead_after
             n_dead = int(dead.sum())
             if n_dead:
                 aux_pre = torch.where(dead, pre, torch.tensor(-math.inf))
