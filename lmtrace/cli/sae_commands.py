@@ -8,7 +8,7 @@ import typer
 
 from .app import _fail, _Reporter, _run_dir, app
 
-sae_app = typer.Typer(no_args_is_help=True, help="Sparse autoencoders: train one on a run's activations.",
+sae_app = typer.Typer(no_args_is_help=True, help="Sparse autoencoders: train one on a run's activations (sae train), read and check one (sae show).",
                       context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(sae_app, name="sae")
 
@@ -53,12 +53,13 @@ def train(
 @sae_app.command("show")
 def show(
     path: str = typer.Argument(..., metavar="DIR", help="An SAE directory (cfg.json + sae_weights.safetensors)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing: the exit code says whether it reads."),
     json_out: bool = typer.Option(False, "--json", help="Print it as JSON on stdout."),
 ):
     """Read and check an SAE directory (SAELens format); print its configuration, site and training card."""
     from ..commands.sae import sae_show_command
 
     try:
-        sae_show_command(path, json_out=json_out)
+        sae_show_command(path, json_out=json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         _fail(err)

@@ -195,7 +195,7 @@ def _print(card: dict) -> None:
 
 
 
-def sae_show_command(path: str, *, json_out: bool = False) -> dict:
+def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) -> dict:
     """`lmtrace sae show DIR`: an SAE directory read and checked as every command reads it; its
     configuration, its site, and the held-out metrics of its training card when it has one."""
     from ..features.format import read_sae
@@ -212,6 +212,7 @@ def sae_show_command(path: str, *, json_out: bool = False) -> dict:
             "model_name": cfg.model_name, "training_card": card}
     if json_out:
         print(json_line(info))
+    if json_out or quiet:
         return info
     k = f", k {cfg.k}" if cfg.k is not None else ""
     print(f"{path}: {cfg.architecture} SAE, d_in {cfg.d_in}, {cfg.d_sae} latents{k}, at {cfg.hook_name} "

@@ -61,7 +61,7 @@ def _batch_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     flat = acts.flatten()
     top = flat.topk(min(k * len(pre), flat.numel()))
     kept = torch.zeros_like(flat).scatter_(0, top.indices, top.values).view_as(acts)
-    positive = top.values[top.values > 0]
+    positive = top.values.detach()[top.values.detach() > 0]
     return kept, float(positive.min()) if len(positive) else 0.0
 
 
