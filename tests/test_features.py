@@ -385,6 +385,9 @@ def test_sae_train_reads_the_archived_residual_vectors_when_the_run_has_them(tra
     ev = 1 - ((x - recon) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
     assert card["heldout"]["explained_variance"] == pytest.approx(ev, abs=1e-4)
     assert card["heldout"]["mean_l0"] == pytest.approx((acts > 0).sum(-1).mean(), abs=1e-6)
+    sae = read_sae(out)  # and lmtrace reads what it wrote: a BatchTopK SAE as a JumpReLU one
+    assert sae.cfg.architecture == "jumprelu" and sae.cfg.hook_name == "blocks.2.hook_resid_post"
+    np.testing.assert_allclose(sae.reconstruct(torch.from_numpy(x).float()).numpy(), recon, rtol=1e-4, atol=1e-4)
 
 
 def test_sae_train_bad_input_gets_one_line_and_exit_2(train_run, tmp_path):
