@@ -18,6 +18,7 @@ LAYERS = [
     ["exits"],
     ["output"],
     ["spec"],
+    ["features"],
     ["capture"],
     ["archive"],
     ["runner"],
