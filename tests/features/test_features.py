@@ -18,7 +18,7 @@ from lmtrace.exits.errors import SpecError
 from lmtrace.features import parse_hook_name, read_sae, write_sae
 from lmtrace.features.sites import Site, at_site
 
-from conftest import PROMPTS, run_spec
+from tests.helpers.runs import PROMPTS, run_spec
 
 
 # --- SAELens's formula, independently ----------------------------------------------------------
