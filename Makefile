@@ -54,7 +54,7 @@ bench-scale: venv
 
 # Regenerates docs/architectures.md from the architecture tests.
 support-table: venv
-	LMTRACE_WRITE_SUPPORT_TABLE=1 $(BIN)/python -m pytest -q tests/test_architectures.py
+	LMTRACE_WRITE_SUPPORT_TABLE=1 $(BIN)/python -m pytest -q tests/capture/test_architectures.py
 
 # Converted (dequantised) model weights live here; deleting them only costs one ~15 s conversion.
 clean-cache:

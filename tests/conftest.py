@@ -1,7 +1,6 @@
-"""Shared fixtures: running specs in-process, tiny random models, and independent references.
-
-References are the model's *own* full forward on the final sequence with eager attention,
-`output_attentions=True` and `output_hidden_states=True`, never lmtrace's code.
+"""Shared fixtures, for every directory under tests/: tiny random models and the runs made once per
+session. Plain helpers (in-process runs, the reference forward, the CLI as a subprocess, ...) are in
+tests/helpers/; a test module imports from there, never from another test module or from here.
 """
 
 from __future__ import annotations
@@ -16,49 +15,7 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=UserWarning, module="zarr")
 
-from lmtrace.archive.reader import Run  # noqa: E402
-from lmtrace.runner.generation import run_generate  # noqa: E402
-from lmtrace.spec.run_spec import build_spec  # noqa: E402
-
-PROMPTS = ["The quick brown fox", "Paris is the capital of", "One, two, three, four, five, six, seven,"]
-
-
-def run_spec(tmp_path: Path, data: dict) -> Run:
-    data = dict(data)
-    data.setdefault("output", {})
-    data["output"] = {"runs_dir": str(tmp_path / "runs"), **data["output"]}
-    spec = build_spec(data, "test-spec")
-    import yaml
-
-    result = run_generate(spec, yaml.safe_dump(data))
-    return Run(result.run_dir)
-
-
-def rerecord_checksums(path: Path) -> None:
-    """After a test has edited a complete run's files on purpose (a hand-made archive, not a damaged
-    one): record their checksums again, as the writer does at completion."""
-    import json
-
-    from lmtrace.archive.integrity import record
-
-    manifest = json.loads((Path(path) / "manifest.json").read_text())
-    manifest["checksums"] = record(Path(path))
-    (Path(path) / "manifest.json").write_text(json.dumps(manifest))
-
-
-def with_lens(run: Run) -> Run:
-    """The run after `lmtrace lens` (the deferred logit lens, the default), reopened.
-
-    Checks it really was deferred and pending, so a test that reads lens arrays through this
-    helper exercises lmtrace/deferred_lens.py, not the inline lens."""
-    from lmtrace.archive.reader import lens_state
-    from lmtrace.commands.lens import compute_lens
-
-    assert run.manifest["lens"]["when"] == "deferred" and lens_state(run.manifest) == "pending", run.manifest["lens"]
-    assert compute_lens(run)["computed"] is True
-    run = Run(run.path)
-    assert lens_state(run.manifest) == "ready" and run.manifest["lens"]["computed"]["by"] == "lmtrace lens"
-    return run
+from tests.helpers.runs import PROMPTS, run_spec  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -81,40 +38,22 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return path
 
 
-class Reference:
-    """The model's own full forward on a final sequence (eager attention, float32)."""
+@pytest.fixture(scope="module")
+def sharp_llama_dir(tmp_path_factory, tiny_llama_dir):
+    """tiny_llama_dir with larger random weights: peaked distributions, so that ablating one head moves
+    probabilities and KL far beyond the tolerance (with the default init every effect is below 1e-4)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def __init__(self, model_ref: str, dtype: str = "float32"):
-        from lmtrace.runner.models import load_model
-        from lmtrace.spec.run_spec import ModelSpec
-
-        self.loaded = load_model(ModelSpec(ref=model_ref, attn_implementation="eager", dtype=dtype))
-        self.model = self.loaded.model
-
-    @torch.inference_mode()
-    def forward(self, ids: list[int]):
-        model = self.model
-        last = {}
-        layers = model.model.layers
-        h1 = layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0]))
-        down = {}
-        hooks = [layers[i].mlp.down_proj.register_forward_pre_hook(
-            (lambda i: lambda m, a: down.__setitem__(i, a[0][0]))(i)) for i in range(len(layers))]
-        try:
-            out = model(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
-        finally:
-            h1.remove()
-            for h in hooks:
-                h.remove()
-        # resid after layer l: hidden_states[l + 1], except the last one, which is returned normed
-        resid = [hs[0].float() for hs in out.hidden_states[1:-1]] + [last["resid"].float()]
-        return {
-            "logits": out.logits[0].float(),
-            "attn": [a[0].float() for a in out.attentions],  # [H, T, T]
-            "resid": resid,  # per layer [T, d]
-            "embed": out.hidden_states[0][0].float(),
-            "ffn_act": [down[i].float() for i in range(len(layers))],  # [T, d_ffn]
-        }
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3 if "embed" not in name else 1.0)
+    path = tmp_path_factory.mktemp("sharp-llama")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from ..archive.attention import topk_dense
 from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, SequenceGroups, group_order
 from ..archive.reader import Run
 from ..archive.sweeps import read_sweep
@@ -143,15 +144,37 @@ def _check_run(run: Run) -> None:
 
 
 def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
-    """[s1 - s0, L, H, K] attention rows of steps s0..s1-1 of a sequence; with `attention.top_k` the
-    kept weights are scattered into rows of zeros."""
+    """[s1 - s0, L, H, K] float32 attention rows of steps s0..s1-1 of a sequence; with `attention.top_k`
+    as `archive.attention.topk_dense` (a NaN weight counts as 0 in `row_scores`, as in `attn`)."""
     if "attn" in run.array_names():
         return np.asarray(run.array("attn")[seq, s0:s1, :, :, :K], dtype=np.float32)
     idx = np.asarray(run.array("attn_topk_idx")[seq, s0:s1])
     prob = np.asarray(run.array("attn_topk_prob")[seq, s0:s1], dtype=np.float32)
-    out = np.zeros((*idx.shape[:-1], K + 1), dtype=np.float32)
-    np.put_along_axis(out, np.where(idx >= 0, np.minimum(idx, K), K), np.where(idx >= 0, np.nan_to_num(prob), 0.0), -1)
-    return out[..., :K]
+    return topk_dense(idx, prob, K)
+
+
+def _sequence_scores(run: Run, seq: int, n: int, P: int, tokens: np.ndarray, prefill: bool,
+                     block: int) -> tuple[_Acc, int]:
+    """The summed scores of one sequence's rows (its prompt's with `prefill`, then its first n steps', `block`
+    steps of every layer at a time: bounded memory) and how many rows there were."""
+    acc = _Acc.new(len(run.layers), int(run.shape["n_heads"]))
+    n_rows = 0
+    if prefill:
+        q = np.arange(1, P - 1)
+        if len(q):
+            rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
+            acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens))
+            n_rows += len(q)
+    for s0 in range(0, n, block):
+        s1 = min(n, s0 + block)
+        q = P + np.arange(s0, s1) - 1
+        K = int(q.max()) + 1
+        rows = _dense_rows(run, seq, s0, s1, K)
+        keep = q >= 1
+        if keep.any():
+            acc.add(row_scores(rows[keep], q[keep], tokens))
+            n_rows += int(keep.sum())
+    return acc, n_rows
 
 
 def _tokens_by_position(run: Run) -> dict[int, np.ndarray]:
@@ -174,8 +197,8 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     one table (`group_schema`), groups in the column's order, null last."""
     _check_run(run)
     notes = []
-    committed = run.committed_steps() if run.status != "complete" else None
     gen_len = run.generated_len()
+    ready = run.ready_steps(gen_len)
     prompt_len = run.prompt_len()
     layers = list(run.layers)
     L, H = len(layers), int(run.shape["n_heads"])
@@ -190,27 +213,10 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     dla_sum, dla_n = np.zeros((L, H)), np.zeros((L, H))
     n_rows = 0
     for seq in range(len(gen_len)):
-        n = committed.get(seq, 0) if committed is not None else int(max(gen_len[seq], 0))
+        n = ready.get(seq, 0)
         if n <= 0 or seq not in tokens:
             continue
-        P = int(prompt_len[seq])
-        acc = _Acc.new(L, H)
-        seq_rows = 0
-        if prefill:
-            q = np.arange(1, P - 1)
-            if len(q):
-                rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
-                acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens[seq]))
-                seq_rows += len(q)
-        for s0 in range(0, n, block):  # bounded memory: `block` steps of every layer at a time
-            s1 = min(n, s0 + block)
-            q = P + np.arange(s0, s1) - 1
-            K = int(q.max()) + 1
-            rows = _dense_rows(run, seq, s0, s1, K)
-            keep = q >= 1
-            if keep.any():
-                acc.add(row_scores(rows[keep], q[keep], tokens[seq]))
-                seq_rows += int(keep.sum())
+        acc, seq_rows = _sequence_scores(run, seq, n, int(prompt_len[seq]), tokens[seq], prefill, block)
         seq_dla = None
         if dla is not None:
             d = np.asarray(dla[seq, :n], dtype=np.float64)  # [n, L, H]
@@ -230,9 +236,9 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
             pooled[key] = (group, n_seqs + 1)
     if n_rows == 0:
         raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
-    if committed is not None:
+    if run.status != "complete":
         notes.append(f"run {run.id} is {run.status}: computed on its committed steps "
-                     f"({sum(committed.values())} of up to {len(gen_len) * run.shape['n_steps']})")
+                     f"({sum(ready.values())} of up to {len(gen_len) * run.shape['n_steps']})")
     if "attn" not in run.array_names():
         notes.append(f"run {run.id} kept the top {run.shape.get('k_attn')} weights per row "
                      f"(capture.attention.top_k): scores count only those, entropy is of the kept weights")

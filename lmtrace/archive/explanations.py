@@ -244,3 +244,14 @@ def read_explanations(run: Run | str | Path, *, sequence: int | None = None, ste
         raise ArchiveError(f"{path} has no explanations yet; run `lmtrace explain`")
     filters = [(k, "==", v) for k, v in (("sequence", sequence), ("step", step)) if v is not None] or None
     return pa.concat_tables([parquet_io.read_table(f, filters=filters).cast(scores_schema()) for f in files])
+
+
+def read_component(run: Run, entry: dict, name: str, step: int | None = None) -> np.ndarray:
+    """One component array of a manifest `explain` entry that archived some (lrp: `entry["components"]`,
+    name -> its path in the run), as float32: [step, layer(, head)] over the entry's `steps`, or with
+    `step` (one of them) that step's [layer(, head)]. `lmtrace serve` and the report both read them here."""
+    import zarr
+
+    array = zarr.open_array(str(run.path / entry["components"][name]), mode="r")
+    values = array[...] if step is None else array[entry["steps"].index(step)]
+    return np.asarray(values, dtype=np.float32)

@@ -56,6 +56,9 @@ TABLES = ("tokens", "steps", "sequences")
 # The tokenizer's vocabulary, so that ids (alt_ids, lens_ids, lens_top1, effects' *_top1...) read
 # as text without the model: one row per id 0 .. len(tokenizer) - 1, written once per run
 VOCAB = "vocab.parquet"
+# An intervention child's effects (`lmtrace intervene`): one row per sequence and child step, written
+# when the child completes; archive/effects.py reads it
+EFFECTS = "effects.parquet"
 
 
 def table_file(name: str) -> str:

@@ -105,10 +105,11 @@ class Run:
 
         return merged_progress(self.path)
 
-    def committed_steps(self) -> dict[int, int]:
-        """sequence -> steps readable: generated_len when its batch is done, else the batch's committed steps."""
+    def committed_steps(self, generated_len: np.ndarray | None = None) -> dict[int, int]:
+        """sequence -> steps readable: generated_len when its batch is done, else the batch's committed steps
+        (from the run's progress records; `generated_len`: the array, when the caller has read it)."""
         out: dict[int, int] = {}
-        lengths = self.generated_len()
+        lengths = self.generated_len() if generated_len is None else generated_len
         batch_of, from_step = self.batch_plan()
         batches = self.progress["batches"]
         for seq in range(len(lengths)):
@@ -119,6 +120,30 @@ class Run:
             else:
                 out[seq] = max(int(entry["committed_steps"]) if entry else 0, from_step.get(batch, 0))
         return out
+
+    def steps_ready(self, seq: int, generated_len: np.ndarray | None = None) -> int:
+        """Steps of `seq` whose arrays are committed: every generated one of a complete run (its
+        generated_len), else `committed_steps`. The one count every reader of a run uses
+        (`ready_steps`: all sequences); `generated_len`: the array, when the caller holds it."""
+        lengths = self.generated_len() if generated_len is None else generated_len
+        if self.status == "complete":
+            return int(lengths[seq])
+        return self.committed_steps(lengths).get(seq, 0)
+
+    def ready_steps(self, generated_len: np.ndarray | None = None) -> dict[int, int]:
+        """sequence -> `steps_ready`, for every sequence. A run that wrote no tensors (`capture: none`)
+        counts its generated rows of the tokens table instead (a complete run: every sequence)."""
+        if not (self.path / layout.TENSORS).exists():
+            t = self.table("tokens", columns=["sequence", "is_prompt"])
+            n = self.shape.get("n_sequences") or 0
+            counts: dict[int, int] = {s: 0 for s in range(n)} if self.status == "complete" else {}
+            for s, is_prompt in zip(t.column("sequence").to_pylist(), t.column("is_prompt").to_pylist()):
+                counts[s] = counts.get(s, 0) + (not is_prompt)
+            return counts
+        lengths = self.generated_len() if generated_len is None else generated_len
+        if self.status == "complete":
+            return {seq: int(n) for seq, n in enumerate(lengths)}
+        return self.committed_steps(lengths)
 
     def batch_plan(self) -> tuple[dict[int, int], dict[int, int]]:
         from .batch_plan import batch_plan

@@ -38,6 +38,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from ..exits.errors import SpecError, UnsupportedArchitectureError
+from ..spec.steps import parse_range_list  # noqa: F401  (also imported from here by sweeps)
 from .taps import tap
 
 
@@ -161,27 +162,6 @@ def parse_entries(data, source: str) -> list[_Entry]:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise SpecError(f"{source}: interventions.{loc}: {first['msg']} (kinds: {', '.join(KINDS)})") from None
-
-
-def parse_range_list(text: str, what: str) -> list[int]:
-    """'3-9' or '3,5,7-8' -> [3, 4, ..., 9] (inclusive ranges)."""
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                a, b = part.split("-", 1)
-                a, b = int(a), int(b)
-                if b < a:
-                    raise SpecError(f"{what}: range {part} is empty (it ends before it starts); write {b}-{a}")
-                out.extend(range(a, b + 1))
-            elif part:
-                out.append(int(part))
-    except ValueError:
-        raise SpecError(f"{what}: {text!r} is not a list of integers or ranges like 3-9") from None
-    if not out:
-        raise SpecError(f"{what}: {text!r} names no position; give integers or ranges like 3-9")
-    return out
 
 
 def _split_mode(item, flag: str, example: str) -> tuple[str, str]:

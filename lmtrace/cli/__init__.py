@@ -5,5 +5,6 @@ report, serve); `intervene` and `sweep` hold those two commands' glue (reading e
 printing their summaries)."""
 
 from .main import app, run
+from . import sae_commands  # noqa: E402,F401,I001  (`lmtrace sae ...`)
 
 __all__ = ["app", "run"]

@@ -87,6 +87,22 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
     """The terminal summary of a `Comparison` (lmtrace.analysis.compare): verdict, pairs, texts, the layers and heads that changed most."""
     if console is None:
         console = Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
+    _print_runs_and_verdict(cmp, console)
+    if not cmp.pairs:
+        return
+    _print_pairs(cmp, console, top)
+    _print_texts(cmp, console, top)
+    exact = _print_steps(cmp, console, top)
+    _print_layers_and_heads(cmp, console, top)
+    _print_after_divergence(cmp, console)
+    console.print(Text("KL/JS: nats, over the tokens stored on both sides + one tail bucket (a lower bound of the "
+                       "full-vocabulary value" + ("; exact columns: full vocabulary, from the models" if exact else
+                                                  "; --exact computes it from the models") +
+                       "); deltas are B − A; see docs/compare.md", style="dim"))
+
+
+def _print_runs_and_verdict(cmp, console: Console) -> None:
+    """Both runs, how their specs differ, the tokenizer, the pairing and the verdict with its notes."""
     console.print(Text(_cmp_run_line("A", cmp.a)))
     console.print(Text(_cmp_run_line("B", cmp.b)))
     if cmp.spec_differences:
@@ -101,9 +117,10 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
     console.print(Text(cmp.verdict, style="bold green" if cmp.identical else "bold yellow"))
     for note in cmp.notes:
         console.print(Text(f"note: {note}", style="dim"))
-    if not cmp.pairs:
-        return
 
+
+def _print_pairs(cmp, console: Console, top: int) -> None:
+    """The table of sequence pairs (at least 10 shown)."""
     rows = []
     for p in cmp.pairs[: max(top, 10)]:
         f = p["paired_figures"] or {}
@@ -119,6 +136,9 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
     if len(cmp.pairs) > max(top, 10):
         console.print(Text(f"… {len(cmp.pairs) - max(top, 10)} more pair(s) in --json / --out", style="dim"))
 
+
+def _print_texts(cmp, console: Console, top: int) -> None:
+    """The first pairs that diverge (or whose prompts differ), their texts side by side."""
     shown = [p for p in cmp.pairs if p["first_divergence"] is not None or not p["same_prompt_ids"]][:min(top, 3)]
     for p in shown:
         d = p["first_divergence"]
@@ -137,6 +157,9 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
                                f"{_cmp_num(ld['under_a'])}, under B {_cmp_num(ld['under_b'])} nats "
                                f"(– = a token outside that run's stored top-k)", style="dim"))
 
+
+def _print_steps(cmp, console: Console, top: int) -> bool:
+    """The steps whose distribution changed most; returns whether exact (--exact) figures are there."""
     steps = _cmp_top_steps(cmp, top)
     exact = any(r.get("exact_js") is not None for r in steps)
     if steps:
@@ -153,7 +176,11 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
                       drop_first=("top-1", "Δ margin", "Δ entropy", "KL(A‖B) ≥", "max |Δ logit|", "exact KL(A‖B)"),
                       keep=("pair", "step", "chosen (A / B)", "exact JS" if exact else "JS ≥"),
                       left=("chosen (A / B)",), wrap=("chosen (A / B)",))
+    return exact
 
+
+def _print_layers_and_heads(cmp, console: Console, top: int) -> None:
+    """The layers and the heads that changed most."""
     layers = [r for r in cmp.layers if r["changed"]][:top]
     if layers:
         rows = [[str(r["layer"]), _cmp_num(r["delta_norm_rel_change"]), _cmp_num(r["resid_norm_rel_change"]),
@@ -172,6 +199,10 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
         rows = [[f"{r['layer']}.{r['q_head']}", _cmp_num(r["attn_js_mean"]), _cmp_num(r["attn_js_max"])] for r in heads]
         _print_fitted(console, f"heads that changed most (of {len(cmp.heads)}; attention-row JS, nats)",
                       ["layer.head", "mean JS", "max JS"], rows, left=("layer.head",))
+
+
+def _print_after_divergence(cmp, console: Console) -> None:
+    """Each side's mean logprob and entropy after the divergence (not paired)."""
     after = [p["after_divergence"] for p in cmp.pairs if p["after_divergence"] and
              (p["after_divergence"]["steps_a"] or p["after_divergence"]["steps_b"])]
     if after:
@@ -183,10 +214,6 @@ def render_comparison(cmp, console: Console | None = None, top: int = 5) -> None
             f"after divergence (per side, NOT paired: each side saw its own text): mean logprob A {_cmp_num(avg('mean_logprob_a'))} "
             f"/ B {_cmp_num(avg('mean_logprob_b'))}, mean entropy A {_cmp_num(avg('mean_entropy_a'))} "
             f"/ B {_cmp_num(avg('mean_entropy_b'))} nats", style="dim"))
-    console.print(Text("KL/JS: nats, over the tokens stored on both sides + one tail bucket (a lower bound of the "
-                       "full-vocabulary value" + ("; exact columns: full vocabulary, from the models" if exact else
-                                                  "; --exact computes it from the models") +
-                       "); deltas are B − A; see docs/compare.md", style="dim"))
 
 
 def comparison_markdown(cmp, top: int = 10) -> str:

@@ -36,6 +36,7 @@ from ..archive import parquet_io
 from ..archive.reader import Run, Vocabulary, open_run
 from ..exits.errors import LmtraceError, SpecError
 from ..archive.files import atomic_write_parquet
+from ..archive.layout import EFFECTS
 from ..runner.generation import GenerateResult, Progress, Replay, run_generate
 from ..runner.parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
@@ -43,7 +44,6 @@ from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExp
                                      patch_source, routing_rule, validate_against)
 from ..spec.run_spec import build_spec
 
-EFFECTS = "effects.parquet"
 # A finished batch's effects rows, until the child completes (a resumed child skips finished batches)
 EFFECTS_PARTS = "effects.parts"
 TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column

@@ -14,11 +14,13 @@ from pathlib import Path
 
 from ..exits.errors import SpecError
 from .analysis_sections import dla_section, heads_section, sweeps_section
+from .attention_sections import attention_section
 from .blobs import Blobs
+from .explain_sections import explain_section
 from .page import render_page
 from .run_data import RunData
-from .sections import (Section, attention_section, banner, explain_section, intervention_section, lens_section,
-                       layers_section, manifest_section, router_section, text_section)
+from .sections import (Section, banner, intervention_section, lens_section, layers_section, manifest_section,
+                       router_section, text_section)
 from .selection import select
 from .token_view import token_view_section
 

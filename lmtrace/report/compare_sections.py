@@ -8,7 +8,7 @@ import numpy as np
 from . import figures as F
 from .blobs import Blobs
 from .run_data import display
-from .sections import Section, _fmt, esc
+from .sections import Section, esc, fmt
 
 
 def _nan(values) -> np.ndarray:
@@ -51,7 +51,7 @@ def pairs_section(cmp, blobs: Blobs) -> Section:
         ld = p.get("step0_logit_diff")
         if ld is not None:
             sec.html += (f"<p>step-0 logit difference, A's {esc(repr(ld['text_a']))} − B's {esc(repr(ld['text_b']))}: "
-                         f"under A {esc(_fmt(ld['under_a']))}, under B {esc(_fmt(ld['under_b']))} nats "
+                         f"under A {esc(fmt(ld['under_a']))}, under B {esc(fmt(ld['under_b']))} nats "
                          f"(– where a run did not store one of the tokens; docs/compare.md)</p>")
         # paired steps only (identical contexts: up to and including the first divergence); after it each side
         # saw its own text and a difference would compare two contexts
@@ -91,7 +91,7 @@ def layers_section(cmp, blobs: Blobs) -> Section:
                                  ("resid_norm_rel_change", "Δ residual norm (relative)"),
                                  ("attn_js_mean", "attention JS, mean over heads and steps"))]
     sec.figures.append(F.lines("cmp-layers", f"per-layer change over paired steps (changes start at layer "
-                               f"{_fmt(cmp.first_changed_layer)})", series, xtitle="layer", ytitle="change"))
+                               f"{fmt(cmp.first_changed_layer)})", series, xtitle="layer", ytitle="change"))
     if cmp.heads:
         layers = sorted({r["layer"] for r in cmp.heads})
         n_heads = max(r["q_head"] for r in cmp.heads) + 1

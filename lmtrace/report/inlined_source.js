@@ -1,4 +1,4 @@
-// The report's data source for lmtrace's token view (lmtrace/serve/static/tokenview.js, inlined in this
+// The report's data source for lmtrace's token view (lmtrace/viewdata/static/tokenview.js, inlined in this
 // page): the answers of `lmtrace serve`'s routes that the report embedded, by path; one head's row
 // over the keys at a step is read from that head's embedded pattern over the steps. Anything else
 // was not embedded, and the view says so in one line.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 
+from ..viewdata.page_code import token_view_css, token_view_js
 from .blobs import Blobs
 from .sections import Section, esc
 
@@ -141,12 +142,10 @@ def plotly_js() -> str:
 
 
 def token_view_code() -> tuple[str, str]:
-    """(style, script) of the token view: `lmtrace serve`'s own tokenview.css / tokenview.js, and the
-    report's data source that reads the answers the page inlined (inlined_source.js)."""
-    serve = resources.files("lmtrace.serve").joinpath("static")
-    css = serve.joinpath("tokenview.css").read_text(encoding="utf-8") + TOKEN_VIEW_CSS
-    js = (serve.joinpath("tokenview.js").read_text(encoding="utf-8") + "\n"
-          + resources.files("lmtrace.report").joinpath("inlined_source.js").read_text(encoding="utf-8"))
+    """(style, script) of the token view: `lmtrace serve`'s own tokenview.css / tokenview.js (read through
+    viewdata/page_code.py, the colour scale written in), and the report's data source that reads the answers the page inlined (inlined_source.js)."""
+    css = token_view_css() + TOKEN_VIEW_CSS
+    js = token_view_js() + "\n" + resources.files("lmtrace.report").joinpath("inlined_source.js").read_text(encoding="utf-8")
     return css, js
 
 

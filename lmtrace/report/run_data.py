@@ -80,18 +80,8 @@ class RunData:
 
     @cached_property
     def committed(self) -> dict[int, int]:
-        if self.run.status == "complete":
-            lengths = {r["sequence"]: int(r["generated_len"]) for r in self.sequences}
-            if lengths:
-                return lengths
-        try:
-            return self.run.committed_steps()
-        except Exception:  # noqa: BLE001 - no tensors: fall back to the token table
-            counts: dict[int, int] = {}
-            t = self.run.table("tokens", columns=["sequence", "is_prompt"])
-            for s, is_prompt in zip(t.column("sequence").to_pylist(), t.column("is_prompt").to_pylist()):
-                counts[s] = counts.get(s, 0) + (not is_prompt)
-            return counts
+        """sequence -> readable steps (`Run.ready_steps`)."""
+        return self.run.ready_steps()
 
     # The page shows a few sequences: their rows are read, not the whole table (on a 10,000-sequence
     # run the steps table alone is 4.8 million rows).

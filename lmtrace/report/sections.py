@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import html
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import yaml
 
-from ..analysis.attention_heads import mean_max_over_heads
-from ..archive import parquet_io
-from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
+from ..archive.effects import has_effects, read_effects
+from ..archive.layout import EFFECTS
 from ..output.prob_colours import page_colour
 from . import figures as F
 from .blobs import Blobs
@@ -37,7 +35,7 @@ def esc(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _fmt(x, digits: int = 3) -> str:
+def fmt(x, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
     if isinstance(x, float):
@@ -45,16 +43,16 @@ def _fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
-def _key_labels(texts: list[str]) -> list[str]:
+def key_labels(texts: list[str]) -> list[str]:
     """Unique axis labels for key positions: 'position:token'."""
     return [f"{p}:{display(t)}" for p, t in enumerate(texts)]
 
 
-def _step_labels(steps: list[int], gen_texts: list[str]) -> list[str]:
+def step_labels(steps: list[int], gen_texts: list[str]) -> list[str]:
     return [f"s{s}:{display(gen_texts[s]) if s < len(gen_texts) else ''}" for s in steps]
 
 
-def _shown(data: RunData, sel: Selection):
+def shown_sequences(data: RunData, sel: Selection):
     """(sequence, steps shown, its tokens) for each selected sequence with readable steps."""
     for seq in sel.sequences:
         if sel.steps[seq]:
@@ -111,13 +109,13 @@ def _rank_1(rank):
 def _token_info(data: RunData, g: dict, s: int, alt_texts: list[str]) -> str:
     lp = g["logprob"][s]
     lines = [f"{display(g['token_text'][s])!r}  step {s}  (id {g['token_id'][s]})",
-             f"p = {_fmt(g['prob'][s], 4)}   logprob = {_fmt(lp, 4)}   rank {_fmt(_rank_1(g['token_rank'][s]))} (1 = top-1)",
-             f"top-1 − top-2 margin {_fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
-             f"entropy {_fmt(g['entropy'][s])} nats"]
+             f"p = {fmt(g['prob'][s], 4)}   logprob = {fmt(lp, 4)}   rank {fmt(_rank_1(g['token_rank'][s]))} (1 = top-1)",
+             f"top-1 − top-2 margin {fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
+             f"entropy {fmt(g['entropy'][s])} nats"]
     sp = g.get("sampling_prob", [None] * (s + 1))[s]
     if sp is not None and sp != 1.0:
-        lines.append(f"sampled with p = {_fmt(sp, 4)} (after temperature/top-k/top-p), "
-                     f"{_fmt(g['eligible'][s])} eligible tokens")
+        lines.append(f"sampled with p = {fmt(sp, 4)} (after temperature/top-k/top-p), "
+                     f"{fmt(g['eligible'][s])} eligible tokens")
     fc = g.get("filter_changed", [None] * (s + 1))[s]
     if fc is not None:
         lines.append("top-k/top-p changed the choice: " + ("yes" if fc else "no"))
@@ -164,107 +162,6 @@ def text_section(data: RunData, sel: Selection) -> Section:
     return sec
 
 
-# ---- attention -------------------------------------------------------------------------------
-def _dense_rows(data: RunData, seq: int, steps: list[int], n_keys: int):
-    """Yield (step, rows [layer, head, key<n_keys]) as float arrays; top-k captures scattered, 0 elsewhere."""
-    if "attn" in data.arrays:
-        for s, rows in data.read_steps("attn", seq, steps, (slice(None), slice(None), slice(0, n_keys))):
-            yield s, rows
-        return
-    idx_iter = data.read_steps("attn_topk_idx", seq, steps)
-    prob_iter = data.read_steps("attn_topk_prob", seq, steps)
-    for (s, idx), (_, prob) in zip(idx_iter, prob_iter):
-        dense = np.zeros(idx.shape[:2] + (n_keys,), dtype=prob.dtype)
-        li, hi, ki = np.nonzero((idx >= 0) & (idx < n_keys))
-        dense[li, hi, idx[li, hi, ki]] = prob[li, hi, ki]
-        yield s, dense
-
-
-def _blob_dtype(arr: np.ndarray) -> str:
-    return "float16" if arr.dtype == np.float16 else "float32"
-
-
-def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
-    sec = Section("attention", "Attention")
-    if not ({"attn", "attn_topk_idx"} & data.arrays):
-        sec.notes.append("attention rows were not captured: set `capture.attention: true` in the spec")
-        return sec
-    if "attn" not in data.arrays:
-        sec.notes.append("the run stored each head's top-k attention weights (`attention.top_k`): other keys show as 0")
-    layers = data.layers
-    H = data.n_heads
-    head_labels = [f"L{layer}.H{h}" for layer in layers for h in range(H)]
-    blobs.add_texts("attn_head_labels", head_labels)
-    blobs.add_texts("attn_layer_labels", [f"L{layer}" for layer in layers])
-    for seq, steps, tok in _shown(data, sel):
-        P = data.prompt_len(seq)
-        a = sel.attention_step[seq]
-        n_keys = P + a
-        keys = blobs.add_texts(f"attn_keys_{seq}_{a}", _key_labels(tok.context_texts(n_keys)))
-        (_, rows), = list(_dense_rows(data, seq, [a], n_keys))
-        grid = rows.reshape(len(layers) * H, n_keys)
-        dt = _blob_dtype(rows)
-        z = blobs.add(f"attn_grid_{seq}", grid, dt)
-        mean_rows, max_rows = mean_max_over_heads(rows)
-        mean = blobs.add(f"attn_grid_mean_{seq}", mean_rows, "float32")
-        mx = blobs.add(f"attn_grid_max_{seq}", max_rows, dt)
-        ylabels, layer_labels = {"$blob": "attn_head_labels"}, {"$blob": "attn_layer_labels"}
-        chosen = display(tok.gen["token_text"][a]) if a < tok.n_steps else ""
-        sec.figures.append(F.heatmap(
-            f"attn-grid-{seq}", f"sequence {seq}, step {a} (chose {chosen!r}): every layer and head over the context",
-            z, keys, ylabels, n_rows=len(head_labels), row_px=6, ytitle="layer.head",
-            variants=[{"label": "every head", "z": z, "y": ylabels, "height": F.height_for(len(head_labels), 6)},
-                      {"label": "mean over heads", "z": mean, "y": layer_labels, "height": F.height_for(len(layers))},
-                      {"label": "max over heads", "z": mx, "y": layer_labels, "height": F.height_for(len(layers))}],
-            zlabel="weight"))
-        # steps x keys for the selected layers: one blob per (layer, head | mean | max)
-        steps = sel.heatmap_steps[seq]
-        k_max = P + steps[-1]
-        key_labels = blobs.add_texts(f"attn_keys_{seq}", _key_labels(tok.context_texts(k_max)))
-        step_labels = blobs.add_texts(f"attn_steps_{seq}", _step_labels(steps, tok.gen["token_text"]))
-        per_layer = {layer: np.full((len(steps), H, k_max), np.nan, dtype=np.float32) for layer in sel.layers}
-        for i, (s, r) in enumerate(_dense_rows(data, seq, steps, k_max)):
-            for layer in sel.layers:
-                per_layer[layer][i, :, :P + s] = r[data.run.layer_index(layer), :, :P + s]
-        variants = []
-        for layer in sel.layers:
-            m = per_layer[layer]
-            with warnings.catch_warnings():  # keys past a step's context are NaN in every head
-                warnings.simplefilter("ignore", RuntimeWarning)
-                variants.append({"label": f"layer {layer}: mean over heads",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_mean", np.nanmean(m, axis=1)
-                                                if m.size else m[:, 0], dt)})
-                variants.append({"label": f"layer {layer}: max over heads",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_max", np.nanmax(m, axis=1)
-                                                if m.size else m[:, 0], dt)})
-            for h in range(H):
-                variants.append({"label": f"layer {layer}, head {h}",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_H{h}", m[:, h], dt)})
-        if variants:
-            sec.figures.append(F.heatmap(
-                f"attn-steps-{seq}", f"sequence {seq}: attention over steps (rows: the step that chose the token)",
-                variants[0]["z"], key_labels, step_labels, n_rows=len(steps), ytitle="step:chosen token",
-                variants=variants, zlabel="weight"))
-        if "prefill_attn" in data.arrays and sel.layers:
-            mat = np.asarray(data.run.array("prefill_attn")[seq, :, :, :P, :P])
-            plabels = blobs.add_texts(f"prefill_keys_{seq}", _key_labels(tok.prompt_texts[:P]))
-            pv = []
-            for layer in sel.layers:
-                mm = mat[data.run.layer_index(layer)]
-                pv.append({"label": f"layer {layer}: mean over heads",
-                           "z": blobs.add(f"prefill_{seq}_L{layer}_mean", mm.astype(np.float32).mean(axis=0), "float32")})
-                for h in range(H):
-                    pv.append({"label": f"layer {layer}, head {h}",
-                               "z": blobs.add(f"prefill_{seq}_L{layer}_H{h}", mm[h], _blob_dtype(mm))})
-            sec.figures.append(F.heatmap(
-                f"prefill-{seq}", f"sequence {seq}: the prompt's attention matrix (query × key)",
-                pv[0]["z"], plabels, plabels, n_rows=P, ytitle="query position", variants=pv, zlabel="weight"))
-    if "prefill_attn" not in data.arrays:
-        sec.notes.append("the prompt's full attention matrices were not captured: set "
-                         "`capture.prefill_attention: true` to see them")
-    return sec
-
-
 # ---- logit lens ------------------------------------------------------------------------------
 def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
     sec = Section("lens", "Logit lens")
@@ -277,7 +174,7 @@ def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         return sec
     layers = data.layers
     ylabels = blobs.add_texts("lens_layers", [f"L{layer}" for layer in layers])
-    for seq, steps, tok in _shown(data, sel):
+    for seq, steps, tok in shown_sequences(data, sel):
         ids = stack_steps(data, "lens_ids", seq, steps)  # [step, layer, k]
         probs = stack_steps(data, "lens_probs", seq, steps).astype(np.float32)
         n, L, k = ids.shape
@@ -295,7 +192,7 @@ def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
                          else f"chosen {esc(ct)}: not in the lens top-{k}")
                 custom[j, i] = tops + "<br>" + where
         top1_text = np.vectorize(lambda t: display(t)[:8])(texts[:, :, 0].T)
-        xlabels = blobs.add_texts(f"lens_steps_{seq}", _step_labels(steps, tok.gen["token_text"]))
+        xlabels = blobs.add_texts(f"lens_steps_{seq}", step_labels(steps, tok.gen["token_text"]))
         z = blobs.add(f"lens_top1_prob_{seq}", probs[:, :, 0].T, "float32")
         zc = blobs.add(f"lens_chosen_prob_{seq}", chosen_p.T, "float32")
         text = blobs.add(f"lens_top1_text_{seq}", top1_text.astype(object))
@@ -355,7 +252,7 @@ def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
                 f"margin-{seq}", f"sequence {seq}: each layer's share of the final top-1 − top-2 logit margin "
                 "(through the final norm at its actual scale; with the embedding's share they sum to the margin)",
                 blobs.add(f"margin_contrib_{seq}", grid, "float32"),
-                blobs.add_texts(f"margin_steps_{seq}", _step_labels(step_list, tok.gen["token_text"])),
+                blobs.add_texts(f"margin_steps_{seq}", step_labels(step_list, tok.gen["token_text"])),
                 blobs.add_texts(f"margin_layers_{seq}", [f"L{li}" for li in order]), zmin=-lim, zmax=lim,
                 colorscale=F.DIVERGING, n_rows=len(order), n_cols=len(step_list), cell_px=14,
                 xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} logits", zlabel="logits"))
@@ -373,7 +270,7 @@ def router_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | Non
         return None
     sec = Section("router", "Mixture-of-experts routing")
     layers = data.layers
-    for seq, steps, tok in _shown(data, sel):
+    for seq, steps, tok in shown_sequences(data, sel):
         idx = stack_steps(data, "router_topk_idx", seq, steps)  # [step, layer, k]
         w = stack_steps(data, "router_topk_weight", seq, steps).astype(np.float32)
         top = np.where(idx[:, :, 0] >= 0, idx[:, :, 0], np.nan).astype(np.float32).T  # [layer, step]
@@ -390,7 +287,7 @@ def router_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | Non
         sec.figures.append(F.heatmap(
             f"router-{seq}", f"sequence {seq}: experts chosen per layer and step (colour: the top-1 expert)",
             blobs.add(f"router_top1_{seq}", top, "float32"),
-            blobs.add_texts(f"router_steps_{seq}", _step_labels(steps, tok.gen["token_text"])),
+            blobs.add_texts(f"router_steps_{seq}", step_labels(steps, tok.gen["token_text"])),
             blobs.add_texts(f"router_layers_{seq}", [f"L{layer}" for layer in layers]), zmin=0, zmax=max(1.0, n_exp),
             colorscale="Turbo", text=t, customdata=c, n_rows=len(layers), n_cols=len(steps), cell_px=40,
             xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{customdata}", zlabel="expert"))
@@ -400,8 +297,7 @@ def router_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | Non
 # ---- intervention children ---------------------------------------------------------------------
 def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | None:
     m = data.manifest
-    effects_path = data.run.path / "effects.parquet"
-    if m.get("kind") != "intervene" and not effects_path.is_file():
+    if m.get("kind") != "intervene" and not has_effects(data.run):
         return None
     parent = m.get("parent") or {}
     sec = Section("intervention", "Intervention: parent vs child")
@@ -409,10 +305,11 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
     sec.html = (f"<p>parent <code>{esc(parent.get('run_id') if isinstance(parent, dict) else parent)}</code>, "
                 f"mode <b>{esc(m.get('mode'))}</b>, edits from step {esc(m.get('from_step'))}"
                 f" (first edited step {esc(m.get('first_edited_step'))})</p><pre>{esc(listed)}</pre>")
-    if not effects_path.is_file():
-        sec.notes.append("this child has no effects.parquet (it was interrupted before finishing)")
+    effects = read_effects(data.run)
+    if effects is None:
+        sec.notes.append(f"this child has no {EFFECTS} (it was interrupted before finishing)")
         return sec
-    eff = parquet_io.read_table(effects_path).to_pydict()
+    eff = effects.to_pydict()
     rows_html = []
     for seq in sel.sequences:
         idx = [i for i, s in enumerate(eff["sequence"]) if s == seq]
@@ -441,8 +338,8 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
         texts = data.run.text(ids) if ids else []
         for n, i in enumerate(changed[:50]):
             rows_html.append(f"<tr><td>{seq}</td><td>{eff['step'][i]}</td><td>{esc(display(texts[2 * n]))}</td>"
-                             f"<td>{esc(display(texts[2 * n + 1]))}</td><td>{_fmt(eff['parent_logprob'][i])}</td>"
-                             f"<td>{_fmt(eff['child_logprob_of_parent_token'][i])}</td></tr>")
+                             f"<td>{esc(display(texts[2 * n + 1]))}</td><td>{fmt(eff['parent_logprob'][i])}</td>"
+                             f"<td>{fmt(eff['child_logprob_of_parent_token'][i])}</td></tr>")
     if rows_html:
         sec.html += ("<table class='grid'><tr><th>sequence</th><th>step</th><th>parent's top-1</th>"
                      "<th>child's top-1</th><th>parent logprob</th><th>child logprob of parent's token</th></tr>"
@@ -450,123 +347,6 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
     else:
         sec.html += "<p>no step's winner changed in the sequences shown.</p>"
     return sec
-
-
-# ---- attributions (lmtrace explain) ------------------------------------------------------------
-EXPLAIN_SCORES = (EXPLAIN_DIR, SCORES_PARTS)  # as archive/explanations.py writes them
-
-
-def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | None:
-    folder = data.run.path.joinpath(*EXPLAIN_SCORES)
-    files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
-    if not files:
-        return Section("explain", "Attributions", notes=[
-            f"no attributions yet: `lmtrace explain {data.run.id} --steps 0,1,2 -m grad_x_input,occlusion` computes "
-            f"them for the generated tokens you ask about"])
-    import pyarrow as pa
-
-    t = pa.concat_tables([parquet_io.read_table(f) for f in files], promote_options="default").to_pydict()
-    failed = _unconverged(data.manifest)
-    sec = Section("explain", "Attributions (lmtrace explain)")
-    for seq in sorted(set(t["sequence"])):
-        rows: dict[tuple, dict[int, float]] = {}
-        for i in range(len(t["sequence"])):
-            if t["sequence"][i] != seq:
-                continue
-            key = (t["step"][i], t["method"][i], t["explain_id"][i], t["target"][i], t["quantity"][i])
-            rows.setdefault(key, {})[t["position"][i]] = t["score"][i]
-        if not rows:
-            continue
-        keys = sorted(rows)
-        tok = data.tokens(seq)
-        width = max(max(r) for r in rows.values()) + 1
-        z = np.full((len(keys), width), np.nan, dtype=np.float32)
-        raw = np.full((len(keys), width), np.nan, dtype=np.float32)
-        for i, key in enumerate(keys):
-            for p, v in rows[key].items():
-                raw[i, p] = v
-            scale = np.nanmax(np.abs(raw[i])) if np.isfinite(raw[i]).any() else 0.0
-            z[i] = raw[i] / scale if scale else raw[i]
-        labels, invocations = _explain_row_labels(keys, seq, tok, failed)
-        if len(invocations) > 1:  # rows of one step and method from several invocations are numbered: say which
-            sec.notes.append(f"sequence {seq}: rows from different `lmtrace explain` invocations are numbered "
-                             + ", ".join(f"[{i}] = explain {eid}" for eid, i in invocations.items())
-                             + " (their settings are in manifest.json, `explain`)")
-        if any((k[2], k[1], seq, k[0]) in failed for k in keys):
-            sec.notes.append(f"sequence {seq}: rows marked NOT CONVERGED are integrated-gradients results whose scores "
-                             f"do not add up to f(x) − f(baseline) within the tolerance; trust them no further than "
-                             f"their completeness error in manifest.json (docs/explain.md)")
-        sec.figures.append(F.heatmap(
-            f"explain-{seq}", f"sequence {seq}: attribution of each explained step to its context "
-                              f"(rows scaled to their largest |score|)",
-            blobs.add(f"explain_z_{seq}", z, "float32"), blobs.add_texts(f"explain_keys_{seq}",
-                                                                        _key_labels(tok.context_texts(width))),
-            blobs.add_texts(f"explain_rows_{seq}", labels), zmin=-1, zmax=1, colorscale=F.DIVERGING,
-            customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"), n_rows=len(keys), ytitle="step method (target)",
-            hover="%{y}<br>%{x}<br>score %{customdata:.4g}", zlabel="score / max|score|"))
-    _head_relevance_figures(data, sec, blobs)
-    return sec
-
-
-HEAD_FIGURES = 8  # lrp head-relevance heatmaps shown per report (one per explained step, the first ones)
-
-
-def _head_relevance_figures(data: RunData, sec: Section, blobs: Blobs) -> None:
-    """One heatmap [layer, head] of lrp's per-head relevance per explained step (archived beside the scores)."""
-    import zarr
-
-    shown = 0
-    for entry in data.manifest.get("explain") or []:
-        path = (entry.get("components") or {}).get("heads")
-        if not path:
-            continue
-        heads = np.asarray(zarr.open_array(str(data.run.path / path), mode="r")[...], dtype=np.float32)
-        L, H = heads.shape[1:]
-        for k, step in enumerate(entry["steps"]):
-            if shown == HEAD_FIGURES:
-                sec.notes.append(f"head relevance: the first {HEAD_FIGURES} lrp steps are shown; the rest are in "
-                                 f"manifest.json `explain[].components.heads` (docs/explain.md)")
-                return
-            raw = heads[k]
-            scale = float(np.nanmax(np.abs(raw))) if np.isfinite(raw).any() else 0.0
-            name = f"lrp_heads_{entry['id']}_{entry['sequence']}_{step}"
-            sec.figures.append(F.heatmap(
-                f"explain-heads-{entry['id']}-{entry['sequence']}-{step}",
-                f"sequence {entry['sequence']} step {step}: lrp relevance per head ({entry['target']}; rows = layers, "
-                f"scaled to the largest |relevance|)",
-                blobs.add(name, raw / scale if scale else raw, "float32"), blobs.add_texts(name + "_x", [f"H{h}" for h in range(H)]),
-                blobs.add_texts(name + "_y", [f"L{i}" for i in range(L)]), zmin=-1, zmax=1, colorscale=F.DIVERGING,
-                customdata=blobs.add(name + "_raw", raw, "float32"), n_rows=L, xtitle="head", ytitle="layer",
-                hover="%{y} %{x}<br>relevance %{customdata:.4g}", zlabel="relevance / max|relevance|"))
-            shown += 1
-
-
-def _explain_row_labels(keys: list[tuple], seq: int, tok, failed: set[tuple]) -> tuple[list[str], dict[str, int]]:
-    """Row labels of the attribution heatmap: step, method, target and quantity (none for attention rollout) and
-    the explained token. Where one step and method were explained by several invocations (other settings), each
-    such row gets its invocation's number [i]; returns the labels and {explain id: number} of those invocations."""
-    def base(k):
-        step, method, _, target, quantity = k
-        what = f" ({target} {quantity})" if target is not None else ""
-        token = display(tok.gen['token_text'][step]) if step < tok.n_steps else ""
-        return f"{'NOT CONVERGED ' if (k[2], method, seq, step) in failed else ''}s{step} {method}{what} {token}"
-
-    count: dict[str, int] = {}
-    for k in keys:
-        count[base(k)] = count.get(base(k), 0) + 1
-    repeated = sorted({k[2] for k in keys if count[base(k)] > 1})
-    invocations = {eid: i + 1 for i, eid in enumerate(repeated)}
-    return [base(k) + (f" [{invocations[k[2]]}]" if count[base(k)] > 1 else "") for k in keys], invocations
-
-
-def _unconverged(manifest: dict) -> set[tuple]:
-    """(explain id, method, sequence, step) of every attribution whose manifest result says converged: false."""
-    out = set()
-    for entry in manifest.get("explain") or []:
-        for r in entry.get("results") or []:
-            if r.get("converged") is False:
-                out.add((entry.get("id"), entry.get("method"), entry.get("sequence"), r.get("step")))
-    return out
 
 
 def banner(data: RunData, sel: Selection) -> str:

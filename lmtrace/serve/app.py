@@ -3,7 +3,7 @@
 Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
 `{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
-  /static/{app,tokenview}.{js,css}            the frontend, from this package (no other file is served)
+  /static/{app,tokenview}.{js,css}            the frontend: app.* from this package, tokenview.* from viewdata
   /api/runs?kind=&status=&model=&q=            runs list
   /api/runs/{run}                              a run's header
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
@@ -34,6 +34,7 @@ from starlette.routing import Route
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from ..viewdata import queries
 from ..viewdata import token_extras
+from ..viewdata.page_code import token_view_css, token_view_js
 from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
                      int_parameter, whole_number)
 from .child_view import against_parent, edits
@@ -45,9 +46,13 @@ from .guard import Guard
 # The only files served, by name: nothing under /static is looked up on disk from the address
 STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
           "tokenview.js": "application/javascript; charset=utf-8", "tokenview.css": "text/css; charset=utf-8"}
+# the token view is the report's too: its code comes from viewdata (page_code.py)
+SHARED = {"tokenview.js": token_view_js, "tokenview.css": token_view_css}
 
 
 def _static(name: str) -> bytes:
+    if name in SHARED:
+        return SHARED[name]().encode("utf-8")
     return resources.files(__package__).joinpath("static", name).read_bytes()
 
 
@@ -64,8 +69,102 @@ def _numbers(request: Request) -> dict:
     return {k: whole_number(v, NUMBERS[k]) if k in NUMBERS else v for k, v in request.path_params.items()}
 
 
+class _Api:
+    """The JSON routes' handlers over one runs directory: each returns its answer (a dict) or raises
+    lmtrace's errors, which `create_app`'s `answer` maps to one-line JSON errors."""
+
+    def __init__(self, catalog: Catalog, scrub: Scrubber):
+        self.catalog, self.scrub = catalog, scrub
+
+    def routes(self, answer) -> list[Route]:
+        return [
+            Route("/api/runs", answer(self.runs)),
+            Route("/api/runs/{run}", answer(self.run)),
+            Route("/api/runs/{run}/sequences", answer(self.sequences)),
+            Route("/api/runs/{run}/sequences/{seq}", answer(self.sequence)),
+            Route("/api/runs/{run}/sequences/{seq}/steps/{step}", answer(self.step)),
+            Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads", answer(self.over_heads)),
+            Route("/api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}", answer(self.head)),
+            Route("/api/runs/{run}/sequences/{seq}/attention/{layer}/{head}", answer(self.pattern)),
+            Route("/api/runs/{run}/sequences/{seq}/parent", answer(self.parent)),
+            Route("/api/runs/{run}/sweeps/{sweep}", answer(self.sweep)),
+            Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(self.cell)),
+            Route("/api/compare", answer(self.compare)),
+        ]
+
+    def runs(self, request: Request):
+        q = request.query_params
+        rows = self.catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
+                                 model=q.get("model") or None, query=q.get("q") or None)
+        for r in rows:
+            if r.get("error"):
+                r["error"] = self.scrub(r["error"])
+        return {"runs_dir": self.catalog.root.resolve().name or "runs", "runs": rows}
+
+    def run(self, request: Request):
+        rid = request.path_params["run"]
+        try:
+            r = self.catalog.open(rid)
+            return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
+        except ArchiveError as err:  # damaged: the page shows the one line instead of the run
+            if isinstance(err, ArchiveDamaged):
+                self.catalog.note_damage(err)
+            return {"run_id": rid, "damaged": self.scrub(str(err))}
+
+    def sequences(self, request: Request):
+        r = self.catalog.open(request.path_params["run"])
+        return queries.sequence_page(r, page=_int_param(request, "page"), query=request.query_params.get("q", ""),
+                                     sort=request.query_params.get("sort", "index"))
+
+    def sequence(self, request: Request):
+        p = _numbers(request)
+        return queries.sequence_tokens(self.catalog.open(p["run"]), p["seq"])
+
+    def step(self, request: Request):
+        p = _numbers(request)
+        return token_extras.selected_token(self.catalog.open(p["run"]), p["seq"], p["step"])
+
+    def over_heads(self, request: Request):
+        p = _numbers(request)
+        return token_extras.step_over_heads(self.catalog.open(p["run"]), p["seq"], p["step"])
+
+    def pattern(self, request: Request):
+        p = _numbers(request)
+        return token_extras.head_pattern(self.catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
+
+    def head(self, request: Request):
+        p = _numbers(request)
+        return queries.head_row(self.catalog.open(p["run"]), p["seq"], p["step"], p["layer"], p["head"])
+
+    def parent(self, request: Request):
+        p = _numbers(request)
+        child = self.catalog.open(p["run"])
+        parent_id = (child.manifest.get("parent") or {}).get("run_id")
+        try:
+            parent_run = self.catalog.open(parent_id) if parent_id else None
+        except RunNotFoundError:  # the parent lives in another runs directory: the child's side alone
+            parent_run = None
+        return against_parent(child, parent_run, p["seq"])
+
+    def sweep(self, request: Request):
+        p = _numbers(request)
+        return sweep_heatmaps(self.catalog.open(p["run"]), p["sweep"])
+
+    def cell(self, request: Request):
+        p, q = _numbers(request), request.query_params
+        coords = {k: _int_param(request, k) for k in ("layer", "head", "neuron", "position") if q.get(k, "") != ""}
+        return cell_rows(self.catalog.open(p["run"]), p["sweep"], q.get("metric", ""), coords)
+
+    def compare(self, request: Request):
+        q = request.query_params
+        if not q.get("a") or not q.get("b"):
+            raise NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
+        return comparison(self.catalog.open(q["a"]), self.catalog.open(q["b"]))
+
+
 def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0.1") -> Guard:
-    """The ASGI application over `runs_dir`, wrapped in its Guard (token, Host, methods, headers)."""
+    """The ASGI application over `runs_dir`, wrapped in its Guard (token, Host, methods, headers): the page,
+    its static files, and the JSON routes of `_Api`."""
     catalog = Catalog(Path(runs_dir))
     page = _static("index.html")
     scrub = Scrubber(catalog.root)
@@ -99,92 +198,6 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
             return _error(NOT_FOUND, f"no static file {name!r}")
         return Response(_static(name), media_type=STATIC[name])
 
-    def runs(request: Request):
-        q = request.query_params
-        rows = catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
-                            model=q.get("model") or None, query=q.get("q") or None)
-        for r in rows:
-            if r.get("error"):
-                r["error"] = scrub(r["error"])
-        return {"runs_dir": catalog.root.resolve().name or "runs", "runs": rows}
-
-    def run(request: Request):
-        rid = request.path_params["run"]
-        try:
-            r = catalog.open(rid)
-            return {**queries.run_info(r), "sweeps": sweep_list(r), "edits": edits(r)}
-        except ArchiveError as err:  # damaged: the page shows the one line instead of the run
-            if isinstance(err, ArchiveDamaged):
-                catalog.note_damage(err)
-            return {"run_id": rid, "damaged": scrub(str(err))}
-
-    def sequences(request: Request):
-        r = catalog.open(request.path_params["run"])
-        return queries.sequence_page(r, page=_int_param(request, "page"), query=request.query_params.get("q", ""),
-                                     sort=request.query_params.get("sort", "index"))
-
-    def sequence(request: Request):
-        p = _numbers(request)
-        return queries.sequence_tokens(catalog.open(p["run"]), p["seq"])
-
-    def step(request: Request):
-        p = _numbers(request)
-        return token_extras.selected_token(catalog.open(p["run"]), p["seq"], p["step"])
-
-    def over_heads(request: Request):
-        p = _numbers(request)
-        return token_extras.step_over_heads(catalog.open(p["run"]), p["seq"], p["step"])
-
-    def pattern(request: Request):
-        p = _numbers(request)
-        return token_extras.head_pattern(catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
-
-    def parent(request: Request):
-        p = _numbers(request)
-        child = catalog.open(p["run"])
-        parent_id = (child.manifest.get("parent") or {}).get("run_id")
-        try:
-            parent_run = catalog.open(parent_id) if parent_id else None
-        except RunNotFoundError:  # the parent lives in another runs directory: the child's side alone
-            parent_run = None
-        return against_parent(child, parent_run, p["seq"])
-
-    def sweep(request: Request):
-        p = _numbers(request)
-        return sweep_heatmaps(catalog.open(p["run"]), p["sweep"])
-
-    def cell(request: Request):
-        p, q = _numbers(request), request.query_params
-        coords = {k: _int_param(request, k) for k in ("layer", "head", "neuron", "position") if q.get(k, "") != ""}
-        return cell_rows(catalog.open(p["run"]), p["sweep"], q.get("metric", ""), coords)
-
-    def compare(request: Request):
-        q = request.query_params
-        if not q.get("a") or not q.get("b"):
-            raise NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
-        return comparison(catalog.open(q["a"]), catalog.open(q["b"]))
-
-    def head(request: Request):
-        p = _numbers(request)
-        return queries.head_row(catalog.open(p["run"]), p["seq"], p["step"], p["layer"], p["head"])
-
-    routes = [
-        Route("/", index),
-        Route("/static/{name}", static),
-        Route("/api/runs", answer(runs)),
-        Route("/api/runs/{run}", answer(run)),
-        Route("/api/runs/{run}/sequences", answer(sequences)),
-        Route("/api/runs/{run}/sequences/{seq}", answer(sequence)),
-        Route("/api/runs/{run}/sequences/{seq}/steps/{step}", answer(step)),
-        Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads", answer(over_heads)),
-        Route("/api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}", answer(head)),
-        Route("/api/runs/{run}/sequences/{seq}/attention/{layer}/{head}", answer(pattern)),
-        Route("/api/runs/{run}/sequences/{seq}/parent", answer(parent)),
-        Route("/api/runs/{run}/sweeps/{sweep}", answer(sweep)),
-        Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(cell)),
-        Route("/api/compare", answer(compare)),
-    ]
-
     def not_found(request: Request, exc: HTTPException):
         """No route matches: JSON like every other answer (a 404, or the status Starlette chose)."""
         return _error(exc.status_code, "no such address: the routes are listed in docs/serve.md"
@@ -194,5 +207,6 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
         """A fault of the server itself: one JSON line naming the kind, never a path or a traceback."""
         return _error(INTERNAL, f"internal error ({type(exc).__name__}); the server's terminal has the details")
 
+    routes = [Route("/", index), Route("/static/{name}", static), *_Api(catalog, scrub).routes(answer)]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: internal})
     return Guard(app, token=token, host=host)

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 
-from ..archive import parquet_io
+from ..archive.effects import has_effects, read_effects
 from ..archive.reader import Run
 from ..archive.summary import edits_label
-from ..exits.errors import ArchiveError
 from ..output.jsonout import strict
 from ..viewdata.queries import NotFound, check_sequence, table_rows
 
-EFFECTS = "effects.parquet"  # commands/intervene.py writes it; this module reads it without torch
 EFFECT_COLUMNS = ["step", "context_identical", "logprob_shift", "parent_logprob", "child_logprob_of_parent_token",
                   "margin_shift", "kl_parent_child_topk", "winner_changed"]
 
@@ -34,14 +32,8 @@ def _generated(run: Run, seq: int) -> dict[int, str]:
 
 
 def _effects(run: Run, seq: int) -> dict[int, dict]:
-    path = run.path / EFFECTS
-    if not path.is_file():
-        return {}
-    try:
-        t = parquet_io.read_dataset(parquet_io.dataset(path), columns=EFFECT_COLUMNS, filter=pc.field("sequence") == seq)
-    except OSError as err:
-        raise ArchiveError(f"run {run.id}: {EFFECTS} is unreadable ({err}); `lmtrace verify {run.id}`") from None
-    return {r["step"]: r for r in t.to_pylist()}
+    t = read_effects(run, sequence=seq, columns=EFFECT_COLUMNS)
+    return {} if t is None else {r["step"]: r for r in t.to_pylist()}
 
 
 def against_parent(child: Run, parent: Run | None, seq: int) -> dict:
@@ -60,6 +52,6 @@ def against_parent(child: Run, parent: Run | None, seq: int) -> dict:
         a, b = theirs.get(step), mine.get(step)
         rows.append({"step": step, "parent": a, "child": b, "differs": a != b,
                      **{k: strict(e.get(k)) for k in EFFECT_COLUMNS[1:]}})
-    return {**info, "sequence": seq, "parent_found": parent is not None, "has_effects": (child.path / EFFECTS).is_file(),
+    return {**info, "sequence": seq, "parent_found": parent is not None, "has_effects": has_effects(child),
             "rows": rows}
 

@@ -8,6 +8,15 @@ from __future__ import annotations
 from ..exits.errors import SpecError
 
 
+def _span(body: str) -> tuple[int, int]:
+    """`4` -> (4, 4), `2-5` -> (2, 5) (the end may come before the start: the caller says what that means);
+    ValueError if either end is not an integer."""
+    if "-" in body[1:]:
+        a, b = body.split("-", 1)
+        return int(a), int(b)
+    return int(body), int(body)
+
+
 def _expand(part: str, available: int, stride: bool) -> range:
     """One comma-separated part (`4`, `2-5`, `all`, with `stride`: `0-255:4`, `all:8`); ValueError if malformed."""
     body, colon, stride_text = part.partition(":")
@@ -18,15 +27,12 @@ def _expand(part: str, available: int, stride: bool) -> range:
         raise ValueError
     if body == "all":
         lo, hi = 0, available - 1
-    elif "-" in body[1:]:
-        a, b = body.split("-", 1)
-        lo, hi = int(a), int(b)
+    else:
+        if colon and "-" not in body[1:]:  # a stride on a single step means nothing
+            raise ValueError
+        lo, hi = _span(body)
         if hi < lo:
             raise ValueError
-    else:
-        if colon:  # a stride on a single step means nothing
-            raise ValueError
-        lo = hi = int(body)
     return range(lo, hi + 1, step)
 
 
@@ -77,3 +83,26 @@ def parse_sequences(texts, n_sequences: int, *, option: str = "--sequence") -> l
                   empty=f"{option} {' '.join(map(str, texts))!r}: no sequences given",
                   out_of_range=lambda bad: f"{option} {bad[0]} out of range: the run has sequences "
                                            f"0..{n_sequences - 1}")
+
+
+def parse_range_list(text: str, what: str) -> list[int]:
+    """'3-9' or '3,5,7-8' -> [3, 4, ..., 9]: non-negative integers and inclusive ranges, in the order
+    given, repeats kept (no `all`, no stride; the caller checks the bounds). `what` names the option in
+    the one-line SpecError (the parts are read as steps are, `_span`)."""
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, hi = _span(part)
+            if lo < 0:  # `-3`: not a position
+                raise ValueError
+            if hi < lo:
+                raise SpecError(f"{what}: range {part} is empty (it ends before it starts); write {hi}-{lo}")
+            out.extend(range(lo, hi + 1))
+    except ValueError:
+        raise SpecError(f"{what}: {text!r} is not a list of integers or ranges like 3-9") from None
+    if not out:
+        raise SpecError(f"{what}: {text!r} names no position; give integers or ranges like 3-9")
+    return out

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..analysis.attention_heads import most_attended, most_attended_kept
 from ..archive import layout, parquet_io
 from ..archive.columns import current_names, stored_name
 from ..archive.reader import Run, lens_state, read_table_files
@@ -223,10 +224,8 @@ def sequence_prompt(run: Run, seq: int, prompt_tokens: list[str]) -> tuple[str |
 
 
 def steps_ready(run: Run, seq: int) -> int:
-    """Steps of `seq` whose arrays are committed: all generated ones for a complete run."""
-    if run.status == "complete":
-        return int(kept.lengths(run, "generated_len")[seq])
-    return run.committed_steps().get(seq, 0)
+    """Steps of `seq` whose arrays are committed (`Run.steps_ready`), with the lengths kept per run."""
+    return run.steps_ready(seq, kept.lengths(run, "generated_len"))
 
 
 def check_step(run: Run, seq: int, step: int) -> None:
@@ -252,7 +251,8 @@ def n_keys_of(run: Run, seq: int, step: int) -> int:
 
 
 def attention_grid(run: Run, seq: int, step: int) -> dict | None:
-    """For each (layer, head): the key the query of `step` attended to most, its weight and text.
+    """For each (layer, head): the key the query of `step` attended to most (`analysis.attention_heads`), its
+    weight and text.
 
     Reads the array's [seq, step] slice only: `attn` [layer, q_head, key] trimmed to the context,
     or for a top-k run `attn_topk_*` [layer, q_head, k_attn]."""
@@ -260,14 +260,10 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
     n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
         rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys], dtype=np.float32)  # [layer, q_head, key]
-        key = np.nanargmax(np.nan_to_num(rows, nan=-1.0), axis=-1)  # [layer, q_head]
-        weight = np.take_along_axis(rows, key[..., None], axis=-1)[..., 0]
+        key, weight = most_attended(rows)  # [layer, q_head]
     elif "attn_topk_prob" in names:
         probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32)  # [layer, q_head, k_attn]
-        idx = np.asarray(kept.array(run, "attn_topk_idx")[seq, step])
-        best = np.nanargmax(np.nan_to_num(probs, nan=-1.0), axis=-1)
-        key = np.take_along_axis(idx, best[..., None], axis=-1)[..., 0]
-        weight = np.take_along_axis(probs, best[..., None], axis=-1)[..., 0]
+        key, weight = most_attended_kept(np.asarray(kept.array(run, "attn_topk_idx")[seq, step]), probs)
     else:
         return None
     texts = key_texts(run, seq, n_keys)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..analysis.attention_heads import mean_max_over_heads
-from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_explanations
+from ..archive.attention import topk_dense
+from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_component, read_explanations
 from ..archive.reader import Run
 from ..output.jsonout import strict
 from . import kept
@@ -26,16 +27,6 @@ from .queries import (
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
 
 
-def _topk_dense(idx: np.ndarray, prob: np.ndarray, n_keys: int) -> np.ndarray:
-    """A top-k capture [..., k] scattered over n_keys keys, 0 where the run kept no weight
-    (the report draws top-k runs the same way)."""
-    dense = np.zeros(idx.shape[:-1] + (n_keys,), dtype=np.float32)
-    ok = (idx >= 0) & (idx < n_keys)
-    where = np.nonzero(ok)
-    dense[where[:-1] + (idx[ok],)] = prob[ok]
-    return dense
-
-
 def over_heads(run: Run, seq: int, step: int) -> dict | None:
     """Per captured layer, each key's attention weight averaged and maximised over the query heads."""
     names = kept.array_names(run)
@@ -43,7 +34,7 @@ def over_heads(run: Run, seq: int, step: int) -> dict | None:
     if "attn" in names:
         rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
     elif "attn_topk_prob" in names:
-        rows = _topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),
+        rows = topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),
                            np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32), n_keys)
     else:
         return None
@@ -75,7 +66,7 @@ def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
     if "attn" in names:
         m = np.asarray(kept.array(run, "attn")[seq, :n, li, head, :k_max], dtype=np.float32)  # [step, key]
     elif "attn_topk_prob" in names:
-        m = _topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, :n, li, head]),
+        m = topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, :n, li, head]),
                         np.asarray(kept.array(run, "attn_topk_prob")[seq, :n, li, head], dtype=np.float32), k_max)
     else:
         raise NotFound(f"run {run.id} captured no attention")
@@ -116,12 +107,9 @@ CONSERVATION_KEYS = ("f_x", "sum_scores", "bias_relevance", "conservation_error"
 def components(run: Run, entry: dict, step: int) -> dict:
     """One explained step's per-component relevance (a manifest entry's `components`: [step, layer] arrays
     and heads [step, layer, head]) and the conservation numbers of its `results`: layers x heads floats."""
-    import zarr
-
-    k = entry["steps"].index(step)
     out: dict = {"per_layer": {}}
-    for name, path in entry["components"].items():
-        values = np.asarray(zarr.open_array(str(run.path / path), mode="r")[k], dtype=np.float32)
+    for name in entry["components"]:
+        values = read_component(run, entry, name, step)
         if values.ndim == 2:
             out[name] = _lists(values)
         else:

@@ -1,0 +1,155 @@
+"""The SAELens directory format: `cfg.json` + `sae_weights.safetensors`.
+
+Read: SAELens 6 configs (`architecture`, `d_in`, `d_sae`, `k`, `apply_b_dec_to_input`,
+`normalize_activations`, `metadata.hook_name`) and the older flat ones (`hook_name` / `hook_point` at
+the top, `activation_fn_str` / `activation_fn` "topk" with `activation_fn_kwargs.k`, a boolean
+`normalize_activations`), with the defaults SAELens gives missing keys (standard, b_dec applied to the
+input, no normalisation). Weights: W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in], b_dec [d_in],
+threshold [d_sae] (JumpReLU; `log_threshold` is read as exp of it). Everything is checked before use:
+a missing directory or file, unreadable JSON, an unknown architecture or normalisation, a transcoder,
+a missing or misshapen tensor, NaN or infinite weights each stop with one line (exit 2).
+
+Write: the SAELens 6 layout (what `SAE.load_from_disk` reads), weights in float32, plus any extra
+files given (lmtrace's training card).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..exits.errors import SpecError
+from .sae import ARCHITECTURES, NORMALISATIONS, Sae, SaeConfig
+from .sites import parse_hook_name
+
+CFG = "cfg.json"
+WEIGHTS = "sae_weights.safetensors"
+SAE_LENS_FORMAT_VERSION = "6.0.0"  # the cfg.json layout written (SAELens reads older layouts by version)
+
+
+def _fail(path: Path, text: str) -> SpecError:
+    return SpecError(f"SAE {path}: {text}")
+
+
+def _config(path: Path, raw: dict) -> SaeConfig:
+    meta = dict(raw.get("metadata") or raw.get("meta") or {})
+    hook = meta.get("hook_name") or raw.get("hook_name") or raw.get("hook_point")
+    if not hook:
+        raise _fail(path, f"{CFG} names no hook point (metadata.hook_name or hook_name)")
+    head = meta.get("hook_head_index", raw.get("hook_head_index", raw.get("hook_point_head_index")))
+    if head is not None:
+        raise _fail(path, f"an SAE on one attention head (hook_head_index {head}) is not supported; "
+                          f"supported: SAEs on a whole hook point")
+    arch = raw.get("architecture", "standard")
+    act = raw.get("activation_fn") or raw.get("activation_fn_str") or "relu"
+    k = raw.get("k", (raw.get("activation_fn_kwargs") or {}).get("k"))
+    if "transcoder" in str(arch) or raw.get("hook_name_out") or meta.get("hook_name_out") or raw.get("d_out"):
+        raise _fail(path, f"transcoders ({arch}) are not supported yet; supported architectures: "
+                          f"{', '.join(ARCHITECTURES)} (BatchTopK as saved for inference, i.e. jumprelu)")
+    if arch == "standard" and act == "topk":
+        arch = "topk"
+    elif arch == "standard" and act != "relu":
+        raise _fail(path, f"activation function {act!r} is not supported; supported: relu, topk")
+    if arch == "batchtopk":
+        raise _fail(path, "a BatchTopK SAE saved for training has no inference threshold; save it for inference "
+                          "(SAELens: save_inference_model), which makes it a jumprelu SAE")
+    if arch not in ARCHITECTURES:
+        raise _fail(path, f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)} "
+                          f"(BatchTopK as saved for inference is jumprelu)")
+    norm = raw.get("normalize_activations", "none")
+    if isinstance(norm, bool):  # old configs: true meant expected_average_only_in
+        norm = "expected_average_only_in" if norm else "none"
+    if norm not in NORMALISATIONS:
+        raise _fail(path, f"normalize_activations {norm!r} is not supported; supported: {', '.join(NORMALISATIONS)}")
+    if raw.get("reshape_activations", "none") not in ("none", "hook_z"):
+        raise _fail(path, f"reshape_activations {raw.get('reshape_activations')!r} is not supported; supported: none, hook_z")
+    try:
+        d_in, d_sae = int(raw["d_in"]), int(raw["d_sae"])
+    except (KeyError, TypeError, ValueError):
+        raise _fail(path, f"{CFG} needs whole numbers d_in and d_sae") from None
+    if arch == "topk":
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= d_sae:
+            raise _fail(path, f"a topk SAE needs k, a whole number in 1..d_sae ({d_sae}); got {k!r}")
+    else:
+        k = None
+    parse_hook_name(hook, f"SAE {path}")  # refuse an unsupported hook point now, in one line
+    meta.pop("hook_name", None)
+    return SaeConfig(architecture=arch, d_in=d_in, d_sae=d_sae, hook_name=hook, k=k,
+                     apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)), normalize_activations=norm,
+                     dtype=str(raw.get("dtype", "float32")), model_name=meta.pop("model_name", raw.get("model_name")),
+                     metadata=meta)
+
+
+def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
+    """An SAE directory -> Sae (float32, on `device`); bad input raises SpecError (one line, exit 2)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise _fail(path, "no such directory (an SAE is a directory holding cfg.json and sae_weights.safetensors)")
+    for name in (CFG, WEIGHTS):
+        if not (path / name).is_file():
+            raise _fail(path, f"{name} is missing (an SAE directory holds {CFG} and {WEIGHTS})")
+    try:
+        raw = json.loads((path / CFG).read_text())
+    except (OSError, ValueError) as err:
+        raise _fail(path, f"{CFG} is not readable JSON ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise _fail(path, f"{CFG} must hold a JSON object")
+    cfg = _config(path, raw)
+    try:
+        weights = load_file(str(path / WEIGHTS), device=str(device))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise _fail(path, f"{WEIGHTS} is not readable safetensors ({str(err).splitlines()[0]})") from None
+    if cfg.architecture == "jumprelu" and "threshold" not in weights and "log_threshold" in weights:
+        weights["threshold"] = weights.pop("log_threshold").float().exp()
+    expected = {"W_enc": (cfg.d_in, cfg.d_sae), "b_enc": (cfg.d_sae,), "W_dec": (cfg.d_sae, cfg.d_in),
+                "b_dec": (cfg.d_in,)}
+    if cfg.architecture == "jumprelu":
+        expected["threshold"] = (cfg.d_sae,)
+    for name, shape in expected.items():
+        if name not in weights:
+            raise _fail(path, f"{WEIGHTS} has no tensor {name} (a {cfg.architecture} SAE needs "
+                              f"{', '.join(expected)}; found {', '.join(sorted(weights)) or 'none'})")
+        got = tuple(weights[name].shape)
+        if got != shape:
+            raise _fail(path, f"{name} has shape {list(got)}, expected {list(shape)} from d_in {cfg.d_in} and "
+                              f"d_sae {cfg.d_sae}")
+        if not torch.isfinite(weights[name].float()).all():
+            raise _fail(path, f"{name} holds NaN or infinite values")
+    return Sae(cfg, **{name: weights[name] for name in expected})
+
+
+def config_dict(cfg: SaeConfig) -> dict:
+    """cfg.json as SAELens 6 writes it."""
+    out = {"architecture": cfg.architecture, "d_in": cfg.d_in, "d_sae": cfg.d_sae, "dtype": "float32",
+           "device": "cpu", "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
+           "normalize_activations": cfg.normalize_activations,
+           "reshape_activations": "hook_z" if cfg.hook_name.endswith("hook_z") else "none"}
+    if cfg.architecture == "topk":
+        out["k"] = cfg.k
+    site = parse_hook_name(cfg.hook_name)
+    meta = {"model_name": cfg.model_name, "hook_name": cfg.hook_name, "hook_layer": site.layer,
+            "hook_head_index": None, "sae_lens_version": SAE_LENS_FORMAT_VERSION, **cfg.metadata}
+    meta["hook_name"] = cfg.hook_name
+    out["metadata"] = meta
+    return out
+
+
+def write_sae(sae: Sae, path: str | Path, extra_files: dict[str, str] | None = None) -> Path:
+    """Write `sae` as an SAELens directory (created if needed); `extra_files`: name -> text written beside."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
+    if sae.threshold is not None:
+        tensors["threshold"] = sae.threshold
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, str(path / WEIGHTS))
+    (path / CFG).write_text(json.dumps(config_dict(sae.cfg), indent=2, allow_nan=False) + "\n")
+    for name, text in (extra_files or {}).items():
+        (path / name).write_text(text)
+    return path

@@ -1,0 +1,34 @@
+"""The token view's code, as `lmtrace serve` serves it and the report inlines it: static/tokenview.js
+and static/tokenview.css (one script for both views), with the probability colour scale of
+`output/prob_colours.py` written into the script, so that the page colours a probability (and a
+missing one) exactly as the report's text and `lmtrace show` do, from one definition."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from ..output.prob_colours import PAGE_STOPS, UNKNOWN
+
+PROB_SCALE_MARK = "null /* PROB_SCALE */"  # where tokenview.js receives the scale
+
+
+def prob_scale() -> dict:
+    """The page's probability scale as the script reads it: {"stops": [[p, [r, g, b]], ...], "missing": colour}."""
+    return {"stops": [[p, list(rgb)] for p, rgb in PAGE_STOPS], "missing": UNKNOWN}
+
+
+def _static(name: str) -> str:
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
+
+
+def token_view_js() -> str:
+    """static/tokenview.js with `prob_scale()` in place of its PROB_SCALE_MARK."""
+    code = _static("tokenview.js")
+    if code.count(PROB_SCALE_MARK) != 1:
+        raise RuntimeError(f"tokenview.js must hold {PROB_SCALE_MARK!r} once")  # a broken install, not user input
+    return code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
+
+
+def token_view_css() -> str:
+    return _static("tokenview.css")

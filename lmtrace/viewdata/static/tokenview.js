@@ -1,0 +1,380 @@
+// lmtrace's token view: one sequence's token strip and, for the selected token, the layer × head
+// attention grid, alternatives, logit-lens column, head DLA and attributions. Shared by `lmtrace serve`
+// (its data source fetches the server's JSON) and `lmtrace report` (its data source reads the JSON the
+// report inlined). A data source is a function path -> Promise of the answer of /api/runs/RUN/<path>.
+// Every text that comes from a run (token texts, prompts, metadata, ids) is inserted with
+// textContent / createTextNode, never as markup.
+"use strict";
+
+window.lmtraceView = (() => {
+  // ---- helpers ---------------------------------------------------------------------------------
+  // A value the run does not have. As an element's text or child it is drawn as `none()`: an empty,
+  // hatched box titled "no value", never a character a token could also be ("-", "–"); inside a
+  // string (a tooltip) it reads "no value".
+  const MISSING = Object.freeze({ toString: () => "no value" });
+  function none() {
+    const node = document.createElement("span");
+    node.className = "none";
+    node.title = "no value";
+    node.setAttribute("role", "img");
+    node.setAttribute("aria-label", "no value");
+    return node;
+  }
+
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(props || {})) {
+      if (v === undefined || v === null) continue;
+      if (k === "class") node.className = v;
+      else if (k === "text" && v === MISSING) node.appendChild(none());
+      else if (k === "text") node.textContent = v;
+      else if (k === "data") Object.assign(node.dataset, v);
+      else if (k === "style") Object.assign(node.style, v);
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) {
+      if (c === null || c === undefined || c === false) continue;
+      if (c === MISSING) { node.appendChild(none()); continue; }
+      node.appendChild(typeof c === "string" || typeof c === "number" ? document.createTextNode(String(c)) : c);
+    }
+    return node;
+  }
+
+  const fmt = (x, d = 3) => (x === null || x === undefined ? MISSING : Number(x).toFixed(d));
+  // a probability: fixed decimals, or 2 significant digits when it would read as 0
+  const fmtP = (x, d = 3) => (x === null || x === undefined ? MISSING
+    : x !== 0 && Math.abs(x) < 0.5 * 10 ** -d ? Number(x).toExponential(1) : Number(x).toFixed(d));
+  // running text (the strip, prompts): newlines and tabs as visible marks, so one token stays on one line
+  const shown = (t) => (t === null || t === undefined ? "" : String(t).replace(/\n/g, "↵").replace(/\t/g, "⇥"));
+  // one token on its own (a table cell, a key label): its leading spaces as ␣ as well, which in
+  // running text are the gaps between words but alone would read as indentation or nothing
+  const shownToken = (t) => shown(t).replace(/^ +/, (s) => "␣".repeat(s.length));
+  // one token in a table cell: boxed, so that a token "-" or "." reads as a token and never as the
+  // page's own punctuation; a token the run does not have is none()
+  const tokenBox = (t) => (t === null || t === undefined ? none()
+    : el("span", { class: "t", title: `token ${JSON.stringify(t)}`, text: shownToken(t) }));
+
+  function mix(a, b, t) { return a.map((x, i) => Math.round(x + (b[i] - x) * t)); }
+  // probability: orange (0) → light grey (0.5) → blue (1). The scale is lmtrace/output/prob_colours.py's
+  // (the report's text and `lmtrace show` use it too), written in here when the script is served
+  // (viewdata/page_code.py): {"stops": [[p, [r, g, b]], ...], "missing": colour of a missing value}
+  const PROB_SCALE = null /* PROB_SCALE */;
+  const hex2 = (x) => x.toString(16).padStart(2, "0");
+  // Python's round(): halves to the even neighbour (Math.round takes them up)
+  function roundEven(x) { const r = Math.round(x); return Math.abs(x % 1) === 0.5 && r % 2 !== 0 ? r - 1 : r; }
+  // page_colour of prob_colours.py, the same arithmetic: linear between the stops, p clamped to 0..1
+  function probColour(p) {
+    if (typeof p !== "number" || !Number.isFinite(p)) return PROB_SCALE.missing;
+    const q = Math.max(0, Math.min(1, p)), stops = PROB_SCALE.stops;
+    for (let i = 0; i + 1 < stops.length; i++) {
+      const [p0, c0] = stops[i], [p1, c1] = stops[i + 1];
+      if (q <= p1) {
+        const t = (q - p0) / (p1 - p0);
+        return "#" + c0.map((a, j) => hex2(roundEven(a + (c1[j] - a) * t))).join("");
+      }
+    }
+    return "#" + stops[stops.length - 1][1].map(hex2).join("");
+  }
+  const WHITE = [247, 251, 255], MID = [107, 174, 214], DARK = [8, 48, 107];
+  // attention weight: white (0) → dark blue (1); on the log scale 0.001 (and below) → 1
+  let logScale = false;
+  const LOG_DECADES = 3;
+  function weightColour(w) {
+    const v = w || 0;
+    const x = logScale ? (v <= 0 ? 0 : Math.max(0, Math.min(1, 1 + Math.log10(v) / LOG_DECADES)))
+      : Math.max(0, Math.min(1, v));
+    const c = x < 0.5 ? mix(WHITE, MID, x / 0.5) : mix(MID, DARK, (x - 0.5) / 0.5);
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+  function weightText(w) {
+    const v = w || 0;
+    const x = logScale ? (v <= 0 ? 0 : 1 + Math.log10(v) / LOG_DECADES) : v;
+    return x > 0.55 ? "#fff" : "#1b1f24";
+  }
+  // signed values (effects, attributions, DLA): orange (negative) → light → blue (positive), by |v| / max
+  const LIGHT = [247, 247, 247];
+  function signedColour(v, max) {
+    const t = Math.min(1, Math.abs(v || 0) / (max || 1));
+    const c = (v || 0) >= 0 ? mix(LIGHT, [33, 102, 172], t) : mix(LIGHT, [230, 97, 1], t);
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+  const absMax = (values) => Math.max(1e-12, ...values.filter((v) => v !== null && v !== undefined).map((v) => Math.abs(v)));
+
+  // replaceChildren writes null as the text "null": leave absent parts out
+  function put(node, ...children) { node.replaceChildren(...children.filter((c) => c !== null && c !== undefined && c !== false)); }
+
+  function showError(err, where) {
+    where.replaceChildren(el("p", { class: "error", text: String(err.message || err) }));
+  }
+
+  // Ranks are stored 0-based (tokens.parquet, steps.parquet); shown from 1 like the alternatives, as `show` does.
+  function rank1(r) { return r == null ? MISSING : String(r + 1); }
+
+  // heads' pattern and grid views kept while moving between tokens (and pages)
+  let gridView = "heads";
+
+  // ---- one sequence ------------------------------------------------------------------------------
+  // tokenView(source, data, opts) -> { legend, strip, detail, select(step, push), keydown(event), steps }
+  //   data: the answer of sequences/SEQ; opts.prefix: prepended to every element id (several views on
+  //   one page); opts.alive(): false once the view is gone (answers for it are dropped);
+  //   opts.onSelect(step, push): told of every selection (serve puts it in the address).
+  function tokenView(source, data, opts = {}) {
+    const v = { source, seq: data.sequence, id: (n) => (opts.prefix || "") + n, alive: opts.alive || (() => true),
+      pickedHeads: [], stepRequest: 0 };
+    const steps = data.tokens.filter((t) => t.step !== null).map((t) => t.step);
+    const strip = el("div", { class: "strip", id: v.id("strip"), tabindex: "0" }, ...data.tokens.map((t) => t.step === null
+      ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
+      : el("span", { class: "tok gen", text: shown(t.text), data: { step: t.step },
+        title: `step ${t.step} · p ${fmtP(t.prob)} · rank ${rank1(t.token_rank)} · entropy ${fmt(t.entropy)}`,
+        style: { background: probColour(t.prob) }, onclick: () => { strip.focus({ preventScroll: true }); select(t.step); } })));
+    const legend = el("div", { class: "legend" }, "probability of the chosen token: ",
+      ...[0, 0.25, 0.5, 0.75, 1].map((p) => el("span", { class: "tok", style: { background: probColour(p) }, text: String(p) })),
+      " · click a generated token or use ", el("kbd", { text: "←" }), " ", el("kbd", { text: "→" }));
+    const detail = el("div", { id: v.id("detail"), class: "detail" });
+    let current = null;
+    function select(s, push = true) {
+      if (!steps.includes(s)) return;
+      current = s;
+      for (const node of strip.querySelectorAll(".tok.sel")) node.classList.remove("sel");
+      const node = strip.querySelector(`.tok.gen[data-step="${s}"]`);
+      if (node) {
+        node.classList.add("sel");
+        // scroll the strip only, not the page: the strip is the box that holds the token
+        const top = node.offsetTop - strip.offsetTop;
+        if (top < strip.scrollTop || top > strip.scrollTop + strip.clientHeight - node.offsetHeight) strip.scrollTop = top - strip.clientHeight / 2;
+      }
+      if (opts.onSelect) opts.onSelect(s, push);
+      loadStep(v, s, detail);
+    }
+    function keydown(e) {
+      if (current === null || e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
+      const i = steps.indexOf(current);
+      if (e.key === "ArrowRight" && i < steps.length - 1) { e.preventDefault(); select(steps[i + 1]); }
+      if (e.key === "ArrowLeft" && i > 0) { e.preventDefault(); select(steps[i - 1]); }
+    }
+    if (!steps.length) detail.replaceChildren(el("p", { class: "note", text: "no committed generated token yet" }));
+    return { legend, strip, detail, select, keydown, steps };
+  }
+
+  async function loadStep(v, step, detail) {
+    const mine = ++v.stepRequest;
+    detail.dataset.loading = "1";
+    let d;
+    try {
+      d = await v.source(`sequences/${v.seq}/steps/${step}`);
+    } catch (e) {
+      if (mine === v.stepRequest && v.alive()) { showError(e, detail); detail.dataset.step = String(step); delete detail.dataset.loading; }
+      return;
+    }
+    if (mine !== v.stepRequest || !v.alive()) return;
+    const left = el("div", {}, tokenPanel(v, d), lensPanel(v, d.lens));
+    const right = el("div", {}, attentionPanel(v, d), d.head_dla ? dlaPanel(v, d.head_dla) : null,
+      d.attributions ? attributionPanel(v, d.attributions) : null);
+    detail.replaceChildren(el("div", { class: "panels" }, left, right));
+    detail.dataset.step = String(step);
+    delete detail.dataset.loading;
+  }
+
+  function tokenPanel(v, d) {
+    const t = d.token;
+    if (!t) return el("div", { class: "panel" }, el("p", { class: "note", text: "no token row for this step" }));
+    const facts = el("table", { class: "list" }, el("tbody", {},
+      ...[["step", d.step], ["position", t.position], ["probability", fmtP(t.prob, 4)], ["rank (1 = top-1)", rank1(t.token_rank)],
+        ["entropy", fmt(t.entropy)], ["margin (top-1 − top-2)", fmt(t.margin)], ["greedy choice", tokenBox(t.greedy)]].map(([k, x]) =>
+        el("tr", {}, el("th", { text: k }), el("td", { class: k === "greedy choice" ? "mono" : "num" }, x ?? MISSING)))));
+    const alts = el("table", { class: "list", id: v.id("alternatives") },
+      el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
+      el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono" }, tokenBox(a.text)),
+        el("td", { class: "num", text: fmtP(a.prob, 4) })))));
+    return el("div", { class: "panel", id: v.id("token-panel") }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shownToken(t.token) })),
+      facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
+  }
+
+  function lensPanel(v, lens) {
+    const box = el("div", { class: "panel", id: v.id("lens-panel") }, el("h2", { text: "Logit lens" }));
+    if (lens.state === "none") { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
+    if (lens.state === "pending") { box.appendChild(el("p", { class: "note", text: lens.note })); return box; }
+    box.appendChild(el("table", { class: "list", id: v.id("lens") },
+      el("thead", {}, el("tr", {}, ...["layer", "top-1", "p", "chosen rank (1 = top-1)", "chosen p"].map((h) => el("th", { text: h })))),
+      el("tbody", {}, ...lens.rows.map((r) => el("tr", { data: { layer: r.layer } }, el("td", { class: "num", text: r.layer }),
+        el("td", { class: "mono" }, tokenBox(r.top1)), el("td", { class: "num", text: fmtP(r.top1_prob) }),
+        el("td", { class: "num", text: rank1(r.target_rank) }), el("td", { class: "num", text: fmtP(r.target_prob) }))))));
+    return box;
+  }
+
+  function attentionPanel(v, d) {
+    const box = el("div", { class: "panel", id: v.id("attention-panel") }, el("h2", { text: "Attention" }));
+    const a = d.attention;
+    if (!a) { box.appendChild(el("p", { class: "note", text: "not captured in this run" })); return box; }
+    const views = el("select", { id: v.id("grid-view") }, ...[["heads", "every head: its most-attended key"], ["mean", "mean over heads, every key"],
+      ["max", "max over heads, every key"]].map(([x, t]) => el("option", { value: x, text: t })));
+    views.value = gridView;
+    const logBox = el("input", { type: "checkbox", id: v.id("log-scale") });
+    logBox.checked = logScale;
+    const gridBox = el("div", {});
+    const patterns = el("div", { id: v.id("head-patterns") });
+    // the mean / max over heads (layers x every key: the larger answer, its own route) is asked of the
+    // data source when first shown
+    let overHeads; // undefined until answered (null: the run has no attention)
+    const draw = async () => {
+      const view = gridView;
+      if (view === "heads") { gridBox.replaceChildren(headsGrid(v, d, box, patterns)); return; }
+      if (overHeads === undefined) {
+        gridBox.replaceChildren(el("p", { class: "note", text: "loading…" }));
+        try {
+          overHeads = await v.source(`sequences/${v.seq}/steps/${d.step}/over_heads`);
+        } catch (e) { if (view === gridView) showError(e, gridBox); return; }
+      }
+      if (view === gridView) gridBox.replaceChildren(overHeadsGrid(v, overHeads, view));
+    };
+    views.addEventListener("change", () => { gridView = views.value; draw(); });
+    logBox.addEventListener("change", () => {
+      logScale = logBox.checked;
+      draw();
+      for (const n of box.querySelectorAll("[data-w]")) {
+        const w = n.dataset.w === "" ? null : Number(n.dataset.w);
+        if (w !== null) { n.style.background = weightColour(w); n.style.color = weightText(w); }
+      }
+    });
+    box.appendChild(el("div", { class: "controls" }, views, el("label", {}, logBox, " log colour scale (0.001 – 1)")));
+    box.appendChild(gridBox);
+    draw();
+    box.appendChild(patterns);
+    for (const [layer, head] of v.pickedHeads) loadPattern(v, d.step, layer, head, patterns);
+    return box;
+  }
+
+  function overHeadsGrid(v, o, which) {
+    if (!o) return el("p", { class: "note", text: "not available" });
+    const head = el("tr", {}, el("th", { text: "layer \\ key" }), ...o.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shownToken(k) })));
+    const rows = o[which].map((row, li) => el("tr", {}, el("th", { text: `L${o.layers[li]}` }),
+      ...row.map((w, k) => el("td", { class: "cell", data: { layer: o.layers[li], key: k, w: w ?? "" },
+        title: `layer ${o.layers[li]}, key ${k} ${JSON.stringify(o.keys[k])}: ${which} over heads ${fmt(w, 4)}`,
+        style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
+    return el("div", { class: "scroll" }, el("table", { class: "grid over-heads", id: v.id(`attention-${which}`) }, el("thead", {}, head), el("tbody", {}, ...rows)));
+  }
+
+  function headsGrid(v, d, box, patterns) {
+    const a = d.attention;
+    const wrap = el("div", {}, el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row and its pattern over every step.` }));
+    const rowBox = el("div", { id: v.id("head-row") });
+    const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
+    const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
+      ...cells.map((c, h) => {
+        const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight },
+          title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}`,
+          style: { background: weightColour(c.weight), color: weightText(c.weight) } },
+        el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shownToken(c.text) }));
+        td.addEventListener("click", () => {
+          for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
+          td.classList.add("picked");
+          loadHeadRow(v, d.step, a.layers[li], h, rowBox);
+          if (!v.pickedHeads.some(([l, x]) => l === a.layers[li] && x === h)) {
+            v.pickedHeads.push([a.layers[li], h]);
+            loadPattern(v, d.step, a.layers[li], h, patterns);
+          }
+        });
+        return td;
+      })));
+    wrap.appendChild(el("table", { class: "grid", id: v.id("attention-grid") }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    wrap.appendChild(rowBox);
+    return wrap;
+  }
+
+  async function loadPattern(v, step, layer, head, patterns) {
+    const holder = el("div", { class: "pattern", data: { layer, head } }, el("p", { class: "note", text: "loading…" }));
+    patterns.appendChild(holder);
+    let p;
+    try { p = await v.source(`sequences/${v.seq}/attention/${layer}/${head}`); } catch (e) { showError(e, holder); return; }
+    const close = el("button", { class: "close", title: "stop showing this head", text: "×" });
+    close.addEventListener("click", () => {
+      const i = v.pickedHeads.findIndex(([l, x]) => l === layer && x === head);
+      if (i >= 0) v.pickedHeads.splice(i, 1);
+      holder.remove();
+    });
+    const headRow = el("tr", {}, el("th", { text: "step \\ key" }), ...p.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shownToken(k) })));
+    const rows = p.rows.map((row, s) => el("tr", { class: s === step ? "current" : null, data: { step: s } },
+      el("th", { class: "mono", title: `step ${s} chose ${JSON.stringify(p.chosen[s])}`, text: `${s}:${shownToken(p.chosen[s])}` }),
+      ...row.map((w, k) => w === null ? el("td", { class: "cell void" })
+        : el("td", { class: "cell", data: { key: k, w }, title: `step ${s}, key ${k} ${JSON.stringify(p.keys[k])}: ${fmt(w, 4)}`,
+          style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
+    holder.replaceChildren(el("h3", {}, `Layer ${layer}, head ${head}: attention over steps ${p.dense ? "" : "(top-k keys; others 0)"}`, close),
+      el("div", { class: "scroll" }, el("table", { class: "grid pattern-grid" }, el("thead", {}, headRow), el("tbody", {}, ...rows))));
+  }
+
+  function attributionPanel(v, groups) {
+    const box = el("div", { class: "panel", id: v.id("attribution-panel") }, el("h2", { text: "Attributions (lmtrace explain)" }));
+    if (!groups.length) { box.appendChild(el("p", { class: "note", text: "no explain result for this step (`lmtrace explain RUN STEPS --sequence N`)" })); return box; }
+    for (const g of groups) {
+      const max = absMax(g.scores.map((x) => x.score));
+      box.appendChild(el("div", { class: "attribution", data: { method: g.method, explain: g.explain_id } },
+        el("h3", { text: `${g.method} · ${g.target || "no target"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
+        el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
+          data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
+          style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
+        shownToken(x.text), el("small", { text: fmt(x.score, 3) })))),
+        g.components ? componentsBlock(g.components) : null));
+    }
+    return box;
+  }
+
+  // a signed number's cell: its value in data-value (as sent), its colour by |value| / max
+  function signedCell(x, max, data) {
+    return el("td", { class: "cell num", data: { ...data, value: x ?? "" }, text: fmt(x, 4),
+      style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } });
+  }
+
+  // A method's relevance per component (lrp): per layer (attention, MLP, ...), per layer and head, and
+  // how well the token relevance conserves the explained quantity.
+  function componentsBlock(c) {
+    const names = Object.keys(c.per_layer || {});
+    const box = el("div", { class: "components" });
+    const k = c.conservation || {};
+    if ("conservation_error" in k) {
+      box.appendChild(el("p", { class: "note conservation", data: { error: k.conservation_error ?? "", relative: k.conservation_error_relative ?? "" },
+        text: `conservation: f = ${fmt(k.f_x, 4)}, Σ scores + bias = ${fmt((k.sum_scores ?? NaN) + (k.bias_relevance ?? NaN), 4)}, `
+          + `error ${k.conservation_error === null ? "not recorded" : Number(k.conservation_error).toExponential(2)} `
+          + `(relative ${k.conservation_error_relative === null || k.conservation_error_relative === undefined ? "not recorded" : Number(k.conservation_error_relative).toExponential(2)})` }));
+    }
+    if (names.length) {
+      const max = absMax(names.flatMap((n) => c.per_layer[n]));
+      box.appendChild(el("table", { class: "grid per-layer" },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer" }), ...names.map((n) => el("th", { text: n.replace(/_/g, " ") })))),
+        el("tbody", {}, ...c.layers.map((layer, li) => el("tr", { data: { layer } }, el("th", { text: `L${layer}` }),
+          ...names.map((n) => signedCell(c.per_layer[n][li], max, { component: n })))))));
+    }
+    if (c.heads) {
+      const max = absMax(c.heads.flat());
+      box.appendChild(el("h3", { text: "Relevance per head (rows = layers)" }));
+      box.appendChild(el("table", { class: "grid head-relevance" },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...c.heads[0].map((_, h) => el("th", { text: `H${h}` })))),
+        el("tbody", {}, ...c.heads.map((row, li) => el("tr", {}, el("th", { text: `L${c.layers[li]}` }),
+          ...row.map((x, h) => signedCell(x, max, { layer: c.layers[li], head: h })))))));
+    }
+    return box;
+  }
+
+  async function loadHeadRow(v, step, layer, head, box) {
+    box.replaceChildren(el("p", { class: "note", text: "loading…" }));
+    let r;
+    try { r = await v.source(`sequences/${v.seq}/steps/${step}/attention/${layer}/${head}`); } catch (e) { showError(e, box); return; }
+    box.replaceChildren(el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
+      el("div", { class: "row-keys", data: { layer, head } }, ...r.keys.map((k) => el("span", {
+        class: "tok key", data: { key: k.key, weight: k.weight, w: k.weight ?? "" }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
+        style: { background: weightColour(k.weight), color: weightText(k.weight) } },
+      shownToken(k.text), el("small", { text: fmt(k.weight) })))));
+  }
+
+  function dlaPanel(v, dla) {
+    const max = Math.max(1e-9, ...dla.values.flat().map((x) => Math.abs(x || 0)));
+    return el("div", { class: "panel", id: v.id("dla-panel") }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
+      el("table", { class: "grid", id: v.id("dla-grid") },
+        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
+        el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
+          ...row.map((x) => el("td", { class: "cell", text: fmt(x), style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } })))))));
+  }
+
+  return { el, put, fmt, fmtP, shown, shownToken, tokenBox, none, MISSING, probColour, signedColour, absMax, showError, rank1,
+    tokenView };
+})();
