@@ -1,7 +1,9 @@
 """Interventions as data: typed entries (where + when), validated against a model, installed as hooks.
 
 Edits of a module's input are torch forward pre-hooks; edits of its output are taps
-(`lmtrace/capture/taps.py`, through `component_hooks.py`) added first, so the probes' taps on the same module record the edited output.
+(`lmtrace/capture/taps.py`) added first, so the probes' taps on the same module record the edited
+output. Edits of a head, a neuron, a block's output or the residual stream go through
+`lmtrace/capture/component_hooks.py`, the hooks the sweep's patches use too.
 
 Every kind edits the real forward pass; nothing perturbs logits after the fact. An edit active at
 step s applies to the positions the forward computes at that step (all prompt positions at the
