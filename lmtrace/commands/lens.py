@@ -5,10 +5,11 @@ archives, at every captured layer, the residual stream after the layer in float3
 exact tensor the inline lens reads. `lmtrace lens` later applies the same final norm + unembedding
 (`LogitLens`, same dtype mode) to those rows (`analysis/deferred_lens.py`), writes `lens_ids` /
 `lens_probs` with the chunking and codec of the run (`archive/lens_arrays.py`), adds `lens_top1`,
-`lens_top1_prob`, `lens_margin` to `steps.parquet`, and only then records `lens.computed` in the manifest. The result is what an inline run would have archived,
-bit for bit: each step's product has the rows the inline lens had (the generation batch's
-sequences × the captured layers), because a CPU matrix product can round a row differently
-depending on its place in the product (docs/archive.md, "Logit-lens precision and cost").
+`lens_top1_prob`, `lens_margin` to `steps.parquet`, and only then records `lens.computed` in the
+manifest. The result is what an inline run would have archived, bit for bit: each step's product
+has the rows the inline lens had (the generation batch's sequences × the captured layers), because
+a CPU matrix product can round a row differently depending on its place in the product
+(docs/archive.md, "Logit-lens precision and cost").
 
 Why deferred by default: on a CPU the lens over every layer is ~1.7 GFLOP per step for a 135M
 model, more than its own decode step (docs/archive.md, "Cost"); done later it costs nothing during
