@@ -15,7 +15,7 @@ Two precisions (`capture.lens.dtype`):
 
 When it runs: with `capture.lens.when: inline` the probes call it once per step for all captured
 layers; with `deferred` (the default) `lmtrace lens` calls it later on the archived float32
-residuals, one product per step over the same rows the inline lens had (lmtrace/commands/lens.py),
+residuals, one product per step over the same rows the inline lens had (lmtrace/analysis/deferred_lens.py),
 which gives the same values bit for bit. Computing
 the inline lens per block on the archive writer's thread was tried and measured no faster on a
 2-core CPU: the ~25 ms of single-core work per step competes with the forward for the same cores

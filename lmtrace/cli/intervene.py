@@ -9,6 +9,7 @@ from rich.console import Console
 
 from ..exits.errors import SpecError
 from ..capture.interventions import shorthand_entries
+from ..analysis.intervention_effects import summarize
 from ..commands.intervene import run_intervene
 
 
@@ -27,25 +28,6 @@ def _read_edit_spec(path: Path) -> dict:
     if unknown:
         raise SpecError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: interventions, mode, from_step")
     return data
-
-
-def summarize(effects) -> dict:
-    """Per sequence: first step whose chosen token differs from the parent's, and the largest effects."""
-    out = []
-    for seq, e in effects.groupby("sequence"):
-        changed = e[e.child_token != e.parent_token]
-        same = e[e.context_identical]
-        first = changed.sort_values("step").iloc[0] if len(changed) else None
-        out.append({
-            "sequence": int(seq),
-            "first_divergence_step": int(first.step) if first is not None else None,
-            "first_divergence": (None if first is None or "parent_token_text" not in e else
-                                 {"parent": first.parent_token_text, "child": first.child_token_text}),
-            "winner_changes": int(same.winner_changed.fillna(False).sum()),
-            "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
-            "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
-        })
-    return {"sequences": out}
 
 
 def _with_lens(result, lens: bool, progress) -> dict:

@@ -6,11 +6,8 @@ Modes:
   regenerate  replays the parent's tokens up to the first edited step, then samples anew with the
               parent's seed and sampling settings (the same per-(seed, sequence, step) draws).
 
-effects.parquet (one row per sequence and child step): the parent's token, the child's top-1,
-logprob of the parent's token before (archived) and after (child), margin shift, KL(parent || child)
-on the tokens both archives store at the step plus one tail bucket (`analysis.compare.stored_kl`, the
-KL `compare` reports), and whether the winner changed; the four
-token ids also as text (`parent_token_text`, ..., from the child's vocab.parquet).
+The child's effects.parquet (one row per sequence and child step: what the edits changed) is
+recorded by `analysis/intervention_effects.EffectsRecorder` while the child runs.
 
 What an edit needs beyond the parent's archive is prepared before the child's run directory is
 created, so a bad request leaves nothing behind: chat spans (from the tokenizer), and, once the
@@ -21,38 +18,22 @@ forced) and each MoE router's routing rule (`routing_rule`).
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import torch
 import yaml
 
-from ..analysis.compare import stored_kl, stored_logprobs
-from ..analysis.compare.values import finite
-from ..archive import parquet_io
-from ..archive.reader import Run, Vocabulary, open_run
+from ..analysis.intervention_effects import EffectsRecorder
+from ..archive.reader import Run, open_run
 from ..exits.errors import LmtraceError, SpecError
-from ..archive.files import atomic_write_parquet
-from ..archive.layout import EFFECTS
 from ..runner.generation import GenerateResult, Progress, Replay, run_generate
 from ..runner.parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
 from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
                                      PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
                                      patch_source, routing_rule, validate_against)
 from ..spec.run_spec import build_spec
-
-# A finished batch's effects rows, until the child completes (a resumed child skips finished batches)
-EFFECTS_PARTS = "effects.parts"
-TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
-EFFECTS_SCHEMA = pa.schema(
-    [(c, pa.int64()) for c in ("sequence", "step")] + [("context_identical", pa.bool_())]
-    + [(c, pa.int64()) for c in ("parent_token", "child_token", "child_top1", "parent_top1")]
-    + [(c, pa.float64()) for c in ("parent_logprob", "child_logprob_of_parent_token", "logprob_shift", "parent_margin",
-                                   "child_margin", "margin_shift", "kl_parent_child_topk")]
-    + [("winner_changed", pa.bool_())])
 
 
 class ParentTeacher:
@@ -75,90 +56,6 @@ class ParentTeacher:
             else:
                 rows.append([-1] * (self.k + 1))
         return rows
-
-
-class EffectsRecorder:
-    """A StepSink collecting one effects row per active sequence and step; each finished batch's rows
-    go to effects.parts/ (`batch_done`), and `write` joins them into effects.parquet."""
-
-    def __init__(self, parent: ParentView):
-        self.p = parent
-        self.rows: dict[str, list] = {f.name: [] for f in EFFECTS_SCHEMA}  # the current batch's
-        self.diverged: dict[int, bool] = {}
-        self.final: pa.Table | None = None
-
-    def on_step(self, r) -> None:
-        c = r.choice
-        seq_ids = r.seq_ids
-        for b in np.flatnonzero(r.active):
-            seq, step = seq_ids[b], r.step
-            have_parent = step < len(self.p.generated[seq])
-            identical = not self.diverged.get(seq, False) and have_parent
-            parent_tok = self.p.generated[seq][step] if have_parent else None
-            child_tok = int(c.token[b])
-            ref = c.ref_logprobs[b].numpy() if c.ref_logprobs is not None else None
-            after = float(ref[0]) if have_parent and ref is not None else None
-            before = self.p.logprob[seq][step] if have_parent else None
-            # KL(parent ‖ child) from what the two archives store at this step, as `compare` computes it
-            kl = (finite(stored_kl(stored_logprobs(self.p.alts[seq][step], self.p.alt_logprobs[seq][step],
-                                                   parent_tok, self.p.logprob[seq][step]),
-                                   stored_logprobs(c.alt_ids[b].tolist(), c.alt_logprobs[b].tolist(), child_tok,
-                                                   float(c.logprob[b]))))
-                  if have_parent and identical else None)
-            values = {
-                "sequence": seq, "step": step, "context_identical": identical, "parent_token": parent_tok,
-                "child_token": child_tok, "child_top1": int(c.greedy_token[b]),
-                "parent_top1": self.p.greedy[seq][step] if have_parent else None,
-                "parent_logprob": before, "child_logprob_of_parent_token": after if identical else None,
-                # the comparisons below are only meaningful on the parent's own context: null once it differs
-                "logprob_shift": after - before if identical and after is not None and before is not None else None,
-                "parent_margin": self.p.margin[seq][step] if have_parent else None,
-                "child_margin": float(c.margin[b]),
-                "margin_shift": float(c.margin[b]) - self.p.margin[seq][step] if identical else None,
-                "kl_parent_child_topk": kl,
-                "winner_changed": int(c.greedy_token[b]) != self.p.greedy[seq][step] if identical else None,
-            }
-            for k, v in values.items():
-                self.rows[k].append(v)
-            if parent_tok is None or child_tok != parent_tok:
-                self.diverged[seq] = True
-
-    def batch_done(self, run_dir: Path, batch: int) -> None:
-        """Keep a finished batch's rows in effects.parts/ (written whole or not at all), before the
-        batch is committed: a resumed child skips it, and replays an unfinished one from step 0."""
-        parts = run_dir / EFFECTS_PARTS
-        parts.mkdir(exist_ok=True)
-        atomic_write_parquet(pa.table(self.rows, schema=EFFECTS_SCHEMA), parts / f"batch-{batch:06d}.parquet")
-        self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
-
-    def batch_abandoned(self, seq_ids: list[int]) -> None:
-        """A batch that ran out of memory is run again as halves, each from step 0 (replayed): drop its rows."""
-        self.rows = {f.name: [] for f in EFFECTS_SCHEMA}
-        for seq in seq_ids:
-            self.diverged.pop(seq, None)
-
-    def write(self, run_dir: Path) -> None:
-        """effects.parquet from the batches' rows, with the text of each id column (`<column>_text`,
-        null where the id is) from the child's own vocabulary (generate wrote it first)."""
-        parts = run_dir / EFFECTS_PARTS
-        files = sorted(parts.glob("batch-*.parquet")) if parts.is_dir() else []
-        if not files and (run_dir / EFFECTS).is_file():  # a finalisation killed after it wrote it
-            self.final = parquet_io.read_table(run_dir / EFFECTS)
-            return
-        table = pa.concat_tables([parquet_io.read_table(f) for f in files]) if files else EFFECTS_SCHEMA.empty_table()
-        vocabulary = Vocabulary.read(run_dir)
-        for col in TEXT_COLUMNS:
-            ids = table.column(col).to_pylist()
-            texts = vocabulary.text([-1 if i is None else i for i in ids])
-            table = table.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
-                                                                pa.string()))
-        atomic_write_parquet(table, run_dir / EFFECTS)
-        shutil.rmtree(parts, ignore_errors=True)
-        self.final = table
-
-    def table(self) -> pa.Table:
-        """effects.parquet's table, once `write` has written it."""
-        return self.final
 
 
 def _child_spec(parent: Run, runs_dir: str | None, run_id: str | None, temperature: float | None, max_new: int | None):
@@ -372,6 +269,34 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
     """What a child replays: the edits checked against the parent, what they need from the parent's
     archive, and the replay of the parent's prompts (teacher, edits, effects) for run_generate."""
     entries = parse_entries(entries_data, "interventions")
+    _check_against_parent(entries, parent)
+    view = ParentView.read(parent)
+    check_edits_reach(entries, view, from_step)
+    edits = _LazyEdits(entries, view, progress)
+    edits.read_archives(parent)
+
+    first_edit = min((e.first_step() for e in entries), default=from_step or 0)
+    if mode == "rescore":
+        force_until = [len(g) for g in view.generated]
+        max_new = max(force_until)
+    else:
+        force_until = [min(first_edit, len(g)) for g in view.generated]
+        max_new = None
+    effects = EffectsRecorder(view)
+    replay = Replay(
+        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids, metadata=prompt_metadata_of(parent),
+        teacher=ParentTeacher(view, force_until), edits=edits if entries else None, observer=effects,
+        manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
+                        "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
+                        "from_step": from_step, "first_edited_step": first_edit},
+        finalize=effects.write, batch_done=effects.batch_done, batch_abandoned=effects.batch_abandoned,
+        on_model=edits.prepare, parent=(parent.id, parent.manifest),
+    )
+    return _Plan(replay, effects, max_new)
+
+
+def _check_against_parent(entries: list, parent: Run) -> None:
+    """The entries' layers, heads, neurons, experts and sequences exist in the parent's model and run."""
     shape, cfg = parent.shape, parent.manifest["model"]["config"]
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
     family = parent.manifest["model"].get("architecture_family")
@@ -381,71 +306,59 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
     if family == "moe" and any(isinstance(e, AblateNeurons) for e in entries):
         raise SpecError("ablate_neurons: mixture-of-experts models have no single MLP down-projection (experts are "
                         "fused); ablate the MLP block (ablate_mlp) or a layer instead")
-    view = ParentView.read(parent)
-    n_seq = len(view.prompt_ids)
-    check_edits_reach(entries, view, from_step)
 
-    resources: dict[int, object] = {}
-    tokenizer = None
-    sources: dict[int, Run] = {}
-    for i, e in enumerate(entries):
-        where = f"interventions[{i}] ({e.kind})"
-        if isinstance(e, Steer):
-            resources[i] = load_steer_vector(e, shape["d_model"], lambda ref: open_run(ref, parent.path.parent))
-        elif isinstance(e, PatchResidual):
-            resources[i] = patch_source(e, lambda ref: open_run(ref, parent.path.parent))
-        elif isinstance(e, PatchHead):
-            sources[i] = check_patch_head_source(e, parent, n_seq, where)
-        elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
-            tokenizer = tokenizer or tokenizer_of(parent)
-            resources[i] = chat_span_ranges(parent, view, e.span, where, tokenizer)
-    if sources and tokenizer is None:
-        tokenizer = tokenizer_of(parent)
 
-    first_edit = min((e.first_step() for e in entries), default=from_step or 0)
-    if mode == "rescore":
-        force_until = [len(g) for g in view.generated]
-        max_new = max(force_until)
-    else:
-        force_until = [min(first_edit, len(g)) for g in view.generated]
-        max_new = None
-    holder: dict[str, EditSet] = {}
+class _LazyEdits:
+    """The child's `Edits`: what the entries need from archives is read first (`read_archives`), what
+    needs the model once it is loaded (`prepare`, before the child's run directory exists); the
+    EditSet built then installs the hooks (they need the child's modules)."""
 
-    def prepare(adapter) -> None:
+    def __init__(self, entries: list, view: ParentView, progress: Progress | None):
+        self.entries, self.view, self.progress = entries, view, progress
+        self.n_seq = len(view.prompt_ids)
+        self.resources: dict[int, object] = {}
+        self.sources: dict[int, Run] = {}
+        self.tokenizer = None
+        self.edits: EditSet | None = None
+
+    def read_archives(self, parent: Run) -> None:
+        """Steering vectors, patch_residual values, patch_head source runs (checked) and chat spans."""
+        for i, e in enumerate(self.entries):
+            where = f"interventions[{i}] ({e.kind})"
+            if isinstance(e, Steer):
+                self.resources[i] = load_steer_vector(e, parent.shape["d_model"],
+                                                      lambda ref: open_run(ref, parent.path.parent))
+            elif isinstance(e, PatchResidual):
+                self.resources[i] = patch_source(e, lambda ref: open_run(ref, parent.path.parent))
+            elif isinstance(e, PatchHead):
+                self.sources[i] = check_patch_head_source(e, parent, self.n_seq, where)
+            elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
+                self.tokenizer = self.tokenizer or tokenizer_of(parent)
+                self.resources[i] = chat_span_ranges(parent, self.view, e.span, where, self.tokenizer)
+        if self.sources and self.tokenizer is None:
+            self.tokenizer = tokenizer_of(parent)
+
+    def prepare(self, adapter) -> None:
         """Runs once the child's model is loaded, before its run directory exists: what needs the model."""
-        resources.update(mean_ablation_values(entries, adapter,
-                                              lambda: [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)],
-                                              progress.message if progress is not None else None))
-        for i, e in enumerate(entries):
+        view, n_seq, progress = self.view, self.n_seq, self.progress
+        self.resources.update(mean_ablation_values(
+            self.entries, adapter, lambda: [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)],
+            progress.message if progress is not None else None))
+        for i, e in enumerate(self.entries):
             where = f"interventions[{i}] ({e.kind})"
             if isinstance(e, PatchHead):
                 if progress is not None:
-                    progress.message(f"replaying source run {sources[i].id} for head {e.layer}.{e.head}")
-                resources[i] = head_patch_source(e, sources[i], adapter, tokenizer, n_seq)
+                    progress.message(f"replaying source run {self.sources[i].id} for head {e.layer}.{e.head}")
+                self.resources[i] = head_patch_source(e, self.sources[i], adapter, self.tokenizer, n_seq)
             elif isinstance(e, MaskExperts):
-                resources[i] = routing_rule(adapter, e.layer, where)
-        holder["edits"] = EditSet(entries, adapter, {s: len(view.prompt_ids[s]) for s in range(n_seq)}, resources)
+                self.resources[i] = routing_rule(adapter, e.layer, where)
+        self.edits = EditSet(self.entries, adapter, {s: len(view.prompt_ids[s]) for s in range(n_seq)}, self.resources)
 
-    class _LazyEdits:
-        """The EditSet `prepare` built (the hooks need the child's modules)."""
+    def attached(self):
+        return self.edits.attached()
 
-        def attached(self):
-            return holder["edits"].attached()
+    def begin(self, *a):
+        return self.edits.begin(*a)
 
-        def begin(self, *a):
-            return holder["edits"].begin(*a)
-
-        def edit_mask(self, *a):
-            return holder["edits"].edit_mask(*a)
-
-    effects = EffectsRecorder(view)
-    replay = Replay(
-        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids, metadata=prompt_metadata_of(parent),
-        teacher=ParentTeacher(view, force_until), edits=_LazyEdits() if entries else None, observer=effects,
-        manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
-                        "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
-                        "from_step": from_step, "first_edited_step": first_edit},
-        finalize=effects.write, batch_done=effects.batch_done, batch_abandoned=effects.batch_abandoned, on_model=prepare,
-        parent=(parent.id, parent.manifest),
-    )
-    return _Plan(replay, effects, max_new)
+    def edit_mask(self, *a):
+        return self.edits.edit_mask(*a)

@@ -2,13 +2,14 @@
 
 With `capture.lens.when: deferred` (the default) `generate` does not run the lens per step: it
 archives, at every captured layer, the residual stream after the layer in float32 (`resid`) — the
-exact tensor the inline lens reads. This module later applies the same final norm + unembedding
-(`LogitLens`, same dtype mode) to those rows, writes `lens_ids` / `lens_probs` with the chunking and
-codec of the run, adds `lens_top1`, `lens_top1_prob`, `lens_margin` to `steps.parquet`, and only
-then records `lens.computed` in the manifest. The result is what an inline run would have archived,
-bit for bit: each step's product has the rows the inline lens had (the generation batch's
-sequences × the captured layers), because a CPU matrix product can round a row differently
-depending on its place in the product (docs/archive.md, "Logit-lens precision and cost").
+exact tensor the inline lens reads. `lmtrace lens` later applies the same final norm + unembedding
+(`LogitLens`, same dtype mode) to those rows (`analysis/deferred_lens.py`), writes `lens_ids` /
+`lens_probs` with the chunking and codec of the run (`archive/lens_arrays.py`), adds `lens_top1`,
+`lens_top1_prob`, `lens_margin` to `steps.parquet`, and only then records `lens.computed` in the
+manifest. The result is what an inline run would have archived, bit for bit: each step's product
+has the rows the inline lens had (the generation batch's sequences × the captured layers), because
+a CPU matrix product can round a row differently depending on its place in the product
+(docs/archive.md, "Logit-lens precision and cost").
 
 Why deferred by default: on a CPU the lens over every layer is ~1.7 GFLOP per step for a 135M
 model, more than its own decode step (docs/archive.md, "Cost"); done later it costs nothing during
@@ -27,15 +28,11 @@ The whole computation holds the run's lock, so two `lmtrace lens` on one run do 
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import pyarrow as pa
-
-from ..archive import layout, parquet_io
+from ..archive import layout
 from ..archive.reader import Run, lens_state
 from ..exits.errors import ArchiveError
 
@@ -130,29 +127,21 @@ def _check_inputs(path: Path, manifest: dict, run_id: str) -> None:
 
 def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) -> tuple[dict, Path]:
     """Write the lens arrays and the consolidated metadata; returns the summary and the new
-    steps.parquet (a temporary file beside it, moved into place when the checksums are recorded)."""
-    import torch  # here, not at the top: a no-op `lmtrace lens` answers without importing it (seconds)
-
+    steps.parquet (a temporary file beside it, moved into place when the checksums are recorded).
+    The model comes from `runner.models`, the values from `analysis.deferred_lens`, the files are
+    written through `archive.lens_arrays`."""
+    # here, not at the top: a no-op `lmtrace lens` answers without importing torch (seconds)
+    from ..analysis.deferred_lens import deferred_lens
+    from ..archive.lens_arrays import LensArrays, steps_with_columns
+    from ..archive.writer import consolidate
     from ..capture.arch import adapter_for
-    from ..archive.shards import checksummed, sequences_per_shard
-    from ..archive.writer import compressors_for, consolidate, create_array
-    from ..capture.lens_stats import lens_target_columns
     from ..capture.lens import LogitLens
-    from ..runner.models import load_run_model
+    from ..runner.models import load_lens_model
 
     spec = manifest["spec_resolved"]
     t_load = time.time()
-    # The run's own dtype and device (not the spec's `auto`, which could pick another), so the lens
-    # is what inline would have computed; --device overrides the device only. A run spread over
-    # devices (model.device_map) is loaded with its placement again, unless --device names one.
-    # Eager attention: the lens never runs attention, and eager loads every family (Gemma 2,
-    # GPT-OSS refuse sdpa).
     if loaded is None:
-        spread = spec["model"].get("device_map") is not None
-        loaded = load_run_model(manifest, run.id, purpose="the deferred logit lens",
-                                overrides={"device": device or (None if spread else manifest.get("device")),
-                                           "dtype": manifest.get("dtype"), "attn_implementation": "eager"},
-                                note=note, spread_ok=True)
+        loaded = load_lens_model(manifest, run.id, device, note)
     load_s = time.time() - t_load
     adapter = adapter_for(loaded.model)
     lens = LogitLens(adapter, int(spec["capture"]["lens"]["top_k"]), spec["capture"]["lens"]["dtype"])
@@ -163,125 +152,17 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     if missing or "resid" not in run.array_names():
         raise ArchiveError(f"run {run.id} has no archived residual at layers {missing or layers}: the lens cannot be "
                            f"computed from it")
-    at = [resid_layers.index(layer) for layer in layers]
     resid = run.array("resid")
-    n_seq, n_steps = resid.shape[:2]
-    L, k = len(layers), lens.k
-    chunk = int(spec["output"]["chunk_steps"])
-    for s in layout.LENS_ARRAYS:  # what an interrupted `lmtrace lens` left (not recorded): computed again
-        shutil.rmtree(run.path / layout.TENSORS / s.name, ignore_errors=True)
-    group = _writable_group(run.path)
-    codec, level = spec["output"]["codec"], int(spec["output"]["level"])
-    # sharded like the run's own arrays (format 3), or one chunk file per sequence and block (format 2);
-    # chunks with their crc32c when the run's have them (format 4)
-    per_shard = sequences_per_shard(resid)
-    out = {s.name: create_array(group, s, (n_seq, n_steps, L, k), chunk,
-                                compressors_for(codec, level, s, checksum=checksummed(resid)), chunk_sequences=per_shard)
-           for s in layout.LENS_ARRAYS}
-    gen_len = run.generated_len()
-
-    top1 = np.full((n_seq, n_steps, L), -1, dtype=np.int32)
-    top1_prob = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
-    margin = np.full((n_seq, n_steps, L), np.nan, dtype=np.float32)
-    targets = _targets(run, n_seq, n_steps)  # [seq, step, 2]: chosen, runner-up (as the inline lens had them)
-    t_rank = np.full((n_seq, n_steps, L, 2), -1, dtype=np.int32)
-    t_prob = np.full((n_seq, n_steps, L, 2), np.nan, dtype=np.float32)
-    n_rows = 0
-    from ..exits.faults import kill_point
-
-    for seqs in _batches(run):
-        B = len(seqs)
-        n_of = np.maximum(gen_len[seqs], 0).astype(int)  # steps each sequence generated
-        n = int(n_of.max())
-        for s0 in range(0, n, chunk):  # one block of steps at a time, as generate writes them
-            s1 = min(s0 + chunk, n_steps)
-            x = np.stack([np.asarray(resid[seq, s0:s1])[:, at] for seq in seqs])  # [B, steps, L, d] float32
-            ids = np.full((B, s1 - s0, L, k), -1, dtype=np.int32)
-            probs = np.full((B, s1 - s0, L, k), np.nan, dtype=np.float32)
-            margins = np.full((B, s1 - s0, L), np.nan, dtype=np.float32)
-            for j in range(min(s1, n) - s0):
-                live = n_of > s0 + j
-                # The rows of one step of the whole batch, in the inline lens's order (sequence, layer),
-                # finished sequences included as zeros (inline ran the lens on their pad steps and
-                # dropped the result): a CPU matrix product can round a row differently depending on
-                # its place in the product (e.g. the last rows of a tile), so only the same rows in
-                # the same places give the inline values bit for bit.
-                rows = np.where(live[:, None, None], x[:, j], np.float32(0))
-                tg = np.repeat(targets[seqs, s0 + j], L, 0)  # the rows' (chosen, runner-up); 0 for finished ones
-                i, p, m, tr, tp = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1),
-                                                    torch.from_numpy(tg))
-                ids[live, j] = i.reshape(B, L, k)[live]
-                probs[live, j] = p.reshape(B, L, k)[live]
-                margins[live, j] = m.reshape(B, L)[live]
-                t_rank[np.asarray(seqs)[live], s0 + j] = tr.reshape(B, L, 2)[live]
-                t_prob[np.asarray(seqs)[live], s0 + j] = tp.reshape(B, L, 2)[live]
-                n_rows += int(live.sum()) * L
-            for b, seq in enumerate(seqs):  # steps a sequence did not generate keep the fill values
-                out["lens_ids"][seq:seq + 1, s0:s1] = ids[b][None]
-                out["lens_probs"][seq:seq + 1, s0:s1] = probs[b][None]
-                top1[seq, s0:s1], top1_prob[seq, s0:s1] = ids[b, :, :, 0], probs[b, :, :, 0]
-                margin[seq, s0:s1] = margins[b]
-        note(f"lens: sequences {seqs[0]}..{seqs[-1]} ({n} steps)")
-        kill_point("lens-batch")
-    columns = dict(zip(layout.LENS_STEP_COLUMNS, (top1, top1_prob, margin)))
-    columns.update(lens_target_columns(t_rank, t_prob, layers))
-    new_steps = _steps_with_columns(run, columns, layers)
+    arrays = LensArrays(run.path, resid, (*resid.shape[:2], len(layers), lens.k), spec["output"])
+    n_rows, columns = deferred_lens(run, lens, layers, [resid_layers.index(layer) for layer in layers],
+                                    int(spec["output"]["chunk_steps"]), arrays.write, note)
+    new_steps = steps_with_columns(run, columns, layers)
     try:
         consolidate(run.path)
     except BaseException:
         new_steps.unlink(missing_ok=True)
         raise
     return {"rows": n_rows, "device": str(loaded.device), "model_load_s": round(load_s, 3)}, new_steps
-
-
-def _targets(run: Run, n_seq: int, n_steps: int) -> np.ndarray:
-    """[sequence, step, 2] int64: the chosen token and the runner-up (the most likely other token at
-    T=1, from `alt_ids`) of every generated step, from tokens.parquet; 0 where no step was generated."""
-    from ..capture.lens_stats import lens_targets
-
-    t = run.tokens().select(["sequence", "step", "is_prompt", "token_id", "alt_ids"]).to_pandas()
-    t = t[~t.is_prompt]
-    out = np.zeros((n_seq, n_steps, 2), dtype=np.int64)
-    if len(t):
-        alt = np.stack([np.asarray(a[:2]) for a in t.alt_ids])
-        out[t.sequence.to_numpy().astype(np.int64), t.step.to_numpy().astype(np.int64)] = lens_targets(t.token_id.to_numpy(), alt)
-    return out
-
-
-def _batches(run: Run) -> list[list[int]]:
-    """The run's generation batches (sequence indices, in their rows' order), from `sequences.parquet`."""
-    table = run.sequences()
-    batches: dict[int, list[int]] = {}
-    for seq, batch in sorted(zip(table.column("sequence").to_pylist(), table.column("batch").to_pylist())):
-        batches.setdefault(batch, []).append(seq)
-    return [batches[b] for b in sorted(batches)]
-
-
-def _writable_group(path: Path):
-    import zarr
-
-    # not the consolidated metadata: it lists the lens arrays of an interrupted lens, removed by _compute
-    return zarr.open_group(str(path / layout.TENSORS), mode="a", zarr_format=3, use_consolidated=False)
-
-
-def _steps_with_columns(run: Run, values: dict[str, np.ndarray], layers: list[int]) -> Path:
-    """steps.parquet with the lens columns (in the archive's column order), written to a temporary
-    file beside it; returns its path."""
-    target = run.path / layout.table_file("steps")
-    table = parquet_io.read_table(target)
-    seq = table.column("sequence").to_numpy()
-    step = table.column("step").to_numpy()
-    li = np.searchsorted(np.asarray(layers), table.column("layer").to_numpy())
-    names = [c for c in layout.STEP_COLUMNS if c in table.column_names or c in values]
-    columns = {c: (pa.array(values[c][seq, step, li]) if c in values else table.column(c)) for c in names}
-    out = pa.table(columns, schema=layout.step_schema(names))
-    tmp = target.with_name(f".{target.name}.lens.tmp")
-    try:
-        parquet_io.write_table(out, tmp, row_group_size=65536)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # (a full disk, a signal)
-        raise
-    return tmp
 
 
 def lens_after(result: "GenerateResult", note=lambda text: None) -> dict | None:

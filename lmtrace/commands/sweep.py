@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ..analysis.sweep.cells import Cell, build_cells
-from ..analysis.sweep.effects import cell_effects, effect_array, normalised_effect, ranking, sequence_means
+from ..analysis.sweep.effects import (cell_effects, effect_array, normalised_effect, patching_summary, ranking,
+                                      sequence_means)
 from ..analysis.sweep.metrics import Metric, parse_metrics
 from ..archive.liveness import OwnerLock
 from ..exits.faults import pause_after_owning
@@ -427,7 +428,8 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
         "top": ranking(table, metric_keys[0], top),
     }
     if source_run is not None:
-        info["patching"] = patching_summary(table, inp, metric_keys[0], spec.pair_by)
+        info["patching"] = patching_summary(table, inp.source_run.id, inp.parent.id, len(inp.seqs), inp.pairs,
+                                            metric_keys[0], spec.pair_by)
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
@@ -439,26 +441,6 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
                                "edit": spec.edit, "source": source_run.id if source_run else None,
                                "metrics": metric_keys, "n_cells": len(inp.cells), "created": info["created"]})
     return info
-
-
-def patching_summary(table, inp: _Inputs, metric: str, pair_by: str | None) -> dict:
-    """sweep.json's `patching`: which run is clean and which corrupted, the pairs, and per cell the
-    mean normalised effect on `metric` across pairs with its 95 % bootstrap interval over pairs."""
-    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, normalised_cells
-
-    frame = normalised_cells(table, metric)
-    ints = ("layer", "q_head", "neuron", "position", "n_pairs", "n_rows")
-    cells = [{k: (None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v) if k in ints
-                  else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
-             for r in frame.to_dict("records")]
-    cells.sort(key=lambda c: -abs(c["effect"]))
-    return {"clean": inp.source_run.id, "corrupted": inp.parent.id, "pair_by": pair_by or "index",
-            "n_pairs": len(inp.seqs),
-            "pairs": [{"pair": pair, "sequence": s, "source_sequence": t} for s, (t, pair) in inp.pairs.items()],
-            "metric": metric, "formula": "(patched - corrupted) / (clean - corrupted), per (pair, step); "
-            "mean over the (pair, step) rows where clean != corrupted",
-            "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
-            "interval": "95 % percentile bootstrap over pairs", "cells": cells}
 
 
 def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:
@@ -504,17 +486,12 @@ def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str
     """A finished sweep's mean effect per group and cell on `metric`, with 95 % bootstrap intervals
     over the group's sequences (analysis.sweep.effects.grouped_effects), as plain dicts: `--json`'s
     `by` (each cell's group under `group_value`, archive/groups.py). groups: `sweep_groups`."""
-    import numpy as np
-
-    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, grouped_effects
+    from ..analysis.sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, cell_records, grouped_effects
     from ..archive.groups import GROUP_VALUE
     from ..archive.reader import open_run
     from ..archive.sweeps import read_sweep
 
     frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups.of)
-    ints = ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows")
-    cells = [{k: (v if k == GROUP_VALUE else None if v is None or (isinstance(v, float) and np.isnan(v))
-                  else int(v) if k in ints else float(v) if k in ("effect", "low", "high") else v)
-              for k, v in r.items()} for r in frame.to_dict("records")]
+    cells = cell_records(frame, ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows"), keep=(GROUP_VALUE,))
     return {"column": groups.column, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
             "interval": "95 % percentile bootstrap over the group's sequences", "cells": cells}

@@ -423,6 +423,19 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
     return loaded
 
 
+def load_lens_model(manifest: dict, run_id: str, device: str | None, note=lambda text: None) -> LoadedModel:
+    """The model for a run's deferred logit lens: the run's own dtype and device (not the spec's
+    `auto`, which could pick another), so the lens is what inline would have computed; `device`
+    overrides the device only. A run spread over devices (model.device_map) is loaded with its
+    placement again, unless `device` names one. Eager attention: the lens never runs attention, and
+    eager loads every family (Gemma 2, GPT-OSS refuse sdpa)."""
+    spread = manifest["spec_resolved"]["model"].get("device_map") is not None
+    return load_run_model(manifest, run_id, purpose="the deferred logit lens",
+                          overrides={"device": device or (None if spread else manifest.get("device")),
+                                     "dtype": manifest.get("dtype"), "attn_implementation": "eager"},
+                          note=note, spread_ok=True)
+
+
 def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> None:
     """Interventions, sweeps, attribution and exact compare edit or differentiate a model loaded on
     one device; a model spread by `model.device_map` (several devices, disk offload) is not

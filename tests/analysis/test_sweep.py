@@ -885,3 +885,39 @@ def test_pairing_by_id_matches_ids_and_refuses_ids_without_a_partner_in_one_line
         with pytest.raises(SpecError) as err:
             pair_sequences(p, s, seqs, "pair_id" if fragment else None)
         assert "\n" not in str(err.value) and (fragment or "has no partner") in str(err.value)
+
+
+def test_intervene_edits_and_sweep_patches_install_the_same_component_hooks(model):
+    """The patching hooks exist once: an intervene ablation and a sweep patch of the same head, block and
+    residual install the same hook functions on the same modules (the numbers are pinned by the tests
+    above, against the test's own hooks)."""
+    from lmtrace.analysis.sweep.cells import Cell
+    from lmtrace.analysis.sweep.engine import SourceValues, _Patches
+    from lmtrace.capture.arch import adapter_for
+    from lmtrace.capture.interventions import EditSet, parse_entries
+
+    adapter = adapter_for(model)
+    modules = {"head": adapter.o_proj(1), "attn": adapter.attn(1), "mlp": adapter.mlp(0), "resid": adapter.layers[1]}
+
+    def installed():
+        """module -> the qualified names of the hooks and taps on it."""
+        out = {}
+        for kind, m in modules.items():
+            taps = m.__dict__.get("_lmtrace_taps")
+            out[kind] = sorted([f.__qualname__ for f in m._forward_pre_hooks.values()]
+                               + [f.__qualname__ for f in m._forward_hooks.values()]
+                               + ([f.__qualname__ for f in taps.fns] if taps is not None else []))
+        return out
+
+    entries = parse_entries([{"kind": "ablate_head", "layer": 1, "head": 0}, {"kind": "ablate_attention", "layer": 1},
+                             {"kind": "ablate_mlp", "layer": 0},
+                             {"kind": "steer", "layer": 1, "alpha": 1.0, "vector": "unused.npy"}], "test")
+    edits = EditSet(entries, adapter, {0: 1}, {3: torch.zeros(adapter.model.config.hidden_size)})
+    with edits.attached():
+        by_intervene = installed()
+    cells = [Cell("head", 1, head=0), Cell("attn", 1), Cell("mlp", 0), Cell("resid", 1)]
+    with _Patches(adapter, cells, [SourceValues({})] * len(cells)).attached():
+        by_sweep = installed()
+    assert installed() == {kind: [] for kind in modules}
+    assert by_intervene == by_sweep
+    assert {names[0].split(".<locals>.")[0] for names in by_sweep.values()} == {"edit_component"}

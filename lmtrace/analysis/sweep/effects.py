@@ -157,3 +157,26 @@ def normalised_cells(table: pa.Table, metric: str, *, resamples: int = BOOTSTRAP
     frame = grouped_effects(pa.Table.from_pandas(t, preserve_index=False), metric, {},
                             resamples=resamples, seed=seed)
     return frame.drop(columns=GROUP_VALUE).rename(columns={"n_sequences": "n_pairs"})
+
+
+def cell_records(frame: pd.DataFrame, ints: tuple[str, ...], keep: tuple[str, ...] = ()) -> list[dict]:
+    """A frame of cells as plain dicts: NaN and None as None, the columns `ints` as int, effect / low /
+    high as float, the columns in `keep` as they are."""
+    return [{k: (v if k in keep else None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v)
+                 if k in ints else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
+            for r in frame.to_dict("records")]
+
+
+def patching_summary(table: pa.Table, clean: str, corrupted: str, n_pairs: int, pairs: dict, metric: str,
+                     pair_by: str | None) -> dict:
+    """sweep.json's `patching`: which run is clean and which corrupted, the pairs (`pairs`: corrupted
+    sequence -> (clean sequence, pair id)), and per cell the mean normalised effect on `metric` across
+    pairs with its 95 % bootstrap interval over pairs (`normalised_cells`)."""
+    cells = cell_records(normalised_cells(table, metric), ("layer", "q_head", "neuron", "position", "n_pairs", "n_rows"))
+    cells.sort(key=lambda c: -abs(c["effect"]))
+    return {"clean": clean, "corrupted": corrupted, "pair_by": pair_by or "index", "n_pairs": n_pairs,
+            "pairs": [{"pair": pair, "sequence": s, "source_sequence": t} for s, (t, pair) in pairs.items()],
+            "metric": metric, "formula": "(patched - corrupted) / (clean - corrupted), per (pair, step); "
+            "mean over the (pair, step) rows where clean != corrupted",
+            "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
+            "interval": "95 % percentile bootstrap over pairs", "cells": cells}

@@ -3,7 +3,8 @@
   edits      `zero` / `mean` are exactly `lmtrace intervene`'s ablations (`interventions.EditSet`
              with the same entry kinds), one entry per batch row; `patch` replaces a component's
              value with the source run's at the same position (`_Patches`, values from
-             `capture_source`).
+             `capture_source`); both read and replace components with the hooks intervene's
+             edits use (`capture/component_hooks.py`).
   semantics  rescore: the sequence is the parent's prompt followed by its generated tokens
              (teacher-forced); one forward computes every measured step at once (step s is read at
              position prompt_len - 1 + s).
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...capture.component_hooks import edit_component, read_component
 from ...capture.interventions import EditSet, parse_entries
 from ...capture.kv_cache import repeat_prefix, repeat_rows
 from .cells import Cell
@@ -81,14 +83,6 @@ class _PrefixSkip:
                 del layer.__dict__["forward"]
 
 
-def _first(output):
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _replace_first(output, value):
-    return (value, *output[1:]) if isinstance(output, tuple) else value
-
-
 @dataclass
 class SourceValues:
     """A patch source's unedited values: values[(kind, layer)] -> [n, width], row i = position start + i
@@ -128,8 +122,6 @@ class _Patches:
 
     @contextmanager
     def attached(self):
-        from ...capture.taps import tap
-
         a = self.adapter
         handles = []
         try:
@@ -138,14 +130,10 @@ class _Patches:
                 if kind == "head":
                     d = a.head_dim
                     cols = {b: slice(c.head * d, (c.head + 1) * d) for b, c in rows}
-                    handles.append(a.o_proj(layer).register_forward_pre_hook(
-                        lambda m, args, rows=rows, key=key, cols=cols: (self._apply(args[0], rows, key, cols),
-                                                                        *args[1:]),
-                        prepend=True))
                 else:
-                    module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
-                    handles.append(tap(module, lambda m, args, kw, out, rows=rows, key=key: _replace_first(
-                        out, self._apply(_first(out), rows, key, {})), prepend=True))
+                    cols = {}
+                handles.append(edit_component(a, kind, layer, lambda x, rows=rows, key=key, cols=cols: self._apply(
+                    x, rows, key, cols)))
             yield
         finally:
             for h in handles:
@@ -164,14 +152,8 @@ def capture_source(adapter, ids: list[list[int]], wanted: set[tuple[str, int]], 
     a = adapter
     try:
         for kind, layer in wanted:
-            key = (kind, layer)
-            if kind == "head":
-                handles.append(a.o_proj(layer).register_forward_pre_hook(
-                    lambda m, args, key=key: out.__setitem__(key, args[0].detach().clone())))
-            else:
-                module = {"attn": a.attn, "mlp": a.mlp, "resid": lambda i: a.layers[i]}[kind](layer)
-                handles.append(module.register_forward_hook(
-                    lambda m, args, o, key=key: out.__setitem__(key, _first(o).detach().clone())))
+            handles.append(read_component(a, kind, layer, lambda x, key=(kind, layer): out.__setitem__(
+                key, x.detach().clone())))
         device = next(a.model.parameters()).device
         x = torch.tensor(ids, dtype=torch.long, device=device)
         if prefix is None:
