@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test test-fast bench bench-serve bench-scale support-table clean-cache clean
+.PHONY: venv demo test test-fast lint format bench bench-serve bench-scale support-table clean-cache clean
 
 venv: $(VENV)/.installed
 
@@ -34,6 +34,15 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# ruff's linter and formatter, configured in pyproject.toml; CI runs `make lint` before the tests.
+lint: venv
+	$(BIN)/ruff check lmtrace tests bench scripts
+	$(BIN)/ruff format --check lmtrace tests bench scripts
+
+format: venv
+	$(BIN)/ruff check --fix lmtrace tests bench scripts
+	$(BIN)/ruff format lmtrace tests bench scripts
 
 bench: venv
 	$(BIN)/python bench/bench.py
