@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
-from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
+from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, grouped_rows
+from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
 from ..archive.files import atomic_write_parquet
 from ..exits.interrupts import work_recorded
@@ -61,7 +61,7 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
                "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
                "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
                "label_filter": wanted, "by": None if by is None else
-               {"column": by, "path": str(folder / by_file(by)), "heads": _grouped_rows(result["by_group"], wanted)},
+               {"column": by, "path": str(folder / by_file(by)), "heads": grouped_rows(result["by_group"], wanted)},
                "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
                          for r in shown]}  # NaN (no induction rows) as null: strict JSON
     if json_out:
@@ -71,15 +71,6 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
     elif not quiet:
         _print(run, table, shown, wanted, result, folder, top)
     return summary
-
-
-def _grouped_rows(table: pa.Table, wanted: list[str] | None) -> list[dict]:
-    """Every group's heads (those with the labels asked for): the rows of heads_by_<COLUMN>.parquet
-    without group_column (`by.column` names it), groups in the file's order, each group's heads in
-    rank order (label, then the label's score), NaN as null."""
-    rows = [r for r in table.drop_columns([GROUP_COLUMN]).to_pylist() if wanted is None or r["label"] in wanted]
-    rows.sort(key=lambda r: (group_order(r[GROUP_VALUE]), RANK_ORDER.index(r["label"]), -label_score(r)))
-    return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
 # columns left out first when a table is wider than the terminal: the secondary scores, then the

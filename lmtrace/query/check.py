@@ -26,7 +26,7 @@ import duckdb
 from ..archive.integrity import verify
 from ..archive.runs import read_manifest
 from ..exits.errors import RunNotFoundError
-from .catalog import Catalog, TableFile
+from ..archive.table_catalog import Catalog, TableFile
 
 
 def printable(text: str) -> str:

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from ..output.column_fit import fitting_columns
 from ..output.jsonout import json_line
-from .views import ident
+from ..archive.sql_views import ident
 
 FORMATS = ("table", "csv", "json", "parquet")
 TABLE_ROWS = 100  # rows a terminal table shows; the others are counted and named

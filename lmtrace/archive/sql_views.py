@@ -15,9 +15,9 @@ import re
 import duckdb
 import pyarrow as pa
 
-from ..archive import layout
-from ..archive.columns import RENAMED
-from .catalog import VIEWS, Catalog
+from . import layout
+from .columns import RENAMED
+from .table_catalog import VIEWS, Catalog
 
 # A view with no file in any run still exists, empty, with the documented columns where the
 # archive layout defines them (others have only their key columns)
