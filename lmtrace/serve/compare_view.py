@@ -86,8 +86,9 @@ def _matrix(rows: dict, name: str, index: tuple[str, ...], shape: tuple[int, ...
 
 
 def pair_figures(run_a: Run, run_b: Run, pair: int) -> dict:
-    """Pair `pair`'s per-layer figures as {figure: [layer][step]} and its per-head attention JS as
-    [layer][head][step] over its paired steps, with its first divergence and both runs' sequences."""
+    """Pair `pair`'s per-layer figures as {figure: [layer][step]}, its per-head attention JS and head DLA
+    delta (B − A, at steps where both sides' final top-2 are the same tokens; null without head DLA on both
+    sides) as [layer][head][step] over its paired steps, with its first divergence and both runs' sequences."""
     cmp = compared(run_a, run_b)
     summary = next((p for p in cmp.pairs if p["pair"] == pair), None)
     if summary is None:
@@ -110,16 +111,21 @@ def _figures(cmp: Comparison, summary: dict, run_a: Run, run_b: Run) -> dict:
     for name in LAYER_FIGURES:
         where = rows["same_final_top2"] == 1 if name == "margin_contrib_delta" and "same_final_top2" in rows else None
         figures[name] = _matrix(rows, name, ("li", "step"), (len(layers), n), where)
-    head_js = None
+    head_js = head_dla = None
     if len(heads.get("step", [])):
         H = int(heads["q_head"].max()) + 1
         heads["li"] = np.asarray([li[int(x)] for x in heads["layer"]], dtype=np.float64)
-        head_js = _matrix(heads, "attn_js", ("li", "q_head", "step"), (len(layers), H, n))
+        if np.isfinite(heads["attn_js"]).any():
+            head_js = _matrix(heads, "attn_js", ("li", "q_head", "step"), (len(layers), H, n))
+        if np.isfinite(heads["head_dla_delta"]).any():  # both runs captured head DLA
+            same = {int(s) for s, ok in zip(rows.get("step", []), rows.get("same_final_top2", [])) if ok == 1}
+            where = np.asarray([int(s) in same for s in heads["step"]], dtype=bool)
+            head_dla = _matrix(heads, "head_dla_delta", ("li", "q_head", "step"), (len(layers), H, n), where)
     fd = summary.get("first_divergence")
     return {"a": run_a.id, "b": run_b.id, "pair": pair, "seq_a": summary["seq_a"], "seq_b": summary["seq_b"],
             "steps": n, "layers": layers, "figures": figures, "meaning": LAYER_FIGURES,
             "has": {k: any(v is not None for row in m for v in row) for k, m in figures.items()},
-            "head_js": head_js, "first_divergence": strict(fd)}
+            "head_js": head_js, "head_dla_delta": head_dla, "first_divergence": strict(fd)}
 
 
 def child_figures(parent: Run, child: Run, seq: int) -> dict:

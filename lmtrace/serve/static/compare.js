@@ -9,7 +9,20 @@
 window.lmtraceCompare = (() => {
   const { el, put, signedColour } = window.lmtraceView;
   const enc = encodeURIComponent;
-  const NO_VALUE = "#eaeef2"; // a cell without a value (hatched in tables): a flat grey here
+  // a cell without a value: hatched, as the tables' empty boxes are (a value 0 is white or light grey)
+  let hatch = null;
+  function noValue(g) {
+    if (!hatch) {
+      const c = document.createElement("canvas");
+      c.width = c.height = 6;
+      const h = c.getContext("2d");
+      h.fillStyle = "#f6f8fa"; h.fillRect(0, 0, 6, 6);
+      h.strokeStyle = "#b8c0c8"; h.lineWidth = 1;
+      h.beginPath(); h.moveTo(0, 6); h.lineTo(6, 0); h.stroke();
+      hatch = c;
+    }
+    return g.createPattern(hatch, "repeat");
+  }
   const OUTLINE = "#cf222e"; // the first divergence's step
 
   // unsigned values: white → dark blue by v / max (the attention grid's scale)
@@ -23,6 +36,7 @@ window.lmtraceCompare = (() => {
 
   // A legend: the colour ramp from its low to its high end, with the values at both ends.
   function legend(signed, max) {
+    if (max <= 1e-12) return el("span", { class: "legend" }, el("span", { text: "every value is 0" }));
     const c = el("canvas", { class: "legend-ramp", width: "120", height: "10" });
     const g = c.getContext("2d");
     for (let x = 0; x < 120; x++) {
@@ -40,7 +54,7 @@ window.lmtraceCompare = (() => {
   function heatmap(values, rowLabels, opts) {
     const nr = values.length, nc = nr ? values[0].length : 0;
     const labelW = opts.labelW || 46, topH = 14;
-    const cw = Math.max(6, Math.min(28, Math.floor(((opts.width || 360) - labelW) / Math.max(1, nc))));
+    const cw = Math.max(6, Math.min(36, Math.floor(((opts.width || 360) - labelW) / Math.max(1, nc))));
     const ch = Math.max(5, Math.min(18, opts.cellH || 16));
     const W = labelW + cw * nc, H = topH + ch * nr;
     const dpr = window.devicePixelRatio || 1;
@@ -59,7 +73,7 @@ window.lmtraceCompare = (() => {
       if (i % rowEvery === 0) { g.fillStyle = "#424a53"; g.fillText(rowLabels[i], 2, topH + i * ch + ch / 2); }
       for (let j = 0; j < nc; j++) {
         const v = values[i][j];
-        g.fillStyle = v === null || v === undefined ? NO_VALUE : opts.signed ? signedColour(v, max) : blue(v, max);
+        g.fillStyle = v === null || v === undefined ? noValue(g) : opts.signed ? signedColour(v, max) : blue(v, max);
         g.fillRect(labelW + j * cw, topH + i * ch, cw - (cw > 8 ? 1 : 0), ch - (ch > 8 ? 1 : 0));
       }
     }
@@ -111,24 +125,25 @@ window.lmtraceCompare = (() => {
         el("div", {}, legend(signed, h.max), el("span", { class: "note", text: " layer (rows) × step (columns)" })));
     });
     const missing = Object.keys(d.figures).filter((k) => !d.has[k]);
-    let heads = null;
-    if (d.head_js) {
-      const max = Math.max(1e-12, ...finite(d.head_js));
-      const H = d.head_js[0].length;
-      const headLabels = Array.from({ length: H }, (_, h) => `H${h}`);
+    // every head of every layer: one head × step heatmap per layer, one colour scale for all
+    const multiples = (values, cls, title, signed) => {
+      const max = Math.max(1e-12, ...finite(values.flat()).map(Math.abs));
+      const headLabels = values[0].map((_, h) => `H${h}`);
       const small = Math.max(120, Math.min(260, (box.clientWidth || 900) / Math.min(4, d.layers.length) - 20));
-      heads = el("div", { class: "head-multiples" },
-        el("h4", { text: "attention JS per head (nats): one head × step heatmap per layer, one colour scale" }),
-        el("div", {}, legend(false, max)),
+      return el("div", { class: `head-multiples ${cls}` }, el("h4", { text: title }), el("div", {}, legend(signed, max)),
         el("div", { class: "multiples" }, ...d.layers.map((layer, li) => {
-          const h = heatmap(d.head_js[li], headLabels, { signed: false, max, width: small, cellH: 10, labelW: 30, mark: fd ? fd.step : null,
-            onPick: (i, j) => put(picked, el("b", { text: `layer ${layer} head ${i}, step ${j}: ` }), fmtNum(d.head_js[li][i][j]), " — ", stepLinks(d, j)) });
+          const h = heatmap(values[li], headLabels, { signed, max, width: small, cellH: 10, labelW: 30, mark: fd ? fd.step : null,
+            onPick: (i, j) => put(picked, el("b", { text: `${title.split(":")[0]}, layer ${layer} head ${i}, step ${j}: ` }), fmtNum(values[li][i][j]), " — ", stepLinks(d, j)) });
           return el("div", { class: "multiple", data: { layer } }, el("div", { class: "note", text: `layer ${layer}` }), h.canvas);
         })));
-    }
+    };
+    const heads = d.head_js ? multiples(d.head_js, "head-js", "attention JS per head (nats): one head × step heatmap per layer, one colour scale", false)
+      : el("p", { class: "note", text: "no per-head attention figures: a run has no attention captured" });
+    const dla = d.head_dla_delta ? multiples(d.head_dla_delta, "head-dla", "head DLA, B − A: each head's direct logit attribution to logit(chosen) − logit(runner-up), at steps where both sides' final top-2 are the same tokens (hatched elsewhere)", true)
+      : null;
     put(box, el("h3", { text: labels.title }), first,
       el("p", { class: "note", text: `Over the ${d.steps} paired step${d.steps === 1 ? "" : "s"} (the contexts are identical up to and including the first divergence), B − A where signed (A: ${d.a}, B: ${d.b}); the first divergence's step is outlined.` }),
-      picked, el("div", { class: "figures" }, ...figs), heads || el("p", { class: "note", text: "no per-head figures: a run has no attention captured" }),
+      picked, el("div", { class: "figures" }, ...figs), heads, dla,
       missing.length ? el("p", { class: "note", text: `not in these runs: ${missing.join(", ")}` }) : null);
   }
 
