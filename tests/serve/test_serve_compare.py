@@ -107,16 +107,13 @@ def check_head_dla_against_the_archives(cli: dict, runs, a: str, b: str) -> None
     np.testing.assert_allclose(got, want, rtol=0, atol=0)
 
 
-def test_compare_answer_has_the_rankings_and_pairs_compare_json_prints(server, regen_cli):
-    d = server.json(f"/api/compare?a={BASE}&b={REGEN}")
+def test_each_pairs_figures_are_the_per_layer_and_per_head_rows_compare_writes(server, regen_cli, runs):
     cli = regen_cli["json"]
+    d = server.json(f"/api/compare?a={BASE}&b={REGEN}")
     for k in ("verdict", "identical", "first_changed_layer", "layers", "heads"):
         assert d[k] == cli[k], k
     assert [p["first_divergence"] for p in d["pairs"]] == [p["first_divergence"] for p in cli["pairs"]]
     assert any(p["first_divergence"] for p in cli["pairs"]), "the regenerated child should part from its parent"
-
-
-def test_each_pairs_figures_are_the_per_layer_and_per_head_rows_compare_writes(server, regen_cli, runs):
     check_head_dla_against_the_archives(regen_cli, runs, BASE, REGEN)
     for p in regen_cli["json"]["pairs"]:
         d = server.json(f"/api/compare/pair?a={BASE}&b={REGEN}&pair={p['pair']}")
