@@ -11,7 +11,7 @@ from ..analysis.run_stats import compute_stats
 from ..archive import layout
 from ..archive.groups import GROUP_VALUE, group_order, sequence_groups
 from ..archive.reader import Run
-from ..exits.errors import ArchiveError, SpecError
+from ..exits.errors import ArchiveDamaged, ArchiveError, SpecError
 from ..output.jsonout import strict
 from . import kept
 from .errors import NotFound
@@ -35,7 +35,9 @@ def _heads_by_group(run: Run, by: str, top: int) -> tuple[dict, str | None]:
     no attention to score."""
     try:
         result = compute_heads(run, groups=sequence_groups(run, by))
-    except ArchiveError as err:  # no attention captured, or none committed yet
+    except ArchiveDamaged:  # damaged bytes: the route's 409 naming the file
+        raise
+    except ArchiveError as err:  # no attention captured, or none committed yet: the page says so
         return {}, str(err)
     out: dict = {}
     for r in grouped_rows(result["by_group"], None):

@@ -5,6 +5,7 @@ here, as a user runs it), read back from the route and from the page in Chromium
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -99,7 +100,8 @@ def test_run_page_groups_by_the_picked_column_with_the_terminals_numbers(server,
         assert_fits(page, "#groups-box")
         shot = tmp_path / f"groups-{width}.png"
         page.locator("#groups-box").screenshot(path=str(shot))
-        shutil.copy(shot, f"/tmp/sp/shots/groups-{width}.png") if __import__("os").environ.get("SP_SHOTS") else None
+        if os.environ.get("LMTRACE_SHOTS_DIR"):  # to look at them
+            shutil.copy(shot, os.path.join(os.environ["LMTRACE_SHOTS_DIR"], shot.name))
         # a lowest-probability token opens its step's token view
         page.click("#groups tr.group-row .group-low a")
         page.wait_for_selector(".tokenview, #prompt")

@@ -127,10 +127,12 @@ window.lmtraceCompare = (() => {
     const missing = Object.keys(d.figures).filter((k) => !d.has[k]);
     // every head of every layer: one head × step heatmap per layer, one colour scale for all
     const multiples = (values, cls, title, signed) => {
-      const max = Math.max(1e-12, ...finite(values.flat()).map(Math.abs));
+      const known = finite(values.flat());
+      const max = Math.max(1e-12, ...known.map(Math.abs));
       const headLabels = values[0].map((_, h) => `H${h}`);
       const small = Math.max(120, Math.min(260, (box.clientWidth || 900) / Math.min(4, d.layers.length) - 20));
-      return el("div", { class: `head-multiples ${cls}` }, el("h4", { text: title }), el("div", {}, legend(signed, max)),
+      return el("div", { class: `head-multiples ${cls}` }, el("h4", { text: title }),
+        el("div", {}, known.length ? legend(signed, max) : el("span", { class: "legend", text: "no value at any step" })),
         el("div", { class: "multiples" }, ...d.layers.map((layer, li) => {
           const h = heatmap(values[li], headLabels, { signed, max, width: small, cellH: 10, labelW: 30, mark: fd ? fd.step : null,
             onPick: (i, j) => put(picked, el("b", { text: `${title.split(":")[0]}, layer ${layer} head ${i}, step ${j}: ` }), fmtNum(values[li][i][j]), " — ", stepLinks(d, j)) });
@@ -144,7 +146,7 @@ window.lmtraceCompare = (() => {
     put(box, el("h3", { text: labels.title }), first,
       el("p", { class: "note", text: `Over the ${d.steps} paired step${d.steps === 1 ? "" : "s"} (the contexts are identical up to and including the first divergence), B − A where signed (A: ${d.a}, B: ${d.b}); the first divergence's step is outlined.` }),
       picked, el("div", { class: "figures" }, ...figs), heads, dla,
-      missing.length ? el("p", { class: "note", text: `not in these runs: ${missing.join(", ")}` }) : null);
+      missing.length ? el("p", { class: "note", text: `no value in this pair (not captured by both runs, or masked): ${missing.join(", ")}` }) : null);
   }
 
   return { internals, heatmap };
