@@ -1,5 +1,6 @@
-"""What `lmtrace query` (and `stats`, over one run) can see: every run of a runs directory, and for each SQL view the committed
-Parquet files that hold its rows, with the run (and sweep) each file belongs to.
+"""What `lmtrace query` (and `stats`, over one run) can see: every run of a runs directory, and for
+each SQL view the committed Parquet files that hold its rows, with the run (and sweep) each file
+belongs to.
 
 Reads manifests and lists files; opens no table. A damaged run (a missing or truncated committed
 file, an unreadable manifest: what `lmtrace ls` shows as `damaged`) is left out and named in
