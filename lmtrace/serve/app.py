@@ -3,7 +3,8 @@
 Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
 `{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
-  /static/{app,tokenview}.{js,css}, groups.js, compare.{js,css}   the frontend: tokenview.* from viewdata, the rest from this package
+  /static/{app,tokenview,compare}.{js,css}, /static/groups.js   the frontend: tokenview.* from viewdata, the rest
+                                               from this package
   /api/runs?kind=&status=&model=&q=            runs list
   /api/runs/{run}                              a run's header
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences

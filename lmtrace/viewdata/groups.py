@@ -48,9 +48,9 @@ def _heads_by_group(run: Run, by: str, top: int) -> tuple[dict, str | None]:
 
 
 def sequence_groups_view(run: Run, by: str | None, top: int = TOP_HEADS) -> dict:
-    """Without `by`: {"columns"} only. Else {"by", "columns", "lens", "heads_note", "groups": [{group_value, sequences, tokens, mean_logprob,
-    mean_entropy, settle: {layer: steps} | None, lowest: [...], heads: [...]}]}, groups in the column's
-    order (NaN, then null, last), strict JSON (NaN as null)."""
+    """Without `by`: {"columns"} only. Else {"by", "columns", "lens", "heads_note", "groups": [{group_value,
+    sequences, tokens, mean_logprob, mean_entropy, settle: {layer: steps} | None, lowest: [...], heads:
+    [...]}]}, groups in the column's order (NaN, then null, last), strict JSON (NaN as null)."""
     columns = group_columns(run)
     if not by:
         return {"run_id": run.id, "by": None, "columns": columns, "groups": None}
