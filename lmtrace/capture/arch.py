@@ -33,7 +33,8 @@ import torch
 from ..exits.errors import UnsupportedArchitectureError
 
 
-def _get(obj, path: str):
+def dotted_attr(obj, path: str):
+    """The attribute at a dotted path of `obj` (`model.layers` on a causal LM: its blocks)."""
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
@@ -127,8 +128,8 @@ class Adapter:
         self.d_model: int = text_cfg.hidden_size
         self.vocab_size: int = text_cfg.vocab_size
         self.final_softcap: float | None = getattr(text_cfg, "final_logit_softcapping", None)
-        self.base = _get(model, family.base)
-        self.layers = list(_get(self.base, family.layers))
+        self.base = dotted_attr(model, family.base)
+        self.layers = list(dotted_attr(self.base, family.layers))
         if len(self.layers) != self.n_layers:
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__}: config says {self.n_layers} layers but found {len(self.layers)} blocks"
@@ -155,25 +156,25 @@ class Adapter:
 
     # --- modules ---------------------------------------------------------------------------
     def attn(self, i: int) -> torch.nn.Module:
-        return _get(self.layers[i], self.family.attn)
+        return dotted_attr(self.layers[i], self.family.attn)
 
     def o_proj(self, i: int) -> torch.nn.Module:
-        return _get(self.layers[i], self.family.o_proj)
+        return dotted_attr(self.layers[i], self.family.o_proj)
 
     def mlp(self, i: int) -> torch.nn.Module:
-        return _get(self.layers[i], self.family.mlp)
+        return dotted_attr(self.layers[i], self.family.mlp)
 
     def mlp_down(self, i: int) -> torch.nn.Module:
         if self.family.mlp_down is None:
             raise UnsupportedArchitectureError(f"{type(self.model).__name__}: no single FFN down-projection "
                                                f"({self.family.mlp_kind})")
-        return _get(self.layers[i], self.family.mlp_down)
+        return dotted_attr(self.layers[i], self.family.mlp_down)
 
     def _router(self, i: int) -> torch.nn.Module | None:
         """The MoE router of block i, or None (dense family, or a dense layer of a MoE model)."""
         for path in self.family.router:  # Mixtral / Qwen2-MoE: mlp.gate, GPT-OSS: mlp.router
             try:
-                r = _get(self.layers[i], path)
+                r = dotted_attr(self.layers[i], path)
             except AttributeError:
                 continue
             if hasattr(r, "top_k"):  # a TopKRouter, not a dense MLP's gate projection
@@ -187,7 +188,7 @@ class Adapter:
     @property
     def final_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """Residual -> what the unembedding reads (final norm, and OPT's project_out where present)."""
-        mods = [m for m in (_get(self.base, p) for p in self.family.final_norm) if m is not None]
+        mods = [m for m in (dotted_attr(self.base, p) for p in self.family.final_norm) if m is not None]
         if len(mods) == 1:
             return mods[0]
         return torch.nn.Sequential(*mods) if mods else torch.nn.Identity()
@@ -208,7 +209,7 @@ class Adapter:
 
     @property
     def unembed(self) -> torch.nn.Module:
-        return _get(self.model, self.family.unembed)
+        return dotted_attr(self.model, self.family.unembed)
 
     def layer_of_attention(self, module: torch.nn.Module) -> int:
         return self._attn_index[id(module)]

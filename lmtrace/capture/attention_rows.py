@@ -7,7 +7,7 @@ plain one (Llama's: softmax(q·kᵀ·scaling + additive mask) in float32), this 
 Done layer by layer it is ~7 small tensor ops per layer and step, ~3 ms a step for 30 layers on a
 2-core CPU: most of it per-op overhead, not arithmetic. The generation loop's KV cache keeps every
 full-attention layer's keys in one tensor [layer, batch, kv_head, position, head_dim]
-(`lmtrace/kv_cache.py`), so the layers' queries are kept and, after the forward, one grouped
+(`lmtrace/capture/kv_cache.py`), so the layers' queries are kept and, after the forward, one grouped
 matmul over that tensor, one mask add and one softmax give every layer's row; no key is copied.
 
 A layer falls back to the per-layer computation (the caller's) when the keys its kernel got are not

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..exits.errors import SpecError
-from .arch import Adapter, _get
+from .arch import Adapter, dotted_attr
 from .devices import execution_device
 
 TARGETS = ("diff", "logit")  # [..., 2]: logit(chosen) − logit(runner-up), logit(chosen)
@@ -87,7 +87,7 @@ def post_norms(adapter: Adapter) -> list[tuple[torch.nn.Module, torch.nn.Module]
 
 
 def _final_modules(adapter: Adapter) -> list[torch.nn.Module]:
-    return [m for m in (_get(adapter.base, p) for p in adapter.family.final_norm) if m is not None]
+    return [m for m in (dotted_attr(adapter.base, p) for p in adapter.family.final_norm) if m is not None]
 
 
 def _norm_kind(m: torch.nn.Module) -> str | None:

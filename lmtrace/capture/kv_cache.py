@@ -13,7 +13,7 @@ of its first T positions, so the attention kernel sees exactly the values Dynami
 it (tests compare the logits bit for bit).
 
 Because all layers' keys are in one tensor, the probes read every layer's keys for the attention
-rows from it without copying them (`lmtrace/attention_rows.py`).
+rows from it without copying them (`lmtrace/capture/attention_rows.py`).
 
 Sliding-window, linear-attention and other layer kinds keep transformers' own classes; so does a
 layer whose keys do not fit the stack (another head count, head size or dtype).

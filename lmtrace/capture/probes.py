@@ -90,7 +90,7 @@ class Probes:
         # softmax, as Llama's), the rows are computed here with grouped matmuls instead: same
         # formula, without copying every key per query head (repeat_kv) or computing the output.
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
-        # ... and, for the rows of the query position, all layers at once (lmtrace/attention_rows.py)
+        # ... and, for the rows of the query position, all layers at once (lmtrace/capture/attention_rows.py)
         self.batched = BatchedRows() if self.plain_eager and shape.attention else None
         self.row_method = (None if self.eager is None else
                            "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
@@ -167,7 +167,7 @@ class Probes:
             for h in handles:
                 h.remove()
 
-    # ---- taps (lmtrace/taps.py: forward hooks without torch's slow hook path) -----------------
+    # ---- taps (lmtrace/capture/taps.py: forward hooks without torch's slow hook path) -----------------
     # At a decode step they only keep references to what the module got and returned: every torch
     # op here would run once per layer (~120 taps a step), while `collect` stacks all layers and
     # does the arithmetic once per step (one slice, one norm, one top-k). At the prefill they keep
@@ -265,61 +265,9 @@ class Probes:
         s = self.shape
         B = len(self.ctx.pads)
         L = len(self.layers)
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, np.ndarray] = self._attention_arrays() if s.attention else {}
+        arrays.update(self._activation_arrays())
         scalars: dict[str, np.ndarray] = {}
-        if s.attention:
-            all_rows = None  # [L, B, H, kv] when every captured layer's row came from the batched product
-            if self.batched is not None:
-                layers, probs, kv_len = self.batched.rows(self.device)
-                if layers == self.layers:
-                    all_rows = probs
-                self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
-            if s.k_attn is None:
-                # as wide as this step's context (no key reaches past it): the archive's rows are
-                # padded to the run's longest context by the writer, not here
-                out = np.full((B, L, s.n_heads, self.ctx.total_len), np.nan, dtype=self.np_float)
-                kv_lens = {self.rows[layer][1] for layer in self.layers}
-                if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
-                    if all_rows is None:
-                        all_rows = stack_on([self.rows[layer][0] for layer in self.layers], self.device)
-                    self._realign_keys(all_rows.transpose(0, 1), kv_lens.pop(), out)  # [B, L, H, kv]
-                else:
-                    for li, layer in enumerate(self.layers):
-                        rows, kv_len = self.rows[layer]
-                        self._realign_keys(rows, kv_len, out[:, li])
-                arrays["attn"] = out
-            else:
-                idx_out = np.full((B, L, s.n_heads, s.k_attn), -1, dtype=np.int32)
-                prob_out = np.full((B, L, s.n_heads, s.k_attn), np.nan, dtype=self.np_float)
-                for li, layer in enumerate(self.layers):
-                    rows, kv_len = self.rows[layer]
-                    k = min(s.k_attn, kv_len)
-                    top = rows.float().topk(k, dim=-1)
-                    idx = top.indices.cpu().numpy()
-                    val = top.values.cpu().numpy()
-                    for b, pad in enumerate(self.ctx.pads):
-                        pos = idx[b] + (self.ctx.total_len - kv_len - pad)
-                        valid = pos >= 0
-                        idx_out[b, li, :, :k] = np.where(valid, pos, -1)
-                        prob_out[b, li, :, :k] = np.where(valid, val[b], np.nan)
-                arrays["attn_topk_idx"], arrays["attn_topk_prob"] = idx_out, prob_out
-        if s.qkv:
-            for name, t in zip(("q", "k", "v"), self._new_qkv()):  # [L, B, heads, D]
-                arrays[name] = t.transpose(0, 1).to(self.torch_float).cpu().numpy()
-        if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
-            act = self._at_query(self.ffn).transpose(0, 1).float()
-            idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
-            arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
-            arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
-        if s.k_router:
-            idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
-            w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
-            for li, layer in enumerate(self.layers):
-                if layer in self.router:
-                    idx, w = self.router[layer]
-                    idx_out[:, li, : idx.shape[-1]] = idx.cpu().numpy()
-                    w_out[:, li, : w.shape[-1]] = w.cpu().numpy()
-            arrays["router_topk_idx"], arrays["router_topk_weight"] = idx_out, w_out
         resid_out = self._at_query(self.resid_out).float()  # [L, B, d]
         if s.resid_layers:
             resid = resid_out if list(s.resid_layers) == self.layers else self._at_query(
@@ -347,15 +295,90 @@ class Probes:
             direction = (u[:, 0] - u[:, 1]).to(self.device)
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
-            targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
-            ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
-                resid_out.transpose(0, 1).reshape(B * L, -1), torch.from_numpy(np.repeat(targets, L, 0)))
-            arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
-            scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
-            scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
-            scalars["lens_margin"] = margin.reshape(B, L)
-            scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
+            self._lens_columns(choice, resid_out, arrays, scalars)
         return arrays, scalars
+
+    def _attention_arrays(self) -> dict[str, np.ndarray]:
+        """This step's attention rows of every captured layer [B, L, H, ...]: whole rows realigned to
+        the context's positions (`attn`), or each head's top-k keys (`attn_topk_idx`, `attn_topk_prob`)."""
+        s = self.shape
+        B = len(self.ctx.pads)
+        L = len(self.layers)
+        arrays: dict[str, np.ndarray] = {}
+        all_rows = None  # [L, B, H, kv] when every captured layer's row came from the batched product
+        if self.batched is not None:
+            layers, probs, kv_len = self.batched.rows(self.device)
+            if layers == self.layers:
+                all_rows = probs
+            self.rows.update({layer: (probs[n], kv_len) for n, layer in enumerate(layers)})
+        if s.k_attn is None:
+            # as wide as this step's context (no key reaches past it): the archive's rows are
+            # padded to the run's longest context by the writer, not here
+            out = np.full((B, L, s.n_heads, self.ctx.total_len), np.nan, dtype=self.np_float)
+            kv_lens = {self.rows[layer][1] for layer in self.layers}
+            if len(kv_lens) == 1:  # every layer saw the same keys: realign them all at once
+                if all_rows is None:
+                    all_rows = stack_on([self.rows[layer][0] for layer in self.layers], self.device)
+                self._realign_keys(all_rows.transpose(0, 1), kv_lens.pop(), out)  # [B, L, H, kv]
+            else:
+                for li, layer in enumerate(self.layers):
+                    rows, kv_len = self.rows[layer]
+                    self._realign_keys(rows, kv_len, out[:, li])
+            arrays["attn"] = out
+        else:
+            idx_out = np.full((B, L, s.n_heads, s.k_attn), -1, dtype=np.int32)
+            prob_out = np.full((B, L, s.n_heads, s.k_attn), np.nan, dtype=self.np_float)
+            for li, layer in enumerate(self.layers):
+                rows, kv_len = self.rows[layer]
+                k = min(s.k_attn, kv_len)
+                top = rows.float().topk(k, dim=-1)
+                idx = top.indices.cpu().numpy()
+                val = top.values.cpu().numpy()
+                for b, pad in enumerate(self.ctx.pads):
+                    pos = idx[b] + (self.ctx.total_len - kv_len - pad)
+                    valid = pos >= 0
+                    idx_out[b, li, :, :k] = np.where(valid, pos, -1)
+                    prob_out[b, li, :, :k] = np.where(valid, val[b], np.nan)
+            arrays["attn_topk_idx"], arrays["attn_topk_prob"] = idx_out, prob_out
+        return arrays
+
+    def _activation_arrays(self) -> dict[str, np.ndarray]:
+        """This step's q/k/v, top-|a| MLP neurons and MoE routing of every captured layer, as captured."""
+        s = self.shape
+        B = len(self.ctx.pads)
+        L = len(self.layers)
+        arrays: dict[str, np.ndarray] = {}
+        if s.qkv:
+            for name, t in zip(("q", "k", "v"), self._new_qkv()):  # [L, B, heads, D]
+                arrays[name] = t.transpose(0, 1).to(self.torch_float).cpu().numpy()
+        if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
+            act = self._at_query(self.ffn).transpose(0, 1).float()
+            idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
+            arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
+            arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
+        if s.k_router:
+            idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
+            w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
+            for li, layer in enumerate(self.layers):
+                if layer in self.router:
+                    idx, w = self.router[layer]
+                    idx_out[:, li, : idx.shape[-1]] = idx.cpu().numpy()
+                    w_out[:, li, : w.shape[-1]] = w.cpu().numpy()
+            arrays["router_topk_idx"], arrays["router_topk_weight"] = idx_out, w_out
+        return arrays
+
+    def _lens_columns(self, choice: Choice, resid_out: torch.Tensor, arrays: dict, scalars: dict) -> None:
+        """The inline logit lens of every layer's residual resid_out [L, B, d]: its arrays and step columns."""
+        B = len(self.ctx.pads)
+        L = len(self.layers)
+        targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
+        ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
+            resid_out.transpose(0, 1).reshape(B * L, -1), torch.from_numpy(np.repeat(targets, L, 0)))
+        arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
+        scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
+        scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
+        scalars["lens_margin"] = margin.reshape(B, L)
+        scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
 
     def _direct_logit_attribution(self, choice: Choice, final: torch.Tensor) -> dict[str, np.ndarray]:
         """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,

@@ -3,7 +3,7 @@
 One prefill call over the left-padded batch, then one decode call per token with the growing
 attention mask and explicit position ids (cumsum(mask) - 1), so every row sees exactly what it
 would see alone. Step s is the forward call that chooses generated token s; step 0 is the prefill.
-The cache is lmtrace's `StackedCache` (lmtrace/kv_cache.py): DynamicCache's values, appended in place.
+The cache is lmtrace's `StackedCache` (lmtrace/capture/kv_cache.py): DynamicCache's values, appended in place.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import typer
 
 from ..output.jsonout import json_line
 from . import help_format
-from .app import _Reporter, _fail, _lens_line, _run_dir, app
+from .app import Reporter, app, fail, lens_line, run_dir_or_root
 
 
 @app.command()
@@ -46,7 +46,7 @@ def explain(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
     """Attribute archived generated tokens to their context positions; results go into the run."""
-    _Reporter(quiet or json_out).starting()
+    Reporter(quiet or json_out).starting()
     from ..commands.explain import Settings, explain_command
 
     try:
@@ -57,7 +57,7 @@ def explain(
                                           rollout_exclude=rollout_exclude),
                         json_out=json_out, quiet=quiet, top=top, strict=strict)
     except BaseException as err:  # noqa: BLE001
-        _fail(err, lambda: _run_dir(run, runs_dir))
+        fail(err, lambda: run_dir_or_root(run, runs_dir))
 
 
 @app.command()
@@ -75,7 +75,7 @@ def lens(
     from ..commands.lens import compute_lens
     from ..spec.run_spec import check_device_option
 
-    reporter = _Reporter(quiet or json_out)
+    reporter = Reporter(quiet or json_out)
     ref = runs[0]  # (the run being computed, named if the disk fills up)
     try:
         check_device_option(device)  # before any run is read
@@ -87,10 +87,10 @@ def lens(
             if json_out:
                 typer.echo(json_line(summary))
             elif not quiet:
-                typer.echo(f"{run.id}: {_lens_line(summary)}")
+                typer.echo(f"{run.id}: {lens_line(summary)}")
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err, lambda: _run_dir(ref, runs_dir))
+        fail(err, lambda: run_dir_or_root(ref, runs_dir))
     reporter.stop()
 
 
@@ -118,7 +118,7 @@ def heads(
         heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
                       labels=label, quiet=quiet, by=by)
     except BaseException as err:  # noqa: BLE001
-        _fail(err, lambda: out or _run_dir(run, runs_dir))
+        fail(err, lambda: out or run_dir_or_root(run, runs_dir))
 
 
 @app.command()
@@ -136,7 +136,7 @@ def stats(
     try:
         stats_command(run, runs_dir=runs_dir, by=by, json_out=json_out, lowest=lowest)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
 
 
 @app.command()
@@ -167,7 +167,7 @@ def compare(
                      json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
                      exact_steps=exact_steps, device=device, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err, lambda: out or html_out or _run_dir(run_a, runs_dir))
+        fail(err, lambda: out or html_out or run_dir_or_root(run_a, runs_dir))
 
 
 @app.command()
@@ -214,7 +214,7 @@ def report(
 
             raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
     except BaseException as err:  # noqa: BLE001
-        _fail(err, lambda: out or _run_dir(runs[0], runs_dir))
+        fail(err, lambda: out or run_dir_or_root(runs[0], runs_dir))
     if json_out:
         typer.echo(json_line(result.summary()))
     elif not quiet:
@@ -242,7 +242,7 @@ def serve(
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, KeyboardInterrupt):
             raise typer.Exit(0)
-        _fail(err)
+        fail(err)
 
 
 help_format.fill_in(app)

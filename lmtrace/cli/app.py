@@ -38,7 +38,7 @@ def main(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="
     ctx.call_on_close(interrupt_on_signals(ctx.invoked_subcommand))
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """Error messages are one line: a wrapped library message is joined back together."""
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
@@ -57,7 +57,7 @@ def _disk_full(err: BaseException) -> OSError | None:
     return None
 
 
-def _run_dir(ref: str | None, runs_dir: str | None) -> Path:
+def run_dir_or_root(ref: str | None, runs_dir: str | None) -> Path:
     """Where a command writes, for an error line: the run's directory, else the runs directory."""
     from ..archive.runs import find_run, runs_root
 
@@ -68,7 +68,7 @@ def _run_dir(ref: str | None, runs_dir: str | None) -> Path:
         return root
 
 
-def _fail(err: BaseException, where=None) -> None:
+def fail(err: BaseException, where=None) -> None:
     """Map an error to one `error:` line and the exit code. `where()`: the directory the command
     writes into, named when the disk is full and the error does not say which file."""
     if isinstance(err, (SystemExit, typer.Exit)):  # e.g. rich's exit on a closed stdout pipe
@@ -80,24 +80,24 @@ def _fail(err: BaseException, where=None) -> None:
     if _state["debug"]:
         raise err
     if isinstance(err, (LmtraceError, Interrupted)):
-        typer.echo(f"error: {_one_line(err)}", err=True)
+        typer.echo(f"error: {one_line(err)}", err=True)
         raise typer.Exit(err.exit_code)
     full = _disk_full(err)
     if full is not None:  # the same line and exit code as a run that fails on a full disk
         from ..archive.files import space_note
 
-        target = where() if where is not None else _run_dir(None, None)
+        target = where() if where is not None else run_dir_or_root(None, None)
         typer.echo(f"error: {space_note(target, full)}; free some space and run it again", err=True)
         raise typer.Exit(EXIT_RUN_FAILED)
     if isinstance(err, KeyboardInterrupt):
         typer.echo("error: aborted by the user", err=True)
         raise typer.Exit(130)
-    message = _one_line(f"{type(err).__name__}: {err}")
+    message = one_line(f"{type(err).__name__}: {err}")
     typer.echo(f"error: internal error: {message} (rerun with --debug for the traceback)", err=True)
     raise typer.Exit(EXIT_RUN_FAILED)
 
 
-class _Reporter:
+class Reporter:
     """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files):
     sequences done of the total, tokens, tok/s and the estimated time left (progress.Estimate)."""
 
@@ -197,7 +197,7 @@ class _Reporter:
             self.bar = None
 
 
-def _lens_line(summary: dict) -> str:
+def lens_line(summary: dict) -> str:
     """The words `lmtrace lens` prints for a run, also after `generate --lens` / `intervene --lens`."""
     if summary["computed"]:
         return f"logit lens computed ({summary['rows']} rows, {summary['seconds']:.1f} s)"

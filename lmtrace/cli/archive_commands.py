@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .app import _fail, app
+from .app import app, fail
 
 
 @app.command("ls")
@@ -30,7 +30,7 @@ def ls_(
     try:
         list_table(runs_dir, json_out, kind, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
 
 
 @app.command()
@@ -59,7 +59,7 @@ def show(
     try:
         show_run(run, runs_dir, json_out, no_color=no_color, step=step, sequence=sequence, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
 
 
 @app.command()
@@ -76,7 +76,7 @@ def verify(
     try:
         code = verify_run(run, runs_dir, json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
     raise typer.Exit(code)
 
 
@@ -100,4 +100,4 @@ def query(
     try:
         query_command(sql, runs_dir=runs_dir, fmt=fmt, out=out)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)

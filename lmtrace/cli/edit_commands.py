@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..output.jsonout import json_line
-from .app import _Reporter, _fail, _run_dir, app
+from .app import Reporter, app, fail, run_dir_or_root
 
 
 @app.command()
@@ -32,7 +32,7 @@ def intervene(
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Re-run an archived run under real interventions; writes a child run linked to its parent."""
-    reporter = _Reporter(quiet or json_out)
+    reporter = Reporter(quiet or json_out)
     reporter.starting()
     from .intervene import intervene_command
 
@@ -47,7 +47,7 @@ def intervene(
         reporter.stop()
         if isinstance(err, typer.Exit):
             raise
-        _fail(err, lambda: _run_dir(None, runs_dir) if runs_dir else _run_dir(run_ref, None).parent)
+        fail(err, lambda: run_dir_or_root(None, runs_dir) if runs_dir else run_dir_or_root(run_ref, None).parent)
     reporter.stop()
     if json_out:
         typer.echo(json_line(summary))
@@ -83,7 +83,7 @@ def sweep(
                                      "interval over the group's sequences (1000 resamples, seed 0)."),
 ):
     """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
-    reporter = _Reporter(quiet or json_out)
+    reporter = Reporter(quiet or json_out)
     reporter.starting()
     from .sweep import sweep_command
 
@@ -96,5 +96,5 @@ def sweep(
                       quiet=quiet, note=reporter.message, by=by)
     except BaseException as err:  # noqa: BLE001
         reporter.stop()
-        _fail(err, lambda: _run_dir(run_ref, runs_dir))
+        fail(err, lambda: run_dir_or_root(run_ref, runs_dir))
     reporter.stop()

@@ -1,11 +1,12 @@
 """The `lmtrace` command line: parse, call one function, map errors to exit codes. No logic here.
 
 `app` (cli/app.py) holds the callback and the error mapping; this module defines `generate` and
-`validate`, then registers the other commands in the order `lmtrace --help` lists them."""
+`validate`, then registers the other commands in the order `lmtrace --help` lists them. Where one
+command continues into another's step (`generate --resume` of an intervene child, `generate --lens`),
+the CLI calls both: no command imports another."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,7 +15,7 @@ import typer
 
 from ..exits.errors import Interrupted
 from ..output.jsonout import json_line
-from .app import _Reporter, _fail, _lens_line, _one_line, _run_dir, app
+from .app import Reporter, app, fail, lens_line, one_line, run_dir_or_root
 
 
 @app.command()
@@ -37,106 +38,35 @@ def generate(
                               "this process (no second model load; as `lmtrace lens RUN`)."),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
-    from ..spec.run_spec import load_spec
+    from ..commands.generate import GenerateJob, print_summary
 
-    reporter = _Reporter(quiet, log_json) if log_json else _Reporter(quiet or json_out)
+    reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
+    job = GenerateJob(runs_dir=runs_dir, run_id=run_id, resume=resume)
     try:
-        shard_obj, slurm_run_id = None, None
-        if shard is not None:  # importing .generate imports torch (seconds): plain spec errors stay fast
-            from ..archive.rundir import parse_shard
-
-            shard_obj, slurm_run_id = parse_shard(shard)
-        child = False  # an intervene child being resumed: its edits are replayed from its parent
-        if resume:
-            from ..runner.resume import run_kind, spec_for_resume
-
-            spec, text = spec_for_resume(resume, runs_dir, set_ + ([f"generation.memory_budget={memory_budget}"]
-                                                                   if memory_budget is not None else []))
-            run_id = spec.output.run_id
-            child = run_kind(resume, runs_dir) == "intervene"
-        else:
-            if spec_path is None:
-                from ..exits.errors import SpecError
-
-                raise SpecError("give a SPEC file, or --resume RUN_ID")
-            run_id = run_id or slurm_run_id
-            overrides = list(set_) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
-            if memory_budget is not None:
-                overrides.append(f"generation.memory_budget={json.dumps(memory_budget)}")
-            spec, text, _ = load_spec(spec_path, overrides)  # before torch is even imported: bad specs fail fast
-        if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
-            from ..exits.errors import SpecError
-
-            raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
-                            "slurm-<SLURM_ARRAY_JOB_ID>)")
-        from ..commands.validate import preflight
-
-        if not child:  # (a child's prompts are its parent's archived ones)
-            preflight(spec, runs_dir)  # prompts, runs dir, model reference and layers, before loading weights
-        reporter.message("spec checked; importing torch")  # the first line within a second; torch takes seconds
-        from ..archive.rundir import check_target, parse_shard
-        from ..runner.generation import run_generate
-        from ..archive.runs import runs_root
-
-        if shard_obj is None:
-            shard_obj, _ = parse_shard(None)
-
-        if lens and not spec.capture.lens_deferred:
-            from ..exits.errors import SpecError
-
-            if not spec.capture.lens_inline:
-                raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
-                                "capture: none); drop --lens or enable the lens")
-            lens = False  # an inline lens is computed during generation anyway
-        check_target(runs_root(runs_dir, spec.output.runs_dir), spec, shard_obj, bool(resume),
-                     kind="intervene" if child else "generate")
-        if shard_obj.count > 1:
-            reporter.shard = shard_obj.key
+        job.prepare(spec_path, set_, shard=shard, memory_budget=memory_budget, lens=lens, note=reporter.message)
+        if job.shard.count > 1:
+            reporter.shard = job.shard.key
         progress = reporter.progress()
-        if child:
+        if job.child:  # an intervene child: the intervene command replays its edits from its parent
             from ..commands.intervene import resume_child
 
             result, _ = resume_child(resume, runs_dir, progress=progress)
         else:
-            result = run_generate(spec, text, runs_dir_flag=runs_dir, shard=shard_obj, resume=bool(resume),
-                                  progress=progress)
+            result = job.run(progress)
         reporter.stop()
         lens_summary = None
-        if lens:
+        if job.lens:  # the lens command's own step, with the model still in memory
             from ..commands.lens import lens_after
 
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
-        _fail(err, lambda: _run_dir(resume or run_id, runs_dir))
+        fail(err, lambda: run_dir_or_root(job.run_ref, runs_dir))
     reporter.stop()
-    summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
-               "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
-               "seconds": round(result.seconds, 2), **({"lens": lens_summary} if lens else {})}
-    if log_json:
-        reporter.message(f"run {result.run_id}: {result.status}", event="finished", **summary)
-    if result.status.startswith("shard-complete-others-failed:"):
-        from ..exits.errors import EXIT_PARTIAL_SHARDS
-
-        others = result.status.split(":", 1)[1]
-        typer.echo(f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
-                   f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`", err=True)
-        raise typer.Exit(EXIT_PARTIAL_SHARDS)
-    if json_out:
-        typer.echo(json_line(summary))
-    elif quiet:  # the run id alone, for scripts: RUN=$(lmtrace generate spec.yaml -q)
-        typer.echo(result.run_id)
-    else:
-        what = ("this shard is complete; the run completes when its other shards do"
-                if result.status == "shard-complete" else result.status)
-        typer.echo(f"run {result.run_id}: {what}, {result.n_sequences} sequence(s), "
-                   f"{result.n_tokens} tokens in {result.seconds:.1f}s -> {result.run_dir}")
-        for i, text in enumerate(result.texts[:5]):
-            typer.echo(f"  [{i}] {text!r}")
-        if len(result.texts) > 5:
-            typer.echo(f"  ... {len(result.texts) - 5} more (lmtrace show {result.run_id})")
-        if lens_summary is not None:
-            typer.echo(f"  {_lens_line(lens_summary)}")
+    code = print_summary(result, lens_summary, None if lens_summary is None else lens_line(lens_summary),
+                         lens=job.lens, quiet=quiet, json_out=json_out, log_json=log_json, message=reporter.message)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -153,7 +83,7 @@ def validate(
     try:
         report = validate_spec(spec_path, list(set_))
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)
     if json_out:
         typer.echo(json_line(report))
         return
@@ -223,7 +153,7 @@ def _run() -> None:
         typer.echo("error: aborted by the user", err=True)
         sys.exit(130)
     except Interrupted as err:  # a signal before a command's own error mapping (its imports, say)
-        typer.echo(f"error: {_one_line(err)}", err=True)
+        typer.echo(f"error: {one_line(err)}", err=True)
         sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001
         # click's exceptions (typer may vendor its own copy of click, so match them by shape, not class)
@@ -232,7 +162,7 @@ def _run() -> None:
         code = getattr(err, "exit_code", None)
         if not (hasattr(err, "format_message") and isinstance(code, int)):
             raise
-        message = _one_line(err.format_message()).rstrip(".")
+        message = one_line(err.format_message()).rstrip(".")
         ctx = getattr(err, "ctx", None)
         if code == 2 and ctx is not None:
             message += f"; see `{ctx.command_path} --help`"

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .app import _fail, _Reporter, _run_dir, app
+from .app import Reporter, app, fail, run_dir_or_root
 
 sae_app = typer.Typer(no_args_is_help=True, help="Sparse autoencoders: train one on a run's activations (sae train), read and check one (sae show).",
                       context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,7 +37,7 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="Print the training card as JSON on stdout."),
 ):
     """Train a TopK SAE on a run's activations; save it in the SAELens format with a training card."""
-    reporter = _Reporter(quiet or json_out)
+    reporter = Reporter(quiet or json_out)
     reporter.starting()
     from ..commands.sae import sae_train_command
 
@@ -47,7 +47,7 @@ def train(
                           device=device, runs_dir=runs_dir, json_out=json_out, quiet=quiet,
                           note=reporter.message)
     except BaseException as err:  # noqa: BLE001
-        _fail(err, lambda: _run_dir(run, runs_dir))
+        fail(err, lambda: run_dir_or_root(run, runs_dir))
 
 
 @sae_app.command("show")
@@ -62,4 +62,4 @@ def show(
     try:
         sae_show_command(path, json_out=json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
-        _fail(err)
+        fail(err)

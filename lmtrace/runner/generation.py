@@ -2,14 +2,13 @@
 
 `run_generate` reads as its four steps, shared by generate, resume, shards and intervene:
 `prepare` (model, prompts, shape, probes; nothing created), the run-directory protocol
-(archive.rundir: open or join the directory, own this writer's key, `_start_run` writes or
-reopens the manifest), `_generate_batches` (the tracer loop streaming into the archive) and
-`_finalise` (the last shard compacts, checksums and marks the run complete)."""
+(archive.rundir: open or join the directory, own this writer's key, `run_start.start_run` writes or
+reopens the manifest), `batch_loop.generate_batches` (the tracer loop streaming into the archive)
+and `_finalise` (the last shard compacts, checksums and marks the run complete)."""
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -19,29 +18,25 @@ import pyarrow as pa
 
 from ..archive import layout
 from ..archive.layout import RunShape
-from ..archive.manifest import manifest_base
-from ..archive.rundir import RunDir, Shard, archived_tokens, check_target, finish_failed, open_run_dir, outcome
-from ..archive.runs import RunLog, human_bytes, now_iso, runs_root, write_manifest
-from ..archive.sink import BlockSink
-from ..archive.vocab import store_vocab
+from ..archive.rundir import RunDir, Shard, finish_failed, open_run_dir, outcome
+from ..archive.runs import RunLog, now_iso, runs_root, write_manifest
 from ..archive.writer import ArchiveWriter, BackgroundWriter
-from .batching import Batch, BatchOutOfMemory, BatchQueue, Footprint, MemoryBudget, budget_refusal, memory_budget, \
-    with_oom_fault
+from .batch_loop import Generated, batch_queue, generate_batches
+from .batching import MemoryBudget, memory_budget
 from ..capture import attention
 from ..capture.arch import adapter_for, sdpa_refused
-from ..capture.devices import cuda_devices, layer_devices, peak_memory, reset_peak_memory
+from ..capture.devices import cuda_devices, layer_devices
 from ..capture.probes import Probes
 from ..capture.sampling import Sampler
-from ..capture.tracer import ForcedTokens, Tracer
+from ..capture.tracer import Tracer
 from .context_length import check_context, model_positions
 from ..exits.errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
-from ..exits.interrupts import StopFlag, work_recorded, work_started
+from ..exits.interrupts import work_recorded, work_started
 from .models import LoadedModel, check_run_model, load_model
-from .peak_rss import PeakRss, rss_bytes
 from ..output.progress import Progress
-from ..spec.prompt_metadata import schema_of
 from ..spec.prompts import load_prompts_and_metadata, render_prompts
 from ..spec.run_spec import RunSpec, resolve_layers, resolve_vector_layers
+from .run_start import new_manifest, resumed_metadata, start_run
 
 
 def eos_ids(spec_value, model, tokenizer) -> set[int]:
@@ -94,30 +89,6 @@ class Replay:
     batch_done: Callable[[Path, int], None] | None = None  # a batch's steps all seen (before it is committed)
     on_model: Callable[[object], None] | None = None  # receives the adapter once the model is loaded
     parent: tuple[str, dict] | None = None  # (run id, manifest) of the replayed run: its model must be unchanged
-
-
-class _ResumedReplay:
-    """A replay's teacher in a batch resumed at step `upto`: below it the run's own archived tokens
-    (what it chose then: sampled ones too, as a generate resume forces them), from it on the
-    replay's forcing; the replay's reference tokens (the effects' parent tokens) throughout."""
-
-    def __init__(self, archived: ForcedTokens, teacher, upto: int):
-        self.archived, self.teacher, self.upto = archived, teacher, upto
-
-    def forced(self, seq_ids, step):
-        return self.archived.forced(seq_ids, step) if step < self.upto else self.teacher.forced(seq_ids, step)
-
-    def reference(self, seq_ids, step):
-        return self.teacher.reference(seq_ids, step)
-
-
-class _Tee:
-    def __init__(self, *sinks):
-        self.sinks = sinks
-
-    def on_step(self, result) -> None:
-        for sink in self.sinks:
-            sink.on_step(result)
 
 
 @dataclass
@@ -255,10 +226,10 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
-            setup.metadata = _resumed_metadata(existing, run_id, setup.metadata)
+            setup.metadata = resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
-        _start_run(spec, given_text, rd, existing, lambda: _new_manifest(spec, given_text, setup, run_id, shard, replay),
-                   root, resume, setup.loaded.tokenizer, setup.budget)
+        start_run(spec, given_text, rd, existing, lambda: new_manifest(spec, given_text, setup, run_id, shard, replay),
+                  root, resume, setup.loaded.tokenizer, setup.budget)
         # From here on the manifest exists: every failure is recorded in it (finish_failed).
         return _write_run(spec, run_id, rd, existing, setup, replay, progress, t_start)
     except Interrupted as err:
@@ -269,82 +240,6 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
                           f"it with `lmtrace generate --resume {run_id}`", err.signum, resumable=True) from None
     finally:
         owner.release()
-
-
-def _new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict:
-    manifest = manifest_base(spec, given_text, setup.loaded, setup.adapter, setup.shape, setup.inner_name, run_id,
-                             setup.prompts, setup.eager_reason)
-    manifest["timings"]["model_load_s"] = round(setup.load_s, 3)
-    if setup.probes is not None and setup.shape.attention and setup.inner_name != "eager":
-        manifest["attention"]["row_method"] = setup.probes.row_method
-    manifest["shards"] = shard.count
-    manifest["prompt_metadata"] = schema_of(setup.metadata)
-    if setup.budget is not None:
-        manifest["memory_budget"] = setup.budget.record
-    if replay is not None:
-        manifest.update(replay.manifest_extra)
-    return manifest
-
-
-def _resumed_metadata(existing: dict, run_id: str, metadata: pa.Table | None) -> pa.Table | None:
-    """The metadata columns a resumed or joining shard writes: those the run was started with (every
-    batch's sequences part has the same columns); none for a run from before they were kept."""
-    if "prompt_metadata" not in existing:
-        return None
-    had, has = existing["prompt_metadata"], schema_of(metadata)
-    if had != has:
-        show = lambda cols: ", ".join(f"{k}: {v}" for k, v in cols.items()) or "none"  # noqa: E731
-        raise SpecError(f"run {run_id}: the prompt file's metadata columns ({show(has)}) differ from those the run "
-                        f"was started with ({show(had)}); use the prompt file the run was started with")
-    return metadata
-
-
-def _start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer,
-               budget: MemoryBudget | None = None) -> None:
-    """Write the new run's manifest (status running), or mark a resumed / joined run running again,
-    then the run's vocab.parquet when it has none yet.
-
-    A failure (or a signal) once the manifest exists is recorded in it before it propagates."""
-    run_dir = rd.path
-    try:
-        with rd.lock():
-            if existing is None and not (run_dir / layout.MANIFEST).is_file():
-                manifest = new_manifest()
-                write_manifest(run_dir, manifest)
-                (run_dir / layout.SPEC).write_text(given_text)
-            else:
-                from ..archive.runs import read_manifest
-
-                if existing is None:  # another shard created the run meanwhile: it must be this one
-                    check_target(root, spec, rd.shard, resume, owned=True)
-                manifest = read_manifest(run_dir)
-                manifest.update(status="running", resumed=now_iso())
-                manifest.pop("error", None)
-                if budget is not None:  # (auto: chosen again from the memory free now; the last one chosen)
-                    manifest["memory_budget"] = budget.record
-                write_manifest(run_dir, manifest)
-            # after the manifest (a directory with anything but it and the locks is not taken for a
-            # run a kill interrupted at its start), under the lock (shards do not all decode it)
-            vocab_s = store_vocab(run_dir, tokenizer)
-            if vocab_s is not None:
-                manifest["timings"]["vocab_s"] = vocab_s
-                write_manifest(run_dir, manifest)
-    except BaseException as err:
-        if (run_dir / layout.MANIFEST).is_file() and not isinstance(err, SpecError):
-            finish_failed(None, rd, RunLog(run_dir / layout.LOG), *outcome(err))
-        if isinstance(err, OSError):  # e.g. a resume on a full disk: one line, not an internal error
-            from ..archive.files import space_note
-
-            raise LmtraceError(f"cannot start run {run_dir.name}: {space_note(run_dir, err)}") from None
-        raise
-
-
-@dataclass
-class _Generated:
-    texts: dict[int, str]
-    n_tokens: int
-    seconds: float
-    peak_gpu_memory: dict[str, int] = field(default_factory=dict)  # bytes per CUDA device, when on CUDA
 
 
 def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progress, t_start) -> GenerateResult:
@@ -364,10 +259,11 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
         rd.set_shard_status("running")
         log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts),
                   **({"memory_budget": setup.budget.record} if setup.budget is not None else {}))
-        queue = _batch_queue(spec, rd, setup, my_seqs, writer_core)
+        queue = batch_queue(spec, rd, setup, my_seqs, writer_core)
         writer_core.rollback(queue.rollback_keys)
         writer = BackgroundWriter(writer_core)
-        generated = _generate_batches(spec, run_id, rd, log, setup, replay, progress, queue, writer)
+        generated = generate_batches(_tracer(spec, setup), spec, run_id, rd, log, setup, replay, progress, queue,
+                                     writer)
         rd.set_shard_status("complete", tokens=generated.n_tokens, generate_s=round(generated.seconds, 3))
         status = _finalise(rd, log, writer_core, setup, replay, generated)
     except Interrupted as err:
@@ -390,155 +286,16 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
                           setup.loaded)
 
 
-def _batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core) -> BatchQueue:
-    """This shard's batches: as recorded where a batch committed anything, the rest cut to
-    `generation.batch_size`, or to `generation.memory_budget` (auto) by the footprint per sequence."""
-    import torch
-
-    g = spec.generation
-    footprint = None
-    budget = setup.budget.bytes if setup.budget is not None else None
-    if budget is not None:
-        on_cuda = bool(cuda_devices(setup.loaded.model, setup.loaded.device))
-        footprint = Footprint(setup.shape, setup.adapter.n_layers, torch.empty((), dtype=setup.loaded.dtype).element_size(),
-                              len(setup.loaded.tokenizer), g.max_new_tokens, spec.output.chunk_steps,
-                              spec.output.chunk_keys, measured=on_cuda, budget=budget)
-    return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, budget,
-                      {s: len(setup.prompt_ids[s]) for s in my_seqs}, footprint, writer_core.committed)
+def _tracer(spec: RunSpec, setup: Setup) -> Tracer:
+    """The generation loop for this spec, over the prepared model and probes."""
+    g, tokenizer = spec.generation, setup.loaded.tokenizer
+    return Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
+                  max_new_tokens=g.max_new_tokens, eos_ids=setup.eos, stop_strings=g.stop,
+                  n_alternatives=spec.capture.alternatives, probes=setup.probes, pad_id=tokenizer.pad_token_id,
+                  device=setup.loaded.device, layer_devices=layer_devices(setup.adapter))
 
 
-def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, budget_text, need=None) -> None:
-    """A batch that does not fit runs again as two halves (a batch of one cannot: the run fails)."""
-    if len(batch.seqs) == 1:
-        raise budget_refusal(budget_text, need, batch.key, reason)
-    first, second = queue.split(batch, committed)
-    log.event("batch_split", batch=batch.key, size=len(batch.seqs), sizes=[len(first.seqs), len(second.seqs)],
-              batches=[first.key, second.key], from_step=first.from_step, reason=reason)
-    from ..exits.faults import kill_point
-
-    kill_point("batch-split")
-
-
-def _generate_batches(spec, run_id, rd: RunDir, log, setup: Setup, replay, progress, queue: BatchQueue,
-                      writer) -> _Generated:
-    """The tracer loop over this shard's batches, each streamed block by block into the archive;
-    batches already committed are skipped, a partly committed one resumes after its last block,
-    one that runs out of memory is split (batching.py)."""
-    import torch
-
-    from ..archive.liveness import Heartbeat
-
-    g, tokenizer, writer_core = spec.generation, setup.loaded.tokenizer, writer.writer
-    tracer = Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
-                    max_new_tokens=g.max_new_tokens, eos_ids=setup.eos, stop_strings=g.stop,
-                    n_alternatives=spec.capture.alternatives, probes=setup.probes, pad_id=tokenizer.pad_token_id,
-                    device=setup.loaded.device, layer_devices=layer_devices(setup.adapter))
-    gpus = cuda_devices(setup.loaded.model, setup.loaded.device)
-    reset_peak_memory(gpus)
-    run_peak: dict[str, int] = {}
-    # CPU, a budget: each batch's peak RSS above the process's now (the model loaded) calibrates the footprint
-    rss_base = rss_bytes() if queue.footprint is not None and not gpus else None
-    stop = StopFlag()
-    texts: dict[int, str] = {}
-    n_tokens = 0
-    budget_text = setup.budget.text if setup.budget is not None else None
-    progress.start(len(rd.shard.sequences(len(setup.prompts))), g.max_new_tokens)
-    t_gen = time.time()
-    with stop.installed(), Heartbeat(rd.path, rd.shard.key):
-        for planned in queue:
-            seq_ids, batch = planned.seqs, planned.key
-            committed, done = writer_core.committed(batch)
-            if done:
-                progress.sequences_done(len(seq_ids), None)
-                continue
-            committed = max(committed, planned.from_step)
-            need = queue.over_budget(planned)
-            if need is not None:
-                _split(queue, planned, committed, log, f"its footprint, about {human_bytes(need)}, exceeds "
-                       f"generation.memory_budget {budget_text}", budget_text, need)
-                continue
-            queue.record(planned)
-            batch_prompts = [setup.prompt_ids[i] for i in seq_ids]
-            sink = BlockSink(writer, setup.shape, batch, seq_ids, batch_prompts, tokenizer,
-                             spec.output.chunk_steps, setup.step_columns, progress, start_step=committed)
-            teacher, edits, feed = None, None, sink
-            if committed:
-                log.event("resume_batch", batch=batch, from_step=committed)
-                teacher = ForcedTokens(archived_tokens(rd.path, seq_ids, committed), committed)
-            if replay is not None:
-                if replay.teacher is not None:
-                    teacher = replay.teacher if teacher is None else _ResumedReplay(teacher, replay.teacher, committed)
-                edits = replay.edits
-                feed = _Tee(sink, replay.observer) if replay.observer is not None else sink
-            before = sum(torch.cuda.memory_allocated(d) for d in gpus)
-            reset_peak_memory(gpus)
-            rss = PeakRss() if rss_base is not None else nullcontext()
-            try:
-                with rss:
-                    outcome_ = tracer.run_batch(seq_ids, batch_prompts, feed, teacher=teacher, edits=edits,
-                                                should_stop=with_oom_fault(stop, len(seq_ids)),
-                                                forward_running=writer.forward_running())
-            except (BatchOutOfMemory, torch.cuda.OutOfMemoryError) as err:
-                del sink, feed
-                if replay is not None and replay.batch_abandoned is not None:
-                    replay.batch_abandoned(seq_ids)
-                if gpus:
-                    torch.cuda.empty_cache()
-                writer.drain()  # the blocks handed over are committed: the halves continue after them
-                reason = "out of memory" + (" (CUDA)" if isinstance(err, torch.cuda.OutOfMemoryError) else
-                                            f" ({err})" if str(err) else "")
-                _split(queue, planned, max(writer_core.committed(batch)[0], planned.from_step), log, reason,
-                       budget_text)
-                continue
-            peaks = peak_memory(gpus)
-            for d, v in peaks.items():
-                run_peak[d] = max(run_peak.get(d, 0), v)
-            growth = None  # the batch's peak above the model: CUDA allocations, or (CPU, a budget) RSS
-            if gpus:
-                growth = sum(peaks.values()) - before
-                if queue.footprint is not None:
-                    queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), growth)
-            elif rss_base is not None:
-                growth = rss.peak - rss_base
-                queue.footprint.observe(len(seq_ids), max(len(p) for p in batch_prompts), rss.peak - rss.start)
-            sink.flush()
-            if outcome_.interrupted:
-                raise Interrupted(f"interrupted by {signal_name(stop.signal)} (batch of sequence {batch}); flushed "
-                                  f"steps are kept; resume with `lmtrace generate --resume {run_id}`", stop.signal,
-                                  resumable=True)
-            if replay is not None and replay.batch_done is not None:
-                replay.batch_done(rd.path, batch)
-            gen_len = np.asarray([len(x) for x in outcome_.generated], dtype=np.int32)
-            for b, seq in enumerate(seq_ids):
-                texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)
-            n_tokens += int(gen_len.sum())
-            seq_table = _sequence_rows(setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, texts)
-            writer.submit(writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
-            log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()),
-                      **({"peak_growth": growth} if growth is not None else {}))
-            if rss_base is not None:  # what the allocator keeps is not free for the next batch's cut
-                queue.footprint.retained = max(0, rss_bytes() - rss_base)
-            progress.sequences_done(len(seq_ids), int(gen_len.sum()))
-        writer.drain()
-    return _Generated(texts, n_tokens, time.time() - t_gen, run_peak)
-
-
-def _sequence_rows(setup: Setup, seq_ids, batch, batch_prompts, gen_len, stop_reason, texts) -> pa.Table:
-    """One batch's rows of sequences.parquet: lmtrace's columns, then the prompts' metadata columns."""
-    table = pa.table({
-        "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
-        "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
-        "generated_len": gen_len.tolist(), "stop_reason": stop_reason, "generated_text": [texts[i] for i in seq_ids],
-    }, schema=layout.sequence_schema())
-    if setup.metadata is None:
-        return table
-    rows = setup.metadata.take(pa.array(seq_ids, pa.int64()))
-    for name in rows.column_names:
-        table = table.append_column(rows.schema.field(name), rows.column(name))
-    return table
-
-
-def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: _Generated) -> str:
+def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: Generated) -> str:
     """This shard is complete. The last shard to finish (or the only one) compacts the tables,
     consolidates the Zarr metadata, records checksums and marks the run complete; the status."""
     from ..archive.integrity import record

@@ -94,7 +94,7 @@ def tokenizer_sha256(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _embedded_gguf(name: str) -> Path:
+def embedded_gguf(name: str) -> Path:
     if name not in EMBEDDED:
         raise SpecError(f"model.ref: unknown embedded model {name!r}; known: {', '.join('embedded:' + k for k in EMBEDDED)}")
     dist, rel = EMBEDDED[name]
@@ -208,7 +208,7 @@ def locate(spec: ModelSpec) -> tuple[str, str, str | None, dict]:
     """Map a reference to (kind, loadable source, weights sha256, extra). Loads no weights."""
     ref = spec.ref
     if ref.startswith("embedded:"):
-        gguf = _embedded_gguf(ref.split(":", 1)[1])
+        gguf = embedded_gguf(ref.split(":", 1)[1])
         sha = file_sha256(gguf)
         return "embedded", str(gguf), sha, {"gguf": str(gguf)}
     path = Path(ref).expanduser()

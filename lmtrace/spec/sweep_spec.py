@@ -1,6 +1,6 @@
 """The sweep spec: the same object from `lmtrace sweep` flags or from a YAML file.
 
-It lives next to the run spec (`spec.py`) rather than in `analysis/sweep/`: it is the command's
+It lives next to the run spec (`run_spec.py`) rather than in `analysis/sweep/`: it is the command's
 input, read from a path and validated by pydantic into one-line `SpecError`s, and the analysis
 layer takes no paths. The analysis functions take its fields (`over`, `edit`, `positions`, ...).
 """

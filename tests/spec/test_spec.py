@@ -338,10 +338,10 @@ def test_setting_one_prompts_source_replaces_the_other(tmp_path, monkeypatch):
 
 # ---- validate's model inspection (no weights) ------------------------------------------------
 def test_gguf_header_gives_the_embedded_model_sizes():
-    from lmtrace.runner.models import _embedded_gguf
-    from lmtrace.commands.validate import _gguf_config
+    from lmtrace.runner.models import embedded_gguf
+    from lmtrace.runner.model_config import gguf_config
 
-    cfg = _gguf_config(_embedded_gguf("smollm2-135m"))
+    cfg = gguf_config(embedded_gguf("smollm2-135m"))
     assert cfg["num_hidden_layers"] == 30 and cfg["num_attention_heads"] == 9 and cfg["hidden_size"] == 576
     assert cfg["num_key_value_heads"] == 3 and cfg["intermediate_size"] == 1536
 
@@ -349,7 +349,7 @@ def test_gguf_header_gives_the_embedded_model_sizes():
 def test_classify_model_agrees_with_locate(tmp_path):
     from lmtrace.runner.models import locate
     from lmtrace.spec.run_spec import ModelSpec
-    from lmtrace.commands.validate import classify_model
+    from lmtrace.runner.model_config import classify_model
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
