@@ -105,12 +105,13 @@ import yaml  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()  # read before anything can change it
 
-from lmtrace.runner.generation import Progress, run_generate  # noqa: E402
-from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
-from lmtrace.runner.models import load_model  # noqa: E402
-from lmtrace.archive.runs import dir_size, package_versions  # noqa: E402
-from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+
+from lmtrace.archive.runs import dir_size, package_versions  # noqa: E402
+from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
+from lmtrace.runner.generation import Progress, run_generate  # noqa: E402
+from lmtrace.runner.models import load_model  # noqa: E402
+from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 
 MODEL_REF = "embedded:smollm2-135m"
 PROMPT_TOKENS = 64
@@ -133,35 +134,65 @@ PROMPT_SEED_TEXT = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="32 and 64 new tokens, 1 repeat (smoke test)")
-    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x.strip()],
-                   help="comma-separated new-token counts (default 128,512; 32,64 with --quick)")
+    p.add_argument(
+        "--tokens",
+        type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+        help="comma-separated new-token counts (default 128,512; 32,64 with --quick)",
+    )
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (default 5; 1 with --quick)")
-    p.add_argument("--configs", default=",".join(TARGET_RATIO),
-                   help="comma-separated configurations timed against the floor, or 'all' (default "
-                        f"{','.join(TARGET_RATIO)}: those with a target; all adds "
-                        f"{','.join(c for c in CONFIGS[1:] if c not in TARGET_RATIO)})")
-    p.add_argument("--quiet", type=float, default=0.03,
-                   help="max share of the CPUs other processes may use during a timed sample (default 0.03)")
-    p.add_argument("--quiet-timeout", type=float,
-                   help="seconds to wait for a quiet machine before each sample (default 120; 0 with --quick)")
-    p.add_argument("--retries", type=int, help="redo a disturbed sample up to this many times (default 3; 0 with --quick)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted benchmark from its checkpoint (results/partial.json)")
+    p.add_argument(
+        "--configs",
+        default=",".join(TARGET_RATIO),
+        help="comma-separated configurations timed against the floor, or 'all' (default "
+        f"{','.join(TARGET_RATIO)}: those with a target; all adds "
+        f"{','.join(c for c in CONFIGS[1:] if c not in TARGET_RATIO)})",
+    )
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=0.03,
+        help="max share of the CPUs other processes may use during a timed sample (default 0.03)",
+    )
+    p.add_argument(
+        "--quiet-timeout",
+        type=float,
+        help="seconds to wait for a quiet machine before each sample (default 120; 0 with --quick)",
+    )
+    p.add_argument(
+        "--retries", type=int, help="redo a disturbed sample up to this many times (default 3; 0 with --quick)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted benchmark from its checkpoint (results/partial.json)",
+    )
     p.add_argument("--no-rss", action="store_true", help="skip the child-process peak-RSS runs")
     p.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results path (default {RESULTS})")
-    p.add_argument("--profile", type=int, metavar="N",
-                   help="instead of the benchmark, cProfile a floor and a default-capture run of N tokens "
-                        "and print where the extra time goes")
-    p.add_argument("--profile-clock", choices=("wall", "cpu"), default="wall",
-                   help="cProfile timer for --profile: wall time, or this process's CPU time (robust to other load)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        metavar="N",
+        help="instead of the benchmark, cProfile a floor and a default-capture run of N tokens "
+        "and print where the extra time goes",
+    )
+    p.add_argument(
+        "--profile-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cProfile timer for --profile: wall time, or this process's CPU time (robust to other load)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON job for one peak-RSS child run
     args = p.parse_args(argv)
     args.tokens = args.tokens or ([32, 64] if args.quick else [128, 512])
     args.repeats = args.repeats or (1 if args.quick else 5)
-    wanted = set(CONFIGS) if args.configs.strip() == "all" else {c.strip() for c in args.configs.split(",") if c.strip()}
+    wanted = (
+        set(CONFIGS) if args.configs.strip() == "all" else {c.strip() for c in args.configs.split(",") if c.strip()}
+    )
     unknown = wanted - set(CONFIGS)
     if unknown:
-        p.error(f"--configs: unknown configuration(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS[1:])} or all")
+        p.error(
+            f"--configs: unknown configuration(s) {', '.join(sorted(unknown))}; choose from {', '.join(CONFIGS[1:])} or all"
+        )
     args.configs = tuple(c for c in CONFIGS if c == "floor" or c in wanted)  # in CONFIGS order, floor first
     if len(args.configs) < 2:
         p.error("--configs: name at least one configuration besides the floor")
@@ -216,7 +247,9 @@ def memory_mib() -> dict[str, float]:
         status = Path("/proc/self/status").read_text()
     except OSError:  # not Linux: ru_maxrss is the best there is
         return {"peak": out["ru_maxrss"], "current": None, **out}
-    kib = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))}
+    kib = {
+        line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM", "VmRSS"))
+    }
     return {"peak": kib["VmHWM"] / 1024, "current": kib["VmRSS"] / 1024, **out}
 
 
@@ -231,12 +264,16 @@ def floor_generate(model, prompt_ids: list[int], n_new: int, stacked: bool = Fal
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
     positions = torch.arange(ids.shape[1], device=device)[None]
-    cache = (StackedCache.for_generation(model.config, len(prompt_ids), n_new, device) if stacked
-             else DynamicCache(config=model.config))
+    cache = (
+        StackedCache.for_generation(model.config, len(prompt_ids), n_new, device)
+        if stacked
+        else DynamicCache(config=model.config)
+    )
     out_ids: list[int] = []
     for step in range(n_new):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
         token = out.logits[:, -1].argmax(-1)
         out_ids.append(int(token.item()))
         if step + 1 == n_new:
@@ -272,8 +309,9 @@ def own_cpu_s() -> float:
     return t.user + t.system
 
 
-def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: str, on_start=None,
-                     deferred_lens: bool = False) -> dict:
+def lmtrace_generate(
+    config: str, prompt: str, n_new: int, eos: int, runs_dir: str, on_start=None, deferred_lens: bool = False
+) -> dict:
     """One run_generate call; returns its generate_s, generated ids and archive size (run dir removed).
 
     With deferred_lens (default configuration, timed samples) the run's deferred logit lens is then
@@ -293,7 +331,9 @@ def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: s
         if on_start:
             on_start()
 
-    result = run_generate(build_spec(data, "bench"), yaml.safe_dump(data, sort_keys=False), progress=Progress(start=started))
+    result = run_generate(
+        build_spec(data, "bench"), yaml.safe_dump(data, sort_keys=False), progress=Progress(start=started)
+    )
     cpu_s = own_cpu_s() - cpu_at_start[0]
     run_dir = Path(result.run_dir)
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -323,8 +363,10 @@ def lmtrace_generate(config: str, prompt: str, n_new: int, eos: int, runs_dir: s
 def check_run(config: str, info: dict, n_new: int, floor_ids: list[int]) -> bool:
     """Every run must be complete with exactly n_new tokens; returns whether they equal the floor's."""
     if info["status"] != "complete" or info["generated_len"] != n_new:
-        raise RuntimeError(f"{config}: run generated {info['generated_len']} of {n_new} tokens "
-                           f"(status {info['status']}, stop {info['stop_reason']}); the benchmark would be unfair")
+        raise RuntimeError(
+            f"{config}: run generated {info['generated_len']} of {n_new} tokens "
+            f"(status {info['status']}, stop {info['stop_reason']}); the benchmark would be unfair"
+        )
     return info["generated"] == floor_ids[:n_new]
 
 
@@ -407,8 +449,9 @@ def warm_up(model, prompt: str, prompt_ids: list[int], eos: int, runs_dir: str, 
             lmtrace_generate(config, prompt, WARMUP_TOKENS, eos, runs_dir)
 
 
-def one_sample(config: str, n: int, model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int],
-               runs_dir: str) -> dict:
+def one_sample(
+    config: str, n: int, model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int], runs_dir: str
+) -> dict:
     """Generation seconds, process CPU seconds, archive bytes and same-tokens-as-floor of one run."""
     if config.startswith("floor"):
         cpu0 = own_cpu_s()
@@ -429,7 +472,7 @@ def schedule(repeats: int, configs: tuple[str, ...]) -> list[tuple[int, str, int
     others = [c for c in configs if c != "floor"]
     order: list[tuple[int, str]] = []
     for rep in range(repeats):
-        for config in others[rep % len(others):] + others[: rep % len(others)]:
+        for config in others[rep % len(others) :] + others[: rep % len(others)]:
             order += [(rep, "floor"), (rep, config)]
     order.append((repeats - 1, "floor"))
     seen: dict[str, int] = {}
@@ -440,8 +483,17 @@ def schedule(repeats: int, configs: tuple[str, ...]) -> list[tuple[int, str, int
     return out
 
 
-def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: list[int], args, runs_dir: str,
-             ckpt: Checkpoint, log) -> dict:
+def time_all(
+    model,
+    prompt: str,
+    prompt_ids: list[int],
+    eos: int,
+    floor_ids: list[int],
+    args,
+    runs_dir: str,
+    ckpt: Checkpoint,
+    log,
+) -> dict:
     """{"config:n": samples}, the configurations interleaved within each repeat.
 
     Before each sample the machine must be quiet (other processes below args.quiet of the CPUs); a
@@ -452,8 +504,10 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
     samples = ckpt.samples
     for c in args.configs:
         for n in args.tokens:
-            samples.setdefault(key(c, n), {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [],
-                                           "archive_bytes": 0, "same_tokens": True})
+            samples.setdefault(
+                key(c, n),
+                {"seconds": [], "cpu_s": [], "others_cpu": [], "attempts": [], "archive_bytes": 0, "same_tokens": True},
+            )
     for n in args.tokens:
         for rep, config, k in schedule(args.repeats, args.configs):
             entry = samples[key(config, n)]
@@ -467,8 +521,10 @@ def time_all(model, prompt: str, prompt_ids: list[int], eos: int, floor_ids: lis
                     run = one_sample(config, n, model, prompt, prompt_ids, eos, floor_ids, runs_dir)
                     run["at"] = t0 + run["seconds"] / 2  # about the middle of the timed span
                 attempts.append((meter.share, run))
-                log(f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
-                    f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs")
+                log(
+                    f"  {config:<12} N={n:<5} repeat {rep + 1}/{args.repeats}: {run['seconds']:7.2f} s "
+                    f"({n / run['seconds']:6.1f} tok/s, CPU {run['cpu_s']:.1f} s), others used {meter.share:.0%} of the CPUs"
+                )
                 if meter.share < args.quiet:
                     break
             share, run = min(attempts, key=lambda a: a[1]["seconds"])  # other load only slows a run down
@@ -498,11 +554,20 @@ def child_main(job: dict) -> dict:
             snapshot()
             generated = len(floor_of(config, loaded.model, job["prompt_ids"], n)[0])
         else:
-            generated = lmtrace_generate(config, job["prompt"], n, job["eos"], runs_dir, on_start=snapshot)["generated_len"]
+            generated = lmtrace_generate(config, job["prompt"], n, job["eos"], runs_dir, on_start=snapshot)[
+                "generated_len"
+            ]
     end = memory_mib()
-    return {"config": config, "tokens": n, "generated": generated, "threads": threads,
-            "peak_rss_mib": end["peak"], "ru_maxrss_mib": end["ru_maxrss"],
-            "rss_at_generation_start_mib": at_start.get("current"), "peak_before_generation_mib": at_start.get("peak")}
+    return {
+        "config": config,
+        "tokens": n,
+        "generated": generated,
+        "threads": threads,
+        "peak_rss_mib": end["peak"],
+        "ru_maxrss_mib": end["ru_maxrss"],
+        "rss_at_generation_start_mib": at_start.get("current"),
+        "peak_before_generation_mib": at_start.get("peak"),
+    }
 
 
 def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
@@ -511,19 +576,23 @@ def measure_rss(jobs: list[dict], ckpt: Checkpoint, log) -> dict[str, dict]:
     for job in jobs:
         if key(job["config"], job["tokens"]) in out:
             continue
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)], capture_output=True, text=True
+        )
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)), None)
         if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"RSS child {job['config']} N={job['tokens']} failed (rc {proc.returncode}):\n"
-                               f"{proc.stderr[-3000:]}")
-        res = json.loads(line[len(CHILD_MARK):])
+            raise RuntimeError(
+                f"RSS child {job['config']} N={job['tokens']} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+            )
+        res = json.loads(line[len(CHILD_MARK) :])
         if res["generated"] != job["tokens"]:
             raise RuntimeError(f"RSS child {job['config']} generated {res['generated']} of {job['tokens']} tokens")
         out[key(job["config"], job["tokens"])] = res
         ckpt.save()
-        log(f"  {job['config']:<12} N={job['tokens']:<5} peak RSS {res['peak_rss_mib']:7.1f} MiB "
-            f"(RSS at generation start {res['rss_at_generation_start_mib']:.1f} MiB)")
+        log(
+            f"  {job['config']:<12} N={job['tokens']:<5} peak RSS {res['peak_rss_mib']:7.1f} MiB "
+            f"(RSS at generation start {res['rss_at_generation_start_mib']:.1f} MiB)"
+        )
     return out
 
 
@@ -552,23 +621,34 @@ def summarize(samples: dict, rss: dict, tokens: list[int], configs: tuple[str, .
                 ratio = statistics.median(f / c for f, c in zip(floor_at(floor, s["at"], "seconds"), s["seconds"]))
                 cpu_ratio = statistics.median(f / c for f, c in zip(floor_at(floor, s["at"], "cpu_s"), s["cpu_s"]))
             target = TARGET_RATIO.get(config)
-            rows.append({
-                "config": config, "tokens": n, "seconds": s["seconds"], "median_s": round(median_s, 4),
-                "tok_per_s": round(tps, 2), "ratio_vs_floor": round(ratio, 4),
-                "ratio_of_medians": round(statistics.median(floor["seconds"]) / median_s, 4),
-                "best_ratio": round(min(floor["seconds"]) / min(s["seconds"]), 4),
-                "cpu_s": s["cpu_s"], "cpu_ratio_vs_floor": round(cpu_ratio, 4),
-                "target_ratio": target, "meets_target": None if target is None else ratio >= target,
-                "archive_bytes": s["archive_bytes"],
-                "archive_bytes_per_token": round(s["archive_bytes"] / n, 1),
-                "best_tok_per_s": round(n / min(s["seconds"]), 2),
-                **rss_fields(rss.get(key(config, n))),
-                "same_tokens_as_floor": s["same_tokens"],
-                "deferred_lens_s": s.get("lens_s"),
-                "deferred_lens_ms_per_token": (round(statistics.median(s["lens_s"]) / n * 1000, 2)
-                                               if s.get("lens_s") else None),
-                "others_cpu_max": max(s["others_cpu"]), "others_cpu": s["others_cpu"], "attempts": s["attempts"],
-            })
+            rows.append(
+                {
+                    "config": config,
+                    "tokens": n,
+                    "seconds": s["seconds"],
+                    "median_s": round(median_s, 4),
+                    "tok_per_s": round(tps, 2),
+                    "ratio_vs_floor": round(ratio, 4),
+                    "ratio_of_medians": round(statistics.median(floor["seconds"]) / median_s, 4),
+                    "best_ratio": round(min(floor["seconds"]) / min(s["seconds"]), 4),
+                    "cpu_s": s["cpu_s"],
+                    "cpu_ratio_vs_floor": round(cpu_ratio, 4),
+                    "target_ratio": target,
+                    "meets_target": None if target is None else ratio >= target,
+                    "archive_bytes": s["archive_bytes"],
+                    "archive_bytes_per_token": round(s["archive_bytes"] / n, 1),
+                    "best_tok_per_s": round(n / min(s["seconds"]), 2),
+                    **rss_fields(rss.get(key(config, n))),
+                    "same_tokens_as_floor": s["same_tokens"],
+                    "deferred_lens_s": s.get("lens_s"),
+                    "deferred_lens_ms_per_token": (
+                        round(statistics.median(s["lens_s"]) / n * 1000, 2) if s.get("lens_s") else None
+                    ),
+                    "others_cpu_max": max(s["others_cpu"]),
+                    "others_cpu": s["others_cpu"],
+                    "attempts": s["attempts"],
+                }
+            )
     return rows
 
 
@@ -585,8 +665,12 @@ def rss_flatness(rss: dict, tokens: list[int], configs: tuple[str, ...]) -> dict
     out = {"from_tokens": lo, "to_tokens": hi, "tolerance": RSS_FLAT_TOLERANCE}
     for config in configs:
         a, b = rss[key(config, lo)]["peak_rss_mib"], rss[key(config, hi)]["peak_rss_mib"]
-        out[config] = {"rss_lo_mib": round(a, 1), "rss_hi_mib": round(b, 1), "growth_mib": round(b - a, 1),
-                       "growth_frac": round((b - a) / a, 4)}
+        out[config] = {
+            "rss_lo_mib": round(a, 1),
+            "rss_hi_mib": round(b, 1),
+            "growth_mib": round(b - a, 1),
+            "growth_frac": round((b - a) / a, 4),
+        }
     out["flat"] = out["default"]["growth_frac"] <= RSS_FLAT_TOLERANCE
     return out
 
@@ -595,40 +679,74 @@ def target_lines(rows: list[dict], flat: dict | None) -> list[str]:
     lines = []
     lens = [r for r in rows if r.get("deferred_lens_ms_per_token") is not None]
     if lens:
-        lines.append("deferred logit lens of the default runs, computed afterwards (`lmtrace lens`, model load "
-                     "excluded): " + ", ".join(f"N={r['tokens']}: {r['deferred_lens_ms_per_token']:.1f} ms/token"
-                                               for r in lens))
+        lines.append(
+            "deferred logit lens of the default runs, computed afterwards (`lmtrace lens`, model load "
+            "excluded): " + ", ".join(f"N={r['tokens']}: {r['deferred_lens_ms_per_token']:.1f} ms/token" for r in lens)
+        )
     for config, target in TARGET_RATIO.items():
-        got = ", ".join(f"N={r['tokens']}: {r['ratio_vs_floor']:.3f}x {'PASS' if r['meets_target'] else 'FAIL'}"
-                        for r in rows if r["config"] == config)
+        got = ", ".join(
+            f"N={r['tokens']}: {r['ratio_vs_floor']:.3f}x {'PASS' if r['meets_target'] else 'FAIL'}"
+            for r in rows
+            if r["config"] == config
+        )
         lines.append(f"target {config} >= {target:.2f}x floor   {got or 'not measured (not in --configs)'}")
     if flat is None:
         lines.append("target RSS flat in steps   not measured (needs two token counts and the RSS children)")
     else:
         d, f = flat["default"], flat["floor"]
-        lines.append(f"target RSS flat in steps (default, growth <= {flat['tolerance']:.0%})   "
-                     f"N={flat['from_tokens']}: {d['rss_lo_mib']:.0f} MiB -> N={flat['to_tokens']}: {d['rss_hi_mib']:.0f} MiB "
-                     f"({d['growth_mib']:+.0f} MiB, {d['growth_frac']:+.1%}) {'PASS' if flat['flat'] else 'FAIL'}; "
-                     f"floor {f['growth_mib']:+.0f} MiB ({f['growth_frac']:+.1%})")
+        lines.append(
+            f"target RSS flat in steps (default, growth <= {flat['tolerance']:.0%})   "
+            f"N={flat['from_tokens']}: {d['rss_lo_mib']:.0f} MiB -> N={flat['to_tokens']}: {d['rss_hi_mib']:.0f} MiB "
+            f"({d['growth_mib']:+.0f} MiB, {d['growth_frac']:+.1%}) {'PASS' if flat['flat'] else 'FAIL'}; "
+            f"floor {f['growth_mib']:+.0f} MiB ({f['growth_frac']:+.1%})"
+        )
     return lines
 
 
 def print_table(rows: list[dict], flat: dict | None, meta: dict) -> None:
-    headers = ["configuration", "new tokens", "tok/s", "vs floor", "target", "best vs best", "vs floor (CPU s)", "archive B/token",
-               "peak RSS MiB", "same tokens", "others' CPU"]
-    table = [[r["config"], str(r["tokens"]), f"{r['tok_per_s']:.1f}", f"{r['ratio_vs_floor']:.3f}x",
-              "" if r["target_ratio"] is None else f">= {r['target_ratio']:.2f}x " + ("ok" if r["meets_target"] else "MISS"),
-              f"{r['best_ratio']:.3f}x", f"{r['cpu_ratio_vs_floor']:.3f}x",
-              f"{r['archive_bytes_per_token']:,.0f}", "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:.0f}",
-              "yes" if r["same_tokens_as_floor"] else "NO", f"{r['others_cpu_max']:.0%}"] for r in rows]
-    title = (f"lmtrace bench: {meta['model']}, prompt {meta['prompt_tokens']} tokens, batch 1, greedy, "
-             f"{meta['device']}, torch threads {meta['torch_threads']}; tok/s: median of {meta['repeats']}; "
-             f"vs floor: median of the {meta['repeats']} repeats' ratios to the floor at that moment (interpolated between the floor samples around each)")
+    headers = [
+        "configuration",
+        "new tokens",
+        "tok/s",
+        "vs floor",
+        "target",
+        "best vs best",
+        "vs floor (CPU s)",
+        "archive B/token",
+        "peak RSS MiB",
+        "same tokens",
+        "others' CPU",
+    ]
+    table = [
+        [
+            r["config"],
+            str(r["tokens"]),
+            f"{r['tok_per_s']:.1f}",
+            f"{r['ratio_vs_floor']:.3f}x",
+            ""
+            if r["target_ratio"] is None
+            else f">= {r['target_ratio']:.2f}x " + ("ok" if r["meets_target"] else "MISS"),
+            f"{r['best_ratio']:.3f}x",
+            f"{r['cpu_ratio_vs_floor']:.3f}x",
+            f"{r['archive_bytes_per_token']:,.0f}",
+            "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:.0f}",
+            "yes" if r["same_tokens_as_floor"] else "NO",
+            f"{r['others_cpu_max']:.0%}",
+        ]
+        for r in rows
+    ]
+    title = (
+        f"lmtrace bench: {meta['model']}, prompt {meta['prompt_tokens']} tokens, batch 1, greedy, "
+        f"{meta['device']}, torch threads {meta['torch_threads']}; tok/s: median of {meta['repeats']}; "
+        f"vs floor: median of the {meta['repeats']} repeats' ratios to the floor at that moment (interpolated between the floor samples around each)"
+    )
     footer = target_lines(rows, flat)
     noisy = [f"{r['config']} N={r['tokens']}" for r in rows if r["others_cpu_max"] >= meta["quiet_threshold"]]
     if noisy:
-        footer.append(f"WARNING: other processes used >= {meta['quiet_threshold']:.0%} of the CPUs during "
-                      f"{', '.join(noisy)}; those timings are disturbed (see others' CPU)")
+        footer.append(
+            f"WARNING: other processes used >= {meta['quiet_threshold']:.0%} of the CPUs during "
+            f"{', '.join(noisy)}; those timings are disturbed (see others' CPU)"
+        )
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -658,7 +776,9 @@ def print_table(rows: list[dict], flat: dict | None, meta: dict) -> None:
 def write_json(path: Path, meta: dict, rows: list[dict], flat: dict | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     targets = {"ratio_vs_floor": TARGET_RATIO, "rss_flat_tolerance": RSS_FLAT_TOLERANCE}
-    path.write_text(json.dumps({"meta": meta, "targets": targets, "results": rows, "rss_flatness": flat}, indent=2) + "\n")
+    path.write_text(
+        json.dumps({"meta": meta, "targets": targets, "results": rows, "rss_flatness": flat}, indent=2) + "\n"
+    )
 
 
 # ---- profile (--profile N) -------------------------------------------------------------------
@@ -695,11 +815,18 @@ def extra_breakdown(floor: pstats.Stats, default: pstats.Stats) -> list[tuple[st
     """(where, floor s, default s) for the parts of one generation loop, both under cProfile."""
     d = lambda where, name, caller=None: _cum(default, where, name, caller)  # noqa: E731
     rows = [
-        ("model(...) calls", _cum(floor, "torch", "_wrapped_call_impl", "floor_generate"),
-         d("torch", "_wrapped_call_impl", "run_batch")),
+        (
+            "model(...) calls",
+            _cum(floor, "torch", "_wrapped_call_impl", "floor_generate"),
+            d("torch", "_wrapped_call_impl", "run_batch"),
+        ),
         ("  in it: probe hooks (probes.py hook)", 0.0, d("probes.py", "hook")),
-        ("  in it: lmtrace attention fn, sdpa excluded", 0.0,
-         d("attention.py", "_lmtrace_attention") - d("sdpa_attention", "sdpa_attention_forward", "_lmtrace_attention")),
+        (
+            "  in it: lmtrace attention fn, sdpa excluded",
+            0.0,
+            d("attention.py", "_lmtrace_attention")
+            - d("sdpa_attention", "sdpa_attention_forward", "_lmtrace_attention"),
+        ),
         ("probes.collect", 0.0, d("probes.py", "collect")),
         ("  in it: probes._logit_lens", 0.0, d("probes.py", "_logit_lens")),
         ("sampling.choose", 0.0, d("sampling.py", "choose")),
@@ -738,12 +865,13 @@ def profile_default(n: int, clock: str, out_dir: Path, log) -> None:
     main_prof.dump_stats(out_dir / f"profile-default-{n}.prof")
     floor_prof.dump_stats(out_dir / f"profile-floor-{n}.prof")
     print(f"floor {n} tokens: {floor_s:.2f} s unprofiled (others used {quiet_floor.share:.0%} of the CPUs)")
-    print(f"default capture {n} tokens: generate_s {info['seconds']:.2f} s under cProfile "
-          f"(others used {quiet_default.share:.0%})")
+    print(
+        f"default capture {n} tokens: generate_s {info['seconds']:.2f} s under cProfile "
+        f"(others used {quiet_default.share:.0%})"
+    )
     if clock == "cpu":
         print("profile clock: process CPU time (all threads) while each function is on the main thread's stack")
-    print(f"writer thread CPU time: {writer.get('cpu_s', float('nan')):.2f} s "
-          "(zarr's codec threads not included)\n")
+    print(f"writer thread CPU time: {writer.get('cpu_s', float('nan')):.2f} s (zarr's codec threads not included)\n")
     stats = pstats.Stats(main_prof, stream=sys.stdout)
     print("== where the extra time goes: both loops under cProfile, seconds ==")
     print(f"{'':<56}{'floor':>9}{'default':>9}{'extra':>9}")
@@ -782,9 +910,18 @@ def main(argv: list[str] | None = None) -> int:
     floor_ids, _ = floor_generate(model, prompt_ids, max(args.tokens))  # the reference continuation
     eos = pick_eos(model.config.vocab_size, set(floor_ids) | set(prompt_ids))
     log(f"prompt {len(prompt_ids)} tokens; eos set to unused id {eos}; tokens {args.tokens}, repeats {args.repeats}")
-    identity = {"model": MODEL_REF, "prompt_ids": prompt_ids, "eos": eos, "tokens": args.tokens,
-                "repeats": args.repeats, "threads": threads, "retries": args.retries, "quiet": args.quiet,
-                "schedule": "floor around every sample", "configs": list(args.configs)}  # samples of another schedule are not mixed in
+    identity = {
+        "model": MODEL_REF,
+        "prompt_ids": prompt_ids,
+        "eos": eos,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "threads": threads,
+        "retries": args.retries,
+        "quiet": args.quiet,
+        "schedule": "floor around every sample",
+        "configs": list(args.configs),
+    }  # samples of another schedule are not mixed in
     ckpt = Checkpoint(args.output.with_name("partial.json"), identity, args.resume)
     if ckpt.resumed:
         log(f"resuming from {ckpt.path}")
@@ -801,22 +938,42 @@ def main(argv: list[str] | None = None) -> int:
         log("peak RSS, one child process per run")
         del model, loaded
         gc.collect()
-        jobs = [{"config": c, "tokens": n, "prompt": prompt, "prompt_ids": prompt_ids, "eos": eos}
-                for n in args.tokens for c in args.configs]
+        jobs = [
+            {"config": c, "tokens": n, "prompt": prompt, "prompt_ids": prompt_ids, "eos": eos}
+            for n in args.tokens
+            for c in args.configs
+        ]
         rss = measure_rss(jobs, ckpt, log)
 
     rows = summarize(samples, rss, args.tokens, args.configs)
     flat = rss_flatness(rss, args.tokens, args.configs)
     meta = {
-        "model": MODEL_REF, "device": device, "dtype": dtype, "attn_implementation": "sdpa",
-        "prompt_tokens": len(prompt_ids), "prompt": prompt, "eos_token_id": eos, "tokens": args.tokens,
-        "repeats": args.repeats, "configs": list(args.configs), "quick": args.quick, "torch_threads": threads, "torch_default_threads": DEFAULT_THREADS,
-        "cpu_count": os.cpu_count(), "quiet_threshold": args.quiet, "platform": platform.platform(), "python": platform.python_version(),
-        "packages": package_versions(), "timing": "floor: own loop (perf_counter); lmtrace: manifest timings.generate_s",
+        "model": MODEL_REF,
+        "device": device,
+        "dtype": dtype,
+        "attn_implementation": "sdpa",
+        "prompt_tokens": len(prompt_ids),
+        "prompt": prompt,
+        "eos_token_id": eos,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "configs": list(args.configs),
+        "quick": args.quick,
+        "torch_threads": threads,
+        "torch_default_threads": DEFAULT_THREADS,
+        "cpu_count": os.cpu_count(),
+        "quiet_threshold": args.quiet,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "packages": package_versions(),
+        "timing": "floor: own loop (perf_counter); lmtrace: manifest timings.generate_s",
         "rss": "VmHWM (peak RSS of its own address space) of a fresh child process per (configuration, tokens), "
-               "read after its run; the child's ru_maxrss is recorded too but inherits the parent's peak across exec",
-        "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()), "resumed": ckpt.resumed,
-        "wall_s": round(time.time() - started, 1), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "read after its run; the child's ru_maxrss is recorded too but inherits the parent's peak across exec",
+        "loadavg_start": load_start,
+        "loadavg_end": list(os.getloadavg()),
+        "resumed": ckpt.resumed,
+        "wall_s": round(time.time() - started, 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print_table(rows, flat, meta)
     write_json(args.output, meta, rows, flat)

@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
 import yaml  # noqa: E402
 
+import bench  # noqa: E402
+from lmtrace.archive import sink, writer  # noqa: E402
 from lmtrace.capture import attention, attention_rows, probes, tracer  # noqa: E402
 from lmtrace.runner import generation as gen  # noqa: E402
-from lmtrace.archive import sink, writer  # noqa: E402
 from lmtrace.runner.models import load_model  # noqa: E402
 from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 
@@ -49,6 +49,7 @@ def timed(name: str, fn):
             return fn(*args, **kwargs)
         finally:
             SECONDS[name] = SECONDS.get(name, 0.0) + time.perf_counter() - t0
+
     return wrapper
 
 
@@ -58,12 +59,15 @@ def instrument() -> None:
         make = getattr(P, name)
         setattr(P, name, lambda self, layer, *a, _make=make, _name=name: timed(f"tap {_name}", _make(self, layer, *a)))
     make_output = P._output_tap
-    P._output_tap = lambda self, store, layer: timed("tap _output_tap (attn/mlp outputs)", make_output(self, store, layer))
+    P._output_tap = lambda self, store, layer: timed(
+        "tap _output_tap (attn/mlp outputs)", make_output(self, store, layer)
+    )
     P.observe = timed("attention observer (Probes.observe)", P.observe)
     make_input = P._input_tap  # only with capture.head_dla: o_proj inputs, block 0's input, the final norm's input
     P._input_tap = lambda self, store, key: timed("head_dla: input taps", make_input(self, store, key))
-    P._direct_logit_attribution = timed("head_dla: Probes._direct_logit_attribution (in collect)",
-                                        P._direct_logit_attribution)
+    P._direct_logit_attribution = timed(
+        "head_dla: Probes._direct_logit_attribution (in collect)", P._direct_logit_attribution
+    )
     P.collect = timed("Probes.collect (incl. batched rows)", P.collect)
     attention_rows.BatchedRows.rows = timed("  BatchedRows.rows", attention_rows.BatchedRows.rows)
     attention_rows.BatchedRows.offer = timed("  BatchedRows.offer (in the observer)", attention_rows.BatchedRows.offer)
@@ -81,7 +85,10 @@ def instrument() -> None:
         try:
             return run(self)
         finally:
-            SECONDS["writer thread CPU (all its work)"] = SECONDS.get("writer thread CPU (all its work)", 0.0) + time.thread_time() - t0
+            SECONDS["writer thread CPU (all its work)"] = (
+                SECONDS.get("writer thread CPU (all its work)", 0.0) + time.thread_time() - t0
+            )
+
     writer.BackgroundWriter._run = cpu_timed_run
 
 
@@ -109,8 +116,10 @@ def main() -> None:
             result = gen.run_generate(build_spec(data, "components"), yaml.safe_dump(data), progress=gen.Progress())
             generate_s = json.loads((Path(result.run_dir) / "manifest.json").read_text())["timings"]["generate_s"]
             shutil.rmtree(result.run_dir)
-            print(f"repeat {rep + 1}: floor {floor_s / n * 1000:.1f} ms/step, default capture {generate_s / n * 1000:.1f} "
-                  f"ms/step (extra {(generate_s - floor_s) / n * 1000:.1f}, ratio {floor_s / generate_s:.3f})")
+            print(
+                f"repeat {rep + 1}: floor {floor_s / n * 1000:.1f} ms/step, default capture {generate_s / n * 1000:.1f} "
+                f"ms/step (extra {(generate_s - floor_s) / n * 1000:.1f}, ratio {floor_s / generate_s:.3f})"
+            )
             for name, s in sorted(SECONDS.items(), key=lambda kv: -kv[1]):
                 print(f"    {name:52s} {s / n * 1000:6.2f} ms/step")
     finally:

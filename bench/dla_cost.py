@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 from lmtrace.archive.layout import RunShape  # noqa: E402
 from lmtrace.capture.arch import adapter_for  # noqa: E402
 from lmtrace.capture.kv_cache import StackedCache  # noqa: E402
@@ -57,10 +56,24 @@ def main() -> None:
     adapter = adapter_for(model)
     _, prompt_ids = bench.make_prompt(loaded.tokenizer)
     T = len(prompt_ids)
-    shape = RunShape(n_sequences=1, n_steps=2, max_prompt=T, layers=tuple(range(adapter.n_layers)), resid_layers=(),
-                     n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim,
-                     d_model=adapter.d_model, d_ffn=adapter.d_ffn or 0, kv_head_of_head=tuple(adapter.kv_head_of_head()),
-                     attention=False, qkv=False, ffn=False, lens=False, head_dla=True)
+    shape = RunShape(
+        n_sequences=1,
+        n_steps=2,
+        max_prompt=T,
+        layers=tuple(range(adapter.n_layers)),
+        resid_layers=(),
+        n_heads=adapter.n_heads,
+        n_kv_heads=adapter.n_kv_heads,
+        head_dim=adapter.head_dim,
+        d_model=adapter.d_model,
+        d_ffn=adapter.d_ffn or 0,
+        kv_head_of_head=tuple(adapter.kv_head_of_head()),
+        attention=False,
+        qkv=False,
+        ffn=False,
+        lens=False,
+        head_dla=True,
+    )
     probes = Probes(adapter, shape, component_norms=False, margin_contributions=False)
     cache = StackedCache.for_generation(model.config, T, 2 + 4 * args.repeats, torch.device("cpu"))
     ids = torch.tensor([prompt_ids])
@@ -68,8 +81,9 @@ def main() -> None:
     pos = [T]
 
     def decode():  # one more token each time (the context grows by `repeats` keys at most: negligible)
-        model(input_ids=ids[:, -1:], position_ids=torch.tensor([[pos[0]]]), cache=cache, use_cache=True,
-              logits_to_keep=1)
+        model(
+            input_ids=ids[:, -1:], position_ids=torch.tensor([[pos[0]]]), cache=cache, use_cache=True, logits_to_keep=1
+        )
         pos[0] += 1
 
     def tapped():
@@ -90,8 +104,10 @@ def main() -> None:
     print(f"decode step (no probes)            {plain:7.2f} ms")
     print(f"decode step with head_dla taps     {with_taps:7.2f} ms  (taps +{taps:.2f} ms)")
     print(f"head_dla arithmetic in collect     {arithmetic:7.2f} ms")
-    print(f"head_dla total                     {taps + arithmetic:7.2f} ms = {100 * (taps + arithmetic) / plain:.1f} % "
-          f"of a decode step (threads {torch.get_num_threads()})")
+    print(
+        f"head_dla total                     {taps + arithmetic:7.2f} ms = {100 * (taps + arithmetic) / plain:.1f} % "
+        f"of a decode step (threads {torch.get_num_threads()})"
+    )
     assert np.isfinite(probes._direct_logit_attribution(choice)["head_dla"]).all()
 
 

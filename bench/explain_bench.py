@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
-
 from lmtrace.analysis.attribution import METHODS, Scorer, Settings, StepContext  # noqa: E402
 from lmtrace.runner.models import load_model  # noqa: E402
 from lmtrace.spec.run_spec import ModelSpec  # noqa: E402
@@ -60,14 +59,28 @@ def main() -> None:
             return scorer.logits(scorer.embeddings(ids)[None])
 
     def step(name: str):
-        ctx = StepContext(run=None, sequence=0, step=0, prompt_len=len(ids), ids=ids, chosen_id=chosen,
-                          runner_up_id=runner, archived_logprob=0.0, settings=Settings(), scorer=scorer)
+        ctx = StepContext(
+            run=None,
+            sequence=0,
+            step=0,
+            prompt_len=len(ids),
+            ids=ids,
+            chosen_id=chosen,
+            runner_up_id=runner,
+            archived_logprob=0.0,
+            settings=Settings(),
+            scorer=scorer,
+        )
         return lambda: METHODS[name].fn(ctx)
 
     forward_ms, _ = best_ms(forward, args.repeats)
     print(json.dumps({"forward_cpu_ms": round(forward_ms, 1)}), flush=True)
-    out = {"model": "embedded:smollm2-135m float32 eager", "context_tokens": len(ids), "threads": threads,
-           "forward_cpu_ms": round(forward_ms, 1)}
+    out = {
+        "model": "embedded:smollm2-135m float32 eager",
+        "context_tokens": len(ids),
+        "threads": threads,
+        "forward_cpu_ms": round(forward_ms, 1),
+    }
     methods = [("lrp", args.repeats), ("grad_x_input", args.repeats), ("integrated_gradients", args.ig_repeats)]
     for name, repeats in methods[:2] if args.no_ig else methods:
         ms, res = best_ms(step(name), repeats)

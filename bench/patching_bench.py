@@ -34,28 +34,62 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "patching.json"))
     args = ap.parse_args()
     pairs = [(p, t) for p in PLACES for t in THINGS][: args.pairs]
-    sweep = ["--over", args.over, "--edit", "patch", "--steps", "0", "--metric", 'logit_diff:" Mary"," John"',
-             "--pair-by", "pair_id", "-q"]
+    sweep = [
+        "--over",
+        args.over,
+        "--edit",
+        "patch",
+        "--steps",
+        "0",
+        "--metric",
+        'logit_diff:" Mary"," John"',
+        "--pair-by",
+        "pair_id",
+        "-q",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp) / "runs"
         for name, giver in (("clean", "John"), ("corrupt", "Mary")):
             prompts = Path(tmp) / f"{name}.jsonl"
-            prompts.write_text("".join(json.dumps({"prompt": f"When Mary and John went to the {p}, {giver} gave a {t} "
-                                                             f"to", "pair_id": f"{p}-{t}"}) + "\n" for p, t in pairs))
+            prompts.write_text(
+                "".join(
+                    json.dumps(
+                        {"prompt": f"When Mary and John went to the {p}, {giver} gave a {t} to", "pair_id": f"{p}-{t}"}
+                    )
+                    + "\n"
+                    for p, t in pairs
+                )
+            )
             spec = Path(tmp) / f"{name}.yaml"
-            spec.write_text(json.dumps({"prompts": {"file": str(prompts)}, "capture": "none",
-                                        "generation": {"max_new_tokens": 1, "temperature": 0, "batch_size": 25}}))
+            spec.write_text(
+                json.dumps(
+                    {
+                        "prompts": {"file": str(prompts)},
+                        "capture": "none",
+                        "generation": {"max_new_tokens": 1, "temperature": 0, "batch_size": 25},
+                    }
+                )
+            )
             lmtrace(runs, "generate", str(spec), "--run-id", name, "-q")
         wall, sweep_id = lmtrace(runs, "sweep", "corrupt", "--source", "clean", *sweep)
         info = json.loads((runs / "corrupt" / "sweeps" / sweep_id.strip() / "sweep.json").read_text())
-        singles = [lmtrace(runs, "sweep", "corrupt", "--source", "clean", "--sequences", str(i), *sweep)[0]
-                   for i in range(args.single)]
+        singles = [
+            lmtrace(runs, "sweep", "corrupt", "--source", "clean", "--sequences", str(i), *sweep)[0]
+            for i in range(args.single)
+        ]
     per_pair = sum(singles) / len(singles)
-    result = {"pairs": len(pairs), "over": args.over, "n_cells": info["n_cells"], "one_process_s": round(wall, 2),
-              "one_process_sweep_s": info["timings"]["sweep_s"], "single_pair_process_s": [round(s, 2) for s in singles],
-              "per_pair_processes_s_extrapolated": round(per_pair * len(pairs), 1),
-              "speedup": round(per_pair * len(pairs) / wall, 1),
-              "top_normalised": info["patching"]["cells"][:3], "load": os.getloadavg()}
+    result = {
+        "pairs": len(pairs),
+        "over": args.over,
+        "n_cells": info["n_cells"],
+        "one_process_s": round(wall, 2),
+        "one_process_sweep_s": info["timings"]["sweep_s"],
+        "single_pair_process_s": [round(s, 2) for s in singles],
+        "per_pair_processes_s_extrapolated": round(per_pair * len(pairs), 1),
+        "speedup": round(per_pair * len(pairs) / wall, 1),
+        "top_normalised": info["patching"]["cells"][:3],
+        "load": os.getloadavg(),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

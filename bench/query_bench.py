@@ -36,8 +36,12 @@ generation: {max_new_tokens: 24, batch_size: 2}
 
 
 def lmtrace(runs: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
-    env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "LMTRACE_RUNS_DIR": str(runs),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "lmtrace", *args], env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0
@@ -55,7 +59,7 @@ def make_source(tmp: Path) -> Path:
 
 def link_copy(source: Path, dest: Path, run_id: str) -> None:
     """`source` as `dest`: every file hard-linked, except the manifest, rewritten with `run_id`."""
-    for base, dirs, files in os.walk(source):
+    for base, _dirs, files in os.walk(source):
         rel = Path(base).relative_to(source)
         (dest / rel).mkdir(parents=True, exist_ok=True)
         for f in files:
@@ -103,9 +107,9 @@ def in_process(root: Path, sql: str, repeats: int) -> dict:
     stat checks), checking the bytes of the files it reads (query/check.py) and DuckDB (building the
     views the SQL names, running it, the result as Arrow)."""
     sys.path.insert(0, str(REPO))
+    from lmtrace.archive.sql_views import connect, named_views
     from lmtrace.archive.table_catalog import read_catalog
     from lmtrace.query.check import damaged_runs
-    from lmtrace.archive.sql_views import connect, named_views
 
     catalog_s, check_s, duckdb_s = [], [], []
     for _ in range(repeats):
@@ -144,19 +148,40 @@ def main() -> None:
         wide = tmp / "wide"
         token_rows = widen(source, wide / "20270101-000000-000wide00", args.sequences)
         results = {
-            "runs": args.runs, "sequences": args.sequences, "token_rows": token_rows, "source": str(source),
+            "runs": args.runs,
+            "sequences": args.sequences,
+            "token_rows": token_rows,
+            "source": str(source),
             "startup_s": best(many, args.repeats, "SELECT 1", "-f", "csv"),
             "runs_view_s": best(many, args.repeats, "SELECT status, count(*) FROM runs GROUP BY status", "-f", "csv"),
-            "tokens_over_runs_s": best(many, args.repeats, "SELECT run_id, count(*), avg(logprob) FROM tokens "
-                                       "WHERE NOT is_prompt GROUP BY run_id", "-f", "csv", "--out",
-                                       str(tmp / "o.csv")),
-            "group_by_tokens_s": best(wide, args.repeats, "SELECT sequence, count(*), avg(logprob), min(prob) "
-                                      "FROM tokens WHERE NOT is_prompt GROUP BY sequence", "-f", "csv", "--out",
-                                      str(tmp / "o2.csv")),
-            "in_process_tokens_over_runs": in_process(many, "SELECT run_id, count(*), avg(logprob) FROM tokens WHERE "
-                                                      "NOT is_prompt GROUP BY run_id", args.repeats),
-            "in_process_group_by_tokens": in_process(wide, "SELECT sequence, count(*), avg(logprob), min(prob) FROM "
-                                                     "tokens WHERE NOT is_prompt GROUP BY sequence", args.repeats),
+            "tokens_over_runs_s": best(
+                many,
+                args.repeats,
+                "SELECT run_id, count(*), avg(logprob) FROM tokens WHERE NOT is_prompt GROUP BY run_id",
+                "-f",
+                "csv",
+                "--out",
+                str(tmp / "o.csv"),
+            ),
+            "group_by_tokens_s": best(
+                wide,
+                args.repeats,
+                "SELECT sequence, count(*), avg(logprob), min(prob) FROM tokens WHERE NOT is_prompt GROUP BY sequence",
+                "-f",
+                "csv",
+                "--out",
+                str(tmp / "o2.csv"),
+            ),
+            "in_process_tokens_over_runs": in_process(
+                many,
+                "SELECT run_id, count(*), avg(logprob) FROM tokens WHERE NOT is_prompt GROUP BY run_id",
+                args.repeats,
+            ),
+            "in_process_group_by_tokens": in_process(
+                wide,
+                "SELECT sequence, count(*), avg(logprob), min(prob) FROM tokens WHERE NOT is_prompt GROUP BY sequence",
+                args.repeats,
+            ),
         }
     print(json.dumps(results, indent=2))
     if args.out:

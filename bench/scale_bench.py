@@ -49,9 +49,34 @@ PARTS = ("batch8", "tools", "batch1", "batch32", "auto", "small", "slurm")
 # ---- the prompts --------------------------------------------------------------------------------
 # Short prompts of a few kinds, each kind a template filled from word lists; `label` is the kind,
 # `template` the template's name (several per label), so metadata columns have a few values each.
-SUBJECTS = ["the river", "a lighthouse", "the old library", "a small robot", "the mountain village", "a violin",
-            "the northern forest", "a train station", "the harbour", "a winter garden", "the desert road", "a clock tower"]
-COUNTRIES = ["France", "Japan", "Brazil", "Canada", "Egypt", "Norway", "Kenya", "Peru", "India", "Italy", "Chile", "Spain"]
+SUBJECTS = [
+    "the river",
+    "a lighthouse",
+    "the old library",
+    "a small robot",
+    "the mountain village",
+    "a violin",
+    "the northern forest",
+    "a train station",
+    "the harbour",
+    "a winter garden",
+    "the desert road",
+    "a clock tower",
+]
+COUNTRIES = [
+    "France",
+    "Japan",
+    "Brazil",
+    "Canada",
+    "Egypt",
+    "Norway",
+    "Kenya",
+    "Peru",
+    "India",
+    "Italy",
+    "Chile",
+    "Spain",
+]
 WORDS = ["hot", "early", "bright", "empty", "strong", "quiet", "open", "heavy", "young", "narrow", "wet", "fast"]
 TEMPLATES = {
     "story/short": ("story", "Write a short story about {subject}."),
@@ -74,8 +99,13 @@ def prompt_rows(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         name = rng.choice(names)
         label, text = TEMPLATES[name]
-        prompt = text.format(subject=rng.choice(SUBJECTS), country=rng.choice(COUNTRIES), word=rng.choice(WORDS),
-                             a=rng.randint(2, 99), b=rng.randint(2, 99))
+        prompt = text.format(
+            subject=rng.choice(SUBJECTS),
+            country=rng.choice(COUNTRIES),
+            word=rng.choice(WORDS),
+            a=rng.randint(2, 99),
+            b=rng.randint(2, 99),
+        )
         rows.append({"id": i, "prompt": prompt, "label": label, "template": name})
     return rows
 
@@ -90,8 +120,11 @@ def write_spec(path: Path, prompts: Path, tokens: int, batch: int | str, budget:
     if budget is not None:
         generation["memory_budget"] = budget
     # default capture: no `capture` key
-    path.write_text(json.dumps({"model": MODEL, "prompts": {"file": str(prompts), "column": "prompt"},
-                                "generation": generation}, indent=1))
+    path.write_text(
+        json.dumps(
+            {"model": MODEL, "prompts": {"file": str(prompts), "column": "prompt"}, "generation": generation}, indent=1
+        )
+    )
     return path
 
 
@@ -110,21 +143,28 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     import threading
 
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env or bench_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, env=env or bench_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     # the pipes are drained on threads (not communicate(), whose wait() would race wait4 for the child)
     out: dict = {}
-    readers = [threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
-               for k, f in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    readers = [
+        threading.Thread(target=lambda k=k, f=f: out.__setitem__(k, f.read()), daemon=True)
+        for k, f in (("stdout", proc.stdout), ("stderr", proc.stderr))
+    ]
     for r in readers:
         r.start()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     for r in readers:
         r.join()
-    return {"seconds": round(time.perf_counter() - t0, 2), "rc": proc.returncode,
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1), "stdout": out.get("stdout", ""),
-            "stderr_tail": out.get("stderr", "")[-2000:]}
+    return {
+        "seconds": round(time.perf_counter() - t0, 2),
+        "rc": proc.returncode,
+        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "stdout": out.get("stdout", ""),
+        "stderr_tail": out.get("stderr", "")[-2000:],
+    }
 
 
 def archive_facts(run_dir: Path) -> dict:
@@ -132,10 +172,15 @@ def archive_facts(run_dir: Path) -> dict:
     size = sum(f.stat().st_size for f in files)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     tokens = int(manifest["n_generated_tokens"])
-    return {"files": len(files), "bytes": size, "generated_tokens": tokens,
-            "bytes_per_token": round(size / max(tokens, 1)), "timings": manifest.get("timings", {}),
-            "pace": batch_pace(run_dir),
-            "batches": batch_sizes(run_dir)}
+    return {
+        "files": len(files),
+        "bytes": size,
+        "generated_tokens": tokens,
+        "bytes_per_token": round(size / max(tokens, 1)),
+        "timings": manifest.get("timings", {}),
+        "pace": batch_pace(run_dir),
+        "batches": batch_sizes(run_dir),
+    }
 
 
 def batch_pace(run_dir: Path) -> dict:
@@ -149,8 +194,11 @@ def batch_pace(run_dir: Path) -> dict:
         return {}
     median = statistics.median(gaps)
     tokens = statistics.median(b["tokens"] for b in done[1:])
-    return {"batch_s_median": round(median, 3), "batch_s_max": round(max(gaps), 2),
-            "tok_s_median_batch": round(tokens / median, 1)}
+    return {
+        "batch_s_median": round(median, 3),
+        "batch_s_max": round(max(gaps), 2),
+        "tok_s_median_batch": round(tokens / median, 1),
+    }
 
 
 def batch_sizes(run_dir: Path) -> dict:
@@ -175,11 +223,20 @@ def generate(runs: Path, specs: Path, name: str, prompts: Path, tokens: int, bat
         raise SystemExit(f"lmtrace generate {name} failed (exit {m['rc']}): {m['stderr_tail']}")
     facts = archive_facts(runs / name)
     t = facts["timings"]
-    return {"run_id": name, "batch_size": batch, "memory_budget": budget, "prompts": sum(1 for _ in prompts.open()),
-            "process_s": m["seconds"], "peak_rss_mib": m["peak_rss_mib"],
-            "tok_s_generation": t.get("tokens_per_s"), "tok_s_process": round(facts["generated_tokens"] / m["seconds"], 2),
-            **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches", "pace")},
-            "model_load_s": t.get("model_load_s"), "generate_s": t.get("generate_s"), "finalize_s": t.get("finalize_s")}
+    return {
+        "run_id": name,
+        "batch_size": batch,
+        "memory_budget": budget,
+        "prompts": sum(1 for _ in prompts.open()),
+        "process_s": m["seconds"],
+        "peak_rss_mib": m["peak_rss_mib"],
+        "tok_s_generation": t.get("tokens_per_s"),
+        "tok_s_process": round(facts["generated_tokens"] / m["seconds"], 2),
+        **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches", "pace")},
+        "model_load_s": t.get("model_load_s"),
+        "generate_s": t.get("generate_s"),
+        "finalize_s": t.get("finalize_s"),
+    }
 
 
 # ---- SLURM ----------------------------------------------------------------------------------------
@@ -187,13 +244,17 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
     """The batch-8 spec as a `tasks`-task array on a one-node cluster started for it (and stopped after)."""
     if os.geteuid() != 0:
         return {"skipped": "a local SLURM cluster needs root"}
-    missing = [t for t in ("sbatch", "squeue", "slurmctld", "slurmd", "munged") if
-               shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
+    missing = [
+        t
+        for t in ("sbatch", "squeue", "slurmctld", "slurmd", "munged")
+        if shutil.which(t) is None and not Path("/usr/sbin", t).exists()
+    ]
     if missing:
         return {"skipped": f"SLURM packages not installed ({', '.join(missing)}): scripts/slurm-cluster.sh install"}
     state = tmp / "slurm-state"
-    up = subprocess.run(["bash", str(REPO / "scripts/slurm-cluster.sh"), "up", str(state)], capture_output=True,
-                        text=True, check=False)
+    up = subprocess.run(
+        ["bash", str(REPO / "scripts/slurm-cluster.sh"), "up", str(state)], capture_output=True, text=True, check=False
+    )
     if up.returncode != 0:
         return {"skipped": f"the local cluster did not start: {up.stderr.strip()[-500:]}"}
     env = {**bench_env(), "SLURM_CONF": str(state / "slurm.conf")}
@@ -202,14 +263,28 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
         logs.mkdir(exist_ok=True)
         script = tmp / "task.sh"
         # one torch thread per task (docs/batch.md, "Threads"); /usr/bin/time records each task's peak RSS
-        script.write_text(f"#!/bin/bash\ncd {REPO}\nexport OMP_NUM_THREADS=1 PYTHONPATH={REPO} TOKENIZERS_PARALLELISM=false "
-                          f"HF_HUB_OFFLINE=1\n/usr/bin/time -f %M -o {logs}/rss-$SLURM_ARRAY_TASK_ID.txt "
-                          f"{sys.executable} -m lmtrace generate {specs / 'batch8.json'} --shard auto --runs-dir {runs} -q\n")
+        script.write_text(
+            f"#!/bin/bash\ncd {REPO}\nexport OMP_NUM_THREADS=1 PYTHONPATH={REPO} TOKENIZERS_PARALLELISM=false "
+            f"HF_HUB_OFFLINE=1\n/usr/bin/time -f %M -o {logs}/rss-$SLURM_ARRAY_TASK_ID.txt "
+            f"{sys.executable} -m lmtrace generate {specs / 'batch8.json'} --shard auto --runs-dir {runs} -q\n"
+        )
         print(f"[{time.strftime('%H:%M:%S')}] sbatch --array=0-{tasks - 1}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        sub = subprocess.run(["sbatch", "--parsable", f"--array=0-{tasks - 1}", "--cpus-per-task=1",
-                              "-o", str(logs / "task-%a.out"), str(script)], env=env, capture_output=True, text=True,
-                             check=False)
+        sub = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--array=0-{tasks - 1}",
+                "--cpus-per-task=1",
+                "-o",
+                str(logs / "task-%a.out"),
+                str(script),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if sub.returncode != 0:
             return {"skipped": f"sbatch failed: {sub.stderr.strip()}"}
         job = sub.stdout.strip().split(";")[0]
@@ -222,17 +297,25 @@ def slurm_array(runs: Path, specs: Path, tmp: Path, tasks: int = 4) -> dict:
         run_dir = runs / f"slurm-{job}"
         manifest = json.loads((run_dir / "manifest.json").read_text()) if (run_dir / "manifest.json").is_file() else {}
         if manifest.get("status") != "complete":
-            outs = " | ".join((logs / f"task-{i}.out").read_text()[-300:] for i in range(tasks)
-                              if (logs / f"task-{i}.out").exists())
+            outs = " | ".join(
+                (logs / f"task-{i}.out").read_text()[-300:] for i in range(tasks) if (logs / f"task-{i}.out").exists()
+            )
             raise SystemExit(f"the SLURM array's run {run_dir} is not complete ({manifest.get('status')}): {outs}")
         facts = archive_facts(run_dir)
         rss = [int((logs / f"rss-{i}.txt").read_text().split()[-1]) / 1024 for i in range(tasks)]
-        return {"run_id": run_dir.name, "tasks": tasks, "cpus_per_task": 1, "submit_to_complete_s": round(wall, 1),
-                "tok_s": round(facts["generated_tokens"] / wall, 2), "peak_rss_mib_per_task": [round(r, 1) for r in rss],
-                **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token")}}
+        return {
+            "run_id": run_dir.name,
+            "tasks": tasks,
+            "cpus_per_task": 1,
+            "submit_to_complete_s": round(wall, 1),
+            "tok_s": round(facts["generated_tokens"] / wall, 2),
+            "peak_rss_mib_per_task": [round(r, 1) for r in rss],
+            **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token")},
+        }
     finally:
-        subprocess.run(["bash", str(REPO / "scripts/slurm-cluster.sh"), "down", str(state)], capture_output=True,
-                       check=False)
+        subprocess.run(
+            ["bash", str(REPO / "scripts/slurm-cluster.sh"), "down", str(state)], capture_output=True, check=False
+        )
 
 
 # ---- reading the big run ----------------------------------------------------------------------------
@@ -261,11 +344,13 @@ def tools(runs: Path, run_id: str) -> dict:
     finally:
         memory = server.stop()
     first, later = seen["run_page"][0], seen["run_page"][1]
-    out["serve_run_page"] = {"sequences_drawn_first_load_ms": round(first["sequences_drawn_ms"], 1),
-                             "first_contentful_paint_ms": first["first_contentful_paint_ms"],
-                             "server_cpu_first_load_ms": first["server_cpu_ms"],
-                             "sequences_drawn_second_load_ms": round(later["sequences_drawn_ms"], 1),
-                             "server_peak_rss_mib": memory["vmhwm_mib"]}
+    out["serve_run_page"] = {
+        "sequences_drawn_first_load_ms": round(first["sequences_drawn_ms"], 1),
+        "first_contentful_paint_ms": first["first_contentful_paint_ms"],
+        "server_cpu_first_load_ms": first["server_cpu_ms"],
+        "sequences_drawn_second_load_ms": round(later["sequences_drawn_ms"], 1),
+        "server_peak_rss_mib": memory["vmhwm_mib"],
+    }
     return out
 
 
@@ -276,11 +361,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--batch1-prompts", type=int, default=50, help="prompts of the batch-1 run (a subset)")
     ap.add_argument("--memory-budget", default="2GiB", help="generation.memory_budget of the auto run")
-    ap.add_argument("--runs-dir", type=Path, default=None,
-                    help="keep the runs here (default: a temporary directory, removed after)")
+    ap.add_argument(
+        "--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary directory, removed after)"
+    )
     ap.add_argument("--only", action="append", choices=PARTS, help="run only this part (repeatable)")
-    ap.add_argument("--tools-run", default="batch8", choices=("batch8", "batch32", "auto"),
-                    help="the run the tools part measures ls, heads, report and serve on (default batch8)")
+    ap.add_argument(
+        "--tools-run",
+        default="batch8",
+        choices=("batch8", "batch32", "auto"),
+        help="the run the tools part measures ls, heads, report and serve on (default batch8)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     parts = args.only or list(PARTS)
@@ -302,15 +392,19 @@ def main() -> None:
             result, commands = old.get("parts", {}), old.get("commands", [])
     commands.append(" ".join(sys.argv))
     # batch 8 first (the SLURM array's and the tools' run), the tools right after (whatever else is cut)
-    plan = {"batch8": lambda: generate(runs, specs, "batch8", prompts, args.tokens, 8),
-            "tools": lambda: {**tools(runs, args.tools_run), "run": args.tools_run},
-            "batch1": lambda: generate(runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n),
-                                       args.tokens, 1),
-            "batch32": lambda: generate(runs, specs, "batch32", prompts, args.tokens, 32),
-            "auto": lambda: generate(runs, specs, "auto", prompts, args.tokens, "auto", args.memory_budget),
-            "small": lambda: generate(runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n),
-                                      args.tokens, 8),
-            "slurm": lambda: slurm_array(runs, specs, Path(tmp.name))}
+    plan = {
+        "batch8": lambda: generate(runs, specs, "batch8", prompts, args.tokens, 8),
+        "tools": lambda: {**tools(runs, args.tools_run), "run": args.tools_run},
+        "batch1": lambda: generate(
+            runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n), args.tokens, 1
+        ),
+        "batch32": lambda: generate(runs, specs, "batch32", prompts, args.tokens, 32),
+        "auto": lambda: generate(runs, specs, "auto", prompts, args.tokens, "auto", args.memory_budget),
+        "small": lambda: generate(
+            runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8
+        ),
+        "slurm": lambda: slurm_array(runs, specs, Path(tmp.name)),
+    }
     # each part records its own prompts (and the auto run its memory budget)
     doc = {"commands": commands, "cpus": os.cpu_count(), "prompts": n, "tokens": args.tokens, "parts": result}
     if args.tools_run != "batch8":  # the tools measure a run made before them
@@ -324,8 +418,12 @@ def main() -> None:
                 raise SystemExit(f"no {needs} run in {runs}: run the {needs} part (with --runs-dir {runs})")
             load = os.getloadavg()  # the machine is shared: the load each part started under
             started = time.strftime("%H:%M:%S UTC", time.gmtime())
-            result[part] = {**measure(), "load_average_at_start": [round(x, 2) for x in load], "started": started,
-                            "finished": time.strftime("%H:%M:%S UTC", time.gmtime())}
+            result[part] = {
+                **measure(),
+                "load_average_at_start": [round(x, 2) for x in load],
+                "started": started,
+                "finished": time.strftime("%H:%M:%S UTC", time.gmtime()),
+            }
             # written after every part, so that a bench stopped part way keeps what it measured
             doc.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=os.getloadavg())
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -339,37 +437,50 @@ def main() -> None:
 def print_table(doc: dict) -> None:
     p = doc["parts"]
     print(f"{doc['prompts']} prompts x {doc['tokens']} tokens, default capture, {MODEL}, {doc['cpus']} CPUs")
-    head = (f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'median batch':>12} {'tok/s proc':>10} {'files':>6} "
-            f"{'B/token':>8} {'peak RSS':>9}"
-            f"  load at start")
+    head = (
+        f"  {'run':<28} {'prompts':>7} {'tok/s gen':>9} {'median batch':>12} {'tok/s proc':>10} {'files':>6} "
+        f"{'B/token':>8} {'peak RSS':>9}"
+        f"  load at start"
+    )
     print(head)
-    for key, label in (("batch1", "batch 1"), ("batch8", "batch 8"), ("batch32", "batch 32"), ("auto", "auto"),
-                       ("small", "batch 8, fewer prompts")):
+    for key, label in (
+        ("batch1", "batch 1"),
+        ("batch8", "batch 8"),
+        ("batch32", "batch 32"),
+        ("auto", "auto"),
+        ("small", "batch 8, fewer prompts"),
+    ):
         r = p.get(key)
         if not r:
             continue
         if key == "auto":
             label = f"auto ({r['memory_budget']}; batches {r['batches']})"
-        print(f"  {label:<28} {r['prompts']:>7} {r['tok_s_generation']:>9} {r.get('pace', {}).get('tok_s_median_batch', ''):>12} "
-              f"{r['tok_s_process']:>10} {r['files']:>6} "
-              f"{r['bytes_per_token']:>8} {r['peak_rss_mib']:>5} MiB  {r['load_average_at_start'][0]}")
+        print(
+            f"  {label:<28} {r['prompts']:>7} {r['tok_s_generation']:>9} {r.get('pace', {}).get('tok_s_median_batch', ''):>12} "
+            f"{r['tok_s_process']:>10} {r['files']:>6} "
+            f"{r['bytes_per_token']:>8} {r['peak_rss_mib']:>5} MiB  {r['load_average_at_start'][0]}"
+        )
     s = p.get("slurm")
     if s:
         if "skipped" in s:
             print(f"  SLURM array: skipped ({s['skipped']})")
         else:
             one = p.get("batch8", {})
-            print(f"  SLURM {s['tasks']}-task array: {s['submit_to_complete_s']} s submit to complete, {s['tok_s']} tok/s, "
-                  f"{s['files']} files, {s['bytes_per_token']} B/token, peak RSS per task "
-                  f"{', '.join(map(str, s['peak_rss_mib_per_task']))} MiB; one process (batch 8): "
-                  f"{one.get('process_s')} s (load at start {s['load_average_at_start'][0]})")
+            print(
+                f"  SLURM {s['tasks']}-task array: {s['submit_to_complete_s']} s submit to complete, {s['tok_s']} tok/s, "
+                f"{s['files']} files, {s['bytes_per_token']} B/token, peak RSS per task "
+                f"{', '.join(map(str, s['peak_rss_mib_per_task']))} MiB; one process (batch 8): "
+                f"{one.get('process_s')} s (load at start {s['load_average_at_start'][0]})"
+            )
     t = p.get("tools")
     if t:
         sp = t["serve_run_page"]
-        print(f"  on the {t.get('run', 'batch8')} run: ls {t['ls']['seconds']} s ({t['ls']['runs']} runs), heads {t['heads']['seconds']} s, report "
-              f"{t['report']['seconds']} s ({t['report'].get('bytes', 0) / 1e6:.1f} MB), python start {t['python_start_s']} s; "
-              f"serve run page: sequences drawn {sp['sequences_drawn_first_load_ms']} ms (first load), "
-              f"{sp['sequences_drawn_second_load_ms']} ms (second) (load at start {t['load_average_at_start'][0]})")
+        print(
+            f"  on the {t.get('run', 'batch8')} run: ls {t['ls']['seconds']} s ({t['ls']['runs']} runs), heads {t['heads']['seconds']} s, report "
+            f"{t['report']['seconds']} s ({t['report'].get('bytes', 0) / 1e6:.1f} MB), python start {t['python_start_s']} s; "
+            f"serve run page: sequences drawn {sp['sequences_drawn_first_load_ms']} ms (first load), "
+            f"{sp['sequences_drawn_second_load_ms']} ms (second) (load at start {t['load_average_at_start'][0]})"
+        )
 
 
 if __name__ == "__main__":

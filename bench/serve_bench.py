@@ -31,17 +31,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "embedded:smollm2-135m"  # configs/demo.yaml's model
 # Sentences that prompts are cut from, so that prompts differ in length (and content) but not at random.
-SOURCE_TEXT = ("The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
-          "Seine. Over the following centuries the town grew into the capital of a kingdom, and its cathedral, its "
-          "university and its markets drew scholars, traders and pilgrims from every part of Europe. Bridges joined the "
-          "island to both banks, walls were built and torn down again, and each new wall enclosed villages that had "
-          "been fields a generation before. In the nineteenth century wide boulevards were cut through the old "
-          "quarters, sewers and aqueducts were laid beneath them, and railway stations rose at the edges of the city. "
-          "Painters came for the light, engineers built an iron tower for a world fair, and the underground railway "
-          "opened in the first summer of the new century.")
+SOURCE_TEXT = (
+    "The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
+    "Seine. Over the following centuries the town grew into the capital of a kingdom, and its cathedral, its "
+    "university and its markets drew scholars, traders and pilgrims from every part of Europe. Bridges joined the "
+    "island to both banks, walls were built and torn down again, and each new wall enclosed villages that had "
+    "been fields a generation before. In the nineteenth century wide boulevards were cut through the old "
+    "quarters, sewers and aqueducts were laid beneath them, and railway stations rose at the edges of the city. "
+    "Painters came for the light, engineers built an iron tower for a world fair, and the underground railway "
+    "opened in the first summer of the new century."
+)
 SOURCE = SOURCE_TEXT.split()
-QUESTIONS = ["Summarise this in one paragraph.", "Continue the story.", "What happened next? Explain in detail.",
-             "Write a poem about it.", "List the main events in order."]
+QUESTIONS = [
+    "Summarise this in one paragraph.",
+    "Continue the story.",
+    "What happened next? Explain in detail.",
+    "Write a poem about it.",
+    "List the main events in order.",
+]
 
 
 def prompt_texts(n: int) -> list[str]:
@@ -50,23 +57,36 @@ def prompt_texts(n: int) -> list[str]:
     for i in range(n):
         words = 6 + (i * 37) % (len(SOURCE) - 6)
         start = (i * 11) % max(1, len(SOURCE) - words)
-        texts.append(" ".join(SOURCE[start:start + words]) + " " + QUESTIONS[i % len(QUESTIONS)])
+        texts.append(" ".join(SOURCE[start : start + words]) + " " + QUESTIONS[i % len(QUESTIONS)])
     return texts
 
 
 def run_spec(n_prompts: int, tokens: int, batch: int) -> dict:
-    return {"model": MODEL,
-            "prompts": {"chat": True, "texts": prompt_texts(n_prompts)},
-            # no end-of-sequence token: every sequence generates exactly `tokens` tokens
-            "generation": {"max_new_tokens": tokens, "temperature": 0.0, "seed": 0, "eos_token_id": [],
-                           "batch_size": batch}}
+    return {
+        "model": MODEL,
+        "prompts": {"chat": True, "texts": prompt_texts(n_prompts)},
+        # no end-of-sequence token: every sequence generates exactly `tokens` tokens
+        "generation": {
+            "max_new_tokens": tokens,
+            "temperature": 0.0,
+            "seed": 0,
+            "eos_token_id": [],
+            "batch_size": batch,
+        },
+    }
 
 
 # ---- the run ------------------------------------------------------------------------------------
 def lmtrace(runs: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "lmtrace", *args, "--runs-dir", str(runs)], env=env, cwd=REPO,
-                          text=True, check=False, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace", *args, "--runs-dir", str(runs)],
+        env=env,
+        cwd=REPO,
+        text=True,
+        check=False,
+        **kw,
+    )
 
 
 def ensure_run(runs: Path, run_id: str, args) -> Path:
@@ -77,8 +97,10 @@ def ensure_run(runs: Path, run_id: str, args) -> Path:
         print(f"reusing run {run_dir}", file=sys.stderr)
         return run_dir
     if run_dir.exists():
-        raise SystemExit(f"{run_dir} exists but is not a complete run: finish it (`lmtrace generate --resume {run_id} "
-                         f"--runs-dir {runs}`) or remove it")
+        raise SystemExit(
+            f"{run_dir} exists but is not a complete run: finish it (`lmtrace generate --resume {run_id} "
+            f"--runs-dir {runs}`) or remove it"
+        )
     runs.mkdir(parents=True, exist_ok=True)
     spec = runs / f"{run_id}.spec.json"
     spec.write_text(json.dumps(run_spec(args.prompts, args.tokens, args.batch), indent=1))
@@ -97,11 +119,20 @@ def run_facts(run_dir: Path) -> dict:
     run = Run(run_dir, require_complete=True)
     size = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
     prompt_len, generated = run.prompt_len(), run.generated_len()
-    return {"run_id": run.id, "path": str(run_dir), "bytes": size, "sequences": len(generated),
-            "generated_tokens": int(generated.sum()), "steps_max": int(generated.max()),
-            "prompt_len_min": int(prompt_len.min()), "prompt_len_max": int(prompt_len.max()),
-            "kb_per_token": round(size / generated.sum() / 1e3, 1), "lens": lens_state(run.manifest),
-            "prompt_lens": prompt_len.tolist(), "generated_lens": generated.tolist()}
+    return {
+        "run_id": run.id,
+        "path": str(run_dir),
+        "bytes": size,
+        "sequences": len(generated),
+        "generated_tokens": int(generated.sum()),
+        "steps_max": int(generated.max()),
+        "prompt_len_min": int(prompt_len.min()),
+        "prompt_len_max": int(prompt_len.max()),
+        "kb_per_token": round(size / generated.sum() / 1e3, 1),
+        "lens": lens_state(run.manifest),
+        "prompt_lens": prompt_len.tolist(),
+        "generated_lens": generated.tolist(),
+    }
 
 
 # ---- the server and its memory ------------------------------------------------------------------
@@ -113,8 +144,14 @@ class Server:
         import threading
 
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "lmtrace", "serve", "--runs-dir", str(runs), "--port", "0"],
-                                     env=env, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmtrace", "serve", "--runs-dir", str(runs), "--port", "0"],
+            env=env,
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.proc.stderr.readline()
         if " at http://" not in line:
             self.proc.kill()
@@ -156,8 +193,11 @@ class Server:
         self._thread.join()
         self.proc.terminate()
         self.proc.wait(timeout=30)
-        return {"vmhwm_mib": round(hwm, 1), "sampled_max_mib": round(max(kb for _, kb in self.samples) / 1024, 1),
-                "samples": len(self.samples)}
+        return {
+            "vmhwm_mib": round(hwm, 1),
+            "sampled_max_mib": round(max(kb for _, kb in self.samples) / 1024, 1),
+            "samples": len(self.samples),
+        }
 
 
 # ---- the browser --------------------------------------------------------------------------------
@@ -226,8 +266,10 @@ def selection_plan(facts: dict, n: int) -> list[tuple[int, list[tuple[str, int]]
     for i, seq in enumerate(seqs):
         last = facts["generated_lens"][seq] - 1
         actions: list[tuple[str, int]] = []
-        clicks = [min(max(c, 0), last)
-                  for c in (1 + i, last // 2 + 3 * i, last - 1 - i, 8 + i, last - 40 + i, last // 4, 3 * last // 4)]
+        clicks = [
+            min(max(c, 0), last)
+            for c in (1 + i, last // 2 + 3 * i, last - 1 - i, 8 + i, last - 40 + i, last // 4, 3 * last // 4)
+        ]
         for k in range(per):
             if len(actions) >= per:
                 break
@@ -255,8 +297,10 @@ def browse(server: Server, facts: dict, page_loads: int, selections: int) -> dic
     run_url = f"{server.url}#/run/{facts['run_id']}"
     out: dict = {"run_page": [], "selections": [], "mean_view": []}
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--no-first-run",
-                                                                     "--disable-background-networking"])
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"],
+        )
         out["chromium"] = browser.version
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.add_init_script(PROBE)
@@ -270,9 +314,16 @@ def browse(server: Server, facts: dict, page_loads: int, selections: int) -> dic
                 list: __bench.listAt,
                 requests: performance.getEntriesByType("resource").map((e) => [new URL(e.name).pathname,
                   Math.round(e.startTime), Math.round(e.responseEnd)]) })""")
-            out["run_page"].append({"load": i, "first_contentful_paint_ms": t["first_paint"], "sequences_drawn_ms": t["list"],
-                                    "requests": t["requests"], "server_cpu_ms": server.cpu_ms() - cpu,
-                                    "rss_mib": round(server.rss_mb(), 1)})
+            out["run_page"].append(
+                {
+                    "load": i,
+                    "first_contentful_paint_ms": t["first_paint"],
+                    "sequences_drawn_ms": t["list"],
+                    "requests": t["requests"],
+                    "server_cpu_ms": server.cpu_ms() - cpu,
+                    "rss_mib": round(server.rss_mb(), 1),
+                }
+            )
         cpu = server.cpu_ms()
         for seq, actions in selection_plan(facts, selections) if selections else []:
             page.evaluate("() => __bench.expect(0)")  # (a new hash: the same document)
@@ -316,16 +367,20 @@ def summary(facts: dict, memory: dict, seen: dict, first_loads: list[dict], star
     fetch = [s["fetch_ms"] for s in seen["selections"] if s["fetch_ms"] is not None]
     warm = seen["run_page"][1:] or seen["run_page"]
     return {
-        "select_p50_ms": round(percentile(ms, 50), 1), "select_p95_ms": round(percentile(ms, 95), 1),
-        "select_max_ms": round(max(ms), 1), "selections": len(ms),
-        "fetch_p50_ms": round(percentile(fetch, 50), 1), "fetch_p95_ms": round(percentile(fetch, 95), 1),
+        "select_p50_ms": round(percentile(ms, 50), 1),
+        "select_p95_ms": round(percentile(ms, 95), 1),
+        "select_max_ms": round(max(ms), 1),
+        "selections": len(ms),
+        "fetch_p50_ms": round(percentile(fetch, 50), 1),
+        "fetch_p95_ms": round(percentile(fetch, 95), 1),
         "response_kb_p50": round(percentile([s["bytes"] for s in seen["selections"] if s["bytes"]], 50) / 1e3, 1),
         "first_paint_first_load_ms": round(percentile([f["first_contentful_paint_ms"] for f in first_loads], 50), 1),
         "sequences_drawn_first_load_ms": round(percentile([f["sequences_drawn_ms"] for f in first_loads], 50), 1),
         "sequences_drawn_first_load_max_ms": round(max(f["sequences_drawn_ms"] for f in first_loads), 1),
         "first_loads": len(first_loads),
         "sequences_drawn_later_p50_ms": round(percentile([w["sequences_drawn_ms"] for w in warm], 50), 1),
-        "rss_at_start_mib": round(started_rss, 1), "rss_peak_mib": memory["vmhwm_mib"],
+        "rss_at_start_mib": round(started_rss, 1),
+        "rss_peak_mib": memory["vmhwm_mib"],
         "mean_view_p50_ms": round(percentile([m["ms"] for m in seen["mean_view"]], 50), 1),
         "first_load_server_cpu_ms": round(percentile([f["server_cpu_ms"] for f in first_loads], 50)),
         # opening four sequences and their mean views included
@@ -338,8 +393,12 @@ TARGETS = {"rss_peak_mib": 400, "select_p50_ms": 150, "select_p95_ms": 400, "seq
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs-dir", type=Path, default=None,
-                    help="runs directory to make the run in or reuse it from (default: a temporary one, removed after)")
+    ap.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="runs directory to make the run in or reuse it from (default: a temporary one, removed after)",
+    )
     ap.add_argument("--run-dir", type=Path, default=None, help="an existing complete run to measure (its directory)")
     ap.add_argument("--run-id", default=None, help="run id in --runs-dir (default: serve-bench-PROMPTSxTOKENS)")
     ap.add_argument("--prompts", type=int, default=24)
@@ -347,8 +406,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--selections", type=int, default=100)
     ap.add_argument("--page-loads", type=int, default=5, help="run page loads: the first, then warm ones")
-    ap.add_argument("--server-starts", type=int, default=5,
-                    help="servers started: each one's first load of the run page is a first load (median reported)")
+    ap.add_argument(
+        "--server-starts",
+        type=int,
+        default=5,
+        help="servers started: each one's first load of the run page is a first load (median reported)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serve.json")
     args = ap.parse_args()
 
@@ -365,8 +428,10 @@ def main() -> None:
     try:
         facts = run_facts(run_dir)
         if facts["bytes"] < 1e9:
-            print(f"note: the run is {facts['bytes'] / 1e9:.2f} GB, under the 1 GB the targets are stated for",
-                  file=sys.stderr)
+            print(
+                f"note: the run is {facts['bytes'] / 1e9:.2f} GB, under the 1 GB the targets are stated for",
+                file=sys.stderr,
+            )
         first_loads, memories = [], []
         for start in range(args.server_starts):  # the last one is the full session
             last = start == args.server_starts - 1
@@ -382,10 +447,17 @@ def main() -> None:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-              "load_average": os.getloadavg(), "run": {k: v for k, v in facts.items() if not k.endswith("_lens")},
-              "summary": summary(facts, memory, seen, first_loads, started), "targets": TARGETS, "memory": memory,
-              "first_loads": first_loads, **seen}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "load_average": os.getloadavg(),
+        "run": {k: v for k, v in facts.items() if not k.endswith("_lens")},
+        "summary": summary(facts, memory, seen, first_loads, started),
+        "targets": TARGETS,
+        "memory": memory,
+        "first_loads": first_loads,
+        **seen,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
@@ -394,25 +466,38 @@ def main() -> None:
 
 def print_table(result: dict) -> None:
     r, s = result["run"], result["summary"]
-    print(f"run {r['run_id']}: {r['bytes'] / 1e9:.2f} GB, {r['sequences']} sequences, {r['generated_tokens']} tokens "
-          f"({r['kb_per_token']} KB a token), prompts {r['prompt_len_min']}-{r['prompt_len_max']} tokens")
-    rows = [("server RSS peak (VmHWM)", f"{s['rss_peak_mib']} MiB", f"<= {TARGETS['rss_peak_mib']} MB"),
-            ("server RSS after start", f"{s['rss_at_start_mib']} MiB", ""),
-            (f"select a token -> grid drawn, p50 ({s['selections']} selections)", f"{s['select_p50_ms']} ms", "<= 150 ms"),
-            ("select a token -> grid drawn, p95", f"{s['select_p95_ms']} ms", "<= 400 ms"),
-            ("select a token -> grid drawn, max", f"{s['select_max_ms']} ms", ""),
-            ("  of which the step request, p50 / p95", f"{s['fetch_p50_ms']} / {s['fetch_p95_ms']} ms", ""),
-            ("  step response, p50", f"{s['response_kb_p50']} KB", ""),
-            ("  server CPU per selection (sequence opening and mean views included)",
-             f"{s['server_cpu_per_selection_ms']} ms", ""),
-            ("grid view 'mean over heads', late steps, p50", f"{s['mean_view_p50_ms']} ms", ""),
-            (f"run page: first contentful paint (first load, p50 of {s['first_loads']})",
-             f"{s['first_paint_first_load_ms']} ms", ""),
-            (f"run page: sequences list drawn (first load, p50 of {s['first_loads']})",
-             f"{s['sequences_drawn_first_load_ms']} ms", "<= 1000 ms"),
-            ("run page: sequences list drawn (first load, max)", f"{s['sequences_drawn_first_load_max_ms']} ms", ""),
-            ("  server CPU for a first load (p50)", f"{s['first_load_server_cpu_ms']} ms", ""),
-            ("run page: sequences list drawn (later loads, p50)", f"{s['sequences_drawn_later_p50_ms']} ms", "")]
+    print(
+        f"run {r['run_id']}: {r['bytes'] / 1e9:.2f} GB, {r['sequences']} sequences, {r['generated_tokens']} tokens "
+        f"({r['kb_per_token']} KB a token), prompts {r['prompt_len_min']}-{r['prompt_len_max']} tokens"
+    )
+    rows = [
+        ("server RSS peak (VmHWM)", f"{s['rss_peak_mib']} MiB", f"<= {TARGETS['rss_peak_mib']} MB"),
+        ("server RSS after start", f"{s['rss_at_start_mib']} MiB", ""),
+        (f"select a token -> grid drawn, p50 ({s['selections']} selections)", f"{s['select_p50_ms']} ms", "<= 150 ms"),
+        ("select a token -> grid drawn, p95", f"{s['select_p95_ms']} ms", "<= 400 ms"),
+        ("select a token -> grid drawn, max", f"{s['select_max_ms']} ms", ""),
+        ("  of which the step request, p50 / p95", f"{s['fetch_p50_ms']} / {s['fetch_p95_ms']} ms", ""),
+        ("  step response, p50", f"{s['response_kb_p50']} KB", ""),
+        (
+            "  server CPU per selection (sequence opening and mean views included)",
+            f"{s['server_cpu_per_selection_ms']} ms",
+            "",
+        ),
+        ("grid view 'mean over heads', late steps, p50", f"{s['mean_view_p50_ms']} ms", ""),
+        (
+            f"run page: first contentful paint (first load, p50 of {s['first_loads']})",
+            f"{s['first_paint_first_load_ms']} ms",
+            "",
+        ),
+        (
+            f"run page: sequences list drawn (first load, p50 of {s['first_loads']})",
+            f"{s['sequences_drawn_first_load_ms']} ms",
+            "<= 1000 ms",
+        ),
+        ("run page: sequences list drawn (first load, max)", f"{s['sequences_drawn_first_load_max_ms']} ms", ""),
+        ("  server CPU for a first load (p50)", f"{s['first_load_server_cpu_ms']} ms", ""),
+        ("run page: sequences list drawn (later loads, p50)", f"{s['sequences_drawn_later_p50_ms']} ms", ""),
+    ]
     width = max(len(a) for a, _, _ in rows)
     for a, b, c in rows:
         print(f"  {a:<{width}}  {b:>14}  {c}")

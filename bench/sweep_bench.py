@@ -28,16 +28,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPT = ("The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
-          "Seine. Over the following centuries the town grew into the capital of a kingdom, and its cathedral, its "
-          "university and its markets drew scholars, traders and pilgrims from every part of Europe, until it was one of")
+PROMPT = (
+    "The history of the city of Paris begins with a small settlement of a Celtic tribe on an island in the river "
+    "Seine. Over the following centuries the town grew into the capital of a kingdom, and its cathedral, its "
+    "university and its markets drew scholars, traders and pilgrims from every part of Europe, until it was one of"
+)
 
 
 def lmtrace(runs: Path, *args: str) -> tuple[float, str]:
     env = {**os.environ, "LMTRACE_RUNS_DIR": str(runs), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli.main", *args], env=env, capture_output=True, text=True,
-                          cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli.main", *args], env=env, capture_output=True, text=True, cwd=REPO
+    )
     if proc.returncode != 0:
         raise SystemExit(f"lmtrace {' '.join(args)} failed: {proc.stderr.strip()}")
     return time.perf_counter() - t0, proc.stdout
@@ -55,8 +58,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp) / "runs"
         spec = Path(tmp) / "spec.yaml"
-        spec.write_text(json.dumps({"prompts": [PROMPT], "capture": "none",
-                                    "generation": {"max_new_tokens": 16, "temperature": 0}}))
+        spec.write_text(
+            json.dumps({"prompts": [PROMPT], "capture": "none", "generation": {"max_new_tokens": 16, "temperature": 0}})
+        )
         lmtrace(runs, "generate", str(spec), "--run-id", "parent", "-q")
         out = Path(args.out)
         # one case alone updates its part of an earlier result file
@@ -85,7 +89,9 @@ def _intervene_cells(runs: Path, args, table, extra: tuple[str, ...] = ()) -> tu
         mine = table[(table["layer"] == layer) & ((table["q_head"] == head) if not args.quick else True)]
         mine = mine.sort_values("step")
         eff = eff[eff.step.isin(mine.step)]
-        worst = max(worst, float((mine.value.to_numpy() - eff.child_logprob_of_parent_token.to_numpy()).__abs__().max()))
+        worst = max(
+            worst, float((mine.value.to_numpy() - eff.child_logprob_of_parent_token.to_numpy()).__abs__().max())
+        )
     return times, worst
 
 
@@ -102,9 +108,15 @@ def from_step_case(runs: Path, args) -> dict:
     times, worst = _intervene_cells(runs, args, table, ("--from-step", str(S)))
     n_cells, per_intervene = cached["n_cells"], sum(times) / len(times)
     return {
-        "over": over, "cells": n_cells, "from_step": S, "measured_steps": f"{S}-15", "batch": args.batch,
-        "sweep_s": round(cached_s, 2), "sweep_compute_s": cached["sweep_s"],
-        "recomputed_s": round(full_s, 2), "recomputed_compute_s": full["sweep_s"],
+        "over": over,
+        "cells": n_cells,
+        "from_step": S,
+        "measured_steps": f"{S}-15",
+        "batch": args.batch,
+        "sweep_s": round(cached_s, 2),
+        "sweep_compute_s": cached["sweep_s"],
+        "recomputed_s": round(full_s, 2),
+        "recomputed_compute_s": full["sweep_s"],
         "speedup_vs_recomputed_compute": round(full["sweep_s"] / cached["sweep_s"], 2),
         "speedup_vs_recomputed_wall": round(full_s / cached_s, 2),
         "intervene_s_per_cell": round(per_intervene, 2),
@@ -117,20 +129,38 @@ def every_step_case(runs: Path, args) -> dict:
     import pandas as pd
 
     over = "attn" if args.quick else "heads"
-    sweep_s, out = lmtrace(runs, "sweep", "parent", "--over", over, "--edit", "zero", "--metric", "logprob",
-                           "--batch", str(args.batch), "--run-id", "heads", "--json")
+    sweep_s, out = lmtrace(
+        runs,
+        "sweep",
+        "parent",
+        "--over",
+        over,
+        "--edit",
+        "zero",
+        "--metric",
+        "logprob",
+        "--batch",
+        str(args.batch),
+        "--run-id",
+        "heads",
+        "--json",
+    )
     summary = json.loads(out)
     table = pd.read_parquet(runs / "parent" / "sweeps" / "heads" / "sweep.parquet")
     n_cells = summary["n_cells"]
     times, worst = _intervene_cells(runs, args, table)
     per_intervene = sum(times) / len(times)
     return {
-        "over": over, "cells": n_cells,
+        "over": over,
+        "cells": n_cells,
         "prompt_tokens": int(pd.read_parquet(runs / "parent" / "sequences.parquet").prompt_len[0]),
-        "steps": 16, "batch": args.batch,
-        "sweep_s": round(sweep_s, 2), "sweep_compute_s": summary["sweep_s"],
+        "steps": 16,
+        "batch": args.batch,
+        "sweep_s": round(sweep_s, 2),
+        "sweep_compute_s": summary["sweep_s"],
         "sweep_cells_per_s": round(n_cells / sweep_s, 3),
-        "intervene_s_per_cell": round(per_intervene, 2), "intervene_cells_per_s": round(1 / per_intervene, 4),
+        "intervene_s_per_cell": round(per_intervene, 2),
+        "intervene_cells_per_s": round(1 / per_intervene, 4),
         "speedup": round(per_intervene * n_cells / sweep_s, 1),
         "max_abs_diff_vs_intervene": worst,
         "targets": {"speedup>=20": per_intervene * n_cells / sweep_s >= 20, "sweep<=180s": sweep_s <= 180},

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 from pydoc_data.topics import topics
 
 
@@ -20,7 +19,7 @@ def chunks(words_per_chunk: int):
     for name in sorted(topics):
         words = topics[name].split()
         for start in range(0, len(words), words_per_chunk):
-            piece = words[start: start + words_per_chunk]
+            piece = words[start : start + words_per_chunk]
             if len(piece) >= words_per_chunk // 4:
                 yield name, " ".join(piece)
 

@@ -28,9 +28,18 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
     tok = load_model(ModelSpec()).tokenizer
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
@@ -75,17 +84,30 @@ def every_table_runs(tmp_path_factory, tiny_llama_dir) -> Path:
     root = tmp_path_factory.mktemp("every-table")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "topic": t}) + "\n" for p, t in zip(PROMPTS, ("a", "a", "b"))))
-    base = run_spec(root, {
-        "model": str(tiny_llama_dir), "prompts": {"file": str(prompts)},
-        "generation": {"max_new_tokens": 4, "batch_size": 3},
-        "capture": {"lens": {"when": "inline"}, "head_dla": True, "prefill_attention": True},
-        "output": {"float_dtype": "float32", "run_id": "every-table"}})
+    base = run_spec(
+        root,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"file": str(prompts)},
+            "generation": {"max_new_tokens": 4, "batch_size": 3},
+            "capture": {"lens": {"when": "inline"}, "head_dla": True, "prefill_attention": True},
+            "output": {"float_dtype": "float32", "run_id": "every-table"},
+        },
+    )
     heads_command(str(base.path), quiet=True, per_sequence=True)
     heads_command(str(base.path), quiet=True, by="topic")
-    run_sweep(str(base.path), SweepSpec(over="heads", metrics=["logprob", "prob", "kl", "rank", "logit_diff:42,7"],
-                                        sequences="0,1", steps="1,2"))
-    run_sweep(str(base.path), SweepSpec(over="attn", edit="patch", source=str(base.path), metrics=["logprob", "rank"],
-                                        sequences="0", steps="1"))
+    run_sweep(
+        str(base.path),
+        SweepSpec(
+            over="heads", metrics=["logprob", "prob", "kl", "rank", "logit_diff:42,7"], sequences="0,1", steps="1,2"
+        ),
+    )
+    run_sweep(
+        str(base.path),
+        SweepSpec(
+            over="attn", edit="patch", source=str(base.path), metrics=["logprob", "rank"], sequences="0", steps="1"
+        ),
+    )
     explain_run(base.path, "1,2", methods=["grad_x_input,occlusion"])
     run_intervene(str(base.path), [{"kind": "ablate_layer", "layer": 1}], run_id="every-table-child")
     compare_view(str(base.path), str(root / "runs" / "every-table-child"), out_dir=root / "compare", quiet=True)

@@ -32,8 +32,10 @@ LAYER_OF = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
 
 # importer -> imported: imports against the order that are still to be moved, and why they are there
 KNOWN = {
-    ("lmtrace.capture.probes", "lmtrace.archive.layout"):
-        "the probes fill arrays shaped by the archive's RunShape; the shape belongs below both",
+    (
+        "lmtrace.capture.probes",
+        "lmtrace.archive.layout",
+    ): "the probes fill arrays shaped by the archive's RunShape; the shape belongs below both"
 }
 KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
@@ -71,8 +73,11 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             targets: list[str] = []
             if isinstance(node, ast.ImportFrom):
-                base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).rstrip(".") \
-                    if node.level else (node.module or "")
+                base = (
+                    ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).rstrip(".")
+                    if node.level
+                    else (node.module or "")
+                )
                 if base.split(".")[0] == "lmtrace":
                     targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             elif isinstance(node, ast.Import):
@@ -115,7 +120,8 @@ def test_every_import_goes_down_the_layer_order():
     wrong = upward_imports(import_graph())
     unexplained = sorted(wrong - set(KNOWN))
     assert not unexplained, "imports against the layer order (docs/design.md): " + ", ".join(
-        f"{a} -> {b}" for a, b in unexplained)
+        f"{a} -> {b}" for a, b in unexplained
+    )
     assert not set(KNOWN) - wrong, f"KNOWN entries that no longer exist (remove them): {sorted(set(KNOWN) - wrong)}"
 
 
@@ -173,9 +179,13 @@ def test_no_import_circles():
 
 def test_no_command_imports_another():
     """`*_render` modules are a command's own terminal rendering, not commands."""
-    wrong = [(mod, t) for mod, targets in import_graph().items() if mod.startswith("lmtrace.commands.")
-             for t in targets if t.startswith("lmtrace.commands.") and not t.endswith("_render")
-             and not mod.endswith("_render")]
+    wrong = [
+        (mod, t)
+        for mod, targets in import_graph().items()
+        if mod.startswith("lmtrace.commands.")
+        for t in targets
+        if t.startswith("lmtrace.commands.") and not t.endswith("_render") and not mod.endswith("_render")
+    ]
     assert not wrong, f"commands importing commands (move the shared piece below commands/): {wrong}"
 
 
@@ -207,8 +217,11 @@ def private_imports(package: Path) -> list[str]:
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lmtrace")):
-                found += [f"{path.relative_to(package.parent)}:{node.lineno} {alias.name}" for alias in node.names
-                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+                found += [
+                    f"{path.relative_to(package.parent)}:{node.lineno} {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
     return found
 
 
@@ -218,7 +231,10 @@ def test_no_module_imports_another_modules_private_name():
 
 
 def test_no_module_is_over_500_lines():
-    large = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
-                   if len(p.read_text().splitlines()) > MAX_MODULE_LINES)
+    large = sorted(
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if len(p.read_text().splitlines()) > MAX_MODULE_LINES
+    )
     unexplained = [p for p in large if p not in KNOWN_LARGE]
     assert not unexplained, f"modules over {MAX_MODULE_LINES} lines (split them by what each part does): {unexplained}"

@@ -35,14 +35,18 @@ def imports_of_test_modules(root: Path) -> list[tuple[str, int, str]]:
                 names = [module] + [f"{module}.{alias.name}" for alias in node.names]
             else:
                 continue
-            found += [(str(path.relative_to(root)), node.lineno, name) for name in names if name and _is_test_module(name)]
+            found += [
+                (str(path.relative_to(root)), node.lineno, name) for name in names if name and _is_test_module(name)
+            ]
     return found
 
 
 def test_no_test_module_imports_another_test_module():
     wrong = imports_of_test_modules(TESTS)
-    assert not wrong, ("test modules importing test modules or conftest (move the shared piece to tests/helpers/, "
-                       f"or make it a fixture in tests/conftest.py): {wrong}")
+    assert not wrong, (
+        "test modules importing test modules or conftest (move the shared piece to tests/helpers/, "
+        f"or make it a fixture in tests/conftest.py): {wrong}"
+    )
 
 
 def test_the_test_directories_mirror_the_packages():
@@ -50,7 +54,9 @@ def test_the_test_directories_mirror_the_packages():
     assert not flat, f"test modules directly in tests/ (move each into tests/<the package it tests>/): {flat}"
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     directories = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert directories - {HELPERS} <= packages, f"test directories that are no package of lmtrace/: {directories - packages - {HELPERS}}"
+    assert directories - {HELPERS} <= packages, (
+        f"test directories that are no package of lmtrace/: {directories - packages - {HELPERS}}"
+    )
     assert not [p.name for p in (TESTS / HELPERS).glob("test_*.py")], "tests/helpers/ holds helpers, not tests"
     for directory in directories:  # tests.<dir>.test_x: the same file name may appear in two directories
         assert (TESTS / directory / "__init__.py").is_file(), f"tests/{directory}/ has no __init__.py"
@@ -61,7 +67,13 @@ def test_the_checker_sees_a_test_module_imported(tmp_path):
     (tmp_path / "archive").mkdir()
     (tmp_path / "archive" / "test_a.py").write_text("from tests.serve.test_b import LiveServer\nimport json\n")
     (tmp_path / "test_c.py").write_text("def test_x():\n    from tests.cli import test_d\n    import test_e\n")
-    (tmp_path / "test_f.py").write_text("from conftest import run_spec\nfrom .test_g import helper\n"
-                                        "from tests.helpers.cli import lmtrace\n")
+    (tmp_path / "test_f.py").write_text(
+        "from conftest import run_spec\nfrom .test_g import helper\nfrom tests.helpers.cli import lmtrace\n"
+    )
     assert {(f, line) for f, line, _ in imports_of_test_modules(tmp_path)} == {
-        ("archive/test_a.py", 1), ("test_c.py", 2), ("test_c.py", 3), ("test_f.py", 1), ("test_f.py", 2)}
+        ("archive/test_a.py", 1),
+        ("test_c.py", 2),
+        ("test_c.py", 3),
+        ("test_f.py", 1),
+        ("test_f.py", 2),
+    }

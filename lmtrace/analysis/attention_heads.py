@@ -24,5 +24,7 @@ def most_attended_kept(idx: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, 
     """`most_attended` of a top-k capture: idx / probs [layer, q_head, k_attn] (the kept keys and weights)
     -> (the kept key of the largest weight, that weight); the key is as archived (−1 for a fill value)."""
     best = np.nanargmax(np.nan_to_num(probs, nan=-1.0), axis=-1)
-    return (np.take_along_axis(idx, best[..., None], axis=-1)[..., 0],
-            np.take_along_axis(probs, best[..., None], axis=-1)[..., 0])
+    return (
+        np.take_along_axis(idx, best[..., None], axis=-1)[..., 0],
+        np.take_along_axis(probs, best[..., None], axis=-1)[..., 0],
+    )

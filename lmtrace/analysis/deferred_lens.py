@@ -47,8 +47,9 @@ def deferred_lens(run, lens, layers: list[int], at: list[int], chunk: int, write
                 # the same places give the inline values bit for bit.
                 rows = np.where(live[:, None, None], x[:, j], np.float32(0))
                 tg = np.repeat(targets[seqs, s0 + j], L, 0)  # the rows' (chosen, runner-up); 0 for finished ones
-                i, p, m, tr, tp = lens.of_residuals(torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1),
-                                                    torch.from_numpy(tg))
+                i, p, m, tr, tp = lens.of_residuals(
+                    torch.from_numpy(np.ascontiguousarray(rows)).reshape(B * L, -1), torch.from_numpy(tg)
+                )
                 ids[live, j] = i.reshape(B, L, k)[live]
                 probs[live, j] = p.reshape(B, L, k)[live]
                 margins[live, j] = m.reshape(B, L)[live]
@@ -74,7 +75,9 @@ def _targets(run, n_seq: int, n_steps: int) -> np.ndarray:
     out = np.zeros((n_seq, n_steps, 2), dtype=np.int64)
     if len(t):
         alt = np.stack([np.asarray(a[:2]) for a in t.alt_ids])
-        out[t.sequence.to_numpy().astype(np.int64), t.step.to_numpy().astype(np.int64)] = lens_targets(t.token_id.to_numpy(), alt)
+        out[t.sequence.to_numpy().astype(np.int64), t.step.to_numpy().astype(np.int64)] = lens_targets(
+            t.token_id.to_numpy(), alt
+        )
     return out
 
 

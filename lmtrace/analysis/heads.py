@@ -54,8 +54,15 @@ LABELS = ("sink", "previous-token", "induction", "local", "focused", "diffuse")
 # it), then positional patterns, and last what many heads of a trained model do and what tells
 # least about a head (sinks: twenty or more of SmolLM2-135M's 270 heads; diffuse).
 RANK_ORDER = ("induction", "previous-token", "local", "focused", "sink", "diffuse")
-SCORES = ("sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score",
-          "entropy", "concentration")
+SCORES = (
+    "sink_score",
+    "prev_token_score",
+    "local_score",
+    "induction_score",
+    "duplicate_score",
+    "entropy",
+    "concentration",
+)
 
 
 def row_scores(rows: np.ndarray, q: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -74,7 +81,7 @@ def row_scores(rows: np.ndarray, q: np.ndarray, tokens: np.ndarray) -> dict[str,
     n = min(len(tokens), K)
     tok[:n] = tokens[:n]
     tok_q = tok[q][:, None]  # [R, 1]
-    prev_tok = np.concatenate([[-3], tok[:K - 1]])[None, :]  # token at k − 1
+    prev_tok = np.concatenate([[-3], tok[: K - 1]])[None, :]  # token at k − 1
     masks = {
         "prev_token_score": k == qq - 1,
         "local_score": (k >= qq - LOCAL_WINDOW) & (k >= 1) & valid,
@@ -95,10 +102,16 @@ def row_scores(rows: np.ndarray, q: np.ndarray, tokens: np.ndarray) -> dict[str,
 
 def label_of(scores: dict[str, float]) -> str:
     """The class label of one head from its mean scores (see the module docstring)."""
-    specific = [("sink", scores["sink_score"]), ("previous-token", scores["prev_token_score"]),
-                ("induction", scores["induction_score"])]
-    passed = [(v, -i, name) for i, (name, v) in enumerate(specific)
-              if v is not None and not np.isnan(v) and v >= THRESHOLDS[name]]
+    specific = [
+        ("sink", scores["sink_score"]),
+        ("previous-token", scores["prev_token_score"]),
+        ("induction", scores["induction_score"]),
+    ]
+    passed = [
+        (v, -i, name)
+        for i, (name, v) in enumerate(specific)
+        if v is not None and not np.isnan(v) and v >= THRESHOLDS[name]
+    ]
     if passed:
         return max(passed)[2]
     if scores["local_score"] >= THRESHOLDS["local"]:
@@ -132,15 +145,19 @@ class _Acc:
 
     def means(self) -> dict[str, np.ndarray]:
         with np.errstate(invalid="ignore", divide="ignore"):
-            return {name: np.where(self.counts[name] > 0, self.sums[name] / np.maximum(self.counts[name], 1), np.nan)
-                    for name in SCORES}
+            return {
+                name: np.where(self.counts[name] > 0, self.sums[name] / np.maximum(self.counts[name], 1), np.nan)
+                for name in SCORES
+            }
 
 
 def _check_run(run: Run) -> None:
     names = set(run.array_names())
     if not names & {"attn", "attn_topk_idx"}:
-        raise ArchiveError(f"run {run.id} captured no attention rows (`capture: none` or capture.attention.enabled: "
-                           f"false): `lmtrace heads` needs them; generate it again with capture.attention.enabled: true")
+        raise ArchiveError(
+            f"run {run.id} captured no attention rows (`capture: none` or capture.attention.enabled: "
+            f"false): `lmtrace heads` needs them; generate it again with capture.attention.enabled: true"
+        )
 
 
 def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
@@ -153,8 +170,9 @@ def _dense_rows(run: Run, seq: int, s0: int, s1: int, K: int) -> np.ndarray:
     return topk_dense(idx, prob, K)
 
 
-def _sequence_scores(run: Run, seq: int, n: int, P: int, tokens: np.ndarray, prefill: bool,
-                     block: int) -> tuple[_Acc, int]:
+def _sequence_scores(
+    run: Run, seq: int, n: int, P: int, tokens: np.ndarray, prefill: bool, block: int
+) -> tuple[_Acc, int]:
     """The summed scores of one sequence's rows (its prompt's with `prefill`, then its first n steps', `block`
     steps of every layer at a time: bounded memory) and how many rows there were."""
     acc = _Acc.new(len(run.layers), int(run.shape["n_heads"]))
@@ -162,7 +180,7 @@ def _sequence_scores(run: Run, seq: int, n: int, P: int, tokens: np.ndarray, pre
     if prefill:
         q = np.arange(1, P - 1)
         if len(q):
-            rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1:P - 1, :P], dtype=np.float32)  # [L, H, q, k]
+            rows = np.asarray(run.array("prefill_attn")[seq, :, :, 1 : P - 1, :P], dtype=np.float32)  # [L, H, q, k]
             acc.add(row_scores(rows.transpose(2, 0, 1, 3), q, tokens))
             n_rows += len(q)
     for s0 in range(0, n, block):
@@ -237,11 +255,15 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     if n_rows == 0:
         raise ArchiveError(f"run {run.id} has no committed attention rows yet: nothing to score")
     if run.status != "complete":
-        notes.append(f"run {run.id} is {run.status}: computed on its committed steps "
-                     f"({sum(ready.values())} of up to {len(gen_len) * run.shape['n_steps']})")
+        notes.append(
+            f"run {run.id} is {run.status}: computed on its committed steps "
+            f"({sum(ready.values())} of up to {len(gen_len) * run.shape['n_steps']})"
+        )
     if "attn" not in run.array_names():
-        notes.append(f"run {run.id} kept the top {run.shape.get('k_attn')} weights per row "
-                     f"(capture.attention.top_k): scores count only those, entropy is of the kept weights")
+        notes.append(
+            f"run {run.id} kept the top {run.shape.get('k_attn')} weights per row "
+            f"(capture.attention.top_k): scores count only those, entropy is of the kept weights"
+        )
     importance = None
     if dla is not None:
         with np.errstate(invalid="ignore"):
@@ -250,9 +272,15 @@ def compute_heads(run: Run, per_sequence: bool = False, block: int = 32, groups:
     table = _table(layers, H, total, importance, ranked=True, sweep=sweep)
     per = pa.concat_tables(per_parts) if per_sequence else None
     by_group = None if groups is None else _group_tables(layers, H, pooled, groups)
-    return {"table": table, "per_sequence": per, "by_group": by_group, "notes": notes, "rows": n_rows,
-            "dla": dla is not None,
-            "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"}}
+    return {
+        "table": table,
+        "per_sequence": per,
+        "by_group": by_group,
+        "notes": notes,
+        "rows": n_rows,
+        "dla": dla is not None,
+        "sweep": None if sweep is None else {k: v for k, v in sweep.items() if k != "effects"},
+    }
 
 
 def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
@@ -272,25 +300,44 @@ def head_sweep_effects(run: Run, notes: list[str]) -> dict | None:
     if effects.empty:
         notes.append(f"sweep {entry['id']} hid heads at single positions; heads are not ranked by it")
         return None
-    return {"id": entry["id"], "edit": entry.get("edit"), "metric": metric,
-            "effects": {(int(r.layer), int(r.q_head)): float(r.effect) for r in effects.itertuples()}}
+    return {
+        "id": entry["id"],
+        "edit": entry.get("edit"),
+        "metric": metric,
+        "effects": {(int(r.layer), int(r.q_head)): float(r.effect) for r in effects.itertuples()},
+    }
 
 
-def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, sequence: int | None = None,
-           sweep: dict | None = None) -> pa.Table:
+def _table(
+    layers: list[int],
+    H: int,
+    acc: _Acc,
+    importance,
+    *,
+    ranked: bool,
+    sequence: int | None = None,
+    sweep: dict | None = None,
+) -> pa.Table:
     means = acc.means()
     rows = []
     for li, layer in enumerate(layers):
         for h in range(H):
             scores = {name: float(means[name][li, h]) for name in SCORES}
             label = label_of(scores)
-            rows.append({
-                **({"sequence": sequence} if sequence is not None else {}),
-                "layer": layer, "q_head": h, "label": label, **scores,
-                "n_rows": int(acc.counts["sink_score"][li, h]),
-                "n_induction_rows": int(acc.counts["induction_score"][li, h]),
-                "importance": None if importance is None or np.isnan(importance[li, h]) else float(importance[li, h]),
-            })
+            rows.append(
+                {
+                    **({"sequence": sequence} if sequence is not None else {}),
+                    "layer": layer,
+                    "q_head": h,
+                    "label": label,
+                    **scores,
+                    "n_rows": int(acc.counts["sink_score"][li, h]),
+                    "n_induction_rows": int(acc.counts["induction_score"][li, h]),
+                    "importance": None
+                    if importance is None or np.isnan(importance[li, h])
+                    else float(importance[li, h]),
+                }
+            )
             if ranked:
                 rows[-1]["sweep_effect"] = None if sweep is None else sweep["effects"].get((layer, h))
     if ranked:
@@ -302,14 +349,16 @@ def _table(layers: list[int], H: int, acc: _Acc, importance, *, ranked: bool, se
                 if r[name] is not None:
                     return (n, r[name], 0.0)
             return (2, RANK_ORDER.index(r["label"]), -label_score(r))
+
         rows.sort(key=key)
         for i, r in enumerate(rows):
             r["head_rank"] = i + 1
     return pa.Table.from_pylist(rows, schema=_schema(sequence is not None, ranked))
 
 
-def _group_tables(layers: list[int], H: int, pooled: dict[object, tuple["_Acc", int]],
-                  groups: SequenceGroups) -> pa.Table:
+def _group_tables(
+    layers: list[int], H: int, pooled: dict[object, tuple["_Acc", int]], groups: SequenceGroups
+) -> pa.Table:
     """Per group (in the column's order, null last): every head's scores over the pooled rows of its
     sequences (`pooled`: group -> the sums over its sequences' rows, its number of sequences), with
     n_sequences; importance (direct logit attribution) is left null. Columns: `group_schema`."""
@@ -336,8 +385,9 @@ def group_schema(value_type: pa.DataType) -> pa.Schema:
     """heads_by_<COLUMN>.parquet: group_column (the sequences.parquet column's name), group_value (its
     value, of its type `value_type`; null for sequences without one), n_sequences, then the columns
     of heads_per_sequence.parquet without `sequence`."""
-    return pa.schema([(GROUP_COLUMN, pa.string()), (GROUP_VALUE, value_type), ("n_sequences", pa.int32()),
-                      *_schema(False, False)])
+    return pa.schema(
+        [(GROUP_COLUMN, pa.string()), (GROUP_VALUE, value_type), ("n_sequences", pa.int32()), *_schema(False, False)]
+    )
 
 
 def _rank_by(rows: list[dict], column: str, value) -> None:
@@ -350,8 +400,14 @@ def _rank_by(rows: list[dict], column: str, value) -> None:
 
 
 def label_score(r: dict) -> float:
-    name = {"sink": "sink_score", "previous-token": "prev_token_score", "induction": "induction_score",
-            "local": "local_score", "focused": "concentration", "diffuse": "entropy"}[r["label"]]
+    name = {
+        "sink": "sink_score",
+        "previous-token": "prev_token_score",
+        "induction": "induction_score",
+        "local": "local_score",
+        "focused": "concentration",
+        "diffuse": "entropy",
+    }[r["label"]]
     v = r[name]
     return 0.0 if v is None or np.isnan(v) else v
 

@@ -31,11 +31,23 @@ from .compare.values import finite
 EFFECTS_PARTS = "effects.parts"
 TEXT_COLUMNS = ("parent_token", "child_token", "child_top1", "parent_top1")  # ids that get a `_text` column
 EFFECTS_SCHEMA = pa.schema(
-    [(c, pa.int64()) for c in ("sequence", "step")] + [("context_identical", pa.bool_())]
+    [(c, pa.int64()) for c in ("sequence", "step")]
+    + [("context_identical", pa.bool_())]
     + [(c, pa.int64()) for c in ("parent_token", "child_token", "child_top1", "parent_top1")]
-    + [(c, pa.float64()) for c in ("parent_logprob", "child_logprob_of_parent_token", "logprob_shift", "parent_margin",
-                                   "child_margin", "margin_shift", "kl_parent_child_topk")]
-    + [("winner_changed", pa.bool_())])
+    + [
+        (c, pa.float64())
+        for c in (
+            "parent_logprob",
+            "child_logprob_of_parent_token",
+            "logprob_shift",
+            "parent_margin",
+            "child_margin",
+            "margin_shift",
+            "kl_parent_child_topk",
+        )
+    ]
+    + [("winner_changed", pa.bool_())]
+)
 
 
 class EffectsRecorder:
@@ -61,16 +73,33 @@ class EffectsRecorder:
             after = float(ref[0]) if have_parent and ref is not None else None
             before = self.p.logprob[seq][step] if have_parent else None
             # KL(parent ‖ child) from what the two archives store at this step, as `compare` computes it
-            kl = (finite(stored_kl(stored_logprobs(self.p.alts[seq][step], self.p.alt_logprobs[seq][step],
-                                                   parent_tok, self.p.logprob[seq][step]),
-                                   stored_logprobs(c.alt_ids[b].tolist(), c.alt_logprobs[b].tolist(), child_tok,
-                                                   float(c.logprob[b]))))
-                  if have_parent and identical else None)
+            kl = (
+                finite(
+                    stored_kl(
+                        stored_logprobs(
+                            self.p.alts[seq][step],
+                            self.p.alt_logprobs[seq][step],
+                            parent_tok,
+                            self.p.logprob[seq][step],
+                        ),
+                        stored_logprobs(
+                            c.alt_ids[b].tolist(), c.alt_logprobs[b].tolist(), child_tok, float(c.logprob[b])
+                        ),
+                    )
+                )
+                if have_parent and identical
+                else None
+            )
             values = {
-                "sequence": seq, "step": step, "context_identical": identical, "parent_token": parent_tok,
-                "child_token": child_tok, "child_top1": int(c.greedy_token[b]),
+                "sequence": seq,
+                "step": step,
+                "context_identical": identical,
+                "parent_token": parent_tok,
+                "child_token": child_tok,
+                "child_top1": int(c.greedy_token[b]),
                 "parent_top1": self.p.greedy[seq][step] if have_parent else None,
-                "parent_logprob": before, "child_logprob_of_parent_token": after if identical else None,
+                "parent_logprob": before,
+                "child_logprob_of_parent_token": after if identical else None,
                 # the comparisons below are only meaningful on the parent's own context: null once it differs
                 "logprob_shift": after - before if identical and after is not None and before is not None else None,
                 "parent_margin": self.p.margin[seq][step] if have_parent else None,
@@ -111,8 +140,9 @@ class EffectsRecorder:
         for col in TEXT_COLUMNS:
             ids = table.column(col).to_pylist()
             texts = vocabulary.text([-1 if i is None else i for i in ids])
-            table = table.append_column(f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)],
-                                                                pa.string()))
+            table = table.append_column(
+                f"{col}_text", pa.array([None if i is None else x for i, x in zip(ids, texts)], pa.string())
+            )
         atomic_write_parquet(table, run_dir / EFFECTS)
         shutil.rmtree(parts, ignore_errors=True)
         self.final = table
@@ -129,13 +159,18 @@ def summarize(effects) -> dict:
         changed = e[e.child_token != e.parent_token]
         same = e[e.context_identical]
         first = changed.sort_values("step").iloc[0] if len(changed) else None
-        out.append({
-            "sequence": int(seq),
-            "first_divergence_step": int(first.step) if first is not None else None,
-            "first_divergence": (None if first is None or "parent_token_text" not in e else
-                                 {"parent": first.parent_token_text, "child": first.child_token_text}),
-            "winner_changes": int(same.winner_changed.fillna(False).sum()),
-            "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
-            "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
-        })
+        out.append(
+            {
+                "sequence": int(seq),
+                "first_divergence_step": int(first.step) if first is not None else None,
+                "first_divergence": (
+                    None
+                    if first is None or "parent_token_text" not in e
+                    else {"parent": first.parent_token_text, "child": first.child_token_text}
+                ),
+                "winner_changes": int(same.winner_changed.fillna(False).sum()),
+                "mean_logprob_shift": float(same.logprob_shift.mean()) if len(same) else None,
+                "max_kl_topk": float(same.kl_parent_child_topk.max()) if len(same) else None,
+            }
+        )
     return {"sequences": out}

@@ -85,7 +85,7 @@ def batch_plan(run_dir: Path, manifest: dict) -> tuple[dict[int, int], dict[int,
     for shard in range(shards):
         seqs = list(range(shard, n, shards))
         for i in range(0, len(seqs), size):
-            for s in seqs[i: i + size]:
+            for s in seqs[i : i + size]:
                 batch_of[s] = seqs[i]
     return batch_of, from_step
 

@@ -61,16 +61,33 @@ class MethodRecord:
 
 def scores_schema() -> pa.Schema:
     i32 = pa.int32()
-    return pa.schema([
-        ("explain_id", pa.string()), ("method", pa.string()), ("sequence", i32), ("step", i32),
-        ("target", pa.string()), ("quantity", pa.string()), ("target_token_id", i32), ("runner_up_token_id", i32),
-        ("position", i32), ("token_id", i32), ("token_text", pa.string()), ("is_prompt", pa.bool_()),
-        ("score", pa.float32()),
-    ])
+    return pa.schema(
+        [
+            ("explain_id", pa.string()),
+            ("method", pa.string()),
+            ("sequence", i32),
+            ("step", i32),
+            ("target", pa.string()),
+            ("quantity", pa.string()),
+            ("target_token_id", i32),
+            ("runner_up_token_id", i32),
+            ("position", i32),
+            ("token_id", i32),
+            ("token_text", pa.string()),
+            ("is_prompt", pa.bool_()),
+            ("score", pa.float32()),
+        ]
+    )
 
 
-def write_explanation(run: Run, explain_id: str, methods: list[MethodRecord], steps: list[int], sequence: int,
-                      explanations: list[StepExplanation]) -> list[dict]:
+def write_explanation(
+    run: Run,
+    explain_id: str,
+    methods: list[MethodRecord],
+    steps: list[int],
+    sequence: int,
+    explanations: list[StepExplanation],
+) -> list[dict]:
     """explain/<id>/{scores.zarr, explain.json} + explain/scores.parts/<id>.parquet, then the manifest entries
     (returned)."""
     root = run.path / EXPLAIN_DIR
@@ -97,8 +114,15 @@ def write_explanation(run: Run, explain_id: str, methods: list[MethodRecord], st
     return entries
 
 
-def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecord], steps: list[int], sequence: int,
-                 explanations: list[StepExplanation]) -> list[dict]:
+def _write_files(
+    run: Run,
+    tmp: Path,
+    explain_id: str,
+    methods: list[MethodRecord],
+    steps: list[int],
+    sequence: int,
+    explanations: list[StepExplanation],
+) -> list[dict]:
     import zarr
 
     created = now_iso()
@@ -107,19 +131,32 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
     # arrays: one per method, [step, position], NaN beyond each step's context
     max_n = max(len(e.scores) for e in explanations)
     group = zarr.open_group(str(tmp / "scores.zarr"), mode="w", zarr_format=3)
-    st = group.create_array("step", shape=(len(steps),), dtype="int32", chunks=(max(1, len(steps)),),
-                            dimension_names=("step",), fill_value=-1)
+    st = group.create_array(
+        "step",
+        shape=(len(steps),),
+        dtype="int32",
+        chunks=(max(1, len(steps)),),
+        dimension_names=("step",),
+        fill_value=-1,
+    )
     st[...] = np.asarray(steps, dtype=np.int32)
-    pos = group.create_array("position", shape=(max_n,), dtype="int32", chunks=(max_n,),
-                             dimension_names=("position",), fill_value=-1)
+    pos = group.create_array(
+        "position", shape=(max_n,), dtype="int32", chunks=(max_n,), dimension_names=("position",), fill_value=-1
+    )
     pos[...] = np.arange(max_n, dtype=np.int32)
     for m in methods:
         data = np.full((len(steps), max_n), np.nan, dtype=np.float32)
         for e in explanations:
             if e.method == m.name:
                 data[steps.index(e.step), : len(e.scores)] = e.scores
-        arr = group.create_array(m.name, shape=data.shape, dtype="float32", chunks=data.shape,
-                                 dimension_names=("step", "position"), fill_value=np.nan)
+        arr = group.create_array(
+            m.name,
+            shape=data.shape,
+            dtype="float32",
+            chunks=data.shape,
+            dimension_names=("step", "position"),
+            fill_value=np.nan,
+        )
         arr[...] = data
     components = _write_components(group, methods, steps, explanations)
     with warnings.catch_warnings():
@@ -127,44 +164,73 @@ def _write_files(run: Run, tmp: Path, explain_id: str, methods: list[MethodRecor
         zarr.consolidate_metadata(str(tmp / "scores.zarr"))
     entries = []
     for m in methods:
-        entries.append({
-            "id": explain_id, "method": m.name, "settings": m.settings, "sequence": sequence, "steps": steps,
-            "target": m.target, "quantity": m.quantity, "created": created,
-            "path": rel, "table": table_rel, "array": f"{rel}/scores.zarr/{m.name}",
-            "model": m.model,
-            **({"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
-               if components.get(m.name) else {}),
-            "results": [{"step": e.step, "target_token_id": e.chosen_id, "runner_up_token_id": e.runner_up_id,
-                         **{k: strict(v) for k, v in e.info.items()}} for e in explanations if e.method == m.name],
-        })
+        entries.append(
+            {
+                "id": explain_id,
+                "method": m.name,
+                "settings": m.settings,
+                "sequence": sequence,
+                "steps": steps,
+                "target": m.target,
+                "quantity": m.quantity,
+                "created": created,
+                "path": rel,
+                "table": table_rel,
+                "array": f"{rel}/scores.zarr/{m.name}",
+                "model": m.model,
+                **(
+                    {"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
+                    if components.get(m.name)
+                    else {}
+                ),
+                "results": [
+                    {
+                        "step": e.step,
+                        "target_token_id": e.chosen_id,
+                        "runner_up_token_id": e.runner_up_id,
+                        **{k: strict(v) for k, v in e.info.items()},
+                    }
+                    for e in explanations
+                    if e.method == m.name
+                ],
+            }
+        )
         flags = [e.info["converged"] for e in explanations if e.method == m.name and "converged" in e.info]
         if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
             entries[-1]["converged"] = all(flags)
         flags = [e.info["conserved"] for e in explanations if e.method == m.name and "conserved" in e.info]
         if flags:  # lrp: did every step conserve f (relative error within its tolerance)?
             entries[-1]["conserved"] = all(flags)
-    _atomic_json(tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created,
-                                                "entries": entries}))
+    _atomic_json(
+        tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created, "entries": entries})
+    )
     return entries
 
 
 COMPONENT_DIMS = {1: ("layer",), 2: ("layer", "head")}  # the axes of a component array after its step axis
 
 
-def _write_components(group, methods: list[MethodRecord], steps: list[int],
-                      explanations: list[StepExplanation]) -> dict[str, dict[str, str]]:
+def _write_components(
+    group, methods: list[MethodRecord], steps: list[int], explanations: list[StepExplanation]
+) -> dict[str, dict[str, str]]:
     """scores.zarr/<method>_<component> [step, layer(, head)] per component a method returned (lrp: attention,
     mlp, heads, attention_bias); returns {method: {component: array name}}."""
     out: dict[str, dict[str, str]] = {}
     for m in methods:
         mine = [e for e in explanations if e.method == m.name and e.components]
-        for name in (mine[0].components if mine else {}):
+        for name in mine[0].components if mine else {}:
             shape = np.asarray(mine[0].components[name]).shape
             data = np.full((len(steps), *shape), np.nan, dtype=np.float32)
             for e in mine:
                 data[steps.index(e.step)] = e.components[name]
-            arr = group.create_array(f"{m.name}_{name}", shape=data.shape, dtype="float32", chunks=data.shape,
-                                     dimension_names=("step", *COMPONENT_DIMS[len(shape)]), fill_value=np.nan)
+            arr = group.create_array(
+                f"{m.name}_{name}",
+                shape=data.shape,
+                dtype="float32",
+                chunks=data.shape,
+                dimension_names=("step", *COMPONENT_DIMS[len(shape)]),
+                fill_value=np.nan,
+            )
             arr[...] = data
             out.setdefault(m.name, {})[name] = f"{m.name}_{name}"
     return out

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pyarrow as pa
 
-
 # JSON files whose status may have to change on a full disk (manifest, shard status) are written
 # with this much trailing whitespace, so `rewrite_in_place` can record `failed` in the blocks the
 # file already has.

@@ -38,14 +38,17 @@ def sequence_groups(run, column: str) -> SequenceGroups:
     table = run.sequences()
     if column not in table.column_names or column == "sequence":
         available = [c for c in table.column_names if c != "sequence"]
-        raise SpecError(f"--by {column!r}: sequences.parquet of run {run.id} has no such column; "
-                        f"columns: {', '.join(available)}")
+        raise SpecError(
+            f"--by {column!r}: sequences.parquet of run {run.id} has no such column; columns: {', '.join(available)}"
+        )
     values = table.column(column)
     if pa.types.is_dictionary(values.type):
         values = values.cast(values.type.value_type)
     # every NaN one object, so that they form one group (as in SQL) where groups are looked up by value
-    of = {s: _NAN if isinstance(v, float) and math.isnan(v) else v
-          for s, v in zip(table.column("sequence").to_pylist(), values.to_pylist())}
+    of = {
+        s: _NAN if isinstance(v, float) and math.isnan(v) else v
+        for s, v in zip(table.column("sequence").to_pylist(), values.to_pylist())
+    }
     return SequenceGroups(column, values.type, of)
 
 

@@ -23,9 +23,9 @@ import json
 import os
 from pathlib import Path
 
+from ..exits.errors import ArchiveError
 from . import layout
 from .damage import Problem, damaged_message
-from ..exits.errors import ArchiveError
 
 CHECKSUMS = "checksums.json"
 
@@ -63,8 +63,12 @@ def _checksums_text(files: dict) -> str:
 
 def _entry(text: str, files: dict) -> dict:
     """The manifest's `checksums` entry for a checksums.json holding `text`."""
-    return {"file": CHECKSUMS, "sha256": hashlib.sha256(text.encode()).hexdigest(), "n_files": len(files),
-            "bytes": sum(size for size, _ in files.values())}
+    return {
+        "file": CHECKSUMS,
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "n_files": len(files),
+        "bytes": sum(size for size, _ in files.values()),
+    }
 
 
 def record(run_dir: Path) -> dict:
@@ -93,8 +97,9 @@ def _version_on_disk(path: Path, versions: list) -> list:
 RECORDING = "checksums_recording"
 
 
-def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], replacements: dict[str, Path],
-                  save_manifest) -> dict:
+def record_update(
+    run_dir: Path, manifest: dict, written: tuple[str, ...], replacements: dict[str, Path], save_manifest
+) -> dict:
     """Re-record the checksums of a complete run after a writer added to it; returns the new `checksums`
     entry for the manifest, which the caller writes (that write is the commit).
 
@@ -114,8 +119,11 @@ def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], repla
     if files is None:  # completed before checksums were recorded: there is no record to keep
         kept, written = {}, ("",)
     else:
-        kept = {rel: _version_on_disk(run_dir / rel, versions) for rel, versions in files.items()
-                if not rel.startswith(written) and rel not in replacements}
+        kept = {
+            rel: _version_on_disk(run_dir / rel, versions)
+            for rel, versions in files.items()
+            if not rel.startswith(written) and rel not in replacements
+        }
     for rel in committed_files(run_dir):
         if rel.startswith(written) and rel not in replacements:
             fresh[rel] = _size_and_sha(run_dir / rel)
@@ -132,8 +140,6 @@ def record_update(run_dir: Path, manifest: dict, written: tuple[str, ...], repla
     atomic_write_text(run_dir / CHECKSUMS, text)
     del manifest[RECORDING]
     return entry
-
-
 
 
 def _recorded(run_dir: Path, manifest: dict) -> tuple[dict | None, Problem | None]:
@@ -157,8 +163,9 @@ def _recorded(run_dir: Path, manifest: dict) -> tuple[dict | None, Problem | Non
 
 def _checksums_accepted(manifest: dict) -> set[str]:
     """The sha256 checksums.json may have: the manifest's, or the one a re-recording in progress writes."""
-    return {h for h in ((manifest.get("checksums") or {}).get("sha256"), (manifest.get(RECORDING) or {}).get("sha256"))
-            if h}
+    return {
+        h for h in ((manifest.get("checksums") or {}).get("sha256"), (manifest.get(RECORDING) or {}).get("sha256")) if h
+    }
 
 
 # While a deferred lens is pending, an interrupted `lmtrace lens` may have left its arrays and
@@ -175,8 +182,11 @@ def _skipped(manifest: dict) -> tuple[str, ...]:
 
 def _tables_listed(run_dir: Path, manifest: dict) -> list[Problem]:
     """Runs completed before checksums were recorded: the compacted tables the manifest counts rows of."""
-    return [Problem(layout.table_file(t), "missing") for t in (manifest.get("table_rows") or {})
-            if not (run_dir / layout.table_file(t)).is_file()]
+    return [
+        Problem(layout.table_file(t), "missing")
+        for t in (manifest.get("table_rows") or {})
+        if not (run_dir / layout.table_file(t)).is_file()
+    ]
 
 
 def quick_problem(run_dir: Path, manifest: dict, prefix: str = "") -> Problem | None:
@@ -235,9 +245,12 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
             problems.append(Problem(rel, "unreadable"))
     if not prefix:
         recorded = set(files)
-        problems += [Problem(rel, "extra") for rel in committed_files(run_dir)
-                     if rel not in recorded and rel.startswith(layout.TENSORS + "/") and "/c/" in rel
-                     and not rel.startswith(skip)]
+        problems += [
+            Problem(rel, "extra")
+            for rel in committed_files(run_dir)
+            if rel not in recorded
+            and rel.startswith(layout.TENSORS + "/")
+            and "/c/" in rel
+            and not rel.startswith(skip)
+        ]
     return problems, n, True
-
-

@@ -127,14 +127,23 @@ def block_keys(padded_prompt: int, s0: int, chunk_steps: int, key_chunk: int, ma
 
 
 # written during generation with an inline lens, or later by `lmtrace lens` (lmtrace/commands/lens.py)
-LENS_ARRAYS = (ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
-               ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True))
-LENS_STEP_COLUMNS = ("lens_top1", "lens_top1_prob", "lens_margin",
-                     # the chosen token's and the runner-up's lens rank and probability, and the first
-                     # captured layer from which the chosen token stays the lens's top-1 (per step,
-                     # repeated on its layers' rows)
-                     "lens_target_rank", "lens_target_prob", "lens_runner_up_rank", "lens_runner_up_prob",
-                     "settle_layer")
+LENS_ARRAYS = (
+    ArraySpec("lens_ids", ("sequence", "step", "layer", "k_lens"), "int32", True),
+    ArraySpec("lens_probs", ("sequence", "step", "layer", "k_lens"), "float32", True),
+)
+LENS_STEP_COLUMNS = (
+    "lens_top1",
+    "lens_top1_prob",
+    "lens_margin",
+    # the chosen token's and the runner-up's lens rank and probability, and the first
+    # captured layer from which the chosen token stays the lens's top-1 (per step,
+    # repeated on its layers' rows)
+    "lens_target_rank",
+    "lens_target_prob",
+    "lens_runner_up_rank",
+    "lens_runner_up_prob",
+    "settle_layer",
+)
 
 
 # Direct logit attribution (lmtrace/capture/dla.py, docs/archive.md): per target, heads [layer, q_head],
@@ -145,10 +154,16 @@ DLA_TERMS = ("embed_dla", "bias_dla", "rest_dla")
 def dla_arrays() -> list[ArraySpec]:
     out = []
     for suffix in ("", "_logit"):
-        out.append(ArraySpec(f"head_dla{suffix}", ("sequence", "step", "layer", "q_head"), "float32", True, auto_codec="none"))
-        out += [ArraySpec(f"{part}_dla{suffix}", ("sequence", "step", "layer"), "float32", True, auto_codec="none")
-                for part in ("attn", "mlp")]
-        out += [ArraySpec(f"{term}{suffix}", ("sequence", "step"), "float32", True, auto_codec="none") for term in DLA_TERMS]
+        out.append(
+            ArraySpec(f"head_dla{suffix}", ("sequence", "step", "layer", "q_head"), "float32", True, auto_codec="none")
+        )
+        out += [
+            ArraySpec(f"{part}_dla{suffix}", ("sequence", "step", "layer"), "float32", True, auto_codec="none")
+            for part in ("attn", "mlp")
+        ]
+        out += [
+            ArraySpec(f"{term}{suffix}", ("sequence", "step"), "float32", True, auto_codec="none") for term in DLA_TERMS
+        ]
     out.append(ArraySpec("dla_runner_up", ("sequence", "step"), "int32", True))
     return out
 
@@ -188,11 +203,22 @@ class RunShape:
 
     def dim_sizes(self) -> dict[str, int]:
         return {
-            "sequence": self.n_sequences, "step": self.n_steps, "layer": len(self.layers),
-            "resid_layer": len(self.resid_layers), "q_head": self.n_heads, "kv_head": self.n_kv_heads,
-            "key": self.max_len, "k_attn": self.k_attn or 0, "head_dim": self.head_dim,
-            "d_model": self.d_model, "k_ffn": self.k_ffn, "k_lens": self.k_lens,
-            "k_router": self.k_router, "query_pos": self.max_prompt, "key_pos": self.max_prompt, "prompt_pos": self.max_prompt,
+            "sequence": self.n_sequences,
+            "step": self.n_steps,
+            "layer": len(self.layers),
+            "resid_layer": len(self.resid_layers),
+            "q_head": self.n_heads,
+            "kv_head": self.n_kv_heads,
+            "key": self.max_len,
+            "k_attn": self.k_attn or 0,
+            "head_dim": self.head_dim,
+            "d_model": self.d_model,
+            "k_ffn": self.k_ffn,
+            "k_lens": self.k_lens,
+            "k_router": self.k_router,
+            "query_pos": self.max_prompt,
+            "key_pos": self.max_prompt,
+            "prompt_pos": self.max_prompt,
         }
 
     def arrays(self) -> list[ArraySpec]:
@@ -209,16 +235,31 @@ class RunShape:
             out.append(ArraySpec("q", ("sequence", "step", "layer", "q_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("k", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
             out.append(ArraySpec("v", ("sequence", "step", "layer", "kv_head", "head_dim"), f, True, auto_codec="none"))
-            out.append(ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"))
-            out.append(ArraySpec("prompt_v", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"))
+            out.append(
+                ArraySpec(
+                    "prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"
+                )
+            )
+            out.append(
+                ArraySpec(
+                    "prompt_v", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), f, False, auto_codec="none"
+                )
+            )
         if self.ffn:
             out.append(ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True))
             out.append(ArraySpec("ffn_val", ("sequence", "step", "layer", "k_ffn"), "float32", True, auto_codec="none"))
         if self.resid_layers:
             # float16 vectors: zstd keeps 0.89x of them (mostly the fill of blocks past a sequence's end)
             # for ~0.04 ms a token; float32 ones stay raw (1.07x for ~0.2 ms a step)
-            out.append(ArraySpec("resid", ("sequence", "step", "resid_layer", "d_model"), self.resid_dtype, True,
-                                 auto_codec="zstd" if self.resid_dtype == "float16" else "none"))
+            out.append(
+                ArraySpec(
+                    "resid",
+                    ("sequence", "step", "resid_layer", "d_model"),
+                    self.resid_dtype,
+                    True,
+                    auto_codec="zstd" if self.resid_dtype == "float16" else "none",
+                )
+            )
         if self.lens:
             out.extend(LENS_ARRAYS)
         if self.k_router and self.layers:
@@ -266,9 +307,22 @@ class RunShape:
 
 # Per-layer scalars in steps.parquet (one row per sequence, step, captured layer).
 STEP_COLUMNS = (
-    "sequence", "step", "layer", "resid_norm", "delta_norm", "attn_norm", "mlp_norm",
-    "lens_top1", "lens_top1_prob", "lens_margin", "lens_target_rank", "lens_target_prob",
-    "lens_runner_up_rank", "lens_runner_up_prob", "settle_layer", "margin_contrib",
+    "sequence",
+    "step",
+    "layer",
+    "resid_norm",
+    "delta_norm",
+    "attn_norm",
+    "mlp_norm",
+    "lens_top1",
+    "lens_top1_prob",
+    "lens_margin",
+    "lens_target_rank",
+    "lens_target_prob",
+    "lens_runner_up_rank",
+    "lens_runner_up_prob",
+    "settle_layer",
+    "margin_contrib",
 )
 
 
@@ -291,9 +345,14 @@ def with_pandas_types(schema, always_present: tuple[str, ...]):
         elif pa.types.is_integer(f.type):
             bits = f.type.bit_width
             columns.append((f.name, f"int{bits}", f"Int{bits}"))
-    meta = {"index_columns": [], "column_indexes": [], "creator": {"library": "lmtrace"},
-            "columns": [{"name": n, "field_name": n, "pandas_type": pt, "numpy_type": nt, "metadata": None}
-                        for n, pt, nt in columns]}
+    meta = {
+        "index_columns": [],
+        "column_indexes": [],
+        "creator": {"library": "lmtrace"},
+        "columns": [
+            {"name": n, "field_name": n, "pandas_type": pt, "numpy_type": nt, "metadata": None} for n, pt, nt in columns
+        ],
+    }
     return schema.with_metadata({b"pandas": json.dumps(meta).encode()})
 
 
@@ -302,22 +361,51 @@ def token_schema():
     import pyarrow as pa
 
     f32, i32 = pa.float32(), pa.int32()
-    return with_pandas_types(pa.schema([
-        ("sequence", i32), ("position", i32), ("step", i32), ("is_prompt", pa.bool_()),
-        ("token_id", i32), ("token_text", pa.string()),
-        ("logprob", f32), ("prob", f32), ("sampling_logprob", f32), ("sampling_prob", f32),
-        ("token_rank", i32), ("entropy", f32), ("greedy_id", i32), ("margin", f32),
-        ("stability", pa.string()), ("filter_changed", pa.bool_()), ("eligible", i32), ("is_eos", pa.bool_()),
-        ("alt_ids", pa.list_(i32)), ("alt_logits", pa.list_(f32)), ("alt_logprobs", pa.list_(f32)),
-    ]), ("sequence", "position", "is_prompt", "token_id"))
+    return with_pandas_types(
+        pa.schema(
+            [
+                ("sequence", i32),
+                ("position", i32),
+                ("step", i32),
+                ("is_prompt", pa.bool_()),
+                ("token_id", i32),
+                ("token_text", pa.string()),
+                ("logprob", f32),
+                ("prob", f32),
+                ("sampling_logprob", f32),
+                ("sampling_prob", f32),
+                ("token_rank", i32),
+                ("entropy", f32),
+                ("greedy_id", i32),
+                ("margin", f32),
+                ("stability", pa.string()),
+                ("filter_changed", pa.bool_()),
+                ("eligible", i32),
+                ("is_eos", pa.bool_()),
+                ("alt_ids", pa.list_(i32)),
+                ("alt_logits", pa.list_(f32)),
+                ("alt_logprobs", pa.list_(f32)),
+            ]
+        ),
+        ("sequence", "position", "is_prompt", "token_id"),
+    )
 
 
 def step_schema(columns: list[str]):
     import pyarrow as pa
 
-    types = {"sequence": pa.int32(), "step": pa.int32(), "layer": pa.int32(), "lens_top1": pa.int32(),
-             "lens_target_rank": pa.int32(), "lens_runner_up_rank": pa.int32(), "settle_layer": pa.int32()}
-    return with_pandas_types(pa.schema([(c, types.get(c, pa.float32())) for c in columns]), ("sequence", "step", "layer"))
+    types = {
+        "sequence": pa.int32(),
+        "step": pa.int32(),
+        "layer": pa.int32(),
+        "lens_top1": pa.int32(),
+        "lens_target_rank": pa.int32(),
+        "lens_runner_up_rank": pa.int32(),
+        "settle_layer": pa.int32(),
+    }
+    return with_pandas_types(
+        pa.schema([(c, types.get(c, pa.float32())) for c in columns]), ("sequence", "step", "layer")
+    )
 
 
 def vocab_schema():
@@ -330,8 +418,15 @@ def vocab_schema():
 def sequence_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("sequence", pa.int32()), ("batch", pa.int32()), ("prompt", pa.string()), ("prompt_rendered", pa.string()),
-        ("prompt_len", pa.int32()), ("generated_len", pa.int32()), ("stop_reason", pa.string()),
-        ("generated_text", pa.string()),
-    ])
+    return pa.schema(
+        [
+            ("sequence", pa.int32()),
+            ("batch", pa.int32()),
+            ("prompt", pa.string()),
+            ("prompt_rendered", pa.string()),
+            ("prompt_len", pa.int32()),
+            ("generated_len", pa.int32()),
+            ("stop_reason", pa.string()),
+            ("generated_text", pa.string()),
+        ]
+    )

@@ -31,15 +31,22 @@ class LensArrays:
         # sharded like the run's own arrays (format 3), or one chunk file per sequence and block (format 2);
         # chunks with their crc32c when the run's have them (format 4)
         per_shard = sequences_per_shard(resid)
-        self.arrays = {s.name: create_array(group, s, shape, chunk,
-                                            compressors_for(codec, level, s, checksum=checksummed(resid)),
-                                            chunk_sequences=per_shard)
-                       for s in layout.LENS_ARRAYS}
+        self.arrays = {
+            s.name: create_array(
+                group,
+                s,
+                shape,
+                chunk,
+                compressors_for(codec, level, s, checksum=checksummed(resid)),
+                chunk_sequences=per_shard,
+            )
+            for s in layout.LENS_ARRAYS
+        }
 
     def write(self, seq: int, s0: int, s1: int, ids: np.ndarray, probs: np.ndarray) -> None:
         """Steps s0..s1 of one sequence: ids, probs [steps, layers, k]."""
-        self.arrays["lens_ids"][seq:seq + 1, s0:s1] = ids[None]
-        self.arrays["lens_probs"][seq:seq + 1, s0:s1] = probs[None]
+        self.arrays["lens_ids"][seq : seq + 1, s0:s1] = ids[None]
+        self.arrays["lens_probs"][seq : seq + 1, s0:s1] = probs[None]
 
 
 def _writable_group(path: Path):

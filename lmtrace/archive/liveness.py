@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import layout
 from ..exits.errors import LmtraceError, SpecError
+from . import layout
 
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_S = 5.0
@@ -89,8 +89,9 @@ def holder_info(path: Path) -> dict:
 
 def busy_message(run_id: str, writer: str, info: dict) -> str:
     who = f"pid {info['pid']} on {info.get('host', '?')}" if info.get("pid") else "another process"
-    return (f"run {run_id} ({writer}) is being written by {who}; not touching it "
-            f"(wait for it, or stop that process first)")
+    return (
+        f"run {run_id} ({writer}) is being written by {who}; not touching it (wait for it, or stop that process first)"
+    )
 
 
 def lock_holder(run_dir: Path, writer: str) -> dict | None:

@@ -20,7 +20,9 @@ import pyarrow.parquet as pq
 from ..exits.errors import ArchiveDamaged
 from . import layout
 
-FORMAT = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True))
+FORMAT = ds.ParquetFileFormat(
+    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+)
 READ_ERRORS = (OSError, pa.ArrowException)
 
 

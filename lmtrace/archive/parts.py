@@ -27,8 +27,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import layout, parquet_io
 from ..exits.faults import kill_point
+from . import layout, parquet_io
 
 # Levelled merging: every row is rewritten once per level it climbs, so a run of P block parts
 # rewrites its table bytes about log_FANOUT(P) times (at most log_FANOUT(FINAL_BYTES / part size)),
@@ -50,7 +50,7 @@ def parse_merged(filename: str) -> tuple[int, str, int] | None:
     """(level, writer key, number) of a merged part's file name; None for a block part."""
     if not filename.startswith(MERGED_PREFIX) or not filename.endswith(".parquet"):
         return None
-    level, writer_key, n = filename[len(MERGED_PREFIX): -len(".parquet")].split("_")
+    level, writer_key, n = filename[len(MERGED_PREFIX) : -len(".parquet")].split("_")
     return int(level), writer_key, int(n)
 
 
@@ -113,8 +113,9 @@ def plain_schema(path: Path) -> pa.Schema:
     return schema.with_metadata(meta) if meta else schema.remove_metadata()
 
 
-def write_units(files: list[Path], out: pq.ParquetWriter, schema: pa.Schema,
-                group_blocks: bool) -> list[tuple[str, int]]:
+def write_units(
+    files: list[Path], out: pq.ParquetWriter, schema: pa.Schema, group_blocks: bool
+) -> list[tuple[str, int]]:
     """Write the blocks of `files` in block-name order (each file's blocks are in that order already:
     a streaming merge) to `out`; [(block name, rows)] written. `group_blocks`: row groups of about
     ROW_GROUP_ROWS rows (a merged part: read whole); else one row group per block, as the compacted
@@ -153,8 +154,12 @@ def merge_parts(parts_dir: Path, sources: list[Path], target: str) -> Path:
         # the covered names go into the footer, written after the rows: known before the first row
         with parquet_io.writer(tmp, schema, use_dictionary=False, write_statistics=False) as out:
             units = write_units(sources, out, schema, group_blocks=True)
-            out.add_key_value_metadata({UNITS_KEY: json.dumps(units, separators=(",", ":")),
-                                        COVERS_KEY: json.dumps(covers, separators=(",", ":"))})
+            out.add_key_value_metadata(
+                {
+                    UNITS_KEY: json.dumps(units, separators=(",", ":")),
+                    COVERS_KEY: json.dumps(covers, separators=(",", ":")),
+                }
+            )
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         kill_point("merge-written")
@@ -226,7 +231,7 @@ class PartMerger:
             level = 0
             while level in levels:
                 while len(levels[level]) >= self.fanout:
-                    sources, levels[level] = levels[level][: self.fanout], levels[level][self.fanout:]
+                    sources, levels[level] = levels[level][: self.fanout], levels[level][self.fanout :]
                     self.pace()
                     target = merged_name(level + 1, self.key, self.next_n)
                     self.next_n += 1

@@ -15,8 +15,8 @@ import zarr
 from ..exits.errors import ArchiveDamaged, ArchiveError
 from . import layout, parquet_io
 from .columns import current_names, stored_names
-from .integrity import quick_problem, verify
 from .damage import Problem, damaged_message
+from .integrity import quick_problem, verify
 from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
 
@@ -68,8 +68,11 @@ class Run:
         if self.status != "complete":
             if require_complete:
                 raise ArchiveError(self._not_complete())
-            warnings.warn(f"run {self.id} is {self.status}, not complete: only committed steps are readable",
-                          IncompleteRunWarning, stacklevel=2)
+            warnings.warn(
+                f"run {self.id} is {self.status}, not complete: only committed steps are readable",
+                IncompleteRunWarning,
+                stacklevel=2,
+            )
 
     def _not_complete(self) -> str:
         """Why a command that needs a complete run refuses this one, and what finishes it."""
@@ -78,8 +81,10 @@ class Run:
         status = shown_status(self.path, self.manifest)
         if status == "running":
             return f"run {self.id} is running, not complete: wait until it completes (`lmtrace ls` shows its status)"
-        return (f"run {self.id} is {status}, not complete: finish it first with `lmtrace generate --resume {self.id}`, "
-                f"then run this again")
+        return (
+            f"run {self.id} is {status}, not complete: finish it first with `lmtrace generate --resume {self.id}`, "
+            f"then run this again"
+        )
 
     # ---- manifest ----------------------------------------------------------------------------
     @property
@@ -169,7 +174,9 @@ class Run:
             raise ArchiveError(f"{path} is missing: the run wrote no tensors")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return zarr.open_group(str(path), mode="r", use_consolidated=self.consolidated and self.status == "complete")
+            return zarr.open_group(
+                str(path), mode="r", use_consolidated=self.consolidated and self.status == "complete"
+            )
 
     def array_names(self) -> list[str]:
         return sorted(self.tensors.array_keys())
@@ -178,8 +185,10 @@ class Run:
         if name not in self.tensors and name in LENS_ARRAY_NAMES and lens_state(self.manifest) == "pending":
             raise ArchiveError(f"run {self.id}: " + LENS_NOT_COMPUTED.format(run_id=self.id))
         if name not in self.tensors:
-            raise ArchiveError(f"run {self.id} has no array {name!r} (captured: {', '.join(self.array_names())}); "
-                               f"enable the probe in the spec's capture section")
+            raise ArchiveError(
+                f"run {self.id} has no array {name!r} (captured: {', '.join(self.array_names())}); "
+                f"enable the probe in the spec's capture section"
+            )
         array = self.tensors[name]
         return CheckedArray(array._async_array, run=self) if isinstance(array, zarr.Array) else array
 
@@ -197,8 +206,11 @@ class Run:
             if problems:
                 return ArchiveDamaged(damaged_message(self.id, problems[0]), path=problems[0].path, run_dir=self.path)
         first = parquet_io.first_line(err, self.path)
-        return ArchiveDamaged(damaged_message(self.id, f"{prefix.rstrip('/')} is unreadable ({first})"),
-                              path=prefix.rstrip("/"), run_dir=self.path)
+        return ArchiveDamaged(
+            damaged_message(self.id, f"{prefix.rstrip('/')} is unreadable ({first})"),
+            path=prefix.rstrip("/"),
+            run_dir=self.path,
+        )
 
     def layer_index(self, layer: int) -> int:
         """Position of a model layer along the archive's `layer` dim."""
@@ -226,8 +238,9 @@ class Run:
         compacted table has a row group per block, so only their batches' row groups are read)."""
         return current_names(self._stored_table(name, columns, sequences), name)
 
-    def _stored_table(self, name: str, columns: list[str] | None = None,
-                      sequences: list[int] | None = None) -> pa.Table:
+    def _stored_table(
+        self, name: str, columns: list[str] | None = None, sequences: list[int] | None = None
+    ) -> pa.Table:
         full = self.path / layout.table_file(name)
         if full.is_file():
             try:
@@ -238,8 +251,9 @@ class Run:
             raise ArchiveError(damaged_message(self.id, f"{layout.table_file(name)} is missing"))
         return read_table_files(self.path, name, lambda files: self._parts_table(name, files, columns, sequences))
 
-    def _parts_table(self, name: str, files: list[Path], columns: list[str] | None = None,
-                     sequences: list[int] | None = None) -> pa.Table:
+    def _parts_table(
+        self, name: str, files: list[Path], columns: list[str] | None = None, sequences: list[int] | None = None
+    ) -> pa.Table:
         """A table from its committed part files (there is no compacted file)."""
         if not files:
             if name in EMPTY_SCHEMAS:  # nothing committed yet: an empty table with the documented columns
@@ -251,8 +265,11 @@ class Run:
     @staticmethod
     def _read(dataset: ds.Dataset, name: str, columns: list[str] | None, sequences: list[int] | None) -> pa.Table:
         stored = dataset.schema.names
-        return parquet_io.read_dataset(dataset, columns=None if columns is None else stored_names(stored, columns, name),
-                                       filter=None if sequences is None else ds.field("sequence").isin(list(sequences)))
+        return parquet_io.read_dataset(
+            dataset,
+            columns=None if columns is None else stored_names(stored, columns, name),
+            filter=None if sequences is None else ds.field("sequence").isin(list(sequences)),
+        )
 
     def tokens(self) -> pa.Table:
         return self.table("tokens")

@@ -37,7 +37,9 @@ class Shard:
         without groups (a format-2 run), every `count`-th sequence."""
         if not group or self.count == 1:
             return list(range(self.index, n, self.count))
-        return [s for g in range(self.index, -(-n // group), self.count) for s in range(g * group, min(n, (g + 1) * group))]
+        return [
+            s for g in range(self.index, -(-n // group), self.count) for s in range(g * group, min(n, (g + 1) * group))
+        ]
 
 
 def parse_shard(value: str | None) -> tuple[Shard, str | None]:
@@ -49,13 +51,17 @@ def parse_shard(value: str | None) -> tuple[Shard, str | None]:
     if value == "auto":
         env = os.environ
         if "SLURM_ARRAY_TASK_ID" not in env:
-            raise SpecError("--shard auto needs SLURM_ARRAY_TASK_ID (run it inside a SLURM job array) or use --shard I/N")
+            raise SpecError(
+                "--shard auto needs SLURM_ARRAY_TASK_ID (run it inside a SLURM job array) or use --shard I/N"
+            )
         task = int(env["SLURM_ARRAY_TASK_ID"])
         lo = int(env.get("SLURM_ARRAY_TASK_MIN", 0))
         hi = int(env.get("SLURM_ARRAY_TASK_MAX", task))
         count = int(env.get("SLURM_ARRAY_TASK_COUNT", hi - lo + 1))
         if hi - lo + 1 != count:
-            raise SpecError(f"--shard auto needs a contiguous array (--array={lo}-{hi}); got {count} tasks in {lo}..{hi}")
+            raise SpecError(
+                f"--shard auto needs a contiguous array (--array={lo}-{hi}); got {count} tasks in {lo}..{hi}"
+            )
         job = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
         return Shard(task - lo, count), (f"slurm-{job}" if job else None)
     try:
@@ -104,9 +110,18 @@ class RunDir:
         from .runs import write_status
 
         self.shard_file().parent.mkdir(exist_ok=True)
-        write_status(self.shard_file(), {"shard": self.shard.index, "of": self.shard.count, "status": status,
-                                         "pid": os.getpid(), "host": socket.gethostname(), "updated": now_iso(),
-                                         **fields})
+        write_status(
+            self.shard_file(),
+            {
+                "shard": self.shard.index,
+                "of": self.shard.count,
+                "status": status,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "updated": now_iso(),
+                **fields,
+            },
+        )
 
     def other_shard_statuses(self) -> dict[str, str]:
         out = {}
@@ -125,7 +140,9 @@ class RunDir:
         return True
 
 
-def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = False, kind: str = "generate") -> dict | None:
+def check_target(
+    root: Path, spec, shard: Shard, resume: bool, owned: bool = False, kind: str = "generate"
+) -> dict | None:
     """Decide, without side effects, whether this invocation starts, joins or resumes a run.
 
     Returns the existing manifest when resuming (or joining a sharded run), None for a new run.
@@ -149,20 +166,29 @@ def check_target(root: Path, spec, shard: Shard, resume: bool, owned: bool = Fal
     path = root / run_id
     existing = read_manifest(path)
     if existing.get("kind", "generate") != kind:
-        raise SpecError(f"run {run_id} is an {existing.get('kind')} run, not a spec's own run; continue it with "
-                        f"`lmtrace generate --resume {run_id}`")
+        raise SpecError(
+            f"run {run_id} is an {existing.get('kind')} run, not a spec's own run; continue it with "
+            f"`lmtrace generate --resume {run_id}`"
+        )
     diff = _first_difference(existing["spec_resolved"], spec.model_dump(mode="json"))
     if diff:
-        raise SpecError(f"run {run_id} exists with a different spec (differs at {diff}); use another run id, "
-                        f"or `lmtrace generate --resume {run_id}` to continue it as it was")
+        raise SpecError(
+            f"run {run_id} exists with a different spec (differs at {diff}); use another run id, "
+            f"or `lmtrace generate --resume {run_id}` to continue it as it was"
+        )
     if existing.get("shards", 1) != shard.count:
-        raise SpecError(f"run {run_id} is written by {existing.get('shards', 1)} shard(s); pass --shard I/"
-                        f"{existing.get('shards', 1)}")
+        raise SpecError(
+            f"run {run_id} is written by {existing.get('shards', 1)} shard(s); pass --shard I/"
+            f"{existing.get('shards', 1)}"
+        )
     if existing.get("status") == "complete":
         raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")
     shard_file = path / layout.SHARDS_DIR / f"{shard.key}.json"
-    if shard_file.is_file() and json.loads(shard_file.read_text()).get("status") == "complete" \
-            and not RunDir(path, shard).all_shards_complete():
+    if (
+        shard_file.is_file()
+        and json.loads(shard_file.read_text()).get("status") == "complete"
+        and not RunDir(path, shard).all_shards_complete()
+    ):
         # (when every shard is complete but the run is not, the finaliser was killed: rerunning finalises)
         raise SpecError(f"{shard.key} of run {run_id} is already complete; the run waits for its other shards")
     if not owned:  # (once owned, the lock is the answer)
@@ -180,13 +206,15 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
     about to lock it). A second writer of the same key gets exit 2 naming the holder. `fresh`
     (intervene's new children): the run id must not exist at all. `kind`: as for check_target.
     """
-    from .liveness import OwnerLock
     from ..exits.faults import pause_after_owning
+    from .liveness import OwnerLock
 
     run_id = spec.output.run_id
     if run_id is None or fresh:
         if shard.count > 1:
-            raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)")
+            raise SpecError(
+                "a sharded run needs a shared run id: pass --run-id (with --shard auto it is slurm-<job id>)"
+            )
         run_id, path = create_run_dir(root, run_id)  # an exclusive mkdir: nobody else has this id
     else:
         check_target(root, spec, shard, resume, kind=kind)  # refuse what can be refused before creating anything
@@ -198,8 +226,11 @@ def open_run_dir(root: Path, spec, shard: Shard, resume: bool, fresh: bool = Fal
     owner = OwnerLock(path, shard.key, run_id).acquire()
     try:
         pause_after_owning()
-        existing = (None if spec.output.run_id is None or fresh else
-                    check_target(root, spec, shard, resume, owned=True, kind=kind))
+        existing = (
+            None
+            if spec.output.run_id is None or fresh
+            else check_target(root, spec, shard, resume, owned=True, kind=kind)
+        )
     except BaseException:
         owner.release()
         raise
@@ -214,7 +245,9 @@ def archived_tokens(run_dir: Path, seq_ids: list[int], upto: int) -> dict[int, l
     out = {s: [] for s in seq_ids}
     if not files:
         return out
-    t = parquet_io.read_dataset(parquet_io.dataset(files), columns=["sequence", "step", "is_prompt", "token_id"]).to_pandas()
+    t = parquet_io.read_dataset(
+        parquet_io.dataset(files), columns=["sequence", "step", "is_prompt", "token_id"]
+    ).to_pandas()
     t = t[(~t.is_prompt) & t.sequence.isin(seq_ids) & (t.step < upto)].sort_values(["sequence", "step"])
     for seq, g in t.groupby("sequence"):
         out[int(seq)] = g.token_id.tolist()
@@ -242,8 +275,11 @@ def finish_failed(writer, rd: RunDir, log, status, message) -> None:
     message = message if len(message) <= 2000 else message[:2000] + "..."  # fits the status files' slack
     # Each record separately: on a full disk the status files are rewritten in place (write_status),
     # and the log, which needs space, may fail alone.
-    for record in (lambda: rd.set_shard_status(status, error=message), lambda: _record_manifest(rd, status, message),
-                   lambda: log.event(status, error=message, shard=rd.shard.key)):
+    for record in (
+        lambda: rd.set_shard_status(status, error=message),
+        lambda: _record_manifest(rd, status, message),
+        lambda: log.event(status, error=message, shard=rd.shard.key),
+    ):
         try:
             record()
         except (OSError, LmtraceError):
@@ -259,4 +295,3 @@ def _record_manifest(rd: RunDir, status: str, message: str) -> None:
             where = f" ({rd.shard.key})" if rd.shard.count > 1 else ""
             manifest.update(status=status, error=message + where, ended=now_iso())
             write_status(rd.path / layout.MANIFEST, manifest)
-

@@ -14,10 +14,22 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-from . import layout
 from ..exits.errors import LmtraceError, RunNotFoundError, SpecError
+from . import layout
 
-PACKAGES = ("lmtrace", "torch", "transformers", "zarr", "numcodecs", "pyarrow", "numpy", "tokenizers", "gguf", "typer", "pydantic")
+PACKAGES = (
+    "lmtrace",
+    "torch",
+    "transformers",
+    "zarr",
+    "numcodecs",
+    "pyarrow",
+    "numpy",
+    "tokenizers",
+    "gguf",
+    "typer",
+    "pydantic",
+)
 
 
 def runs_root(flag: str | None = None, spec_value: str | None = None) -> Path:
@@ -46,8 +58,10 @@ def require_runs_root(root: Path) -> Path:
         where = f" (the default, ./runs under {Path.cwd()}; no --runs-dir or $LMTRACE_RUNS_DIR given)"
     else:
         where = ""
-    raise SpecError(f"runs directory {root} does not exist{where}; pass the directory that holds your runs with "
-                    f"--runs-dir or $LMTRACE_RUNS_DIR (`lmtrace generate SPEC` creates it with a first run)")
+    raise SpecError(
+        f"runs directory {root} does not exist{where}; pass the directory that holds your runs with "
+        f"--runs-dir or $LMTRACE_RUNS_DIR (`lmtrace generate SPEC` creates it with a first run)"
+    )
 
 
 def check_runs_root(root: Path, run_id: str | None = None) -> None:
@@ -61,8 +75,10 @@ def check_runs_root(root: Path, run_id: str | None = None) -> None:
         what = "is a file" if existing == root else f"cannot be created: {existing} is a file, not a directory"
         raise SpecError(f"runs directory {root} {what}; pass another --runs-dir or set LMTRACE_RUNS_DIR")
     if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
-        raise SpecError(f"runs directory {root} is not writable ({existing} is read-only for this user); "
-                        f"pass another --runs-dir or set LMTRACE_RUNS_DIR")
+        raise SpecError(
+            f"runs directory {root} is not writable ({existing} is read-only for this user); "
+            f"pass another --runs-dir or set LMTRACE_RUNS_DIR"
+        )
     # An existing run id is not an error here: the same spec and run id again resumes the run
     # (archive.rundir.check_target decides, before the model is loaded).
 
@@ -77,7 +93,9 @@ def create_run_dir(root: Path, run_id: str | None) -> tuple[str, Path]:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SpecError(f"runs directory {root} cannot be created ({err.strerror}); pass --runs-dir or set LMTRACE_RUNS_DIR") from None
+        raise SpecError(
+            f"runs directory {root} cannot be created ({err.strerror}); pass --runs-dir or set LMTRACE_RUNS_DIR"
+        ) from None
     if not os.access(root, os.W_OK):
         raise SpecError(f"runs directory {root} is not writable; pass --runs-dir or set LMTRACE_RUNS_DIR")
     for _ in range(5):
@@ -108,12 +126,28 @@ def host_info() -> dict:
     import torch
 
     info = {
-        "hostname": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
-        "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
     }
-    slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k in (
-        "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_JOB_NAME",
-        "SLURM_NODELIST", "SLURM_CLUSTER_NAME")}
+    slurm = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("SLURM_")
+        and k
+        in (
+            "SLURM_JOB_ID",
+            "SLURM_ARRAY_JOB_ID",
+            "SLURM_ARRAY_TASK_ID",
+            "SLURM_ARRAY_TASK_COUNT",
+            "SLURM_JOB_NAME",
+            "SLURM_NODELIST",
+            "SLURM_CLUSTER_NAME",
+        )
+    }
     if slurm:
         info["slurm"] = slurm
     return info
@@ -199,7 +233,9 @@ def lens_state(manifest: dict) -> str:
 def find_run(ref: str, root: Path | None = None) -> Path:
     """A run given as a path, or as an id (or a unique prefix of one) under the runs root."""
     if not ref.strip():
-        raise RunNotFoundError("no run given: pass a run id, a unique prefix of one, or a run directory; `lmtrace ls` lists runs")
+        raise RunNotFoundError(
+            "no run given: pass a run id, a unique prefix of one, or a run directory; `lmtrace ls` lists runs"
+        )
     path = Path(ref).expanduser()
     if (path / layout.MANIFEST).is_file():
         return path
@@ -211,7 +247,9 @@ def find_run(ref: str, root: Path | None = None) -> Path:
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
-        raise RunNotFoundError(f"run id prefix {ref!r} is ambiguous in {root}: {', '.join(m.name for m in matches[:5])}")
+        raise RunNotFoundError(
+            f"run id prefix {ref!r} is ambiguous in {root}: {', '.join(m.name for m in matches[:5])}"
+        )
     raise RunNotFoundError(f"no run {ref!r} in {root} (nor a run directory at that path); `lmtrace ls` lists runs")
 
 

@@ -53,9 +53,11 @@ def morton_order(chunks_per_shard: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def with_crc32c(encode):
     """`encode`, then the crc32c of its output appended (4 bytes, little-endian): zarr's `crc32c` codec."""
+
     def encoded(chunk) -> bytes:
         blob = encode(chunk)
         return blob + np.uint32(google_crc32c.value(blob)).tobytes()
+
     return encoded
 
 
@@ -65,7 +67,12 @@ def encoder_of(codecs) -> "callable | None":
     from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 
     codecs = list(codecs)
-    if not codecs or not isinstance(codecs[0], BytesCodec) or codecs[0].endian is None or codecs[0].endian.value != "little":
+    if (
+        not codecs
+        or not isinstance(codecs[0], BytesCodec)
+        or codecs[0].endian is None
+        or codecs[0].endian.value != "little"
+    ):
         return None
     rest = codecs[1:]
     if rest and isinstance(rest[-1], Crc32cCodec):
@@ -81,7 +88,9 @@ def encoder_of(codecs) -> "callable | None":
         from numcodecs import Blosc
 
         c = rest[0]
-        shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[c.shuffle.value]
+        shuffle = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}[
+            c.shuffle.value
+        ]
         return Blosc(cname=c.cname.value, clevel=c.clevel, shuffle=shuffle, blocksize=c.blocksize or 0).encode
     return None
 
@@ -100,8 +109,13 @@ def sharding_of(array: zarr.Array):
     if getattr(key_encoding, "name", None) != "default" or getattr(key_encoding, "separator", None) != "/":
         return None
     index = list(sharding.index_codecs)
-    if (sharding.index_location.value != "end" or len(index) != 2 or not isinstance(index[0], BytesCodec)
-            or index[0].endian.value != "little" or not isinstance(index[1], Crc32cCodec)):
+    if (
+        sharding.index_location.value != "end"
+        or len(index) != 2
+        or not isinstance(index[0], BytesCodec)
+        or index[0].endian.value != "little"
+        or not isinstance(index[1], Crc32cCodec)
+    ):
         return None
     return sharding
 
@@ -123,7 +137,7 @@ def sequences_per_shard(array: zarr.Array) -> int | None:
 def read_index(data: bytes, n_inner: int) -> np.ndarray:
     """A shard's index [n_inner, 2] (offset, nbytes), its crc32c checked."""
     size = n_inner * 16
-    raw, crc = data[-size - 4: -4], data[-4:]
+    raw, crc = data[-size - 4 : -4], data[-4:]
     if len(data) < size + 4 or np.uint32(google_crc32c.value(raw)).tobytes() != crc:
         raise ValueError("shard index checksum mismatch")
     return np.frombuffer(raw, dtype="<u8").reshape(n_inner, 2)
@@ -187,7 +201,7 @@ class ShardFiles:
         width = self.inner[-1]
         shape = self.inner[1:]
         for c in range(-(-rows.shape[-1] // width)):
-            piece = rows[..., c * width: (c + 1) * width]
+            piece = rows[..., c * width : (c + 1) * width]
             if piece.shape == shape:
                 chunk = np.ascontiguousarray(piece, dtype=self.dtype)
             else:  # a block that ended early, the array's last block or last key chunk: fill the rest
@@ -204,7 +218,7 @@ class ShardFiles:
             for i, coords in enumerate(np.ndindex(*self.per_shard)):
                 offset, nbytes = index[i]
                 if offset != ABSENT and coords[0] not in replaced and coords not in chunks:
-                    chunks[coords] = data[int(offset): int(offset + nbytes)]
+                    chunks[coords] = data[int(offset) : int(offset + nbytes)]
         index = np.full(self.per_shard + (2,), ABSENT, dtype="<u8")
         blobs, offset = [], 0
         for coords in self.order:
@@ -235,7 +249,9 @@ def chunk_files(array: zarr.Array, selection) -> list[str]:
 
     meta = array.metadata
     try:
-        indexer = BasicIndexer(selection if isinstance(selection, tuple) else (selection,), array.shape, meta.chunk_grid)
+        indexer = BasicIndexer(
+            selection if isinstance(selection, tuple) else (selection,), array.shape, meta.chunk_grid
+        )
         return [meta.encode_chunk_key(p.chunk_coords) for p in indexer]
     except Exception:  # noqa: BLE001 - an index zarr itself refuses: no file to name
         return []
@@ -266,7 +282,7 @@ def chunk_problem(path: Path) -> str | None:
     except ValueError:
         return "index checksum mismatch"
     for offset, nbytes in index:
-        if offset != ABSENT and not _crc_ok(data[int(offset): int(offset + nbytes)]):
+        if offset != ABSENT and not _crc_ok(data[int(offset) : int(offset + nbytes)]):
             return "chunk checksum mismatch"
     return None
 

@@ -25,9 +25,19 @@ class BlockSink:
     once per block, on the writer's thread.
     """
 
-    def __init__(self, writer: BackgroundWriter, shape: RunShape, batch: int, seq_ids: list[int],
-                 prompts: list[list[int]], tokenizer, chunk_steps: int, step_columns: list[str], progress: Progress,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        writer: BackgroundWriter,
+        shape: RunShape,
+        batch: int,
+        seq_ids: list[int],
+        prompts: list[list[int]],
+        tokenizer,
+        chunk_steps: int,
+        step_columns: list[str],
+        progress: Progress,
+        start_step: int = 0,
+    ):
         self.writer = writer
         self.shape = shape
         self.batch = batch
@@ -43,8 +53,9 @@ class BlockSink:
         # Attention rows ([..., key], padded to the run's longest context) are buffered only as wide
         # as the block's context reaches, rounded up to the array's key chunks: the chunks past it
         # are never written (ArchiveWriter), and the buffers stay as small as the context.
-        self.key_chunk = {name: writer.writer.arrays[name].chunks[-1] for name, spec in self.specs.items()
-                          if spec.key_chunked}
+        self.key_chunk = {
+            name: writer.writer.arrays[name].chunks[-1] for name, spec in self.specs.items() if spec.key_chunked
+        }
         self.padded_prompt = max(len(p) for p in prompts)  # the batch's prompts are left-padded to it
         # Block buffers are recycled: the writer hands a block's buffers back once it is written
         # (appended on its thread), and the next block reuses them. They are never filled as a
@@ -57,8 +68,10 @@ class BlockSink:
         # on large arrays, so even the few keys written made tens of MB resident per buffer.)
         self._free: list[dict[str, np.ndarray]] = []
         last_s0 = (shape.n_steps - 1) // chunk_steps * chunk_steps
-        self.buffer_keys = {name: layout.block_keys(self.padded_prompt, last_s0, chunk_steps, width, shape.max_len)
-                            for name, width in self.key_chunk.items()}
+        self.buffer_keys = {
+            name: layout.block_keys(self.padded_prompt, last_s0, chunk_steps, width, shape.max_len)
+            for name, width in self.key_chunk.items()
+        }
         self._widest = dict.fromkeys(self.key_chunk, 0)  # key width of the widest buffers allocated
         self._texts: dict[int, str] = {}
         self.schema = layout.step_schema(step_columns) if step_columns else None
@@ -72,8 +85,10 @@ class BlockSink:
         self.n = 0
         B, L = len(self.seq_ids), len(self.shape.layers)
         # the key columns this block's context reaches (its attention rows are cut there)
-        self.block_width = {name: layout.block_keys(self.padded_prompt, s0, self.chunk, width, self.shape.max_len)
-                            for name, width in self.key_chunk.items()}
+        self.block_width = {
+            name: layout.block_keys(self.padded_prompt, s0, self.chunk, width, self.shape.max_len)
+            for name, width in self.key_chunk.items()
+        }
         # Not filled as a whole: `on_step` writes every step's rows, and only the keys that the
         # block's first step does not reach yet are filled here (a later step overwrites its own).
         self.buffers = None
@@ -92,7 +107,7 @@ class BlockSink:
         self.written: set[str] = set()
         first_context = self.padded_prompt + s0  # keys the block's first step reaches (up to position s0)
         for name, width in self.block_width.items():
-            self.buffers[name][..., min(first_context, width): width] = self.specs[name].fill
+            self.buffers[name][..., min(first_context, width) : width] = self.specs[name].fill
         self.active = np.zeros((B, self.chunk), dtype=bool)
         self.scalars = {}
         for name, dtype in self.scalar_dtypes.items():  # ids (lens_top1) are filled with -1, floats with NaN
@@ -121,8 +136,14 @@ class BlockSink:
         for b, seq in enumerate(self.seq_ids):
             toks = self.prompts[b]
             for pos, tok in enumerate(toks):
-                for key, value in (("sequence", seq), ("position", pos), ("step", None), ("is_prompt", True),
-                                   ("token_id", tok), ("token_text", self._text(tok))):
+                for key, value in (
+                    ("sequence", seq),
+                    ("position", pos),
+                    ("step", None),
+                    ("is_prompt", True),
+                    ("token_id", tok),
+                    ("token_text", self._text(tok)),
+                ):
                     rows[key].append(value)
                 for key in rows:
                     if key not in ("sequence", "position", "step", "is_prompt", "token_id", "token_text"):
@@ -153,22 +174,39 @@ class BlockSink:
         c = r.choice
         # one numpy view per field, then plain Python numbers: indexing torch tensors element by
         # element costs microseconds each, ~20 of them per token
-        tok, logprob, sampling_lp, rank = (c.token.tolist(), c.logprob.tolist(), c.sampling_logprob.tolist(),
-                                           c.rank.tolist())
+        tok, logprob, sampling_lp, rank = (
+            c.token.tolist(),
+            c.logprob.tolist(),
+            c.sampling_logprob.tolist(),
+            c.rank.tolist(),
+        )
         entropy, greedy, margin = c.entropy.tolist(), c.greedy_token.tolist(), c.margin.tolist()
         changed, eligible, eos = c.filter_changed.tolist(), c.eligible.tolist(), r.eos_now.tolist()
         alt_ids, alt_logits, alt_lp = c.alt_ids.tolist(), c.alt_logits.tolist(), c.alt_logprobs.tolist()
         rows = self.token_rows
         for b in np.flatnonzero(active).tolist():
             values = {
-                "sequence": self.seq_ids[b], "position": len(self.prompts[b]) + r.step, "step": r.step,
-                "is_prompt": False, "token_id": tok[b], "token_text": self._text(tok[b]),
-                "logprob": logprob[b], "prob": math.exp(logprob[b]),
-                "sampling_logprob": sampling_lp[b], "sampling_prob": math.exp(sampling_lp[b]),
-                "token_rank": rank[b], "entropy": entropy[b], "greedy_id": greedy[b],
-                "margin": margin[b], "stability": stability_class(math.exp(alt_lp[b][0]), margin[b]),
-                "filter_changed": changed[b], "eligible": eligible[b], "is_eos": eos[b],
-                "alt_ids": alt_ids[b], "alt_logits": alt_logits[b], "alt_logprobs": alt_lp[b],
+                "sequence": self.seq_ids[b],
+                "position": len(self.prompts[b]) + r.step,
+                "step": r.step,
+                "is_prompt": False,
+                "token_id": tok[b],
+                "token_text": self._text(tok[b]),
+                "logprob": logprob[b],
+                "prob": math.exp(logprob[b]),
+                "sampling_logprob": sampling_lp[b],
+                "sampling_prob": math.exp(sampling_lp[b]),
+                "token_rank": rank[b],
+                "entropy": entropy[b],
+                "greedy_id": greedy[b],
+                "margin": margin[b],
+                "stability": stability_class(math.exp(alt_lp[b][0]), margin[b]),
+                "filter_changed": changed[b],
+                "eligible": eligible[b],
+                "is_eos": eos[b],
+                "alt_ids": alt_ids[b],
+                "alt_logits": alt_logits[b],
+                "alt_logprobs": alt_lp[b],
             }
             for key, value in values.items():
                 rows[key].append(value)
@@ -181,8 +219,10 @@ class BlockSink:
         if self.n == 0:
             return
         s0, s1, n = self.s0, self.s0 + self.n, self.n
-        arrays = {name: buf[:, :n, ..., : self.block_width[name]] if name in self.block_width else buf[:, :n]
-                  for name, buf in self.buffers.items()}
+        arrays = {
+            name: buf[:, :n, ..., : self.block_width[name]] if name in self.block_width else buf[:, :n]
+            for name, buf in self.buffers.items()
+        }
         for name in self.buffers.keys() - self.written:  # an array no step of the block gave: all fill
             arrays[name][...] = self.specs[name].fill
         scalars = {name: buf[:, :n] for name, buf in self.scalars.items()}
@@ -207,4 +247,3 @@ class BlockSink:
             tables["steps"] = pa.table(columns, schema=self.schema)
         self.writer.writer.write_block(self.batch, self.seqs, s0, s1, arrays, tables)
         self._free.append(buffers)
-

@@ -24,12 +24,24 @@ from .table_catalog import VIEWS, Catalog
 # archive layout defines them (others have only their key columns)
 EMPTY_COLUMNS = {"tokens": layout.token_schema, "sequences": layout.sequence_schema}
 
-RUN_COLUMNS = pa.schema([
-    ("run_id", pa.string()), ("kind", pa.string()), ("status", pa.string()), ("model", pa.string()),
-    ("parent", pa.string()), ("edits", pa.string()), ("n_prompts", pa.int64()), ("n_generated_tokens", pa.int64()),
-    ("lens", pa.string()), ("shards_complete", pa.string()), ("seed", pa.int64()), ("created", pa.string()),
-    ("completed", pa.string()), ("path", pa.string()),
-])
+RUN_COLUMNS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("kind", pa.string()),
+        ("status", pa.string()),
+        ("model", pa.string()),
+        ("parent", pa.string()),
+        ("edits", pa.string()),
+        ("n_prompts", pa.int64()),
+        ("n_generated_tokens", pa.int64()),
+        ("lens", pa.string()),
+        ("shards_complete", pa.string()),
+        ("seed", pa.int64()),
+        ("created", pa.string()),
+        ("completed", pa.string()),
+        ("path", pa.string()),
+    ]
+)
 # the runs view's column -> the run_summary field it shows
 RUN_FIELDS = {"parent": "parent_id", "n_prompts": "prompts", "n_generated_tokens": "tokens"}
 
@@ -60,8 +72,9 @@ def runs_table(catalog: Catalog) -> pa.Table:
     for r in catalog.runs:
         row = {c: r.get(RUN_FIELDS.get(c, c)) for c in RUN_COLUMNS.names}
         row["shards_complete"] = shards_complete(r)
-        rows.append({k: (str(v) if v is not None and RUN_COLUMNS.field(k).type == pa.string() else v)
-                     for k, v in row.items()})
+        rows.append(
+            {k: (str(v) if v is not None and RUN_COLUMNS.field(k).type == pa.string() else v) for k, v in row.items()}
+        )
     return pa.Table.from_pylist(rows, schema=RUN_COLUMNS)
 
 
@@ -88,8 +101,13 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
         con.register(f"_{view}_empty", empty)
         con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM _{view}_empty")
         return
-    owners = pa.table({"filename": [str(f.path) for f in files], "run_id": [f.run_id for f in files],
-                       "sweep_id": [f.sweep_id for f in files]})
+    owners = pa.table(
+        {
+            "filename": [str(f.path) for f in files],
+            "run_id": [f.run_id for f in files],
+            "sweep_id": [f.sweep_id for f in files],
+        }
+    )
     con.register(f"_{view}_files", owners.select(["filename", *keys]))
     listed = "[" + ", ".join(_quote(str(f.path)) for f in files) + "]"
     # binding a view reads every file's footer: the renamed-columns step (one more binding) only
@@ -98,7 +116,8 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
     con.execute(
         f"CREATE OR REPLACE VIEW {read} AS SELECT {', '.join('f.' + k for k in keys)}, t.* EXCLUDE (filename) "
         f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
-        f"JOIN _{view}_files f ON t.filename = f.filename")
+        f"JOIN _{view}_files f ON t.filename = f.filename"
+    )
     if read != view:
         columns = [row[0] for row in con.execute(f"DESCRIBE {read}").fetchall()]
         con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT {', '.join(current_columns(columns, view))} FROM {read}")
@@ -131,9 +150,11 @@ def create_heads_by(con: duckdb.DuckDBPyConnection, files: list) -> None:
         else:
             head = f"{_quote(column)} AS {GROUP_COLUMN}, CAST(t.{ident(column)} AS VARCHAR) AS {GROUP_VALUE}"
             drop = f"filename, {ident(column)}"
-        selects.append(f"SELECT f.run_id, {head}, t.* EXCLUDE ({drop}) "
-                       f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
-                       f"JOIN _heads_by_files f ON t.filename = f.filename")
+        selects.append(
+            f"SELECT f.run_id, {head}, t.* EXCLUDE ({drop}) "
+            f"FROM read_parquet({listed}, union_by_name = true, filename = true) t "
+            f"JOIN _heads_by_files f ON t.filename = f.filename"
+        )
     con.execute("CREATE OR REPLACE VIEW heads_by AS " + " UNION ALL BY NAME ".join(selects))
 
 
@@ -164,4 +185,3 @@ def connect(catalog: Catalog, views: list[str]) -> duckdb.DuckDBPyConnection:
     for view in views:
         create_view(con, catalog, view)
     return con
-

@@ -95,18 +95,36 @@ def run_summary(path, *, size: bool = True) -> dict:
     status = label.split(" ")[0]
     progress = run_progress(path, m, status) if status in ("running", "killed", "interrupted", "failed") else {}
     return {
-        "run_id": m.get("run_id", path.name), "status": label, **progress, "shards_complete": shards, "kind": m.get("kind"),
-        "model": m.get("model", {}).get("reference"), "prompts": m.get("n_prompts"),
-        "tokens": m.get("n_generated_tokens"), "size_bytes": dir_size(path) if size else None,
-        "created": m.get("created"), "completed": m.get("completed") or m.get("ended"), "seed": m.get("seed"),
-        "parent": m.get("parent"), "parent_id": (m.get("parent") or {}).get("run_id"), "edits": edits_label(m),
-        "lens": lens_state(m), "path": str(path), **({"error": f"{problem}"} if problem is not None else {}),
+        "run_id": m.get("run_id", path.name),
+        "status": label,
+        **progress,
+        "shards_complete": shards,
+        "kind": m.get("kind"),
+        "model": m.get("model", {}).get("reference"),
+        "prompts": m.get("n_prompts"),
+        "tokens": m.get("n_generated_tokens"),
+        "size_bytes": dir_size(path) if size else None,
+        "created": m.get("created"),
+        "completed": m.get("completed") or m.get("ended"),
+        "seed": m.get("seed"),
+        "parent": m.get("parent"),
+        "parent_id": (m.get("parent") or {}).get("run_id"),
+        "edits": edits_label(m),
+        "lens": lens_state(m),
+        "path": str(path),
+        **({"error": f"{problem}"} if problem is not None else {}),
     }
 
 
 # An intervention kind's flag on `lmtrace intervene`; kinds without one (YAML only) are written as their kind
-FLAGS = {"ablate_head": "ablate-head", "ablate_layer": "ablate-layer", "ablate_mlp": "ablate-mlp",
-         "ablate_attention": "ablate-attn", "ablate_neurons": "ablate-neurons", "mask_positions": "mask-positions"}
+FLAGS = {
+    "ablate_head": "ablate-head",
+    "ablate_layer": "ablate-layer",
+    "ablate_mlp": "ablate-mlp",
+    "ablate_attention": "ablate-attn",
+    "ablate_neurons": "ablate-neurons",
+    "mask_positions": "mask-positions",
+}
 
 
 def ranges(values) -> str:
@@ -140,12 +158,15 @@ def edit_label(e: dict, run_from_step: int | None = None) -> str:
     elif layer is not None:
         words.append(f"{layer}{mean}")
     if kind in ("patch_residual", "patch_head"):
-        words.append(f"source {e.get('source_run')}" + (f" sequence {e['source_sequence']}"
-                                                        if e.get("source_sequence") is not None else ""))
+        words.append(
+            f"source {e.get('source_run')}"
+            + (f" sequence {e['source_sequence']}" if e.get("source_sequence") is not None else "")
+        )
     if kind == "steer":
         words.append(f"alpha {e.get('alpha')}")
-        words.append(f"vector {e['vector']}" if e.get("vector")
-                     else "from-runs " + ",".join(map(str, e.get("from_runs") or [])))
+        words.append(
+            f"vector {e['vector']}" if e.get("vector") else "from-runs " + ",".join(map(str, e.get("from_runs") or []))
+        )
     steps = e.get("steps", "all")
     if isinstance(steps, dict) and steps.get("from") is not None and steps["from"] != run_from_step:
         words.append(f"from {steps['from']}")
@@ -175,7 +196,21 @@ def summary_or_damaged(path, *, size: bool = True) -> dict:
     try:
         return run_summary(path, size=size)
     except RunNotFoundError as err:  # one damaged manifest must not hide every other run
-        return {"run_id": path.name, "status": "damaged", "kind": None, "model": None, "prompts": None,
-                "tokens": None, "size_bytes": dir_size(path) if size else None, "created": None, "completed": None,
-                "seed": None, "parent": None, "parent_id": None,
-                "edits": None, "lens": None, "path": str(path), "error": str(err)}
+        return {
+            "run_id": path.name,
+            "status": "damaged",
+            "kind": None,
+            "model": None,
+            "prompts": None,
+            "tokens": None,
+            "size_bytes": dir_size(path) if size else None,
+            "created": None,
+            "completed": None,
+            "seed": None,
+            "parent": None,
+            "parent_id": None,
+            "edits": None,
+            "lens": None,
+            "path": str(path),
+            "error": str(err),
+        }

@@ -26,8 +26,8 @@ import pyarrow as pa
 from ..exits.errors import ArchiveError
 from . import layout, parquet_io
 from .columns import current_names
-from .runs import locked, read_manifest
 from .files import atomic_write_json, atomic_write_parquet
+from .runs import locked, read_manifest
 
 SWEEPS_DIR = "sweeps"
 
@@ -39,16 +39,32 @@ def writer_key(sweep_id: str, index: int, count: int) -> str:
     return f"sweep-{sweep_id}" + (f"-shard-{index}-of-{count}" if count > 1 else "")
 
 
-PAIR_COLUMNS = [("pair", pa.string()), ("source_sequence", pa.int32()), ("source_value", pa.float64()),
-                ("normalised", pa.float64())]
+PAIR_COLUMNS = [
+    ("pair", pa.string()),
+    ("source_sequence", pa.int32()),
+    ("source_value", pa.float64()),
+    ("normalised", pa.float64()),
+]
 
 
 def block_schema(patch: bool = False) -> pa.Schema:
     """The long table's columns; a patching sweep's rows also name their pair (`PAIR_COLUMNS`)."""
-    return pa.schema([("component", pa.string()), ("layer", pa.int32()), ("q_head", pa.int32()),
-                      ("neuron", pa.int32()), ("position", pa.int32()), ("sequence", pa.int32()),
-                      ("step", pa.int32()), ("metric", pa.string()), ("value", pa.float64()),
-                      ("baseline", pa.float64()), ("effect", pa.float64()), *(PAIR_COLUMNS if patch else [])])
+    return pa.schema(
+        [
+            ("component", pa.string()),
+            ("layer", pa.int32()),
+            ("q_head", pa.int32()),
+            ("neuron", pa.int32()),
+            ("position", pa.int32()),
+            ("sequence", pa.int32()),
+            ("step", pa.int32()),
+            ("metric", pa.string()),
+            ("value", pa.float64()),
+            ("baseline", pa.float64()),
+            ("effect", pa.float64()),
+            *(PAIR_COLUMNS if patch else []),
+        ]
+    )
 
 
 @dataclass
@@ -61,8 +77,15 @@ class PairColumns:
     source_values: dict
 
 
-def block_table(cells: list, seq: int, steps: list[int], values: dict, baseline: dict,
-                pair: PairColumns | None = None, normalised: dict | None = None) -> pa.Table:
+def block_table(
+    cells: list,
+    seq: int,
+    steps: list[int],
+    values: dict,
+    baseline: dict,
+    pair: PairColumns | None = None,
+    normalised: dict | None = None,
+) -> pa.Table:
     """The long-table rows of one block: cells (with component, layer, head -> q_head, neuron, position),
     values metric -> [len(cells), len(steps)], baseline metric -> [len(steps)]. A patching block also
     has its `pair` and `normalised` metric -> [len(cells), len(steps)] (the normalised patching effect,
@@ -110,7 +133,9 @@ def create_partial(partial: Path, plan: dict) -> None:
 
 def read_blocks(partial: Path) -> pa.Table:
     """Every committed block of an unfinished sweep, in file-name order (sequence, then block)."""
-    return pa.concat_tables([current_names(parquet_io.read_table(f), "sweeps") for f in sorted((partial / "blocks").glob("*.parquet"))])
+    return pa.concat_tables(
+        [current_names(parquet_io.read_table(f), "sweeps") for f in sorted((partial / "blocks").glob("*.parquet"))]
+    )
 
 
 @dataclass
@@ -132,8 +157,7 @@ def effect_array_name(metric: str, bases: list[str]) -> str:
     return "effect_" + base
 
 
-def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects: list[EffectArray],
-                info: dict) -> None:
+def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects: list[EffectArray], info: dict) -> None:
     """Assemble `<id>/` (sweep.parquet, sweep_mean.parquet, effects.zarr, sweep.json) in a temporary
     directory and rename it into place."""
     import zarr
@@ -152,8 +176,14 @@ def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects:
                 ca = group.create_array(dim, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(dim,))
                 ca[...] = c
         name = effect_array_name(e.metric, bases)
-        a = group.create_array(name, shape=e.values.shape, dtype="float32", chunks=e.values.shape,
-                               dimension_names=tuple(e.dims), fill_value=np.nan)
+        a = group.create_array(
+            name,
+            shape=e.values.shape,
+            dtype="float32",
+            chunks=e.values.shape,
+            dimension_names=tuple(e.dims),
+            fill_value=np.nan,
+        )
         a[...] = e.values
         a.attrs.update({"metric": e.metric, "meaning": "mean over sequences and steps of value - baseline"})
         arrays[e.metric] = {"array": f"effects.zarr/{name}", "dims": e.dims}
@@ -221,7 +251,8 @@ def read_effects(sweep_dir: Path, info: dict | None = None) -> list[EffectArray]
             values = np.asarray(zarr.open_array(str(path), mode="r")[...], dtype=np.float32)
             coords = {d: [int(v) for v in group[d][...]] for d in where["dims"]}
         except (OSError, ValueError, LookupError, RuntimeError) as err:  # zarr's ways to say missing or damaged
-            raise ArchiveError(f"{path} is unreadable ({type(err).__name__}: {err}); the sweep is damaged: "
-                               f"run it again") from None
+            raise ArchiveError(
+                f"{path} is unreadable ({type(err).__name__}: {err}); the sweep is damaged: run it again"
+            ) from None
         out.append(EffectArray(metric, list(where["dims"]), coords, values))
     return out

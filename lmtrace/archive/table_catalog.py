@@ -101,8 +101,11 @@ def view_files(run_dir: Path, run_id: str, view: str) -> list[TableFile]:
         folder = run_dir / EXPLAIN_DIR / SCORES_PARTS
         paths = sorted(folder.glob("[!.]*.parquet")) if folder.is_dir() else []
     elif view == "sweeps":
-        return [TableFile(d / "sweep.parquet", run_id, d.name) for d in finished_sweeps(run_dir)
-                if (d / "sweep.parquet").is_file()]
+        return [
+            TableFile(d / "sweep.parquet", run_id, d.name)
+            for d in finished_sweeps(run_dir)
+            if (d / "sweep.parquet").is_file()
+        ]
     else:
         raise KeyError(view)
     return [TableFile(p, run_id) for p in paths]

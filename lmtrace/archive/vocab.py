@@ -16,8 +16,12 @@ def _plain_fast_decode(tokenizer) -> bool:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     cls = type(tokenizer)
-    return (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerBase.decode
-            and cls._decode is PreTrainedTokenizerFast._decode and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    )
 
 
 def vocab_texts(tokenizer) -> list[str]:
@@ -49,4 +53,3 @@ def store_vocab(run_dir: Path, tokenizer) -> float | None:
     t0 = time.perf_counter()
     write_vocab(run_dir, vocab_texts(tokenizer), tokenizer.all_special_ids)
     return round(time.perf_counter() - t0, 3)
-

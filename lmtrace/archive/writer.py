@@ -31,14 +31,13 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from ..exits.errors import LmtraceError
-from . import layout, parquet_io
-from .layout import RunShape
 from ..exits.faults import kill_point
+from . import layout, parquet_io
 from .files import atomic_write_json, space_note
+from .layout import RunShape
 from .parts import PartMerger, live_parts, plain_schema, write_units
 from .runs import locked
 from .shards import ShardFiles
-
 
 # prompt_len and generated_len are one zarr chunk over every sequence, which each writer updates by
 # read-modify-write of the whole chunk. Every writer of a run (the tasks of a sharded run, a resumed
@@ -47,6 +46,7 @@ from .shards import ShardFiles
 # the first one's lengths would be lost (-1, the fill value) for good, since a resumed batch does not
 # write its prompt again.
 LENGTHS_LOCK = ".lengths.lock"
+
 
 def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
     """Write `vocab.parquet` (id, text, is_special) unless the run has it. Returns whether it wrote.
@@ -59,8 +59,9 @@ def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
     ids = np.arange(len(texts), dtype=np.int32)
     special = np.zeros(len(texts), dtype=bool)
     special[[i for i in special_ids if 0 <= i < len(texts)]] = True
-    table = pa.table({"id": ids, "text": pa.array(texts, pa.string()), "is_special": special},
-                     schema=layout.vocab_schema())
+    table = pa.table(
+        {"id": ids, "text": pa.array(texts, pa.string()), "is_special": special}, schema=layout.vocab_schema()
+    )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with tmp.open("wb") as fh:
         # every text is distinct, so a dictionary only costs: zstd without one was the smallest and
@@ -98,8 +99,15 @@ def consolidate(run_dir: Path) -> None:
         zarr.consolidate_metadata(str(run_dir / layout.TENSORS))
 
 
-def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ...], chunk_steps: int,
-                 compressors, chunk_keys: int | None = None, chunk_sequences: int | None = None) -> zarr.Array:
+def create_array(
+    group: zarr.Group,
+    spec: layout.ArraySpec,
+    shape: tuple[int, ...],
+    chunk_steps: int,
+    compressors,
+    chunk_keys: int | None = None,
+    chunk_sequences: int | None = None,
+) -> zarr.Array:
     """An archive array (or the existing one of that name), chunked as every writer chunks it.
 
     With `chunk_sequences` (format 3) an array over `sequence` is sharded: one shard file per
@@ -125,8 +133,14 @@ def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ..
         if spec.key_chunked:  # the whole row in one shard, in whole key chunks
             shards[-1] = -(-shape[-1] // chunks[-1]) * chunks[-1]
     return group.create_array(
-        spec.name, shape=shape, chunks=tuple(chunks), shards=tuple(shards) if shards else None, dtype=spec.dtype,
-        fill_value=spec.fill, compressors=compressors, dimension_names=spec.dims,
+        spec.name,
+        shape=shape,
+        chunks=tuple(chunks),
+        shards=tuple(shards) if shards else None,
+        dtype=spec.dtype,
+        fill_value=spec.fill,
+        compressors=compressors,
+        dimension_names=spec.dims,
         # every chunk is written once, whole: skip zarr's is-it-all-fill scan (NaN-aware, slow)
         config={"write_empty_chunks": True},
     )
@@ -135,8 +149,18 @@ def create_array(group: zarr.Group, spec: layout.ArraySpec, shape: tuple[int, ..
 class ArchiveWriter:
     """Owns one run directory while it is written. Not thread-safe: use BackgroundWriter to offload."""
 
-    def __init__(self, run_dir: Path, shape: RunShape, *, chunk_steps: int, codec: str, level: int,
-                 writer_key: str = "shard-0-of-1", chunk_keys: int | None = None, chunk_sequences: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        shape: RunShape,
+        *,
+        chunk_steps: int,
+        codec: str,
+        level: int,
+        writer_key: str = "shard-0-of-1",
+        chunk_keys: int | None = None,
+        chunk_sequences: int | None = None,
+    ):
         self.dir = run_dir
         self.shape = shape
         self.chunk_steps = chunk_steps
@@ -155,8 +179,15 @@ class ArchiveWriter:
         self.merger = PartMerger(run_dir, writer_key)
         self.key_arrays = {spec.name for spec in shape.arrays() if spec.key_chunked}
         for spec in shape.arrays():
-            self.arrays[spec.name] = create_array(self.group, spec, shape.shape_of(spec), chunk_steps,
-                                                  compressors_for(codec, level, spec), chunk_keys, chunk_sequences)
+            self.arrays[spec.name] = create_array(
+                self.group,
+                spec,
+                shape.shape_of(spec),
+                chunk_steps,
+                compressors_for(codec, level, spec),
+                chunk_keys,
+                chunk_sequences,
+            )
             direct = ShardFiles.for_array(run_dir / layout.TENSORS / spec.name, self.arrays[spec.name], spec.per_step)
             if direct is not None:
                 self.shard_files[spec.name] = direct
@@ -195,15 +226,27 @@ class ArchiveWriter:
             coords["resid_layer"] = np.asarray(s.resid_layers, dtype=np.int32)
         for name, values in coords.items():
             if name not in self.group:
-                arr = self.group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=values.shape or (1,),
-                                              dimension_names=dims.get(name, (name,)), fill_value=-1,
-                                              compressors=SMALL_ARRAY_COMPRESSORS)
+                arr = self.group.create_array(
+                    name,
+                    shape=values.shape,
+                    dtype=values.dtype,
+                    chunks=values.shape or (1,),
+                    dimension_names=dims.get(name, (name,)),
+                    fill_value=-1,
+                    compressors=SMALL_ARRAY_COMPRESSORS,
+                )
                 arr[...] = values
         for name in ("prompt_len", "generated_len"):
             if name not in self.group:
-                self.group.create_array(name, shape=(s.n_sequences,), dtype="int32", chunks=(max(1, min(s.n_sequences, 4096)),),
-                                        dimension_names=("sequence",), fill_value=-1,
-                                        compressors=SMALL_ARRAY_COMPRESSORS)
+                self.group.create_array(
+                    name,
+                    shape=(s.n_sequences,),
+                    dtype="int32",
+                    chunks=(max(1, min(s.n_sequences, 4096)),),
+                    dimension_names=("sequence",),
+                    fill_value=-1,
+                    compressors=SMALL_ARRAY_COMPRESSORS,
+                )
         self.arrays["prompt_len"] = self.group["prompt_len"]
         self.arrays["generated_len"] = self.group["generated_len"]
 
@@ -222,8 +265,9 @@ class ArchiveWriter:
         # A shard file holds whole groups of sequences, and one process owns each group (SLURM
         # array tasks included), so its shard files are only ever written here.
         direct = self.shard_files.get(name)
-        if direct is not None and (steps is None or (steps.start % self.chunk_steps == 0
-                                                     and steps.stop - steps.start <= self.chunk_steps)):
+        if direct is not None and (
+            steps is None or (steps.start % self.chunk_steps == 0 and steps.stop - steps.start <= self.chunk_steps)
+        ):
             direct.write(seqs, data, None if steps is None else steps.start, self.pace)
             return
         array = self.arrays[name]
@@ -232,10 +276,11 @@ class ArchiveWriter:
         for off, first, n in self._runs(seqs):
             key = (slice(first, first + n),) if steps is None else (slice(first, first + n), steps)
             self.pace()
-            array[key + cut] = data[off: off + n]
+            array[key + cut] = data[off : off + n]
 
-    def write_block(self, batch: int, seqs: list[int], s0: int, s1: int, arrays: dict[str, np.ndarray],
-                    tables: dict[str, pa.Table]) -> None:
+    def write_block(
+        self, batch: int, seqs: list[int], s0: int, s1: int, arrays: dict[str, np.ndarray], tables: dict[str, pa.Table]
+    ) -> None:
         """Write steps [s0, s1) of sequences `seqs` and the block's table rows, then commit."""
         for name, data in arrays.items():
             self._put(name, seqs, data, slice(s0, s1))
@@ -268,7 +313,7 @@ class ArchiveWriter:
         array = self.arrays[name]
         with locked(self.dir / LENGTHS_LOCK):
             for off, first, n in self._runs(seqs):
-                array[first: first + n] = data[off: off + n]
+                array[first : first + n] = data[off : off + n]
 
     def finish_batch(self, batch: int, seqs: list[int], generated_len: np.ndarray, sequences: pa.Table) -> None:
         self._put_lengths("generated_len", seqs, generated_len)

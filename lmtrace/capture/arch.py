@@ -59,49 +59,129 @@ class Family:
     notes: str = ""
 
 
-_LLAMA_LIKE = dict(base="model", layers="layers", attn="self_attn", o_proj="self_attn.o_proj", mlp="mlp",
-                   mlp_down="mlp.down_proj", final_norm=("norm",), unembed="lm_head")
+_LLAMA_LIKE = dict(
+    base="model",
+    layers="layers",
+    attn="self_attn",
+    o_proj="self_attn.o_proj",
+    mlp="mlp",
+    mlp_down="mlp.down_proj",
+    final_norm=("norm",),
+    unembed="lm_head",
+)
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"), **_LLAMA_LIKE,
-           notes="GQA; Mistral's sliding window is the model's own mask; Qwen3/OLMo2 q/k norms run inside the "
-                 "attention module, so the captured q/k are post-norm and post-rotary; SmolLM3's NoPE layers "
-                 "simply have no rotary; OLMo2 normalises the attention and MLP outputs before the residual add, "
-                 "so attn_norm/mlp_norm (module outputs) are pre-that-norm"),
-    Family("gemma", ("gemma", "gemma2", "gemma3_text"), **_LLAMA_LIKE,
-           notes="embeddings scaled by sqrt(d_model) inside the embedding module; Gemma 2/3 pre/post "
-                 "feed-forward norms are inside the block: attn_norm/mlp_norm are the module outputs before "
-                 "the post-norms that precede the residual add; "
-                 "attention soft-capping forces the eager kernel; final logit soft-capping is applied in the "
-                 "lens; sliding-window layers keep only the window in the cache, earlier keys are archived as 0"),
-    Family("phi3", ("phi3",), **_LLAMA_LIKE,
-           qkv="fused qkv_proj", mlp_kind="gated, fused gate_up_proj (down_proj input = up*act(gate))"),
-    Family("phi", ("phi",), "model", "layers", "self_attn", "self_attn.dense", "mlp", "mlp.fc2",
-           ("final_layernorm",), "lm_head", mlp_kind="plain (fc1 -> GELU -> fc2)", parallel_residual=True,
-           notes="parallel residual: attention and MLP read the same input_layernorm output; partial rotary; "
-                 "lm_head has a bias (included in the lens)"),
-    Family("gpt2", ("gpt2",), "transformer", "h", "attn", "attn.c_proj", "mlp", "mlp.c_proj", ("ln_f",), "lm_head",
-           qkv="fused c_attn (Conv1D)", mlp_kind="plain (Conv1D c_fc -> GELU -> Conv1D c_proj)",
-           notes="learned absolute positions (added before block 0, so part of the embedding); no rotary"),
-    Family("gpt_neox", ("gpt_neox",), "gpt_neox", "layers", "attention", "attention.dense", "mlp",
-           "mlp.dense_4h_to_h", ("final_layer_norm",), "lm_head", qkv="fused query_key_value",
-           mlp_kind="plain (dense_h_to_4h -> GELU -> dense_4h_to_h)", parallel_residual=True,
-           notes="parallel residual (use_parallel_residual); partial rotary (rotary_pct)"),
-    Family("opt", ("opt",), "model.decoder", "layers", "self_attn", "self_attn.out_proj", "fc2", "fc2",
-           ("final_layer_norm", "project_out"), "lm_head", mlp_kind="plain (fc1 -> ReLU -> fc2, no mlp module)",
-           notes="no MLP module: fc1/fc2 sit on the block (over flattened tokens), so the MLP output is fc2's "
-                 "output (before the residual add) and the FFN activation is fc2's input; OPTAttention "
-                 "multiplies q by head_dim**-0.5 itself and calls the kernel with scaling 1.0, so archived q "
-                 "includes the scale (manifest attention.layers.*.scaling = 1.0); post-LN variants "
-                 "(do_layer_norm_before=false) and project_in/project_out (word_embed_proj_dim != hidden_size) "
-                 "are handled: the lens is lm_head(project_out(final_layer_norm(h))), each where present"),
-    Family("moe", ("mixtral", "qwen2_moe", "gpt_oss"), "model", "layers", "self_attn", "self_attn.o_proj", "mlp",
-           None, ("norm",), "lm_head", mlp_kind="mixture of experts (router + experts)", router=("mlp.gate", "mlp.router"),
-           notes="router top-k per layer at the query position: expert ids and the weight the MoE block gives "
-                 "each (after the family's own normalisation); Qwen2-MoE dense layers (mlp_only_layers) "
-                 "have no router (-1 / NaN) and its shared expert is part of the MLP output; GPT-OSS "
-                 "attention sinks take probability mass, so its rows sum to less than 1, as the model "
-                 "computes them, and force the eager kernel"),
+    Family(
+        "llama",
+        ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"),
+        **_LLAMA_LIKE,
+        notes="GQA; Mistral's sliding window is the model's own mask; Qwen3/OLMo2 q/k norms run inside the "
+        "attention module, so the captured q/k are post-norm and post-rotary; SmolLM3's NoPE layers "
+        "simply have no rotary; OLMo2 normalises the attention and MLP outputs before the residual add, "
+        "so attn_norm/mlp_norm (module outputs) are pre-that-norm",
+    ),
+    Family(
+        "gemma",
+        ("gemma", "gemma2", "gemma3_text"),
+        **_LLAMA_LIKE,
+        notes="embeddings scaled by sqrt(d_model) inside the embedding module; Gemma 2/3 pre/post "
+        "feed-forward norms are inside the block: attn_norm/mlp_norm are the module outputs before "
+        "the post-norms that precede the residual add; "
+        "attention soft-capping forces the eager kernel; final logit soft-capping is applied in the "
+        "lens; sliding-window layers keep only the window in the cache, earlier keys are archived as 0",
+    ),
+    Family(
+        "phi3",
+        ("phi3",),
+        **_LLAMA_LIKE,
+        qkv="fused qkv_proj",
+        mlp_kind="gated, fused gate_up_proj (down_proj input = up*act(gate))",
+    ),
+    Family(
+        "phi",
+        ("phi",),
+        "model",
+        "layers",
+        "self_attn",
+        "self_attn.dense",
+        "mlp",
+        "mlp.fc2",
+        ("final_layernorm",),
+        "lm_head",
+        mlp_kind="plain (fc1 -> GELU -> fc2)",
+        parallel_residual=True,
+        notes="parallel residual: attention and MLP read the same input_layernorm output; partial rotary; "
+        "lm_head has a bias (included in the lens)",
+    ),
+    Family(
+        "gpt2",
+        ("gpt2",),
+        "transformer",
+        "h",
+        "attn",
+        "attn.c_proj",
+        "mlp",
+        "mlp.c_proj",
+        ("ln_f",),
+        "lm_head",
+        qkv="fused c_attn (Conv1D)",
+        mlp_kind="plain (Conv1D c_fc -> GELU -> Conv1D c_proj)",
+        notes="learned absolute positions (added before block 0, so part of the embedding); no rotary",
+    ),
+    Family(
+        "gpt_neox",
+        ("gpt_neox",),
+        "gpt_neox",
+        "layers",
+        "attention",
+        "attention.dense",
+        "mlp",
+        "mlp.dense_4h_to_h",
+        ("final_layer_norm",),
+        "lm_head",
+        qkv="fused query_key_value",
+        mlp_kind="plain (dense_h_to_4h -> GELU -> dense_4h_to_h)",
+        parallel_residual=True,
+        notes="parallel residual (use_parallel_residual); partial rotary (rotary_pct)",
+    ),
+    Family(
+        "opt",
+        ("opt",),
+        "model.decoder",
+        "layers",
+        "self_attn",
+        "self_attn.out_proj",
+        "fc2",
+        "fc2",
+        ("final_layer_norm", "project_out"),
+        "lm_head",
+        mlp_kind="plain (fc1 -> ReLU -> fc2, no mlp module)",
+        notes="no MLP module: fc1/fc2 sit on the block (over flattened tokens), so the MLP output is fc2's "
+        "output (before the residual add) and the FFN activation is fc2's input; OPTAttention "
+        "multiplies q by head_dim**-0.5 itself and calls the kernel with scaling 1.0, so archived q "
+        "includes the scale (manifest attention.layers.*.scaling = 1.0); post-LN variants "
+        "(do_layer_norm_before=false) and project_in/project_out (word_embed_proj_dim != hidden_size) "
+        "are handled: the lens is lm_head(project_out(final_layer_norm(h))), each where present",
+    ),
+    Family(
+        "moe",
+        ("mixtral", "qwen2_moe", "gpt_oss"),
+        "model",
+        "layers",
+        "self_attn",
+        "self_attn.o_proj",
+        "mlp",
+        None,
+        ("norm",),
+        "lm_head",
+        mlp_kind="mixture of experts (router + experts)",
+        router=("mlp.gate", "mlp.router"),
+        notes="router top-k per layer at the query position: expert ids and the weight the MoE block gives "
+        "each (after the family's own normalisation); Qwen2-MoE dense layers (mlp_only_layers) "
+        "have no router (-1 / NaN) and its shared expert is part of the MLP output; GPT-OSS "
+        "attention sinks take probability mass, so its rows sum to less than 1, as the model "
+        "computes them, and force the eager kernel",
+    ),
 )
 
 
@@ -135,14 +215,17 @@ class Adapter:
                 f"{type(model).__name__}: config says {self.n_layers} layers but found {len(self.layers)} blocks"
             )
         attn0 = self.attn(0)
-        self.head_dim: int = (getattr(attn0, "head_dim", None) or getattr(text_cfg, "head_dim", None)
-                              or self.d_model // self.n_heads)
+        self.head_dim: int = (
+            getattr(attn0, "head_dim", None) or getattr(text_cfg, "head_dim", None) or self.d_model // self.n_heads
+        )
         groups = getattr(attn0, "num_key_value_groups", None)
-        self.n_kv_heads: int = (self.n_heads // groups if groups else
-                                getattr(text_cfg, "num_key_value_heads", None) or self.n_heads)
+        self.n_kv_heads: int = (
+            self.n_heads // groups if groups else getattr(text_cfg, "num_key_value_heads", None) or self.n_heads
+        )
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedArchitectureError(
-                f"{type(model).__name__}: {self.n_heads} query heads do not split into {self.n_kv_heads} KV-head groups")
+                f"{type(model).__name__}: {self.n_heads} query heads do not split into {self.n_kv_heads} KV-head groups"
+            )
         self._attn_index = {id(self.attn(i)): i for i in range(self.n_layers)}
         for i in range(self.n_layers):  # every path must resolve now, not half-way through a run
             self.o_proj(i), self.mlp(i)
@@ -166,8 +249,9 @@ class Adapter:
 
     def mlp_down(self, i: int) -> torch.nn.Module:
         if self.family.mlp_down is None:
-            raise UnsupportedArchitectureError(f"{type(self.model).__name__}: no single FFN down-projection "
-                                               f"({self.family.mlp_kind})")
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__}: no single FFN down-projection ({self.family.mlp_kind})"
+            )
         return dotted_attr(self.layers[i], self.family.mlp_down)
 
     def _router(self, i: int) -> torch.nn.Module | None:
@@ -237,8 +321,7 @@ class Adapter:
                 what.append("attention logit soft-capping")
             if hasattr(self.attn(0), "sinks"):
                 what.append("attention sinks")
-            return (f"{type(self.model).__name__} does not support sdpa"
-                    + (f": {', '.join(what)}" if what else ""))
+            return f"{type(self.model).__name__} does not support sdpa" + (f": {', '.join(what)}" if what else "")
         if getattr(self.text_config, "attn_logit_softcapping", None):
             return "attention logit soft-capping (sdpa cannot apply it)"
         return None
@@ -247,8 +330,10 @@ class Adapter:
         """Probes that do not apply to this model, and why (recorded in the manifest)."""
         out = {}
         if self.family.mlp_down is None:
-            out["ffn"] = (f"{self.family.mlp_kind}: no single FFN down-projection to take a neuron top-k from; "
-                          "router top-k experts are captured instead (router_topk_idx / router_topk_weight)")
+            out["ffn"] = (
+                f"{self.family.mlp_kind}: no single FFN down-projection to take a neuron top-k from; "
+                "router top-k experts are captured instead (router_topk_idx / router_topk_weight)"
+            )
         return out
 
     def _ffn_size(self) -> int:

@@ -53,8 +53,9 @@ def _lmtrace_attention(module, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
-def _lmtrace_mask(*, q_length: int, allow_is_causal_skip: bool = True, dtype: torch.dtype = torch.float32,
-                  **kwargs) -> torch.Tensor | None:
+def _lmtrace_mask(
+    *, q_length: int, allow_is_causal_skip: bool = True, dtype: torch.dtype = torch.float32, **kwargs
+) -> torch.Tensor | None:
     """transformers' eager mask, or None where sdpa's mask function skips the mask of a one-query step."""
     from transformers.masking_utils import eager_mask, sdpa_mask
 

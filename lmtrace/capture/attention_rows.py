@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 
-def plain_attention_probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
-                          scaling: float) -> torch.Tensor:
+def plain_attention_probs(
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """softmax(q·kᵀ·scaling + mask) in float32, as Llama's eager kernel, GQA by grouping query heads.
 
     query [..., B, H, r, D], key [..., B, KVH, T, D], mask [B, 1, r, T] additive -> probs [..., B, H, r, T].
@@ -60,8 +61,9 @@ class BatchedRows:
         self.kv = kv
         self._clear_step()
 
-    def offer(self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
-              scaling: float) -> bool:
+    def offer(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> bool:
         """Called for every captured layer's attention with the query position's query [B, H, 1, D];
         True when its row will come from `rows()`."""
         if self.kv is None or not self.kv.holds(layer, key):

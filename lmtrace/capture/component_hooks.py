@@ -44,20 +44,28 @@ def row_mask(sel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def component_module(adapter, kind: str, layer: int) -> torch.nn.Module:
     """The module whose input (head, ffn) or output (attn, mlp, resid) is the component."""
-    return {"head": adapter.o_proj, "ffn": adapter.mlp_down, "attn": adapter.attn, "mlp": adapter.mlp,
-            "resid": lambda i: adapter.layers[i]}[kind](layer)
+    return {
+        "head": adapter.o_proj,
+        "ffn": adapter.mlp_down,
+        "attn": adapter.attn,
+        "mlp": adapter.mlp,
+        "resid": lambda i: adapter.layers[i],
+    }[kind](layer)
 
 
 def read_component(adapter, kind: str, layer: int, fn: Callable[[torch.Tensor], None]):
     """Call fn(value) with the component's value at every forward; returns the hook's handle."""
     module = component_module(adapter, kind, layer)
     if kind in INPUTS:
+
         def read_input(module, args):
             fn(args[0])
+
         return module.register_forward_pre_hook(read_input)
 
     def read_output(module, args, output):
         fn(first(output))
+
     return module.register_forward_hook(read_output)
 
 
@@ -66,12 +74,15 @@ def edit_component(adapter, kind: str, layer: int, fn: Callable[[torch.Tensor], 
     any other hook or tap on the module. Returns the hook's handle."""
     module = component_module(adapter, kind, layer)
     if kind in INPUTS:
+
         def edit_input(module, args):
             value = fn(args[0])
             return None if value is None else (value, *args[1:])
+
         return module.register_forward_pre_hook(edit_input, prepend=True)
 
     def edit_output(module, args, kwargs, output):
         value = fn(first(output))
         return None if value is None else replace_first(output, value)
+
     return tap(module, edit_output, prepend=True)

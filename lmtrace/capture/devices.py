@@ -40,7 +40,8 @@ def execution_device(module: torch.nn.Module) -> torch.device:
 def is_spread(model: torch.nn.Module) -> bool:
     """Whether accelerate dispatched the model (several devices, or weights offloaded)."""
     return getattr(model, "hf_device_map", None) is not None and any(
-        getattr(m, "_hf_hook", None) is not None for m in model.modules())
+        getattr(m, "_hf_hook", None) is not None for m in model.modules()
+    )
 
 
 def layer_devices(adapter) -> list[torch.device] | None:

@@ -46,8 +46,10 @@ def unsupported_reason(adapter: Adapter) -> str | None:
     if getattr(adapter.layers[0], "do_layer_norm_before", True) is False:  # OPT-350m style
         return f"{name}: post-LN blocks (do_layer_norm_before=false) normalise the residual stream after every add"
     if adapter.final_softcap:
-        return (f"{name}: final logit soft-capping (final_logit_softcapping={adapter.final_softcap}) is not linear "
-                "in the residual stream")
+        return (
+            f"{name}: final logit soft-capping (final_logit_softcapping={adapter.final_softcap}) is not linear "
+            "in the residual stream"
+        )
     reason = final_modules_reason(adapter)
     if reason is not None:
         return f"{name}: {reason}"
@@ -55,8 +57,10 @@ def unsupported_reason(adapter: Adapter) -> str | None:
     for layer, pair in enumerate(post or ()):
         for path, m in zip(POST_NORMS, pair):
             if _norm_kind(m) != "rms":
-                return (f"{name}: layer {layer}'s {path} ({type(m).__name__}) is not an RMSNorm, so its output is "
-                        "not a scale of its input")
+                return (
+                    f"{name}: layer {layer}'s {path} ({type(m).__name__}) is not an RMSNorm, so its output is "
+                    "not a scale of its input"
+                )
     o = adapter.o_proj(0)
     if _head_weight(o, adapter) is None:
         return f"{name}: the attention output projection ({type(o).__name__}) is not a linear map over the heads"
@@ -75,8 +79,10 @@ def final_modules_reason(adapter: Adapter) -> str | None:
     linears = mods[1:] if mods and _norm_kind(mods[0]) is not None else mods
     if all(isinstance(m, torch.nn.Linear) for m in linears):
         return None
-    return (f"the final modules ({', '.join(type(m).__name__ for m in mods)}) are not one LayerNorm/RMSNorm "
-            "followed by linear maps")
+    return (
+        f"the final modules ({', '.join(type(m).__name__ for m in mods)}) are not one LayerNorm/RMSNorm "
+        "followed by linear maps"
+    )
 
 
 def post_norms(adapter: Adapter) -> list[tuple[torch.nn.Module, torch.nn.Module]] | None:
@@ -135,8 +141,10 @@ class FrozenFinalNorm:
     def __init__(self, adapter: Adapter, setting: str):
         reason = final_modules_reason(adapter)
         if reason is not None:
-            raise SpecError(f"{setting} is not possible for this model: {type(adapter.model).__name__}: {reason} "
-                            f"(set {setting}: false)")
+            raise SpecError(
+                f"{setting} is not possible for this model: {type(adapter.model).__name__}: {reason} "
+                f"(set {setting}: false)"
+            )
         mods = _final_modules(adapter)
         self.kind = _norm_kind(mods[0]) if mods else None  # "layer", "rms" or None (no final norm)
         norm, self.linears = (mods[0], mods[1:]) if self.kind else (None, mods)
@@ -162,8 +170,11 @@ class FrozenFinalNorm:
         w = self.unembed
         tokens = tokens.to(w.device)
         a = w[tokens].float()  # [B, k, d_in]
-        const = (torch.zeros(a.shape[:2], device=a.device) if self.unembed_bias is None
-                 else self.unembed_bias.float()[tokens])
+        const = (
+            torch.zeros(a.shape[:2], device=a.device)
+            if self.unembed_bias is None
+            else self.unembed_bias.float()[tokens]
+        )
         for params in reversed(self.linear_params):  # logits = a · (W y + b) = (a W) · y + a · b
             weight = params["weight"].float().to(a.device)
             if params.get("bias") is not None:
@@ -196,17 +207,20 @@ class FrozenNormDLA:
         post = post_norms(adapter)
         device = execution_device(adapter.unembed)  # where the probes assemble a step
         # [n_layers, 2, d] gains and [n_layers, 2] eps of the attention- and MLP-output norms (None: no such norms)
-        self.post_gain = None if post is None else torch.stack([torch.stack([_rms_gain(m).to(device) for m in pair])
-                                                                for pair in post])
-        self.post_eps = None if post is None else torch.tensor([[_eps(m) for m in pair] for pair in post],
-                                                               device=device)
+        self.post_gain = (
+            None
+            if post is None
+            else torch.stack([torch.stack([_rms_gain(m).to(device) for m in pair]) for pair in post])
+        )
+        self.post_eps = (
+            None if post is None else torch.tensor([[_eps(m) for m in pair] for pair in post], device=device)
+        )
 
     def directions(self, x_final: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x_final [B, d] float32, targets [B, 2] (chosen, runner-up) -> u [B, 2, d] and c [B, 2],
         both over TARGETS (difference, chosen logit)."""
         u, const = self.final.directions(x_final, targets)
-        return (torch.stack([u[:, 0] - u[:, 1], u[:, 0]], 1),
-                torch.stack([const[:, 0] - const[:, 1], const[:, 0]], 1))
+        return (torch.stack([u[:, 0] - u[:, 1], u[:, 0]], 1), torch.stack([const[:, 0] - const[:, 1], const[:, 0]], 1))
 
     def residual_parts(self, layers: list[int], outputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """outputs [2L, B, d] float32 (the attention outputs of `layers`, then their MLP outputs) -> what
@@ -221,14 +235,20 @@ class FrozenNormDLA:
         factor = gain[:, None, :] / sigma[:, :, None]
         return outputs * factor, factor[:L]
 
-    def heads(self, layers: list[int], z: torch.Tensor, u: torch.Tensor,
-              attn_factor: torch.Tensor | None = None) -> torch.Tensor:
+    def heads(
+        self, layers: list[int], z: torch.Tensor, u: torch.Tensor, attn_factor: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """z [L, B, heads × head_dim] (the output projections' inputs), u [B, 2, d], attn_factor [L, B, d]
         or None (`residual_parts`) -> [L, B, 2, heads]: z_h · (W_O,h^T (u ⊙ factor)), i.e. each head's
         output as the residual stream receives it, projected on u."""
         L, B = z.shape[0], z.shape[1]
         # u W_O for every layer: [L, B, 2, heads × head_dim] (one small matmul per layer, no stacked copy of W_O)
-        v = torch.stack([(u if attn_factor is None else u * attn_factor[n][:, None, :]) @ self.w_o[layer].to(u.dtype)
-                         for n, layer in enumerate(layers)], 0)
+        v = torch.stack(
+            [
+                (u if attn_factor is None else u * attn_factor[n][:, None, :]) @ self.w_o[layer].to(u.dtype)
+                for n, layer in enumerate(layers)
+            ],
+            0,
+        )
         per = z.float()[:, :, None, :] * v
         return per.reshape(L, B, 2, self.n_heads, self.head_dim).sum(-1)

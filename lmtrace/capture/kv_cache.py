@@ -54,8 +54,14 @@ class KVStack:
         if self.keys is None:
             return True
         k, v = self.keys, self.values
-        return (key.shape[:2] == k.shape[1:3] and key.shape[-1] == k.shape[-1] and value.shape[-1] == v.shape[-1]
-                and key.dtype == k.dtype and value.dtype == v.dtype and key.device == k.device)
+        return (
+            key.shape[:2] == k.shape[1:3]
+            and key.shape[-1] == k.shape[-1]
+            and value.shape[-1] == v.shape[-1]
+            and key.dtype == k.dtype
+            and value.dtype == v.dtype
+            and key.device == k.device
+        )
 
     def _allocate(self, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
         old = self.capacity
@@ -74,7 +80,9 @@ class KVStack:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[3]
 
-    def append(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(
+        self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key`/`value` [B, kvh, n, D] at positions start.. of `layer`; the layer's views [B, kvh, T, D]."""
         end = start + key.shape[2]
         if end > self.capacity:
@@ -128,8 +136,9 @@ class KVStacks:
             parts.setdefault(id(self.of_layer[layer]), []).append(layer)
         return [(self.of_layer[part[0]], part) for part in parts.values()]
 
-    def column(self, layers: list[int], position: int, device: torch.device | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def column(
+        self, layers: list[int], position: int, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `layers` at one position, [n, B, kvh, D] each, on `device` (one copy per stack)."""
         groups = self.groups(layers)
         if len(groups) == 1:
@@ -146,7 +155,9 @@ class KVStacks:
         return keys, values
 
 
-def _device_groups(layer_devices: list[torch.device] | None, n_layers: int) -> list[tuple[torch.device | None, list[int]]]:
+def _device_groups(
+    layer_devices: list[torch.device] | None, n_layers: int
+) -> list[tuple[torch.device | None, list[int]]]:
     """One group per device, in model order; one group of every layer when the devices are unknown
     (or are not one per cache layer: each layer then joins the stack only if its keys fit)."""
     if layer_devices is None or len(layer_devices) != n_layers:
@@ -187,8 +198,13 @@ class StackedCache(DynamicCache):
     """DynamicCache (per layer kinds from the model config) with the full-attention layers stacked,
     one stack per device (`layer_devices`: each layer's attention device; None: one device)."""
 
-    def __init__(self, config, capacity_hint: int = 0, layer_devices: list[torch.device] | None = None,
-                 groups: list[tuple[torch.device | None, list[int]]] | None = None):
+    def __init__(
+        self,
+        config,
+        capacity_hint: int = 0,
+        layer_devices: list[torch.device] | None = None,
+        groups: list[tuple[torch.device | None, list[int]]] | None = None,
+    ):
         """groups (rather than layer_devices) sets the stacks directly: tests split one device's layers
         over several stacks to run the multi-device code on a CPU."""
         super().__init__(config=config)
@@ -196,12 +212,20 @@ class StackedCache(DynamicCache):
         if groups is None:
             groups = _device_groups(layer_devices, len(self.layers))
         self.stack = KVStacks(groups, hint)
-        self.layers = [StackedLayer(self.stack.of_layer[i], i) if type(layer) is DynamicLayer else layer
-                       for i, layer in enumerate(self.layers)]
+        self.layers = [
+            StackedLayer(self.stack.of_layer[i], i) if type(layer) is DynamicLayer else layer
+            for i, layer in enumerate(self.layers)
+        ]
 
     @classmethod
-    def for_generation(cls, config, prompt_len: int, max_new_tokens: int, device: torch.device,
-                       layer_devices: list[torch.device] | None = None) -> "StackedCache":
+    def for_generation(
+        cls,
+        config,
+        prompt_len: int,
+        max_new_tokens: int,
+        device: torch.device,
+        layer_devices: list[torch.device] | None = None,
+    ) -> "StackedCache":
         """The cache of one batch: on a CPU the run's positions up front, where pages never written
         cost nothing; capped at 4096 new ones, so that a huge max_new_tokens does not ask the kernel
         for more address space than it grants. Beyond it (and on accelerators) it grows by half."""

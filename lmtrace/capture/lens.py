@@ -78,7 +78,7 @@ class LogitLens:
             t_rank = np.empty(tuple(targets.shape), dtype=np.int32)
             t_prob = np.empty(tuple(targets.shape), dtype=np.float32)
         for r0 in range(0, N, ROWS_PER_MATMUL):
-            x = x_all[r0: r0 + ROWS_PER_MATMUL]
+            x = x_all[r0 : r0 + ROWS_PER_MATMUL]
             rows = slice(r0, r0 + x.shape[0])
             if self.approximate:
                 top_ids, top_logits, lse, ranked = self._candidates(x)
@@ -112,10 +112,10 @@ class LogitLens:
         ranks = []
         for j in range(targets.shape[1]):
             # a candidate's logit as the candidates' product gave it (the same value bit for bit)
-            match = cand == targets[:, j: j + 1]
+            match = cand == targets[:, j : j + 1]
             t_logit[:, j] = torch.where(match.any(-1), (exact * match).sum(-1), t_logit[:, j])
-            t = t_logit[:, j: j + 1]
-            others = rest.scatter(-1, targets[:, j: j + 1], float("-inf"))
+            t = t_logit[:, j : j + 1]
+            others = rest.scatter(-1, targets[:, j : j + 1], float("-inf"))
             ranks.append((exact > t).sum(-1) + (others > t).sum(-1))
         rank = torch.stack(ranks, -1)
         return rank.to(torch.int32).cpu().numpy(), (t_logit - lse[:, None]).exp().cpu().numpy()

@@ -24,7 +24,6 @@ def settle_layer(target_rank: np.ndarray, layers) -> np.ndarray:
     return np.where(stays.any(-1), np.asarray(layers, dtype=np.int32)[first], -1).astype(np.int32)
 
 
-
 def lens_targets(token: np.ndarray, alt_ids: np.ndarray) -> np.ndarray:
     """[B] chosen ids, [B, ≥2] alternatives -> [B, 2] int64 (chosen, runner-up), the lens's targets."""
     token = np.asarray(token, dtype=np.int64)
@@ -34,6 +33,10 @@ def lens_targets(token: np.ndarray, alt_ids: np.ndarray) -> np.ndarray:
 def lens_target_columns(rank: np.ndarray, prob: np.ndarray, layers) -> dict[str, np.ndarray]:
     """rank, prob [..., L, 2] (chosen, runner-up) -> the steps.parquet columns, each [..., L]."""
     settle = settle_layer(rank[..., 0], layers)
-    return {"lens_target_rank": rank[..., 0], "lens_target_prob": prob[..., 0],
-            "lens_runner_up_rank": rank[..., 1], "lens_runner_up_prob": prob[..., 1],
-            "settle_layer": np.broadcast_to(settle[..., None], rank.shape[:-1]).astype(np.int32)}
+    return {
+        "lens_target_rank": rank[..., 0],
+        "lens_target_prob": prob[..., 0],
+        "lens_runner_up_rank": rank[..., 1],
+        "lens_runner_up_prob": prob[..., 1],
+        "settle_layer": np.broadcast_to(settle[..., None], rank.shape[:-1]).astype(np.int32),
+    }

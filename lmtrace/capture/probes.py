@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..archive.layout import RunShape
 from . import attention
+from .arch import Adapter
 from .attention_rows import BatchedRows, plain_attention_probs
 from .devices import execution_device, stack_on
-from .arch import Adapter
 from .dla import FrozenFinalNorm, FrozenNormDLA
-from ..archive.layout import RunShape
-from .lens_stats import lens_target_columns, lens_targets
 from .lens import LogitLens
+from .lens_stats import lens_target_columns, lens_targets
 from .sampling import Choice
 from .taps import tap
 
@@ -46,7 +46,9 @@ def _last(t, batch: int) -> torch.Tensor:
     return t[:, -1]
 
 
-def _at_query(tensors: list[torch.Tensor], batch: int, prefill: bool, device: torch.device | None = None) -> torch.Tensor:
+def _at_query(
+    tensors: list[torch.Tensor], batch: int, prefill: bool, device: torch.device | None = None
+) -> torch.Tensor:
     """[n, B, ...] on `device`: the query position of n kept tensors, which at a decode step are the
     modules' outputs ([B, 1, ...], or flattened [B, ...]) and at the prefill already their query
     position [B, ...] (`Probes._keep`). One stack and one slice for all of them (one stack and one
@@ -71,8 +73,16 @@ def _is_plain_eager(fn) -> bool:
 
 
 class Probes:
-    def __init__(self, adapter: Adapter, shape: RunShape, *, component_norms: bool, margin_contributions: bool,
-                 lens_dtype: str = "float32", inner_attention=None):
+    def __init__(
+        self,
+        adapter: Adapter,
+        shape: RunShape,
+        *,
+        component_norms: bool,
+        margin_contributions: bool,
+        lens_dtype: str = "float32",
+        inner_attention=None,
+    ):
         self.adapter = adapter
         self.shape = shape
         self.layers = list(shape.layers)
@@ -92,11 +102,15 @@ class Probes:
         self.plain_eager = self.eager is not None and _is_plain_eager(self.eager)
         # ... and, for the rows of the query position, all layers at once (lmtrace/capture/attention_rows.py)
         self.batched = BatchedRows() if self.plain_eager and shape.attention else None
-        self.row_method = (None if self.eager is None else
-                           "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
-                           "layers in one grouped product over the stacked KV cache; per layer where a layer's "
-                           "keys are not in the stack (e.g. a sliding window)"
-                           if self.batched is not None else "the model's eager attention function, per layer")
+        self.row_method = (
+            None
+            if self.eager is None
+            else "softmax(q·kᵀ·scaling + mask) in float32 (the model's eager formula), all captured "
+            "layers in one grouped product over the stacked KV cache; per layer where a layer's "
+            "keys are not in the stack (e.g. a sliding window)"
+            if self.batched is not None
+            else "the model's eager attention function, per layer"
+        )
         self.np_float = np.dtype(shape.float_dtype)
         # archived floats are converted by torch (vectorised) before numpy sees them: numpy's
         # float32 -> float16 cast is several times slower, ~1 ms a step for the attention rows
@@ -109,9 +123,13 @@ class Probes:
         # directory exists, for a model where it cannot be exact
         self.dla = FrozenNormDLA(adapter) if shape.head_dla and self.layers else None
         # the final norm frozen at the final residual's scale, for the margin contributions (and the DLA)
-        self.final = (self.dla.final if self.dla is not None else
-                      FrozenFinalNorm(adapter, "capture.margin_contributions")
-                      if margin_contributions else None)
+        self.final = (
+            self.dla.final
+            if self.dla is not None
+            else FrozenFinalNorm(adapter, "capture.margin_contributions")
+            if margin_contributions
+            else None
+        )
         self.ctx: ForwardContext | None = None
         self.kernel_args: dict[int, dict] = {}  # layer -> what the attention kernel was called with (manifest)
         self._reset()
@@ -180,21 +198,25 @@ class Probes:
             if keep_input:
                 self.resid_in[layer] = self._keep(args[0] if args else kwargs["hidden_states"])
             self.resid_out[layer] = self._keep(output[0] if type(output) is tuple else output)
+
         return block
 
     def _output_tap(self, store: str, layer):
         def output(module, args, kwargs, out):
             getattr(self, store)[layer] = self._keep(out[0] if type(out) is tuple else out)
+
         return output
 
     def _input_tap(self, store: str, key):
         def first_input(module, args, kwargs, output):
             getattr(self, store)[key] = self._keep(args[0] if args else next(iter(kwargs.values())))
+
         return first_input
 
     def _ffn_tap(self, layer):
         def ffn(module, args, kwargs, output):  # the down-projection's input: the MLP activation
             self.ffn[layer] = self._keep(args[0] if args else next(iter(kwargs.values())))
+
         return ffn
 
     def _router_tap(self, layer):
@@ -203,6 +225,7 @@ class Probes:
             _, weights, idx = output
             B = len(self.ctx.pads)
             self.router[layer] = (_last(idx, B).detach(), _last(weights, B).detach().float())
+
         return router
 
     def observe(self, module, query, key, value, attention_mask, weights, kwargs) -> None:
@@ -214,7 +237,8 @@ class Probes:
             scaling = kwargs.get("scaling")
             self.kernel_args[layer] = {
                 "scaling": float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-                "softcap": kwargs.get("softcap"), "sliding_window": kwargs.get("sliding_window"),
+                "softcap": kwargs.get("softcap"),
+                "sliding_window": kwargs.get("sliding_window"),
                 "sinks": getattr(module, "sinks", None) is not None or kwargs.get("s_aux") is not None,
             }
         prefill = self.ctx.prefill
@@ -222,8 +246,12 @@ class Probes:
         # the query position [B, H, 1, D]: a decode step has only it; of a prefill's, a copy (a view
         # would keep every prompt position of the layer alive until `collect`)
         q_last = query[:, :, -1:].clone() if prefill else query
-        if weights is None and self.batched is not None and not full_prefill and self.batched.offer(
-                layer, q_last, key, attention_mask, self.kernel_args[layer]["scaling"]):
+        if (
+            weights is None
+            and self.batched is not None
+            and not full_prefill
+            and self.batched.offer(layer, q_last, key, attention_mask, self.kernel_args[layer]["scaling"])
+        ):
             pass  # the row comes from the batched product in `collect`
         elif self.shape.attention or full_prefill:
             if weights is not None:  # the eager kernel already returned them
@@ -232,13 +260,14 @@ class Probes:
                 q_rows = query if (prefill and self.shape.prefill_attention) else query[:, :, -1:]
                 mask = attention_mask
                 if mask is not None and q_rows.shape[2] != mask.shape[2]:
-                    mask = mask[:, :, -q_rows.shape[2]:]
+                    mask = mask[:, :, -q_rows.shape[2] :]
                 if self.plain_eager:
                     probs = plain_attention_probs(q_rows, key, mask, self.kernel_args[layer]["scaling"])
                 else:
                     extra = {k: v for k, v in kwargs.items() if k not in ("dropout", "scaling")}
-                    _, probs = self.eager(module, q_rows, key, value, mask, dropout=0.0,
-                                          scaling=kwargs.get("scaling"), **extra)
+                    _, probs = self.eager(
+                        module, q_rows, key, value, mask, dropout=0.0, scaling=kwargs.get("scaling"), **extra
+                    )
             self.rows[layer] = (probs[:, :, -1].detach(), key.shape[2])
             if full_prefill:
                 self.prefill_rows[layer] = probs.detach()
@@ -255,7 +284,7 @@ class Probes:
         for b, pad in enumerate(ctx.pads):
             first_real = ctx.total_len - kv_len - pad  # token position of key column 0
             j0 = max(0, -first_real)
-            out[b, ..., first_real + j0: first_real + kv_len] = rows_np[b, ..., j0:]
+            out[b, ..., first_real + j0 : first_real + kv_len] = rows_np[b, ..., j0:]
             # a sliding-window cache returned only the last kv_len keys: the earlier tokens are in the
             # context but outside every window this query can see, so the model gave them exactly 0
             out[b, ..., : max(first_real, 0)] = 0.0
@@ -270,22 +299,31 @@ class Probes:
         scalars: dict[str, np.ndarray] = {}
         resid_out = self._at_query(self.resid_out).float()  # [L, B, d]
         if s.resid_layers:
-            resid = resid_out if list(s.resid_layers) == self.layers else self._at_query(
-                self.resid_out, s.resid_layers).float()
+            resid = (
+                resid_out
+                if list(s.resid_layers) == self.layers
+                else self._at_query(self.resid_out, s.resid_layers).float()
+            )
             arrays["resid"] = resid.transpose(0, 1).cpu().numpy()
         resid_in = self._at_query(self.resid_in).float()
         delta = resid_out - resid_in
         norms = torch.stack([resid_out, delta], 0).norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
         if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
-            outputs = _at_query([self.attn_out[layer] for layer in self.layers]
-                                + [self.mlp_out[layer] for layer in self.layers], B, self.ctx.prefill,
-                                self.device)  # [2L, B, d]
+            outputs = _at_query(
+                [self.attn_out[layer] for layer in self.layers] + [self.mlp_out[layer] for layer in self.layers],
+                B,
+                self.ctx.prefill,
+                self.device,
+            )  # [2L, B, d]
             norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         # the final residual, read before the inline lens, whose call of the final norm would pass its tap
-        final = (_at_query([self.ends["final"]], B, self.ctx.prefill, self.device)[0].float()
-                 if self.final is not None else None)  # [B, d]
+        final = (
+            _at_query([self.ends["final"]], B, self.ctx.prefill, self.device)[0].float()
+            if self.final is not None
+            else None
+        )  # [B, d]
         if self.dla is not None:
             arrays.update(self._direct_logit_attribution(choice, final))
         if self.margin_contributions:
@@ -373,7 +411,8 @@ class Probes:
         L = len(self.layers)
         targets = lens_targets(choice.token.numpy(), choice.alt_ids.numpy())  # [B, 2]: chosen, runner-up
         ids, probs, margin, t_rank, t_prob = self.lens.of_residuals(
-            resid_out.transpose(0, 1).reshape(B * L, -1), torch.from_numpy(np.repeat(targets, L, 0)))
+            resid_out.transpose(0, 1).reshape(B * L, -1), torch.from_numpy(np.repeat(targets, L, 0))
+        )
         arrays["lens_ids"], arrays["lens_probs"] = ids.reshape(B, L, -1), probs.reshape(B, L, -1)
         scalars["lens_top1"] = arrays["lens_ids"][:, :, 0]
         scalars["lens_top1_prob"] = arrays["lens_probs"][:, :, 0]
@@ -390,9 +429,12 @@ class Probes:
         u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
         u = u.to(final.device)
         L = len(self.layers)
-        outputs = _at_query([self.attn_out[layer] for layer in self.layers]
-                            + [self.mlp_out[layer] for layer in self.layers], B, prefill,
-                            self.device).float()  # [2L, B, d]
+        outputs = _at_query(
+            [self.attn_out[layer] for layer in self.layers] + [self.mlp_out[layer] for layer in self.layers],
+            B,
+            prefill,
+            self.device,
+        ).float()  # [2L, B, d]
         # what each output adds to the residual stream (through the block's frozen post-norm, where it has one)
         outputs, attn_factor = self.dla.residual_parts(self.layers, outputs)
         rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)
@@ -411,8 +453,9 @@ class Probes:
 
     def _at_query(self, store: dict[int, torch.Tensor], layers: list[int] | None = None) -> torch.Tensor:
         """[L, B, ...]: the query position of a kept per-layer output, for `layers` (default: the captured ones)."""
-        return _at_query([store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill,
-                         self.device)
+        return _at_query(
+            [store[layer] for layer in (layers or self.layers)], len(self.ctx.pads), self.ctx.prefill, self.device
+        )
 
     def _new_qkv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key and value of the query position, every captured layer: [L, B, heads, D] each.
@@ -424,8 +467,9 @@ class Probes:
         q = stack_on([self.qkv[layer][0] for layer in layers], self.device)[:, :, :, -1]  # one query position kept
         kv = self.ctx.kv
         T = self.qkv[layers[0]][1].shape[2]
-        if kv is not None and all(kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T
-                                  for layer in layers):
+        if kv is not None and all(
+            kv.holds(layer, self.qkv[layer][1]) and self.qkv[layer][1].shape[2] == T for layer in layers
+        ):
             return (q, *kv.column(layers, T - 1, self.device))
         k = stack_on([self.qkv[layer][1][:, :, -1] for layer in layers], self.device)
         v = stack_on([self.qkv[layer][2][:, :, -1] for layer in layers], self.device)
@@ -447,7 +491,7 @@ class Probes:
                     for b, pad in enumerate(ctx.pads):
                         first_real = ctx.total_len - kv_len - pad
                         j0 = max(0, -first_real)
-                        arr[b, li, :, first_real + j0: first_real + kv_len] = t[b, :, j0:]
+                        arr[b, li, :, first_real + j0 : first_real + kv_len] = t[b, :, j0:]
                 out[name] = arr
         if s.prefill_attention:
             arr = np.full((B, L, s.n_heads, s.max_prompt, s.max_prompt), np.nan, dtype=self.np_float)
@@ -456,6 +500,6 @@ class Probes:
                 q_len, kv_len = t.shape[2], t.shape[3]
                 for b, pad in enumerate(ctx.pads):
                     n = ctx.total_len - pad  # prompt length of this row
-                    arr[b, li, :, :n, :n] = t[b, :, q_len - n:, kv_len - n:]
+                    arr[b, li, :, :n, :n] = t[b, :, q_len - n :, kv_len - n :]
             out["prefill_attn"] = arr
         return out

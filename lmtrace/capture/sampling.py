@@ -56,7 +56,7 @@ class Sampler:
         """
         scores, order = torch.sort(logits / self.temperature, dim=-1, descending=True, stable=True)
         if self.top_k > 0 and self.top_k < scores.shape[-1]:
-            kth = scores[..., self.top_k - 1: self.top_k]
+            kth = scores[..., self.top_k - 1 : self.top_k]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1.0:
             probs = scores.softmax(-1)
@@ -115,8 +115,14 @@ class Choice:
     ref_logprobs: torch.Tensor | None = None  # [B, r] T=1 logprobs of caller-given reference ids
 
 
-def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alternatives: int,
-           forced: torch.Tensor | None = None, ref_ids: torch.Tensor | None = None) -> Choice:
+def choose(
+    logits: torch.Tensor,
+    sampler: Sampler,
+    u: torch.Tensor | None,
+    n_alternatives: int,
+    forced: torch.Tensor | None = None,
+    ref_ids: torch.Tensor | None = None,
+) -> Choice:
     """logits: [B, V] float32 for the query position. u: [B] uniforms (ignored when greedy).
 
     forced: [B] token ids to take instead of choosing (-1 = choose normally): teacher forcing, the
@@ -162,10 +168,17 @@ def choose(logits: torch.Tensor, sampler: Sampler, u: torch.Tensor | None, n_alt
     entropy = -(p * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(-1)
     top_logprobs = logprobs.gather(-1, top_ids)
     return Choice(
-        token=token.cpu(), logprob=logprobs.gather(-1, token[:, None]).squeeze(-1).cpu(),
-        sampling_logprob=sampling_logprob.cpu(), rank=rank.cpu(), entropy=entropy.cpu(),
-        greedy_token=greedy_token.cpu(), alt_ids=top_ids[:, :n_alternatives].cpu(),
-        alt_logits=top_vals[:, :n_alternatives].cpu(), alt_logprobs=top_logprobs[:, :n_alternatives].cpu(),
-        margin=(top_vals[:, 0] - top_vals[:, 1]).cpu(), filter_changed=filter_changed.cpu(),
-        eligible=eligible.cpu(), ref_logprobs=ref_logprobs,
+        token=token.cpu(),
+        logprob=logprobs.gather(-1, token[:, None]).squeeze(-1).cpu(),
+        sampling_logprob=sampling_logprob.cpu(),
+        rank=rank.cpu(),
+        entropy=entropy.cpu(),
+        greedy_token=greedy_token.cpu(),
+        alt_ids=top_ids[:, :n_alternatives].cpu(),
+        alt_logits=top_vals[:, :n_alternatives].cpu(),
+        alt_logprobs=top_logprobs[:, :n_alternatives].cpu(),
+        margin=(top_vals[:, 0] - top_vals[:, 1]).cpu(),
+        filter_changed=filter_changed.cpu(),
+        eligible=eligible.cpu(),
+        ref_logprobs=ref_logprobs,
     )

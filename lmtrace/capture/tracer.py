@@ -78,9 +78,22 @@ class BatchOutcome:
 
 
 class Tracer:
-    def __init__(self, model: torch.nn.Module, tokenizer, *, sampler: Sampler, seed: int, max_new_tokens: int,
-                 eos_ids: set[int], stop_strings: list[str], n_alternatives: int, probes: Probes | None,
-                 pad_id: int, device: torch.device, layer_devices: list[torch.device] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        sampler: Sampler,
+        seed: int,
+        max_new_tokens: int,
+        eos_ids: set[int],
+        stop_strings: list[str],
+        n_alternatives: int,
+        probes: Probes | None,
+        pad_id: int,
+        device: torch.device,
+        layer_devices: list[torch.device] | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.sampler = sampler
@@ -99,13 +112,20 @@ class Tracer:
     def _hit_stop_string(self, tokens: list[int]) -> bool:
         if not self.stop_strings:
             return False
-        tail = self.tokenizer.decode(tokens[-self.stop_window:], skip_special_tokens=False)
+        tail = self.tokenizer.decode(tokens[-self.stop_window :], skip_special_tokens=False)
         return any(s in tail for s in self.stop_strings)
 
     @torch.inference_mode()
-    def run_batch(self, seq_ids: list[int], prompts: list[list[int]], sink: StepSink,
-                  should_stop: Callable[[], bool] = lambda: False, teacher: Teacher | None = None,
-                  edits: Edits | None = None, forward_running=None) -> BatchOutcome:
+    def run_batch(
+        self,
+        seq_ids: list[int],
+        prompts: list[list[int]],
+        sink: StepSink,
+        should_stop: Callable[[], bool] = lambda: False,
+        teacher: Teacher | None = None,
+        edits: Edits | None = None,
+        forward_running=None,
+    ) -> BatchOutcome:
         """Generate for one batch of tokenised prompts. seq_ids are global sequence indices (seeding).
 
         forward_running: a context manager entered around each model forward (the archive writer
@@ -117,8 +137,8 @@ class Tracer:
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, T), dtype=torch.long)
         for b, p in enumerate(prompts):
-            ids[b, pads[b]:] = torch.tensor(p, dtype=torch.long)
-            mask[b, pads[b]:] = 1
+            ids[b, pads[b] :] = torch.tensor(p, dtype=torch.long)
+            mask[b, pads[b] :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device, self.layer_devices)
@@ -139,8 +159,14 @@ class Tracer:
                     edits.begin(step, seq_ids, positions, step == 0)
                     model_mask = edits.edit_mask(mask, pads, seq_ids, step)
                 with in_forward:
-                    out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, cache=cache,
-                                     use_cache=True, logits_to_keep=1)
+                    out = self.model(
+                        input_ids=ids,
+                        attention_mask=model_mask,
+                        position_ids=positions,
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                 logits = out.logits[:, -1].float()
                 u = None if self.sampler.greedy else uniforms(self.generator, self.seed, seq_ids, step)
                 forced = ref = None
@@ -170,7 +196,9 @@ class Tracer:
                 if not active.any() or step + 1 == self.max_new_tokens:
                     break
                 if should_stop():
-                    return BatchOutcome(generated, ["interrupted" if a else r for a, r in zip(active, stop_reason)], True)
+                    return BatchOutcome(
+                        generated, ["interrupted" if a else r for a, r in zip(active, stop_reason)], True
+                    )
                 # Finished rows keep decoding a pad token (their results are discarded); rows are
                 # independent, so this changes nothing for the others.
                 next_ids = torch.tensor([t if a else self.pad_id for t, a in zip(tokens, active)], dtype=torch.long)

@@ -4,7 +4,7 @@
 report, serve); `intervene` and `sweep` hold those two commands' glue (reading edit files,
 printing their summaries)."""
 
-from .main import app, run
 from . import sae_commands  # noqa: E402,F401,I001  (`lmtrace sae ...`)
+from .main import app, run
 
 __all__ = ["app", "run"]

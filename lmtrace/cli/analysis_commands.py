@@ -17,28 +17,54 @@ def explain(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     steps: str = typer.Option(..., "--steps", help="Generated steps to explain: 0,4,9 or 2-5 or all."),
     sequence: int = typer.Option(0, "--sequence", help="Sequence (prompt index) of the run."),
-    method: list[str] = typer.Option(["grad_x_input"], "--method", "-m",
-                                     help="grad_x_input, integrated_gradients, occlusion, attention_rollout, "
-                                          "lrp (repeat or comma-separate)."),
+    method: list[str] = typer.Option(
+        ["grad_x_input"],
+        "--method",
+        "-m",
+        help="grad_x_input, integrated_gradients, occlusion, attention_rollout, lrp (repeat or comma-separate).",
+    ),
     target: str = typer.Option("chosen", "--target", help="chosen | runner-up | contrast (chosen − runner-up)."),
     quantity: str = typer.Option("logit", "--quantity", help="logit | logprob of the target token."),
-    baseline: str = typer.Option("mean", "--baseline", help="Integrated gradients baseline: mean | scaled-mean | pad | zero embedding."),
-    ig_steps: int = typer.Option(16, "--ig-steps", help="Integrated gradients: initial intervals (adaptive) or "
-                                                         "points (midpoint)."),
-    ig_rule: str = typer.Option("adaptive", "--ig-rule", help="Integrated gradients: adaptive | midpoint (fixed grid)."),
-    ig_tolerance: float = typer.Option(0.01, "--ig-tolerance", help="Integrated gradients: completeness error allowed, "
-                                                                     "relative to |f(x) − f(baseline)|."),
+    baseline: str = typer.Option(
+        "mean", "--baseline", help="Integrated gradients baseline: mean | scaled-mean | pad | zero embedding."
+    ),
+    ig_steps: int = typer.Option(
+        16, "--ig-steps", help="Integrated gradients: initial intervals (adaptive) or points (midpoint)."
+    ),
+    ig_rule: str = typer.Option(
+        "adaptive", "--ig-rule", help="Integrated gradients: adaptive | midpoint (fixed grid)."
+    ),
+    ig_tolerance: float = typer.Option(
+        0.01,
+        "--ig-tolerance",
+        help="Integrated gradients: completeness error allowed, relative to |f(x) − f(baseline)|.",
+    ),
     ig_max_points: int = typer.Option(1024, "--ig-max-points", help="Integrated gradients: gradient budget per step."),
-    ig_keep: str = typer.Option("sink", "--ig-keep", help="Integrated gradients: positions kept at their own "
-                                "embedding in the baseline: `sink` (position 0, default), `special` (position 0 and every "
-                                "special token, e.g. a chat template's), none, or 0,3,..."),
-    ig_dtype: str = typer.Option("float32", "--ig-dtype", help="Integrated gradients: float32 | float64 forwards and "
-                                 "gradients (float64: twice the memory, a remedy when not converged)."),
-    strict: bool = typer.Option(False, "--strict", help="Exit 1 when a result failed its method's own check "
-                                "(integrated gradients did not converge, lrp did not conserve f)."),
+    ig_keep: str = typer.Option(
+        "sink",
+        "--ig-keep",
+        help="Integrated gradients: positions kept at their own "
+        "embedding in the baseline: `sink` (position 0, default), `special` (position 0 and every "
+        "special token, e.g. a chat template's), none, or 0,3,...",
+    ),
+    ig_dtype: str = typer.Option(
+        "float32",
+        "--ig-dtype",
+        help="Integrated gradients: float32 | float64 forwards and "
+        "gradients (float64: twice the memory, a remedy when not converged).",
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Exit 1 when a result failed its method's own check "
+        "(integrated gradients did not converge, lrp did not conserve f).",
+    ),
     batch_size: int = typer.Option(8, "--batch-size", help="Forwards per batch (IG points, occluded positions)."),
-    rollout_exclude: str = typer.Option("", "--rollout-exclude", help="Attention rollout: leave out these key "
-                                        "positions and renormalise: `sink` (position 0) or 0,3,..."),
+    rollout_exclude: str = typer.Option(
+        "",
+        "--rollout-exclude",
+        help="Attention rollout: leave out these key positions and renormalise: `sink` (position 0) or 0,3,...",
+    ),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
@@ -50,12 +76,31 @@ def explain(
     from ..commands.explain import Settings, explain_command
 
     try:
-        explain_command(run, steps, sequence=sequence, methods=method, device=device, runs_dir=runs_dir,
-                        settings=Settings(target=target, quantity=quantity, baseline=baseline, ig_steps=ig_steps,
-                                          ig_rule=ig_rule, batch_size=batch_size, ig_tolerance=ig_tolerance,
-                                          ig_max_points=ig_max_points, ig_keep=ig_keep, ig_dtype=ig_dtype,
-                                          rollout_exclude=rollout_exclude),
-                        json_out=json_out, quiet=quiet, top=top, strict=strict)
+        explain_command(
+            run,
+            steps,
+            sequence=sequence,
+            methods=method,
+            device=device,
+            runs_dir=runs_dir,
+            settings=Settings(
+                target=target,
+                quantity=quantity,
+                baseline=baseline,
+                ig_steps=ig_steps,
+                ig_rule=ig_rule,
+                batch_size=batch_size,
+                ig_tolerance=ig_tolerance,
+                ig_max_points=ig_max_points,
+                ig_keep=ig_keep,
+                ig_dtype=ig_dtype,
+                rollout_exclude=rollout_exclude,
+            ),
+            json_out=json_out,
+            quiet=quiet,
+            top=top,
+            strict=strict,
+        )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: run_dir_or_root(run, runs_dir))
 
@@ -97,26 +142,46 @@ def lens(
 @app.command()
 def heads(
     run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
-    per_sequence: bool = typer.Option(False, "--per-sequence", help="Also write per-sequence scores "
-                                      "(analysis/heads_per_sequence.parquet)."),
+    per_sequence: bool = typer.Option(
+        False, "--per-sequence", help="Also write per-sequence scores (analysis/heads_per_sequence.parquet)."
+    ),
     out: Optional[Path] = typer.Option(None, "--out", help="Write heads.parquet here instead of RUN/analysis/."),
     top: int = typer.Option(20, "--top", help="Heads to print in the table (all are written)."),
-    label: list[str] = typer.Option([], "--label", metavar="LABEL", help="Show only heads with this label (repeatable, or "
-                                    "comma-separated): induction, previous-token, local, focused, sink, diffuse. "
-                                    "The files keep every head."),
+    label: list[str] = typer.Option(
+        [],
+        "--label",
+        metavar="LABEL",
+        help="Show only heads with this label (repeatable, or "
+        "comma-separated): induction, previous-token, local, focused, sink, diffuse. "
+        "The files keep every head.",
+    ),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors; heads.parquet is written."),
-    by: Optional[str] = typer.Option(None, "--by", metavar="COLUMN", help="Also score every head per group of "
-                                     "sequences: a column of sequences.parquet (prompt metadata, stop_reason, ...); "
-                                     "written to analysis/heads_by_COLUMN.parquet."),
+    by: Optional[str] = typer.Option(
+        None,
+        "--by",
+        metavar="COLUMN",
+        help="Also score every head per group of "
+        "sequences: a column of sequences.parquet (prompt metadata, stop_reason, ...); "
+        "written to analysis/heads_by_COLUMN.parquet.",
+    ),
 ):
     """Classify every attention head (sink, previous-token, induction, ...) from the archive; no model."""
     from ..commands.heads import heads_command
 
     try:
-        heads_command(run, runs_dir=runs_dir, out=out, per_sequence=per_sequence, json_out=json_out, top=top,
-                      labels=label, quiet=quiet, by=by)
+        heads_command(
+            run,
+            runs_dir=runs_dir,
+            out=out,
+            per_sequence=per_sequence,
+            json_out=json_out,
+            top=top,
+            labels=label,
+            quiet=quiet,
+            by=by,
+        )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: out or run_dir_or_root(run, runs_dir))
 
@@ -124,8 +189,12 @@ def heads(
 @app.command()
 def stats(
     run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
-    by: Optional[str] = typer.Option(None, "--by", metavar="COLUMN", help="Per group of sequences: a column of "
-                                     "sequences.parquet (prompt metadata, stop_reason, ...)."),
+    by: Optional[str] = typer.Option(
+        None,
+        "--by",
+        metavar="COLUMN",
+        help="Per group of sequences: a column of sequences.parquet (prompt metadata, stop_reason, ...).",
+    ),
     lowest: int = typer.Option(5, "--lowest", help="Lowest-probability tokens listed per group."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -144,55 +213,110 @@ def compare(
     run_a: str = typer.Argument(..., metavar="A", help="Run id (or unique prefix) or run directory."),
     run_b: str = typer.Argument(..., metavar="B", help="Run id (or unique prefix) or run directory."),
     pair: str = typer.Option("auto", "--pair", help="Pair sequences by: auto | index | prompt (text)."),
-    allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Compare unfinished runs up to their committed steps."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write per-step / per-layer / per-head Parquet tables and report.md here."),
-    html_out: Optional[Path] = typer.Option(None, "--html", help="Also write the comparison as a self-contained HTML "
-                                            "page here (as `lmtrace report A B --out PATH`)."),
+    allow_incomplete: bool = typer.Option(
+        False, "--allow-incomplete", help="Compare unfinished runs up to their committed steps."
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="Write per-step / per-layer / per-head Parquet tables and report.md here."
+    ),
+    html_out: Optional[Path] = typer.Option(
+        None,
+        "--html",
+        help="Also write the comparison as a self-contained HTML page here (as `lmtrace report A B --out PATH`).",
+    ),
     top: int = typer.Option(5, "--top", help="Layers, heads and pairs to show in the summary."),
-    exact: bool = typer.Option(False, "--exact", help="Load the model(s) and rescore the paired contexts: exact "
-                                                       "full-vocabulary KL/JS and logit differences."),
-    exact_steps: Optional[str] = typer.Option(None, "--exact-steps", help="With --exact: only these paired steps "
-                                                                          "(0,4,9 or 2-5; default all)."),
+    exact: bool = typer.Option(
+        False,
+        "--exact",
+        help="Load the model(s) and rescore the paired contexts: exact full-vocabulary KL/JS and logit differences.",
+    ),
+    exact_steps: Optional[str] = typer.Option(
+        None, "--exact-steps", help="With --exact: only these paired steps (0,4,9 or 2-5; default all)."
+    ),
     device: Optional[str] = typer.Option(None, "--device", help="With --exact: device for the model(s)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the verdict line only (--out and --html are "
-                               "still written)."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Print the verdict line only (--out and --html are still written)."
+    ),
 ):
     """Diff two runs from their archives (no model is loaded unless --exact): divergence, distributions, layers, heads."""
     from ..commands.compare import compare_view
 
     try:
-        compare_view(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair,
-                     json_out=json_out, out_dir=out, top=top, html_path=html_out, exact=exact,
-                     exact_steps=exact_steps, device=device, quiet=quiet)
+        compare_view(
+            run_a,
+            run_b,
+            runs_dir=runs_dir,
+            allow_incomplete=allow_incomplete,
+            pair=pair,
+            json_out=json_out,
+            out_dir=out,
+            top=top,
+            html_path=html_out,
+            exact=exact,
+            exact_steps=exact_steps,
+            device=device,
+            quiet=quiet,
+        )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: out or html_out or run_dir_or_root(run_a, runs_dir))
 
 
 @app.command()
 def report(
-    runs: list[str] = typer.Argument(..., metavar="RUN [RUN_B]", help="A run id (or unique prefix) or directory; "
-                                     "two runs: a comparison report (as `lmtrace compare A B --html`)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="HTML file to write (default: RUN_DIR/report.html; "
-                                       "for two runs A_DIR/compare-B.html)."),
-    sequence: list[str] = typer.Option([], "--sequence", "-s", metavar="SEQUENCES", help="Sequences to show: 0,3 or "
-                                       "0-15 or all (repeatable; default: the first 2)."),
-    steps: Optional[str] = typer.Option(None, "--steps", help="Steps to show: 0,4,9 or 2-5 or all, with an optional "
-                                        "stride 0-255:4 (default: all up to 256 steps, else a stride)."),
-    layer: list[int] = typer.Option([], "--layer", "-l", help="Layer with per-head step × key heatmaps (repeatable; "
-                                    "default: first, middle and last captured)."),
-    attention_step: Optional[int] = typer.Option(None, "--attention-step", help="Step first selected in the token view "
-                                                 "and of the layer × head attention grid (default: the last step "
-                                                 "shown; past a sequence's end, its last step)."),
-    png: Optional[Path] = typer.Option(None, "--png", help="Also write every figure as a PNG file into this directory."),
-    svg: Optional[Path] = typer.Option(None, "--svg", help="Also write every figure as an SVG file into this directory."),
+    runs: list[str] = typer.Argument(
+        ...,
+        metavar="RUN [RUN_B]",
+        help="A run id (or unique prefix) or directory; "
+        "two runs: a comparison report (as `lmtrace compare A B --html`).",
+    ),
+    out: Optional[Path] = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="HTML file to write (default: RUN_DIR/report.html; for two runs A_DIR/compare-B.html).",
+    ),
+    sequence: list[str] = typer.Option(
+        [],
+        "--sequence",
+        "-s",
+        metavar="SEQUENCES",
+        help="Sequences to show: 0,3 or 0-15 or all (repeatable; default: the first 2).",
+    ),
+    steps: Optional[str] = typer.Option(
+        None,
+        "--steps",
+        help="Steps to show: 0,4,9 or 2-5 or all, with an optional "
+        "stride 0-255:4 (default: all up to 256 steps, else a stride).",
+    ),
+    layer: list[int] = typer.Option(
+        [],
+        "--layer",
+        "-l",
+        help="Layer with per-head step × key heatmaps (repeatable; default: first, middle and last captured).",
+    ),
+    attention_step: Optional[int] = typer.Option(
+        None,
+        "--attention-step",
+        help="Step first selected in the token view "
+        "and of the layer × head attention grid (default: the last step "
+        "shown; past a sequence's end, its last step).",
+    ),
+    png: Optional[Path] = typer.Option(
+        None, "--png", help="Also write every figure as a PNG file into this directory."
+    ),
+    svg: Optional[Path] = typer.Option(
+        None, "--svg", help="Also write every figure as an SVG file into this directory."
+    ),
     pair: str = typer.Option("auto", "--pair", help="Two runs: pair sequences by auto | index | prompt."),
     allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Two runs: compare unfinished runs."),
     open_: bool = typer.Option(False, "--open", help="Open the page in the default browser when written."),
-    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
+    runs_dir: Optional[str] = typer.Option(
+        None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
-    json_out: bool = typer.Option(False, "--json", help="Print {\"path\": ...} and sizes as JSON."),
+    json_out: bool = typer.Option(False, "--json", help='Print {"path": ...} and sizes as JSON.'),
 ):
     """Write a self-contained HTML report of a run (or of two runs compared); works offline."""
     try:
@@ -204,11 +328,28 @@ def report(
             raise SpecError("give --png DIR or --svg DIR, not both")
         images, fmt = (svg, "svg") if svg is not None else (png, "png")
         if len(runs) == 1:
-            result = report_run(runs[0], runs_dir=runs_dir, out=out, sequences=sequence or None, steps=steps,
-                                layers=layer or None, attention_step=attention_step, png_dir=images, image_format=fmt)
+            result = report_run(
+                runs[0],
+                runs_dir=runs_dir,
+                out=out,
+                sequences=sequence or None,
+                steps=steps,
+                layers=layer or None,
+                attention_step=attention_step,
+                png_dir=images,
+                image_format=fmt,
+            )
         elif len(runs) == 2:
-            result = report_compare(runs[0], runs[1], runs_dir=runs_dir, out=out, pair=pair,
-                                    allow_incomplete=allow_incomplete, png_dir=images, image_format=fmt)
+            result = report_compare(
+                runs[0],
+                runs[1],
+                runs_dir=runs_dir,
+                out=out,
+                pair=pair,
+                allow_incomplete=allow_incomplete,
+                png_dir=images,
+                image_format=fmt,
+            )
         else:
             from ..exits.errors import SpecError
 
@@ -227,11 +368,20 @@ def report(
 
 @app.command()
 def serve(
-    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."),
-    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; any but loopback needs --token."),
+    runs_dir: Optional[str] = typer.Option(
+        None, "--runs-dir", help="Runs directory (default: $LMTRACE_RUNS_DIR, ./runs)."
+    ),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", metavar="ADDRESS", help="Address to listen on; any but loopback needs --token."
+    ),
     port: int = typer.Option(8765, "--port", metavar="N", help="Port to listen on (0: a free one, printed)."),
-    token: Optional[str] = typer.Option(None, "--token", metavar="TOKEN", help="Access token every request must carry (the printed "
-                                        "address sets it as a cookie); required with a non-loopback --host."),
+    token: Optional[str] = typer.Option(
+        None,
+        "--token",
+        metavar="TOKEN",
+        help="Access token every request must carry (the printed "
+        "address sets it as a cookie); required with a non-loopback --host.",
+    ),
     open_: bool = typer.Option(False, "--open", help="Open the address in the default browser."),
 ):
     """Explore the runs in a local, read-only web page: runs, sequences, and per token its attention, lens and alternatives."""
@@ -241,7 +391,7 @@ def serve(
         serve_command(runs_dir, host, port, token, open_)
     except BaseException as err:  # noqa: BLE001
         if isinstance(err, KeyboardInterrupt):
-            raise typer.Exit(0)
+            raise typer.Exit(0) from None
         fail(err)
 
 

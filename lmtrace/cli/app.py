@@ -14,9 +14,13 @@ import typer
 from ..exits.errors import EXIT_RUN_FAILED, Interrupted, LmtraceError
 from ..exits.interrupts import interrupt_on_signals
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Trace what happens inside a causal language model while it generates.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Trace what happens inside a causal language model while it generates.",
+)
 
 _state = {"debug": False}
 
@@ -30,9 +34,13 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(ctx: typer.Context, debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
-         version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
-                                      help="Print the version and exit.")):
+def main(
+    ctx: typer.Context,
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(
+        False, "--version", "-V", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+):
     _state["debug"] = debug
     # every command, from its first line: SIGTERM/SIGINT exit 3 with one line, never die by the signal
     ctx.call_on_close(interrupt_on_signals(ctx.invoked_subcommand))
@@ -101,7 +109,6 @@ class Reporter:
     """Rich progress bar on a terminal; plain timestamped lines otherwise (cron, SLURM .out files):
     sequences done of the total, tokens, tok/s and the estimated time left (progress.Estimate)."""
 
-
     def __init__(self, quiet: bool, log_json: bool = False):
         self.quiet = quiet
         self.log_json = log_json  # JSON lines on stderr instead of a bar or plain lines
@@ -125,8 +132,12 @@ class Reporter:
         if self.quiet:
             return
         if self.log_json:
-            typer.echo(json.dumps({"time": round(time.time(), 3), "event": fields.pop("event", "message"),
-                                   "message": text, **fields}), err=True)
+            typer.echo(
+                json.dumps(
+                    {"time": round(time.time(), 3), "event": fields.pop("event", "message"), "message": text, **fields}
+                ),
+                err=True,
+            )
         else:
             typer.echo(f"[{time.strftime('%H:%M:%S')}] {text}", err=True)
 
@@ -146,15 +157,25 @@ class Reporter:
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn(f"generating{f' ({self.shard})' if self.shard else ''}"), BarColumn(),
-                                MofNCompleteColumn(), TextColumn("sequences, {task.fields[status]}"),
-                                TimeElapsedColumn(), transient=True)
+            self.bar = Progress(
+                TextColumn(f"generating{f' ({self.shard})' if self.shard else ''}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("sequences, {task.fields[status]}"),
+                TimeElapsedColumn(),
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("gen", total=n_prompts, status="-")
         else:
             where = f"{self.shard}: " if self.shard else ""
-            self.message(f"{where}generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each", event="start",
-                         prompts=n_prompts, max_new_tokens=max_tokens, **({"shard": self.shard} if self.shard else {}))
+            self.message(
+                f"{where}generating: {n_prompts} prompt(s), up to {max_tokens} new tokens each",
+                event="start",
+                prompts=n_prompts,
+                max_new_tokens=max_tokens,
+                **({"shard": self.shard} if self.shard else {}),
+            )
 
     def advance(self, tokens: int) -> None:
         self.estimate.advance(tokens)
@@ -177,9 +198,16 @@ class Reporter:
             self.bar.update(self.task, advance=sequences, status=f"{e.tokens} tokens, {rate:.1f} tok/s{eta}")
         elif now - self.last_line >= self.every:
             self.last_line = now
-            self.message(self.progress_line(now), event="progress", sequences_done=e.sequences,
-                         sequences_total=e.total, tokens=e.tokens, tokens_per_s=round(rate, 2),
-                         eta_s=None if left is None else round(left), **({"shard": self.shard} if self.shard else {}))
+            self.message(
+                self.progress_line(now),
+                event="progress",
+                sequences_done=e.sequences,
+                sequences_total=e.total,
+                tokens=e.tokens,
+                tokens_per_s=round(rate, 2),
+                eta_s=None if left is None else round(left),
+                **({"shard": self.shard} if self.shard else {}),
+            )
 
     def progress_line(self, now: float) -> str:
         """`shard-0-of-4: 120/500 sequences, 9695 tokens, 8.8 tok/s, ETA ~14 min (estimate)`."""

@@ -39,11 +39,13 @@ def show(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json", help="The same as JSON (with --step: that step's details)."),
     no_color: bool = typer.Option(False, "--no-color", help="Probabilities as numbers instead of colours."),
-    step: Optional[int] = typer.Option(None, "--step", help="Show this generated step in detail: chosen token, "
-                                       "alternatives and logit lens as text."),
+    step: Optional[int] = typer.Option(
+        None, "--step", help="Show this generated step in detail: chosen token, alternatives and logit lens as text."
+    ),
     sequence: Optional[int] = typer.Option(None, "--sequence", help="Only this sequence (with --step: default 0)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the generated text only (with --step: the "
-                               "chosen token's text only)."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Print the generated text only (with --step: the chosen token's text only)."
+    ),
 ):
     """Show a run's manifest summary and its generated text coloured by token probability.
 
@@ -67,8 +69,12 @@ def verify(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
     json_out: bool = typer.Option(False, "--json"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on stdout: the exit code says it (0 "
-                               "intact, 2 damaged, with the one error line)."),
+    quiet: bool = typer.Option(
+        False,
+        "--quiet",
+        "-q",
+        help="Print nothing on stdout: the exit code says it (0 intact, 2 damaged, with the one error line).",
+    ),
 ):
     """Check a complete run's files against the checksums recorded at completion (exit 2 when damaged)."""
     from ..commands.verify import verify_run
@@ -82,14 +88,24 @@ def verify(
 
 @app.command()
 def query(
-    sql: str = typer.Argument(..., metavar="SQL", help="A DuckDB SELECT over the views runs, sequences, tokens, steps, "
-                              "effects, heads, heads_per_sequence, heads_by, sweeps, explain (each with a run_id "
-                              "column). Read-only: COPY, ATTACH, SET, ... are refused."),
+    sql: str = typer.Argument(
+        ...,
+        metavar="SQL",
+        help="A DuckDB SELECT over the views runs, sequences, tokens, steps, "
+        "effects, heads, heads_per_sequence, heads_by, sweeps, explain (each with a run_id "
+        "column). Read-only: COPY, ATTACH, SET, ... are refused.",
+    ),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
-    fmt: Optional[str] = typer.Option(None, "--format", "-f", help="table (default on stdout) | csv | json (one object "
-                                      "a line) | parquet (needs --out); with --out, the file's suffix decides."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the result to this file (never inside "
-                                       "the runs directory)."),
+    fmt: Optional[str] = typer.Option(
+        None,
+        "--format",
+        "-f",
+        help="table (default on stdout) | csv | json (one object "
+        "a line) | parquet (needs --out); with --out, the file's suffix decides.",
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Write the result to this file (never inside the runs directory)."
+    ),
 ):
     """Answer questions across runs with SQL: every run's committed tables as DuckDB views (docs/query.md).
 

@@ -33,10 +33,12 @@ def _argument_usage(self) -> str:
 
 
 def install() -> None:
-    patches = ((core.TyperOption, "display_type_rich", _option_type),
-               (core.TyperArgument, "display_type_rich", _argument_type),
-               (core.TyperArgument, "_rich_display_name", _argument_name),
-               (core.TyperArgument, "_usage_display_name", _argument_usage))
+    patches = (
+        (core.TyperOption, "display_type_rich", _option_type),
+        (core.TyperArgument, "display_type_rich", _argument_type),
+        (core.TyperArgument, "_rich_display_name", _argument_name),
+        (core.TyperArgument, "_usage_display_name", _argument_usage),
+    )
     for cls, attr, fn in patches:
         if hasattr(cls, attr):
             setattr(cls, attr, fn)
@@ -44,18 +46,52 @@ def install() -> None:
 
 # The value each option takes, as `--help` shows it (one vocabulary for every command).
 METAVARS = {
-    "--set": "KEY=VALUE", "--runs-dir": "DIR", "--run-id": "ID", "--resume": "RUN_ID", "--shard": "I/N|auto",
-    "--spec": "FILE", "--ablate-head": "LAYER.HEAD[:mean]", "--ablate-layer": "LAYER[:mean]",
-    "--ablate-mlp": "LAYER[:mean]", "--ablate-attn": "LAYER[:mean]", "--ablate-neurons": "LAYER:N,N..[:mean]",
-    "--mask-positions": "POSITIONS", "--from-step": "STEP", "--mode": "rescore|regenerate",
-    "--temperatures": "T,T..", "--over": "COMPONENTS", "--edit": "zero|mean|patch", "--source": "RUN",
-    "--metric": "METRIC", "--steps": "STEPS", "--sequences": "SEQUENCES", "--positions": "POSITIONS",
-    "--batch": "N", "--top": "N", "--step": "STEP", "--sequence": "N", "--method": "METHOD",
-    "--target": "chosen|runner-up|contrast", "--quantity": "logit|logprob", "--baseline": "mean|scaled-mean|pad|zero",
-    "--ig-steps": "N", "--ig-rule": "adaptive|midpoint", "--ig-tolerance": "FRACTION", "--ig-max-points": "N",
-    "--batch-size": "N", "--rollout-exclude": "POSITIONS", "--device": "DEVICE", "--out": "PATH",
-    "--pair": "auto|index|prompt", "--html": "FILE", "--exact-steps": "STEPS", "--layer": "LAYER",
-    "--attention-step": "STEP", "--png": "DIR", "--svg": "DIR", "--kind": "KIND",
+    "--set": "KEY=VALUE",
+    "--runs-dir": "DIR",
+    "--run-id": "ID",
+    "--resume": "RUN_ID",
+    "--shard": "I/N|auto",
+    "--spec": "FILE",
+    "--ablate-head": "LAYER.HEAD[:mean]",
+    "--ablate-layer": "LAYER[:mean]",
+    "--ablate-mlp": "LAYER[:mean]",
+    "--ablate-attn": "LAYER[:mean]",
+    "--ablate-neurons": "LAYER:N,N..[:mean]",
+    "--mask-positions": "POSITIONS",
+    "--from-step": "STEP",
+    "--mode": "rescore|regenerate",
+    "--temperatures": "T,T..",
+    "--over": "COMPONENTS",
+    "--edit": "zero|mean|patch",
+    "--source": "RUN",
+    "--metric": "METRIC",
+    "--steps": "STEPS",
+    "--sequences": "SEQUENCES",
+    "--positions": "POSITIONS",
+    "--batch": "N",
+    "--top": "N",
+    "--step": "STEP",
+    "--sequence": "N",
+    "--method": "METHOD",
+    "--target": "chosen|runner-up|contrast",
+    "--quantity": "logit|logprob",
+    "--baseline": "mean|scaled-mean|pad|zero",
+    "--ig-steps": "N",
+    "--ig-rule": "adaptive|midpoint",
+    "--ig-tolerance": "FRACTION",
+    "--ig-max-points": "N",
+    "--batch-size": "N",
+    "--rollout-exclude": "POSITIONS",
+    "--device": "DEVICE",
+    "--out": "PATH",
+    "--pair": "auto|index|prompt",
+    "--html": "FILE",
+    "--exact-steps": "STEPS",
+    "--layer": "LAYER",
+    "--attention-step": "STEP",
+    "--png": "DIR",
+    "--svg": "DIR",
+    "--kind": "KIND",
 }
 
 # Help for the options many commands share, where a command gives none of its own.

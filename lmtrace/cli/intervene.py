@@ -7,10 +7,10 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from ..exits.errors import SpecError
-from ..capture.interventions import shorthand_entries
 from ..analysis.intervention_effects import summarize
+from ..capture.interventions import shorthand_entries
 from ..commands.intervene import run_intervene
+from ..exits.errors import SpecError
 
 
 def _read_edit_spec(path: Path) -> dict:
@@ -39,8 +39,21 @@ def _with_lens(result, lens: bool, progress) -> dict:
     return {"lens": lens_after(result, note=progress.message)}
 
 
-def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, temperatures, runs_dir, run_id,
-                      progress, json_out: bool, quiet: bool, lens: bool = False) -> dict:
+def intervene_command(
+    run_ref,
+    spec_path,
+    flags: dict,
+    *,
+    from_step,
+    mode,
+    temperatures,
+    runs_dir,
+    run_id,
+    progress,
+    json_out: bool,
+    quiet: bool,
+    lens: bool = False,
+) -> dict:
     entries = shorthand_entries(**flags)
     file_mode = None
     if spec_path is not None:
@@ -49,12 +62,16 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
         file_mode = data.get("mode")
         from_step = from_step if from_step is not None else data.get("from_step")
     if not entries and not temperatures:  # (a temperature sweep without edits is a real experiment)
-        raise SpecError("no interventions given: the child would be a copy of the parent; pass --ablate-head, "
-                        "--ablate-layer, --ablate-mlp, --ablate-attn, --ablate-neurons, --mask-positions, "
-                        "--temperatures or --spec edits.yaml")
+        raise SpecError(
+            "no interventions given: the child would be a copy of the parent; pass --ablate-head, "
+            "--ablate-layer, --ablate-mlp, --ablate-attn, --ablate-neurons, --mask-positions, "
+            "--temperatures or --spec edits.yaml"
+        )
     if temperatures and (mode or file_mode) == "rescore":
-        raise SpecError("--temperatures regenerates one child per temperature; it cannot be combined with --mode "
-                        "rescore (which forces the parent's tokens, so a temperature changes nothing)")
+        raise SpecError(
+            "--temperatures regenerates one child per temperature; it cannot be combined with --mode "
+            "rescore (which forces the parent's tokens, so a temperature changes nothing)"
+        )
     mode = mode or file_mode or "rescore"
     children = []
     if temperatures:
@@ -67,15 +84,36 @@ def intervene_command(run_ref, spec_path, flags: dict, *, from_step, mode, tempe
         if run_id:
             raise SpecError("--run-id cannot name several children of a temperature sweep")
         for t in temps:
-            result, effects = run_intervene(run_ref, entries, mode="regenerate", from_step=from_step or 0,
-                                            runs_dir=runs_dir, temperature=t, progress=progress)
-            children.append({"run_id": result.run_id, "temperature": t, **summarize(effects.to_pandas()),
-                             **_with_lens(result, lens, progress)})
+            result, effects = run_intervene(
+                run_ref,
+                entries,
+                mode="regenerate",
+                from_step=from_step or 0,
+                runs_dir=runs_dir,
+                temperature=t,
+                progress=progress,
+            )
+            children.append(
+                {
+                    "run_id": result.run_id,
+                    "temperature": t,
+                    **summarize(effects.to_pandas()),
+                    **_with_lens(result, lens, progress),
+                }
+            )
     else:
-        result, effects = run_intervene(run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir,
-                                        run_id=run_id, progress=progress)
-        children.append({"run_id": result.run_id, "mode": mode, "run_dir": str(result.run_dir),
-                         **summarize(effects.to_pandas()), **_with_lens(result, lens, progress)})
+        result, effects = run_intervene(
+            run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir, run_id=run_id, progress=progress
+        )
+        children.append(
+            {
+                "run_id": result.run_id,
+                "mode": mode,
+                "run_dir": str(result.run_dir),
+                **summarize(effects.to_pandas()),
+                **_with_lens(result, lens, progress),
+            }
+        )
     if quiet and not json_out:  # the child ids alone, one per line, for scripts
         for child in children:
             print(child["run_id"])
@@ -95,15 +133,36 @@ def _print(children: list[dict]) -> None:
         rows = []
         for s in child["sequences"]:
             tokens = s.get("first_divergence")
-            rows.append([str(s["sequence"]), fmt(s["first_divergence_step"]),
-                         "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}", fmt(s["winner_changes"]),
-                         fmt(s["mean_logprob_shift"]), fmt(s["max_kl_topk"])])
-        print_fitted(console, headers, rows, complete_in="--json has them", drop_first=("winner changes", "max KL ≥"),
-                     keep=headers[:3], left=("parent → child token",), wrap=("parent → child token",),
-                     title=f"child {child['run_id']} ({label}); max KL ≥: over the stored top-k, a lower bound; "
-                           f"effects.parquet has every step")
+            rows.append(
+                [
+                    str(s["sequence"]),
+                    fmt(s["first_divergence_step"]),
+                    "-" if not tokens else f"{tokens['parent']!r} → {tokens['child']!r}",
+                    fmt(s["winner_changes"]),
+                    fmt(s["mean_logprob_shift"]),
+                    fmt(s["max_kl_topk"]),
+                ]
+            )
+        print_fitted(
+            console,
+            headers,
+            rows,
+            complete_in="--json has them",
+            drop_first=("winner changes", "max KL ≥"),
+            keep=headers[:3],
+            left=("parent → child token",),
+            wrap=("parent → child token",),
+            title=f"child {child['run_id']} ({label}); max KL ≥: over the stored top-k, a lower bound; "
+            f"effects.parquet has every step",
+        )
         if child.get("lens"):
             lens = child["lens"]
-            console.print(f"child {child['run_id']}: " + (f"logit lens computed ({lens['rows']} rows, "
-                                                         f"{lens['seconds']:.1f} s)" if lens["computed"]
-                                                         else lens["reason"]), markup=False)
+            console.print(
+                f"child {child['run_id']}: "
+                + (
+                    f"logit lens computed ({lens['rows']} rows, {lens['seconds']:.1f} s)"
+                    if lens["computed"]
+                    else lens["reason"]
+                ),
+                markup=False,
+            )

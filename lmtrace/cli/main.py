@@ -22,20 +22,40 @@ from .app import Reporter, app, fail, lens_line, one_line, run_dir_or_root
 def generate(
     spec_path: Optional[Path] = typer.Argument(None, metavar="SPEC", help="YAML run spec (optional with --resume)."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
-    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", help="Runs directory (default: spec, $LMTRACE_RUNS_DIR, ./runs)."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: generated, sortable). An existing "
-                                         "unfinished run with the same spec is resumed."),
-    resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN_ID", help="Continue an interrupted or killed run "
-                                         "(an intervene child too: its edits are replayed from its parent)."),
-    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", help="Memory the batches may "
-                                                "take beyond the model (8GiB, 512MB): sizes `batch_size: auto`, splits "
-                                                "a batch over it (generation.memory_budget)."),
+    runs_dir: Optional[str] = typer.Option(
+        None, "--runs-dir", help="Runs directory (default: spec, $LMTRACE_RUNS_DIR, ./runs)."
+    ),
+    run_id: Optional[str] = typer.Option(
+        None,
+        "--run-id",
+        help="Run id (default: generated, sortable). An existing unfinished run with the same spec is resumed.",
+    ),
+    resume: Optional[str] = typer.Option(
+        None,
+        "--resume",
+        metavar="RUN_ID",
+        help="Continue an interrupted or killed run (an intervene child too: its edits are replayed from its parent).",
+    ),
+    shard: Optional[str] = typer.Option(
+        None, "--shard", help="I/N: take every N-th prompt from I; `auto` reads SLURM array variables."
+    ),
+    memory_budget: Optional[str] = typer.Option(
+        None,
+        "--memory-budget",
+        metavar="SIZE",
+        help="Memory the batches may "
+        "take beyond the model (8GiB, 512MB): sizes `batch_size: auto`, splits "
+        "a batch over it (generation.memory_budget).",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output; print only the run id."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     log_json: bool = typer.Option(False, "--log-json", help="Progress and events as JSON lines on stderr."),
-    lens: bool = typer.Option(False, "--lens", help="Compute the deferred logit lens right after generating, in "
-                              "this process (no second model load; as `lmtrace lens RUN`)."),
+    lens: bool = typer.Option(
+        False,
+        "--lens",
+        help="Compute the deferred logit lens right after generating, in "
+        "this process (no second model load; as `lmtrace lens RUN`).",
+    ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..commands.generate import GenerateJob, print_summary
@@ -63,8 +83,16 @@ def generate(
         reporter.stop()
         fail(err, lambda: run_dir_or_root(job.run_ref, runs_dir))
     reporter.stop()
-    code = print_summary(result, lens_summary, None if lens_summary is None else lens_line(lens_summary),
-                         lens=job.lens, quiet=quiet, json_out=json_out, log_json=log_json, message=reporter.message)
+    code = print_summary(
+        result,
+        lens_summary,
+        None if lens_summary is None else lens_line(lens_summary),
+        lens=job.lens,
+        quiet=quiet,
+        json_out=json_out,
+        log_json=log_json,
+        message=reporter.message,
+    )
     if code:
         raise typer.Exit(code)
 
@@ -74,8 +102,12 @@ def validate(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="YAML run spec."),
     set_: list[str] = typer.Option([], "--set", help="Override a spec key: --set generation.seed=3"),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved spec and estimate as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors and warnings: the exit "
-                               "code says whether the spec is valid."),
+    quiet: bool = typer.Option(
+        False,
+        "--quiet",
+        "-q",
+        help="Print nothing but errors and warnings: the exit code says whether the spec is valid.",
+    ),
 ):
     """Check a spec, print it resolved with an archive-size estimate. Loads no model weights."""
     from ..commands.validate import validate_spec
@@ -110,8 +142,14 @@ def _comment(text: str) -> str:
 
     if not sys.stdout.isatty():
         return f"# {text}"
-    return textwrap.fill(text, width=max(shutil.get_terminal_size().columns - 1, 40), initial_indent="# ",
-                         subsequent_indent="# ", break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(
+        text,
+        width=max(shutil.get_terminal_size().columns - 1, 40),
+        initial_indent="# ",
+        subsequent_indent="# ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 # Registered after generate and validate, in this order, so `lmtrace --help` lists the commands
@@ -136,8 +174,8 @@ _reflow_help()
 def run() -> None:
     """Entry point. Usage errors (missing argument, unknown option) are one `error:` line too.
     The command's signal handler stays until the process exits (interrupts.until_exit)."""
-    from ..exits.interrupts import until_exit
     from ..exits.faults import pause_point
+    from ..exits.interrupts import until_exit
 
     until_exit()
     try:

@@ -8,8 +8,11 @@ import typer
 
 from .app import Reporter, app, fail, run_dir_or_root
 
-sae_app = typer.Typer(no_args_is_help=True, help="Sparse autoencoders: train one on a run's activations (sae train), read and check one (sae show).",
-                      context_settings={"help_option_names": ["-h", "--help"]})
+sae_app = typer.Typer(
+    no_args_is_help=True,
+    help="Sparse autoencoders: train one on a run's activations (sae train), read and check one (sae show).",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 app.add_typer(sae_app, name="sae")
 
 
@@ -17,14 +20,20 @@ app.add_typer(sae_app, name="sae")
 def train(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory, complete."),
     layer: int = typer.Option(..., "--layer", help="Layer of the site."),
-    site: str = typer.Option("resid_post", "--site", help="resid_post, resid_pre, attn_out, mlp_out, mlp_in, "
-                             "attn_z or mlp_post (docs/features.md, \"Sites\")."),
+    site: str = typer.Option(
+        "resid_post",
+        "--site",
+        help='resid_post, resid_pre, attn_out, mlp_out, mlp_in, attn_z or mlp_post (docs/features.md, "Sites").',
+    ),
     latents: int = typer.Option(..., "--latents", help="Number of latents (d_sae)."),
     k: int = typer.Option(32, "--k", help="Active latents per token (TopK), or on average (BatchTopK)."),
     out: str = typer.Option(..., "--out", help="New directory to write the SAE to (SAELens format)."),
     arch: str = typer.Option("topk", "--arch", help="topk | batchtopk (saved as jumprelu, as SAELens does)."),
-    source: str = typer.Option("auto", "--source", help="auto | archive (the run's residual vectors) | replay "
-                               "(every position, through the model)."),
+    source: str = typer.Option(
+        "auto",
+        "--source",
+        help="auto | archive (the run's residual vectors) | replay (every position, through the model).",
+    ),
     heldout: float = typer.Option(0.1, "--heldout", help="Share of the run's sequences held out for the metrics."),
     epochs: int = typer.Option(1, "--epochs", help="Passes over the training activations."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Training activations kept at most."),
@@ -42,10 +51,27 @@ def train(
     from ..commands.sae import sae_train_command
 
     try:
-        sae_train_command(run, layer=layer, site=site, latents=latents, k=k, out=out, arch=arch, source=source,
-                          heldout=heldout, epochs=epochs, max_tokens=max_tokens, batch=batch, lr=lr, seed=seed,
-                          device=device, runs_dir=runs_dir, json_out=json_out, quiet=quiet,
-                          note=reporter.message)
+        sae_train_command(
+            run,
+            layer=layer,
+            site=site,
+            latents=latents,
+            k=k,
+            out=out,
+            arch=arch,
+            source=source,
+            heldout=heldout,
+            epochs=epochs,
+            max_tokens=max_tokens,
+            batch=batch,
+            lr=lr,
+            seed=seed,
+            device=device,
+            runs_dir=runs_dir,
+            json_out=json_out,
+            quiet=quiet,
+            note=reporter.message,
+        )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: run_dir_or_root(run, runs_dir))
 

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..commands.sweep import grouped_cells, run_sweep, sweep_groups
 from ..exits.errors import SpecError
 from ..output.jsonout import json_line
-from ..commands.sweep import grouped_cells, run_sweep, sweep_groups
 from ..spec.sweep_spec import build_sweep_spec, load_sweep_spec
 
 
-def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir: str | None, run_id: str | None,
-                  shard: str | None, resume: bool, top: int, json_out: bool, quiet: bool, note,
-                  by: str | None = None) -> dict:
+def sweep_command(
+    run_ref: str,
+    *,
+    spec_path: Path | None,
+    flags: dict,
+    runs_dir: str | None,
+    run_id: str | None,
+    shard: str | None,
+    resume: bool,
+    top: int,
+    json_out: bool,
+    quiet: bool,
+    note,
+    by: str | None = None,
+) -> dict:
     data = load_sweep_spec(spec_path) if spec_path is not None else {}
     for key, value in flags.items():  # flags override the file
         if value is not None and value != []:
@@ -29,8 +41,9 @@ def sweep_command(run_ref: str, *, spec_path: Path | None, flags: dict, runs_dir
         index, count = shard_obj.index, shard_obj.count
         run_id = run_id or slurm_id
     groups = sweep_groups(run_ref, runs_dir, by) if by is not None else None  # an unknown column before any cell
-    result = run_sweep(run_ref, spec, runs_dir=runs_dir, sweep_id=run_id, shard=(index, count), resume=resume,
-                       top=top, note=note)
+    result = run_sweep(
+        run_ref, spec, runs_dir=runs_dir, sweep_id=run_id, shard=(index, count), resume=resume, top=top, note=note
+    )
     summary = {"status": result.status, **result.summary}
     if groups is not None and result.status == "complete":
         summary["by"] = grouped_cells(run_ref, runs_dir, summary["sweep_id"], summary["metric"], groups)
@@ -60,15 +73,28 @@ def _print_patching(patching: dict, top: int) -> None:
     from rich.console import Console
 
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
-    rows = [[c["component"], *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}",
-             "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]", str(c["n_pairs"])]
-            for c in patching["cells"][:top]]
-    _print_fitted(Console(), f"normalised patching effect on {patching['metric']} (patched - corrupted) / (clean - "
-                  f"corrupted), clean = {patching['clean']}, corrupted = {patching['corrupted']}: mean over "
-                  f"{patching['n_pairs']} pairs (by {patching['pair_by']}), 95 % bootstrap interval over pairs; "
-                  f"top {top}", ["component", "layer", "q_head", "neuron", "position", "normalised", "95 % interval",
-                                 "pairs"], rows,
-                  drop_first=("pairs", "95 % interval"), keep=("component", "layer", "normalised"), left=("component",))
+    rows = [
+        [
+            c["component"],
+            *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")),
+            f"{c['effect']:.4f}",
+            "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]",
+            str(c["n_pairs"]),
+        ]
+        for c in patching["cells"][:top]
+    ]
+    _print_fitted(
+        Console(),
+        f"normalised patching effect on {patching['metric']} (patched - corrupted) / (clean - "
+        f"corrupted), clean = {patching['clean']}, corrupted = {patching['corrupted']}: mean over "
+        f"{patching['n_pairs']} pairs (by {patching['pair_by']}), 95 % bootstrap interval over pairs; "
+        f"top {top}",
+        ["component", "layer", "q_head", "neuron", "position", "normalised", "95 % interval", "pairs"],
+        rows,
+        drop_first=("pairs", "95 % interval"),
+        keep=("component", "layer", "normalised"),
+        left=("component",),
+    )
 
 
 def _print_grouped(by: dict, top: int) -> None:
@@ -85,15 +111,29 @@ def _print_grouped(by: dict, top: int) -> None:
         cells = sorted(cells, key=lambda c: -abs(c["effect"]) if c["effect"] is not None else 0.0)[:top]
         for c in cells:
             interval = "-" if c["low"] is None else f"[{c['low']:.4f}, {c['high']:.4f}]"
-            rows.append([group, str(c["n_sequences"]), c["component"], *(fmt(c[k]) for k in
-                         ("layer", "q_head", "neuron", "position")), f"{c['effect']:.4f}", interval])
+            rows.append(
+                [
+                    group,
+                    str(c["n_sequences"]),
+                    c["component"],
+                    *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")),
+                    f"{c['effect']:.4f}",
+                    interval,
+                ]
+            )
     headers = ["seqs", "component", "layer", "q_head", "neuron", "position", "effect", "95 % interval"]
     column = group_header(by["column"], headers)
-    _print_fitted(Console(), f"by {by['column']}: the top {top} cells of each group by |mean effect| on "
-                  f"{by['metric']}, with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, "
-                  f"seed {by['seed']})",
-                  [column, *headers], rows, drop_first=("95 % interval", "seqs"),
-                  keep=(column, "component", "layer", "effect"), left=(column, "component"))
+    _print_fitted(
+        Console(),
+        f"by {by['column']}: the top {top} cells of each group by |mean effect| on "
+        f"{by['metric']}, with a 95 % bootstrap interval over its sequences ({by['resamples']} resamples, "
+        f"seed {by['seed']})",
+        [column, *headers],
+        rows,
+        drop_first=("95 % interval", "seqs"),
+        keep=(column, "component", "layer", "effect"),
+        left=(column, "component"),
+    )
 
 
 def _print(summary: dict, spec) -> None:
@@ -101,14 +141,26 @@ def _print(summary: dict, spec) -> None:
 
     console = Console()
     if summary["status"] != "complete":
-        console.print(f"sweep {summary['sweep_id']}: this shard is complete; the sweep is assembled when the others are")
+        console.print(
+            f"sweep {summary['sweep_id']}: this shard is complete; the sweep is assembled when the others are"
+        )
         return
     fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [[r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value",
-                                                    "effect"))] for r in summary["top"]]
-    _print_fitted(console, f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
-                  f"top {len(summary['top'])} by |mean effect| on {summary['metric']}",
-                  ["component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"], rows,
-                  drop_first=("baseline", "value"), keep=("component", "layer", "effect"), left=("component",))
-    console.print(f"{summary['n_cells']} cells in {summary['sweep_s']:.1f} s (model load excluded); baseline matches "
-                  f"the archived log-probs within {summary['baseline_max_abs_diff']:.1e}; tables in {summary['path']}")
+    rows = [
+        [r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value", "effect"))]
+        for r in summary["top"]
+    ]
+    _print_fitted(
+        console,
+        f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
+        f"top {len(summary['top'])} by |mean effect| on {summary['metric']}",
+        ["component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"],
+        rows,
+        drop_first=("baseline", "value"),
+        keep=("component", "layer", "effect"),
+        left=("component",),
+    )
+    console.print(
+        f"{summary['n_cells']} cells in {summary['sweep_s']:.1f} s (model load excluded); baseline matches "
+        f"the archived log-probs within {summary['baseline_max_abs_diff']:.1e}; tables in {summary['path']}"
+    )

@@ -13,8 +13,8 @@ from rich.text import Text
 from ..analysis.compare import Comparison, compare_runs
 from ..archive import parquet_io
 from ..exits.errors import SpecError
-from ..spec.run_spec import check_device_option
 from ..output.jsonout import json_line
+from ..spec.run_spec import check_device_option
 from .compare_render import comparison_markdown, render_comparison
 
 
@@ -36,12 +36,25 @@ def write_tables(cmp: Comparison, out_dir: str | Path) -> list[Path]:
     return written
 
 
-def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_incomplete: bool = False,
-                 pair: str = "auto", json_out: bool = False, out_dir=None, top: int = 5, html_path=None,
-                 exact: bool = False, exact_steps: str | None = None, device: str | None = None,
-                 quiet: bool = False) -> None:
+def compare_view(
+    run_a: str,
+    run_b: str,
+    *,
+    runs_dir: str | None = None,
+    allow_incomplete: bool = False,
+    pair: str = "auto",
+    json_out: bool = False,
+    out_dir=None,
+    top: int = 5,
+    html_path=None,
+    exact: bool = False,
+    exact_steps: str | None = None,
+    device: str | None = None,
+    quiet: bool = False,
+) -> None:
     """`lmtrace compare`: compute, optionally write the tables and report, then print the summary, the JSON,
     or (`quiet`) the verdict line alone."""
+
     def note(text: str) -> None:
         if not (json_out or quiet):
             print(text, file=sys.stderr)
@@ -49,8 +62,17 @@ def compare_view(run_a: str, run_b: str, *, runs_dir: str | None = None, allow_i
     if exact_steps is not None and not exact:
         raise SpecError("--exact-steps needs --exact")
     check_device_option(device)  # before the archives are read
-    cmp = compare_runs(run_a, run_b, runs_dir=runs_dir, allow_incomplete=allow_incomplete, pair=pair, exact=exact,
-                       exact_steps=exact_steps, device=device, note=note)
+    cmp = compare_runs(
+        run_a,
+        run_b,
+        runs_dir=runs_dir,
+        allow_incomplete=allow_incomplete,
+        pair=pair,
+        exact=exact,
+        exact_steps=exact_steps,
+        device=device,
+        note=note,
+    )
     if out_dir is not None:
         write_tables(cmp, out_dir)
         (Path(out_dir) / "report.md").write_text(comparison_markdown(cmp, top=max(top, 10)))

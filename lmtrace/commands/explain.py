@@ -32,8 +32,17 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..analysis.attribution import (METHODS, NOT_REPLAYABLE, Scorer, Settings, child_edits, explain_steps,
-                                    parse_methods, sequence_tokens, unreplayable_edit)
+from ..analysis.attribution import (
+    METHODS,
+    NOT_REPLAYABLE,
+    Scorer,
+    Settings,
+    child_edits,
+    explain_steps,
+    parse_methods,
+    sequence_tokens,
+    unreplayable_edit,
+)
 from ..archive.explanations import EXPLAIN_DIR, MethodRecord, StepExplanation, write_explanation
 from ..archive.reader import IncompleteRunWarning, Run
 from ..archive.runs import find_run, new_run_id, runs_root
@@ -68,8 +77,9 @@ def _open(run_ref: str | Path, runs_dir: str | None) -> Run:
         if run.manifest.get("kind") == "intervene":
             how = "run the intervention again (`lmtrace intervene` on its parent)"
         elif run.status == "running":
-            how = (f"wait until it completes (if its writer is gone, finish it with "
-                   f"`lmtrace generate --resume {run.id}`)")
+            how = (
+                f"wait until it completes (if its writer is gone, finish it with `lmtrace generate --resume {run.id}`)"
+            )
         else:
             how = f"finish it first with `lmtrace generate --resume {run.id}`"
         raise ArchiveError(f"run {run.id} is {run.status}, not complete: explain writes into complete runs only; {how}")
@@ -81,16 +91,35 @@ def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda te
     from ..runner.models import load_run_model
 
     needing = ", ".join(m for m in methods if METHODS[m].needs_model)
-    loaded = load_run_model(run.manifest, run.id, purpose=f"method(s) {needing} (attention_rollout does not need them)",
-                            overrides={"dtype": "float32", "attn_implementation": "eager", "device": device}, note=note)
-    info = {"reference": loaded.reference, "source": loaded.source, "weights_sha256": loaded.weights_sha256,
-            "dtype": "float32", "attn_implementation": "eager", "device": str(loaded.device)}
+    loaded = load_run_model(
+        run.manifest,
+        run.id,
+        purpose=f"method(s) {needing} (attention_rollout does not need them)",
+        overrides={"dtype": "float32", "attn_implementation": "eager", "device": device},
+        note=note,
+    )
+    info = {
+        "reference": loaded.reference,
+        "source": loaded.source,
+        "weights_sha256": loaded.weights_sha256,
+        "dtype": "float32",
+        "attn_implementation": "eager",
+        "device": str(loaded.device),
+    }
     return Scorer.of(loaded), info
 
 
-def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 0,
-                methods: list[str] | str = ("grad_x_input",), settings: Settings | None = None,
-                device: str | None = None, runs_dir: str | None = None, note=lambda text: None) -> ExplainResult:
+def explain_run(
+    run_ref: str | Path,
+    steps: str | list[int],
+    *,
+    sequence: int = 0,
+    methods: list[str] | str = ("grad_x_input",),
+    settings: Settings | None = None,
+    device: str | None = None,
+    runs_dir: str | None = None,
+    note=lambda text: None,
+) -> ExplainResult:
     """Explain generated steps of an archived run; write the results into the run and return them."""
     settings = (settings or Settings()).check()
     names = parse_methods(list(methods) if not isinstance(methods, str) else methods)
@@ -114,8 +143,17 @@ def explain_run(run_ref: str | Path, steps: str | list[int], *, sequence: int = 
         owner.release()
 
 
-def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence: int, settings: Settings,
-                   names: list[str], device: str | None) -> ExplainResult:
+def _explain_owned(
+    run: Run,
+    notes: list[str],
+    note_,
+    progress,
+    steps,
+    sequence: int,
+    settings: Settings,
+    names: list[str],
+    device: str | None,
+) -> ExplainResult:
     """explain_run's work once this process owns the run's explain writer key."""
     prompt, gen = sequence_tokens(run, sequence)
     step_list = parse_steps(",".join(map(str, steps)) if isinstance(steps, (list, tuple)) else steps, len(gen))
@@ -124,16 +162,21 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
         req = METHODS[name].requirements
         missing = req(run) if req is not None else []
         if missing:
-            raise ArchiveError(f"method {name} needs archived data run {run.id} did not capture: "
-                               + "; ".join(missing) + ". Rerun generate with those capture settings")
+            raise ArchiveError(
+                f"method {name} needs archived data run {run.id} did not capture: "
+                + "; ".join(missing)
+                + ". Rerun generate with those capture settings"
+            )
     for name in names:  # what a method cannot explain (a quantity, a family) is refused before loading weights
         if METHODS[name].check is not None:
             METHODS[name].check(run, settings)
     bad = unreplayable_edit(run)  # refuse edit kinds that cannot be replayed before loading any weights
     if bad is not None:
         i, kind = bad
-        raise SpecError(f"run {run.id} is an intervention child with interventions[{i}] ({kind}), which "
-                        f"explain cannot replay: {NOT_REPLAYABLE[kind]}. Explain its parent instead")
+        raise SpecError(
+            f"run {run.id} is an intervention child with interventions[{i}] ({kind}), which "
+            f"explain cannot replay: {NOT_REPLAYABLE[kind]}. Explain its parent instead"
+        )
     scorer, model_info = None, None
     if any(METHODS[m].needs_model for m in names):
         progress(f"loading model {run.manifest.get('model', {}).get('reference')} (float32, eager attention)")
@@ -141,37 +184,66 @@ def _explain_owned(run: Run, notes: list[str], note_, progress, steps, sequence:
     edits = child_edits(run, scorer, sequence, len(prompt)) if scorer is not None else None
     if edits is not None:
         model_info = {**model_info, "interventions_replayed": run.manifest["interventions"]}
-    explanations = explain_steps(run, sequence, prompt, gen, step_list, names, settings, scorer, edits,
-                                 note=note_, progress=progress)
+    explanations = explain_steps(
+        run, sequence, prompt, gen, step_list, names, settings, scorer, edits, note=note_, progress=progress
+    )
     explain_id = new_run_id()
-    records = [MethodRecord(name, METHODS[name].settings(settings),
-                            settings.target if METHODS[name].needs_model else None,
-                            settings.quantity if METHODS[name].needs_model else None,
-                            model_info if METHODS[name].needs_model else None) for name in names]
+    records = [
+        MethodRecord(
+            name,
+            METHODS[name].settings(settings),
+            settings.target if METHODS[name].needs_model else None,
+            settings.quantity if METHODS[name].needs_model else None,
+            model_info if METHODS[name].needs_model else None,
+        )
+        for name in names
+    ]
     entries = write_explanation(run, explain_id, records, step_list, sequence, explanations)
-    return ExplainResult(explain_id, run.id, run.path, run.path / EXPLAIN_DIR / explain_id, entries, explanations,
-                         settings, notes)
+    return ExplainResult(
+        explain_id, run.id, run.path, run.path / EXPLAIN_DIR / explain_id, entries, explanations, settings, notes
+    )
 
 
-def explain_command(run_ref: str, steps: str, *, sequence: int, methods: list[str], settings: Settings,
-                    device: str | None, runs_dir: str | None, json_out: bool, quiet: bool, top: int,
-                    strict: bool = False) -> ExplainResult:
+def explain_command(
+    run_ref: str,
+    steps: str,
+    *,
+    sequence: int,
+    methods: list[str],
+    settings: Settings,
+    device: str | None,
+    runs_dir: str | None,
+    json_out: bool,
+    quiet: bool,
+    top: int,
+    strict: bool = False,
+) -> ExplainResult:
     """What `lmtrace explain` does: explain, then print a rich view (or a JSON summary)."""
 
     def note(text: str) -> None:
         if not (quiet or json_out):
             print(text, file=sys.stderr)
 
-    result = explain_run(run_ref, steps, sequence=sequence, methods=methods, settings=settings, device=device,
-                         runs_dir=runs_dir, note=note)
+    result = explain_run(
+        run_ref,
+        steps,
+        sequence=sequence,
+        methods=methods,
+        settings=settings,
+        device=device,
+        runs_dir=runs_dir,
+        note=note,
+    )
     if json_out:
         print(json_line(summary(result, top)))
     elif not quiet:
         render(result, top=top)
     failed = failed_checks(result)
     if strict and failed:
-        raise NotConvergedError(f"--strict: {len(failed)} result(s) failed their method's own check, first "
-                                f"{failed[0]} (results written to {result.path}; the manifest flags them)")
+        raise NotConvergedError(
+            f"--strict: {len(failed)} result(s) failed their method's own check, first "
+            f"{failed[0]} (results written to {result.path}; the manifest flags them)"
+        )
     return result
 
 

@@ -44,7 +44,7 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
     console.print(f"[bold]explain {result.explain_id}[/bold] of run {result.run_id} -> {result.path}")
     for e in result.explanations:
         m = METHODS[e.method]
-        what = (f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position")
+        what = f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position"
         console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
         head = Text("target token ")
         head.append(repr(e.target_text), style="bold")
@@ -56,8 +56,16 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
         head.append(f"; scoring {what}")
         console.print(head)
         facts = []
-        for key in ("f_x", "f_baseline", "sum_scores", "completeness_error", "bias_relevance", "conservation_error",
-                    "recomputed_logprob", "archived_logprob"):
+        for key in (
+            "f_x",
+            "f_baseline",
+            "sum_scores",
+            "completeness_error",
+            "bias_relevance",
+            "conservation_error",
+            "recomputed_logprob",
+            "archived_logprob",
+        ):
             if key in e.info and e.info[key] is not None:
                 facts.append(f"{key}={e.info[key]:.4g}")
         if facts:
@@ -65,16 +73,30 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
         if "converged" in e.info:
             rel = e.info.get("completeness_error_relative")
             if e.info["converged"]:
-                console.print(Text(f"converged: completeness error {percent(rel)} ≤ {s.ig_tolerance:.0%} of "
-                                   f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)", style="dim"))
+                console.print(
+                    Text(
+                        f"converged: completeness error {percent(rel)} ≤ {s.ig_tolerance:.0%} of "
+                        f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)",
+                        style="dim",
+                    )
+                )
             else:
-                console.print(Text(f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
-                                   f"'When a result did not converge'", style="bold yellow"))
+                console.print(
+                    Text(
+                        f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
+                        f"'When a result did not converge'",
+                        style="bold yellow",
+                    )
+                )
         if "conserved" in e.info:
             rel, tol = e.info.get("conservation_error_relative"), e.info.get("conservation_tolerance")
             if e.info["conserved"]:
-                console.print(Text(f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} "
-                                   f"≤ {tol:g}", style="dim"))
+                console.print(
+                    Text(
+                        f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} ≤ {tol:g}",
+                        style="dim",
+                    )
+                )
             else:
                 why = METHODS[e.method].failed_check(e.info, s) or ""
                 console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
@@ -94,14 +116,24 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
         console.print(text)
         order = _top(e.scores, top)
         table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
-        for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"),
-                          ("share", "right")):
+        for col, just in (
+            ("#", "right"),
+            ("position", "right"),
+            ("token", "left"),
+            ("score", "right"),
+            ("share", "right"),
+        ):
             table.add_column(col, justify=just)
         denom = float(np.nansum(np.abs(e.scores))) or 1.0
         for rank, i in enumerate(order):
             sc = float(e.scores[i])
-            table.add_row(str(rank + 1), str(int(i)) + ("" if e.is_prompt[i] else "*"), repr(e.token_texts[i]),
-                          Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"), f"{abs(sc) / denom:.0%}")
+            table.add_row(
+                str(rank + 1),
+                str(int(i)) + ("" if e.is_prompt[i] else "*"),
+                repr(e.token_texts[i]),
+                Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"),
+                f"{abs(sc) / denom:.0%}",
+            )
         console.print(table)
     console.print(Text(legend(console.color_system is not None), style="dim"))
 
@@ -116,16 +148,34 @@ def legend(colour: bool) -> str:
 def summary(result: "ExplainResult", top: int = 10) -> dict:
     """The `--json` summary: ids, manifest entries, notes, convergence, the methods' own checks and the top
     positions per step and method."""
-    out = {"explain_id": result.explain_id, "run_id": result.run_id, "path": str(result.path),
-           "entries": result.entries, "notes": result.notes, "converged": converged(result),
-           "checks_passed": checks_passed(result), "top": []}
+    out = {
+        "explain_id": result.explain_id,
+        "run_id": result.run_id,
+        "path": str(result.path),
+        "entries": result.entries,
+        "notes": result.notes,
+        "converged": converged(result),
+        "checks_passed": checks_passed(result),
+        "top": [],
+    }
     for e in result.explanations:
         order = _top(e.scores, top)
-        item = {"method": e.method, "sequence": e.sequence, "step": e.step,
-                "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])}
-                              for i in order]}
-        for key in ("converged", "completeness_error", "completeness_error_relative", "error_bound_relative",
-                    "bias_relevance", "conservation_error", "conservation_error_relative", "conserved"):
+        item = {
+            "method": e.method,
+            "sequence": e.sequence,
+            "step": e.step,
+            "positions": [{"position": int(i), "token": e.token_texts[i], "score": float(e.scores[i])} for i in order],
+        }
+        for key in (
+            "converged",
+            "completeness_error",
+            "completeness_error_relative",
+            "error_bound_relative",
+            "bias_relevance",
+            "conservation_error",
+            "conservation_error_relative",
+            "conserved",
+        ):
             if key in e.info:
                 item[key] = e.info[key]
         if METHODS[e.method].shortfall is not None:  # the method's own check: passed, or what failed
@@ -134,9 +184,11 @@ def summary(result: "ExplainResult", top: int = 10) -> dict:
             if failed is not None:
                 item["check_failed"] = f"{e.method} {failed}"
         if "heads" in e.components:  # lrp: relevance per layer's attention and MLP output, and the top heads
-            item["components"] = {"attention": [float(x) for x in e.components["attention"]],
-                                  "mlp": [float(x) for x in e.components["mlp"]],
-                                  "top_heads": top_heads(e.components, top)}
+            item["components"] = {
+                "attention": [float(x) for x in e.components["attention"]],
+                "mlp": [float(x) for x in e.components["mlp"]],
+                "top_heads": top_heads(e.components, top),
+            }
         out["top"].append(item)
     return strict(out)
 
@@ -145,8 +197,10 @@ def top_heads(components: dict, top: int) -> list[dict]:
     """The `top` heads by |relevance| of an lrp result's components["heads"] [layer, head]."""
     heads = np.asarray(components["heads"], dtype=np.float64)
     order = np.argsort(-np.abs(heads), axis=None, kind="stable")[:top]
-    return [{"layer": int(i // heads.shape[1]), "head": int(i % heads.shape[1]), "relevance": float(heads.flat[i])}
-            for i in order]
+    return [
+        {"layer": int(i // heads.shape[1]), "head": int(i % heads.shape[1]), "relevance": float(heads.flat[i])}
+        for i in order
+    ]
 
 
 def failed_checks(result: "ExplainResult") -> list[str]:

@@ -33,8 +33,16 @@ class GenerateJob:
         """The run this job writes (a resumed run, or the run id given or chosen), for an error line."""
         return self.resume or self.run_id
 
-    def prepare(self, spec_path: Path | None, overrides: list[str], *, shard: str | None,
-                memory_budget: str | None, lens: bool, note: Callable[[str], None]) -> None:
+    def prepare(
+        self,
+        spec_path: Path | None,
+        overrides: list[str],
+        *,
+        shard: str | None,
+        memory_budget: str | None,
+        lens: bool,
+        note: Callable[[str], None],
+    ) -> None:
         """Every check that needs no model weights; `note` gets the line that says torch is next."""
         from ..spec.run_spec import load_spec
 
@@ -46,8 +54,11 @@ class GenerateJob:
         if self.resume:
             from ..runner.resume import run_kind, spec_for_resume
 
-            spec, text = spec_for_resume(self.resume, self.runs_dir, list(overrides) + (
-                [f"generation.memory_budget={memory_budget}"] if memory_budget is not None else []))
+            spec, text = spec_for_resume(
+                self.resume,
+                self.runs_dir,
+                list(overrides) + ([f"generation.memory_budget={memory_budget}"] if memory_budget is not None else []),
+            )
             self.run_id = spec.output.run_id
             self.child = run_kind(self.resume, self.runs_dir) == "intervene"
         else:
@@ -59,8 +70,10 @@ class GenerateJob:
                 given.append(f"generation.memory_budget={json.dumps(memory_budget)}")
             spec, text, _ = load_spec(spec_path, given)  # before torch is even imported: bad specs fail fast
         if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
-            raise SpecError("a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
-                            "slurm-<SLURM_ARRAY_JOB_ID>)")
+            raise SpecError(
+                "a sharded run needs a shared run id: pass --run-id (with --shard auto it is "
+                "slurm-<SLURM_ARRAY_JOB_ID>)"
+            )
         from ..runner.model_config import preflight
 
         if not self.child:  # (a child's prompts are its parent's archived ones)
@@ -74,29 +87,57 @@ class GenerateJob:
             shard_obj, _ = parse_shard(None)
         if lens and not spec.capture.lens_deferred:
             if not spec.capture.lens_inline:
-                raise SpecError("--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
-                                "capture: none); drop --lens or enable the lens")
+                raise SpecError(
+                    "--lens: this spec captures no logit lens (capture.lens.enabled: false, or "
+                    "capture: none); drop --lens or enable the lens"
+                )
             lens = False  # an inline lens is computed during generation anyway
-        check_target(runs_root(self.runs_dir, spec.output.runs_dir), spec, shard_obj, bool(self.resume),
-                     kind="intervene" if self.child else "generate")
+        check_target(
+            runs_root(self.runs_dir, spec.output.runs_dir),
+            spec,
+            shard_obj,
+            bool(self.resume),
+            kind="intervene" if self.child else "generate",
+        )
         self.spec, self.text, self.shard, self.lens = spec, text, shard_obj, lens
 
     def run(self, progress):
         """Generate (a new run, a shard of one, or a resumed run); the runner's GenerateResult."""
         from ..runner.generation import run_generate
 
-        return run_generate(self.spec, self.text, runs_dir_flag=self.runs_dir, shard=self.shard,
-                            resume=bool(self.resume), progress=progress)
+        return run_generate(
+            self.spec,
+            self.text,
+            runs_dir_flag=self.runs_dir,
+            shard=self.shard,
+            resume=bool(self.resume),
+            progress=progress,
+        )
 
 
-def print_summary(result, lens_summary: dict | None, lens_text: str | None, *, lens: bool, quiet: bool,
-                  json_out: bool, log_json: bool, message: Callable[..., None]) -> int:
+def print_summary(
+    result,
+    lens_summary: dict | None,
+    lens_text: str | None,
+    *,
+    lens: bool,
+    quiet: bool,
+    json_out: bool,
+    log_json: bool,
+    message: Callable[..., None],
+) -> int:
     """What the run came to, on stdout (a line and the first texts, the run id alone with --quiet, or
     JSON), with a `finished` event for --log-json; the exit code (a shard complete whose siblings
     failed: EXIT_PARTIAL_SHARDS). `lens_text`: the line `--lens` adds (as `lmtrace lens` prints it)."""
-    summary = {"run_id": result.run_id, "run_dir": str(result.run_dir), "status": result.status,
-               "sequences": result.n_sequences, "generated_tokens": result.n_tokens,
-               "seconds": round(result.seconds, 2), **({"lens": lens_summary} if lens else {})}
+    summary = {
+        "run_id": result.run_id,
+        "run_dir": str(result.run_dir),
+        "status": result.status,
+        "sequences": result.n_sequences,
+        "generated_tokens": result.n_tokens,
+        "seconds": round(result.seconds, 2),
+        **({"lens": lens_summary} if lens else {}),
+    }
     if log_json:
         message(f"run {result.run_id}: {result.status}", event="finished", **summary)
     if result.status.startswith("shard-complete-others-failed:"):
@@ -105,18 +146,26 @@ def print_summary(result, lens_summary: dict | None, lens_text: str | None, *, l
         from ..exits.errors import EXIT_PARTIAL_SHARDS
 
         others = result.status.split(":", 1)[1]
-        print(f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
-              f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`", file=sys.stderr)
+        print(
+            f"error: this shard is complete, but {others} of run {result.run_id} failed or was interrupted; "
+            f"rerun it with `lmtrace generate --resume {result.run_id} --shard I/N`",
+            file=sys.stderr,
+        )
         return EXIT_PARTIAL_SHARDS
     if json_out:
         print(json_line(summary))
     elif quiet:  # the run id alone, for scripts: RUN=$(lmtrace generate spec.yaml -q)
         print(result.run_id)
     else:
-        what = ("this shard is complete; the run completes when its other shards do"
-                if result.status == "shard-complete" else result.status)
-        print(f"run {result.run_id}: {what}, {result.n_sequences} sequence(s), "
-              f"{result.n_tokens} tokens in {result.seconds:.1f}s -> {result.run_dir}")
+        what = (
+            "this shard is complete; the run completes when its other shards do"
+            if result.status == "shard-complete"
+            else result.status
+        )
+        print(
+            f"run {result.run_id}: {what}, {result.n_sequences} sequence(s), "
+            f"{result.n_tokens} tokens in {result.seconds:.1f}s -> {result.run_dir}"
+        )
         for i, text in enumerate(result.texts[:5]):
             print(f"  [{i}] {text!r}")
         if len(result.texts) > 5:

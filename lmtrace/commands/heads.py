@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 
 from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, grouped_rows
+from ..archive.files import atomic_write_parquet
 from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
-from ..archive.files import atomic_write_parquet
-from ..exits.interrupts import work_recorded
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError
+from ..exits.interrupts import work_recorded
 from ..output.jsonout import json_line
 
 
@@ -31,9 +31,18 @@ def parse_labels(given: list[str] | None) -> list[str] | None:
     return list(dict.fromkeys(names)) or None
 
 
-def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = None, per_sequence: bool = False,
-                  json_out: bool = False, top: int = 20, labels: list[str] | None = None,
-                  quiet: bool = False, by: str | None = None) -> dict:
+def heads_command(
+    ref: str,
+    *,
+    runs_dir: str | None = None,
+    out: Path | None = None,
+    per_sequence: bool = False,
+    json_out: bool = False,
+    top: int = 20,
+    labels: list[str] | None = None,
+    quiet: bool = False,
+    by: str | None = None,
+) -> dict:
     """`lmtrace heads`: compute, write analysis/heads.parquet (every head), print a ranked table (or
     JSON) of every head or of those with the `labels` asked for; `quiet`: print nothing."""
     if top < 1:
@@ -56,14 +65,20 @@ def heads_command(ref: str, *, runs_dir: str | None = None, out: Path | None = N
         print(f"note: {note}", file=sys.stderr)
     table = result["table"]
     shown = [r for r in table.to_pylist() if wanted is None or r["label"] in wanted]  # in rank order
-    summary = {"run_id": run.id, "path": str(folder / HEADS_FILE),
-               "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
-               "rows": result["rows"], "notes": result["notes"], "sweep": result["sweep"],
-               "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
-               "label_filter": wanted, "by": None if by is None else
-               {"column": by, "path": str(folder / by_file(by)), "heads": grouped_rows(result["by_group"], wanted)},
-               "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()}
-                         for r in shown]}  # NaN (no induction rows) as null: strict JSON
+    summary = {
+        "run_id": run.id,
+        "path": str(folder / HEADS_FILE),
+        "per_sequence_path": str(folder / PER_SEQUENCE_FILE) if result["per_sequence"] is not None else None,
+        "rows": result["rows"],
+        "notes": result["notes"],
+        "sweep": result["sweep"],
+        "labels": {lab: int(sum(1 for x in table.column("label").to_pylist() if x == lab)) for lab in LABELS},
+        "label_filter": wanted,
+        "by": None
+        if by is None
+        else {"column": by, "path": str(folder / by_file(by)), "heads": grouped_rows(result["by_group"], wanted)},
+        "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in shown],
+    }  # NaN (no induction rows) as null: strict JSON
     if json_out:
         print(json_line(summary))
     elif not quiet and by is not None:
@@ -86,14 +101,23 @@ def _console():
     return Console() if Console().is_terminal else Console(width=160, soft_wrap=True)
 
 
-def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]], left: tuple[str, ...],
-                  keep: tuple[str, ...]) -> None:
+def _print_fitted(
+    console, title: str, headers: list[str], rows: list[list[str]], left: tuple[str, ...], keep: tuple[str, ...]
+) -> None:
     """The table at the console's width: columns that do not fit left out (DROP_FIRST, then from the
     right, never `keep`) and named in a line."""
     from ..output.column_fit import print_fitted
 
-    print_fitted(console, headers, rows, complete_in="--json has every score", drop_first=DROP_FIRST, keep=keep,
-                 left=left, title=title)
+    print_fitted(
+        console,
+        headers,
+        rows,
+        complete_in="--json has every score",
+        drop_first=DROP_FIRST,
+        keep=keep,
+        left=left,
+        title=title,
+    )
 
 
 def _score(v) -> str:
@@ -112,29 +136,53 @@ def _print_grouped(run: Run, by: dict, top: int) -> None:
         shown[key] = shown.get(key, 0) + 1
         if shown[key] > top:
             continue
-        rows.append([key, str(r["n_sequences"]), str(r["layer"]), str(r["q_head"]), r["label"],
-                     *(_score(r[k]) for k in ("sink_score", "prev_token_score", "local_score", "induction_score",
-                                              "entropy"))])
+        rows.append(
+            [
+                key,
+                str(r["n_sequences"]),
+                str(r["layer"]),
+                str(r["q_head"]),
+                r["label"],
+                *(
+                    _score(r[k])
+                    for k in ("sink_score", "prev_token_score", "local_score", "induction_score", "entropy")
+                ),
+            ]
+        )
     headers = ["seqs", "layer", "head", "label", "sink", "prev", "local", "induct", "entropy"]
     group = group_header(column, headers)
-    _print_fitted(console, f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, then the "
-                  f"label's score", [group, *headers], rows, left=(group, "label"),
-                  keep=(group, "layer", "head", "label"))
+    _print_fitted(
+        console,
+        f"heads of {run.id} by {column}: the top {top} of each group, ranked by label, then the label's score",
+        [group, *headers],
+        rows,
+        left=(group, "label"),
+        keep=(group, "layer", "head", "label"),
+    )
     console.print(escape(f"every head of every group written to {by['path']}"))
 
 
-def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path,
-           top: int) -> None:
+def _print(
+    run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | None, result: dict, folder: Path, top: int
+) -> None:
     from rich.markup import escape
 
     console = _console()
     labels = table.column("label").to_pylist()
     counts = ", ".join(f"{lab} {labels.count(lab)}" for lab in LABELS if labels.count(lab))
     sweep = result.get("sweep")
-    by = (f"measured effect on {sweep['metric']} (sweep {sweep['id']}, edit {sweep['edit']})" if sweep
-          else "mean |head DLA|" if result["dla"] else f"label ({', '.join(RANK_ORDER)}), then the label's score")
-    which = (f"top {min(top, len(shown))} of {len(shown)} {' / '.join(wanted)} heads; all {len(labels)}: {counts}"
-             if wanted else f"top {min(top, len(labels))} of {len(labels)}: {counts}")
+    by = (
+        f"measured effect on {sweep['metric']} (sweep {sweep['id']}, edit {sweep['edit']})"
+        if sweep
+        else "mean |head DLA|"
+        if result["dla"]
+        else f"label ({', '.join(RANK_ORDER)}), then the label's score"
+    )
+    which = (
+        f"top {min(top, len(shown))} of {len(shown)} {' / '.join(wanted)} heads; all {len(labels)}: {counts}"
+        if wanted
+        else f"top {min(top, len(labels))} of {len(labels)}: {counts}"
+    )
     headers = ["rank", "layer", "head", "label", *SCORE_COLUMNS]
     if result["dla"]:
         headers.append("|DLA|")
@@ -142,14 +190,35 @@ def _print(run: Run, table: pa.Table, shown: list[dict], wanted: list[str] | Non
         headers.append(f"Δ{sweep['metric']}")
     rows = []
     for r in shown[:top]:
-        cells = [str(r["head_rank"]), str(r["layer"]), str(r["q_head"]), r["label"],
-                 *(_score(r[k]) for k in ("sink_score", "prev_token_score", "local_score", "induction_score",
-                                          "duplicate_score", "entropy", "concentration"))]
+        cells = [
+            str(r["head_rank"]),
+            str(r["layer"]),
+            str(r["q_head"]),
+            r["label"],
+            *(
+                _score(r[k])
+                for k in (
+                    "sink_score",
+                    "prev_token_score",
+                    "local_score",
+                    "induction_score",
+                    "duplicate_score",
+                    "entropy",
+                    "concentration",
+                )
+            ),
+        ]
         if result["dla"]:
             cells.append(_score(r["importance"]) + (f" #{r['dla_rank']}" if sweep and r["dla_rank"] else ""))
         if sweep:
             cells.append("-" if r["sweep_effect"] is None else f"{r['sweep_effect']:+.3f}")
         rows.append(cells)
-    _print_fitted(console, f"heads of {run.id}, ranked by {by} ({which})", headers, rows, left=("label",),
-                  keep=("rank", "layer", "head", "label", *headers[len(SCORE_COLUMNS) + 4:]))
+    _print_fitted(
+        console,
+        f"heads of {run.id}, ranked by {by} ({which})",
+        headers,
+        rows,
+        left=("label",),
+        keep=("rank", "layer", "head", "label", *headers[len(SCORE_COLUMNS) + 4 :]),
+    )
     console.print(escape(f"{result['rows']} attention rows per head; written to {folder / HEADS_FILE}"))

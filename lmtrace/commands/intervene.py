@@ -27,12 +27,25 @@ import yaml
 
 from ..analysis.intervention_effects import EffectsRecorder
 from ..archive.reader import Run, open_run
+from ..capture.interventions import (
+    CHAT_SPANS,
+    AblateNeurons,
+    EditSet,
+    MaskExperts,
+    MaskPositions,
+    PatchHead,
+    PatchResidual,
+    Steer,
+    load_steer_vector,
+    mean_ablation_values,
+    parse_entries,
+    patch_source,
+    routing_rule,
+    validate_against,
+)
 from ..exits.errors import LmtraceError, SpecError
 from ..runner.generation import GenerateResult, Progress, Replay, run_generate
 from ..runner.parent import ParentView, chat_span_ranges, prompt_metadata_of, tokenizer_of
-from ..capture.interventions import (CHAT_SPANS, AblateNeurons, EditSet, MaskExperts, MaskPositions, PatchHead,
-                                     PatchResidual, Steer, load_steer_vector, mean_ablation_values, parse_entries,
-                                     patch_source, routing_rule, validate_against)
 from ..spec.run_spec import build_spec
 
 
@@ -45,8 +58,10 @@ class ParentTeacher:
         self.k = max((len(a[0]) for a in parent.alts if a), default=0)
 
     def forced(self, seq_ids, step):
-        return [self.p.generated[s][step] if step < min(self.force_until[s], len(self.p.generated[s])) else -1
-                for s in seq_ids]
+        return [
+            self.p.generated[s][step] if step < min(self.force_until[s], len(self.p.generated[s])) else -1
+            for s in seq_ids
+        ]
 
     def reference(self, seq_ids, step):
         rows = []
@@ -92,12 +107,14 @@ class _HeadCapture:
                 x = args[0]
                 for b, seq in enumerate(self.seq_ids):
                     if seq in self.wanted:
-                        self.values[(seq, self.step)] = x[b, -1, self.lo: self.hi].detach().clone()
+                        self.values[(seq, self.step)] = x[b, -1, self.lo : self.hi].detach().clone()
+
             handle = self.module.register_forward_pre_hook(hook)
             try:
                 yield self
             finally:
                 handle.remove()
+
         return ctx()
 
 
@@ -110,21 +127,35 @@ def check_patch_head_source(e: PatchHead, parent: Run, n_seq: int, where: str) -
     """Open the source run of a patch_head entry and check it can provide that head's values."""
     source = open_run(e.source_run, parent.path.parent, require_complete=True)
     pm, sm = parent.manifest, source.manifest
-    for what, a, b in (("weights", pm["model"].get("weights_sha256") or pm["model"]["reference"],
-                        sm["model"].get("weights_sha256") or sm["model"]["reference"]),
-                       ("dtype", pm.get("dtype"), sm.get("dtype")),
-                       ("model.attn_implementation", pm["spec_resolved"]["model"].get("attn_implementation"),
-                        sm["spec_resolved"]["model"].get("attn_implementation"))):
+    for what, a, b in (
+        (
+            "weights",
+            pm["model"].get("weights_sha256") or pm["model"]["reference"],
+            sm["model"].get("weights_sha256") or sm["model"]["reference"],
+        ),
+        ("dtype", pm.get("dtype"), sm.get("dtype")),
+        (
+            "model.attn_implementation",
+            pm["spec_resolved"]["model"].get("attn_implementation"),
+            sm["spec_resolved"]["model"].get("attn_implementation"),
+        ),
+    ):
         if a != b:
-            raise SpecError(f"{where}: source run {source.id} differs from parent run {parent.id} in {what}; a head's "
-                            f"values can only be replayed from a run of the same model, dtype and attention kernel")
+            raise SpecError(
+                f"{where}: source run {source.id} differs from parent run {parent.id} in {what}; a head's "
+                f"values can only be replayed from a run of the same model, dtype and attention kernel"
+            )
     n_src = sm["shape"]["n_sequences"]
     if e.source_sequence is not None and not 0 <= e.source_sequence < n_src:
-        raise SpecError(f"{where}: source_sequence {e.source_sequence} is out of range: source run {source.id} has "
-                        f"sequences 0..{n_src - 1}")
+        raise SpecError(
+            f"{where}: source_sequence {e.source_sequence} is out of range: source run {source.id} has "
+            f"sequences 0..{n_src - 1}"
+        )
     if e.source_sequence is None and n_src < n_seq:
-        raise SpecError(f"{where}: source run {source.id} has {n_src} sequences, the parent {n_seq}; set "
-                        f"source_sequence to patch every sequence from one of them")
+        raise SpecError(
+            f"{where}: source run {source.id} has {n_src} sequences, the parent {n_seq}; set "
+            f"source_sequence to patch every sequence from one of them"
+        )
     return source
 
 
@@ -137,9 +168,9 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     itself therefore changes nothing, bit for bit.
     """
     from ..capture import attention
-    from ..runner.generation import capture_kernel, eager_kernel_reason, eos_ids
     from ..capture.sampling import Sampler
     from ..capture.tracer import ForcedTokens, Tracer
+    from ..runner.generation import capture_kernel, eager_kernel_reason, eos_ids
 
     spec = build_spec(source.manifest["spec_resolved"], f"spec of source run {source.id}")
     view = ParentView.read(source)
@@ -164,13 +195,27 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
     g = spec.generation
     pad = source.manifest["tokenizer"]["pad_token_id"]
     try:
-        tracer = Tracer(model, tokenizer, sampler=Sampler(0.0, 0, 1.0), seed=g.seed, max_new_tokens=g.max_new_tokens,
-                        eos_ids=eos_ids(g.eos_token_id, model, tokenizer), stop_strings=g.stop, n_alternatives=2,
-                        probes=None, pad_id=pad if pad is not None else tokenizer.pad_token_id,
-                        device=next(model.parameters()).device)
+        tracer = Tracer(
+            model,
+            tokenizer,
+            sampler=Sampler(0.0, 0, 1.0),
+            seed=g.seed,
+            max_new_tokens=g.max_new_tokens,
+            eos_ids=eos_ids(g.eos_token_id, model, tokenizer),
+            stop_strings=g.stop,
+            n_alternatives=2,
+            probes=None,
+            pad_id=pad if pad is not None else tokenizer.pad_token_id,
+            device=next(model.parameters()).device,
+        )
         for seq_ids in batches:
-            tracer.run_batch(seq_ids, [view.prompt_ids[s] for s in seq_ids], _Discard(), teacher=ForcedTokens(view.generated),
-                             edits=capture)
+            tracer.run_batch(
+                seq_ids,
+                [view.prompt_ids[s] for s in seq_ids],
+                _Discard(),
+                teacher=ForcedTokens(view.generated),
+                edits=capture,
+            )
     finally:
         if installs:
             model.set_attn_implementation(previous)
@@ -184,6 +229,7 @@ def head_patch_source(e: PatchHead, source: Run, adapter, tokenizer, n_seq: int)
         if s not in lengths or step >= lengths[s]:
             return None
         return values[(s, step)]
+
     return get
 
 
@@ -197,7 +243,9 @@ def check_edits_reach(entries, view: ParentView, from_step: int | None) -> None:
         where = f"interventions[{i}] ({e.kind})"
         first = e.first_step()
         if first >= n_steps or first < 0:
-            raise SpecError(f"{where}: steps from {first} are out of range: the parent run's steps are 0..{n_steps - 1}")
+            raise SpecError(
+                f"{where}: steps from {first} are out of range: the parent run's steps are 0..{n_steps - 1}"
+            )
         seqs = range(len(view.prompt_ids)) if e.sequences == "all" else e.sequences
         longest = max(len(view.prompt_ids[s]) + len(view.generated[s]) for s in seqs)
         positions = (getattr(e, "mask", None) or []) + ([] if e.positions == "all" else list(e.positions))
@@ -205,13 +253,23 @@ def check_edits_reach(entries, view: ParentView, from_step: int | None) -> None:
         if bad:
             raise SpecError(f"{where}: positions {bad[:5]} are negative: positions are 0..{longest - 1}")
         if positions and min(positions) >= longest:
-            raise SpecError(f"{where}: positions {sorted(set(positions))[:5]} are past every sequence: its sequences "
-                            f"have positions 0..{longest - 1}")
+            raise SpecError(
+                f"{where}: positions {sorted(set(positions))[:5]} are past every sequence: its sequences "
+                f"have positions 0..{longest - 1}"
+            )
 
 
-def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "rescore", from_step: int | None = None,
-                  runs_dir: str | None = None, run_id: str | None = None, temperature: float | None = None,
-                  progress: Progress | None = None) -> tuple[GenerateResult, pa.Table]:
+def run_intervene(
+    parent_ref: str,
+    entries_data: list[dict],
+    *,
+    mode: str = "rescore",
+    from_step: int | None = None,
+    runs_dir: str | None = None,
+    run_id: str | None = None,
+    temperature: float | None = None,
+    progress: Progress | None = None,
+) -> tuple[GenerateResult, pa.Table]:
     if mode not in ("rescore", "regenerate"):
         raise SpecError(f"--mode {mode!r}: use rescore or regenerate")
     parent = open_run(parent_ref, runs_dir, require_complete=True)
@@ -221,20 +279,27 @@ def run_intervene(parent_ref: str, entries_data: list[dict], *, mode: str = "res
         refuse_spread(parent.id, "lmtrace intervene")
     root = Path(runs_dir) if runs_dir else parent.path.parent
     if run_id is not None and (root / run_id).exists():
-        raise SpecError(f"--run-id {run_id}: a run {run_id} exists in {root}; intervene writes a new child run, "
-                        f"choose another id")
+        raise SpecError(
+            f"--run-id {run_id}: a run {run_id} exists in {root}; intervene writes a new child run, choose another id"
+        )
     if from_step is not None:
         entries_data = [{"steps": {"from": from_step}, **e} for e in entries_data]
     plan = _plan(parent, entries_data, mode, from_step, progress)
     spec = _child_spec(parent, runs_dir, run_id, temperature, plan.max_new)
-    given = {"parent": parent.id, "mode": mode, "from_step": from_step, "temperature": temperature,
-             "interventions": plan.replay.manifest_extra["interventions"]}
+    given = {
+        "parent": parent.id,
+        "mode": mode,
+        "from_step": from_step,
+        "temperature": temperature,
+        "interventions": plan.replay.manifest_extra["interventions"],
+    }
     result = run_generate(spec, yaml.safe_dump(given, sort_keys=False), progress=progress, replay=plan.replay)
     return result, plan.effects.table()
 
 
-def resume_child(child_ref: str, runs_dir: str | None = None, progress: Progress | None = None
-                 ) -> tuple[GenerateResult, pa.Table]:
+def resume_child(
+    child_ref: str, runs_dir: str | None = None, progress: Progress | None = None
+) -> tuple[GenerateResult, pa.Table]:
     """`lmtrace generate --resume CHILD`: continue an interrupted or killed intervene child with the edits
     its manifest records, replayed from its parent: finished batches are skipped (their effects rows
     are in effects.parts/), an unfinished one continues after its last committed block."""
@@ -247,13 +312,22 @@ def resume_child(child_ref: str, runs_dir: str | None = None, progress: Progress
     info = manifest.get("parent") or {}
     recorded = Path(info.get("path") or "")
     try:
-        parent = open_run(recorded if (recorded / "manifest.json").is_file() else info.get("run_id", ""), child.parent,
-                          require_complete=True)
+        parent = open_run(
+            recorded if (recorded / "manifest.json").is_file() else info.get("run_id", ""),
+            child.parent,
+            require_complete=True,
+        )
     except LmtraceError as err:
-        raise SpecError(f"run {child.name} replays edits on its parent run {info.get('run_id')}, which cannot be "
-                        f"opened: {err}") from None
-    plan = _plan(parent, manifest.get("interventions") or [], manifest.get("mode", "rescore"),
-                 manifest.get("from_step"), progress)
+        raise SpecError(
+            f"run {child.name} replays edits on its parent run {info.get('run_id')}, which cannot be opened: {err}"
+        ) from None
+    plan = _plan(
+        parent,
+        manifest.get("interventions") or [],
+        manifest.get("mode", "rescore"),
+        manifest.get("from_step"),
+        progress,
+    )
     result = run_generate(spec, text, progress=progress, replay=plan.replay, resume=True)
     return result, plan.effects.table()
 
@@ -284,13 +358,26 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
         max_new = None
     effects = EffectsRecorder(view)
     replay = Replay(
-        prompts=view.prompts, rendered=view.rendered, prompt_ids=view.prompt_ids, metadata=prompt_metadata_of(parent),
-        teacher=ParentTeacher(view, force_until), edits=edits if entries else None, observer=effects,
-        manifest_extra={"kind": "intervene", "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
-                        "interventions": [e.model_dump(mode="json") for e in entries], "mode": mode,
-                        "from_step": from_step, "first_edited_step": first_edit},
-        finalize=effects.write, batch_done=effects.batch_done, batch_abandoned=effects.batch_abandoned,
-        on_model=edits.prepare, parent=(parent.id, parent.manifest),
+        prompts=view.prompts,
+        rendered=view.rendered,
+        prompt_ids=view.prompt_ids,
+        metadata=prompt_metadata_of(parent),
+        teacher=ParentTeacher(view, force_until),
+        edits=edits if entries else None,
+        observer=effects,
+        manifest_extra={
+            "kind": "intervene",
+            "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
+            "interventions": [e.model_dump(mode="json") for e in entries],
+            "mode": mode,
+            "from_step": from_step,
+            "first_edited_step": first_edit,
+        },
+        finalize=effects.write,
+        batch_done=effects.batch_done,
+        batch_abandoned=effects.batch_abandoned,
+        on_model=edits.prepare,
+        parent=(parent.id, parent.manifest),
     )
     return _Plan(replay, effects, max_new)
 
@@ -301,11 +388,21 @@ def _check_against_parent(entries: list, parent: Run) -> None:
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
     family = parent.manifest["model"].get("architecture_family")
     n_experts = (cfg.get("num_local_experts") or cfg.get("num_experts")) if family == "moe" else None
-    validate_against(entries, n_layers, shape["n_heads"], shape["d_ffn"], shape["n_sequences"], n_experts=n_experts,
-                     experts_per_token=cfg.get("num_experts_per_tok"), model_class=parent.manifest["model"]["class"])
+    validate_against(
+        entries,
+        n_layers,
+        shape["n_heads"],
+        shape["d_ffn"],
+        shape["n_sequences"],
+        n_experts=n_experts,
+        experts_per_token=cfg.get("num_experts_per_tok"),
+        model_class=parent.manifest["model"]["class"],
+    )
     if family == "moe" and any(isinstance(e, AblateNeurons) for e in entries):
-        raise SpecError("ablate_neurons: mixture-of-experts models have no single MLP down-projection (experts are "
-                        "fused); ablate the MLP block (ablate_mlp) or a layer instead")
+        raise SpecError(
+            "ablate_neurons: mixture-of-experts models have no single MLP down-projection (experts are "
+            "fused); ablate the MLP block (ablate_mlp) or a layer instead"
+        )
 
 
 class _LazyEdits:
@@ -326,8 +423,9 @@ class _LazyEdits:
         for i, e in enumerate(self.entries):
             where = f"interventions[{i}] ({e.kind})"
             if isinstance(e, Steer):
-                self.resources[i] = load_steer_vector(e, parent.shape["d_model"],
-                                                      lambda ref: open_run(ref, parent.path.parent))
+                self.resources[i] = load_steer_vector(
+                    e, parent.shape["d_model"], lambda ref: open_run(ref, parent.path.parent)
+                )
             elif isinstance(e, PatchResidual):
                 self.resources[i] = patch_source(e, lambda ref: open_run(ref, parent.path.parent))
             elif isinstance(e, PatchHead):
@@ -341,9 +439,14 @@ class _LazyEdits:
     def prepare(self, adapter) -> None:
         """Runs once the child's model is loaded, before its run directory exists: what needs the model."""
         view, n_seq, progress = self.view, self.n_seq, self.progress
-        self.resources.update(mean_ablation_values(
-            self.entries, adapter, lambda: [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)],
-            progress.message if progress is not None else None))
+        self.resources.update(
+            mean_ablation_values(
+                self.entries,
+                adapter,
+                lambda: [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)],
+                progress.message if progress is not None else None,
+            )
+        )
         for i, e in enumerate(self.entries):
             where = f"interventions[{i}] ({e.kind})"
             if isinstance(e, PatchHead):

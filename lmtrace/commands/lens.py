@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 # run 17 ms for these 9 files, against 34 ms for all 71; the arrays it does not read dominate larger
 # runs). The consolidated tensors.zarr/zarr.json is not read: the lens regenerates it.
 LENS_READS = tuple(layout.table_file(t) for t in ("tokens", "sequences", "steps")) + tuple(
-    f"{layout.TENSORS}/{name}/" for name in ("resid", "generated_len"))
+    f"{layout.TENSORS}/{name}/" for name in ("resid", "generated_len")
+)
 # What the lens writes in place: its arrays and the consolidated metadata (steps.parquet is replaced).
 LENS_WRITES = (f"{layout.TENSORS}/zarr.json",) + tuple(f"{layout.TENSORS}/{s.name}/" for s in layout.LENS_ARRAYS)
 
@@ -60,8 +61,10 @@ def compute_lens(run: Run, *, device: str | None = None, note=lambda text: None,
     if state == "ready":  # answered before taking any lock or importing torch
         return _already(run)
     if state == "none":
-        raise ArchiveError(f"run {run.id} captured no logit lens (capture.lens.enabled: false, or capture: none); "
-                         f"generate it again with the lens enabled")
+        raise ArchiveError(
+            f"run {run.id} captured no logit lens (capture.lens.enabled: false, or capture: none); "
+            f"generate it again with the lens enabled"
+        )
     # One lens writer at a time: a second `lmtrace lens` of the run exits 2 naming the holder's pid.
     owner = OwnerLock(run.path, "lens", run.id).acquire()
     try:
@@ -77,8 +80,8 @@ def _already(run: Run) -> dict:
 
 def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
     from ..archive.rundir import RunDir, Shard
-    from ..exits.faults import kill_point
     from ..archive.runs import now_iso, read_manifest, write_manifest
+    from ..exits.faults import kill_point
     from ..exits.interrupts import work_recorded, work_started
 
     work_started()  # (a second run of `lmtrace lens A B`, the lens after `generate --lens`)
@@ -87,8 +90,10 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
         if lens_state(manifest) == "ready":  # another `lmtrace lens` finished it meanwhile
             return _already(run)
         if manifest.get("status") != "complete":
-            raise ArchiveError(f"run {run.id} is {manifest.get('status')}: the deferred lens is computed on complete "
-                             f"runs; finish it first (`lmtrace generate --resume {run.id}`)")
+            raise ArchiveError(
+                f"run {run.id} is {manifest.get('status')}: the deferred lens is computed on complete "
+                f"runs; finish it first (`lmtrace generate --resume {run.id}`)"
+            )
         _check_inputs(run.path, manifest, run.id)
         note(f"computing the logit lens of {run.id}")  # only now: a refusal stays one line
         t0 = time.time()
@@ -97,14 +102,24 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
         from ..archive.integrity import record_update
 
         try:
-            checksums = record_update(run.path, manifest, LENS_WRITES, {layout.table_file("steps"): new_steps},
-                                      lambda m: write_manifest(run.path, m))
+            checksums = record_update(
+                run.path,
+                manifest,
+                LENS_WRITES,
+                {layout.table_file("steps"): new_steps},
+                lambda m: write_manifest(run.path, m),
+            )
         finally:
             new_steps.unlink(missing_ok=True)  # (moved into place unless the recording failed)
         kill_point("lens-checksums")
-        manifest["lens"]["computed"] = {"by": "lmtrace lens", "at": now_iso(), "seconds": round(time.time() - t0, 3),
-                                        "model_load_s": rows["model_load_s"], "device": rows.pop("device"),
-                                        "rows": rows["rows"]}
+        manifest["lens"]["computed"] = {
+            "by": "lmtrace lens",
+            "at": now_iso(),
+            "seconds": round(time.time() - t0, 3),
+            "model_load_s": rows["model_load_s"],
+            "device": rows.pop("device"),
+            "rows": rows["rows"],
+        }
         for spec in layout.LENS_ARRAYS:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}
         manifest["checksums"] = checksums
@@ -117,8 +132,8 @@ def _compute_owned(run: Run, device: str | None, note, loaded=None) -> dict:
 
 def _check_inputs(path: Path, manifest: dict, run_id: str) -> None:
     """Refuse (exit 2, naming the file) a run whose files the lens reads differ from their checksums."""
-    from ..archive.integrity import verify
     from ..archive.damage import damaged_message
+    from ..archive.integrity import verify
 
     problems, _, _ = verify(path, manifest, prefix=LENS_READS)
     if problems:
@@ -150,12 +165,20 @@ def _compute(run: Run, manifest: dict, device: str | None, note, loaded=None) ->
     resid_layers = list(manifest["shape"]["resid_layers"])
     missing = [layer for layer in layers if layer not in resid_layers]
     if missing or "resid" not in run.array_names():
-        raise ArchiveError(f"run {run.id} has no archived residual at layers {missing or layers}: the lens cannot be "
-                           f"computed from it")
+        raise ArchiveError(
+            f"run {run.id} has no archived residual at layers {missing or layers}: the lens cannot be computed from it"
+        )
     resid = run.array("resid")
     arrays = LensArrays(run.path, resid, (*resid.shape[:2], len(layers), lens.k), spec["output"])
-    n_rows, columns = deferred_lens(run, lens, layers, [resid_layers.index(layer) for layer in layers],
-                                    int(spec["output"]["chunk_steps"]), arrays.write, note)
+    n_rows, columns = deferred_lens(
+        run,
+        lens,
+        layers,
+        [resid_layers.index(layer) for layer in layers],
+        int(spec["output"]["chunk_steps"]),
+        arrays.write,
+        note,
+    )
     new_steps = steps_with_columns(run, columns, layers)
     try:
         consolidate(run.path)

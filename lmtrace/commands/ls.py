@@ -17,13 +17,25 @@ from rich.text import Text
 
 from ..archive.runs import human_bytes, list_runs, runs_root
 from ..archive.summary import progress_label, summary_or_damaged
-from ..output.column_fit import fitting_columns, table_width
 from ..exits.errors import SpecError
+from ..output.column_fit import fitting_columns, table_width
 from ..output.jsonout import json_line
 
 KINDS = ("generate", "intervene")
-COLUMNS = ("run id", "kind", "status", "model", "prompts", "tokens", "lens", "parent", "edits", "size", "created",
-           "progress")
+COLUMNS = (
+    "run id",
+    "kind",
+    "status",
+    "model",
+    "prompts",
+    "tokens",
+    "lens",
+    "parent",
+    "edits",
+    "size",
+    "created",
+    "progress",
+)
 # what a narrow terminal keeps, most important first: columns are left out from the end of this list, down to
 # the first `ALWAYS`; then the edits cells are cut (…)
 # (a terminal shows an unfinished run's progress in its status cell, not in a column of its own)
@@ -46,10 +58,20 @@ def _cells(r: dict, *, short: bool) -> dict[str, str]:
         if progress:  # `running 40/100 ~3m left (1/4 shards)`: narrow enough for 80 columns
             shards = f" ({r['shards_complete']} shards)" if r.get("shards_complete") else ""
             status = f"{status.split(' ')[0]} {progress}{shards}"
-    return {"run id": str(r["run_id"]), "kind": dash(r["kind"]), "status": status, "model": model,
-            "prompts": dash(r["prompts"]), "tokens": dash(r["tokens"]), "lens": dash(r["lens"]),
-            "parent": dash(r["parent_id"]), "edits": dash(r["edits"]), "size": human_bytes(r["size_bytes"]),
-            "created": created, "progress": dash(progress)}
+    return {
+        "run id": str(r["run_id"]),
+        "kind": dash(r["kind"]),
+        "status": status,
+        "model": model,
+        "prompts": dash(r["prompts"]),
+        "tokens": dash(r["tokens"]),
+        "lens": dash(r["lens"]),
+        "parent": dash(r["parent_id"]),
+        "edits": dash(r["edits"]),
+        "size": human_bytes(r["size_bytes"]),
+        "created": created,
+        "progress": dash(progress),
+    }
 
 
 def fit_columns(natural: dict[str, int], width: int) -> dict[str, int]:
@@ -57,8 +79,9 @@ def fit_columns(natural: dict[str, int], width: int) -> dict[str, int]:
     while more than `ALWAYS` remain, then the edits column is cut. Every other cell is whole: the run id alone
     may exceed a very narrow terminal."""
     shown = [c for c in COLUMNS if c in PRIORITY]
-    kept = fitting_columns([natural[c] for c in shown], width, [shown.index(c) for c in reversed(PRIORITY)],
-                           gap=GAP, keep=ALWAYS)
+    kept = fitting_columns(
+        [natural[c] for c in shown], width, [shown.index(c) for c in reversed(PRIORITY)], gap=GAP, keep=ALWAYS
+    )
     widths = {shown[i]: natural[shown[i]] for i in kept}
     excess = table_width(list(widths.values()), GAP) - width
     if excess > 0:  # only the `ALWAYS` columns are left
@@ -72,7 +95,7 @@ def _terminal_table(rows: list[dict], root, console: Console) -> None:
     widths = fit_columns(natural, console.width)
     title = f"runs in {root}"
     if cell_len(title) > console.width:
-        title = "runs in …" + str(root)[-(console.width - 9):]
+        title = "runs in …" + str(root)[-(console.width - 9) :]
     console.print(Text(title, style="bold"), no_wrap=True, crop=True)
 
     def line(values: dict[str, str], styles: dict[str, str]) -> Text:
@@ -91,8 +114,13 @@ def _terminal_table(rows: list[dict], root, console: Console) -> None:
         console.print(line(x, {"status": STATUS_STYLE.get(x["status"].split(" ")[0], "")}), no_wrap=True, crop=True)
     hidden = [c for c in COLUMNS if c not in widths and c not in PROGRESS_IN_STATUS]
     if hidden:
-        console.print(Text(f"not shown at {console.width} columns: {', '.join(hidden)} (a wider terminal, "
-                           f"`lmtrace ls | cat` or --json shows every column)", style="dim"))
+        console.print(
+            Text(
+                f"not shown at {console.width} columns: {', '.join(hidden)} (a wider terminal, "
+                f"`lmtrace ls | cat` or --json shows every column)",
+                style="dim",
+            )
+        )
 
 
 def list_table(runs_dir: str | None, json_out: bool, kind: str | None = None, quiet: bool = False) -> None:

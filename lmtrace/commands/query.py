@@ -12,12 +12,12 @@ import duckdb
 
 from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
-from ..exits.errors import SpecError
+from ..archive.sql_views import connect, named_views
 from ..archive.table_catalog import VIEWS, Catalog, read_catalog
+from ..exits.errors import SpecError
 from ..query.check import damaged_runs, failing_file, first_line, printable
 from ..query.guard import check_out, check_read_only, lock
 from ..query.output import FORMATS, write_result
-from ..archive.sql_views import connect, named_views
 
 SUFFIX_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -29,8 +29,10 @@ def output_format(fmt: str | None, out: Path | None) -> str:
             return "table"
         fmt = SUFFIX_FORMATS.get(out.suffix.lower())
         if fmt is None:
-            raise SpecError(f"--out {out}: give --format ({', '.join(FORMATS[1:])}), or a file ending in "
-                            f"{', '.join(SUFFIX_FORMATS)}")
+            raise SpecError(
+                f"--out {out}: give --format ({', '.join(FORMATS[1:])}), or a file ending in "
+                f"{', '.join(SUFFIX_FORMATS)}"
+            )
     if fmt not in FORMATS:
         raise SpecError(f"--format {fmt!r}: unknown; formats: {', '.join(FORMATS)}")
     if fmt == "parquet" and out is None:
@@ -46,8 +48,10 @@ def sql_error(err: duckdb.Error) -> SpecError:
     if isinstance(err, duckdb.CatalogException) and "Table" in first:
         first += f" (views: {', '.join(VIEWS)})"
     if isinstance(err, duckdb.PermissionException):
-        first += (" (lmtrace query reads the views' files and the files its SQL names as strings outside the runs "
-                  "directory, and writes nothing: write a result with --out FILE)")
+        first += (
+            " (lmtrace query reads the views' files and the files its SQL names as strings outside the runs "
+            "directory, and writes nothing: write a result with --out FILE)"
+        )
     return SpecError(first)
 
 
@@ -72,7 +76,7 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
     the views on a DuckDB connection locked to reading them, run the SQL and print or write its
     result. A run whose file still fails to read is found, left out, and the query run again."""
     if not sql.strip():
-        raise SpecError(f"no SQL given: e.g. lmtrace query \"SELECT * FROM runs\" (views: {', '.join(VIEWS)})")
+        raise SpecError(f'no SQL given: e.g. lmtrace query "SELECT * FROM runs" (views: {", ".join(VIEWS)})')
     fmt = output_format(fmt, out)
     check_read_only(sql)
     root = runs_root(runs_dir)
@@ -104,8 +108,9 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
                 if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read
                     relists += 1
                     continue
-                found = failing_file(catalog, views) if type(err) is duckdb.Error or isinstance(err, READ_ERRORS) \
-                    else None
+                found = (
+                    failing_file(catalog, views) if type(err) is duckdb.Error or isinstance(err, READ_ERRORS) else None
+                )
                 if found is None:
                     raise sql_error(err) from None
                 skip(catalog, *found)

@@ -39,8 +39,18 @@ SOURCES = ("auto", "archive", "replay")
 ARCHS = ("topk", "batchtopk")
 
 
-def _check_args(latents: int, k: int, arch: str, source: str, heldout: float, epochs: int, max_tokens: int,
-                batch: int, lr: float, out: Path) -> None:
+def _check_args(
+    latents: int,
+    k: int,
+    arch: str,
+    source: str,
+    heldout: float,
+    epochs: int,
+    max_tokens: int,
+    batch: int,
+    lr: float,
+    out: Path,
+) -> None:
     if latents < 1:
         raise SpecError(f"--latents must be ≥ 1 (got {latents})")
     if not 1 <= k <= latents:
@@ -79,11 +89,29 @@ def archived(run: Run, resid_index: int, sequences: list[int]):
             yield torch.from_numpy(np.asarray(array[seq, :n, resid_index, :], dtype=np.float32))
 
 
-def sae_train_command(ref: str, *, layer: int, site: str, latents: int, k: int, out: str, arch: str = "topk",
-                      source: str = "auto", heldout: float = 0.1, epochs: int = 1, max_tokens: int = 200_000,
-                      batch: int = 1024, lr: float = 1e-3, seed: int = 0, batch_tokens: int = 2048,
-                      device: str | None = None, runs_dir: str | None = None, json_out: bool = False,
-                      quiet: bool = False, note=lambda text: None) -> dict:
+def sae_train_command(
+    ref: str,
+    *,
+    layer: int,
+    site: str,
+    latents: int,
+    k: int,
+    out: str,
+    arch: str = "topk",
+    source: str = "auto",
+    heldout: float = 0.1,
+    epochs: int = 1,
+    max_tokens: int = 200_000,
+    batch: int = 1024,
+    lr: float = 1e-3,
+    seed: int = 0,
+    batch_tokens: int = 2048,
+    device: str | None = None,
+    runs_dir: str | None = None,
+    json_out: bool = False,
+    quiet: bool = False,
+    note=lambda text: None,
+) -> dict:
     from ..capture.arch import adapter_for
     from ..runner.models import load_run_model
 
@@ -97,15 +125,18 @@ def sae_train_command(ref: str, *, layer: int, site: str, latents: int, k: int, 
     in_archive = the_site.archived_resid_layer is not None and the_site.archived_resid_layer in resid_layers
     if source == "archive" and not in_archive:
         held = f"resid at layers {resid_layers}" if resid_layers else "no residual vectors"
-        raise SpecError(f"run {run.id} has {held}, not {the_site.hook_name}: use --source replay (or auto), or "
-                        f"generate the run with capture.residual.vectors_at including that layer")
+        raise SpecError(
+            f"run {run.id} has {held}, not {the_site.hook_name}: use --source replay (or auto), or "
+            f"generate the run with capture.residual.vectors_at including that layer"
+        )
     use_archive = in_archive and source != "replay"
     view = ParentView.read(run)
     sequences = [p + g for p, g in zip(view.prompt_ids, view.generated)]
     train_ids, held_ids = split_sequences(len(sequences), heldout, seed)
 
-    loaded = load_run_model(run.manifest, run.id, purpose="sae train (the held-out cross-entropy)",
-                            overrides={"device": device}, note=note)
+    loaded = load_run_model(
+        run.manifest, run.id, purpose="sae train (the held-out cross-entropy)", overrides={"device": device}, note=note
+    )
     model = loaded.model.eval()
     adapter = adapter_for(model)
     the_site.check_family(adapter)  # a layer the model lacks, a site its family lacks: one line
@@ -126,36 +157,63 @@ def sae_train_command(ref: str, *, layer: int, site: str, latents: int, k: int, 
             note(f"collecting activations at {the_site.hook_name} ({'archive' if use_archive else 'replay'})")
             n = store.fill(activations(train_ids))
             if n < k:
-                raise SpecError(f"run {run.id} gives only {n} training activations at {the_site.hook_name}; "
-                                f"use a run with more tokens (or --source replay)")
+                raise SpecError(
+                    f"run {run.id} gives only {n} training activations at {the_site.hook_name}; "
+                    f"use a run with more tokens (or --source replay)"
+                )
             collect_s = time.time() - t0
             note(f"training on {n} activations")
-            settings = TrainSettings(d_sae=latents, k=k, architecture=arch, epochs=epochs, batch=batch, lr=lr,
-                                     seed=seed)
-            sae, log = train_sae(store, settings, the_site.hook_name, model_name=run.manifest["spec_resolved"]
-                                 ["model"].get("ref"))
+            settings = TrainSettings(
+                d_sae=latents, k=k, architecture=arch, epochs=epochs, batch=batch, lr=lr, seed=seed
+            )
+            sae, log = train_sae(
+                store, settings, the_site.hook_name, model_name=run.manifest["spec_resolved"]["model"].get("ref")
+            )
         finally:
             store.close()
     note("measuring on held-out sequences")
     recon = reconstruction_metrics(sae, activations(held_ids))
-    ce = ce_loss_recovered(model, adapter, sae, the_site, [sequences[i] for i in held_ids], pad_id=pad_id,
-                           batch_tokens=batch_tokens)
+    ce = ce_loss_recovered(
+        model, adapter, sae, the_site, [sequences[i] for i in held_ids], pad_id=pad_id, batch_tokens=batch_tokens
+    )
     card = {
         "format": "lmtrace SAE training card 1",
-        "run_id": run.id, "model": run.manifest["spec_resolved"]["model"].get("ref"),
+        "run_id": run.id,
+        "model": run.manifest["spec_resolved"]["model"].get("ref"),
         "model_weights_sha256": run.manifest.get("model", {}).get("weights_sha256"),
-        "hook_name": the_site.hook_name, "layer": layer, "site": site, "architecture": arch,
-        "saved_architecture": sae.cfg.architecture, "d_in": d_in, "latents": latents, "k": k,
-        "data": {"source": "archive" if use_archive else "replay",
-                 "positions": ("the run's archived vectors: each generated token's query position" if use_archive
-                               else "every position of prompt + generated tokens but the first"),
-                 "training_sequences": len(train_ids), "heldout_sequences": held_ids, "tokens": n,
-                 "max_tokens": max_tokens, "collect_seconds": round(collect_s, 2)},
+        "hook_name": the_site.hook_name,
+        "layer": layer,
+        "site": site,
+        "architecture": arch,
+        "saved_architecture": sae.cfg.architecture,
+        "d_in": d_in,
+        "latents": latents,
+        "k": k,
+        "data": {
+            "source": "archive" if use_archive else "replay",
+            "positions": (
+                "the run's archived vectors: each generated token's query position"
+                if use_archive
+                else "every position of prompt + generated tokens but the first"
+            ),
+            "training_sequences": len(train_ids),
+            "heldout_sequences": held_ids,
+            "tokens": n,
+            "max_tokens": max_tokens,
+            "collect_seconds": round(collect_s, 2),
+        },
         "training": log,
-        "heldout": {"tokens": recon["tokens"], "explained_variance": recon["explained_variance"],
-                    "mean_l0": recon["mean_l0"], "dead_fraction": recon["dead_fraction"],
-                    "ce_tokens": ce["tokens"], "ce_orig": ce["ce_orig"], "ce_sae": ce["ce_sae"],
-                    "ce_zero_ablation": ce["ce_zero"], "loss_recovered": ce["loss_recovered"]},
+        "heldout": {
+            "tokens": recon["tokens"],
+            "explained_variance": recon["explained_variance"],
+            "mean_l0": recon["mean_l0"],
+            "dead_fraction": recon["dead_fraction"],
+            "ce_tokens": ce["tokens"],
+            "ce_orig": ce["ce_orig"],
+            "ce_sae": ce["ce_sae"],
+            "ce_zero_ablation": ce["ce_zero"],
+            "loss_recovered": ce["loss_recovered"],
+        },
         "seconds": round(time.time() - t0, 2),
     }
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
@@ -183,16 +241,19 @@ def _num(x, fmt: str) -> str:
 def _print(card: dict) -> None:
     d, t, h = card["data"], card["training"], card["heldout"]
     kind = "BatchTopK (saved as jumprelu)" if card["architecture"] == "batchtopk" else "TopK"
-    print(f"trained a {kind} SAE, {card['latents']} latents, k {card['k']}, at {card['hook_name']} of run "
-          f"{card['run_id']}: {d['tokens']:,} tokens ({d['source']}), {t['epochs']} epoch(s), {t['steps']} steps, "
-          f"{card['seconds']:.0f} s")
-    print(f"held out ({len(d['heldout_sequences'])} sequences, {h['tokens']:,} tokens): explained variance "
-          f"{_num(h['explained_variance'], '.3f')}, mean L0 {_num(h['mean_l0'], '.1f')}, dead latents "
-          f"{_num(None if h['dead_fraction'] is None else 100 * h['dead_fraction'], '.1f')} %, CE loss recovered "
-          f"{_num(h['loss_recovered'], '.3f')} (CE {_num(h['ce_orig'], '.3f')} original, {_num(h['ce_sae'], '.3f')} "
-          f"with the SAE, {_num(h['ce_zero_ablation'], '.3f')} zero-ablated)")
+    print(
+        f"trained a {kind} SAE, {card['latents']} latents, k {card['k']}, at {card['hook_name']} of run "
+        f"{card['run_id']}: {d['tokens']:,} tokens ({d['source']}), {t['epochs']} epoch(s), {t['steps']} steps, "
+        f"{card['seconds']:.0f} s"
+    )
+    print(
+        f"held out ({len(d['heldout_sequences'])} sequences, {h['tokens']:,} tokens): explained variance "
+        f"{_num(h['explained_variance'], '.3f')}, mean L0 {_num(h['mean_l0'], '.1f')}, dead latents "
+        f"{_num(None if h['dead_fraction'] is None else 100 * h['dead_fraction'], '.1f')} %, CE loss recovered "
+        f"{_num(h['loss_recovered'], '.3f')} (CE {_num(h['ce_orig'], '.3f')} original, {_num(h['ce_sae'], '.3f')} "
+        f"with the SAE, {_num(h['ce_zero_ablation'], '.3f')} zero-ablated)"
+    )
     print(f"wrote {card['path']} ({CFG}, {WEIGHTS}, {CARD})")
-
 
 
 def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) -> dict:
@@ -206,24 +267,38 @@ def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) 
     site = parse_hook_name(cfg.hook_name)
     card_path = Path(path) / CARD
     card = json.loads(card_path.read_text()) if card_path.is_file() else None
-    info = {"path": str(path), "architecture": cfg.architecture, "d_in": cfg.d_in, "d_sae": cfg.d_sae, "k": cfg.k,
-            "hook_name": cfg.hook_name, "layer": site.layer, "site": site.kind,
-            "apply_b_dec_to_input": cfg.apply_b_dec_to_input, "normalize_activations": cfg.normalize_activations,
-            "model_name": cfg.model_name, "training_card": card}
+    info = {
+        "path": str(path),
+        "architecture": cfg.architecture,
+        "d_in": cfg.d_in,
+        "d_sae": cfg.d_sae,
+        "k": cfg.k,
+        "hook_name": cfg.hook_name,
+        "layer": site.layer,
+        "site": site.kind,
+        "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
+        "normalize_activations": cfg.normalize_activations,
+        "model_name": cfg.model_name,
+        "training_card": card,
+    }
     if json_out:
         print(json_line(info))
     if json_out or quiet:
         return info
     k = f", k {cfg.k}" if cfg.k is not None else ""
-    print(f"{path}: {cfg.architecture} SAE, d_in {cfg.d_in}, {cfg.d_sae} latents{k}, at {cfg.hook_name} "
-          f"(lmtrace site {site.kind}, layer {site.layer}); b_dec applied to the input: "
-          f"{'yes' if cfg.apply_b_dec_to_input else 'no'}; input normalisation: {cfg.normalize_activations}"
-          + (f"; model {cfg.model_name}" if cfg.model_name else ""))
+    print(
+        f"{path}: {cfg.architecture} SAE, d_in {cfg.d_in}, {cfg.d_sae} latents{k}, at {cfg.hook_name} "
+        f"(lmtrace site {site.kind}, layer {site.layer}); b_dec applied to the input: "
+        f"{'yes' if cfg.apply_b_dec_to_input else 'no'}; input normalisation: {cfg.normalize_activations}"
+        + (f"; model {cfg.model_name}" if cfg.model_name else "")
+    )
     if card is not None:
         h = card.get("heldout", {})
-        print(f"trained on run {card.get('run_id')} ({card.get('data', {}).get('tokens')} tokens, "
-              f"{card.get('data', {}).get('source')}); held out: explained variance "
-              f"{_num(h.get('explained_variance'), '.3f')}, mean L0 {_num(h.get('mean_l0'), '.1f')}, dead "
-              f"{_num(None if h.get('dead_fraction') is None else 100 * h['dead_fraction'], '.1f')} %, "
-              f"CE loss recovered {_num(h.get('loss_recovered'), '.3f')}")
+        print(
+            f"trained on run {card.get('run_id')} ({card.get('data', {}).get('tokens')} tokens, "
+            f"{card.get('data', {}).get('source')}); held out: explained variance "
+            f"{_num(h.get('explained_variance'), '.3f')}, mean L0 {_num(h.get('mean_l0'), '.1f')}, dead "
+            f"{_num(None if h.get('dead_fraction') is None else 100 * h['dead_fraction'], '.1f')} %, "
+            f"CE loss recovered {_num(h.get('loss_recovered'), '.3f')}"
+        )
     return info

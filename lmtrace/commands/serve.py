@@ -52,8 +52,11 @@ def serve(runs_dir: str | None, host: str, port: int, token: str | None, open_br
         import webbrowser
 
         webbrowser.open(url)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, server_header=False,
-                                           date_header=False, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, log_level="warning", access_log=False, server_header=False, date_header=False, lifespan="off"
+        )
+    )
     # Ctrl-C or SIGTERM is how a server is meant to end (exit 0), not an interruption (exit 3, as the
     # CLI's handler would make it): uvicorn shuts down gracefully, then re-raises the signal it caught.
     stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}

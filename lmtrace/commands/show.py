@@ -19,8 +19,10 @@ from ..output.jsonout import json_line
 from ..output.prob_colours import terminal_colour, terminal_legend
 
 # what `stability` means (capture.sampling.stability_class), said under --step
-STABILITY_LEGEND = ("of the model's top-1, whatever was chosen: locked = top-1 prob ≥ 0.9, stable = top-1 − top-2 "
-                    "margin ≥ 1 nat, fragile = margin ≥ 0.1 nat, tie = margin < 0.1 nat")
+STABILITY_LEGEND = (
+    "of the model's top-1, whatever was chosen: locked = top-1 prob ≥ 0.9, stable = top-1 − top-2 "
+    "margin ≥ 1 nat, fragile = margin ≥ 0.1 nat, tie = margin < 0.1 nat"
+)
 
 
 def _console() -> Console:
@@ -41,8 +43,16 @@ def prob_label(p: float) -> str:
     return f"{p:.2g}"
 
 
-def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool = False,
-             step: int | None = None, sequence: int | None = None, quiet: bool = False) -> None:
+def show_run(
+    ref: str,
+    runs_dir: str | None,
+    json_out: bool,
+    *,
+    no_color: bool = False,
+    step: int | None = None,
+    sequence: int | None = None,
+    quiet: bool = False,
+) -> None:
     """`lmtrace show`: the run's summary and texts; with `step`, that step of `sequence` (default 0) in detail.
     `quiet`: the generated texts alone, one per sequence (with `step`: the chosen token's text)."""
     # the reader (zarr, pandas: ~1 s to import) only here: `lmtrace ls` reads manifests alone
@@ -87,8 +97,9 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
                 text.append(tok, style=terminal_colour(math.exp(lp)))
             console.print(text)
         else:  # the token texts exactly (rich would expand tabs and drop control characters)
-            console.file.write("".join(f"{tok}[{prob_label(math.exp(lp))}]" for tok, lp in zip(t.token_text, t.logprob))
-                               + "\n")
+            console.file.write(
+                "".join(f"{tok}[{prob_label(math.exp(lp))}]" for tok, lp in zip(t.token_text, t.logprob)) + "\n"
+            )
     if colour:
         legend = Text()
         legend.append("token colour = probability: ", style="dim")
@@ -100,20 +111,38 @@ def show_run(ref: str, runs_dir: str | None, json_out: bool, *, no_color: bool =
 def _print_header(run, summary: dict, console: Console) -> None:
     m = run.manifest
     model = m.get("model") or {}
-    console.print(f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(summary['status']))}  "
-                  f"created: {escape(str(m.get('created')))}")
-    console.print(escape(f"model: {model.get('reference')} ({model.get('class')}, {m.get('dtype')} on {m.get('device')}, "
-                         f"attention kernel {(m.get('attention') or {}).get('kernel')})"))
+    console.print(
+        f"[bold]run {escape(str(run.id))}[/bold]  status: {escape(str(summary['status']))}  "
+        f"created: {escape(str(m.get('created')))}"
+    )
+    console.print(
+        escape(
+            f"model: {model.get('reference')} ({model.get('class')}, {m.get('dtype')} on {m.get('device')}, "
+            f"attention kernel {(m.get('attention') or {}).get('kernel')})"
+        )
+    )
     gen = (m.get("spec_resolved") or {}).get("generation") or {}
-    console.print(f"generation: max_new_tokens={gen.get('max_new_tokens')} temperature={gen.get('temperature')} "
-                  f"top_k={gen.get('top_k')} top_p={gen.get('top_p')} seed={gen.get('seed')}", markup=False)
-    console.print(f"captured layers: {len((m.get('shape') or {}).get('layers') or [])}  "
-                  f"arrays: {', '.join(m.get('arrays') or {}) or 'none'}", markup=False)
+    console.print(
+        f"generation: max_new_tokens={gen.get('max_new_tokens')} temperature={gen.get('temperature')} "
+        f"top_k={gen.get('top_k')} top_p={gen.get('top_p')} seed={gen.get('seed')}",
+        markup=False,
+    )
+    console.print(
+        f"captured layers: {len((m.get('shape') or {}).get('layers') or [])}  "
+        f"arrays: {', '.join(m.get('arrays') or {}) or 'none'}",
+        markup=False,
+    )
     lens = m.get("lens")
     if lens:
-        state = {"pending": f"deferred, not computed yet (`lmtrace lens {run.id}`)",
-                 "ready": "computed " + ("during generation" if lens.get("when", "inline") == "inline"
-                                         else f"afterwards ({(lens.get('computed') or {}).get('at')})")}
+        state = {
+            "pending": f"deferred, not computed yet (`lmtrace lens {run.id}`)",
+            "ready": "computed "
+            + (
+                "during generation"
+                if lens.get("when", "inline") == "inline"
+                else f"afterwards ({(lens.get('computed') or {}).get('at')})"
+            ),
+        }
         console.print(f"logit lens: {state[lens_state(m)]}", markup=False)
     if m.get("error"):
         console.print(Text(f"error: {m['error']}", style="red"))
@@ -127,7 +156,9 @@ def _print_header(run, summary: dict, console: Console) -> None:
         console.print(f"committed steps per sequence: {committed}", markup=False)
     if m.get("parent"):
         console.print(f"parent: {m['parent']}", markup=False)
-    console.print(f"size: {human_bytes(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {run.path}", markup=False)
+    console.print(
+        f"size: {human_bytes(summary['size_bytes'])}  tokens: {summary['tokens']}  path: {run.path}", markup=False
+    )
 
 
 def _check_sequence(run, sequence: int) -> None:
@@ -152,25 +183,40 @@ def step_detail(run, sequence: int, step: int) -> dict:
     gen = t[~t.is_prompt] if t is not None else None
     rows = gen[gen.step == step] if gen is not None else []
     if len(rows) == 0:
-        have = (f"steps 0..{len(gen) - 1} ({len(gen)} generated tokens archived)" if gen is not None and len(gen)
-                else "no generated token archived yet")
+        have = (
+            f"steps 0..{len(gen) - 1} ({len(gen)} generated tokens archived)"
+            if gen is not None and len(gen)
+            else "no generated token archived yet"
+        )
         raise SpecError(f"--step {step}: sequence {sequence} of run {run.id} has {have}")
     r = rows.iloc[0]
     before = t[t.position < r.position].token_text.tolist()
     alt_ids = [int(i) for i in r.alt_ids]
-    alternatives = [{"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
-                    for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)]
+    alternatives = [
+        {"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
+        for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)
+    ]
     rank = int(r["token_rank"])
     # the chosen token's logprob minus the best other token's: the model's margin when it chose its top-1,
     # else minus the top-1's logprob (the first alternative); unknown when no alternative was stored
-    chosen_margin = (float(r.margin) if rank == 0 else
-                     float(r.logprob) - alternatives[0]["logprob"] if alternatives else None)
+    chosen_margin = (
+        float(r.margin) if rank == 0 else float(r.logprob) - alternatives[0]["logprob"] if alternatives else None
+    )
     token = {
-        "id": int(r.token_id), "text": r.token_text, "prob": float(r.prob), "logprob": float(r.logprob),
-        "rank": rank, "margin": float(r.margin), "margin_chosen": chosen_margin, "entropy": float(r.entropy),
+        "id": int(r.token_id),
+        "text": r.token_text,
+        "prob": float(r.prob),
+        "logprob": float(r.logprob),
+        "rank": rank,
+        "margin": float(r.margin),
+        "margin_chosen": chosen_margin,
+        "entropy": float(r.entropy),
         "stability": r.stability,
-        "sampling_prob": float(r.sampling_prob), "filter_changed": bool(r.filter_changed),
-        "greedy_id": int(r.greedy_id), "greedy_text": run.text([int(r.greedy_id)])[0], "is_eos": bool(r.is_eos),
+        "sampling_prob": float(r.sampling_prob),
+        "filter_changed": bool(r.filter_changed),
+        "greedy_id": int(r.greedy_id),
+        "greedy_text": run.text([int(r.greedy_id)])[0],
+        "is_eos": bool(r.is_eos),
     }
     state = lens_state(run.manifest)
     lens: dict = {"state": state}
@@ -181,11 +227,26 @@ def step_detail(run, sequence: int, step: int) -> dict:
         probs = np.asarray(run.array("lens_probs")[sequence, step])
         texts = run.text(ids)
         lens["layers"] = [
-            {"layer": int(layer), "top": [{"id": int(i), "text": x, "prob": float(p)}
-                                          for i, x, p in zip(ids[li], texts[li], probs[li]) if i >= 0]}
-            for li, layer in enumerate(run.layers)]
-    return {"run_id": run.id, "sequence": sequence, "step": step, "position": int(r.position),
-            "context": "".join(before), "token": token, "alternatives": alternatives, "lens": lens}
+            {
+                "layer": int(layer),
+                "top": [
+                    {"id": int(i), "text": x, "prob": float(p)}
+                    for i, x, p in zip(ids[li], texts[li], probs[li])
+                    if i >= 0
+                ],
+            }
+            for li, layer in enumerate(run.layers)
+        ]
+    return {
+        "run_id": run.id,
+        "sequence": sequence,
+        "step": step,
+        "position": int(r.position),
+        "context": "".join(before),
+        "token": token,
+        "alternatives": alternatives,
+        "lens": lens,
+    }
 
 
 def _packed(head: str, cells: list[str], width: int) -> list[str]:
@@ -209,15 +270,20 @@ def _print_step(d: dict, console: Console) -> None:
     context = d["context"]
     out(f"run {d['run_id']}  sequence {d['sequence']}  step {d['step']} (position {d['position']})")
     out("context: " + ("…" if len(context) > 200 else "") + repr(context[-200:]))
-    out(f"chosen: {tok['text']!r} (id {tok['id']})  prob {tok['prob']:.4g}  logprob {tok['logprob']:.4g}  "
-        f"rank {tok['rank'] + 1} (1 = the model's top-1)  entropy {tok['entropy']:.4g} nats")
+    out(
+        f"chosen: {tok['text']!r} (id {tok['id']})  prob {tok['prob']:.4g}  logprob {tok['logprob']:.4g}  "
+        f"rank {tok['rank'] + 1} (1 = the model's top-1)  entropy {tok['entropy']:.4g} nats"
+    )
     chosen = "unknown (no alternative stored)" if tok["margin_chosen"] is None else f"{tok['margin_chosen']:.4g} nats"
-    out(f"margins: the model's top-1 − top-2 {tok['margin']:.4g} nats; the chosen token − the best other token "
-        f"{chosen}")
+    out(
+        f"margins: the model's top-1 − top-2 {tok['margin']:.4g} nats; the chosen token − the best other token {chosen}"
+    )
     out(f"stability: {tok['stability']} ({STABILITY_LEGEND})")
     if tok["rank"] != 0:
-        out(f"model's top-1: {tok['greedy_text']!r} (id {tok['greedy_id']}); sampled with prob "
-            f"{tok['sampling_prob']:.4g}" + ("; top-k/top-p changed the choice" if tok["filter_changed"] else ""))
+        out(
+            f"model's top-1: {tok['greedy_text']!r} (id {tok['greedy_id']}); sampled with prob "
+            f"{tok['sampling_prob']:.4g}" + ("; top-k/top-p changed the choice" if tok["filter_changed"] else "")
+        )
     out("alternatives (top tokens at T=1):")
     width = max((len(repr(a["text"])) for a in d["alternatives"]), default=0)
     for n, a in enumerate(d["alternatives"], 1):

@@ -28,17 +28,33 @@ from pathlib import Path
 import numpy as np
 
 from ..analysis.sweep.cells import Cell, build_cells
-from ..analysis.sweep.effects import (cell_effects, effect_array, normalised_effect, patching_summary, ranking,
-                                      sequence_means)
+from ..analysis.sweep.effects import (
+    cell_effects,
+    effect_array,
+    normalised_effect,
+    patching_summary,
+    ranking,
+    sequence_means,
+)
 from ..analysis.sweep.metrics import Metric, parse_metrics
-from ..archive.liveness import OwnerLock
-from ..exits.faults import pause_after_owning
-from ..archive.runs import locked
-from ..archive.sweeps import (SWEEPS_DIR, EffectArray, PairColumns, block_table, create_partial, read_blocks,
-                              record_sweep, write_block, write_sweep, writer_key)
 from ..archive.files import atomic_write_json
+from ..archive.liveness import OwnerLock
+from ..archive.runs import locked
+from ..archive.sweeps import (
+    SWEEPS_DIR,
+    EffectArray,
+    PairColumns,
+    block_table,
+    create_partial,
+    read_blocks,
+    record_sweep,
+    write_block,
+    write_sweep,
+    writer_key,
+)
 from ..capture.interventions import parse_range_list
 from ..exits.errors import Interrupted, LmtraceError, SpecError
+from ..exits.faults import pause_after_owning
 from ..exits.interrupts import StopFlag
 from ..spec.sweep_spec import SweepSpec
 
@@ -83,7 +99,9 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
     n_seq = len(view.prompt_ids)
     shape, cfg = parent.shape, parent.manifest["model"]["config"]
     n_layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
-    seqs = list(range(n_seq)) if spec.sequences == "all" else sorted(set(parse_range_list(spec.sequences, "--sequences")))
+    seqs = (
+        list(range(n_seq)) if spec.sequences == "all" else sorted(set(parse_range_list(spec.sequences, "--sequences")))
+    )
     bad = [s for s in seqs if not 0 <= s < n_seq]
     if bad:
         raise SpecError(f"--sequences: {bad} out of range: run {parent.id} has sequences 0..{n_seq - 1}")
@@ -94,8 +112,9 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
     prompt_len = min(len(view.prompt_ids[s]) for s in seqs)
     longest = max(len(view.prompt_ids[s]) + max(seq_steps[s]) for s in seqs)  # the longest measured context
     edited = range(prompt_len - 1 + from_step, longest) if from_step else None
-    cells = build_cells(spec.over, spec.edit, spec.positions, n_layers, shape["n_heads"], shape.get("d_ffn") or 0,
-                        prompt_len, edited)
+    cells = build_cells(
+        spec.over, spec.edit, spec.positions, n_layers, shape["n_heads"], shape.get("d_ffn") or 0, prompt_len, edited
+    )
     first_edited = min(len(view.prompt_ids[s]) - 1 + from_step for s in seqs)
     for c in cells:
         if c.position is None:
@@ -103,9 +122,11 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
         if c.position >= longest:
             raise SpecError(f"positions: {c.position} is past every measured context (longest {longest} tokens)")
         if from_step and c.component != "position" and c.position < first_edited:
-            raise SpecError(f"positions: {c.position} is in the unedited prefix of every sequence: with --from-step "
-                            f"{from_step} edits apply at positions {first_edited} and later (step s is computed at "
-                            f"position prompt length - 1 + s)")
+            raise SpecError(
+                f"positions: {c.position} is in the unedited prefix of every sequence: with --from-step "
+                f"{from_step} edits apply at positions {first_edited} and later (step s is computed at "
+                f"position prompt length - 1 + s)"
+            )
     tokenizer = tokenizer_of(parent)
     metrics = parse_metrics(spec.metrics, tokenizer, len(tokenizer))
     inputs = _Inputs(parent, view, seqs, seq_steps, cells, metrics, from_step)
@@ -120,18 +141,28 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
             t, pair = inputs.pairs[s]
             a, b = len(view.prompt_ids[s]), len(source_view.prompt_ids[t])
             if a != b:
-                raise SpecError(f"pair {pair} (sequence {s} of run {parent.id}, sequence {t} of the source run "
-                                f"{source_run.id}): the prompts are {a} and {b} tokens; patching pairs positions, so "
-                                f"the prompts of a pair must have the same token length")
+                raise SpecError(
+                    f"pair {pair} (sequence {s} of run {parent.id}, sequence {t} of the source run "
+                    f"{source_run.id}): the prompts are {a} and {b} tokens; patching pairs positions, so "
+                    f"the prompts of a pair must have the same token length"
+                )
         inputs.source_run, inputs.source_view = source_run, source_view
     elif spec.source is not None or spec.pair_by is not None:
         raise SpecError(f"--{'source' if spec.source is not None else 'pair-by'} is for --edit patch")
     return inputs
 
 
-def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, sweep_id: str | None = None,
-              shard: tuple[int, int] = (0, 1), resume: bool = False, top: int = 20,
-              note=lambda text: None) -> SweepResult:
+def run_sweep(
+    parent_ref: str,
+    spec: SweepSpec,
+    *,
+    runs_dir: str | None = None,
+    sweep_id: str | None = None,
+    shard: tuple[int, int] = (0, 1),
+    resume: bool = False,
+    top: int = 20,
+    note=lambda text: None,
+) -> SweepResult:
     from ..archive.runs import new_run_id
 
     t0 = time.time()
@@ -139,9 +170,14 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
     parent, cells = inp.parent, inp.cells
 
     # the plan: blocks of cells, per sequence; a shard takes every N-th block
-    blocks = [(s, j, cells[i: i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))]
-    given = {"parent": parent.id, "source": inp.source_run.id if inp.source_run else None,
-             **spec.model_dump(mode="json")}
+    blocks = [
+        (s, j, cells[i : i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))
+    ]
+    given = {
+        "parent": parent.id,
+        "source": inp.source_run.id if inp.source_run else None,
+        **spec.model_dump(mode="json"),
+    }
     index, count = shard
     if resume and sweep_id is None:
         raise SpecError("--resume needs --run-id ID: the id of the unfinished sweep (sweeps/.partial-ID)")
@@ -158,8 +194,18 @@ def run_sweep(parent_ref: str, spec: SweepSpec, *, runs_dir: str | None = None, 
         owner.release()
 
 
-def _sweep_owned(inp: _Inputs, spec: SweepSpec, blocks: list, given: dict, sweep_id: str, shard: tuple[int, int],
-                 resume: bool, top: int, note, t0: float) -> SweepResult:
+def _sweep_owned(
+    inp: _Inputs,
+    spec: SweepSpec,
+    blocks: list,
+    given: dict,
+    sweep_id: str,
+    shard: tuple[int, int],
+    resume: bool,
+    top: int,
+    note,
+    t0: float,
+) -> SweepResult:
     """run_sweep's work once this process owns the sweep id and shard: check what exists, load the
     model, run this shard's blocks, and assemble when every block is committed."""
     from ..analysis.sweep.engine import MEAN_KIND, Engine
@@ -204,20 +250,45 @@ def _sweep_owned(inp: _Inputs, spec: SweepSpec, blocks: list, given: dict, sweep
     mine = [blk for k, blk in enumerate(blocks) if k % count == index]
     done = _run_blocks(inp, spec, engine, adapter, mine, partial, sweep_id, note)
     t_done = time.time()
-    atomic_write_json(partial / f"shard-{index}-of-{count}.json",
-                      {"status": "complete", "blocks": done["n_done"], "baseline_max_abs_diff": done["baseline_check"],
-                       "source_baseline": done["source_baseline"], "seconds": round(t_done - t0, 3),
-                       "prefix_skip": engine.skip_ok})
+    atomic_write_json(
+        partial / f"shard-{index}-of-{count}.json",
+        {
+            "status": "complete",
+            "blocks": done["n_done"],
+            "baseline_max_abs_diff": done["baseline_check"],
+            "source_baseline": done["source_baseline"],
+            "seconds": round(t_done - t0, 3),
+            "prefix_skip": engine.skip_ok,
+        },
+    )
     with locked(root / ".lock"):
         n_files = len(list((partial / "blocks").glob("*.parquet")))
         if n_files < len(blocks) or final.exists():
-            return SweepResult(sweep_id, None, "shard-complete", {"sweep_id": sweep_id, "blocks": done["n_done"]},
-                               t_done - t0)
-        info = _assemble(inp, spec, loaded, given, sweep_id, partial, final, top,
-                         {"model_load_s": round(t_model - t0, 3), "sweep_s": round(t_done - t_model, 3)})
-    summary = {"sweep_id": sweep_id, "run_id": parent.id, "path": str(final), "n_cells": len(cells),
-               "metric": inp.metrics[0].key, "baseline_max_abs_diff": info["baseline_max_abs_diff"],
-               "seconds": round(time.time() - t0, 3), "sweep_s": info["timings"]["sweep_s"], "top": info["top"]}
+            return SweepResult(
+                sweep_id, None, "shard-complete", {"sweep_id": sweep_id, "blocks": done["n_done"]}, t_done - t0
+            )
+        info = _assemble(
+            inp,
+            spec,
+            loaded,
+            given,
+            sweep_id,
+            partial,
+            final,
+            top,
+            {"model_load_s": round(t_model - t0, 3), "sweep_s": round(t_done - t_model, 3)},
+        )
+    summary = {
+        "sweep_id": sweep_id,
+        "run_id": parent.id,
+        "path": str(final),
+        "n_cells": len(cells),
+        "metric": inp.metrics[0].key,
+        "baseline_max_abs_diff": info["baseline_max_abs_diff"],
+        "seconds": round(time.time() - t0, 3),
+        "sweep_s": info["timings"]["sweep_s"],
+        "top": info["top"],
+    }
     if "patching" in info:
         summary["patching"] = info["patching"]
     return SweepResult(sweep_id, final, "complete", summary, time.time() - t0)
@@ -227,8 +298,10 @@ def _check_plan(partial: Path, plan: dict, sweep_id: str) -> None:
     """An unfinished sweep continues only with the settings it was started with."""
     started = json.loads((partial / "plan.json").read_text())
     if started["spec"] != plan["spec"] or started["shards"] != plan["shards"]:
-        raise SpecError(f"sweep {sweep_id} exists unfinished with different settings; use another --run-id, or "
-                        f"the same settings to continue it")
+        raise SpecError(
+            f"sweep {sweep_id} exists unfinished with different settings; use another --run-id, or "
+            f"the same settings to continue it"
+        )
 
 
 # Sequences of one layout (prompt length, measured steps, shared prefix) run together, one forward
@@ -276,16 +349,18 @@ def _packs(planned: list[_Sequence], limit: int) -> list[list[_Sequence]]:
     packs: list[list[_Sequence]] = []
     for q in planned:
         last = packs[-1] if packs else None
-        if (last and len(last) < limit and (last[0].prompt_len, last[0].steps, last[0].start)
-                == (q.prompt_len, q.steps, q.start)):
+        if (
+            last
+            and len(last) < limit
+            and (last[0].prompt_len, last[0].steps, last[0].start) == (q.prompt_len, q.steps, q.start)
+        ):
             last.append(q)
         else:
             packs.append([q])
     return packs
 
 
-def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, partial: Path, sweep_id: str,
-                note) -> dict:
+def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, partial: Path, sweep_id: str, note) -> dict:
     """Run and commit this shard's blocks not committed yet, packs of sequences at a time; the baseline
     once per pack (each sequence's checked against the archived log-probs). SIGTERM / SIGINT: finish the
     current blocks, then stop (exit 3)."""
@@ -321,24 +396,35 @@ def _run_blocks(inp: _Inputs, spec: SweepSpec, engine, adapter, mine: list, part
                 logits = engine.run_cells(seq_in.select(members), cells, sources)
                 for n, k in enumerate(members):
                     q = pack[k]
-                    rows = logits[n * len(cells):(n + 1) * len(cells)]
+                    rows = logits[n * len(cells) : (n + 1) * len(cells)]
                     values = engine.measure(rows, q.base, q.steps, inp.view.generated[q.s], seq_in.first_step)
-                    normalised = None if q.pair is None else {
-                        key: normalised_effect(v, q.base_metrics[key][None], q.pair.source_values[key][None])
-                        for key, v in values.items()}
-                    write_block(block_table(cells, q.s, q.steps, values, q.base_metrics, q.pair, normalised),
-                                block_path(q.s, j))
+                    normalised = (
+                        None
+                        if q.pair is None
+                        else {
+                            key: normalised_effect(v, q.base_metrics[key][None], q.pair.source_values[key][None])
+                            for key, v in values.items()
+                        }
+                    )
+                    write_block(
+                        block_table(cells, q.s, q.steps, values, q.base_metrics, q.pair, normalised), block_path(q.s, j)
+                    )
                     n_done += 1
-                note(f"block {n_done}/{len(pending)} ({len(cells)} cells of {len(members)} sequence(s) from "
-                     f"{pack[members[0]].s})")
+                note(
+                    f"block {n_done}/{len(pending)} ({len(cells)} cells of {len(members)} sequence(s) from "
+                    f"{pack[members[0]].s})"
+                )
                 if stop.signal is not None:
-                    raise Interrupted(f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue "
-                                      f"with the same command and --run-id {sweep_id} --resume")
+                    raise Interrupted(
+                        f"interrupted by signal {stop.signal}; {n_done} block(s) committed; continue "
+                        f"with the same command and --run-id {sweep_id} --resume"
+                    )
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
 
 
-def _prepare_pack(inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Sequence], baseline_check: dict,
-                  source_baseline: dict):
+def _prepare_pack(
+    inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Sequence], baseline_check: dict, source_baseline: dict
+):
     """The pack's input and baseline (checked per sequence against the archived log-probs), the baseline
     metrics and, for patching, each sequence's source values and the source's own metrics."""
     from ..analysis.sweep.engine import capture_source
@@ -355,18 +441,20 @@ def _prepare_pack(inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Se
         tokens = view.generated[q.s]
         diff = max(abs(float(base_lp[st - first, tokens[st]]) - view.logprob[q.s][st]) for st in q.steps)
         if diff > tol:
-            raise SweepError(f"sequence {q.s}: the unedited forward's log-probs differ from the archived ones by "
-                             f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}")
+            raise SweepError(
+                f"sequence {q.s}: the unedited forward's log-probs differ from the archived ones by "
+                f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run {parent.id}"
+            )
         baseline_check[q.s] = diff
-        q.base_metrics = {key: v[0] for key, v in engine.measure(q.base[None], q.base, q.steps, tokens,
-                                                                 first).items()}
+        q.base_metrics = {key: v[0] for key, v in engine.measure(q.base[None], q.base, q.steps, tokens, first).items()}
     if spec.edit != "patch":
         return seq_in
     wanted = {(c.component, c.layer) for c in inp.cells}
     if seq_in.prefix is not None and all(seq_in.start <= q.shared and len(q.source_ids) >= T for q in pack):
         # every source shares its sequence's prefix: one forward continues the pack's KV cache
-        sources, src_logits = capture_source(adapter, [q.source_ids[:T] for q in pack], wanted, seq_in.n_logits,
-                                             seq_in.prefix, seq_in.start)
+        sources, src_logits = capture_source(
+            adapter, [q.source_ids[:T] for q in pack], wanted, seq_in.n_logits, seq_in.prefix, seq_in.start
+        )
         found = [(src, lg, first) for src, lg in zip(sources, src_logits)]
     else:
         found = []
@@ -380,8 +468,12 @@ def _prepare_pack(inp: _Inputs, spec: SweepSpec, engine, adapter, pack: list[_Se
         # (row i: step src_first + i), scored on the patched run's tokens; NaN where the source sequence
         # is shorter than the measured context
         if len(q.source_ids) >= T:
-            own = {key: v[0] for key, v in engine.measure(src_logits[first - src_first:][None], q.base, q.steps,
-                                                          tokens, first).items()}
+            own = {
+                key: v[0]
+                for key, v in engine.measure(
+                    src_logits[first - src_first :][None], q.base, q.steps, tokens, first
+                ).items()
+            }
             source_baseline[str(q.s)] = {m.key: own[m.key].tolist() for m in inp.metrics if m.tokens}
         else:
             own = {m.key: np.full(len(q.steps), np.nan) for m in inp.metrics}
@@ -399,8 +491,17 @@ def _agreeing_prefix(ids: list[int], source_ids: list[int]) -> int:
     return n
 
 
-def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str, partial: Path, final: Path,
-              top: int, timings: dict) -> dict:
+def _assemble(
+    inp: _Inputs,
+    spec: SweepSpec,
+    loaded,
+    given: dict,
+    sweep_id: str,
+    partial: Path,
+    final: Path,
+    top: int,
+    timings: dict,
+) -> dict:
     """Every block is committed: write `sweeps/<id>/`, drop the partial directory, record the sweep in
     the manifest (call under the sweeps lock). Returns sweep.json's content."""
     from ..archive.runs import host_info, now_iso, package_versions
@@ -410,26 +511,43 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
     shards = [json.loads(f.read_text()) for f in sorted(partial.glob("shard-*.json"))]
     metric_keys = [m.key for m in inp.metrics]
     info = {
-        "kind": "sweep", "id": sweep_id, "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
+        "kind": "sweep",
+        "id": sweep_id,
+        "parent": {"run_id": parent.id, "path": str(parent.path.resolve())},
         "source": ({"run_id": source_run.id, "path": str(source_run.path.resolve())} if source_run else None),
-        "spec": given, "metrics": metric_keys, "n_cells": len(inp.cells), "sequences": inp.seqs,
-        "steps": {str(s): inp.seq_steps[s] for s in inp.seqs}, "semantics": "rescore (teacher-forced parent tokens)" + (
+        "spec": given,
+        "metrics": metric_keys,
+        "n_cells": len(inp.cells),
+        "sequences": inp.seqs,
+        "steps": {str(s): inp.seq_steps[s] for s in inp.seqs},
+        "semantics": "rescore (teacher-forced parent tokens)"
+        + (
             f"; edits from step {inp.from_step} on, the unedited prefix's KV cache shared by every row"
-            if inp.from_step else ""),
-        "model": {"reference": loaded.reference, "weights_sha256": loaded.weights_sha256,
-                  "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
-                  "attn_implementation": loaded.model.config._attn_implementation},
-        "packages": package_versions(), "host": host_info(), "created": now_iso(),
+            if inp.from_step
+            else ""
+        ),
+        "model": {
+            "reference": loaded.reference,
+            "weights_sha256": loaded.weights_sha256,
+            "dtype": str(loaded.dtype).replace("torch.", ""),
+            "device": str(loaded.device),
+            "attn_implementation": loaded.model.config._attn_implementation,
+        },
+        "packages": package_versions(),
+        "host": host_info(),
+        "created": now_iso(),
         "baseline_max_abs_diff": max([v for sh in shards for v in sh["baseline_max_abs_diff"].values()] or [0.0]),
         "prefix_skip": all(sh.get("prefix_skip", True) for sh in shards),
-        "source_baseline": ({k: v for sh in shards for k, v in sh.get("source_baseline", {}).items()}
-                            if source_run else None),
+        "source_baseline": (
+            {k: v for sh in shards for k, v in sh.get("source_baseline", {}).items()} if source_run else None
+        ),
         "timings": {**timings, "shards": len(shards)},
         "top": ranking(table, metric_keys[0], top),
     }
     if source_run is not None:
-        info["patching"] = patching_summary(table, inp.source_run.id, inp.parent.id, len(inp.seqs), inp.pairs,
-                                            metric_keys[0], spec.pair_by)
+        info["patching"] = patching_summary(
+            table, inp.source_run.id, inp.parent.id, len(inp.seqs), inp.pairs, metric_keys[0], spec.pair_by
+        )
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
@@ -437,9 +555,19 @@ def _assemble(inp: _Inputs, spec: SweepSpec, loaded, given: dict, sweep_id: str,
         effects.append(EffectArray(metric, dims, {d: coords[n] for n, d in zip(names, dims)}, values))
     write_sweep(final, table, sequence_means(table), effects, info)
     shutil.rmtree(partial, ignore_errors=True)
-    record_sweep(parent.path, {"id": sweep_id, "path": f"{SWEEPS_DIR}/{sweep_id}", "over": spec.over,
-                               "edit": spec.edit, "source": source_run.id if source_run else None,
-                               "metrics": metric_keys, "n_cells": len(inp.cells), "created": info["created"]})
+    record_sweep(
+        parent.path,
+        {
+            "id": sweep_id,
+            "path": f"{SWEEPS_DIR}/{sweep_id}",
+            "over": spec.over,
+            "edit": spec.edit,
+            "source": source_run.id if source_run else None,
+            "metrics": metric_keys,
+            "n_cells": len(inp.cells),
+            "created": info["created"],
+        },
+    )
     return info
 
 
@@ -450,27 +578,38 @@ def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> 
     if n == 0:
         raise SpecError(f"sequence {seq} of run {run_id} generated no tokens: nothing to measure")
     if from_step >= n:
-        raise SpecError(f"--from-step {from_step}: sequence {seq} of run {run_id} has steps 0..{n - 1}, none is edited; "
-                        f"choose a smaller step or other --sequences")
+        raise SpecError(
+            f"--from-step {from_step}: sequence {seq} of run {run_id} has steps 0..{n - 1}, none is edited; "
+            f"choose a smaller step or other --sequences"
+        )
     steps = parse_steps(text, n)
     if text.strip() == "all":
         return [st for st in steps if st >= from_step]
     early = [st for st in steps if st < from_step]
     if early:
-        raise SpecError(f"--steps: step(s) {early} come before --from-step {from_step}; their forward is the unedited "
-                        f"prefix, so measure steps {from_step} and later")
+        raise SpecError(
+            f"--steps: step(s) {early} come before --from-step {from_step}; their forward is the unedited "
+            f"prefix, so measure steps {from_step} and later"
+        )
     return steps
 
 
 def _check_source(parent, source) -> None:
     pm, sm = parent.manifest, source.manifest
-    for what, a, b in (("model weights", pm["model"].get("weights_sha256") or pm["model"]["reference"],
-                        sm["model"].get("weights_sha256") or sm["model"]["reference"]),
-                       ("tokenizer", (pm.get("tokenizer") or {}).get("sha256"), (sm.get("tokenizer") or {}).get("sha256")),
-                       ("dtype", pm.get("dtype"), sm.get("dtype"))):
+    for what, a, b in (
+        (
+            "model weights",
+            pm["model"].get("weights_sha256") or pm["model"]["reference"],
+            sm["model"].get("weights_sha256") or sm["model"]["reference"],
+        ),
+        ("tokenizer", (pm.get("tokenizer") or {}).get("sha256"), (sm.get("tokenizer") or {}).get("sha256")),
+        ("dtype", pm.get("dtype"), sm.get("dtype")),
+    ):
         if a != b:
-            raise SpecError(f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
-                            f"run of the same model, tokenizer and dtype")
+            raise SpecError(
+                f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
+                f"run of the same model, tokenizer and dtype"
+            )
 
 
 def sweep_groups(run_ref: str, runs_dir: str | None, by: str):
@@ -493,5 +632,11 @@ def grouped_cells(run_ref: str, runs_dir: str | None, sweep_id: str, metric: str
 
     frame = grouped_effects(read_sweep(open_run(run_ref, runs_dir), sweep_id), metric, groups.of)
     cells = cell_records(frame, ("layer", "q_head", "neuron", "position", "n_sequences", "n_rows"), keep=(GROUP_VALUE,))
-    return {"column": groups.column, "metric": metric, "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
-            "interval": "95 % percentile bootstrap over the group's sequences", "cells": cells}
+    return {
+        "column": groups.column,
+        "metric": metric,
+        "resamples": BOOTSTRAP_RESAMPLES,
+        "seed": BOOTSTRAP_SEED,
+        "interval": "95 % percentile bootstrap over the group's sequences",
+        "cells": cells,
+    }

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..exits.errors import SpecError
-from ..spec.prompts import load_prompts
 from ..archive.runs import human_bytes, runs_root
+from ..exits.errors import SpecError
 from ..runner.model_config import check_generation, check_layers, model_config, model_sizes
+from ..spec.prompts import load_prompts
 from ..spec.run_spec import ModelSpec, RunSpec, load_spec
 
 
@@ -40,8 +40,12 @@ def planned_placement(model: ModelSpec) -> dict | None:
 
     dtype = planning_dtype(model)
     placement = plan(model, load_config(model), dtype)
-    return {"dtype": str(dtype).replace("torch.", ""), "device_map": placement.device_map,
-            "devices": placement.summary(), "text": placement.text()}
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "device_map": placement.device_map,
+        "devices": placement.summary(),
+        "text": placement.text(),
+    }
 
 
 def validate_spec(path: Path, overrides: list[str]) -> dict:
@@ -61,15 +65,28 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
 
     def shape_for(n_steps: int) -> RunShape:
         return RunShape(
-            n_sequences=len(prompts), n_steps=n_steps, max_prompt=max_prompt, layers=tuple(layers),
-            resid_layers=tuple(resid_layers), n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or d_model // n_heads, d_model=d_model,
-            d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model, kv_head_of_head=(),
-            k_attn=cap.attention.top_k, k_ffn=cap.ffn.top_k, k_lens=cap.lens.top_k,
-            attention=cap.attention.enabled and bool(layers), prefill_attention=cap.prefill_attention,
-            qkv=cap.qkv and bool(layers), ffn=cap.ffn.enabled and bool(layers),
-            lens=cap.lens_inline and bool(layers), float_dtype=spec.output.float_dtype,
-            resid_dtype=cap.residual.dtype, head_dla=cap.head_dla and bool(layers),
+            n_sequences=len(prompts),
+            n_steps=n_steps,
+            max_prompt=max_prompt,
+            layers=tuple(layers),
+            resid_layers=tuple(resid_layers),
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or d_model // n_heads,
+            d_model=d_model,
+            d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model,
+            kv_head_of_head=(),
+            k_attn=cap.attention.top_k,
+            k_ffn=cap.ffn.top_k,
+            k_lens=cap.lens.top_k,
+            attention=cap.attention.enabled and bool(layers),
+            prefill_attention=cap.prefill_attention,
+            qkv=cap.qkv and bool(layers),
+            ffn=cap.ffn.enabled and bool(layers),
+            lens=cap.lens_inline and bool(layers),
+            float_dtype=spec.output.float_dtype,
+            resid_dtype=cap.residual.dtype,
+            head_dla=cap.head_dla and bool(layers),
         )
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
@@ -89,20 +106,26 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
     # token or a stop string after a few hundred tokens writes a tiny part of the maximum. Say both.
     first = min(spec.generation.max_new_tokens, 1000)
     _, first_tensors, first_tables = size(shape_for(first))
-    summary = (f"{len(prompts)} prompt(s), up to {shape.n_steps} new tokens each, {len(layers)} of {n_layers} layers captured; "
-               f"archive at most ~{human_bytes(tensors + tables)} before compression "
-               f"({human_bytes(per_step)} of tensors per sequence-step)")
+    summary = (
+        f"{len(prompts)} prompt(s), up to {shape.n_steps} new tokens each, {len(layers)} of {n_layers} layers captured; "
+        f"archive at most ~{human_bytes(tensors + tables)} before compression "
+        f"({human_bytes(per_step)} of tensors per sequence-step)"
+    )
     warnings = []
     if first < spec.generation.max_new_tokens:
-        summary += (f"; it grows with the tokens actually generated: ~{human_bytes(first_tensors + first_tables)} "
-                    f"if every prompt stops after {first} new tokens (at an eos token or a stop string), "
-                    f"the maximum only if every prompt runs to max_new_tokens={shape.n_steps}")
+        summary += (
+            f"; it grows with the tokens actually generated: ~{human_bytes(first_tensors + first_tables)} "
+            f"if every prompt stops after {first} new tokens (at an eos token or a stop string), "
+            f"the maximum only if every prompt runs to max_new_tokens={shape.n_steps}"
+        )
     free = _free_bytes(runs_root(None, spec.output.runs_dir))
     if free is not None and tensors + tables > free:
-        warnings.append(f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{human_bytes(tensors + tables)}) "
-                        f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
-                        f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
-                        f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner")
+        warnings.append(
+            f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{human_bytes(tensors + tables)}) "
+            f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
+            f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
+            f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner"
+        )
     budget = auto_budget_note(spec)
     if budget is not None:
         summary += f"; {budget['text']}"
@@ -112,8 +135,12 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         "placement": placement,
         "model": {"kind": kind, "source": source, "layers": n_layers, "heads": n_heads, "d_model": d_model},
         "prompts": len(prompts),
-        "estimate": {"bytes_per_sequence_step": per_step, "tensor_bytes_max": tensors, "table_bytes_max": tables,
-                     f"bytes_first_{first}_steps": first_tensors + first_tables},
+        "estimate": {
+            "bytes_per_sequence_step": per_step,
+            "tensor_bytes_max": tensors,
+            "table_bytes_max": tables,
+            f"bytes_first_{first}_steps": first_tensors + first_tables,
+        },
         "summary": summary,
         "memory_budget": budget,
         "warnings": warnings,
@@ -130,10 +157,16 @@ def auto_budget_note(spec: RunSpec) -> dict | None:
     if g.batch_size != "auto" or g.memory_budget is not None:
         return None
     free = available_ram()
-    ram = (f"{AUTO_SHARE_RAM:.0%} of the RAM available once the model is loaded"
-           + (f" ({human_bytes(free)} available now, before the model is loaded)" if free is not None else ""))
+    ram = f"{AUTO_SHARE_RAM:.0%} of the RAM available once the model is loaded" + (
+        f" ({human_bytes(free)} available now, before the model is loaded)" if free is not None else ""
+    )
     cuda = f"{AUTO_SHARE_CUDA:.0%} of the free memory of the GPUs it runs on"
     where = ram if spec.model.device == "cpu" else f"on CUDA {cuda}, on the CPU {ram}"
-    return {"from": "auto", "share_ram": AUTO_SHARE_RAM, "share_cuda": AUTO_SHARE_CUDA, "ram_available_bytes": free,
-            "text": f"batch_size: auto sizes the batches to {where}; generation.memory_budget (--memory-budget) "
-                    f"sets another"}
+    return {
+        "from": "auto",
+        "share_ram": AUTO_SHARE_RAM,
+        "share_cuda": AUTO_SHARE_CUDA,
+        "ram_available_bytes": free,
+        "text": f"batch_size: auto sizes the batches to {where}; generation.memory_budget (--memory-budget) "
+        f"sets another",
+    }

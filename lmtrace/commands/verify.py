@@ -18,22 +18,34 @@ def verify_run(ref: str, runs_dir: str | None, json_out: bool, quiet: bool = Fal
     m = read_manifest(path)
     run_id = m.get("run_id", path.name)
     if m.get("status") != "complete":
-        result = {"run_id": run_id, "status": m.get("status"), "ok": None,
-                  "message": f"run {run_id} is {m.get('status')}: checksums are recorded when a run completes"}
+        result = {
+            "run_id": run_id,
+            "status": m.get("status"),
+            "ok": None,
+            "message": f"run {run_id} is {m.get('status')}: checksums are recorded when a run completes",
+        }
         code = 0
     else:
         problems, n, recorded = verify(path, m)
-        result = {"run_id": run_id, "status": "damaged" if problems else "complete", "ok": not problems,
-                  "files_checked": n, "checksums_recorded": recorded,
-                  "problems": [{"path": p.path, "kind": p.kind} for p in problems]}
+        result = {
+            "run_id": run_id,
+            "status": "damaged" if problems else "complete",
+            "ok": not problems,
+            "files_checked": n,
+            "checksums_recorded": recorded,
+            "problems": [{"path": p.path, "kind": p.kind} for p in problems],
+        }
         if problems:
-            shown = "; ".join(str(p) for p in problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
+            shown = "; ".join(str(p) for p in problems[:5]) + (
+                f"; ... {len(problems) - 5} more" if len(problems) > 5 else ""
+            )
             result["message"] = f"run {run_id} is damaged: {shown}"
         elif recorded:
             result["message"] = f"run {run_id}: {n} files match their checksums"
         else:
-            result["message"] = (f"run {run_id}: no checksums recorded (completed before lmtrace recorded them); "
-                                 f"its tables are present")
+            result["message"] = (
+                f"run {run_id}: no checksums recorded (completed before lmtrace recorded them); its tables are present"
+            )
         code = 2 if problems else 0
     if json_out:
         print(json_line(result))

@@ -41,8 +41,11 @@ def work_started() -> None:
     _state["recorded"] = False
     signum, _state["signal"] = _state["signal"], None
     if signum is not None:
-        raise Interrupted(f"interrupted by {signal_name(signum)}: {_state['what']} stopped before it finished "
-                          f"and recorded nothing more as done; run it again", signum)
+        raise Interrupted(
+            f"interrupted by {signal_name(signum)}: {_state['what']} stopped before it finished "
+            f"and recorded nothing more as done; run it again",
+            signum,
+        )
 
 
 def _ignore(signum, frame) -> None:
@@ -79,8 +82,11 @@ def interrupt_on_signals(command: str | None = None):
                 raise KeyboardInterrupt
             return
         handler.raised = True
-        raise Interrupted(f"interrupted by {signal_name(signum)}: {what} stopped before it finished and "
-                          f"recorded nothing as done; run it again", signum)
+        raise Interrupted(
+            f"interrupted by {signal_name(signum)}: {what} stopped before it finished and "
+            f"recorded nothing as done; run it again",
+            signum,
+        )
 
     handler.raised = False
     _state.update(recorded=False, signal=None, what=what)
@@ -89,6 +95,7 @@ def interrupt_on_signals(command: str | None = None):
     def restore() -> None:
         for sig, previous in old.items():
             signal.signal(sig, _ignore if _state["until_exit"] else previous)
+
     return restore
 
 

@@ -40,31 +40,45 @@ def _config(path: Path, raw: dict) -> SaeConfig:
         raise _fail(path, f"{CFG} names no hook point (metadata.hook_name or hook_name)")
     head = meta.get("hook_head_index", raw.get("hook_head_index", raw.get("hook_point_head_index")))
     if head is not None:
-        raise _fail(path, f"an SAE on one attention head (hook_head_index {head}) is not supported; "
-                          f"supported: SAEs on a whole hook point")
+        raise _fail(
+            path,
+            f"an SAE on one attention head (hook_head_index {head}) is not supported; "
+            f"supported: SAEs on a whole hook point",
+        )
     arch = raw.get("architecture", "standard")
     act = raw.get("activation_fn") or raw.get("activation_fn_str") or "relu"
     k = raw.get("k", (raw.get("activation_fn_kwargs") or {}).get("k"))
     if "transcoder" in str(arch) or raw.get("hook_name_out") or meta.get("hook_name_out") or raw.get("d_out"):
-        raise _fail(path, f"transcoders ({arch}) are not supported yet; supported architectures: "
-                          f"{', '.join(ARCHITECTURES)} (BatchTopK as saved for inference, i.e. jumprelu)")
+        raise _fail(
+            path,
+            f"transcoders ({arch}) are not supported yet; supported architectures: "
+            f"{', '.join(ARCHITECTURES)} (BatchTopK as saved for inference, i.e. jumprelu)",
+        )
     if arch == "standard" and act == "topk":
         arch = "topk"
     elif arch == "standard" and act != "relu":
         raise _fail(path, f"activation function {act!r} is not supported; supported: relu, topk")
     if arch == "batchtopk":
-        raise _fail(path, "a BatchTopK SAE saved for training has no inference threshold; save it for inference "
-                          "(SAELens: save_inference_model), which makes it a jumprelu SAE")
+        raise _fail(
+            path,
+            "a BatchTopK SAE saved for training has no inference threshold; save it for inference "
+            "(SAELens: save_inference_model), which makes it a jumprelu SAE",
+        )
     if arch not in ARCHITECTURES:
-        raise _fail(path, f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)} "
-                          f"(BatchTopK as saved for inference is jumprelu)")
+        raise _fail(
+            path,
+            f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)} "
+            f"(BatchTopK as saved for inference is jumprelu)",
+        )
     norm = raw.get("normalize_activations", "none")
     if isinstance(norm, bool):  # old configs: true meant expected_average_only_in
         norm = "expected_average_only_in" if norm else "none"
     if norm not in NORMALISATIONS:
         raise _fail(path, f"normalize_activations {norm!r} is not supported; supported: {', '.join(NORMALISATIONS)}")
     if raw.get("reshape_activations", "none") not in ("none", "hook_z"):
-        raise _fail(path, f"reshape_activations {raw.get('reshape_activations')!r} is not supported; supported: none, hook_z")
+        raise _fail(
+            path, f"reshape_activations {raw.get('reshape_activations')!r} is not supported; supported: none, hook_z"
+        )
     try:
         d_in, d_sae = int(raw["d_in"]), int(raw["d_sae"])
     except (KeyError, TypeError, ValueError):
@@ -76,10 +90,18 @@ def _config(path: Path, raw: dict) -> SaeConfig:
         k = None
     parse_hook_name(hook, f"SAE {path}")  # refuse an unsupported hook point now, in one line
     meta.pop("hook_name", None)
-    return SaeConfig(architecture=arch, d_in=d_in, d_sae=d_sae, hook_name=hook, k=k,
-                     apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)), normalize_activations=norm,
-                     dtype=str(raw.get("dtype", "float32")), model_name=meta.pop("model_name", raw.get("model_name")),
-                     metadata=meta)
+    return SaeConfig(
+        architecture=arch,
+        d_in=d_in,
+        d_sae=d_sae,
+        hook_name=hook,
+        k=k,
+        apply_b_dec_to_input=bool(raw.get("apply_b_dec_to_input", True)),
+        normalize_activations=norm,
+        dtype=str(raw.get("dtype", "float32")),
+        model_name=meta.pop("model_name", raw.get("model_name")),
+        metadata=meta,
+    )
 
 
 def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
@@ -106,18 +128,26 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
         raise _fail(path, f"{WEIGHTS} is not readable safetensors ({str(err).splitlines()[0]})") from None
     if cfg.architecture == "jumprelu" and "threshold" not in weights and "log_threshold" in weights:
         weights["threshold"] = weights.pop("log_threshold").float().exp()
-    expected = {"W_enc": (cfg.d_in, cfg.d_sae), "b_enc": (cfg.d_sae,), "W_dec": (cfg.d_sae, cfg.d_in),
-                "b_dec": (cfg.d_in,)}
+    expected = {
+        "W_enc": (cfg.d_in, cfg.d_sae),
+        "b_enc": (cfg.d_sae,),
+        "W_dec": (cfg.d_sae, cfg.d_in),
+        "b_dec": (cfg.d_in,),
+    }
     if cfg.architecture == "jumprelu":
         expected["threshold"] = (cfg.d_sae,)
     for name, shape in expected.items():
         if name not in weights:
-            raise _fail(path, f"{WEIGHTS} has no tensor {name} (a {cfg.architecture} SAE needs "
-                              f"{', '.join(expected)}; found {', '.join(sorted(weights)) or 'none'})")
+            raise _fail(
+                path,
+                f"{WEIGHTS} has no tensor {name} (a {cfg.architecture} SAE needs "
+                f"{', '.join(expected)}; found {', '.join(sorted(weights)) or 'none'})",
+            )
         got = tuple(weights[name].shape)
         if got != shape:
-            raise _fail(path, f"{name} has shape {list(got)}, expected {list(shape)} from d_in {cfg.d_in} and "
-                              f"d_sae {cfg.d_sae}")
+            raise _fail(
+                path, f"{name} has shape {list(got)}, expected {list(shape)} from d_in {cfg.d_in} and d_sae {cfg.d_sae}"
+            )
         if not torch.isfinite(weights[name].float()).all():
             raise _fail(path, f"{name} holds NaN or infinite values")
     return Sae(cfg, **{name: weights[name] for name in expected})
@@ -125,15 +155,27 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
 
 def config_dict(cfg: SaeConfig) -> dict:
     """cfg.json as SAELens 6 writes it."""
-    out = {"architecture": cfg.architecture, "d_in": cfg.d_in, "d_sae": cfg.d_sae, "dtype": "float32",
-           "device": "cpu", "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
-           "normalize_activations": cfg.normalize_activations,
-           "reshape_activations": "hook_z" if cfg.hook_name.endswith("hook_z") else "none"}
+    out = {
+        "architecture": cfg.architecture,
+        "d_in": cfg.d_in,
+        "d_sae": cfg.d_sae,
+        "dtype": "float32",
+        "device": "cpu",
+        "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
+        "normalize_activations": cfg.normalize_activations,
+        "reshape_activations": "hook_z" if cfg.hook_name.endswith("hook_z") else "none",
+    }
     if cfg.architecture == "topk":
         out["k"] = cfg.k
     site = parse_hook_name(cfg.hook_name)
-    meta = {"model_name": cfg.model_name, "hook_name": cfg.hook_name, "hook_layer": site.layer,
-            "hook_head_index": None, "sae_lens_version": SAE_LENS_FORMAT_VERSION, **cfg.metadata}
+    meta = {
+        "model_name": cfg.model_name,
+        "hook_name": cfg.hook_name,
+        "hook_layer": site.layer,
+        "hook_head_index": None,
+        "sae_lens_version": SAE_LENS_FORMAT_VERSION,
+        **cfg.metadata,
+    }
     meta["hook_name"] = cfg.hook_name
     out["metadata"] = meta
     return out

@@ -55,23 +55,31 @@ class InputNorm:
 
 
 class Sae(torch.nn.Module):
-    def __init__(self, cfg: SaeConfig, W_enc: torch.Tensor, b_enc: torch.Tensor, W_dec: torch.Tensor,
-                 b_dec: torch.Tensor, threshold: torch.Tensor | None = None):
+    def __init__(
+        self,
+        cfg: SaeConfig,
+        W_enc: torch.Tensor,
+        b_enc: torch.Tensor,
+        W_dec: torch.Tensor,
+        b_dec: torch.Tensor,
+        threshold: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.W_enc = torch.nn.Parameter(W_enc.detach().float(), requires_grad=False)
         self.b_enc = torch.nn.Parameter(b_enc.detach().float(), requires_grad=False)
         self.W_dec = torch.nn.Parameter(W_dec.detach().float(), requires_grad=False)
         self.b_dec = torch.nn.Parameter(b_dec.detach().float(), requires_grad=False)
-        self.threshold = (torch.nn.Parameter(threshold.detach().float(), requires_grad=False)
-                          if threshold is not None else None)
+        self.threshold = (
+            torch.nn.Parameter(threshold.detach().float(), requires_grad=False) if threshold is not None else None
+        )
 
     # --- input normalisation -------------------------------------------------------------------
     def normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, InputNorm]:
         """x [..., d_in] float32 -> (normalised x, what undoes it)."""
         how = self.cfg.normalize_activations
         if how == "constant_norm_rescale":
-            scale = (self.cfg.d_in ** 0.5) / x.norm(dim=-1, keepdim=True)
+            scale = (self.cfg.d_in**0.5) / x.norm(dim=-1, keepdim=True)
             return x * scale, InputNorm(scale=scale)
         if how == "layer_norm":
             mu = x.mean(dim=-1, keepdim=True)
@@ -84,8 +92,10 @@ class Sae(torch.nn.Module):
         how = self.cfg.normalize_activations
         if how in ("constant_norm_rescale", "layer_norm"):
             if norm is None or norm.scale is None:
-                raise ValueError(f"decode of an SAE with normalize_activations={how} needs the InputNorm of its input "
-                                 f"(use encode_with_norm or reconstruct)")
+                raise ValueError(
+                    f"decode of an SAE with normalize_activations={how} needs the InputNorm of its input "
+                    f"(use encode_with_norm or reconstruct)"
+                )
             if how == "constant_norm_rescale":
                 return y / norm.scale
             return y * norm.scale + norm.shift

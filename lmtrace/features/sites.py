@@ -45,8 +45,10 @@ SITES: dict[str, tuple[str, str, str]] = {
     "attn_z": ("blocks.{L}.attn.hook_z", "o_proj", "input"),
     "mlp_post": ("blocks.{L}.mlp.hook_post", "mlp_down", "input"),
 }
-_PATTERNS = {kind: re.compile("^" + re.escape(hook).replace(re.escape("{L}"), r"(\d+)") + "$")
-             for kind, (hook, _, _) in SITES.items()}
+_PATTERNS = {
+    kind: re.compile("^" + re.escape(hook).replace(re.escape("{L}"), r"(\d+)") + "$")
+    for kind, (hook, _, _) in SITES.items()
+}
 
 
 def supported_hooks() -> str:
@@ -85,12 +87,16 @@ class Site:
             raise SpecError(f"{self.hook_name}: layer {self.layer} is out of range: the model has layers 0..{n - 1}")
         family = adapter.family
         if self.kind == "mlp_in" and family.name == "opt":
-            raise SpecError(f"{self.hook_name}: OPT models have no MLP module whose input is the normalised residual; "
-                            f"supported there: resid_pre, resid_post, attn_out, mlp_out, attn_z, mlp_post")
+            raise SpecError(
+                f"{self.hook_name}: OPT models have no MLP module whose input is the normalised residual; "
+                f"supported there: resid_pre, resid_post, attn_out, mlp_out, attn_z, mlp_post"
+            )
         if self.kind == "mlp_post" and family.mlp_down is None:
-            raise SpecError(f"{self.hook_name}: {family.name} models have no single FFN down-projection "
-                            f"({family.mlp_kind}); supported there: resid_pre, resid_post, attn_out, mlp_out, "
-                            f"mlp_in, attn_z")
+            raise SpecError(
+                f"{self.hook_name}: {family.name} models have no single FFN down-projection "
+                f"({family.mlp_kind}); supported there: resid_pre, resid_post, attn_out, mlp_out, "
+                f"mlp_in, attn_z"
+            )
 
     def width(self, adapter) -> int:
         """The size of the site's last dimension in `adapter`'s model."""
@@ -105,8 +111,10 @@ class Site:
         self.check_family(adapter)
         width = self.width(adapter)
         if d_in != width:
-            raise SpecError(f"{what}: d_in {d_in} does not match {self.hook_name} of this model, which has width "
-                            f"{width} ({self.kind}); use an SAE trained on this model")
+            raise SpecError(
+                f"{what}: d_in {d_in} does not match {self.hook_name} of this model, which has width "
+                f"{width} ({self.kind}); use an SAE trained on this model"
+            )
 
 
 def parse_hook_name(name: str, what: str = "SAE") -> Site:
@@ -115,8 +123,9 @@ def parse_hook_name(name: str, what: str = "SAE") -> Site:
         m = pattern.match(name or "")
         if m:
             return Site(int(m.group(1)), kind)
-    raise SpecError(f"{what}: hook point {name!r} is not supported; supported hook points (L a layer): "
-                    f"{supported_hooks()}")
+    raise SpecError(
+        f"{what}: hook point {name!r} is not supported; supported hook points (L a layer): {supported_hooks()}"
+    )
 
 
 def site_of(layer: int, kind: str) -> Site:
@@ -133,6 +142,7 @@ def at_site(adapter, site: Site, fn: Callable[[torch.Tensor], torch.Tensor | Non
     fc2). Hooks are removed on exit, always."""
     module, where = site.locate(adapter)
     if where == "output":
+
         def hook(mod, args, out):
             tensor = out[0] if isinstance(out, tuple) else out
             new = fn(tensor)
@@ -142,6 +152,7 @@ def at_site(adapter, site: Site, fn: Callable[[torch.Tensor], torch.Tensor | Non
 
         handle = module.register_forward_hook(hook)
     else:
+
         def pre_hook(mod, args, kwargs):
             if args:
                 new = fn(args[0])

@@ -18,15 +18,16 @@ def table_width(widths: Sequence[int], gap: int) -> int:
     return sum(widths) + gap * max(len(widths) - 1, 0)
 
 
-def fitting_columns(widths: Sequence[int], width: int, drop_order: Sequence[int], *, gap: int = 2, keep: int = 1,
-                    refill: bool = False) -> list[int]:
+def fitting_columns(
+    widths: Sequence[int], width: int, drop_order: Sequence[int], *, gap: int = 2, keep: int = 1, refill: bool = False
+) -> list[int]:
     """The indices, in display order, of the columns of `widths` (in display order) shown in `width`
     cells. `drop_order`: every index, the first left out first; the last `keep` are never left out
     (they may still be wider than `width`)."""
     assert sorted(drop_order) == list(range(len(widths))), (drop_order, len(widths))
     kept = set(range(len(widths)))
     dropped: list[int] = []
-    for i in drop_order[:max(len(drop_order) - keep, 0)]:
+    for i in drop_order[: max(len(drop_order) - keep, 0)]:
         if table_width([widths[j] for j in kept], gap) <= width:
             break
         kept.remove(i)
@@ -53,9 +54,18 @@ def drop_order(names: Sequence[str], drop_first: Sequence[str], keep: Sequence[s
     return first + rest + kept, len(kept)
 
 
-def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int, *, drop_first: Sequence[str] = (),
-                 keep: Sequence[str] = (), left: Sequence[str] = (), wrap: Sequence[str] = (), title: str | None = None,
-                 omit_empty: bool = False):
+def fitted_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    width: int,
+    *,
+    drop_first: Sequence[str] = (),
+    keep: Sequence[str] = (),
+    left: Sequence[str] = (),
+    wrap: Sequence[str] = (),
+    title: str | None = None,
+    omit_empty: bool = False,
+):
     """A borderless rich table (columns two spaces apart, each cell on one line) of the columns of
     `headers` and `rows` (plain text, in display order) that fit `width`. Columns are left out first
     those named in `drop_first` (in that order), then the others from the right, never those in `keep`
@@ -78,8 +88,12 @@ def fitted_table(headers: Sequence[str], rows: Sequence[Sequence[str]], width: i
     t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for i in shown:
         folds = headers[i] in wrap
-        t.add_column(escape(headers[i]), justify="left" if headers[i] in left or folds else "right", no_wrap=not folds,
-                     overflow="fold" if folds else "ellipsis")
+        t.add_column(
+            escape(headers[i]),
+            justify="left" if headers[i] in left or folds else "right",
+            no_wrap=not folds,
+            overflow="fold" if folds else "ellipsis",
+        )
     for r in rows:
         t.add_row(*(escape(r[i]) for i in shown))
     left_out = [headers[i] for i in present if i not in shown]
@@ -97,5 +111,6 @@ def print_fitted(console, headers: Sequence[str], rows: Sequence[Sequence[str]],
     table, left_out = fitted_table(headers, rows, console.width, **how)
     console.print(table)
     if left_out:
-        console.print(Text(f"(left out to fit {console.width} columns: {', '.join(left_out)}; {complete_in})",
-                           style="dim"))
+        console.print(
+            Text(f"(left out to fit {console.width} columns: {', '.join(left_out)}; {complete_in})", style="dim")
+        )

@@ -40,7 +40,7 @@ def explained(query: str) -> str | None:
     """The statement an EXPLAIN statement explains (`EXPLAIN [ANALYZE] [(options)] STATEMENT`), or None."""
     tokens = duckdb.tokenize(query)
     starts = [start for start, _ in tokens] + [len(query)]
-    word = lambda i: query[starts[i]:starts[i + 1]].strip().upper()  # noqa: E731
+    word = lambda i: query[starts[i] : starts[i + 1]].strip().upper()  # noqa: E731
     i = 1
     if i < len(tokens) and word(i) in ("ANALYZE", "ANALYSE"):
         i += 1
@@ -51,7 +51,7 @@ def explained(query: str) -> str | None:
             i += 1
             if depth <= 0:
                 break
-    return query[starts[i]:] if i < len(tokens) else None
+    return query[starts[i] :] if i < len(tokens) else None
 
 
 def _first_word(query: str) -> str:
@@ -59,7 +59,7 @@ def _first_word(query: str) -> str:
     if not tokens:
         return ""
     end = tokens[1][0] if len(tokens) > 1 else len(query)
-    return query[tokens[0][0]:end].strip().upper()
+    return query[tokens[0][0] : end].strip().upper()
 
 
 def refused_word(sql: str) -> str | None:
@@ -92,8 +92,10 @@ def statement_refusal(sql: str) -> str | None:
         return None
     if word is None:
         return None
-    return (f"lmtrace query is read-only: {printable(word)} statements are refused (only SELECT and EXPLAIN "
-            f"run); write a result with --out FILE")
+    return (
+        f"lmtrace query is read-only: {printable(word)} statements are refused (only SELECT and EXPLAIN "
+        f"run); write a result with --out FILE"
+    )
 
 
 def check_read_only(sql: str) -> None:
@@ -114,8 +116,10 @@ def check_out(out: Path | None, root: Path) -> None:
     if out is None:
         return
     if inside(out, root):
-        raise SpecError(f"--out {printable(str(out))}: inside the runs directory {root}, which lmtrace query never changes; "
-                        f"write the result elsewhere")
+        raise SpecError(
+            f"--out {printable(str(out))}: inside the runs directory {root}, which lmtrace query never changes; "
+            f"write the result elsewhere"
+        )
     if out.is_dir():
         raise SpecError(f"--out {out} is a directory; give a file name")
     if not out.absolute().parent.is_dir():
@@ -135,7 +139,7 @@ def named_paths(sql: str, root: Path) -> list[str]:
     for i, (start, kind) in enumerate(tokens):
         if kind != duckdb.token_type.string_const:
             continue
-        text = sql[start:starts[i + 1]].rstrip()
+        text = sql[start : starts[i + 1]].rstrip()
         if not (len(text) >= 2 and text[0] == "'" and text[-1] == "'"):
             continue
         value = os.path.expanduser(text[1:-1].replace("''", "'"))

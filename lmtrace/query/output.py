@@ -14,9 +14,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from ..archive.sql_views import ident
 from ..output.column_fit import fitting_columns
 from ..output.jsonout import json_line
-from ..archive.sql_views import ident
 
 FORMATS = ("table", "csv", "json", "parquet")
 TABLE_ROWS = 100  # rows a terminal table shows; the others are counted and named
@@ -75,15 +75,24 @@ def print_table(rel: duckdb.DuckDBPyRelation, console=None) -> int:
     for i in kept:
         kind = table.schema.field(i).type
         right = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
-        t.add_column(escape(names[i]), justify="right" if right else "left", no_wrap=True, overflow="ellipsis",
-                     max_width=CELL_MAX)
+        t.add_column(
+            escape(names[i]),
+            justify="right" if right else "left",
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=CELL_MAX,
+        )
     for row in cells:
         t.add_row(*(escape(row[i]) for i in kept))
     console.print(t)
     left_out = [n for i, n in enumerate(names) if i not in kept]
     if left_out:
-        console.print(escape(f"(columns left out to fit {console.width} characters: {', '.join(left_out)}; "
-                             f"select fewer columns, or --format csv/json)"))
+        console.print(
+            escape(
+                f"(columns left out to fit {console.width} characters: {', '.join(left_out)}; "
+                f"select fewer columns, or --format csv/json)"
+            )
+        )
     if more:
         console.print(f"(the first {TABLE_ROWS} rows; add a LIMIT, or --format csv/json/parquet for all of them)")
     elif table.num_rows == 0:
@@ -102,29 +111,62 @@ def write_json_lines(rel: duckdb.DuckDBPyRelation, fh) -> int:
 
 
 # types Arrow writes as text exactly as DuckDB does (left to Arrow: faster than DuckDB's cast)
-ARROW_TEXT = {"VARCHAR", "BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT",
-              "UINTEGER", "UBIGINT"}
+ARROW_TEXT = {
+    "VARCHAR",
+    "BOOLEAN",
+    "TINYINT",
+    "SMALLINT",
+    "INTEGER",
+    "BIGINT",
+    "UTINYINT",
+    "USMALLINT",
+    "UINTEGER",
+    "UBIGINT",
+}
 
 
 def text_columns(rel: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
     """The relation with every column as DuckDB's text of it (as its CSV writer spells values:
     `1.5`, `true`, `[1, 2]`, `2026-01-01 00:00:00`), null kept null; text, integers and booleans
     as they are (Arrow's text of them is DuckDB's)."""
-    return rel.project(", ".join(ident(name) if str(kind).upper() in ARROW_TEXT
-                                 else f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}"
-                                 for name, kind in zip(rel.columns, rel.types)))
+    return rel.project(
+        ", ".join(
+            ident(name) if str(kind).upper() in ARROW_TEXT else f"CAST({ident(name)} AS VARCHAR) AS {ident(name)}"
+            for name, kind in zip(rel.columns, rel.types)
+        )
+    )
 
 
 # DuckDB types whose text never holds a comma, a quote or a line break (nor is empty): never quoted
-PLAIN_TYPES = ("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT",
-               "UINTEGER", "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL", "DATE", "TIME", "TIMESTAMP",
-               "INTERVAL", "UUID")
+PLAIN_TYPES = (
+    "BOOLEAN",
+    "TINYINT",
+    "SMALLINT",
+    "INTEGER",
+    "BIGINT",
+    "HUGEINT",
+    "UTINYINT",
+    "USMALLINT",
+    "UINTEGER",
+    "UBIGINT",
+    "UHUGEINT",
+    "FLOAT",
+    "DOUBLE",
+    "DECIMAL",
+    "DATE",
+    "TIME",
+    "TIMESTAMP",
+    "INTERVAL",
+    "UUID",
+)
 
 
 def plain_type(kind) -> bool:
     text = str(kind).upper()
-    return any(text == t or text.startswith(t + "(") or text.startswith(t + " ") or text.startswith(t + "_")
-               for t in PLAIN_TYPES)
+    return any(
+        text == t or text.startswith(t + "(") or text.startswith(t + " ") or text.startswith(t + "_")
+        for t in PLAIN_TYPES
+    )
 
 
 def csv_field(text: str | None) -> str:
@@ -143,12 +185,12 @@ def _may_need_quotes(column: pa.Array) -> bool:
     import numpy as np
 
     _, offsets_buf, data_buf = column.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int32)[column.offset:column.offset + len(column) + 1]
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32)[column.offset : column.offset + len(column) + 1]
     if len(column) and (np.diff(offsets) == 0).any():
         return True
     if data_buf is None:
         return False
-    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0]:offsets[-1]]
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0] : offsets[-1]]
     return bool(((data == ord(",")) | (data == ord('"')) | (data == ord("\n")) | (data == ord("\r"))).any())
 
 
@@ -178,8 +220,8 @@ def csv_lines(batch: pa.RecordBatch, plain: list[bool]) -> pa.Buffer:
         cells.append(pc.fill_null(column if is_plain else _quoted_where_needed(column), ""))
     lines = pc.binary_join_element_wise(*cells, ",") if len(cells) > 1 else cells[0]
     lines = pc.binary_join_element_wise(lines, "\n", "")  # each row ends with a line break
-    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset:lines.offset + len(lines) + 1]
-    return lines.buffers()[2][int(offsets[0]):int(offsets[-1])]
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset : lines.offset + len(lines) + 1]
+    return lines.buffers()[2][int(offsets[0]) : int(offsets[-1])]
 
 
 class TextSink:

@@ -19,7 +19,6 @@ from .run_data import RunData
 from .sections import Section, esc
 
 
-
 def _discrete_scale(colours: list[str]) -> list[list]:
     """A Plotly colour scale with one flat band per category 0..n-1 (zmin 0, zmax n-1)."""
     n = len(colours)
@@ -42,22 +41,44 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     label = np.full((len(layers), n_heads), np.nan, dtype=np.float32)
     text = np.full(label.shape, "", dtype=object)
     custom = np.full(label.shape, "", dtype=object)
-    scores = ("sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score", "entropy",
-              "concentration", "importance")
+    scores = (
+        "sink_score",
+        "prev_token_score",
+        "local_score",
+        "induction_score",
+        "duplicate_score",
+        "entropy",
+        "concentration",
+        "importance",
+    )
     for r in t:
         i, h = row[r["layer"]], r["q_head"]
         label[i, h] = HEAD_LABELS.index(r["label"]) if r["label"] in HEAD_LABELS else np.nan
         text[i, h] = (r["label"] or "")[:4]
         custom[i, h] = f"<b>{esc(r['label'])}</b><br>" + "<br>".join(
-            f"{k}: {r[k]:.3f}" for k in scores if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k))
+            f"{k}: {r[k]:.3f}" for k in scores if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k)
+        )
     ylabels = blobs.add_texts("heads_layers", [f"L{layer}" for layer in layers])
     xlabels = blobs.add_texts("heads_heads", [f"H{h}" for h in range(n_heads)])
     z = blobs.add("heads_label", label, "float32")
-    sec.html = ("<p class='legend'>colour = label: " + ", ".join(
-        f"<span class='tok' style='background:{c}'>&nbsp;{esc(n)}&nbsp;</span>"
-        for n, c in zip(HEAD_LABELS, F.CATEGORICAL)) + "; hover a cell for its scores (docs/heads.md).</p>")
-    variants = [{"label": "label", "z": z, "text": blobs.add("heads_text", text), "colorscale":
-                 _discrete_scale(F.CATEGORICAL[:len(HEAD_LABELS)]), "zmin": 0, "zmax": len(HEAD_LABELS) - 1}]
+    sec.html = (
+        "<p class='legend'>colour = label: "
+        + ", ".join(
+            f"<span class='tok' style='background:{c}'>&nbsp;{esc(n)}&nbsp;</span>"
+            for n, c in zip(HEAD_LABELS, F.CATEGORICAL)
+        )
+        + "; hover a cell for its scores (docs/heads.md).</p>"
+    )
+    variants = [
+        {
+            "label": "label",
+            "z": z,
+            "text": blobs.add("heads_text", text),
+            "colorscale": _discrete_scale(F.CATEGORICAL[: len(HEAD_LABELS)]),
+            "zmin": 0,
+            "zmax": len(HEAD_LABELS) - 1,
+        }
+    ]
     for key in scores:
         values = [r.get(key) for r in t]
         if not any(isinstance(v, (int, float)) and v == v for v in values):
@@ -67,13 +88,32 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
             if isinstance(r.get(key), (int, float)):
                 grid[row[r["layer"]], r["q_head"]] = r[key]
         top = float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.0
-        variants.append({"label": key, "z": blobs.add(f"heads_{key}", grid, "float32"),
-                         "text": blobs.add(f"heads_{key}_text", np.vectorize(
-                             lambda v: "" if v != v else f"{v:.2f}", otypes=[object])(grid)),
-                         "colorscale": F.SEQUENTIAL, "zmin": 0, "zmax": max(top, 1e-9)})
-    fig = F.heatmap("heads", "heads by label (and each score as a view)", z, xlabels, ylabels,
-                    customdata=blobs.add("heads_custom", custom), text=variants[0]["text"], n_rows=len(layers),
-                    xtitle="head", ytitle="layer", hover="%{y}.%{x}<br>%{customdata}", variants=variants)
+        variants.append(
+            {
+                "label": key,
+                "z": blobs.add(f"heads_{key}", grid, "float32"),
+                "text": blobs.add(
+                    f"heads_{key}_text", np.vectorize(lambda v: "" if v != v else f"{v:.2f}", otypes=[object])(grid)
+                ),
+                "colorscale": F.SEQUENTIAL,
+                "zmin": 0,
+                "zmax": max(top, 1e-9),
+            }
+        )
+    fig = F.heatmap(
+        "heads",
+        "heads by label (and each score as a view)",
+        z,
+        xlabels,
+        ylabels,
+        customdata=blobs.add("heads_custom", custom),
+        text=variants[0]["text"],
+        n_rows=len(layers),
+        xtitle="head",
+        ytitle="layer",
+        hover="%{y}.%{x}<br>%{customdata}",
+        variants=variants,
+    )
     fig["data"][0].update(colorscale=variants[0]["colorscale"], zmin=0, zmax=len(HEAD_LABELS) - 1, showscale=False)
     sec.figures.append(fig)
     return sec
@@ -113,18 +153,39 @@ def sweeps_section(data: RunData, blobs: Blobs) -> Section | None:
             z, ylab, xlab = _sweep_grid(effect, component)
             lim = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
             ref = blobs.add(f"sweep_{n}_{effect.metric}", z, "float32")
-            variants.append({"label": f"{effect.metric}: mean effect (edited − unedited)", "z": ref,
-                             "zmin": -lim or -1.0, "zmax": lim or 1.0})
+            variants.append(
+                {
+                    "label": f"{effect.metric}: mean effect (edited − unedited)",
+                    "z": ref,
+                    "zmin": -lim or -1.0,
+                    "zmax": lim or 1.0,
+                }
+            )
             first = first or (z, ylab, xlab, ref)
         if first is None:
             continue
         z, ylab, xlab, ref = first
-        title = (f"sweep {d.name}: {spec.get('edit', '')} {spec.get('over', component)}"
-                 + (f", source {info['source'].get('run_id')}" if isinstance(info.get("source"), dict) else ""))
-        fig = F.heatmap(f"sweep-{n}", title, ref, blobs.add_texts(f"sweep_{n}_x", xlab),
-                        blobs.add_texts(f"sweep_{n}_y", ylab), zmin=variants[0]["zmin"], zmax=variants[0]["zmax"],
-                        colorscale=F.DIVERGING, n_rows=len(ylab), n_cols=len(xlab), cell_px=18,
-                        xtitle="", ytitle="", hover="%{y} %{x}<br>effect %{z:.4g}", variants=variants, zlabel="effect")
+        title = f"sweep {d.name}: {spec.get('edit', '')} {spec.get('over', component)}" + (
+            f", source {info['source'].get('run_id')}" if isinstance(info.get("source"), dict) else ""
+        )
+        fig = F.heatmap(
+            f"sweep-{n}",
+            title,
+            ref,
+            blobs.add_texts(f"sweep_{n}_x", xlab),
+            blobs.add_texts(f"sweep_{n}_y", ylab),
+            zmin=variants[0]["zmin"],
+            zmax=variants[0]["zmax"],
+            colorscale=F.DIVERGING,
+            n_rows=len(ylab),
+            n_cols=len(xlab),
+            cell_px=18,
+            xtitle="",
+            ytitle="",
+            hover="%{y} %{x}<br>effect %{z:.4g}",
+            variants=variants,
+            zlabel="effect",
+        )
         sec.figures.append(fig)
     return sec
 
@@ -136,10 +197,12 @@ def dla_section(data: RunData, sel, blobs: Blobs) -> Section | None:
     if "head_dla" not in data.arrays:
         return None
     sec = Section("dla", "Direct logit attribution per head")
-    sec.html = ("<p class='legend'>What each query head writes to the residual stream, projected on "
-                "W<sub>U</sub>[chosen] − W<sub>U</sub>[runner-up] (or W<sub>U</sub>[chosen]) through the final norm "
-                "frozen at its actual scale, in logits: blue pushes toward the chosen token, red away "
-                "(docs/archive.md, “Direct logit attribution”).</p>")
+    sec.html = (
+        "<p class='legend'>What each query head writes to the residual stream, projected on "
+        "W<sub>U</sub>[chosen] − W<sub>U</sub>[runner-up] (or W<sub>U</sub>[chosen]) through the final norm "
+        "frozen at its actual scale, in logits: blue pushes toward the chosen token, red away "
+        "(docs/archive.md, “Direct logit attribution”).</p>"
+    )
     layers = data.layers
     ylabels = blobs.add_texts("dla_layers", [f"L{layer}" for layer in layers])
     xlabels = blobs.add_texts("dla_heads", [f"H{h}" for h in range(data.n_heads)])
@@ -158,12 +221,30 @@ def dla_section(data: RunData, sel, blobs: Blobs) -> Section | None:
             for grid, when in ((mean, f"mean over {n} steps"), (values[a], f"step {a}")):
                 lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
                 key = f"{name}_{seq}_{'mean' if grid is mean else f'step{a}'}"
-                variants.append({"label": f"{what}, {when}", "z": blobs.add(key, grid, "float32"),
-                                 "zmin": -(lim or 1.0), "zmax": lim or 1.0})
+                variants.append(
+                    {
+                        "label": f"{what}, {when}",
+                        "z": blobs.add(key, grid, "float32"),
+                        "zmin": -(lim or 1.0),
+                        "zmax": lim or 1.0,
+                    }
+                )
         first = variants[0]
-        fig = F.heatmap(f"dla-{seq}", f"sequence {seq}: head DLA toward the chosen token", first["z"], xlabels, ylabels,
-                        zmin=first["zmin"], zmax=first["zmax"], colorscale=F.DIVERGING, n_rows=len(layers),
-                        xtitle="query head", ytitle="layer", hover="%{y}.%{x}<br>%{z:.4g} logits", variants=variants,
-                        zlabel="logits")
+        fig = F.heatmap(
+            f"dla-{seq}",
+            f"sequence {seq}: head DLA toward the chosen token",
+            first["z"],
+            xlabels,
+            ylabels,
+            zmin=first["zmin"],
+            zmax=first["zmax"],
+            colorscale=F.DIVERGING,
+            n_rows=len(layers),
+            xtitle="query head",
+            ytitle="layer",
+            hover="%{y}.%{x}<br>%{z:.4g} logits",
+            variants=variants,
+            zlabel="logits",
+        )
         sec.figures.append(fig)
     return sec

@@ -50,7 +50,7 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         a = sel.attention_step[seq]
         n_keys = P + a
         keys = blobs.add_texts(f"attn_keys_{seq}_{a}", key_labels(tok.context_texts(n_keys)))
-        (_, rows), = list(_dense_rows(data, seq, [a], n_keys))
+        ((_, rows),) = list(_dense_rows(data, seq, [a], n_keys))
         grid = rows.reshape(len(layers) * H, n_keys)
         dt = _blob_dtype(rows)
         z = blobs.add(f"attn_grid_{seq}", grid, dt)
@@ -59,13 +59,24 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         mx = blobs.add(f"attn_grid_max_{seq}", max_rows, dt)
         ylabels, layer_labels = {"$blob": "attn_head_labels"}, {"$blob": "attn_layer_labels"}
         chosen = display(tok.gen["token_text"][a]) if a < tok.n_steps else ""
-        sec.figures.append(F.heatmap(
-            f"attn-grid-{seq}", f"sequence {seq}, step {a} (chose {chosen!r}): every layer and head over the context",
-            z, keys, ylabels, n_rows=len(head_labels), row_px=6, ytitle="layer.head",
-            variants=[{"label": "every head", "z": z, "y": ylabels, "height": F.height_for(len(head_labels), 6)},
-                      {"label": "mean over heads", "z": mean, "y": layer_labels, "height": F.height_for(len(layers))},
-                      {"label": "max over heads", "z": mx, "y": layer_labels, "height": F.height_for(len(layers))}],
-            zlabel="weight"))
+        sec.figures.append(
+            F.heatmap(
+                f"attn-grid-{seq}",
+                f"sequence {seq}, step {a} (chose {chosen!r}): every layer and head over the context",
+                z,
+                keys,
+                ylabels,
+                n_rows=len(head_labels),
+                row_px=6,
+                ytitle="layer.head",
+                variants=[
+                    {"label": "every head", "z": z, "y": ylabels, "height": F.height_for(len(head_labels), 6)},
+                    {"label": "mean over heads", "z": mean, "y": layer_labels, "height": F.height_for(len(layers))},
+                    {"label": "max over heads", "z": mx, "y": layer_labels, "height": F.height_for(len(layers))},
+                ],
+                zlabel="weight",
+            )
+        )
         # steps x keys for the selected layers: one blob per (layer, head | mean | max)
         steps = sel.heatmap_steps[seq]
         k_max = P + steps[-1]
@@ -74,41 +85,83 @@ def attention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
         per_layer = {layer: np.full((len(steps), H, k_max), np.nan, dtype=np.float32) for layer in sel.layers}
         for i, (s, r) in enumerate(_dense_rows(data, seq, steps, k_max)):
             for layer in sel.layers:
-                per_layer[layer][i, :, :P + s] = r[data.run.layer_index(layer), :, :P + s]
+                per_layer[layer][i, :, : P + s] = r[data.run.layer_index(layer), :, : P + s]
         variants = []
         for layer in sel.layers:
             m = per_layer[layer]
             with warnings.catch_warnings():  # keys past a step's context are NaN in every head
                 warnings.simplefilter("ignore", RuntimeWarning)
-                variants.append({"label": f"layer {layer}: mean over heads",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_mean", np.nanmean(m, axis=1)
-                                                if m.size else m[:, 0], dt)})
-                variants.append({"label": f"layer {layer}: max over heads",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_max", np.nanmax(m, axis=1)
-                                                if m.size else m[:, 0], dt)})
+                variants.append(
+                    {
+                        "label": f"layer {layer}: mean over heads",
+                        "z": blobs.add(
+                            f"attn_steps_{seq}_L{layer}_mean", np.nanmean(m, axis=1) if m.size else m[:, 0], dt
+                        ),
+                    }
+                )
+                variants.append(
+                    {
+                        "label": f"layer {layer}: max over heads",
+                        "z": blobs.add(
+                            f"attn_steps_{seq}_L{layer}_max", np.nanmax(m, axis=1) if m.size else m[:, 0], dt
+                        ),
+                    }
+                )
             for h in range(H):
-                variants.append({"label": f"layer {layer}, head {h}",
-                                 "z": blobs.add(f"attn_steps_{seq}_L{layer}_H{h}", m[:, h], dt)})
+                variants.append(
+                    {
+                        "label": f"layer {layer}, head {h}",
+                        "z": blobs.add(f"attn_steps_{seq}_L{layer}_H{h}", m[:, h], dt),
+                    }
+                )
         if variants:
-            sec.figures.append(F.heatmap(
-                f"attn-steps-{seq}", f"sequence {seq}: attention over steps (rows: the step that chose the token)",
-                variants[0]["z"], key_refs, step_refs, n_rows=len(steps), ytitle="step:chosen token",
-                variants=variants, zlabel="weight"))
+            sec.figures.append(
+                F.heatmap(
+                    f"attn-steps-{seq}",
+                    f"sequence {seq}: attention over steps (rows: the step that chose the token)",
+                    variants[0]["z"],
+                    key_refs,
+                    step_refs,
+                    n_rows=len(steps),
+                    ytitle="step:chosen token",
+                    variants=variants,
+                    zlabel="weight",
+                )
+            )
         if "prefill_attn" in data.arrays and sel.layers:
             mat = np.asarray(data.run.array("prefill_attn")[seq, :, :, :P, :P])
             plabels = blobs.add_texts(f"prefill_keys_{seq}", key_labels(tok.prompt_texts[:P]))
             pv = []
             for layer in sel.layers:
                 mm = mat[data.run.layer_index(layer)]
-                pv.append({"label": f"layer {layer}: mean over heads",
-                           "z": blobs.add(f"prefill_{seq}_L{layer}_mean", mm.astype(np.float32).mean(axis=0), "float32")})
+                pv.append(
+                    {
+                        "label": f"layer {layer}: mean over heads",
+                        "z": blobs.add(f"prefill_{seq}_L{layer}_mean", mm.astype(np.float32).mean(axis=0), "float32"),
+                    }
+                )
                 for h in range(H):
-                    pv.append({"label": f"layer {layer}, head {h}",
-                               "z": blobs.add(f"prefill_{seq}_L{layer}_H{h}", mm[h], _blob_dtype(mm))})
-            sec.figures.append(F.heatmap(
-                f"prefill-{seq}", f"sequence {seq}: the prompt's attention matrix (query × key)",
-                pv[0]["z"], plabels, plabels, n_rows=P, ytitle="query position", variants=pv, zlabel="weight"))
+                    pv.append(
+                        {
+                            "label": f"layer {layer}, head {h}",
+                            "z": blobs.add(f"prefill_{seq}_L{layer}_H{h}", mm[h], _blob_dtype(mm)),
+                        }
+                    )
+            sec.figures.append(
+                F.heatmap(
+                    f"prefill-{seq}",
+                    f"sequence {seq}: the prompt's attention matrix (query × key)",
+                    pv[0]["z"],
+                    plabels,
+                    plabels,
+                    n_rows=P,
+                    ytitle="query position",
+                    variants=pv,
+                    zlabel="weight",
+                )
+            )
     if "prefill_attn" not in data.arrays:
-        sec.notes.append("the prompt's full attention matrices were not captured: set "
-                         "`capture.prefill_attention: true` to see them")
+        sec.notes.append(
+            "the prompt's full attention matrices were not captured: set `capture.prefill_attention: true` to see them"
+        )
     return sec

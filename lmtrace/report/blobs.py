@@ -15,8 +15,17 @@ import json
 import numpy as np
 
 # JSON-safe dtype codes: little-endian, as the page's DataView reads them
-_CODES = {"float16": "f2", "float32": "f4", "float64": "f4", "int32": "i4", "int64": "i4", "int16": "i4",
-          "int8": "i4", "uint8": "i4", "bool": "i4"}
+_CODES = {
+    "float16": "f2",
+    "float32": "f4",
+    "float64": "f4",
+    "int32": "i4",
+    "int64": "i4",
+    "int16": "i4",
+    "int8": "i4",
+    "uint8": "i4",
+    "bool": "i4",
+}
 
 
 class Blobs:
@@ -33,8 +42,11 @@ class Blobs:
             return ref(name)
         code = _CODES[dtype or arr.dtype.name]
         raw = np.ascontiguousarray(arr.astype("<" + code))
-        self.items[name] = {"kind": code, "shape": list(arr.shape),
-                            "b64": base64.b64encode(raw.tobytes()).decode("ascii")}
+        self.items[name] = {
+            "kind": code,
+            "shape": list(arr.shape),
+            "b64": base64.b64encode(raw.tobytes()).decode("ascii"),
+        }
         return ref(name)
 
     def add_texts(self, name: str, texts) -> dict:

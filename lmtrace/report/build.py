@@ -19,8 +19,16 @@ from .blobs import Blobs
 from .explain_sections import explain_section
 from .page import render_page
 from .run_data import RunData
-from .sections import (Section, banner, intervention_section, lens_section, layers_section, manifest_section,
-                       router_section, text_section)
+from .sections import (
+    Section,
+    banner,
+    intervention_section,
+    layers_section,
+    lens_section,
+    manifest_section,
+    router_section,
+    text_section,
+)
 from .selection import select
 from .token_view import token_view_section
 
@@ -37,8 +45,14 @@ class ReportResult:
     notes: list[str]
 
     def summary(self) -> dict:
-        return {"path": str(self.path), "bytes": self.bytes, "seconds": round(self.seconds, 3),
-                "figures": self.figures, "images": [str(p) for p in self.images], "notes": self.notes}
+        return {
+            "path": str(self.path),
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "figures": self.figures,
+            "images": [str(p) for p in self.images],
+            "notes": self.notes,
+        }
 
 
 def _write(path: Path, text: str) -> int:
@@ -58,8 +72,19 @@ def _write(path: Path, text: str) -> int:
     return len(data)
 
 
-def _finish(title: str, subtitle: str, sections: list[Section], blobs: Blobs, out: Path, *, banner_html: str = "",
-            notes: list[str], png_dir: Path | None, t0: float, image_format: str = "png") -> ReportResult:
+def _finish(
+    title: str,
+    subtitle: str,
+    sections: list[Section],
+    blobs: Blobs,
+    out: Path,
+    *,
+    banner_html: str = "",
+    notes: list[str],
+    png_dir: Path | None,
+    t0: float,
+    image_format: str = "png",
+) -> ReportResult:
     page = render_page(title, subtitle, sections, blobs, banner=banner_html, notes=notes)
     size = _write(out, page)
     images = []
@@ -73,24 +98,51 @@ def _finish(title: str, subtitle: str, sections: list[Section], blobs: Blobs, ou
     return ReportResult(Path(out), size, time.perf_counter() - t0, sum(len(s.figures) for s in sections), images, notes)
 
 
-def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[int | str] | None = None,
-               steps: str | None = None, layers: list[int] | None = None, attention_step: int | None = None,
-               png_dir: Path | None = None, image_format: str = "png") -> ReportResult:
+def report_run(
+    ref,
+    *,
+    runs_dir=None,
+    out: Path | None = None,
+    sequences: list[int | str] | None = None,
+    steps: str | None = None,
+    layers: list[int] | None = None,
+    attention_step: int | None = None,
+    png_dir: Path | None = None,
+    image_format: str = "png",
+) -> ReportResult:
     """Write the report of one run (default: RUN_DIR/report.html)."""
     t0 = time.perf_counter()
     data = RunData.open(ref, runs_dir)
-    sel = select(n_sequences=data.n_sequences, committed=data.committed, captured_layers=data.layers,
-                 sequences=sequences, steps=steps, layers=layers, attention_step=attention_step)
+    sel = select(
+        n_sequences=data.n_sequences,
+        committed=data.committed,
+        captured_layers=data.layers,
+        sequences=sequences,
+        steps=steps,
+        layers=layers,
+        attention_step=attention_step,
+    )
     blobs = Blobs()
     capture_none = not data.has_steps
     sections = [manifest_section(data), text_section(data, sel)]
     if capture_none:
-        sections.append(Section("internals", "Internals", notes=[
-            "this run was forward-only (`capture: none`): it archived tokens, probabilities and alternatives only; "
-            "capture attention, the logit lens and per-layer statistics with the spec's `capture:` section"]))
+        sections.append(
+            Section(
+                "internals",
+                "Internals",
+                notes=[
+                    "this run was forward-only (`capture: none`): it archived tokens, probabilities and alternatives only; "
+                    "capture attention, the logit lens and per-layer statistics with the spec's `capture:` section"
+                ],
+            )
+        )
     else:
-        sections += [token_view_section(data, sel), attention_section(data, sel, blobs), lens_section(data, sel, blobs),
-                     layers_section(data, sel, blobs)]
+        sections += [
+            token_view_section(data, sel),
+            attention_section(data, sel, blobs),
+            lens_section(data, sel, blobs),
+            layers_section(data, sel, blobs),
+        ]
         router = router_section(data, sel, blobs)
         if router is not None:
             sections.append(router)
@@ -107,16 +159,36 @@ def report_run(ref, *, runs_dir=None, out: Path | None = None, sequences: list[i
     if sweeps is not None:
         sections.append(sweeps)
     m = data.manifest
-    subtitle = (f"{(m.get('model') or {}).get('reference')} · {m.get('kind')} · {data.run.status} · "
-                f"created {m.get('created')}")
+    subtitle = (
+        f"{(m.get('model') or {}).get('reference')} · {m.get('kind')} · {data.run.status} · created {m.get('created')}"
+    )
     out = Path(out) if out is not None else data.run.path / REPORT_FILE
-    return _finish(f"lmtrace run {data.run.id}", subtitle, sections, blobs, out, banner_html=banner(data, sel),
-                   notes=sel.notes, png_dir=png_dir, t0=t0, image_format=image_format)
+    return _finish(
+        f"lmtrace run {data.run.id}",
+        subtitle,
+        sections,
+        blobs,
+        out,
+        banner_html=banner(data, sel),
+        notes=sel.notes,
+        png_dir=png_dir,
+        t0=t0,
+        image_format=image_format,
+    )
 
 
-def report_compare(ref_a, ref_b, *, runs_dir=None, out: Path | None = None, pair: str = "auto",
-                   allow_incomplete: bool = False, png_dir: Path | None = None, image_format: str = "png",
-                   comparison=None) -> ReportResult:
+def report_compare(
+    ref_a,
+    ref_b,
+    *,
+    runs_dir=None,
+    out: Path | None = None,
+    pair: str = "auto",
+    allow_incomplete: bool = False,
+    png_dir: Path | None = None,
+    image_format: str = "png",
+    comparison=None,
+) -> ReportResult:
     """Write the report of `lmtrace compare A B` (default: A's run directory, compare-<B>.html)."""
     from ..analysis.compare import compare_runs
     from .compare_sections import compare_sections
@@ -126,5 +198,14 @@ def report_compare(ref_a, ref_b, *, runs_dir=None, out: Path | None = None, pair
     blobs = Blobs()
     sections = compare_sections(cmp, blobs)
     out = Path(out) if out is not None else Path(cmp.a["path"]) / f"compare-{cmp.b['run_id']}.html"
-    return _finish(f"lmtrace compare {cmp.a['run_id']} ↔ {cmp.b['run_id']}", cmp.verdict, sections, blobs, out,
-                   notes=list(cmp.notes), png_dir=png_dir, t0=t0, image_format=image_format)
+    return _finish(
+        f"lmtrace compare {cmp.a['run_id']} ↔ {cmp.b['run_id']}",
+        cmp.verdict,
+        sections,
+        blobs,
+        out,
+        notes=list(cmp.notes),
+        png_dir=png_dir,
+        t0=t0,
+        image_format=image_format,
+    )

@@ -14,7 +14,6 @@ from .run_data import RunData, display
 from .sections import Section, key_labels
 from .selection import Selection
 
-
 EXPLAIN_SCORES = (EXPLAIN_DIR, SCORES_PARTS)  # as archive/explanations.py writes them
 
 
@@ -22,9 +21,14 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
     folder = data.run.path.joinpath(*EXPLAIN_SCORES)
     files = sorted(folder.glob("*.parquet")) if folder.is_dir() else []
     if not files:
-        return Section("explain", "Attributions", notes=[
-            f"no attributions yet: `lmtrace explain {data.run.id} --steps 0,1,2 -m grad_x_input,occlusion` computes "
-            f"them for the generated tokens you ask about"])
+        return Section(
+            "explain",
+            "Attributions",
+            notes=[
+                f"no attributions yet: `lmtrace explain {data.run.id} --steps 0,1,2 -m grad_x_input,occlusion` computes "
+                f"them for the generated tokens you ask about"
+            ],
+        )
     t = pa.concat_tables([parquet_io.read_table(f) for f in files], promote_options="default").to_pydict()
     failed = _unconverged(data.manifest)
     sec = Section("explain", "Attributions (lmtrace explain)")
@@ -49,21 +53,35 @@ def explain_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | No
             z[i] = raw[i] / scale if scale else raw[i]
         labels, invocations = _explain_row_labels(keys, seq, tok, failed)
         if len(invocations) > 1:  # rows of one step and method from several invocations are numbered: say which
-            sec.notes.append(f"sequence {seq}: rows from different `lmtrace explain` invocations are numbered "
-                             + ", ".join(f"[{i}] = explain {eid}" for eid, i in invocations.items())
-                             + " (their settings are in manifest.json, `explain`)")
+            sec.notes.append(
+                f"sequence {seq}: rows from different `lmtrace explain` invocations are numbered "
+                + ", ".join(f"[{i}] = explain {eid}" for eid, i in invocations.items())
+                + " (their settings are in manifest.json, `explain`)"
+            )
         if any((k[2], k[1], seq, k[0]) in failed for k in keys):
-            sec.notes.append(f"sequence {seq}: rows marked NOT CONVERGED are integrated-gradients results whose scores "
-                             f"do not add up to f(x) − f(baseline) within the tolerance; trust them no further than "
-                             f"their completeness error in manifest.json (docs/explain.md)")
-        sec.figures.append(F.heatmap(
-            f"explain-{seq}", f"sequence {seq}: attribution of each explained step to its context "
-                              f"(rows scaled to their largest |score|)",
-            blobs.add(f"explain_z_{seq}", z, "float32"), blobs.add_texts(f"explain_keys_{seq}",
-                                                                        key_labels(tok.context_texts(width))),
-            blobs.add_texts(f"explain_rows_{seq}", labels), zmin=-1, zmax=1, colorscale=F.DIVERGING,
-            customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"), n_rows=len(keys), ytitle="step method (target)",
-            hover="%{y}<br>%{x}<br>score %{customdata:.4g}", zlabel="score / max|score|"))
+            sec.notes.append(
+                f"sequence {seq}: rows marked NOT CONVERGED are integrated-gradients results whose scores "
+                f"do not add up to f(x) − f(baseline) within the tolerance; trust them no further than "
+                f"their completeness error in manifest.json (docs/explain.md)"
+            )
+        sec.figures.append(
+            F.heatmap(
+                f"explain-{seq}",
+                f"sequence {seq}: attribution of each explained step to its context "
+                f"(rows scaled to their largest |score|)",
+                blobs.add(f"explain_z_{seq}", z, "float32"),
+                blobs.add_texts(f"explain_keys_{seq}", key_labels(tok.context_texts(width))),
+                blobs.add_texts(f"explain_rows_{seq}", labels),
+                zmin=-1,
+                zmax=1,
+                colorscale=F.DIVERGING,
+                customdata=blobs.add(f"explain_raw_{seq}", raw, "float32"),
+                n_rows=len(keys),
+                ytitle="step method (target)",
+                hover="%{y}<br>%{x}<br>score %{customdata:.4g}",
+                zlabel="score / max|score|",
+            )
+        )
     _head_relevance_figures(data, sec, blobs)
     return sec
 
@@ -81,20 +99,33 @@ def _head_relevance_figures(data: RunData, sec: Section, blobs: Blobs) -> None:
         L, H = heads.shape[1:]
         for k, step in enumerate(entry["steps"]):
             if shown == HEAD_FIGURES:
-                sec.notes.append(f"head relevance: the first {HEAD_FIGURES} lrp steps are shown; the rest are in "
-                                 f"manifest.json `explain[].components.heads` (docs/explain.md)")
+                sec.notes.append(
+                    f"head relevance: the first {HEAD_FIGURES} lrp steps are shown; the rest are in "
+                    f"manifest.json `explain[].components.heads` (docs/explain.md)"
+                )
                 return
             raw = heads[k]
             scale = float(np.nanmax(np.abs(raw))) if np.isfinite(raw).any() else 0.0
             name = f"lrp_heads_{entry['id']}_{entry['sequence']}_{step}"
-            sec.figures.append(F.heatmap(
-                f"explain-heads-{entry['id']}-{entry['sequence']}-{step}",
-                f"sequence {entry['sequence']} step {step}: lrp relevance per head ({entry['target']}; rows = layers, "
-                f"scaled to the largest |relevance|)",
-                blobs.add(name, raw / scale if scale else raw, "float32"), blobs.add_texts(name + "_x", [f"H{h}" for h in range(H)]),
-                blobs.add_texts(name + "_y", [f"L{i}" for i in range(L)]), zmin=-1, zmax=1, colorscale=F.DIVERGING,
-                customdata=blobs.add(name + "_raw", raw, "float32"), n_rows=L, xtitle="head", ytitle="layer",
-                hover="%{y} %{x}<br>relevance %{customdata:.4g}", zlabel="relevance / max|relevance|"))
+            sec.figures.append(
+                F.heatmap(
+                    f"explain-heads-{entry['id']}-{entry['sequence']}-{step}",
+                    f"sequence {entry['sequence']} step {step}: lrp relevance per head ({entry['target']}; rows = layers, "
+                    f"scaled to the largest |relevance|)",
+                    blobs.add(name, raw / scale if scale else raw, "float32"),
+                    blobs.add_texts(name + "_x", [f"H{h}" for h in range(H)]),
+                    blobs.add_texts(name + "_y", [f"L{i}" for i in range(L)]),
+                    zmin=-1,
+                    zmax=1,
+                    colorscale=F.DIVERGING,
+                    customdata=blobs.add(name + "_raw", raw, "float32"),
+                    n_rows=L,
+                    xtitle="head",
+                    ytitle="layer",
+                    hover="%{y} %{x}<br>relevance %{customdata:.4g}",
+                    zlabel="relevance / max|relevance|",
+                )
+            )
             shown += 1
 
 
@@ -102,10 +133,11 @@ def _explain_row_labels(keys: list[tuple], seq: int, tok, failed: set[tuple]) ->
     """Row labels of the attribution heatmap: step, method, target and quantity (none for attention rollout) and
     the explained token. Where one step and method were explained by several invocations (other settings), each
     such row gets its invocation's number [i]; returns the labels and {explain id: number} of those invocations."""
+
     def base(k):
         step, method, _, target, quantity = k
         what = f" ({target} {quantity})" if target is not None else ""
-        token = display(tok.gen['token_text'][step]) if step < tok.n_steps else ""
+        token = display(tok.gen["token_text"][step]) if step < tok.n_steps else ""
         return f"{'NOT CONVERGED ' if (k[2], method, seq, step) in failed else ''}s{step} {method}{what} {token}"
 
     count: dict[str, int] = {}

@@ -145,7 +145,11 @@ def token_view_code() -> tuple[str, str]:
     """(style, script) of the token view: `lmtrace serve`'s own tokenview.css / tokenview.js (read through
     viewdata/page_code.py, the colour scale written in), and the report's data source that reads the answers the page inlined (inlined_source.js)."""
     css = token_view_css() + TOKEN_VIEW_CSS
-    js = token_view_js() + "\n" + resources.files("lmtrace.report").joinpath("inlined_source.js").read_text(encoding="utf-8")
+    js = (
+        token_view_js()
+        + "\n"
+        + resources.files("lmtrace.report").joinpath("inlined_source.js").read_text(encoding="utf-8")
+    )
     return css, js
 
 
@@ -165,8 +169,9 @@ def section_html(sec: Section) -> str:
     return f"<section id='sec-{esc(sec.id)}'><h2>{esc(sec.title)}</h2>{notes}{sec.html}{figs}</section>"
 
 
-def render_page(title: str, subtitle: str, sections: list[Section], blobs: Blobs, *, banner: str = "",
-                notes: list[str] = ()) -> str:
+def render_page(
+    title: str, subtitle: str, sections: list[Section], blobs: Blobs, *, banner: str = "", notes: list[str] = ()
+) -> str:
     figures = [f for s in sections for f in s.figures]
     nav = "".join(f"<a href='#sec-{esc(s.id)}'>{esc(s.title)}</a>" for s in sections)
     top_notes = "".join(f"<p class='note'>{esc(n)}</p>" for n in notes)

@@ -98,8 +98,11 @@ class RunData:
         gen.sort(key=lambda i: rows["step"][i])
         limit = self.committed.get(seq, len(gen))
         gen = gen[:limit]
-        return SequenceTokens([rows["token_id"][i] for i in prompt], [rows["token_text"][i] for i in prompt],
-                              {k: [v[i] for i in gen] for k, v in rows.items()})
+        return SequenceTokens(
+            [rows["token_id"][i] for i in prompt],
+            [rows["token_text"][i] for i in prompt],
+            {k: [v[i] for i in gen] for k, v in rows.items()},
+        )
 
     @cached_property
     def has_steps(self) -> bool:

@@ -66,21 +66,32 @@ def manifest_section(data: RunData) -> Section:
     gen = (m.get("spec_resolved") or {}).get("generation") or {}
     timings = m.get("timings") or {}
     rows = [
-        ("run", m.get("run_id")), ("kind", m.get("kind")), ("status", m.get("status")),
-        ("created", m.get("created")), ("ended", m.get("completed") or m.get("ended")),
+        ("run", m.get("run_id")),
+        ("kind", m.get("kind")),
+        ("status", m.get("status")),
+        ("created", m.get("created")),
+        ("ended", m.get("completed") or m.get("ended")),
         ("model", f"{model.get('reference')} ({model.get('class')}, {model.get('architecture_family') or '?'})"),
         ("weights sha256", (model.get("weights_sha256") or "")[:16]),
-        ("tokenizer", f"{(m.get('tokenizer') or {}).get('class')}, {(m.get('tokenizer') or {}).get('vocab_size')} tokens"),
+        (
+            "tokenizer",
+            f"{(m.get('tokenizer') or {}).get('class')}, {(m.get('tokenizer') or {}).get('vocab_size')} tokens",
+        ),
         ("device / dtype", f"{m.get('device')} / {m.get('dtype')}"),
         ("attention kernel", (m.get("attention") or {}).get("kernel")),
         ("seed", m.get("seed")),
-        ("generation", ", ".join(f"{k}={gen.get(k)}" for k in ("max_new_tokens", "temperature", "top_k", "top_p")
-                                 if k in gen)),
+        (
+            "generation",
+            ", ".join(f"{k}={gen.get(k)}" for k in ("max_new_tokens", "temperature", "top_k", "top_p") if k in gen),
+        ),
         ("prompts / tokens", f"{m.get('n_prompts')} / {m.get('n_generated_tokens')}"),
         ("captured layers", len((m.get("shape") or {}).get("layers") or [])),
         ("arrays", ", ".join(m.get("arrays") or {}) or "none"),
         ("logit lens", data.lens_state),
-        ("timings", ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in timings.items())),
+        (
+            "timings",
+            ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in timings.items()),
+        ),
     ]
     parent = m.get("parent")
     if parent:
@@ -108,54 +119,68 @@ def _rank_1(rank):
 
 def _token_info(data: RunData, g: dict, s: int, alt_texts: list[str]) -> str:
     lp = g["logprob"][s]
-    lines = [f"{display(g['token_text'][s])!r}  step {s}  (id {g['token_id'][s]})",
-             f"p = {fmt(g['prob'][s], 4)}   logprob = {fmt(lp, 4)}   rank {fmt(_rank_1(g['token_rank'][s]))} (1 = top-1)",
-             f"top-1 − top-2 margin {fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
-             f"entropy {fmt(g['entropy'][s])} nats"]
+    lines = [
+        f"{display(g['token_text'][s])!r}  step {s}  (id {g['token_id'][s]})",
+        f"p = {fmt(g['prob'][s], 4)}   logprob = {fmt(lp, 4)}   rank {fmt(_rank_1(g['token_rank'][s]))} (1 = top-1)",
+        f"top-1 − top-2 margin {fmt(g['margin'][s])} nats   stability {g['stability'][s]}   "
+        f"entropy {fmt(g['entropy'][s])} nats",
+    ]
     sp = g.get("sampling_prob", [None] * (s + 1))[s]
     if sp is not None and sp != 1.0:
-        lines.append(f"sampled with p = {fmt(sp, 4)} (after temperature/top-k/top-p), "
-                     f"{fmt(g['eligible'][s])} eligible tokens")
+        lines.append(
+            f"sampled with p = {fmt(sp, 4)} (after temperature/top-k/top-p), {fmt(g['eligible'][s])} eligible tokens"
+        )
     fc = g.get("filter_changed", [None] * (s + 1))[s]
     if fc is not None:
         lines.append("top-k/top-p changed the choice: " + ("yes" if fc else "no"))
     alts = g.get("alt_logprobs", [None] * (s + 1))[s] or []
     if alt_texts:
-        lines.append("alternatives: " + " · ".join(f"{display(t)!r} {math.exp(a):.3g}" for t, a in zip(alt_texts, alts)))
+        lines.append(
+            "alternatives: " + " · ".join(f"{display(t)!r} {math.exp(a):.3g}" for t, a in zip(alt_texts, alts))
+        )
     return "\n".join(lines)
 
 
 def text_section(data: RunData, sel: Selection) -> Section:
     sec = Section("text", "Generated text")
-    parts = ["<p class='legend'>Each generated token is coloured by its probability "
-             "(<span class='tok' style='background:" + prob_colour(0.05) + "'>p≈0</span> → "
-             "<span class='tok' style='background:" + prob_colour(0.5) + "'>0.5</span> → "
-             "<span class='tok' style='background:" + prob_colour(1.0) + "'>1</span>); "
-             "hover a token for its statistics and alternatives, click it to open its step in the token view "
-             "(where the run has internals). The prompt is grey.</p>"]
+    parts = [
+        "<p class='legend'>Each generated token is coloured by its probability "
+        "(<span class='tok' style='background:" + prob_colour(0.05) + "'>p≈0</span> → "
+        "<span class='tok' style='background:" + prob_colour(0.5) + "'>0.5</span> → "
+        "<span class='tok' style='background:" + prob_colour(1.0) + "'>1</span>); "
+        "hover a token for its statistics and alternatives, click it to open its step in the token view "
+        "(where the run has internals). The prompt is grey.</p>"
+    ]
     seq_rows = {r["sequence"]: r for r in data.sequences}
     for seq in sel.sequences:
         tok = data.tokens(seq)
         g = tok.gen
         meta = seq_rows.get(seq, {})
-        parts.append(f"<h3>sequence {seq} <small>{tok.n_steps} tokens"
-                     + (f", stop: {esc(meta.get('stop_reason'))}" if meta.get("stop_reason") else "")
-                     + "</small></h3><div class='strip' data-seq='" + str(seq) + "'>")
-        parts.append("".join(f"<span class='ptok' title='position {p}'>{esc(t)}</span>"
-                             for p, t in enumerate(tok.prompt_texts)))
+        parts.append(
+            f"<h3>sequence {seq} <small>{tok.n_steps} tokens"
+            + (f", stop: {esc(meta.get('stop_reason'))}" if meta.get("stop_reason") else "")
+            + "</small></h3><div class='strip' data-seq='"
+            + str(seq)
+            + "'>"
+        )
+        parts.append(
+            "".join(f"<span class='ptok' title='position {p}'>{esc(t)}</span>" for p, t in enumerate(tok.prompt_texts))
+        )
         alt_ids = g.get("alt_ids", [])
         flat = [i for ids in alt_ids for i in (ids or [])]
         flat_texts = data.run.text(flat) if flat else []
         k = 0
         for s in range(tok.n_steps):
             n_alt = len(alt_ids[s] or []) if alt_ids else 0
-            alt_texts = flat_texts[k:k + n_alt]
+            alt_texts = flat_texts[k : k + n_alt]
             k += n_alt
             p = g["prob"][s]
             p = token_prob(g["logprob"][s]) if p is None else float(p)
             info = _token_info(data, g, s, alt_texts)
-            parts.append(f"<span class='tok' style='background:{prob_colour(p)}' data-seq='{seq}' data-step='{s}' "
-                         f"data-prob='{p!r}' title='{esc(info)}'>{esc(g['token_text'][s])}</span>")
+            parts.append(
+                f"<span class='tok' style='background:{prob_colour(p)}' data-seq='{seq}' data-step='{s}' "
+                f"data-prob='{p!r}' title='{esc(info)}'>{esc(g['token_text'][s])}</span>"
+            )
         parts.append("</div>")
     parts.append("<pre class='tokinfo' id='tokinfo'>hover a generated token</pre>")
     sec.html = "".join(parts)
@@ -166,8 +191,10 @@ def text_section(data: RunData, sel: Selection) -> Section:
 def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
     sec = Section("lens", "Logit lens")
     if data.lens_state == "pending":
-        sec.notes.append(f"the logit lens is deferred and not computed yet: run `lmtrace lens {data.run.id}`, "
-                         f"then `lmtrace report {data.run.id}` again")
+        sec.notes.append(
+            f"the logit lens is deferred and not computed yet: run `lmtrace lens {data.run.id}`, "
+            f"then `lmtrace report {data.run.id}` again"
+        )
         return sec
     if data.lens_state == "none" or "lens_ids" not in data.arrays:
         sec.notes.append("no logit lens was captured: set `capture.lens.enabled: true`")
@@ -188,29 +215,54 @@ def lens_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
             ct = display(tok.gen["token_text"][steps[i]])
             for j in range(L):
                 tops = "<br>".join(f"{esc(display(texts[i, j, r]))} {probs[i, j, r]:.3f}" for r in range(k))
-                where = (f"chosen {esc(ct)!s}: rank {rank[i, j] + 1}, p {chosen_p[i, j]:.3f}" if rank[i, j] >= 0
-                         else f"chosen {esc(ct)}: not in the lens top-{k}")
+                where = (
+                    f"chosen {esc(ct)!s}: rank {rank[i, j] + 1}, p {chosen_p[i, j]:.3f}"
+                    if rank[i, j] >= 0
+                    else f"chosen {esc(ct)}: not in the lens top-{k}"
+                )
                 custom[j, i] = tops + "<br>" + where
         top1_text = np.vectorize(lambda t: display(t)[:8])(texts[:, :, 0].T)
         xlabels = blobs.add_texts(f"lens_steps_{seq}", step_labels(steps, tok.gen["token_text"]))
         z = blobs.add(f"lens_top1_prob_{seq}", probs[:, :, 0].T, "float32")
         zc = blobs.add(f"lens_chosen_prob_{seq}", chosen_p.T, "float32")
         text = blobs.add(f"lens_top1_text_{seq}", top1_text.astype(object))
-        rank_text = blobs.add(f"lens_chosen_rank_{seq}",
-                              np.where(rank.T >= 0, np.char.add("#", (rank.T + 1).astype(str)), "–").astype(object))
+        rank_text = blobs.add(
+            f"lens_chosen_rank_{seq}",
+            np.where(rank.T >= 0, np.char.add("#", (rank.T + 1).astype(str)), "–").astype(object),
+        )
         cd = blobs.add(f"lens_custom_{seq}", custom)
-        sec.figures.append(F.heatmap(
-            f"lens-{seq}", f"sequence {seq}: logit lens — each layer's top-1 token and its probability",
-            z, xlabels, ylabels, text=text, customdata=cd, n_rows=L, n_cols=n, cell_px=52, xtitle="step:chosen token",
-            ytitle="layer", hover="%{y} · %{x}<br>%{customdata}", zlabel="probability",
-            variants=[{"label": "top-1 token, its probability", "z": z, "text": text},
-                      {"label": "the finally chosen token: its lens rank and probability", "z": zc, "text": rank_text}]))
+        sec.figures.append(
+            F.heatmap(
+                f"lens-{seq}",
+                f"sequence {seq}: logit lens — each layer's top-1 token and its probability",
+                z,
+                xlabels,
+                ylabels,
+                text=text,
+                customdata=cd,
+                n_rows=L,
+                n_cols=n,
+                cell_px=52,
+                xtitle="step:chosen token",
+                ytitle="layer",
+                hover="%{y} · %{x}<br>%{customdata}",
+                zlabel="probability",
+                variants=[
+                    {"label": "top-1 token, its probability", "z": z, "text": text},
+                    {"label": "the finally chosen token: its lens rank and probability", "z": zc, "text": rank_text},
+                ],
+            )
+        )
     return sec
 
 
 # ---- per-layer figures ---------------------------------------------------------------------------
-NORMS = (("resid_norm", "residual norm after the layer"), ("delta_norm", "layer's change to the residual"),
-         ("attn_norm", "attention output"), ("mlp_norm", "MLP output"))
+NORMS = (
+    ("resid_norm", "residual norm after the layer"),
+    ("delta_norm", "layer's change to the residual"),
+    ("attn_norm", "attention output"),
+    ("mlp_norm", "MLP output"),
+)
 
 
 def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
@@ -232,13 +284,22 @@ def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
             if name not in cols:
                 continue
             v = cols[name][keep].astype(np.float64)
-            means = np.asarray([np.nanmean(v[layer == li]) if np.isfinite(v[layer == li]).any() else np.nan
-                                for li in order])
+            means = np.asarray(
+                [np.nanmean(v[layer == li]) if np.isfinite(v[layer == li]).any() else np.nan for li in order]
+            )
             if np.isfinite(means).any():
                 series.append({"name": label, "x": x, "y": blobs.add(f"layers_{name}_{seq}", means, "float32")})
         if series:
-            sec.figures.append(F.lines(f"norms-{seq}", f"sequence {seq}: L2 norms per layer (mean over the "
-                                       f"{len(steps)} steps shown)", series, xtitle="layer", ytitle="L2 norm", ylog=True))
+            sec.figures.append(
+                F.lines(
+                    f"norms-{seq}",
+                    f"sequence {seq}: L2 norms per layer (mean over the {len(steps)} steps shown)",
+                    series,
+                    xtitle="layer",
+                    ytitle="L2 norm",
+                    ylog=True,
+                )
+            )
         if "margin_contrib" in cols and np.isfinite(cols["margin_contrib"][keep].astype(float)).any():
             step_list = sorted(steps)
             grid = np.full((len(order), len(step_list)), np.nan, dtype=np.float32)
@@ -248,19 +309,36 @@ def layers_section(data: RunData, sel: Selection, blobs: Blobs) -> Section:
                 grid[row[int(li)], col[int(s)]] = v
             lim = float(np.nanmax(np.abs(grid))) or 1.0
             tok = data.tokens(seq)
-            sec.figures.append(F.heatmap(
-                f"margin-{seq}", f"sequence {seq}: each layer's share of the final top-1 − top-2 logit margin "
-                "(through the final norm at its actual scale; with the embedding's share they sum to the margin)",
-                blobs.add(f"margin_contrib_{seq}", grid, "float32"),
-                blobs.add_texts(f"margin_steps_{seq}", step_labels(step_list, tok.gen["token_text"])),
-                blobs.add_texts(f"margin_layers_{seq}", [f"L{li}" for li in order]), zmin=-lim, zmax=lim,
-                colorscale=F.DIVERGING, n_rows=len(order), n_cols=len(step_list), cell_px=14,
-                xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{z:.3f} logits", zlabel="logits"))
+            sec.figures.append(
+                F.heatmap(
+                    f"margin-{seq}",
+                    f"sequence {seq}: each layer's share of the final top-1 − top-2 logit margin "
+                    "(through the final norm at its actual scale; with the embedding's share they sum to the margin)",
+                    blobs.add(f"margin_contrib_{seq}", grid, "float32"),
+                    blobs.add_texts(f"margin_steps_{seq}", step_labels(step_list, tok.gen["token_text"])),
+                    blobs.add_texts(f"margin_layers_{seq}", [f"L{li}" for li in order]),
+                    zmin=-lim,
+                    zmax=lim,
+                    colorscale=F.DIVERGING,
+                    n_rows=len(order),
+                    n_cols=len(step_list),
+                    cell_px=14,
+                    xtitle="step:chosen token",
+                    ytitle="layer",
+                    hover="%{y} · %{x}<br>%{z:.3f} logits",
+                    zlabel="logits",
+                )
+            )
             means = np.nanmean(grid, axis=1)
-            sec.figures.append(F.lines(f"margin-mean-{seq}", f"sequence {seq}: mean margin contribution per layer",
-                                       [{"name": "mean over steps", "x": x,
-                                         "y": blobs.add(f"margin_mean_{seq}", means, "float32")}],
-                                       xtitle="layer", ytitle="logits"))
+            sec.figures.append(
+                F.lines(
+                    f"margin-mean-{seq}",
+                    f"sequence {seq}: mean margin contribution per layer",
+                    [{"name": "mean over steps", "x": x, "y": blobs.add(f"margin_mean_{seq}", means, "float32")}],
+                    xtitle="layer",
+                    ytitle="logits",
+                )
+            )
     return sec
 
 
@@ -284,13 +362,27 @@ def router_section(data: RunData, sel: Selection, blobs: Blobs) -> Section | Non
         n_exp = float(np.nanmax(top)) if np.isfinite(top).any() else 1.0
         t = blobs.add(f"router_text_{seq}", text)
         c = blobs.add(f"router_custom_{seq}", custom)
-        sec.figures.append(F.heatmap(
-            f"router-{seq}", f"sequence {seq}: experts chosen per layer and step (colour: the top-1 expert)",
-            blobs.add(f"router_top1_{seq}", top, "float32"),
-            blobs.add_texts(f"router_steps_{seq}", step_labels(steps, tok.gen["token_text"])),
-            blobs.add_texts(f"router_layers_{seq}", [f"L{layer}" for layer in layers]), zmin=0, zmax=max(1.0, n_exp),
-            colorscale="Turbo", text=t, customdata=c, n_rows=len(layers), n_cols=len(steps), cell_px=40,
-            xtitle="step:chosen token", ytitle="layer", hover="%{y} · %{x}<br>%{customdata}", zlabel="expert"))
+        sec.figures.append(
+            F.heatmap(
+                f"router-{seq}",
+                f"sequence {seq}: experts chosen per layer and step (colour: the top-1 expert)",
+                blobs.add(f"router_top1_{seq}", top, "float32"),
+                blobs.add_texts(f"router_steps_{seq}", step_labels(steps, tok.gen["token_text"])),
+                blobs.add_texts(f"router_layers_{seq}", [f"L{layer}" for layer in layers]),
+                zmin=0,
+                zmax=max(1.0, n_exp),
+                colorscale="Turbo",
+                text=t,
+                customdata=c,
+                n_rows=len(layers),
+                n_cols=len(steps),
+                cell_px=40,
+                xtitle="step:chosen token",
+                ytitle="layer",
+                hover="%{y} · %{x}<br>%{customdata}",
+                zlabel="expert",
+            )
+        )
     return sec
 
 
@@ -302,9 +394,11 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
     parent = m.get("parent") or {}
     sec = Section("intervention", "Intervention: parent vs child")
     listed = yaml.safe_dump(m.get("interventions") or [], sort_keys=False).strip()
-    sec.html = (f"<p>parent <code>{esc(parent.get('run_id') if isinstance(parent, dict) else parent)}</code>, "
-                f"mode <b>{esc(m.get('mode'))}</b>, edits from step {esc(m.get('from_step'))}"
-                f" (first edited step {esc(m.get('first_edited_step'))})</p><pre>{esc(listed)}</pre>")
+    sec.html = (
+        f"<p>parent <code>{esc(parent.get('run_id') if isinstance(parent, dict) else parent)}</code>, "
+        f"mode <b>{esc(m.get('mode'))}</b>, edits from step {esc(m.get('from_step'))}"
+        f" (first edited step {esc(m.get('first_edited_step'))})</p><pre>{esc(listed)}</pre>"
+    )
     effects = read_effects(data.run)
     if effects is None:
         sec.notes.append(f"this child has no {EFFECTS} (it was interrupted before finishing)")
@@ -323,13 +417,27 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
         changed = [i for i in idx if eff["winner_changed"][i]]
         series = [{"name": "logprob shift of the parent's token (child − parent)", "x": x, "y": y}]
         if changed:
-            series.append({"name": "winner changed", "x": blobs.add(f"effects_changed_x_{seq}",
-                                                                   np.asarray([eff["step"][i] for i in changed], np.int32)),
-                           "y": blobs.add(f"effects_changed_y_{seq}", np.asarray(
-                               [np.nan if eff["logprob_shift"][i] is None else eff["logprob_shift"][i] for i in changed]),
-                               "float32"), "color": "#d62728"})
-        fig = F.lines(f"effects-{seq}", f"sequence {seq}: effect of the interventions per step", series,
-                      xtitle="step", ytitle="nats")
+            series.append(
+                {
+                    "name": "winner changed",
+                    "x": blobs.add(f"effects_changed_x_{seq}", np.asarray([eff["step"][i] for i in changed], np.int32)),
+                    "y": blobs.add(
+                        f"effects_changed_y_{seq}",
+                        np.asarray(
+                            [np.nan if eff["logprob_shift"][i] is None else eff["logprob_shift"][i] for i in changed]
+                        ),
+                        "float32",
+                    ),
+                    "color": "#d62728",
+                }
+            )
+        fig = F.lines(
+            f"effects-{seq}",
+            f"sequence {seq}: effect of the interventions per step",
+            series,
+            xtitle="step",
+            ytitle="nats",
+        )
         if len(series) > 1:
             fig["data"][1]["mode"] = "markers"
             fig["data"][1]["marker"] = {"size": 10, "symbol": "x"}
@@ -337,13 +445,18 @@ def intervention_section(data: RunData, sel: Selection, blobs: Blobs) -> Section
         ids = [t for i in changed for t in (eff["parent_top1"][i], eff["child_top1"][i])]
         texts = data.run.text(ids) if ids else []
         for n, i in enumerate(changed[:50]):
-            rows_html.append(f"<tr><td>{seq}</td><td>{eff['step'][i]}</td><td>{esc(display(texts[2 * n]))}</td>"
-                             f"<td>{esc(display(texts[2 * n + 1]))}</td><td>{fmt(eff['parent_logprob'][i])}</td>"
-                             f"<td>{fmt(eff['child_logprob_of_parent_token'][i])}</td></tr>")
+            rows_html.append(
+                f"<tr><td>{seq}</td><td>{eff['step'][i]}</td><td>{esc(display(texts[2 * n]))}</td>"
+                f"<td>{esc(display(texts[2 * n + 1]))}</td><td>{fmt(eff['parent_logprob'][i])}</td>"
+                f"<td>{fmt(eff['child_logprob_of_parent_token'][i])}</td></tr>"
+            )
     if rows_html:
-        sec.html += ("<table class='grid'><tr><th>sequence</th><th>step</th><th>parent's top-1</th>"
-                     "<th>child's top-1</th><th>parent logprob</th><th>child logprob of parent's token</th></tr>"
-                     + "".join(rows_html) + "</table>")
+        sec.html += (
+            "<table class='grid'><tr><th>sequence</th><th>step</th><th>parent's top-1</th>"
+            "<th>child's top-1</th><th>parent logprob</th><th>child logprob of parent's token</th></tr>"
+            + "".join(rows_html)
+            + "</table>"
+        )
     else:
         sec.html += "<p>no step's winner changed in the sequences shown.</p>"
     return sec
@@ -354,5 +467,7 @@ def banner(data: RunData, sel: Selection) -> str:
     if status == "complete":
         return ""
     shown = ", ".join(f"sequence {s}: {sel.available[s]} steps" for s in sel.sequences)
-    return (f"<div class='banner'>This run is <b>{esc(status)}</b>, not complete: the report shows its committed "
-            f"steps only ({esc(shown)}).</div>")
+    return (
+        f"<div class='banner'>This run is <b>{esc(status)}</b>, not complete: the report shows its committed "
+        f"steps only ({esc(shown)}).</div>"
+    )

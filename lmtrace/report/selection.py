@@ -54,17 +54,26 @@ def default_layers(captured: list[int]) -> list[int]:
     return sorted(set(picks))
 
 
-def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list[int],
-           sequences: list[int | str] | None = None, steps: str | None = None, layers: list[int] | None = None,
-           attention_step: int | None = None) -> Selection:
+def select(
+    *,
+    n_sequences: int,
+    committed: dict[int, int],
+    captured_layers: list[int],
+    sequences: list[int | str] | None = None,
+    steps: str | None = None,
+    layers: list[int] | None = None,
+    attention_step: int | None = None,
+) -> Selection:
     notes = []
     if sequences:
         chosen = parse_sequences(sequences, n_sequences)
     else:
         chosen = list(range(min(DEFAULT_SEQUENCES, n_sequences)))
         if n_sequences > len(chosen):
-            notes.append(f"showing sequences {', '.join(map(str, chosen))} of {n_sequences}; "
-                         f"choose others with --sequence K (repeatable)")
+            notes.append(
+                f"showing sequences {', '.join(map(str, chosen))} of {n_sequences}; "
+                f"choose others with --sequence K (repeatable)"
+            )
     available = {s: int(committed.get(s, 0)) for s in chosen}
     shown: dict[int, list[int]] = {}
     for s in chosen:
@@ -74,8 +83,10 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
             shown[s] = default_steps(available[s])
             if len(shown[s]) < available[s]:
                 stride = shown[s][1] - shown[s][0]
-                notes.append(f"sequence {s}: showing every {ordinal(stride)} of its {available[s]} steps "
-                             f"({len(shown[s])} steps); choose others with --steps, e.g. --steps 0-63")
+                notes.append(
+                    f"sequence {s}: showing every {ordinal(stride)} of its {available[s]} steps "
+                    f"({len(shown[s])} steps); choose others with --steps, e.g. --steps 0-63"
+                )
     if layers:
         bad = [layer for layer in layers if layer not in captured_layers]
         if bad:
@@ -93,14 +104,18 @@ def select(*, n_sequences: int, committed: dict[int, int], captured_layers: list
             att[s] = shown[s][-1]
         elif attention_step >= available[s]:  # a shorter sequence starts at its last step
             att[s] = available[s] - 1
-            notes.append(f"sequence {s} has steps 0..{available[s] - 1}: its token view and attention grid start "
-                         f"at its last step, not --attention-step {attention_step}")
+            notes.append(
+                f"sequence {s} has steps 0..{available[s] - 1}: its token view and attention grid start "
+                f"at its last step, not --attention-step {attention_step}"
+            )
         else:
             att[s] = attention_step
     rows = {s: thin(shown[s], MAX_HEATMAP_ROWS) for s in chosen}
     for s in chosen:
         if len(rows[s]) < len(shown[s]):
-            notes.append(f"sequence {s}: the attention step × key heatmaps have one row for every "
-                         f"{ordinal(-(-len(shown[s]) // MAX_HEATMAP_ROWS))} step shown "
-                         f"({len(rows[s])} rows); narrow --steps for every step")
+            notes.append(
+                f"sequence {s}: the attention step × key heatmaps have one row for every "
+                f"{ordinal(-(-len(shown[s]) // MAX_HEATMAP_ROWS))} step shown "
+                f"({len(rows[s])} rows); narrow --steps for every step"
+            )
     return Selection(chosen, shown, available, chosen_layers, rows, att, notes)

@@ -43,8 +43,14 @@ def _heatmap(fig_spec: dict, plt):
     width = min(40.0, max(6.0, 2.5 + cols * 0.12))
     height = min(40.0, max(3.0, 1.5 + rows * 0.12))
     fig, ax = plt.subplots(figsize=(width, height))
-    im = ax.imshow(np.ma.masked_invalid(z.reshape(rows, cols)), aspect="auto", cmap=_cmap(t.get("colorscale")),
-                   vmin=t.get("zmin"), vmax=t.get("zmax"), interpolation="nearest")
+    im = ax.imshow(
+        np.ma.masked_invalid(z.reshape(rows, cols)),
+        aspect="auto",
+        cmap=_cmap(t.get("colorscale")),
+        vmin=t.get("zmin"),
+        vmax=t.get("zmax"),
+        interpolation="nearest",
+    )
     fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
     _ticks(ax, list(t["x"]), "x")
     _ticks(ax, list(t["y"]), "y")

@@ -52,9 +52,10 @@ def step_answers(run, seq: int, step: int) -> dict[str, dict]:
     other float to `DIGITS` significant digits."""
     answer = selected_token(run, seq, step)
     path = f"sequences/{seq}/steps/{step}"
-    return {path: {k: rounded(v, decimals=WEIGHT_DECIMALS) if k == "attention" else rounded(v)
-                   for k, v in answer.items()},
-            f"{path}/over_heads": rounded(step_over_heads(run, seq, step), decimals=WEIGHT_DECIMALS)}
+    return {
+        path: {k: rounded(v, decimals=WEIGHT_DECIMALS) if k == "attention" else rounded(v) for k, v in answer.items()},
+        f"{path}/over_heads": rounded(step_over_heads(run, seq, step), decimals=WEIGHT_DECIMALS),
+    }
 
 
 def view_steps(steps: list[int], initial: int, limit: int = MAX_VIEW_STEPS) -> list[int]:
@@ -66,8 +67,9 @@ def _size(answer) -> int:
     return len(json.dumps(answer, separators=(",", ":"), allow_nan=False))
 
 
-def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, notes: list[str]
-                      ) -> tuple[dict[str, dict], int | None, list[int]]:
+def _sequence_answers(
+    data: RunData, sel: Selection, seq: int, budget: int, notes: list[str]
+) -> tuple[dict[str, dict], int | None, list[int]]:
     """One sequence's inlined answers within about `budget` bytes: (answers, first selected step, layers
     whose heads' patterns are embedded). Two thirds of the budget go to the steps: as many as the first
     selected step's answers (the longest context by default) fit, at most MAX_VIEW_STEPS; the rest to
@@ -83,17 +85,22 @@ def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, note
     fits = max(1, (2 * budget // 3) // max(1, sum(_size(a) for a in first.values())))
     steps = view_steps(shown, initial, min(MAX_VIEW_STEPS, fits))
     if len(steps) < len(shown):
-        notes.append(f"sequence {seq}: the token view embeds {len(steps)} of the {len(shown)} steps shown (a regular "
-                     f"stride); narrow --steps or --sequence for every step, or `lmtrace serve` for all of them")
+        notes.append(
+            f"sequence {seq}: the token view embeds {len(steps)} of the {len(shown)} steps shown (a regular "
+            f"stride); narrow --steps or --sequence for every step, or `lmtrace serve` for all of them"
+        )
     for s in steps:
         answers.update(first if s == initial else step_answers(run, seq, s))
     used = sum(_size(a) for a in answers.values())
     layers = []
     if {"attn", "attn_topk_idx"} & data.arrays:
         for layer in sel.layers:
-            heads = {f"sequences/{seq}/attention/{layer}/{h}": rounded(head_pattern(run, seq, layer, h),
-                                                                      decimals=WEIGHT_DECIMALS)
-                     for h in range(data.n_heads)}
+            heads = {
+                f"sequences/{seq}/attention/{layer}/{h}": rounded(
+                    head_pattern(run, seq, layer, h), decimals=WEIGHT_DECIMALS
+                )
+                for h in range(data.n_heads)
+            }
             size = sum(_size(a) for a in heads.values())
             if used + size > budget:
                 break
@@ -101,9 +108,11 @@ def _sequence_answers(data: RunData, sel: Selection, seq: int, budget: int, note
             used += size
             layers.append(layer)
         if layers != sel.layers:
-            notes.append(f"sequence {seq}: the token view embeds the heads' rows and patterns over steps of layers "
-                         f"{', '.join(map(str, layers)) or 'none'} of {', '.join(map(str, sel.layers))} (its size "
-                         f"budget); fewer --steps or --sequence make room, `lmtrace serve` shows every head")
+            notes.append(
+                f"sequence {seq}: the token view embeds the heads' rows and patterns over steps of layers "
+                f"{', '.join(map(str, layers)) or 'none'} of {', '.join(map(str, sel.layers))} (its size "
+                f"budget); fewer --steps or --sequence make room, `lmtrace serve` shows every head"
+            )
     return answers, initial, layers
 
 
@@ -111,27 +120,32 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
     sec = Section("tokens", "Token view")
     answers: dict[str, dict] = {}
     heads: dict[int, list[int]] = {}
-    parts = [("<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
-              "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
-              "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
-              "direct logit attribution and attributions where the run has them. The same view as "
-              "<code>lmtrace serve</code>, from the numbers this page embeds.</p>")]
+    parts = [
+        (
+            "<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
+            "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
+            "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
+            "direct logit attribution and attributions where the run has them. The same view as "
+            "<code>lmtrace serve</code>, from the numbers this page embeds.</p>"
+        )
+    ]
     budget = BUDGET_BYTES // max(1, len(sel.sequences))
     for seq in sel.sequences:
         own, initial, heads[seq] = _sequence_answers(data, sel, seq, budget, sec.notes)
         if not own:
             continue
         answers.update(own)
-        parts.append(f"<h3>sequence {seq}</h3><div class='tokenview' id='tv-{seq}' data-seq='{seq}' "
-                     f"data-step='{initial}'></div>")
+        parts.append(
+            f"<h3>sequence {seq}</h3><div class='tokenview' id='tv-{seq}' data-seq='{seq}' data-step='{initial}'></div>"
+        )
     if not answers:
         sec.notes.append("no sequence shown has a readable step")
         return sec
     missing = {
         "step": "this report embeds the steps shown (see the notes above the view); `lmtrace report --steps` "
-                "chooses others, `lmtrace serve` shows every step",
+        "chooses others, `lmtrace serve` shows every step",
         "head": "this report embeds the heads of the layers chosen with --layer (see the notes above the view); "
-                "`lmtrace serve` shows every head",
+        "`lmtrace serve` shows every head",
     }
     payload = json.dumps({"answers": answers, "missing": missing}, separators=(",", ":"), allow_nan=False)
     # the JSON is data in a non-executed script element; every "<" is written as \u003c (the same string
@@ -140,7 +154,9 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
     parts.append(f"<script type='application/json' id='{DATA_ID}'>{payload}</script>")
     sec.html = "".join(parts)
     layers = sorted({layer for ls in heads.values() for layer in ls})
-    sec.notes.append(f"embedded: attention weights to {WEIGHT_DECIMALS} decimals, other numbers to {DIGITS} "
-                     f"significant digits; the heads' rows and patterns over steps of layers "
-                     f"{', '.join(map(str, layers)) or 'none'} (--layer)")
+    sec.notes.append(
+        f"embedded: attention weights to {WEIGHT_DECIMALS} decimals, other numbers to {DIGITS} "
+        f"significant digits; the heads' rows and patterns over steps of layers "
+        f"{', '.join(map(str, layers)) or 'none'} (--layer)"
+    )
     return sec

@@ -74,11 +74,27 @@ def batch_queue(spec, rd: RunDir, setup: Setup, my_seqs: list[int], writer_core)
     budget = setup.budget.bytes if setup.budget is not None else None
     if budget is not None:
         on_cuda = bool(cuda_devices(setup.loaded.model, setup.loaded.device))
-        footprint = Footprint(setup.shape, setup.adapter.n_layers, torch.empty((), dtype=setup.loaded.dtype).element_size(),
-                              len(setup.loaded.tokenizer), g.max_new_tokens, spec.output.chunk_steps,
-                              spec.output.chunk_keys, measured=on_cuda, budget=budget)
-    return BatchQueue(rd.path, rd.shard.key, my_seqs, g.batch_size, budget,
-                      {s: len(setup.prompt_ids[s]) for s in my_seqs}, footprint, writer_core.committed)
+        footprint = Footprint(
+            setup.shape,
+            setup.adapter.n_layers,
+            torch.empty((), dtype=setup.loaded.dtype).element_size(),
+            len(setup.loaded.tokenizer),
+            g.max_new_tokens,
+            spec.output.chunk_steps,
+            spec.output.chunk_keys,
+            measured=on_cuda,
+            budget=budget,
+        )
+    return BatchQueue(
+        rd.path,
+        rd.shard.key,
+        my_seqs,
+        g.batch_size,
+        budget,
+        {s: len(setup.prompt_ids[s]) for s in my_seqs},
+        footprint,
+        writer_core.committed,
+    )
 
 
 def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, budget_text, need=None) -> None:
@@ -86,15 +102,23 @@ def _split(queue: BatchQueue, batch: Batch, committed: int, log, reason: str, bu
     if len(batch.seqs) == 1:
         raise budget_refusal(budget_text, need, batch.key, reason)
     first, second = queue.split(batch, committed)
-    log.event("batch_split", batch=batch.key, size=len(batch.seqs), sizes=[len(first.seqs), len(second.seqs)],
-              batches=[first.key, second.key], from_step=first.from_step, reason=reason)
+    log.event(
+        "batch_split",
+        batch=batch.key,
+        size=len(batch.seqs),
+        sizes=[len(first.seqs), len(second.seqs)],
+        batches=[first.key, second.key],
+        from_step=first.from_step,
+        reason=reason,
+    )
     from ..exits.faults import kill_point
 
     kill_point("batch-split")
 
 
-def generate_batches(tracer, spec, run_id, rd: RunDir, log, setup: Setup, replay: Replay | None, progress,
-                     queue: BatchQueue, writer) -> Generated:
+def generate_batches(
+    tracer, spec, run_id, rd: RunDir, log, setup: Setup, replay: Replay | None, progress, queue: BatchQueue, writer
+) -> Generated:
     """Run this shard's batches through `tracer` into `writer` (a BackgroundWriter); what they generated."""
     return _BatchLoop(tracer, spec, run_id, rd, log, setup, replay, progress, queue, writer).run()
 
@@ -105,8 +129,19 @@ class _BatchLoop:
     budget) the process's RSS once the model is loaded, against which each batch's peak
     calibrates the footprint."""
 
-    def __init__(self, tracer, spec, run_id, rd: RunDir, log, setup: Setup, replay: Replay | None, progress,
-                 queue: BatchQueue, writer):
+    def __init__(
+        self,
+        tracer,
+        spec,
+        run_id,
+        rd: RunDir,
+        log,
+        setup: Setup,
+        replay: Replay | None,
+        progress,
+        queue: BatchQueue,
+        writer,
+    ):
         self.tracer, self.spec, self.run_id, self.rd, self.log = tracer, spec, run_id, rd, log
         self.setup, self.replay, self.progress, self.queue = setup, replay, progress, queue
         self.writer, self.writer_core = writer, writer.writer
@@ -144,22 +179,45 @@ class _BatchLoop:
         committed = max(committed, planned.from_step)
         need = self.queue.over_budget(planned)
         if need is not None:
-            _split(self.queue, planned, committed, self.log, f"its footprint, about {human_bytes(need)}, exceeds "
-                   f"generation.memory_budget {self.budget_text}", self.budget_text, need)
+            _split(
+                self.queue,
+                planned,
+                committed,
+                self.log,
+                f"its footprint, about {human_bytes(need)}, exceeds generation.memory_budget {self.budget_text}",
+                self.budget_text,
+                need,
+            )
             return
         self.queue.record(planned)
         batch_prompts = [self.setup.prompt_ids[i] for i in seq_ids]
-        sink = BlockSink(self.writer, self.setup.shape, batch, seq_ids, batch_prompts, self.setup.loaded.tokenizer,
-                         self.spec.output.chunk_steps, self.setup.step_columns, self.progress, start_step=committed)
+        sink = BlockSink(
+            self.writer,
+            self.setup.shape,
+            batch,
+            seq_ids,
+            batch_prompts,
+            self.setup.loaded.tokenizer,
+            self.spec.output.chunk_steps,
+            self.setup.step_columns,
+            self.progress,
+            start_step=committed,
+        )
         teacher, edits, feed = self._forcing(sink, seq_ids, batch, committed)
         before = sum(torch.cuda.memory_allocated(d) for d in self.gpus)
         reset_peak_memory(self.gpus)
         rss = PeakRss() if self.rss_base is not None else nullcontext()
         try:
             with rss:
-                outcome_ = self.tracer.run_batch(seq_ids, batch_prompts, feed, teacher=teacher, edits=edits,
-                                                 should_stop=with_oom_fault(self.stop, len(seq_ids)),
-                                                 forward_running=self.writer.forward_running())
+                outcome_ = self.tracer.run_batch(
+                    seq_ids,
+                    batch_prompts,
+                    feed,
+                    teacher=teacher,
+                    edits=edits,
+                    should_stop=with_oom_fault(self.stop, len(seq_ids)),
+                    forward_running=self.writer.forward_running(),
+                )
         except (BatchOutOfMemory, torch.cuda.OutOfMemoryError) as err:
             del sink, feed
             self._out_of_memory(planned, err)
@@ -167,9 +225,12 @@ class _BatchLoop:
         growth = self._memory_growth(seq_ids, batch_prompts, before, rss)
         sink.flush()
         if outcome_.interrupted:
-            raise Interrupted(f"interrupted by {signal_name(self.stop.signal)} (batch of sequence {batch}); flushed "
-                              f"steps are kept; resume with `lmtrace generate --resume {self.run_id}`",
-                              self.stop.signal, resumable=True)
+            raise Interrupted(
+                f"interrupted by {signal_name(self.stop.signal)} (batch of sequence {batch}); flushed "
+                f"steps are kept; resume with `lmtrace generate --resume {self.run_id}`",
+                self.stop.signal,
+                resumable=True,
+            )
         if self.replay is not None and self.replay.batch_done is not None:
             self.replay.batch_done(self.rd.path, batch)
         self._finish(seq_ids, batch, batch_prompts, outcome_, growth)
@@ -198,10 +259,17 @@ class _BatchLoop:
         if self.gpus:
             torch.cuda.empty_cache()
         self.writer.drain()  # the blocks handed over are committed: the halves continue after them
-        reason = "out of memory" + (" (CUDA)" if isinstance(err, torch.cuda.OutOfMemoryError) else
-                                    f" ({err})" if str(err) else "")
-        _split(self.queue, planned, max(self.writer_core.committed(planned.key)[0], planned.from_step), self.log,
-               reason, self.budget_text)
+        reason = "out of memory" + (
+            " (CUDA)" if isinstance(err, torch.cuda.OutOfMemoryError) else f" ({err})" if str(err) else ""
+        )
+        _split(
+            self.queue,
+            planned,
+            max(self.writer_core.committed(planned.key)[0], planned.from_step),
+            self.log,
+            reason,
+            self.budget_text,
+        )
 
     def _memory_growth(self, seq_ids, batch_prompts, before: int, rss) -> int | None:
         """The batch's peak above the model: CUDA allocations, or (CPU, a budget) RSS; each observed
@@ -227,11 +295,15 @@ class _BatchLoop:
         for b, seq in enumerate(seq_ids):
             self.texts[seq] = tokenizer.decode(outcome_.generated[b], skip_special_tokens=True)
         self.n_tokens += int(gen_len.sum())
-        seq_table = _sequence_rows(self.setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason,
-                                   self.texts)
+        seq_table = _sequence_rows(self.setup, seq_ids, batch, batch_prompts, gen_len, outcome_.stop_reason, self.texts)
         self.writer.submit(self.writer_core.finish_batch, batch, seq_ids, gen_len, seq_table)
-        self.log.event("batch_done", batch=batch, sequences=seq_ids, tokens=int(gen_len.sum()),
-                       **({"peak_growth": growth} if growth is not None else {}))
+        self.log.event(
+            "batch_done",
+            batch=batch,
+            sequences=seq_ids,
+            tokens=int(gen_len.sum()),
+            **({"peak_growth": growth} if growth is not None else {}),
+        )
         if self.rss_base is not None:  # what the allocator keeps is not free for the next batch's cut
             self.queue.footprint.retained = max(0, rss_bytes() - self.rss_base)
         self.progress.sequences_done(len(seq_ids), int(gen_len.sum()))
@@ -239,15 +311,22 @@ class _BatchLoop:
 
 def _sequence_rows(setup: Setup, seq_ids, batch, batch_prompts, gen_len, stop_reason, texts) -> pa.Table:
     """One batch's rows of sequences.parquet: lmtrace's columns, then the prompts' metadata columns."""
-    table = pa.table({
-        "sequence": seq_ids, "batch": [batch] * len(seq_ids), "prompt": [setup.prompts[i] for i in seq_ids],
-        "prompt_rendered": [setup.rendered[i] for i in seq_ids], "prompt_len": [len(p) for p in batch_prompts],
-        "generated_len": gen_len.tolist(), "stop_reason": stop_reason, "generated_text": [texts[i] for i in seq_ids],
-    }, schema=layout.sequence_schema())
+    table = pa.table(
+        {
+            "sequence": seq_ids,
+            "batch": [batch] * len(seq_ids),
+            "prompt": [setup.prompts[i] for i in seq_ids],
+            "prompt_rendered": [setup.rendered[i] for i in seq_ids],
+            "prompt_len": [len(p) for p in batch_prompts],
+            "generated_len": gen_len.tolist(),
+            "stop_reason": stop_reason,
+            "generated_text": [texts[i] for i in seq_ids],
+        },
+        schema=layout.sequence_schema(),
+    )
     if setup.metadata is None:
         return table
     rows = setup.metadata.take(pa.array(seq_ids, pa.int64()))
     for name in rows.column_names:
         table = table.append_column(rows.schema.field(name), rows.column(name))
     return table
-

@@ -51,8 +51,18 @@ class Footprint:
     `budget` under PROBE_SHARE x RSS_RESOLUTION is sized by the computed footprint alone: RSS cannot
     resolve what a batch takes there, so neither growths nor the RSS retained are used."""
 
-    def __init__(self, shape, n_layers: int, dtype_bytes: int, vocab: int, max_new: int, chunk_steps: int,
-                 chunk_keys: int | None, measured: bool, budget: int | None = None):
+    def __init__(
+        self,
+        shape,
+        n_layers: int,
+        dtype_bytes: int,
+        vocab: int,
+        max_new: int,
+        chunk_steps: int,
+        chunk_keys: int | None,
+        measured: bool,
+        budget: int | None = None,
+    ):
         self.shape, self.n_layers, self.dtype_bytes, self.vocab = shape, n_layers, dtype_bytes, vocab
         self.max_new, self.chunk_steps, self.chunk_keys, self.measured = max_new, chunk_steps, chunk_keys, measured
         self.per_position: float | None = None  # measured bytes per sequence and position, the largest seen
@@ -64,10 +74,13 @@ class Footprint:
         s = self.shape
         positions = longest_prompt + self.max_new
         kv = 2 * self.n_layers * s.n_kv_heads * s.head_dim * positions * self.dtype_bytes
-        blocks = (s.estimate_bytes_per_step(self.chunk_steps, self.chunk_keys) * self.chunk_steps * BLOCKS_IN_MEMORY
-                  if s.layers else 0)
+        blocks = (
+            s.estimate_bytes_per_step(self.chunk_steps, self.chunk_keys) * self.chunk_steps * BLOCKS_IN_MEMORY
+            if s.layers
+            else 0
+        )
         # the prefill's largest transients: one layer's attention scores and MLP activations, the logits
-        prefill = 4 * (s.n_heads * longest_prompt ** 2 + 2 * longest_prompt * max(s.d_ffn, s.d_model)) + 8 * self.vocab
+        prefill = 4 * (s.n_heads * longest_prompt**2 + 2 * longest_prompt * max(s.d_ffn, s.d_model)) + 8 * self.vocab
         return n * (kv + blocks + prefill)
 
     def bytes(self, n: int, longest_prompt: int) -> int | None:
@@ -117,8 +130,17 @@ class BatchQueue:
     """This shard's batches in sequence order: recorded ones as recorded, the rest cut as they come
     (fixed size, or as many as fit the budget); `split` puts a batch's halves first."""
 
-    def __init__(self, run_dir: Path, shard_key: str, my_seqs: list[int], size: int | str, budget: int | None,
-                 prompt_lens: dict[int, int], footprint: Footprint | None, committed):
+    def __init__(
+        self,
+        run_dir: Path,
+        shard_key: str,
+        my_seqs: list[int],
+        size: int | str,
+        budget: int | None,
+        prompt_lens: dict[int, int],
+        footprint: Footprint | None,
+        committed,
+    ):
         self.path = plan_path(run_dir, shard_key)
         self.size, self.budget, self.prompt_lens, self.footprint = size, budget, prompt_lens, footprint
         recorded = read_plan(run_dir)
@@ -129,7 +151,7 @@ class BatchQueue:
             if set(batch.seqs) <= mine and (steps or done or batch.from_step):
                 kept[key] = batch
         if not recorded and size != "auto":  # a run from before plans: the fixed batches, as then
-            kept = {b[0]: Batch(b) for b in (my_seqs[i: i + size] for i in range(0, len(my_seqs), size))}
+            kept = {b[0]: Batch(b) for b in (my_seqs[i : i + size] for i in range(0, len(my_seqs), size))}
         # the plan: kept batches, and runs of the other sequences (cut into batches when reached)
         self.items: deque = deque()
         taken = {s for b in kept.values() for s in b.seqs}
@@ -166,7 +188,7 @@ class BatchQueue:
             return min(self.size, len(seqs))
         n, longest = 0, 0
         budget = self.footprint.sizing_budget(self.budget)
-        for s in seqs[:self.footprint.largest_batch()]:
+        for s in seqs[: self.footprint.largest_batch()]:
             longest = max(longest, self.prompt_lens[s])
             need = self.footprint.bytes(n + 1, longest)
             if need is None:  # nothing measured yet: one sequence, to measure it
@@ -255,22 +277,27 @@ def memory_budget(generation, gpus: list) -> MemoryBudget | None:
     else:
         free = available_ram()
         if free is None:
-            raise SpecError("batch_size: auto cannot measure the free memory on this system (no /proc/meminfo, "
-                            "no psutil): give generation.memory_budget (e.g. 8GiB, or --memory-budget 8GiB)")
+            raise SpecError(
+                "batch_size: auto cannot measure the free memory on this system (no /proc/meminfo, "
+                "no psutil): give generation.memory_budget (e.g. 8GiB, or --memory-budget 8GiB)"
+            )
         share, what = AUTO_SHARE_RAM, "of RAM available"
     n = max(1, int(free * share))
     text = f"auto ({human_bytes(n)}: {share:.0%} of the {human_bytes(free)} {what})"
-    return MemoryBudget(n, text, {"bytes": n, "from": "auto", "share": share, "free_bytes": free,
-                                  "memory": "cuda" if gpus else "ram"})
+    return MemoryBudget(
+        n, text, {"bytes": n, "from": "auto", "share": share, "free_bytes": free, "memory": "cuda" if gpus else "ram"}
+    )
 
 
 def budget_refusal(budget_text, need: int | None, seq: int, reason: str) -> LmtraceError:
     from ..archive.runs import human_bytes
 
     need_text = f" (it needs about {human_bytes(need)})" if need else ""
-    return LmtraceError(f"sequence {seq} alone does not fit generation.memory_budget {budget_text}{need_text}: "
-                        f"{reason}; raise the budget (--memory-budget), lower generation.max_new_tokens, or capture "
-                        f"less (capture.attention.top_k, capture.qkv: false, capture: none)")
+    return LmtraceError(
+        f"sequence {seq} alone does not fit generation.memory_budget {budget_text}{need_text}: "
+        f"{reason}; raise the budget (--memory-budget), lower generation.max_new_tokens, or capture "
+        f"less (capture.attention.top_k, capture.qkv: false, capture: none)"
+    )
 
 
 def with_oom_fault(should_stop, n_seqs: int):

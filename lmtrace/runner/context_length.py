@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..exits.errors import SpecError
 
-
 # Config keys that give a model's position limit, in order (GPT-2: n_positions, some: n_ctx).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
@@ -26,8 +25,9 @@ def model_positions(config) -> int | None:
     return None
 
 
-def check_context(prompt_lens: list[int], max_new_tokens: int, positions: int | None, model_ref: str,
-                  estimated: bool = False) -> None:
+def check_context(
+    prompt_lens: list[int], max_new_tokens: int, positions: int | None, model_ref: str, estimated: bool = False
+) -> None:
     """Refuse (exit 2) a run whose longest prompt + max_new_tokens exceeds the model's positions."""
     if positions is None or not prompt_lens:
         return
@@ -35,6 +35,8 @@ def check_context(prompt_lens: list[int], max_new_tokens: int, positions: int | 
     if longest + max_new_tokens > positions:
         room = positions - longest
         what = "at least " if estimated else ""
-        raise SpecError(f"generation.max_new_tokens: {max_new_tokens} new tokens after a prompt of {what}{longest} "
-                        f"token(s) exceed the {positions} positions of model {model_ref}; "
-                        + (f"use max_new_tokens <= {room}" if room > 0 else "shorten the prompt"))
+        raise SpecError(
+            f"generation.max_new_tokens: {max_new_tokens} new tokens after a prompt of {what}{longest} "
+            f"token(s) exceed the {positions} positions of model {model_ref}; "
+            + (f"use max_new_tokens <= {room}" if room > 0 else "shorten the prompt")
+        )

@@ -21,21 +21,21 @@ from ..archive.layout import RunShape
 from ..archive.rundir import RunDir, Shard, finish_failed, open_run_dir, outcome
 from ..archive.runs import RunLog, now_iso, runs_root, write_manifest
 from ..archive.writer import ArchiveWriter, BackgroundWriter
-from .batch_loop import Generated, batch_queue, generate_batches
-from .batching import MemoryBudget, memory_budget
 from ..capture import attention
 from ..capture.arch import adapter_for, sdpa_refused
 from ..capture.devices import cuda_devices, layer_devices
 from ..capture.probes import Probes
 from ..capture.sampling import Sampler
 from ..capture.tracer import Tracer
-from .context_length import check_context, model_positions
 from ..exits.errors import Interrupted, LmtraceError, ModelLoadError, SpecError, signal_name
 from ..exits.interrupts import work_recorded, work_started
-from .models import LoadedModel, check_run_model, load_model
 from ..output.progress import Progress
 from ..spec.prompts import load_prompts_and_metadata, render_prompts
 from ..spec.run_spec import RunSpec, resolve_layers, resolve_vector_layers
+from .batch_loop import Generated, batch_queue, generate_batches
+from .batching import MemoryBudget, memory_budget
+from .context_length import check_context, model_positions
+from .models import LoadedModel, check_run_model, load_model
 from .run_start import new_manifest, resumed_metadata, start_run
 
 
@@ -48,7 +48,11 @@ def eos_ids(spec_value, model, tokenizer) -> set[int]:
         if values is None:
             values = tokenizer.eos_token_id
         values = values if isinstance(values, list) else [values]
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
+    vocab = (
+        model.config.get_text_config().vocab_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.vocab_size
+    )
     bad = [v for v in values if v is not None and not 0 <= v < vocab]
     if bad:
         raise SpecError(f"generation.eos_token_id: {bad} outside the vocabulary 0..{vocab - 1}")
@@ -60,14 +64,29 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
     forward_only = cap.forward_only
     layers = resolve_layers(cap.layers, adapter.n_layers)
     return RunShape(
-        n_sequences=n_sequences, n_steps=spec.generation.max_new_tokens, max_prompt=max_prompt,
-        layers=tuple(layers) if not forward_only else (), resid_layers=tuple(resolve_vector_layers(cap, adapter.n_layers)),
-        n_heads=adapter.n_heads, n_kv_heads=adapter.n_kv_heads, head_dim=adapter.head_dim, d_model=adapter.d_model,
-        d_ffn=adapter.d_ffn or 0, kv_head_of_head=tuple(adapter.kv_head_of_head()),
-        k_attn=cap.attention.top_k, k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0), k_lens=cap.lens.top_k,
-        attention=cap.attention.enabled, prefill_attention=cap.prefill_attention, qkv=cap.qkv,
-        ffn=cap.ffn.enabled and adapter.d_ffn is not None, lens=cap.lens_inline, float_dtype=spec.output.float_dtype,
-        resid_dtype=cap.residual.dtype, k_router=adapter.router_top_k if not forward_only else 0, head_dla=cap.head_dla and not forward_only,
+        n_sequences=n_sequences,
+        n_steps=spec.generation.max_new_tokens,
+        max_prompt=max_prompt,
+        layers=tuple(layers) if not forward_only else (),
+        resid_layers=tuple(resolve_vector_layers(cap, adapter.n_layers)),
+        n_heads=adapter.n_heads,
+        n_kv_heads=adapter.n_kv_heads,
+        head_dim=adapter.head_dim,
+        d_model=adapter.d_model,
+        d_ffn=adapter.d_ffn or 0,
+        kv_head_of_head=tuple(adapter.kv_head_of_head()),
+        k_attn=cap.attention.top_k,
+        k_ffn=min(cap.ffn.top_k, adapter.d_ffn or 0),
+        k_lens=cap.lens.top_k,
+        attention=cap.attention.enabled,
+        prefill_attention=cap.prefill_attention,
+        qkv=cap.qkv,
+        ffn=cap.ffn.enabled and adapter.d_ffn is not None,
+        lens=cap.lens_inline,
+        float_dtype=spec.output.float_dtype,
+        resid_dtype=cap.residual.dtype,
+        k_router=adapter.router_top_k if not forward_only else 0,
+        head_dla=cap.head_dla and not forward_only,
     )
 
 
@@ -153,7 +172,9 @@ class Setup:
 def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     """Load the model, render the prompts, size the archive and build the probes."""
     # bad prompt files fail before any model is loaded
-    prompts, metadata = (replay.prompts, replay.metadata) if replay is not None else load_prompts_and_metadata(spec.prompts)
+    prompts, metadata = (
+        (replay.prompts, replay.metadata) if replay is not None else load_prompts_and_metadata(spec.prompts)
+    )
     t0 = time.time()
     progress.message(f"loading model {spec.model.ref}")
     loaded, eager_reason = _load(spec.model, progress.message)
@@ -179,17 +200,35 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
             attention.install(model)
         else:
             inner = None
-        probes = Probes(adapter, shape, component_norms=spec.capture.component_norms,
-                        margin_contributions=spec.capture.margin_contributions,
-                        lens_dtype=spec.capture.lens.dtype, inner_attention=inner)
+        probes = Probes(
+            adapter,
+            shape,
+            component_norms=spec.capture.component_norms,
+            margin_contributions=spec.capture.margin_contributions,
+            lens_dtype=spec.capture.lens.dtype,
+            inner_attention=inner,
+        )
     else:
         inner_name = model.config._attn_implementation
 
     g = spec.generation
     eos = eos_ids(g.eos_token_id, model, tokenizer)  # refused before anything is created
     check_context([len(p) for p in prompt_ids], g.max_new_tokens, model_positions(model.config), spec.model.ref)
-    return Setup(loaded, adapter, prompts, rendered, prompt_ids, shape, probes, inner_name, eager_reason, eos,
-                 _step_columns(spec, shape, probes), load_s, metadata)
+    return Setup(
+        loaded,
+        adapter,
+        prompts,
+        rendered,
+        prompt_ids,
+        shape,
+        probes,
+        inner_name,
+        eager_reason,
+        eos,
+        _step_columns(spec, shape, probes),
+        load_s,
+        metadata,
+    )
 
 
 def _step_columns(spec: RunSpec, shape: RunShape, probes: Probes | None) -> list[str]:
@@ -206,9 +245,16 @@ def _step_columns(spec: RunSpec, shape: RunShape, probes: Probes | None) -> list
     return columns
 
 
-def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = None,
-                 progress: Progress | None = None, replay: Replay | None = None, shard: Shard | None = None,
-                 resume: bool = False) -> GenerateResult:
+def run_generate(
+    spec: RunSpec,
+    given_text: str,
+    *,
+    runs_dir_flag: str | None = None,
+    progress: Progress | None = None,
+    replay: Replay | None = None,
+    shard: Shard | None = None,
+    resume: bool = False,
+) -> GenerateResult:
     """Run a spec (or a replay for intervene) into a new run, a shard of a shared run, or a resumed run."""
     progress = progress or Progress()
     shard = shard or Shard()
@@ -218,26 +264,42 @@ def run_generate(spec: RunSpec, given_text: str, *, runs_dir_flag: str | None = 
     setup = prepare(spec, replay, progress)
     setup.budget = memory_budget(spec.generation, cuda_devices(setup.loaded.model, setup.loaded.device))
     if setup.budget is not None and setup.budget.record["from"] == "auto":
-        progress.message(f"batch_size: auto: memory budget {setup.budget.text}; generation.memory_budget "
-                         f"(--memory-budget) sets another")
+        progress.message(
+            f"batch_size: auto: memory budget {setup.budget.text}; generation.memory_budget "
+            f"(--memory-budget) sets another"
+        )
     kind = replay.manifest_extra.get("kind", "generate") if replay is not None else "generate"
-    run_id, run_dir, existing, owner = open_run_dir(root, spec, shard, resume, fresh=replay is not None and not resume,
-                                                    kind=kind)
+    run_id, run_dir, existing, owner = open_run_dir(
+        root, spec, shard, resume, fresh=replay is not None and not resume, kind=kind
+    )
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
             setup.metadata = resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
-        start_run(spec, given_text, rd, existing, lambda: new_manifest(spec, given_text, setup, run_id, shard, replay),
-                  root, resume, setup.loaded.tokenizer, setup.budget)
+        start_run(
+            spec,
+            given_text,
+            rd,
+            existing,
+            lambda: new_manifest(spec, given_text, setup, run_id, shard, replay),
+            root,
+            resume,
+            setup.loaded.tokenizer,
+            setup.budget,
+        )
         # From here on the manifest exists: every failure is recorded in it (finish_failed).
         return _write_run(spec, run_id, rd, existing, setup, replay, progress, t_start)
     except Interrupted as err:
         if err.resumable or not (run_dir / layout.MANIFEST).is_file():
             raise
         # a signal outside the loop (starting, finishing): the run is recorded interrupted all the same
-        raise Interrupted(f"interrupted by {signal_name(err.signum)}: run {run_id} is recorded interrupted; resume "
-                          f"it with `lmtrace generate --resume {run_id}`", err.signum, resumable=True) from None
+        raise Interrupted(
+            f"interrupted by {signal_name(err.signum)}: run {run_id} is recorded interrupted; resume "
+            f"it with `lmtrace generate --resume {run_id}`",
+            err.signum,
+            resumable=True,
+        ) from None
     finally:
         owner.release()
 
@@ -251,19 +313,31 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
     status = "failed"
     try:
         with rd.lock():
-            writer_core = ArchiveWriter(run_dir, setup.shape, chunk_steps=spec.output.chunk_steps,
-                                        codec=spec.output.codec, level=spec.output.level, writer_key=shard.key,
-                                        chunk_keys=spec.output.chunk_keys,
-                                        chunk_sequences=shard.sequences_per_file(len(setup.prompts), spec.output.chunk_sequences))
+            writer_core = ArchiveWriter(
+                run_dir,
+                setup.shape,
+                chunk_steps=spec.output.chunk_steps,
+                codec=spec.output.codec,
+                level=spec.output.level,
+                writer_key=shard.key,
+                chunk_keys=spec.output.chunk_keys,
+                chunk_sequences=shard.sequences_per_file(len(setup.prompts), spec.output.chunk_sequences),
+            )
         my_seqs = shard.sequences(len(setup.prompts), writer_core.sequence_group)
         rd.set_shard_status("running")
-        log.event("resumed" if existing else "started", run_id=run_id, shard=shard.key, n_prompts=len(setup.prompts),
-                  **({"memory_budget": setup.budget.record} if setup.budget is not None else {}))
+        log.event(
+            "resumed" if existing else "started",
+            run_id=run_id,
+            shard=shard.key,
+            n_prompts=len(setup.prompts),
+            **({"memory_budget": setup.budget.record} if setup.budget is not None else {}),
+        )
         queue = batch_queue(spec, rd, setup, my_seqs, writer_core)
         writer_core.rollback(queue.rollback_keys)
         writer = BackgroundWriter(writer_core)
-        generated = generate_batches(_tracer(spec, setup), spec, run_id, rd, log, setup, replay, progress, queue,
-                                     writer)
+        generated = generate_batches(
+            _tracer(spec, setup), spec, run_id, rd, log, setup, replay, progress, queue, writer
+        )
         rd.set_shard_status("complete", tokens=generated.n_tokens, generate_s=round(generated.seconds, 3))
         status = _finalise(rd, log, writer_core, setup, replay, generated)
     except Interrupted as err:
@@ -282,25 +356,36 @@ def _write_run(spec, run_id, rd: RunDir, existing, setup: Setup, replay, progres
             except BaseException:
                 pass
     ordered = [generated.texts.get(i, "") for i in my_seqs]
-    return GenerateResult(run_id, run_dir, status, len(my_seqs), generated.n_tokens, time.time() - t_start, ordered,
-                          setup.loaded)
+    return GenerateResult(
+        run_id, run_dir, status, len(my_seqs), generated.n_tokens, time.time() - t_start, ordered, setup.loaded
+    )
 
 
 def _tracer(spec: RunSpec, setup: Setup) -> Tracer:
     """The generation loop for this spec, over the prepared model and probes."""
     g, tokenizer = spec.generation, setup.loaded.tokenizer
-    return Tracer(setup.loaded.model, tokenizer, sampler=Sampler(g.temperature, g.top_k, g.top_p), seed=g.seed,
-                  max_new_tokens=g.max_new_tokens, eos_ids=setup.eos, stop_strings=g.stop,
-                  n_alternatives=spec.capture.alternatives, probes=setup.probes, pad_id=tokenizer.pad_token_id,
-                  device=setup.loaded.device, layer_devices=layer_devices(setup.adapter))
+    return Tracer(
+        setup.loaded.model,
+        tokenizer,
+        sampler=Sampler(g.temperature, g.top_k, g.top_p),
+        seed=g.seed,
+        max_new_tokens=g.max_new_tokens,
+        eos_ids=setup.eos,
+        stop_strings=g.stop,
+        n_alternatives=spec.capture.alternatives,
+        probes=setup.probes,
+        pad_id=tokenizer.pad_token_id,
+        device=setup.loaded.device,
+        layer_devices=layer_devices(setup.adapter),
+    )
 
 
 def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: Generated) -> str:
     """This shard is complete. The last shard to finish (or the only one) compacts the tables,
     consolidates the Zarr metadata, records checksums and marks the run complete; the status."""
     from ..archive.integrity import record
-    from ..exits.faults import kill_point
     from ..archive.runs import read_manifest
+    from ..exits.faults import kill_point
 
     t_done = time.time()
     with rd.lock():
@@ -318,13 +403,21 @@ def _finalise(rd: RunDir, log, writer_core, setup: Setup, replay, generated: Gen
         rows = writer_core.compact_tables()
         kill_point("finalize-compacted")
         writer_core.consolidate()
-        manifest["timings"].update(generate_s=round(generated.seconds, 3), finalize_s=round(time.time() - t_done, 3),
-                                   tokens_per_s=round(generated.n_tokens / max(generated.seconds, 1e-9), 3))
+        manifest["timings"].update(
+            generate_s=round(generated.seconds, 3),
+            finalize_s=round(time.time() - t_done, 3),
+            tokens_per_s=round(generated.n_tokens / max(generated.seconds, 1e-9), 3),
+        )
         if generated.peak_gpu_memory:  # this process's peak, per CUDA device (docs/devices.md)
             manifest["timings"]["peak_gpu_memory_bytes"] = generated.peak_gpu_memory
         n_generated = int(np.maximum(writer_core.arrays["generated_len"][:], 0).sum())
-        manifest.update(status="complete", completed=now_iso(), n_generated_tokens=n_generated,
-                        table_rows=rows, checksums=record(rd.path))
+        manifest.update(
+            status="complete",
+            completed=now_iso(),
+            n_generated_tokens=n_generated,
+            table_rows=rows,
+            checksums=record(rd.path),
+        )
         kill_point("finalize-checksums")
         write_manifest(rd.path, manifest)
         work_recorded()  # the run is complete: a signal now leaves the exit code at 0

@@ -83,11 +83,16 @@ def gguf_config(path: Path) -> dict | None:
         return None
     arch = meta["general.architecture"]
     get = lambda key: meta.get(f"{arch}.{key}")  # noqa: E731
-    cfg = {"num_hidden_layers": get("block_count"), "num_attention_heads": get("attention.head_count"),
-           "hidden_size": get("embedding_length"), "num_key_value_heads": get("attention.head_count_kv"),
-           "intermediate_size": get("feed_forward_length"), "head_dim": get("attention.key_length"),
-           "max_position_embeddings": get("context_length"),
-           "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens#len")}
+    cfg = {
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": get("attention.head_count"),
+        "hidden_size": get("embedding_length"),
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "intermediate_size": get("feed_forward_length"),
+        "head_dim": get("attention.key_length"),
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": get("vocab_size") or meta.get("tokenizer.ggml.tokens#len"),
+    }
     if not (cfg["num_hidden_layers"] and cfg["num_attention_heads"] and cfg["hidden_size"]):
         return None
     return {k: v for k, v in cfg.items() if v is not None}
@@ -126,13 +131,16 @@ def _hub_config(model: ModelSpec) -> dict:
     try:
         validate_repo_id(model.ref)
     except HFValidationError:
-        raise SpecError(f"model.ref: {model.ref!r} is neither an existing path nor a valid hub id (org/name); "
-                        f"give embedded:NAME, a .gguf file, a checkpoint directory or a hub id") from None
+        raise SpecError(
+            f"model.ref: {model.ref!r} is neither an existing path nor a valid hub id (org/name); "
+            f"give embedded:NAME, a .gguf file, a checkpoint directory or a hub id"
+        ) from None
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model.ref, local_files_only=True, revision=model.revision,
-                                          trust_remote_code=model.trust_remote_code).to_dict()
+        return AutoConfig.from_pretrained(
+            model.ref, local_files_only=True, revision=model.revision, trust_remote_code=model.trust_remote_code
+        ).to_dict()
     except OSError:
         raise ModelLoadError(
             f"model {model.ref!r} is not a local path and not in the local Hugging Face cache (lmtrace never "
@@ -154,13 +162,17 @@ def model_config(model: ModelSpec) -> tuple[str, str, dict | None]:
                 path = Path(source)
                 cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
             except Exception as err:  # noqa: BLE001 - any failure here means the file cannot be loaded
-                raise ModelLoadError(f"cannot read the GGUF file {source}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+                raise ModelLoadError(
+                    f"cannot read the GGUF file {source}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                ) from None
     elif kind == "local":
         config = Path(source) / "config.json"
         try:
             cfg = json.loads(config.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ModelLoadError(f"cannot load model {model.ref}: {config} is not a readable JSON file ({err})") from None
+            raise ModelLoadError(
+                f"cannot load model {model.ref}: {config} is not a readable JSON file ({err})"
+            ) from None
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"cannot load model {model.ref}: {config} is not a JSON object")
     else:
@@ -193,7 +205,9 @@ def check_generation(spec: RunSpec, cfg: dict) -> None:
     values = eos if isinstance(eos, list) else [eos] if eos is not None else []
     bad = [v for v in values if isinstance(vocab, int) and not 0 <= v < vocab]
     if bad:
-        raise SpecError(f"generation.eos_token_id: {bad} outside the vocabulary 0..{vocab - 1} of model {spec.model.ref}")
+        raise SpecError(
+            f"generation.eos_token_id: {bad} outside the vocabulary 0..{vocab - 1} of model {spec.model.ref}"
+        )
     check_context([1], spec.generation.max_new_tokens, model_positions(cfg), spec.model.ref, estimated=True)
 
 

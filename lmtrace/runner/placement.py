@@ -45,13 +45,16 @@ class Placement:
         for device in self.devices:
             modules = [m for m, d in self.device_map.items() if d == device]
             tensors = {i: n for m in modules for i, n in self.tensors_by_module.get(m, {}).items()}
-            out.append({"device": device, "modules": _ranges(modules, self.layers_path), "bytes": sum(tensors.values())})
+            out.append(
+                {"device": device, "modules": _ranges(modules, self.layers_path), "bytes": sum(tensors.values())}
+            )
         return out
 
     def text(self) -> str:
         """One line: `cpu: model.embed_tokens, model.layers.0-13 (1.2 GB); disk: ...`."""
-        return "; ".join(f"{row['device']}: {', '.join(row['modules'])} ({human_bytes(row['bytes'])})"
-                         for row in self.summary())
+        return "; ".join(
+            f"{row['device']}: {', '.join(row['modules'])} ({human_bytes(row['bytes'])})" for row in self.summary()
+        )
 
 
 def _accelerate_device(device: str) -> int | str:
@@ -69,7 +72,7 @@ def _ranges(modules: list[str], layers_path: str | None) -> list[str]:
             run.clear()
 
     for module in modules:
-        index = module[len(layers_path) + 1:] if layers_path and module.startswith(layers_path + ".") else ""
+        index = module[len(layers_path) + 1 :] if layers_path and module.startswith(layers_path + ".") else ""
         if index.isdigit() and (not run or int(index) == run[-1] + 1):
             run.append(int(index))
             continue
@@ -95,18 +98,23 @@ def present_devices() -> dict[str, int]:
     import torch
 
     mps = getattr(torch.backends, "mps", None)
-    return {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "mps": int(bool(mps is not None and mps.is_available()))}
+    return {
+        "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "mps": int(bool(mps is not None and mps.is_available())),
+    }
 
 
 def _check_present(device: str, where: str) -> None:
     have = present_devices()
     if device.startswith("cuda:") and int(device[5:]) >= have["cuda"]:
-        raise SpecError(f"{where}: {device} is not present on this machine ({have['cuda']} CUDA device(s)); "
-                        f"use devices it has (cpu, disk" + (f", cuda:0..cuda:{have['cuda'] - 1}" if have["cuda"] else "")
-                        + ")")
+        raise SpecError(
+            f"{where}: {device} is not present on this machine ({have['cuda']} CUDA device(s)); "
+            f"use devices it has (cpu, disk" + (f", cuda:0..cuda:{have['cuda'] - 1}" if have["cuda"] else "") + ")"
+        )
     if device == "mps" and not have["mps"]:
-        raise SpecError(f"{where}: mps is not available on this machine; use cpu" + (", cuda:N" if have["cuda"] else ""))
+        raise SpecError(
+            f"{where}: mps is not available on this machine; use cpu" + (", cuda:N" if have["cuda"] else "")
+        )
 
 
 def planning_dtype(spec: ModelSpec):
@@ -118,8 +126,9 @@ def planning_dtype(spec: ModelSpec):
     if isinstance(spec.device_map, dict):
         on_cuda = any(d.startswith("cuda") for d in spec.device_map.values())
     else:
-        on_cuda = torch.cuda.is_available() and (spec.max_memory is None
-                                                 or any(k.startswith("cuda") for k in spec.max_memory))
+        on_cuda = torch.cuda.is_available() and (
+            spec.max_memory is None or any(k.startswith("cuda") for k in spec.max_memory)
+        )
     return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
 
 
@@ -140,9 +149,11 @@ def _check_explicit(device_map: dict[str, str], model) -> None:
         if key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=1)
             top = [n for n in modules if n and n.count(".") <= 1]
-            raise SpecError(f"model.device_map: unknown module {key!r}"
-                            + (f"; did you mean {close[0]!r}?" if close else "")
-                            + f" (this model's modules include {', '.join(top[:8])})")
+            raise SpecError(
+                f"model.device_map: unknown module {key!r}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + f" (this model's modules include {', '.join(top[:8])})"
+            )
     for key, device in device_map.items():
         _check_present(device, f"model.device_map: {key or '(whole model)'}")
 
@@ -152,9 +163,11 @@ def _check_explicit(device_map: dict[str, str], model) -> None:
     unplaced = [n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if not placed(n)]
     if unplaced:
         shown = list(dict.fromkeys(unplaced))
-        raise SpecError(f"model.device_map does not place {', '.join(shown[:4])}"
-                        + (f" and {len(shown) - 4} more module(s)" if len(shown) > 4 else "")
-                        + ": give every module a device (a parent such as `model` places all its submodules)")
+        raise SpecError(
+            f"model.device_map does not place {', '.join(shown[:4])}"
+            + (f" and {len(shown) - 4} more module(s)" if len(shown) > 4 else "")
+            + ": give every module a device (a parent such as `model` places all its submodules)"
+        )
 
 
 def _max_memory(spec: ModelSpec) -> dict | None:
@@ -197,7 +210,9 @@ def plan(spec: ModelSpec, config, dtype=None) -> Placement:
     placement = Placement(device_map, {m: _tensor_bytes(model, m, dtype) for m in device_map}, _layers_path(model))
     if placement.offloads_to_disk and not spec.offload_folder:
         on_disk = [row for row in placement.summary() if row["device"] == "disk"][0]["modules"]
-        raise SpecError(f"model.device_map={spec.device_map if isinstance(spec.device_map, str) else '{...}'}: "
-                        f"the plan puts {', '.join(on_disk)} on disk (model.max_memory leaves no room for them); "
-                        f"give model.offload_folder, a directory for the offloaded weights, or raise max_memory")
+        raise SpecError(
+            f"model.device_map={spec.device_map if isinstance(spec.device_map, str) else '{...}'}: "
+            f"the plan puts {', '.join(on_disk)} on disk (model.max_memory leaves no room for them); "
+            f"give model.offload_folder, a directory for the offloaded weights, or raise max_memory"
+        )
     return placement

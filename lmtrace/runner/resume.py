@@ -7,8 +7,8 @@ import json
 import yaml
 
 from ..archive import layout
-from ..exits.errors import SpecError
 from ..archive.runs import find_run, read_manifest, runs_root
+from ..exits.errors import SpecError
 from ..spec.run_spec import apply_override, build_spec
 
 
@@ -17,7 +17,9 @@ def spec_for_resume(ref: str, runs_dir: str | None, overrides: list[str]):
     path = find_run(ref, runs_root(runs_dir))
     manifest = read_manifest(path)
     if overrides:
-        raise SpecError("--set and --memory-budget cannot change a run being resumed; it continues with the spec it was started with")
+        raise SpecError(
+            "--set and --memory-budget cannot change a run being resumed; it continues with the spec it was started with"
+        )
     data = json.loads(json.dumps(manifest["spec_resolved"]))
     # the run lives where it was found, under the id it has
     data = apply_override(data, f"output.run_id={json.dumps(path.name)}")

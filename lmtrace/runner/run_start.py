@@ -22,8 +22,17 @@ if TYPE_CHECKING:
 
 
 def new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict:
-    manifest = manifest_base(spec, given_text, setup.loaded, setup.adapter, setup.shape, setup.inner_name, run_id,
-                             setup.prompts, setup.eager_reason)
+    manifest = manifest_base(
+        spec,
+        given_text,
+        setup.loaded,
+        setup.adapter,
+        setup.shape,
+        setup.inner_name,
+        run_id,
+        setup.prompts,
+        setup.eager_reason,
+    )
     manifest["timings"]["model_load_s"] = round(setup.load_s, 3)
     if setup.probes is not None and setup.shape.attention and setup.inner_name != "eager":
         manifest["attention"]["row_method"] = setup.probes.row_method
@@ -44,13 +53,16 @@ def resumed_metadata(existing: dict, run_id: str, metadata: pa.Table | None) -> 
     had, has = existing["prompt_metadata"], schema_of(metadata)
     if had != has:
         show = lambda cols: ", ".join(f"{k}: {v}" for k, v in cols.items()) or "none"  # noqa: E731
-        raise SpecError(f"run {run_id}: the prompt file's metadata columns ({show(has)}) differ from those the run "
-                        f"was started with ({show(had)}); use the prompt file the run was started with")
+        raise SpecError(
+            f"run {run_id}: the prompt file's metadata columns ({show(has)}) differ from those the run "
+            f"was started with ({show(had)}); use the prompt file the run was started with"
+        )
     return metadata
 
 
-def start_run(spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer,
-               budget: MemoryBudget | None = None) -> None:
+def start_run(
+    spec, given_text, rd: RunDir, existing, new_manifest, root, resume, tokenizer, budget: MemoryBudget | None = None
+) -> None:
     """Write the new run's manifest (status running), or mark a resumed / joined run running again,
     then the run's vocab.parquet when it has none yet.
 

@@ -36,23 +36,37 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
-from ..viewdata import queries
-from ..viewdata import token_extras
+from ..viewdata import queries, token_extras
 from ..viewdata.groups import sequence_groups_view
 from ..viewdata.page_code import token_view_css, token_view_js
-from .errors import (BAD_PARAMETER, CONFLICT, INTERNAL, NOT_FOUND, BadParameter, NotFound, Scrubber, error_response,
-                     int_parameter, whole_number)
+from .catalog import Catalog
 from .child_view import against_parent, edits
 from .compare_view import child_figures, comparison, pair_figures
-from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
-from .catalog import Catalog
+from .errors import (
+    BAD_PARAMETER,
+    CONFLICT,
+    INTERNAL,
+    NOT_FOUND,
+    BadParameter,
+    NotFound,
+    Scrubber,
+    error_response,
+    int_parameter,
+    whole_number,
+)
 from .guard import Guard
+from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
 
 # The only files served, by name: nothing under /static is looked up on disk from the address
-STATIC = {"app.js": "application/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
-          "groups.js": "application/javascript; charset=utf-8", "compare.js": "application/javascript; charset=utf-8",
-          "compare.css": "text/css; charset=utf-8",
-          "tokenview.js": "application/javascript; charset=utf-8", "tokenview.css": "text/css; charset=utf-8"}
+STATIC = {
+    "app.js": "application/javascript; charset=utf-8",
+    "app.css": "text/css; charset=utf-8",
+    "groups.js": "application/javascript; charset=utf-8",
+    "compare.js": "application/javascript; charset=utf-8",
+    "compare.css": "text/css; charset=utf-8",
+    "tokenview.js": "application/javascript; charset=utf-8",
+    "tokenview.css": "text/css; charset=utf-8",
+}
 # the token view is the report's too: its code comes from viewdata (page_code.py)
 SHARED = {"tokenview.js": token_view_js, "tokenview.css": token_view_css}
 
@@ -104,8 +118,12 @@ class _Api:
 
     def runs(self, request: Request):
         q = request.query_params
-        rows = self.catalog.rows(kind=q.get("kind") or None, status=q.get("status") or None,
-                                 model=q.get("model") or None, query=q.get("q") or None)
+        rows = self.catalog.rows(
+            kind=q.get("kind") or None,
+            status=q.get("status") or None,
+            model=q.get("model") or None,
+            query=q.get("q") or None,
+        )
         for r in rows:
             if r.get("error"):
                 r["error"] = self.scrub(r["error"])
@@ -123,8 +141,12 @@ class _Api:
 
     def sequences(self, request: Request):
         r = self.catalog.open(request.path_params["run"])
-        return queries.sequence_page(r, page=_int_param(request, "page"), query=request.query_params.get("q", ""),
-                                     sort=request.query_params.get("sort", "index"))
+        return queries.sequence_page(
+            r,
+            page=_int_param(request, "page"),
+            query=request.query_params.get("q", ""),
+            sort=request.query_params.get("sort", "index"),
+        )
 
     def groups(self, request: Request):
         return sequence_groups_view(self.catalog.open(request.path_params["run"]), request.query_params.get("by"))
@@ -206,6 +228,7 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
 
     def answer(fn):
         """A route handler: calls `fn(request)` and maps lmtrace's errors to one-line JSON errors."""
+
         def handler(request: Request):
             try:
                 return JSONResponse(fn(request))
@@ -213,12 +236,14 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
                 return _error(NOT_FOUND, str(err))
             except ArchiveDamaged as err:  # bytes that fail their checksum: named relative to the run
                 catalog.note_damage(err)
-                return JSONResponse({"error": " ".join(scrub(str(err)).split()), "file": err.path},
-                                    status_code=CONFLICT)
+                return JSONResponse(
+                    {"error": " ".join(scrub(str(err)).split()), "file": err.path}, status_code=CONFLICT
+                )
             except ArchiveError as err:  # a damaged or unfinished archive: the run's own one-line message
                 return _error(CONFLICT, str(err))
             except (BadParameter, LmtraceError) as err:  # a bad query parameter
                 return _error(BAD_PARAMETER, str(err))
+
         return handler
 
     def index(request: Request):
@@ -232,8 +257,10 @@ def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0
 
     def not_found(request: Request, exc: HTTPException):
         """No route matches: JSON like every other answer (a 404, or the status Starlette chose)."""
-        return _error(exc.status_code, "no such address: the routes are listed in docs/serve.md"
-                      if exc.status_code == NOT_FOUND else exc.detail)
+        return _error(
+            exc.status_code,
+            "no such address: the routes are listed in docs/serve.md" if exc.status_code == NOT_FOUND else exc.detail,
+        )
 
     def internal(request: Request, exc: Exception):
         """A fault of the server itself: one JSON line naming the kind, never a path or a traceback."""

@@ -129,8 +129,9 @@ class Catalog:
         return rel, message
 
     # ---- the runs list -----------------------------------------------------------------------
-    def rows(self, *, kind: str | None = None, status: str | None = None, model: str | None = None,
-             query: str | None = None) -> list[dict]:
+    def rows(
+        self, *, kind: str | None = None, status: str | None = None, model: str | None = None, query: str | None = None
+    ) -> list[dict]:
         """One row per run (as `lmtrace ls --json` has it, plus `live`, `sequences`, `children`),
         filtered; `query` matches the run id or any prompt's text (case-insensitive)."""
         rows = []

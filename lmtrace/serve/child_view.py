@@ -12,8 +12,16 @@ from ..archive.summary import edits_label
 from ..output.jsonout import strict
 from ..viewdata.queries import NotFound, check_sequence, table_rows
 
-EFFECT_COLUMNS = ["step", "context_identical", "logprob_shift", "parent_logprob", "child_logprob_of_parent_token",
-                  "margin_shift", "kl_parent_child_topk", "winner_changed"]
+EFFECT_COLUMNS = [
+    "step",
+    "context_identical",
+    "logprob_shift",
+    "parent_logprob",
+    "child_logprob_of_parent_token",
+    "margin_shift",
+    "kl_parent_child_topk",
+    "winner_changed",
+]
 
 
 def edits(run: Run) -> dict | None:
@@ -21,9 +29,14 @@ def edits(run: Run) -> dict | None:
     m = run.manifest
     if m.get("kind") != "intervene":
         return None
-    return {"label": edits_label(m), "interventions": m.get("interventions") or [], "mode": m.get("mode"),
-            "from_step": m.get("from_step"), "first_edited_step": m.get("first_edited_step"),
-            "parent_id": (m.get("parent") or {}).get("run_id")}
+    return {
+        "label": edits_label(m),
+        "interventions": m.get("interventions") or [],
+        "mode": m.get("mode"),
+        "from_step": m.get("from_step"),
+        "first_edited_step": m.get("first_edited_step"),
+        "parent_id": (m.get("parent") or {}).get("run_id"),
+    }
 
 
 def _generated(run: Run, seq: int) -> dict[int, str]:
@@ -50,8 +63,19 @@ def against_parent(child: Run, parent: Run | None, seq: int) -> dict:
     for step in sorted(set(mine) | set(theirs)):
         e = effects.get(step, {})
         a, b = theirs.get(step), mine.get(step)
-        rows.append({"step": step, "parent": a, "child": b, "differs": a != b,
-                     **{k: strict(e.get(k)) for k in EFFECT_COLUMNS[1:]}})
-    return {**info, "sequence": seq, "parent_found": parent is not None, "has_effects": has_effects(child),
-            "rows": rows}
-
+        rows.append(
+            {
+                "step": step,
+                "parent": a,
+                "child": b,
+                "differs": a != b,
+                **{k: strict(e.get(k)) for k in EFFECT_COLUMNS[1:]},
+            }
+        )
+    return {
+        **info,
+        "sequence": seq,
+        "parent_found": parent is not None,
+        "has_effects": has_effects(child),
+        "rows": rows,
+    }

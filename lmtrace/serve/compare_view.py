@@ -31,7 +31,7 @@ LAYER_FIGURES = {
     "lens_changed": "logit lens top-1 differs (1) or not (0)",
     "lens_top1_prob_delta": "logit lens top-1 probability, B − A",
     "margin_contrib_delta": "direct logit attribution to the margin (DLA), B − A, where both sides' final "
-                            "top-2 are the same tokens",
+    "top-2 are the same tokens",
 }
 
 _kept: OrderedDict[tuple, tuple[Run, Run, Comparison]] = OrderedDict()
@@ -122,10 +122,21 @@ def _figures(cmp: Comparison, summary: dict, run_a: Run, run_b: Run) -> dict:
             where = np.asarray([int(s) in same for s in heads["step"]], dtype=bool)
             head_dla = _matrix(heads, "head_dla_delta", ("li", "q_head", "step"), (len(layers), H, n), where)
     fd = summary.get("first_divergence")
-    return {"a": run_a.id, "b": run_b.id, "pair": pair, "seq_a": summary["seq_a"], "seq_b": summary["seq_b"],
-            "steps": n, "layers": layers, "figures": figures, "meaning": LAYER_FIGURES,
-            "has": {k: any(v is not None for row in m for v in row) for k, m in figures.items()},
-            "head_js": head_js, "head_dla_delta": head_dla, "first_divergence": strict(fd)}
+    return {
+        "a": run_a.id,
+        "b": run_b.id,
+        "pair": pair,
+        "seq_a": summary["seq_a"],
+        "seq_b": summary["seq_b"],
+        "steps": n,
+        "layers": layers,
+        "figures": figures,
+        "meaning": LAYER_FIGURES,
+        "has": {k: any(v is not None for row in m for v in row) for k, m in figures.items()},
+        "head_js": head_js,
+        "head_dla_delta": head_dla,
+        "first_divergence": strict(fd),
+    }
 
 
 def child_figures(parent: Run, child: Run, seq: int) -> dict:

@@ -31,8 +31,10 @@ COOKIE = "lmtrace_token"
 
 # No inline script or style and nothing from another origin: token texts and prompts are inserted
 # as text by app.js, and this policy keeps any markup that slipped through from running.
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 SECURITY_HEADERS = [
     (b"content-security-policy", CSP.encode()),
     (b"x-content-type-options", b"nosniff"),
@@ -77,15 +79,21 @@ def check_bind(host: str, token: str | None) -> None:
     """Refuse a --host that names no address of this machine, and to serve runs on a non-loopback
     address without an access token."""
     if _addresses(host) is None:
-        raise SpecError(f"--host {host}: not an address this machine can bind (it resolves to none); "
-                        f"pass an address such as 127.0.0.1")
+        raise SpecError(
+            f"--host {host}: not an address this machine can bind (it resolves to none); "
+            f"pass an address such as 127.0.0.1"
+        )
     if token is not None and not TOKEN_FORM.fullmatch(token):
-        raise SpecError("--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in an address "
-                        "and a cookie); e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`")
+        raise SpecError(
+            "--token must be at least 8 characters of A-Z a-z 0-9 . _ ~ - (it travels in an address "
+            "and a cookie); e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`"
+        )
     if not is_loopback(host) and token is None:
-        raise SpecError(f"--host {host} is not a loopback address: anyone who can reach it could read every run; "
-                        f"pass --token T as well (e.g. `--token $(python -c 'import secrets; print(secrets.token_urlsafe())')`), "
-                        f"or bind 127.0.0.1")
+        raise SpecError(
+            f"--host {host} is not a loopback address: anyone who can reach it could read every run; "
+            f"pass --token T as well (e.g. `--token $(python -c 'import secrets; print(secrets.token_urlsafe())')`), "
+            f"or bind 127.0.0.1"
+        )
 
 
 def _host_name(host_header: str) -> str:
@@ -126,11 +134,19 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if scope["method"] not in ("GET", "HEAD"):
-            return await _refuse(send, NOT_ALLOWED, "lmtrace serve is read-only: only GET and HEAD are answered",
-                                 [(b"allow", b"GET, HEAD")])
+            return await _refuse(
+                send,
+                NOT_ALLOWED,
+                "lmtrace serve is read-only: only GET and HEAD are answered",
+                [(b"allow", b"GET, HEAD")],
+            )
         if self.loopback and not host_allowed(headers.get("host", ""), self.host):
-            return await _refuse(send, FORBIDDEN, "this server answers only requests addressed to a loopback address "
-                                                  "(localhost, 127.0.0.1, [::1]) or the --host it was started with")
+            return await _refuse(
+                send,
+                FORBIDDEN,
+                "this server answers only requests addressed to a loopback address "
+                "(localhost, 127.0.0.1, [::1]) or the --host it was started with",
+            )
         if self.token is not None:
             pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
             given = dict(pairs).get("token")
@@ -140,11 +156,19 @@ class Guard:
                 location = redirect_target(scope["path"], urlencode([(k, v) for k, v in pairs if k != "token"]))
                 cookie = f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
                 body = json.dumps({"location": location}).encode()
-                return await _send(send, 303, body, [(b"location", location.encode("ascii")),
-                                                     (b"set-cookie", cookie.encode("latin-1"))])
+                return await _send(
+                    send,
+                    303,
+                    body,
+                    [(b"location", location.encode("ascii")), (b"set-cookie", cookie.encode("latin-1"))],
+                )
             if not self._authorised(headers):
-                return await _refuse(send, UNAUTHORISED, "this server needs its access token: open the address "
-                                                         "`lmtrace serve` printed (it ends in ?token=...)")
+                return await _refuse(
+                    send,
+                    UNAUTHORISED,
+                    "this server needs its access token: open the address "
+                    "`lmtrace serve` printed (it ends in ?token=...)",
+                )
 
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
@@ -173,6 +197,7 @@ async def _refuse(send, status: int, text: str, extra: list[tuple[bytes, bytes]]
 
 
 async def _send(send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*error_headers(body), *extra, *SECURITY_HEADERS]})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [*error_headers(body), *extra, *SECURITY_HEADERS]}
+    )
     await send({"type": "http.response.body", "body": body})

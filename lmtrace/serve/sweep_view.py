@@ -9,8 +9,8 @@ import pyarrow.compute as pc
 
 from ..analysis.sweep.cells import CELL_KEYS
 from ..archive import parquet_io
-from ..archive.reader import Run
 from ..archive.columns import RENAMED, stored_name
+from ..archive.reader import Run
 from ..archive.sweeps import finished_sweeps, read_effects, read_sweep_info
 from ..exits.errors import ArchiveError
 from ..output.jsonout import strict
@@ -27,8 +27,16 @@ def sweep_list(run: Run) -> list[dict]:
     out = []
     for d in finished_sweeps(run.path):
         e = entries.get(d.name, {})
-        out.append({"id": d.name, "over": e.get("over"), "edit": e.get("edit"), "metrics": e.get("metrics"),
-                    "n_cells": e.get("n_cells"), "created": e.get("created")})
+        out.append(
+            {
+                "id": d.name,
+                "over": e.get("over"),
+                "edit": e.get("edit"),
+                "metrics": e.get("metrics"),
+                "n_cells": e.get("n_cells"),
+                "created": e.get("created"),
+            }
+        )
     return out
 
 
@@ -36,8 +44,10 @@ def _sweep_dir(run: Run, sweep_id: str):
     for d in finished_sweeps(run.path):
         if d.name == sweep_id:
             return d
-    raise NotFound(f"run {run.id} has no finished sweep {sweep_id!r} (its sweeps: "
-                   f"{', '.join(d.name for d in finished_sweeps(run.path)) or 'none'})")
+    raise NotFound(
+        f"run {run.id} has no finished sweep {sweep_id!r} (its sweeps: "
+        f"{', '.join(d.name for d in finished_sweeps(run.path)) or 'none'})"
+    )
 
 
 def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
@@ -46,14 +56,26 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
     info = read_sweep_info(d)
     metrics = []
     for e in read_effects(d, info):
-        metrics.append({"metric": e.metric, "dims": [API_DIM.get(x, x) for x in e.dims],
-                        "coords": {API_DIM.get(k, k): v for k, v in e.coords.items()},
-                        "values": _nested(e.values)})
+        metrics.append(
+            {
+                "metric": e.metric,
+                "dims": [API_DIM.get(x, x) for x in e.dims],
+                "coords": {API_DIM.get(k, k): v for k, v in e.coords.items()},
+                "values": _nested(e.values),
+            }
+        )
     spec = info.get("spec") or {}
-    return {"id": sweep_id, "over": spec.get("over"), "edit": spec.get("edit"), "semantics": info.get("semantics"),
-            "sequences": info.get("sequences"), "n_cells": info.get("n_cells"), "metrics": metrics,
-            "meaning": "mean over every measured (sequence, step) of the metric's value with the cell edited "
-                       "minus its unedited baseline"}
+    return {
+        "id": sweep_id,
+        "over": spec.get("over"),
+        "edit": spec.get("edit"),
+        "semantics": info.get("semantics"),
+        "sequences": info.get("sequences"),
+        "n_cells": info.get("n_cells"),
+        "metrics": metrics,
+        "meaning": "mean over every measured (sequence, step) of the metric's value with the cell edited "
+        "minus its unedited baseline",
+    }
 
 
 def _nested(values):
@@ -78,18 +100,38 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
             column = pc.field(stored_name(dataset.schema.names, key, "sweeps"))  # `head` in a sweep of an older archive
             given = coords.get(API_DIM.get(key, key))
             where = where & ((column == given) if given is not None else column.is_null())
-        t = parquet_io.read_dataset(dataset, columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where)
+        t = parquet_io.read_dataset(
+            dataset, columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where
+        )
     except OSError as err:
         raise ArchiveError(f"{d / 'sweep.parquet'} is unreadable ({err}); the sweep is damaged: run it again") from None
     if t.num_rows == 0:
         raise NotFound(f"sweep {sweep_id} measured no cell {coords} on {metric!r}")
     t = t.sort_by([("sequence", "ascending"), ("step", "ascending")])
     seqs = sorted(set(t.column("sequence").to_pylist()))
-    tok = table_rows(run, "tokens", ["sequence", "step", "token_text"],
-                     where=pc.field("sequence").isin(seqs) & ~pc.field("is_prompt"))
+    tok = table_rows(
+        run,
+        "tokens",
+        ["sequence", "step", "token_text"],
+        where=pc.field("sequence").isin(seqs) & ~pc.field("is_prompt"),
+    )
     text = {(s, st): x for s, st, x in zip(*(tok.column(c).to_pylist() for c in ("sequence", "step", "token_text")))}
-    rows = [{"sequence": r["sequence"], "step": r["step"], "token": text.get((r["sequence"], r["step"])),
-             "value": strict(r["value"]), "baseline": strict(r["baseline"]), "effect": strict(r["effect"])}
-            for r in t.slice(0, CELL_ROW_LIMIT).to_pylist()]
-    return {"sweep": sweep_id, "metric": metric, "component": t.column("component")[0].as_py(), "coords": coords,
-            "n_rows": t.num_rows, "rows": rows}
+    rows = [
+        {
+            "sequence": r["sequence"],
+            "step": r["step"],
+            "token": text.get((r["sequence"], r["step"])),
+            "value": strict(r["value"]),
+            "baseline": strict(r["baseline"]),
+            "effect": strict(r["effect"]),
+        }
+        for r in t.slice(0, CELL_ROW_LIMIT).to_pylist()
+    ]
+    return {
+        "sweep": sweep_id,
+        "metric": metric,
+        "component": t.column("component")[0].as_py(),
+        "coords": coords,
+        "n_rows": t.num_rows,
+        "rows": rows,
+    }

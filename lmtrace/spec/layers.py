@@ -14,14 +14,18 @@ def resolve_layers(layers: Literal["all"] | list[int] | LayerStride, n_layers: i
         return list(range(n_layers))
     if isinstance(layers, LayerStride):
         if layers.start >= n_layers:
-            raise SpecError(f"capture.layers.start={layers.start} is out of range: the model has layers 0..{n_layers - 1}")
+            raise SpecError(
+                f"capture.layers.start={layers.start} is out of range: the model has layers 0..{n_layers - 1}"
+            )
         return list(range(layers.start, n_layers, layers.stride))
     if not layers:
         raise SpecError("capture.layers is empty: use `all`, a list of layer indices or {stride: N}")
     bad = [i for i in layers if not -n_layers <= i < n_layers]
     if bad:
-        raise SpecError(f"capture.layers: {bad} out of range: the model has layers 0..{n_layers - 1} "
-                        f"(negative indices count from the end, down to -{n_layers})")
+        raise SpecError(
+            f"capture.layers: {bad} out of range: the model has layers 0..{n_layers - 1} "
+            f"(negative indices count from the end, down to -{n_layers})"
+        )
     return sorted({i % n_layers for i in layers})
 
 
@@ -35,6 +39,8 @@ def resolve_vector_layers(spec: CaptureSpec, n_layers: int) -> list[int]:
         v = list(v) + resolve_layers(spec.layers, n_layers)
     bad = [i for i in v if not -n_layers <= i < n_layers]
     if bad:
-        raise SpecError(f"capture.residual.vectors_at: {bad} out of range: the model has layers 0..{n_layers - 1} "
-                        f"(negative indices count from the end, down to -{n_layers})")
+        raise SpecError(
+            f"capture.residual.vectors_at: {bad} out of range: the model has layers 0..{n_layers - 1} "
+            f"(negative indices count from the end, down to -{n_layers})"
+        )
     return sorted({i % n_layers for i in v})

@@ -23,13 +23,23 @@ import pyarrow as pa
 from ..exits.errors import SpecError
 
 # sequences.parquet's own columns, and the columns `serve` joins onto it
-RESERVED = ("sequence", "batch", "prompt", "prompt_rendered", "prompt_len", "generated_len", "stop_reason",
-            "generated_text", "min_prob", "max_entropy")
+RESERVED = (
+    "sequence",
+    "batch",
+    "prompt",
+    "prompt_rendered",
+    "prompt_len",
+    "generated_len",
+    "stop_reason",
+    "generated_text",
+    "min_prob",
+    "max_entropy",
+)
 PREFIX = "meta_"
 
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
-_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _json_kind(value) -> str:
@@ -55,8 +65,10 @@ def _json_column(name: str, values: list, lines: list[int], where: str) -> pa.Ar
         return pa.array([None if v is None else float(v) for v in values], pa.float64())
     if len(kinds) > 1:
         (first, at), (second, line) = sorted(kinds.items(), key=lambda kv: kv[1])[:2]
-        raise SpecError(f"{where}:{line}: column {name!r} holds a {second} here but a {first} on line {at}; "
-                        f"give each column of the prompt file one type")
+        raise SpecError(
+            f"{where}:{line}: column {name!r} holds a {second} here but a {first} on line {at}; "
+            f"give each column of the prompt file one type"
+        )
     kind = next(iter(kinds), "string")
     if kind == "int" and any(v is not None and not _INT64[0] <= v <= _INT64[1] for v in values):
         raise SpecError(f"{where}: column {name!r} holds an integer outside 64 bits; store it as a string")
@@ -82,8 +94,10 @@ def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
         column = column.cast(t.value_type)
         t = t.value_type
     if pa.types.is_nested(t):
-        return pa.array([None if v is None else json.dumps(v, ensure_ascii=False, default=str)
-                         for v in column.to_pylist()], pa.string())
+        return pa.array(
+            [None if v is None else json.dumps(v, ensure_ascii=False, default=str) for v in column.to_pylist()],
+            pa.string(),
+        )
     return column
 
 
@@ -95,8 +109,9 @@ def _named(columns: dict[str, object], where: str) -> pa.Table | None:
     for name, values in columns.items():
         stored = PREFIX + name if name in RESERVED else name
         if stored in columns and stored != name:
-            raise SpecError(f"{where}: column {name!r} would be stored as {stored!r}, which the file also has; "
-                            f"rename one of them")
+            raise SpecError(
+                f"{where}: column {name!r} would be stored as {stored!r}, which the file also has; rename one of them"
+            )
         out[stored] = values
     return pa.table(out)
 
@@ -108,8 +123,9 @@ def from_json_rows(rows: list[dict | None], lines: list[int], prompt_column: str
         for key in row or ():
             if key != prompt_column:
                 names.setdefault(key, None)
-    return _named({name: _json_column(name, [(row or {}).get(name) for row in rows], lines, where)
-                   for name in names}, where)
+    return _named(
+        {name: _json_column(name, [(row or {}).get(name) for row in rows], lines, where) for name in names}, where
+    )
 
 
 def from_csv_rows(fieldnames: list[str], rows: list[dict], prompt_column: str, where: str) -> pa.Table | None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import prompt_metadata
 from ..exits.errors import SpecError
+from . import prompt_metadata
 from .run_spec import PromptsSpec
 
 _COLUMN_GUESSES = ("prompt", "text", "input")
@@ -27,8 +27,9 @@ _COLUMN_GUESSES = ("prompt", "text", "input")
 def _pick_column(columns: list[str], wanted: str | None, where: str) -> str:
     if wanted is not None:
         if wanted not in columns:
-            raise SpecError(f"{where}: no column {wanted!r} (columns: {', '.join(map(str, columns)) or 'none'}); "
-                            f"fix prompts.column")
+            raise SpecError(
+                f"{where}: no column {wanted!r} (columns: {', '.join(map(str, columns)) or 'none'}); fix prompts.column"
+            )
         return wanted
     lower = {str(c).lower(): c for c in columns}
     for name in _COLUMN_GUESSES:
@@ -38,8 +39,10 @@ def _pick_column(columns: list[str], wanted: str | None, where: str) -> str:
         return columns[0]
     if not columns:
         raise SpecError(f"{where}: no columns found; a prompt file needs a header / field naming the prompt column")
-    raise SpecError(f"{where}: cannot tell which column holds the prompts (columns: {', '.join(map(str, columns))}); "
-                    f"set prompts.column")
+    raise SpecError(
+        f"{where}: cannot tell which column holds the prompts (columns: {', '.join(map(str, columns))}); "
+        f"set prompts.column"
+    )
 
 
 def _text(value, where: str) -> str:
@@ -97,11 +100,15 @@ def _read_file(path: Path, column: str | None) -> tuple[list[str], pa.Table | No
         try:  # a page that carries a checksum is checked, as every Parquet read of lmtrace's
             table = pq.read_table(path, page_checksum_verification=True)
         except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid & co. for a damaged file
-            raise SpecError(f"prompts.file: cannot read {path} as Parquet ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+            raise SpecError(
+                f"prompts.file: cannot read {path} as Parquet ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+            ) from None
         col = _pick_column(table.column_names, column, str(path))
         texts = [_text(v, f"{path}: row {i}") for i, v in enumerate(table.column(col).to_pylist())]
         return texts, prompt_metadata.from_arrow(table, col, str(path))
-    raise SpecError(f"{path}: unsupported prompt file type {suffix or '(no extension)'!r}; use .txt, .jsonl, .csv or .parquet")
+    raise SpecError(
+        f"{path}: unsupported prompt file type {suffix or '(no extension)'!r}; use .txt, .jsonl, .csv or .parquet"
+    )
 
 
 def load_prompts(spec: PromptsSpec) -> list[str]:
@@ -117,8 +124,10 @@ def load_prompts_and_metadata(spec: PromptsSpec) -> tuple[list[str], pa.Table | 
     else:
         path = Path(spec.file)
         if not path.exists():
-            raise SpecError(f"prompts.file: {path} does not exist; check the path (relative paths in a spec "
-                            f"are relative to the spec's directory)")
+            raise SpecError(
+                f"prompts.file: {path} does not exist; check the path (relative paths in a spec "
+                f"are relative to the spec's directory)"
+            )
         if not path.is_file():
             raise SpecError(f"prompts.file: {path} is not a file")
         try:
@@ -131,8 +140,9 @@ def load_prompts_and_metadata(spec: PromptsSpec) -> tuple[list[str], pa.Table | 
             raise SpecError(f"prompts.file: cannot read {path} ({err.strerror or err})") from None
         source = f"prompts.file {path}"
         if not prompts:
-            raise SpecError(f"prompts.file: {path} contains no prompts (blank lines are skipped); "
-                            f"add at least one prompt")
+            raise SpecError(
+                f"prompts.file: {path} contains no prompts (blank lines are skipped); add at least one prompt"
+            )
     if not prompts:
         raise SpecError(f"{source}: the prompt list is empty; give at least one prompt")
     empty = [i for i, p in enumerate(prompts) if not p]
@@ -162,24 +172,34 @@ def chat_spans(tokenizer, prompt: str, system: str | None, prompt_ids: list[int]
     messages = chat_messages(prompt, system)
     render = lambda msgs: tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)  # noqa: E731
     rendered = render(messages)
-    enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=bool(getattr(tokenizer, "is_fast", False)))
+    enc = tokenizer(
+        rendered, add_special_tokens=False, return_offsets_mapping=bool(getattr(tokenizer, "is_fast", False))
+    )
     if list(enc["input_ids"]) != list(prompt_ids):
-        raise SpecError("chat span: the chat template no longer renders the archived prompt tokens (tokenizer or "
-                        "template changed since the run); mask the positions explicitly with `mask`")
+        raise SpecError(
+            "chat span: the chat template no longer renders the archived prompt tokens (tokenizer or "
+            "template changed since the run); mask the positions explicitly with `mask`"
+        )
     out = {}
     for i, message in enumerate(messages):
         with_sentinel = render([dict(m, content=_SENTINEL) if j == i else m for j, m in enumerate(messages)])
         if with_sentinel.count(_SENTINEL) != 1:
-            raise SpecError(f"chat span: cannot locate the {message['role']} message in the rendered prompt "
-                            f"(the template repeats or drops it); mask the positions explicitly with `mask`")
+            raise SpecError(
+                f"chat span: cannot locate the {message['role']} message in the rendered prompt "
+                f"(the template repeats or drops it); mask the positions explicitly with `mask`"
+            )
         before, after = with_sentinel.split(_SENTINEL)
         if not (rendered.startswith(before) and rendered.endswith(after) and len(before) + len(after) <= len(rendered)):
-            raise SpecError(f"chat span: the template renders text around the {message['role']} message that depends "
-                            f"on its content; mask the positions explicitly with `mask`")
+            raise SpecError(
+                f"chat span: the template renders text around the {message['role']} message that depends "
+                f"on its content; mask the positions explicitly with `mask`"
+            )
         start, end = len(before), len(rendered) - len(after)
         if rendered[start:end].strip() != message["content"].strip():
-            raise SpecError(f"chat span: the template rewrites the {message['role']} message's content; mask the "
-                            f"positions explicitly with `mask`")
+            raise SpecError(
+                f"chat span: the template rewrites the {message['role']} message's content; mask the "
+                f"positions explicitly with `mask`"
+            )
         if "offset_mapping" in enc:
             toks = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if a < end and b > start]
             first, last = (toks[0], toks[-1] + 1) if toks else (0, 0)
@@ -187,8 +207,10 @@ def chat_spans(tokenizer, prompt: str, system: str | None, prompt_ids: list[int]
             first = len(tokenizer(rendered[:start], add_special_tokens=False)["input_ids"])
             last = len(tokenizer(rendered[:end], add_special_tokens=False)["input_ids"])
             if list(prompt_ids[:last]) != list(tokenizer(rendered[:end], add_special_tokens=False)["input_ids"]):
-                raise SpecError(f"chat span: the {message['role']} message's end is inside a token (slow tokenizer "
-                                f"without offsets); mask the positions explicitly with `mask`")
+                raise SpecError(
+                    f"chat span: the {message['role']} message's end is inside a token (slow tokenizer "
+                    f"without offsets); mask the positions explicitly with `mask`"
+                )
         out[message["role"]] = (first, last)
     return out
 

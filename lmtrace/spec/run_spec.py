@@ -37,10 +37,31 @@ from .sections import (
 from .validation_errors import format_validation_error
 
 __all__ = [
-    "CAPTURE_PRESETS", "DEFAULT_MODEL", "DEVICES", "DEVICE_MAP_PLANNERS", "AttentionCapture", "CaptureSpec",
-    "FfnCapture", "GenerationSpec", "LayerStride", "LensCapture", "ModelSpec", "OutputSpec", "PromptsSpec",
-    "ResidualCapture", "RunSpec", "apply_override", "build_spec", "check_device_option", "forward_only_capture",
-    "format_validation_error", "is_device", "load_spec", "memory_bytes", "placement_device", "resolve_layers",
+    "CAPTURE_PRESETS",
+    "DEFAULT_MODEL",
+    "DEVICES",
+    "DEVICE_MAP_PLANNERS",
+    "AttentionCapture",
+    "CaptureSpec",
+    "FfnCapture",
+    "GenerationSpec",
+    "LayerStride",
+    "LensCapture",
+    "ModelSpec",
+    "OutputSpec",
+    "PromptsSpec",
+    "ResidualCapture",
+    "RunSpec",
+    "apply_override",
+    "build_spec",
+    "check_device_option",
+    "forward_only_capture",
+    "format_validation_error",
+    "is_device",
+    "load_spec",
+    "memory_bytes",
+    "placement_device",
+    "resolve_layers",
     "resolve_vector_layers",
 ]
 
@@ -68,7 +89,9 @@ def apply_override(data: dict, assignment: str) -> dict:
     key, raw = assignment.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
-        raise SpecError(f"--set {assignment!r}: the key before '=' is empty; expected KEY=VALUE, e.g. --set generation.seed=3")
+        raise SpecError(
+            f"--set {assignment!r}: the key before '=' is empty; expected KEY=VALUE, e.g. --set generation.seed=3"
+        )
     value = _parse_yaml(raw, f"--set {key}")
     node = data
     for depth, part in enumerate(parts[:-1]):
@@ -81,8 +104,10 @@ def apply_override(data: dict, assignment: str) -> dict:
             child = {}
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
-            raise SpecError(f"--set {key}: {where} is {child!r} in the spec, not a section with keys; "
-                            f"set it as a whole (--set {where}=...) or change the spec")
+            raise SpecError(
+                f"--set {key}: {where} is {child!r} in the spec, not a section with keys; "
+                f"set it as a whole (--set {where}=...) or change the spec"
+            )
         node[part] = child
         node = child
     node[parts[-1]] = value
@@ -124,11 +149,15 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[RunSpec, str
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecError(f"{path}: spec file not found; check the path (a YAML run spec, e.g. configs/demo.yaml)") from None
+        raise SpecError(
+            f"{path}: spec file not found; check the path (a YAML run spec, e.g. configs/demo.yaml)"
+        ) from None
     except IsADirectoryError:
         raise SpecError(f"{path}: is a directory; give the path of a YAML spec file") from None
     except UnicodeDecodeError as err:
-        raise SpecError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start}); a spec is a YAML file") from None
+        raise SpecError(
+            f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start}); a spec is a YAML file"
+        ) from None
     except OSError as err:
         raise SpecError(f"{path}: cannot read spec ({err.strerror or err})") from None
     data = _parse_yaml(text, str(path))

@@ -28,9 +28,16 @@ class _Strict(BaseModel):
     def _empty_sections(cls, data: Any) -> Any:
         """An empty section (`generation:` with every line under it commented out) means its defaults."""
         if isinstance(data, dict) and any(v is None for v in data.values()):
-            data = {k: v for k, v in data.items()
-                    if not (v is None and k in cls.model_fields and section_class(cls.model_fields[k].annotation)
-                            and k != "capture")}
+            data = {
+                k: v
+                for k, v in data.items()
+                if not (
+                    v is None
+                    and k in cls.model_fields
+                    and section_class(cls.model_fields[k].annotation)
+                    and k != "capture"
+                )
+            }
         return data
 
 
@@ -97,7 +104,9 @@ class ModelSpec(_Strict):
             name = placement_device(device, f"device {device!r}", disk=False)
             if not isinstance(size, int) or isinstance(size, bool):
                 if not isinstance(size, str) or memory_bytes(size) is None:
-                    raise ValueError(f"{name}: expected a size such as 20GiB, 512MB or a number of bytes (got {size!r})")
+                    raise ValueError(
+                        f"{name}: expected a size such as 20GiB, 512MB or a number of bytes (got {size!r})"
+                    )
             elif size <= 0:
                 raise ValueError(f"{name}: the size must be positive (got {size})")
             out[name] = size
@@ -106,19 +115,25 @@ class ModelSpec(_Strict):
     @model_validator(mode="after")
     def _placement(self) -> "ModelSpec":
         if self.device_map is not None and self.device != "auto":
-            raise ValueError(f"model.device ({self.device}) and model.device_map are exclusive: give device for one "
-                             f"device, device_map to spread the model over several")
+            raise ValueError(
+                f"model.device ({self.device}) and model.device_map are exclusive: give device for one "
+                f"device, device_map to spread the model over several"
+            )
         if self.device_map is None:
             for key in ("max_memory", "offload_folder"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"model.{key} needs model.device_map (auto, balanced, sequential or a map)")
         elif isinstance(self.device_map, dict):
             if self.max_memory is not None:
-                raise ValueError("model.max_memory applies to device_map auto, balanced or sequential; an explicit "
-                                 "{module: device} map places every module itself")
+                raise ValueError(
+                    "model.max_memory applies to device_map auto, balanced or sequential; an explicit "
+                    "{module: device} map places every module itself"
+                )
             if "disk" in self.device_map.values() and not self.offload_folder:
-                raise ValueError("model.device_map puts modules on disk: give model.offload_folder (a directory "
-                                 "for the offloaded weights)")
+                raise ValueError(
+                    "model.device_map puts modules on disk: give model.offload_folder (a directory "
+                    "for the offloaded weights)"
+                )
         return self
 
 
@@ -148,11 +163,15 @@ class GenerationSpec(_Strict):
     seed: int = Field(0, ge=0, lt=2**63)
     eos_token_id: int | list[int] | None = None
     stop: list[str] = Field(default_factory=list)
-    batch_size: int | Literal["auto"] = Field(8, description="prompts run together, or auto: sized to memory_budget "
-                                                              "(without one, to a share of the memory free once the "
-                                                              "model is loaded)")
-    memory_budget: str | int | None = Field(None, description="memory the batches may take beyond the model, "
-                                                                "e.g. 8GiB (docs/batch.md, auto batching)")
+    batch_size: int | Literal["auto"] = Field(
+        8,
+        description="prompts run together, or auto: sized to memory_budget "
+        "(without one, to a share of the memory free once the "
+        "model is loaded)",
+    )
+    memory_budget: str | int | None = Field(
+        None, description="memory the batches may take beyond the model, e.g. 8GiB (docs/batch.md, auto batching)"
+    )
 
     @field_validator("batch_size", mode="before")
     @classmethod
@@ -207,15 +226,22 @@ class LensCapture(_Strict):
     # `lmtrace lens RUN` computes the lens from it later, exactly as inline would; inline: per step
     # during generation (~20 ms a step on a 2-core CPU, see docs/archive.md "Cost").
     when: Literal["deferred", "inline"] = "deferred"
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.capture.lens)
+    dtype: Literal["float32", "bfloat16"] = (
+        "float32"  # bfloat16: ranking in bfloat16, top re-scored in float32 (lmtrace.capture.lens)
+    )
 
 
 # What each `capture.preset` sets; keys given in the spec override it (docs/spec.md, "Capture presets").
 CAPTURE_PRESETS: dict[str, dict] = {
     # tokens, alternatives, per-layer norms and margin contributions, the 8 strongest keys of each
     # attention row; no vectors, no lens
-    "light": {"attention": {"top_k": 8}, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
-              "residual": {"dtype": "float16"}},
+    "light": {
+        "attention": {"top_k": 8},
+        "qkv": False,
+        "ffn": {"enabled": False},
+        "lens": {"enabled": False},
+        "residual": {"dtype": "float16"},
+    },
     # full attention rows, FFN top-k, the deferred lens from float16 residuals; no q/k/v
     "standard": {"qkv": False, "residual": {"dtype": "float16"}},
     # everything, residuals in float32 (the deferred lens then equals the inline one bit for bit)
@@ -269,16 +295,27 @@ class CaptureSpec(_Strict):
     @property
     def forward_only(self) -> bool:
         return not (
-            self.attention.enabled or self.prefill_attention or self.qkv or self.ffn.enabled
-            or self.component_norms or self.lens.enabled or self.residual.vectors_at
-            or self.margin_contributions or self.head_dla
+            self.attention.enabled
+            or self.prefill_attention
+            or self.qkv
+            or self.ffn.enabled
+            or self.component_norms
+            or self.lens.enabled
+            or self.residual.vectors_at
+            or self.margin_contributions
+            or self.head_dla
         )
 
 
 def forward_only_capture() -> CaptureSpec:
     return CaptureSpec(
-        attention=AttentionCapture(enabled=False), qkv=False, ffn=FfnCapture(enabled=False),
-        component_norms=False, lens=LensCapture(enabled=False), margin_contributions=False, head_dla=False,
+        attention=AttentionCapture(enabled=False),
+        qkv=False,
+        ffn=FfnCapture(enabled=False),
+        component_norms=False,
+        lens=LensCapture(enabled=False),
+        margin_contributions=False,
+        head_dla=False,
     )
 
 
@@ -327,8 +364,10 @@ class RunSpec(_Strict):
         if isinstance(capture, str) and capture.strip().lower() == "none":
             data["capture"] = forward_only_capture().model_dump()
         elif "capture" in data and capture is None:
-            raise ValueError("capture is empty: remove the key for the default capture, "
-                             "or write `capture: none` to capture nothing (forward only)")
+            raise ValueError(
+                "capture is empty: remove the key for the default capture, "
+                "or write `capture: none` to capture nothing (forward only)"
+            )
         return data
 
     @model_validator(mode="after")
@@ -336,6 +375,8 @@ class RunSpec(_Strict):
         # direct logit attribution reads o_proj and unembedding weights itself, which a model spread
         # by device_map may hold offloaded (placeholders): not supported together yet
         if self.capture.head_dla and self.model.device_map is not None:
-            raise ValueError("capture.head_dla with model.device_map is not supported yet: capture direct logit "
-                             "attribution with the model on one device (model.device)")
+            raise ValueError(
+                "capture.head_dla with model.device_map is not supported yet: capture direct logit "
+                "attribution with the model on one device (model.device)"
+            )
         return self

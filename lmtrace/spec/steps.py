@@ -62,27 +62,36 @@ def _parse(texts, available: int, *, stride: bool, syntax, empty: str, out_of_ra
     return sorted(chosen)
 
 
-def parse_steps(text: str, available: int, *, option: str = "--steps", stride: bool = False,
-                noun: str = "generated token(s)") -> list[int]:
+def parse_steps(
+    text: str, available: int, *, option: str = "--steps", stride: bool = False, noun: str = "generated token(s)"
+) -> list[int]:
     """Sorted unique steps named by `text`, each in 0 .. available - 1 (else a one-line SpecError)."""
     strides = ", or a stride like 0-255:4 or all:8" if stride else ""
     have = f"steps 0..{available - 1}" if available else "no steps"
-    return _parse([text], available, stride=stride,
-                  syntax=lambda t: f"{option} {t!r}: expected step numbers like 0,4,9, ranges like 2-5, or all"
-                                   f"{strides}",
-                  empty=f"{option} {text!r}: no steps given",
-                  out_of_range=lambda bad: f"{option}: step(s) {bad[:5]}{' …' if len(bad) > 5 else ''} out of range: "
-                                           f"this sequence has {available} {noun} ({have})")
+    return _parse(
+        [text],
+        available,
+        stride=stride,
+        syntax=lambda t: f"{option} {t!r}: expected step numbers like 0,4,9, ranges like 2-5, or all{strides}",
+        empty=f"{option} {text!r}: no steps given",
+        out_of_range=lambda bad: (
+            f"{option}: step(s) {bad[:5]}{' …' if len(bad) > 5 else ''} out of range: "
+            f"this sequence has {available} {noun} ({have})"
+        ),
+    )
 
 
 def parse_sequences(texts, n_sequences: int, *, option: str = "--sequence") -> list[int]:
     """Sorted unique sequences named by `texts` (each `0,3`, `0-15` or `all`, as steps are named), each in
     0 .. n_sequences - 1 (else a one-line SpecError)."""
-    return _parse(list(texts), n_sequences, stride=False,
-                  syntax=lambda t: f"{option} {t!r}: expected sequence numbers like 0,3, ranges like 0-15, or all",
-                  empty=f"{option} {' '.join(map(str, texts))!r}: no sequences given",
-                  out_of_range=lambda bad: f"{option} {bad[0]} out of range: the run has sequences "
-                                           f"0..{n_sequences - 1}")
+    return _parse(
+        list(texts),
+        n_sequences,
+        stride=False,
+        syntax=lambda t: f"{option} {t!r}: expected sequence numbers like 0,3, ranges like 0-15, or all",
+        empty=f"{option} {' '.join(map(str, texts))!r}: no sequences given",
+        out_of_range=lambda bad: f"{option} {bad[0]} out of range: the run has sequences 0..{n_sequences - 1}",
+    )
 
 
 def parse_range_list(text: str, what: str) -> list[int]:

@@ -22,7 +22,9 @@ class SweepSpec(BaseModel):
     over: str  # heads | attn | mlp | layers | neurons:L | positions | resid:A-B
     edit: Literal["zero", "mean", "patch"] = "zero"
     source: str | None = None  # patch: the source run
-    pair_by: str | None = None  # patch: pair sequences by this id column of both runs' sequences.parquet (else by index)
+    pair_by: str | None = (
+        None  # patch: pair sequences by this id column of both runs' sequences.parquet (else by index)
+    )
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
     steps: str = "all"
     sequences: str = "all"
@@ -42,8 +44,10 @@ def load_sweep_spec(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise SpecError(f"{path}: malformed YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping (over, edit, source, pair_by, metrics, steps, sequences, positions, batch, "
-                        f"from_step)")
+        raise SpecError(
+            f"{path}: expected a mapping (over, edit, source, pair_by, metrics, steps, sequences, positions, batch, "
+            f"from_step)"
+        )
     return data
 
 

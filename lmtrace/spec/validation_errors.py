@@ -10,7 +10,6 @@ from pydantic import BaseModel, ValidationError
 
 from .sections import RunSpec, section_class
 
-
 # Messages for values that match none of a union's alternatives (pydantic would list each alternative).
 _UNION_HINTS = {
     "capture.layers": "expected `all`, a list of layer indices like [0, 5, -1], or {stride: N, start: M}",
@@ -68,13 +67,22 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     loc = tuple(first["loc"])
     group = [first]
     union_root = None
-    tag_at = next((i for i, p in enumerate(loc) if _is_tag(p, names) and not
-                   (first["type"] == "extra_forbidden" and i == len(loc) - 1)), None)
+    tag_at = next(
+        (
+            i
+            for i, p in enumerate(loc)
+            if _is_tag(p, names) and not (first["type"] == "extra_forbidden" and i == len(loc) - 1)
+        ),
+        None,
+    )
     if tag_at is not None:
         # A value matched none of a union's alternatives: report the alternative it got furthest into.
         union_root = loc[:tag_at]
-        group = [e for e in errors if tuple(e["loc"][:tag_at]) == union_root and len(e["loc"]) > tag_at
-                 and _is_tag(e["loc"][tag_at], names)] or [first]
+        group = [
+            e
+            for e in errors
+            if tuple(e["loc"][:tag_at]) == union_root and len(e["loc"]) > tag_at and _is_tag(e["loc"][tag_at], names)
+        ] or [first]
         first = max(group, key=lambda e: (len(e["loc"]), e["type"] == "extra_forbidden"))
         if len(first["loc"]) > tag_at + 1:
             union_root = None
@@ -85,7 +93,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     msg = first["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
-            msg = msg[len(prefix):]
+            msg = msg[len(prefix) :]
     if union_root is not None:
         dotted = ".".join(str(p) for p in _clean(union_root, names))
         msg = _UNION_HINTS.get(dotted) or "expected one of: " + "; ".join(dict.fromkeys(e["msg"] for e in group))
@@ -103,8 +111,9 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     shown = ""
     if kind not in ("extra_forbidden", "missing") and not isinstance(got, (dict, list)) and "(got " not in msg:
         shown = f" (got {_shown(got)})"
-    others = {_clean(tuple(e["loc"]), names, keep_last=e["type"] == "extra_forbidden")
-              for e in errors if e not in group}
+    others = {
+        _clean(tuple(e["loc"]), names, keep_last=e["type"] == "extra_forbidden") for e in errors if e not in group
+    }
     others.discard(path)
     more = f" [+{len(others)} more problem{'s' if len(others) > 1 else ''}]" if others else ""
     # a model-level check already names its keys ("prompts.system needs prompts.chat: true")

@@ -18,8 +18,17 @@ from .errors import NotFound
 
 OWN_COLUMNS = ("stop_reason", "generated_len", "prompt_len", "batch")  # sequences.parquet's own, offered
 TOP_HEADS = 5  # heads shown per group (the terminal's --top is 20; every head is in `heads --by`'s file)
-HEAD_FIELDS = ("layer", "q_head", "label", "n_sequences", "sink_score", "prev_token_score", "local_score",
-               "induction_score", "entropy")
+HEAD_FIELDS = (
+    "layer",
+    "q_head",
+    "label",
+    "n_sequences",
+    "sink_score",
+    "prev_token_score",
+    "local_score",
+    "induction_score",
+    "entropy",
+)
 
 
 def group_columns(run: Run) -> list[str]:
@@ -62,5 +71,6 @@ def sequence_groups_view(run: Run, by: str | None, top: int = TOP_HEADS) -> dict
         raise NotFound(str(err)) from None
     heads, note = kept.once(run, ("heads_by", by, top), lambda: _heads_by_group(run, by, top))
     groups = [{**g, "heads": heads.get(group_order(g[GROUP_VALUE]), [])} for g in stats["groups"]]
-    return strict({"run_id": run.id, "by": by, "columns": columns, "lens": stats["lens"], "heads_note": note,
-                   "groups": groups})
+    return strict(
+        {"run_id": run.id, "by": by, "columns": columns, "lens": stats["lens"], "heads_note": note, "groups": groups}
+    )

@@ -22,8 +22,8 @@ import pyarrow.dataset as ds
 import zarr
 
 from ..archive import parquet_io
-from ..archive.integrity import quick_problem
 from ..archive.damage import Problem
+from ..archive.integrity import quick_problem
 from ..archive.reader import Run
 
 DATASETS = 64  # Parquet datasets kept (footers and schemas only)

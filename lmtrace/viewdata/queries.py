@@ -19,8 +19,8 @@ import pyarrow.compute as pc
 from ..analysis.attention_heads import most_attended, most_attended_kept
 from ..archive import layout, parquet_io
 from ..archive.columns import current_names, stored_name
-from ..archive.reader import Run, lens_state, read_table_files
 from ..archive.liveness import live
+from ..archive.reader import Run, lens_state, read_table_files
 from ..archive.summary import status_label
 from ..exits.errors import ArchiveError
 from ..output.jsonout import strict
@@ -37,12 +37,15 @@ def table_rows(run: Run, name: str, columns: list[str] | None = None, where=None
     """Rows of a table matching the pyarrow expression `where`: from the compacted file of a
     complete run or the committed part files of a running one; only matching row groups are read.
     `columns` and the table's are today's names (an older archive's are mapped, archive/columns.py)."""
+
     def read(files: list) -> pa.Table:
         if not files:
             return pa.table({}) if columns is None else pa.table({c: pa.array([]) for c in columns})
         dataset = kept.dataset(files)
         stored = dataset.schema.names
-        wanted = None if columns is None else [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
+        wanted = (
+            None if columns is None else [s for s in (stored_name(stored, c, name) for c in columns) if s in stored]
+        )
         # one thread: these reads are small (one sequence's or step's rows), and starting Arrow's
         # thread pool cost more than they do (cold: 70-300 ms against ~40 on a busy 2-core machine)
         return current_names(parquet_io.read_dataset(dataset, columns=wanted, filter=where, use_threads=False), name)
@@ -62,15 +65,22 @@ def run_info(run: Run) -> dict:
     status = status_label(run.path, m, problem)
     names = kept.array_names(run) if (run.path / layout.TENSORS).exists() else set()
     return {
-        "run_id": name, **({"manifest_run_id": run.id} if run.id != name else {}),
-        "status": status, "live": live(run.path, status), "kind": m.get("kind"),
+        "run_id": name,
+        **({"manifest_run_id": run.id} if run.id != name else {}),
+        "status": status,
+        "live": live(run.path, status),
+        "kind": m.get("kind"),
         "model": (m.get("model") or {}).get("reference"),
-        "created": m.get("created"), "parent_id": (m.get("parent") or {}).get("run_id"),
+        "created": m.get("created"),
+        "parent_id": (m.get("parent") or {}).get("run_id"),
         "damaged": None if problem is None else f"run {name} is damaged: {problem}; `lmtrace verify {name}`",
-        "sequences": run.shape.get("n_sequences"), "max_new_tokens": run.shape.get("n_steps"),
-        "layers": run.layers, "heads": run.shape.get("n_heads"),
+        "sequences": run.shape.get("n_sequences"),
+        "max_new_tokens": run.shape.get("n_steps"),
+        "layers": run.layers,
+        "heads": run.shape.get("n_heads"),
         "attention": "dense" if "attn" in names else "top-k" if "attn_topk_prob" in names else None,
-        "lens": lens_state(m), "head_dla": "head_dla" in names,
+        "lens": lens_state(m),
+        "head_dla": "head_dla" in names,
     }
 
 
@@ -78,8 +88,13 @@ def _sequence_stats(run: Run) -> pa.Table:
     """Per sequence: the lowest probability and highest entropy of its generated tokens."""
     t = table_rows(run, "tokens", ["sequence", "is_prompt", "prob", "entropy"], where=~pc.field("is_prompt"))
     if t.num_rows == 0:
-        return pa.table({"sequence": pa.array([], pa.int32()), "min_prob": pa.array([], pa.float32()),
-                         "max_entropy": pa.array([], pa.float32())})
+        return pa.table(
+            {
+                "sequence": pa.array([], pa.int32()),
+                "min_prob": pa.array([], pa.float32()),
+                "max_entropy": pa.array([], pa.float32()),
+            }
+        )
     g = t.group_by("sequence", use_threads=False).aggregate([("prob", "min"), ("entropy", "max")])
     return g.rename_columns({"prob_min": "min_prob", "entropy_max": "max_entropy"})
 
@@ -126,26 +141,34 @@ def sequence_page(run: Run, *, page: int = 0, query: str = "", sort: str = "inde
                 hit = pc.fill_null(pc.match_substring(pc.utf8_lower(seqs.column(field.name)), q), False)
                 mask = hit if mask is None else pc.or_(mask, hit)
         seqs = seqs.filter(mask) if mask is not None else seqs.slice(0, 0)
-    order = {"index": [("sequence", "ascending")],
-             "lowest_prob": [("min_prob", "ascending"), ("sequence", "ascending")],
-             "highest_entropy": [("max_entropy", "descending"), ("sequence", "ascending")],
-             "length": [("generated_len", "descending"), ("sequence", "ascending")]}[sort]
+    order = {
+        "index": [("sequence", "ascending")],
+        "lowest_prob": [("min_prob", "ascending"), ("sequence", "ascending")],
+        "highest_entropy": [("max_entropy", "descending"), ("sequence", "ascending")],
+        "length": [("generated_len", "descending"), ("sequence", "ascending")],
+    }[sort]
     seqs = seqs.sort_by(order)  # nulls (no committed token yet) sort last
     total = seqs.num_rows
     pages = max(1, -(-total // PAGE_SIZE))
     page = max(0, min(page, pages - 1))
-    metadata = [c for c in seqs.column_names if c not in layout.sequence_schema().names
-                and c not in ("min_prob", "max_entropy")]
+    metadata = [
+        c for c in seqs.column_names if c not in layout.sequence_schema().names and c not in ("min_prob", "max_entropy")
+    ]
     rows = []
     for r in seqs.slice(page * PAGE_SIZE, PAGE_SIZE).to_pylist():
-        rows.append({
-            "sequence": r["sequence"], "prompt": (r.get("prompt") or "")[:TEXT_LIMIT],
-            "generated_text": (r.get("generated_text") or "")[:TEXT_LIMIT],
-            "prompt_len": r.get("prompt_len"), "generated_len": r.get("generated_len"),
-            "stop_reason": r.get("stop_reason"), "min_prob": strict(r.get("min_prob")),
-            "max_entropy": strict(r.get("max_entropy")),
-            "metadata": {c: strict(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
-        })
+        rows.append(
+            {
+                "sequence": r["sequence"],
+                "prompt": (r.get("prompt") or "")[:TEXT_LIMIT],
+                "generated_text": (r.get("generated_text") or "")[:TEXT_LIMIT],
+                "prompt_len": r.get("prompt_len"),
+                "generated_len": r.get("generated_len"),
+                "stop_reason": r.get("stop_reason"),
+                "min_prob": strict(r.get("min_prob")),
+                "max_entropy": strict(r.get("max_entropy")),
+                "metadata": {c: strict(r.get(c)) if not isinstance(r.get(c), str) else r.get(c) for c in metadata},
+            }
+        )
     return {"total": total, "page": page, "pages": pages, "page_size": PAGE_SIZE, "rows": rows}
 
 
@@ -159,22 +182,44 @@ def sequence_tokens(run: Run, seq: int) -> dict:
     """One sequence's token strip: its prompt tokens, then its generated ones with their statistics
     (a running run: the committed ones)."""
     check_sequence(run, seq)
-    t = table_rows(run, "tokens", ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "token_rank"],
-                   where=pc.field("sequence") == seq).sort_by("position")
+    t = table_rows(
+        run,
+        "tokens",
+        ["position", "step", "is_prompt", "token_id", "token_text", "prob", "entropy", "token_rank"],
+        where=pc.field("sequence") == seq,
+    ).sort_by("position")
     ready = steps_ready(run, seq)  # a running run's table parts can be ahead of its progress record
-    tokens = [{"position": r["position"], "step": r["step"], "text": r["token_text"], "prob": strict(r["prob"]),
-               "entropy": strict(r["entropy"]), "token_rank": r["token_rank"]} for r in t.to_pylist()
-              if r["step"] is None or r["step"] < ready]
+    tokens = [
+        {
+            "position": r["position"],
+            "step": r["step"],
+            "text": r["token_text"],
+            "prob": strict(r["prob"]),
+            "entropy": strict(r["entropy"]),
+            "token_rank": r["token_rank"],
+        }
+        for r in t.to_pylist()
+        if r["step"] is None or r["step"] < ready
+    ]
     prompt, source = sequence_prompt(run, seq, [x["text"] for x in tokens if x["step"] is None])
-    return {"sequence": seq, "prompt": prompt, "prompt_source": source, "tokens": tokens,
-            "steps": sum(1 for x in tokens if x["step"] is not None)}
+    return {
+        "sequence": seq,
+        "prompt": prompt,
+        "prompt_source": source,
+        "tokens": tokens,
+        "steps": sum(1 for x in tokens if x["step"] is not None),
+    }
 
 
 def spec_prompts(run: Run) -> list[str] | None:
     """The run's inline prompts (`prompts.texts` of its resolved spec), one per sequence; None for
     prompts read from a file."""
     texts = ((run.manifest.get("spec_resolved") or {}).get("prompts") or {}).get("texts")
-    if isinstance(texts, list) and len(texts) == run.shape.get("n_sequences") and all(isinstance(t, str) for t in texts):
+    if (
+        isinstance(texts, list)
+        and len(texts) == run.shape.get("n_sequences")
+        and all(isinstance(t, str) for t in texts)
+    ):
         return texts
     return None
 
@@ -192,15 +237,24 @@ def _with_unfinished(run: Run, seqs: pa.Table) -> pa.Table:
     if texts is not None:
         prompts = [texts[i] for i in missing]
     else:
-        t = table_rows(run, "tokens", ["sequence", "position", "token_text"],
-                       where=pc.field("is_prompt") & pc.field("sequence").isin(missing))
+        t = table_rows(
+            run,
+            "tokens",
+            ["sequence", "position", "token_text"],
+            where=pc.field("is_prompt") & pc.field("sequence").isin(missing),
+        )
         t = t.sort_by([("sequence", "ascending"), ("position", "ascending")])
         joined: dict[int, str] = {}
         for q, x in zip(t.column("sequence").to_pylist(), t.column("token_text").to_pylist()):
             joined[q] = joined.get(q, "") + (x or "")
         prompts = [joined.get(i) for i in missing]
-    rows = pa.table({"sequence": pa.array(missing, pa.int32()), "prompt": pa.array(prompts, pa.string()),
-                     "generated_len": pa.array([committed.get(i, 0) for i in missing], pa.int32())})
+    rows = pa.table(
+        {
+            "sequence": pa.array(missing, pa.int32()),
+            "prompt": pa.array(prompts, pa.string()),
+            "generated_len": pa.array([committed.get(i, 0) for i in missing], pa.int32()),
+        }
+    )
     if not seqs.column_names:
         return rows
     return pa.concat_tables([seqs, rows], promote_options="default")
@@ -232,13 +286,17 @@ def check_step(run: Run, seq: int, step: int) -> None:
     check_sequence(run, seq)
     ready = steps_ready(run, seq)
     if not 0 <= step < ready:
-        raise NotFound(f"sequence {seq} of run {run.id} has steps 0-{ready - 1} committed, not {step}"
-                       if ready else f"sequence {seq} of run {run.id} has no committed step yet")
+        raise NotFound(
+            f"sequence {seq} of run {run.id} has steps 0-{ready - 1} committed, not {step}"
+            if ready
+            else f"sequence {seq} of run {run.id} has no committed step yet"
+        )
 
 
 def key_texts(run: Run, seq: int, n_keys: int) -> list[str]:
-    t = table_rows(run, "tokens", ["position", "token_text"],
-                   where=(pc.field("sequence") == seq) & (pc.field("position") < n_keys)).sort_by("position")
+    t = table_rows(
+        run, "tokens", ["position", "token_text"], where=(pc.field("sequence") == seq) & (pc.field("position") < n_keys)
+    ).sort_by("position")
     texts = [""] * n_keys
     for pos, text in zip(t.column("position").to_pylist(), t.column("token_text").to_pylist()):
         texts[pos] = text
@@ -267,11 +325,24 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
     else:
         return None
     texts = key_texts(run, seq, n_keys)
-    cells = [[{"key": int(key[li, h]), "weight": strict(float(weight[li, h])),
-               "text": texts[int(key[li, h])] if 0 <= key[li, h] < n_keys else ""}
-              for h in range(key.shape[1])] for li in range(key.shape[0])]
-    return {"layers": run.layers, "heads": int(key.shape[1]), "n_keys": n_keys, "query_position": n_keys - 1,
-            "cells": cells}
+    cells = [
+        [
+            {
+                "key": int(key[li, h]),
+                "weight": strict(float(weight[li, h])),
+                "text": texts[int(key[li, h])] if 0 <= key[li, h] < n_keys else "",
+            }
+            for h in range(key.shape[1])
+        ]
+        for li in range(key.shape[0])
+    ]
+    return {
+        "layers": run.layers,
+        "heads": int(key.shape[1]),
+        "n_keys": n_keys,
+        "query_position": n_keys - 1,
+        "cells": cells,
+    }
 
 
 def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
@@ -293,21 +364,41 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     elif "attn_topk_prob" in names:
         probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step, li, head], dtype=np.float32)
         idx = np.asarray(kept.array(run, "attn_topk_idx")[seq, step, li, head])
-        keys = sorted(({"key": int(k), "text": texts[int(k)], "weight": strict(float(p))}
-                       for k, p in zip(idx, probs) if 0 <= k < n_keys), key=lambda x: x["key"])
+        keys = sorted(
+            (
+                {"key": int(k), "text": texts[int(k)], "weight": strict(float(p))}
+                for k, p in zip(idx, probs)
+                if 0 <= k < n_keys
+            ),
+            key=lambda x: x["key"],
+        )
     else:
         raise NotFound(f"run {run.id} captured no attention")
     return {"sequence": seq, "step": step, "layer": layer, "head": head, "keys": keys, "dense": "attn" in names}
 
 
-ALTERNATIVE_COLUMNS = ["token_text", "token_id", "position", "prob", "token_rank", "entropy", "margin", "greedy_id", "alt_ids",
-                       "alt_logprobs"]
+ALTERNATIVE_COLUMNS = [
+    "token_text",
+    "token_id",
+    "position",
+    "prob",
+    "token_rank",
+    "entropy",
+    "margin",
+    "greedy_id",
+    "alt_ids",
+    "alt_logprobs",
+]
 
 
 def alternatives(run: Run, seq: int, step: int) -> dict | None:
     """The chosen token of `step` and the alternatives the run kept, with their probabilities."""
-    t = table_rows(run, "tokens", ALTERNATIVE_COLUMNS, where=(pc.field("sequence") == seq) & (pc.field("step") == step)
-                   & ~pc.field("is_prompt"))
+    t = table_rows(
+        run,
+        "tokens",
+        ALTERNATIVE_COLUMNS,
+        where=(pc.field("sequence") == seq) & (pc.field("step") == step) & ~pc.field("is_prompt"),
+    )
     if t.num_rows == 0:
         return None
     r = t.to_pylist()[0]
@@ -315,11 +406,18 @@ def alternatives(run: Run, seq: int, step: int) -> dict | None:
     alt_lp = r.get("alt_logprobs") or []
     alt_texts = run.text(alt_ids) if alt_ids else []
     return {
-        "token": r["token_text"], "token_id": r["token_id"], "position": r["position"], "prob": strict(r.get("prob")),
-        "token_rank": r.get("token_rank"), "entropy": strict(r.get("entropy")), "margin": strict(r.get("margin")),
+        "token": r["token_text"],
+        "token_id": r["token_id"],
+        "position": r["position"],
+        "prob": strict(r.get("prob")),
+        "token_rank": r.get("token_rank"),
+        "entropy": strict(r.get("entropy")),
+        "margin": strict(r.get("margin")),
         "greedy": run.text([r["greedy_id"]])[0] if r.get("greedy_id") is not None else None,
-        "alternatives": [{"id": i, "text": text, "prob": None if lp is None else math.exp(lp)}
-                         for i, text, lp in zip(alt_ids, alt_texts, alt_lp)],
+        "alternatives": [
+            {"id": i, "text": text, "prob": None if lp is None else math.exp(lp)}
+            for i, text, lp in zip(alt_ids, alt_texts, alt_lp)
+        ],
     }
 
 
@@ -330,19 +428,34 @@ def lens_column(run: Run, seq: int, step: int) -> dict:
     if state == "none":
         return {"state": state, "rows": []}
     if state == "pending":
-        return {"state": state, "note": f"the logit lens is deferred: run `lmtrace lens {run.id}` to compute it",
-                "rows": []}
+        return {
+            "state": state,
+            "note": f"the logit lens is deferred: run `lmtrace lens {run.id}` to compute it",
+            "rows": [],
+        }
     ids = np.asarray(kept.array(run, "lens_ids")[seq, step])  # [layer, k_lens]
     probs = np.asarray(kept.array(run, "lens_probs")[seq, step], dtype=np.float32)
     texts = run.text(ids[:, 0])
-    target = table_rows(run, "steps", ["layer", "lens_target_rank", "lens_target_prob"],
-                        where=(pc.field("sequence") == seq) & (pc.field("step") == step))
+    target = table_rows(
+        run,
+        "steps",
+        ["layer", "lens_target_rank", "lens_target_prob"],
+        where=(pc.field("sequence") == seq) & (pc.field("step") == step),
+    )
     by_layer = {r["layer"]: r for r in target.to_pylist()}
     rows = []
     for li, layer in enumerate(run.layers):
         t = by_layer.get(layer, {})
-        rows.append({"layer": layer, "top1": texts[li], "top1_id": int(ids[li, 0]), "top1_prob": strict(float(probs[li, 0])),
-                     "target_rank": t.get("lens_target_rank"), "target_prob": strict(t.get("lens_target_prob"))})
+        rows.append(
+            {
+                "layer": layer,
+                "top1": texts[li],
+                "top1_id": int(ids[li, 0]),
+                "top1_prob": strict(float(probs[li, 0])),
+                "target_rank": t.get("lens_target_rank"),
+                "target_prob": strict(t.get("lens_target_prob")),
+            }
+        )
     return {"state": state, "rows": rows}
 
 
@@ -351,8 +464,11 @@ def head_dla(run: Run, seq: int, step: int) -> dict | None:
     if "head_dla" not in kept.array_names(run):
         return None
     values = np.asarray(kept.array(run, "head_dla")[seq, step], dtype=np.float32)  # [layer, q_head]
-    return {"layers": run.layers, "values": [[strict(float(v)) for v in row] for row in values],
-            "target": "logit(chosen) - logit(runner-up)"}
+    return {
+        "layers": run.layers,
+        "values": [[strict(float(v)) for v in row] for row in values],
+        "target": "logit(chosen) - logit(runner-up)",
+    }
 
 
 def step_detail(run: Run, seq: int, step: int) -> dict:
@@ -360,6 +476,11 @@ def step_detail(run: Run, seq: int, step: int) -> dict:
     check_step(run, seq, step)
     if not (run.path / layout.TENSORS).exists():
         raise ArchiveError(f"run {run.id} wrote no tensors (capture: none): there is nothing to show per step")
-    return {"sequence": seq, "step": step, "token": alternatives(run, seq, step),
-            "attention": attention_grid(run, seq, step), "lens": lens_column(run, seq, step),
-            "head_dla": head_dla(run, seq, step)}
+    return {
+        "sequence": seq,
+        "step": step,
+        "token": alternatives(run, seq, step),
+        "attention": attention_grid(run, seq, step),
+        "lens": lens_column(run, seq, step),
+        "head_dla": head_dla(run, seq, step),
+    }

@@ -14,15 +14,7 @@ from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_component, re
 from ..archive.reader import Run
 from ..output.jsonout import strict
 from . import kept
-from .queries import (
-    NotFound,
-    check_sequence,
-    check_step,
-    key_texts,
-    n_keys_of,
-    step_detail,
-    steps_ready,
-)
+from .queries import NotFound, check_sequence, check_step, key_texts, n_keys_of, step_detail, steps_ready
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
 
@@ -34,8 +26,11 @@ def over_heads(run: Run, seq: int, step: int) -> dict | None:
     if "attn" in names:
         rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
     elif "attn_topk_prob" in names:
-        rows = topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),
-                           np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32), n_keys)
+        rows = topk_dense(
+            np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),
+            np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32),
+            n_keys,
+        )
     else:
         return None
     mean, mx = mean_max_over_heads(rows)
@@ -66,16 +61,26 @@ def head_pattern(run: Run, seq: int, layer: int, head: int) -> dict:
     if "attn" in names:
         m = np.asarray(kept.array(run, "attn")[seq, :n, li, head, :k_max], dtype=np.float32)  # [step, key]
     elif "attn_topk_prob" in names:
-        m = topk_dense(np.asarray(kept.array(run, "attn_topk_idx")[seq, :n, li, head]),
-                        np.asarray(kept.array(run, "attn_topk_prob")[seq, :n, li, head], dtype=np.float32), k_max)
+        m = topk_dense(
+            np.asarray(kept.array(run, "attn_topk_idx")[seq, :n, li, head]),
+            np.asarray(kept.array(run, "attn_topk_prob")[seq, :n, li, head], dtype=np.float32),
+            k_max,
+        )
     else:
         raise NotFound(f"run {run.id} captured no attention")
     prompt_len = n_keys_of(run, seq, 0)
     texts = key_texts(run, seq, k_max + 1)
-    rows = [[strict(float(w)) for w in m[s, :prompt_len + s]] + [None] * (k_max - prompt_len - s) for s in range(n)]
-    return {"sequence": seq, "layer": layer, "head": head, "keys": texts[:k_max],
-            "steps": list(range(n)), "chosen": texts[prompt_len:prompt_len + n], "rows": rows,
-            "dense": "attn" in names}
+    rows = [[strict(float(w)) for w in m[s, : prompt_len + s]] + [None] * (k_max - prompt_len - s) for s in range(n)]
+    return {
+        "sequence": seq,
+        "layer": layer,
+        "head": head,
+        "keys": texts[:k_max],
+        "steps": list(range(n)),
+        "chosen": texts[prompt_len : prompt_len + n],
+        "rows": rows,
+        "dense": "attn" in names,
+    }
 
 
 def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
@@ -84,15 +89,31 @@ def attributions(run: Run, seq: int, step: int) -> list[dict] | None:
     if not any((run.path / EXPLAIN_DIR / SCORES_PARTS).glob("*.parquet")):
         return None
     t = read_explanations(run, sequence=seq, step=step).sort_by(
-        [("explain_id", "ascending"), ("method", "ascending"), ("position", "ascending")])
+        [("explain_id", "ascending"), ("method", "ascending"), ("position", "ascending")]
+    )
     groups: dict[tuple, dict] = {}
     for r in t.to_pylist():
         key = (r["explain_id"], r["method"], r["target"], r["quantity"])
-        g = groups.setdefault(key, {"explain_id": r["explain_id"], "method": r["method"], "target": r["target"],
-                                    "quantity": r["quantity"], "target_token_id": r["target_token_id"],
-                                    "runner_up_token_id": r["runner_up_token_id"], "scores": []})
-        g["scores"].append({"position": r["position"], "text": r["token_text"], "is_prompt": r["is_prompt"],
-                            "score": strict(r["score"])})
+        g = groups.setdefault(
+            key,
+            {
+                "explain_id": r["explain_id"],
+                "method": r["method"],
+                "target": r["target"],
+                "quantity": r["quantity"],
+                "target_token_id": r["target_token_id"],
+                "runner_up_token_id": r["runner_up_token_id"],
+                "scores": [],
+            },
+        )
+        g["scores"].append(
+            {
+                "position": r["position"],
+                "text": r["token_text"],
+                "is_prompt": r["is_prompt"],
+                "score": strict(r["score"]),
+            }
+        )
     entries = {(e["id"], e["method"]): e for e in run.manifest.get("explain") or [] if e.get("sequence") == seq}
     for g in groups.values():
         entry = entries.get((g["explain_id"], g["method"]))

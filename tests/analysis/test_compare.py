@@ -28,9 +28,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.helpers.runs import PROMPTS, rerecord_checksums, run_spec, with_lens
-from lmtrace.cli.main import app
 from lmtrace.analysis.compare import compare_runs
+from lmtrace.cli.main import app
+from tests.helpers.runs import PROMPTS, rerecord_checksums, run_spec, with_lens
 
 ABLATED_LAYER, ABLATED_HEAD = 2, 1
 N = 5  # generated tokens per sequence
@@ -55,7 +55,7 @@ def runs(tmp_path_factory, tiny_llama_dir):
 
     def ablate(model):
         hd = model.config.hidden_size // model.config.num_attention_heads
-        model.model.layers[ABLATED_LAYER].self_attn.o_proj.weight[:, ABLATED_HEAD * hd:(ABLATED_HEAD + 1) * hd] = 0
+        model.model.layers[ABLATED_LAYER].self_attn.o_proj.weight[:, ABLATED_HEAD * hd : (ABLATED_HEAD + 1) * hd] = 0
 
     child_dir = _model_copy(tiny_llama_dir, root / "ablated", ablate)
 
@@ -69,14 +69,24 @@ def runs(tmp_path_factory, tiny_llama_dir):
     capture = {"residual": {"vectors_at": [1, 3]}}
     out = {
         "sampled": run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": SAMPLED}),
-        "seed2": run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {**SAMPLED, "seed": 2}}),
+        "seed2": run_spec(
+            root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {**SAMPLED, "seed": 2}}
+        ),
         # the deferred logit lens computed (`lmtrace lens`): per-layer lens winner changes are compared
-        "parent": with_lens(run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": GREEDY,
-                                            "capture": capture})),
-        "child": with_lens(run_spec(root, {"model": str(child_dir), "prompts": PROMPTS, "generation": GREEDY,
-                                           "capture": capture})),
-        "small": run_spec(root, {"model": str(small_dir), "prompts": [PROMPTS[2], PROMPTS[0], "Something else entirely"],
-                                 "generation": {**GREEDY, "max_new_tokens": 3}}),
+        "parent": with_lens(
+            run_spec(root, {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": GREEDY, "capture": capture})
+        ),
+        "child": with_lens(
+            run_spec(root, {"model": str(child_dir), "prompts": PROMPTS, "generation": GREEDY, "capture": capture})
+        ),
+        "small": run_spec(
+            root,
+            {
+                "model": str(small_dir),
+                "prompts": [PROMPTS[2], PROMPTS[0], "Something else entirely"],
+                "generation": {**GREEDY, "max_new_tokens": 3},
+            },
+        ),
     }
     out["root"] = root
     return out
@@ -140,8 +150,15 @@ def test_a_run_compared_with_itself_reports_no_difference(runs):
     assert (steps.logprob_a_under_b == steps.logprob_a).all() and steps.top1_agree.all() and steps.same_stored.all()
     layers = cmp.per_layer.to_pandas()
     assert len(layers) == 3 * N * 4
-    for col in ("resid_norm_delta", "delta_norm_delta", "attn_norm_delta", "mlp_norm_delta", "margin_contrib_delta",
-                "attn_js_max", "resid_dist"):
+    for col in (
+        "resid_norm_delta",
+        "delta_norm_delta",
+        "attn_norm_delta",
+        "mlp_norm_delta",
+        "margin_contrib_delta",
+        "attn_js_max",
+        "resid_dist",
+    ):
         assert (layers[col].dropna() == 0).all(), col
     assert (layers.lens_changed == 0).all() and len(cmp.per_head) == 3 * N * 4 * 4  # computed, and unchanged
     assert not any("lmtrace lens" in n for n in cmp.notes)
@@ -316,15 +333,19 @@ def test_cli_json_out_and_refusals(runs, tmp_path):
 
     # different tokenizers: by vocabulary size, or by a token id that decodes differently
     other = shutil.copytree(a.path, tmp_path / "other_tok")
-    (other / "manifest.json").write_text(json.dumps({**manifest, "tokenizer": {**manifest["tokenizer"], "vocab_size": 32000}}))
+    (other / "manifest.json").write_text(
+        json.dumps({**manifest, "tokenizer": {**manifest["tokenizer"], "vocab_size": 32000}})
+    )
     res = cli.invoke(app, ["compare", str(a.path), str(other)])
     assert res.exit_code == 2 and "different tokenizers" in res.stderr
     renamed = shutil.copytree(a.path, tmp_path / "renamed")
     tokens = pq.read_table(renamed / "tokens.parquet")
     texts = tokens.column("token_text").to_pylist()
     texts = ["@@" + texts[0]] + texts[1:]
-    pq.write_table(tokens.set_column(tokens.schema.get_field_index("token_text"), "token_text",
-                                     pa.array(texts, pa.string())), renamed / "tokens.parquet")
+    pq.write_table(
+        tokens.set_column(tokens.schema.get_field_index("token_text"), "token_text", pa.array(texts, pa.string())),
+        renamed / "tokens.parquet",
+    )
     rerecord_checksums(renamed)  # a run whose tokenizer decodes differently, not a damaged one
     res = cli.invoke(app, ["compare", str(a.path), str(renamed)])
     assert res.exit_code == 2 and "decode differently" in res.stderr
@@ -336,7 +357,7 @@ def test_compare_loads_no_model(runs):
     code = textwrap.dedent(f"""
         import sys
         from lmtrace.commands.compare import compare_view
-        compare_view({str(runs['parent'].path)!r}, {str(runs['child'].path)!r}, json_out=True)
+        compare_view({str(runs["parent"].path)!r}, {str(runs["child"].path)!r}, json_out=True)
         assert "torch" not in sys.modules and "transformers" not in sys.modules, "a model library was imported"
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -363,7 +384,9 @@ def test_topk_figures_are_lower_bounds_and_sparse_attention_matches_dense():
         if d["n_common"]:
             assert 0 <= d["kl_ab"] <= full_kl + 1e-12 and 0 <= d["js"] <= full_js + 1e-12
         everything = topk_divergence(dict(enumerate(lp_a)), dict(enumerate(lp_b)))
-        assert everything["kl_ab"] == pytest.approx(full_kl, rel=1e-6) and everything["js"] == pytest.approx(full_js, rel=1e-6)
+        assert everything["kl_ab"] == pytest.approx(full_kl, rel=1e-6) and everything["js"] == pytest.approx(
+            full_js, rel=1e-6
+        )
 
     rows_a = rng.dirichlet(np.ones(12), size=(3, 2))  # [step, head, key]
     rows_b = rng.dirichlet(np.ones(12), size=(3, 2))
@@ -451,7 +474,7 @@ def test_batch_composition_float_noise_is_called_float_noise(verdict_runs):
     assert ga.token_id.tolist() == gb.token_id.tolist()
     # independently: the stored logprobs differ (padding in the batch), by float noise only
     la, lb = np.stack(ga.alt_logprobs.to_numpy()), np.stack(gb.alt_logprobs.to_numpy())
-    assert (ga.alt_ids.map(list).tolist() == gb.alt_ids.map(list).tolist())
+    assert ga.alt_ids.map(list).tolist() == gb.alt_ids.map(list).tolist()
     diff = np.abs(la - lb).max()
     if diff == 0:
         pytest.skip("this torch build computes the padded batch bit-identically: no float noise to classify")
@@ -467,8 +490,12 @@ def test_exact_kl_equals_the_full_vocabulary_kl_of_the_two_models(runs):
     a, b = runs["parent"], runs["child"]
     cmp = compare_runs(a.path, b.path, exact=True, exact_steps="0-3")
     steps = cmp.per_step.to_pandas()
-    models = [AutoModelForCausalLM.from_pretrained(r.manifest["spec_resolved"]["model"]["ref"], dtype=torch.float32,
-                                                   attn_implementation="eager").eval() for r in (a, b)]
+    models = [
+        AutoModelForCausalLM.from_pretrained(
+            r.manifest["spec_resolved"]["model"]["ref"], dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        for r in (a, b)
+    ]
     t = a.tokens().to_pandas()
     checked = 0
     for _, row in steps.iterrows():
@@ -478,8 +505,10 @@ def test_exact_kl_equals_the_full_vocabulary_kl_of_the_two_models(runs):
             continue
         seq = int(row.seq_a)
         s = t[t.sequence == seq]
-        ids = s[s.is_prompt].sort_values("position").token_id.tolist() + \
-            s[~s.is_prompt].sort_values("step").token_id.tolist()[: int(row.step)]
+        ids = (
+            s[s.is_prompt].sort_values("position").token_id.tolist()
+            + s[~s.is_prompt].sort_values("step").token_id.tolist()[: int(row.step)]
+        )
         with torch.no_grad():
             la, lb = (m(torch.tensor([ids])).logits[0, -1].double().log_softmax(-1) for m in models)
         kl_ab = float((la.exp() * (la - lb)).sum())
@@ -503,9 +532,17 @@ def test_clean_and_corrupted_prompts_report_the_step0_logit_difference(tmp_path)
 
     from tests.helpers.reference import Reference
 
-    spec = {"prompts": ["The capital of France is the city of"], "generation": {"max_new_tokens": 1},
-            "capture": {"alternatives": 1000, "attention": {"enabled": False}, "qkv": False, "ffn": {"enabled": False},
-                        "lens": {"enabled": False}}}
+    spec = {
+        "prompts": ["The capital of France is the city of"],
+        "generation": {"max_new_tokens": 1},
+        "capture": {
+            "alternatives": 1000,
+            "attention": {"enabled": False},
+            "qkv": False,
+            "ffn": {"enabled": False},
+            "lens": {"enabled": False},
+        },
+    }
     clean = run_spec(tmp_path / "clean", spec)
     corrupt = run_spec(tmp_path / "corrupt", {**spec, "prompts": ["The capital of Italy is the city of"]})
     ga, gb = _gen(clean, 0), _gen(corrupt, 0)
@@ -522,9 +559,13 @@ def test_clean_and_corrupted_prompts_report_the_step0_logit_difference(tmp_path)
             logits = ref.forward(ids)["logits"][-1]
         assert d[key] == pytest.approx(float(logits[x] - logits[y]), abs=1e-3)
     # with the default 10 alternatives the corrupted run does not store the clean answer: null, not a guess
-    few = compare_runs(clean.path, run_spec(tmp_path / "few", {**spec, "capture": "none",
-                                                                 "prompts": ["The capital of Italy is the city of"]}).path,
-                       pair="index").pairs[0]["step0_logit_diff"]
+    few = compare_runs(
+        clean.path,
+        run_spec(
+            tmp_path / "few", {**spec, "capture": "none", "prompts": ["The capital of Italy is the city of"]}
+        ).path,
+        pair="index",
+    ).pairs[0]["step0_logit_diff"]
     assert few["under_a"] == pytest.approx(d["under_a"], abs=1e-5) and few["under_b"] is None
 
 
@@ -550,8 +591,11 @@ def test_the_terminal_summary_fits_80_columns_and_names_what_it_left_out(runs):
     lines = drawn(80)
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     header = next(i for i, line in enumerate(lines) if line.startswith("pair  A↔B"))
-    numbered = [line.split()[:2] for line in lines[header + 1:header + 1 + 3 * len(cmp.pairs)]
-                if line.split() and line.split()[0].isdigit()]
+    numbered = [
+        line.split()[:2]
+        for line in lines[header + 1 : header + 1 + 3 * len(cmp.pairs)]
+        if line.split() and line.split()[0].isdigit()
+    ]
     assert numbered == [[str(p["pair"]), f"{p['seq_a']}↔{p['seq_b']}"] for p in cmp.pairs]
     assert any(line.startswith("(left out to fit 80 columns: ") for line in lines)
     assert not any("left out" in line for line in drawn(200))
@@ -561,7 +605,7 @@ def test_the_terminal_summary_fits_80_columns_and_names_what_it_left_out(runs):
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     layers = next(i for i, line in enumerate(lines) if line.startswith("layer  Δ output norm"))
     changed = [r["layer"] for r in cmp.layers if r["changed"]][:5]
-    assert [int(line.split()[0]) for line in lines[layers + 1:layers + 1 + len(changed)]] == changed
+    assert [int(line.split()[0]) for line in lines[layers + 1 : layers + 1 + len(changed)]] == changed
     heads = next(i for i, line in enumerate(lines) if line.startswith("layer.head"))
     top = [f"{r['layer']}.{r['q_head']}" for r in cmp.heads if r["attn_js_mean"] > 0][:5]
-    assert [line.split()[0] for line in lines[heads + 1:heads + 1 + len(top)]] == top
+    assert [line.split()[0] for line in lines[heads + 1 : heads + 1 + len(top)]] == top

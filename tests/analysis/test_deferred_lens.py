@@ -19,25 +19,34 @@ import pytest
 import zarr
 from typer.testing import CliRunner
 
-from tests.helpers.reference import Reference
-from tests.helpers.runs import PROMPTS, run_spec
+from lmtrace.analysis.compare import compare_runs
 from lmtrace.archive.reader import IncompleteRunWarning, Run, lens_state
 from lmtrace.cli.main import app
-from lmtrace.analysis.compare import compare_runs
 from lmtrace.commands.lens import compute_lens
 from lmtrace.exits.errors import ArchiveError
 from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.reference import Reference
+from tests.helpers.runs import PROMPTS, run_spec
 
 LAYERS = [0, 2, 3]  # captured layers (of 4); the residual vector is also asked for at layer 1, not captured:
 VECTORS_AT = [1]  # so `resid` holds layers 0..3 and the lens reads rows 0, 2, 3 of it
 N = 7  # new tokens; chunk_steps 3: blocks of 3, 3 and a partial 1
-LENS_COLUMNS = ["lens_top1", "lens_top1_prob", "lens_margin", "lens_target_rank", "lens_target_prob",
-                "lens_runner_up_rank", "lens_runner_up_prob", "settle_layer"]
+LENS_COLUMNS = [
+    "lens_top1",
+    "lens_top1_prob",
+    "lens_margin",
+    "lens_target_rank",
+    "lens_target_prob",
+    "lens_runner_up_rank",
+    "lens_runner_up_prob",
+    "settle_layer",
+]
 
 
 def _spec(model_dir, *, lens: dict | None = None, **gen) -> dict:
     return {
-        "model": str(model_dir), "prompts": PROMPTS,
+        "model": str(model_dir),
+        "prompts": PROMPTS,
         "generation": {"max_new_tokens": N, "batch_size": 3, "temperature": 0.9, "seed": 5, **gen},
         # float32 residuals (the full preset's): the deferred lens then equals the inline one bit for bit
         "capture": {"layers": LAYERS, "residual": {"vectors_at": VECTORS_AT, "dtype": "float32"}, "lens": lens or {}},
@@ -56,8 +65,10 @@ def runs(tmp_path_factory, tiny_llama_dir):
     out = {"base": base, "root": root}
     for dtype in ("float32", "bfloat16"):
         for when in ("deferred", "inline"):
-            out[dtype, when] = run_spec(root / f"{dtype}-{when}",
-                                        _spec(tiny_llama_dir, lens={"dtype": dtype, "when": when}, eos_token_id=gen0[2]))
+            out[dtype, when] = run_spec(
+                root / f"{dtype}-{when}",
+                _spec(tiny_llama_dir, lens={"dtype": dtype, "when": when}, eos_token_id=gen0[2]),
+            )
     return out
 
 
@@ -67,8 +78,11 @@ def _copy(run: Run, dst: Path) -> Run:
 
 
 def _steps(run: Run) -> pd.DataFrame:
-    return pq.read_table(run.path / "steps.parquet").to_pandas().sort_values(["sequence", "step", "layer"],
-                                                                            ignore_index=True)
+    return (
+        pq.read_table(run.path / "steps.parquet")
+        .to_pandas()
+        .sort_values(["sequence", "step", "layer"], ignore_index=True)
+    )
 
 
 # ---- a. after `lmtrace lens`, a deferred run equals an inline run of the same spec ------------------
@@ -80,8 +94,12 @@ def test_deferred_lens_equals_the_inline_lens_bit_for_bit(runs, dtype, tmp_path)
     assert deferred.tokens().to_pandas().equals(inline.tokens().to_pandas())
     gen_len = inline.generated_len()
     assert gen_len.min() < N and gen_len.max() == N, gen_len
-    assert inline.manifest["lens"] == {**inline.manifest["lens"], "when": "inline", "dtype": dtype,
-                                       "computed": {"by": "lmtrace generate"}}
+    assert inline.manifest["lens"] == {
+        **inline.manifest["lens"],
+        "when": "inline",
+        "dtype": dtype,
+        "computed": {"by": "lmtrace generate"},
+    }
     assert inline.manifest["shape"]["resid_layers"] == VECTORS_AT  # inline: no extra residual vectors
     assert deferred.manifest["shape"]["resid_layers"] == sorted(set(LAYERS) | set(VECTORS_AT))
 
@@ -141,7 +159,9 @@ def test_a_pending_lens_is_absent_and_the_residual_covers_every_captured_layer(r
     assert run.manifest["spec_resolved"]["capture"]["lens"]["when"] == "deferred"  # the default
 
     names = set(run.array_names())
-    assert {"lens_ids", "lens_probs"}.isdisjoint(names) and {"lens_ids", "lens_probs"}.isdisjoint(run.manifest["arrays"])
+    assert {"lens_ids", "lens_probs"}.isdisjoint(names) and {"lens_ids", "lens_probs"}.isdisjoint(
+        run.manifest["arrays"]
+    )
     assert {"lens_ids", "lens_probs"}.isdisjoint(zarr.open_group(str(run.path / "tensors.zarr"), mode="r").array_keys())
     for name in ("lens_ids", "lens_probs"):
         with pytest.raises(ArchiveError, match=rf"deferred and not computed yet: run `lmtrace lens {run.id}`"):
@@ -168,7 +188,7 @@ def test_a_pending_lens_is_absent_and_the_residual_covers_every_captured_layer(r
         P, n = int(run.prompt_len()[seq]), int(run.generated_len()[seq])
         r = ref.forward(ids)
         for j, layer in enumerate(expected_layers):
-            want = r["resid"][layer][P - 1: P - 1 + n].numpy()
+            want = r["resid"][layer][P - 1 : P - 1 + n].numpy()
             np.testing.assert_allclose(resid[seq, :n, j], want, atol=1e-4, rtol=1e-4, err_msg=f"layer {layer}")
         assert np.isnan(resid[seq, n:]).all()
 
@@ -225,8 +245,10 @@ def test_a_rerun_after_an_interrupted_lens_recomputes_all_of_it(runs, tmp_path):
     import hashlib
 
     new_steps = (broken.path / "steps.parquet").read_bytes()
-    manifest["checksums_recording"] = {"sha256": manifest["checksums"]["sha256"],
-                                       "files": {"steps.parquet": [len(new_steps), hashlib.sha256(new_steps).hexdigest()]}}
+    manifest["checksums_recording"] = {
+        "sha256": manifest["checksums"]["sha256"],
+        "files": {"steps.parquet": [len(new_steps), hashlib.sha256(new_steps).hexdigest()]},
+    }
     (broken.path / "manifest.json").write_text(json.dumps(manifest))
     assert not _steps(Run(broken.path)).lens_margin.equals(_steps(done).lens_margin)
     assert compute_lens(Run(broken.path))["computed"] is True
@@ -263,7 +285,9 @@ def test_cli_lens_computes_once_and_refuses_with_one_line(runs, tmp_path, tiny_l
     assert lens_state(Run(b.path).manifest) == "ready"
 
     assert_one_line_error(lmtrace(tmp_path, "lens", "nonexistent-run"), 2, "no run 'nonexistent-run'", "lmtrace ls")
-    assert_one_line_error(lmtrace(tmp_path, "lens", none.id), 2, f"run {none.id} captured no logit lens", "capture: none")
+    assert_one_line_error(
+        lmtrace(tmp_path, "lens", none.id), 2, f"run {none.id} captured no logit lens", "capture: none"
+    )
     assert_one_line_error(lmtrace(tmp_path, "lens", off.id), 2, f"run {off.id} captured no logit lens")
     assert_one_line_error(lmtrace(tmp_path, "lens"), 2, "Missing argument")
     assert lens_state(Run(none.path).manifest) == "none" and not (tmp_path / "runs" / "nonexistent-run").exists()

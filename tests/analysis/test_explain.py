@@ -15,12 +15,12 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers.runs import run_spec
 from lmtrace.analysis import attribution as attr
 from lmtrace.archive.explanations import record_entries
 from lmtrace.commands.explain import explain_run
 from lmtrace.commands.explain_render import summary
 from lmtrace.exits.errors import ArchiveError, ModelLoadError, SpecError
+from tests.helpers.runs import run_spec
 
 TOL = 1e-4
 
@@ -28,17 +28,31 @@ TOL = 1e-4
 # ---- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def forward_only_run(tmp_path_factory, tiny_llama_dir):
-    spec = {"model": str(tiny_llama_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
-            "capture": "none", "generation": {"max_new_tokens": 6, "batch_size": 2}}
+    spec = {
+        "model": str(tiny_llama_dir),
+        "prompts": ["The quick brown fox", "Paris is the capital of"],
+        "capture": "none",
+        "generation": {"max_new_tokens": 6, "batch_size": 2},
+    }
     return run_spec(tmp_path_factory.mktemp("fwd"), spec)
 
 
 @pytest.fixture(scope="module")
 def attention_run(tmp_path_factory, tiny_llama_dir):
-    spec = {"model": str(tiny_llama_dir), "prompts": ["One, two, three, four"],
-            "capture": {"prefill_attention": True, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
-                        "component_norms": False, "margin_contributions": False},
-            "generation": {"max_new_tokens": 5}, "output": {"float_dtype": "float32"}}
+    spec = {
+        "model": str(tiny_llama_dir),
+        "prompts": ["One, two, three, four"],
+        "capture": {
+            "prefill_attention": True,
+            "qkv": False,
+            "ffn": {"enabled": False},
+            "lens": {"enabled": False},
+            "component_norms": False,
+            "margin_contributions": False,
+        },
+        "generation": {"max_new_tokens": 5},
+        "output": {"float_dtype": "float32"},
+    }
     return run_spec(tmp_path_factory.mktemp("attn"), spec)
 
 
@@ -77,12 +91,12 @@ def scores_of(result, method, step):
 # ---- attention rollout --------------------------------------------------------------------------
 def test_rollout_matches_hand_computation():
     # two layers, two heads, three positions (rows = queries, sum to 1)
-    attn = np.array([
-        [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]],
-         [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
-        [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]],
-         [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
-    ])
+    attn = np.array(
+        [
+            [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]], [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
+            [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]], [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
+        ]
+    )
     # by hand: layer 0 head mean [[1,0,0],[.75,.25,0],[.4,.25,.35]]; + I and row-normalise:
     #   Â0 = [[1,0,0],[.375,.625,0],[.2,.125,.675]];  Â1 = [[1,0,0],[0,1,0],[.25,.25,.5]]
     #   R = Â1 Â0: last row = .25*[1,0,0] + .25*[.375,.625,0] + .5*[.2,.125,.675]
@@ -103,12 +117,12 @@ def test_rollout_from_archive_equals_rollout_of_the_models_attention(attention_r
 
 
 def test_rollout_without_the_sink_matches_hand_computation():
-    attn = np.array([
-        [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]],
-         [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
-        [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]],
-         [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
-    ])
+    attn = np.array(
+        [
+            [[[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]], [[1, 0, 0], [1.0, 0.0, 0], [0.6, 0.2, 0.2]]],
+            [[[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]], [[1, 0, 0], [0.0, 1.0, 0], [0.5, 0.5, 0.0]]],
+        ]
+    )
     # by hand, column 0 zeroed in each head mean before + I and row-normalising:
     #   Â0 last row [0, .25, 1.35] / 1.6;  Â1 = [[1,0,0],[0,1,0],[0,1/3,2/3]]
     #   last row of R = 1/3*[0,1,0] + 2/3*[0,.15625,.84375] = [0, .4375, .5625]
@@ -159,8 +173,13 @@ def test_rollout_on_a_forward_only_run_names_what_is_missing(forward_only_run):
 # ---- gradient methods -----------------------------------------------------------------------------
 @pytest.mark.parametrize("seq,steps,target,quantity", [(1, [0, 5], "chosen", "logit"), (0, [3], "contrast", "logprob")])
 def test_grad_x_input_matches_autograd(forward_only_run, model, seq, steps, target, quantity):
-    result = explain_run(forward_only_run.path, steps, sequence=seq, methods=["grad_x_input"],
-                            settings=attr.Settings(target=target, quantity=quantity))
+    result = explain_run(
+        forward_only_run.path,
+        steps,
+        sequence=seq,
+        methods=["grad_x_input"],
+        settings=attr.Settings(target=target, quantity=quantity),
+    )
     for step in steps:
         ids, chosen, runner = context(forward_only_run, seq, step)
         e = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
@@ -205,15 +224,24 @@ def smooth_run(tmp_path_factory, tiny_llama_dir):
         m.get_input_embeddings().weight[2] = torch.randn(m.config.hidden_size) * 0.02
     m.save_pretrained(path)
     AutoTokenizer.from_pretrained(str(tiny_llama_dir)).save_pretrained(path)
-    spec = {"model": str(path), "prompts": ["The quick brown fox"], "capture": "none", "generation": {"max_new_tokens": 4}}
+    spec = {
+        "model": str(path),
+        "prompts": ["The quick brown fox"],
+        "capture": "none",
+        "generation": {"max_new_tokens": 4},
+    }
     return run_spec(tmp_path_factory.mktemp("smooth"), spec)
 
 
 def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
     errors = {}
     for m in (4, 32):
-        r = explain_run(smooth_run.path, "3", methods=["integrated_gradients"],
-                           settings=attr.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33))
+        r = explain_run(
+            smooth_run.path,
+            "3",
+            methods=["integrated_gradients"],
+            settings=attr.Settings(baseline="pad", ig_steps=m, ig_rule="midpoint", batch_size=33),
+        )
         info = r.explanations[0].info
         errors[m] = info["completeness_error"]
         assert abs(float(r.explanations[0].scores.sum()) - (info["f_x"] - info["f_baseline"])) <= errors[m] + 1e-5
@@ -226,8 +254,13 @@ def test_integrated_gradients_error_shrinks_with_steps(smooth_run):
 
 # ---- occlusion ---------------------------------------------------------------------------------------
 def test_occlusion_equals_the_change_of_a_masked_forward(forward_only_run, model):
-    result = explain_run(forward_only_run.path, "4", sequence=1, methods=["occlusion"],
-                            settings=attr.Settings(target="chosen", quantity="logprob", batch_size=3))
+    result = explain_run(
+        forward_only_run.path,
+        "4",
+        sequence=1,
+        methods=["occlusion"],
+        settings=attr.Settings(target="chosen", quantity="logprob", batch_size=3),
+    )
     ids, chosen, runner = context(forward_only_run, 1, 4)
     x = model.get_input_embeddings()(torch.tensor([ids]))
     got = scores_of(result, "occlusion", 4).scores
@@ -275,8 +308,11 @@ def test_a_failed_scores_part_write_leaves_no_tmp_and_no_unnamed_explanation(for
     import lmtrace.archive.explanations as explanations
 
     before = json.loads((forward_only_run.path / "manifest.json").read_text())
-    folders = {p.name for p in (forward_only_run.path / "explain").iterdir()} if (
-        forward_only_run.path / "explain").is_dir() else set()
+    folders = (
+        {p.name for p in (forward_only_run.path / "explain").iterdir()}
+        if (forward_only_run.path / "explain").is_dir()
+        else set()
+    )
 
     def full(table, where, *args, **kwargs):
         open(where, "wb").write(b"half")  # as a real write that ran out of room would leave it
@@ -327,8 +363,9 @@ def test_cli_shows_context_and_top_contributors(forward_only_run):
     from lmtrace.cli.main import app
 
     runner = CliRunner()
-    out = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "1", "-m", "grad_x_input",
-                              "--top", "3"])
+    out = runner.invoke(
+        app, ["explain", str(forward_only_run.path), "--steps", "1", "-m", "grad_x_input", "--top", "3"]
+    )
     assert out.exit_code == 0, out.output
     assert "top 3 positions" in out.output and "' quick'" in out.output
     js = runner.invoke(app, ["explain", str(forward_only_run.path), "--steps", "0", "--json", "--target", "contrast"])
@@ -350,13 +387,18 @@ def _ig_reference(model, ids, chosen, runner, target, quantity, baseline):
         x = emb(torch.tensor([ids]))
         b = torch.zeros_like(x) if baseline == "zero" else emb.weight.double().mean(0).float().expand_as(x).clone()
         b[:, 0] = x[:, 0]
-        return (f_of(model, x, chosen, runner, target, quantity) - f_of(model, b, chosen, runner, target, quantity)).item()
+        return (
+            f_of(model, x, chosen, runner, target, quantity) - f_of(model, b, chosen, runner, target, quantity)
+        ).item()
 
 
-@pytest.mark.parametrize("baseline,target,quantity", [("mean", "chosen", "logit"), ("mean", "contrast", "logprob"),
-                                                      ("zero", "runner-up", "logprob")])
-def test_integrated_gradients_converge_to_completeness_or_say_they_did_not(forward_only_run, model, baseline, target,
-                                                                            quantity):
+@pytest.mark.parametrize(
+    "baseline,target,quantity",
+    [("mean", "chosen", "logit"), ("mean", "contrast", "logprob"), ("zero", "runner-up", "logprob")],
+)
+def test_integrated_gradients_converge_to_completeness_or_say_they_did_not(
+    forward_only_run, model, baseline, target, quantity
+):
     settings = attr.Settings(target=target, quantity=quantity, baseline=baseline, batch_size=16)
     result = explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"], settings=settings)
     for e in result.explanations:
@@ -368,9 +410,15 @@ def test_integrated_gradients_converge_to_completeness_or_say_they_did_not(forwa
         assert error <= 0.01 + 1e-4, (e.step, error)
         assert e.info["completeness_error_relative"] == pytest.approx(error, abs=1e-4)
     # the fixed grid with as many gradient points does not meet the tolerance everywhere, and says so
-    fixed = explain_run(forward_only_run.path, "1,4", sequence=1, methods=["ig"],
-                           settings=attr.Settings(target=target, quantity=quantity, baseline=baseline, ig_rule="midpoint",
-                                                ig_steps=16, batch_size=16))
+    fixed = explain_run(
+        forward_only_run.path,
+        "1,4",
+        sequence=1,
+        methods=["ig"],
+        settings=attr.Settings(
+            target=target, quantity=quantity, baseline=baseline, ig_rule="midpoint", ig_steps=16, batch_size=16
+        ),
+    )
     for e in fixed.explanations:
         ids, chosen, runner = context(forward_only_run, 1, e.step)
         change = _ig_reference(model, ids, chosen, runner, target, quantity, baseline)
@@ -399,8 +447,12 @@ def test_integrated_gradients_never_take_a_gradient_at_the_baseline_and_report_n
 
     monkeypatch.setattr(attr.Scorer, "logits", poisoned)
     monkeypatch.setattr(attr.IGPath, "density", original)
-    r = explain_run(forward_only_run.path, "2", methods=["ig"],
-                       settings=attr.Settings(baseline="zero", ig_rule="midpoint", ig_steps=8))
+    r = explain_run(
+        forward_only_run.path,
+        "2",
+        methods=["ig"],
+        settings=attr.Settings(baseline="zero", ig_rule="midpoint", ig_steps=8),
+    )
     e = r.explanations[0]
     assert e.info["converged"] is False and e.info["nonfinite"] is True
     entry = [x for x in json.loads((r.path / "explain.json").read_text())["entries"]][0]
@@ -416,8 +468,23 @@ def test_cli_strict_exits_1_when_not_converged_and_json_is_strict(forward_only_r
     from lmtrace.cli.main import app
 
     runner = CliRunner()
-    args = ["explain", str(forward_only_run.path), "--steps", "2", "-m", "ig", "--baseline", "zero", "--ig-rule",
-            "midpoint", "--ig-steps", "2", "--ig-tolerance", "1e-6", "--json"]
+    args = [
+        "explain",
+        str(forward_only_run.path),
+        "--steps",
+        "2",
+        "-m",
+        "ig",
+        "--baseline",
+        "zero",
+        "--ig-rule",
+        "midpoint",
+        "--ig-steps",
+        "2",
+        "--ig-tolerance",
+        "1e-6",
+        "--json",
+    ]
     out = runner.invoke(app, args)
     assert out.exit_code == 0, out.output
     summary = json.loads(out.stdout.strip().splitlines()[-1], parse_constant=lambda c: pytest.fail(f"bare {c}"))
@@ -439,10 +506,19 @@ def ablated_child(tmp_path_factory, tiny_llama_dir):
     from lmtrace.commands.intervene import run_intervene
 
     root = tmp_path_factory.mktemp("child")
-    parent = run_spec(root, {"model": str(tiny_llama_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
-                             "capture": "none", "generation": {"max_new_tokens": 5, "batch_size": 2}})
-    entries = [{"kind": "ablate_mlp", "layer": 1}, {"kind": "ablate_head", "layer": 2, "head": 1, "mode": "mean",
-                                                    "steps": {"from": 2}}]
+    parent = run_spec(
+        root,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": ["The quick brown fox", "Paris is the capital of"],
+            "capture": "none",
+            "generation": {"max_new_tokens": 5, "batch_size": 2},
+        },
+    )
+    entries = [
+        {"kind": "ablate_mlp", "layer": 1},
+        {"kind": "ablate_head", "layer": 2, "head": 1, "mode": "mean", "steps": {"from": 2}},
+    ]
     result, _ = run_intervene(str(parent.path), entries, runs_dir=str(root / "runs"))
     return parent, Run(result.run_dir)
 
@@ -461,7 +537,7 @@ def test_explain_on_an_ablation_child_replays_its_edits(ablated_child, model):
             ids = t[t.sequence == seq].sort_values("position").token_id.tolist()
             model(torch.tensor([ids]))
     h.remove()
-    mean = torch.cat(acc).mean(0)[1 * hd:2 * hd].float()
+    mean = torch.cat(acc).mean(0)[1 * hd : 2 * hd].float()
     for step in (0, 3):
         ids, chosen, runner = context(child, 1, step)
         P = len(ids) - step
@@ -469,8 +545,9 @@ def test_explain_on_an_ablation_child_replays_its_edits(ablated_child, model):
 
         def head(m, a, P=P):
             x = a[0].clone()
-            x[:, P + 1:, hd:2 * hd] = mean  # position P-1+t computed at step t >= 2
+            x[:, P + 1 :, hd : 2 * hd] = mean  # position P-1+t computed at step t >= 2
             return (x,)
+
         handles.append(model.model.layers[2].self_attn.o_proj.register_forward_pre_hook(head))
         try:
             e = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
@@ -497,8 +574,16 @@ def test_explain_refuses_a_child_whose_edits_cannot_be_replayed(ablated_child, t
     moved = tmp_path / child.path.name
     shutil.copytree(child.path, moved)
     manifest = json.loads((moved / "manifest.json").read_text())
-    manifest["interventions"] = [{"kind": "patch_residual", "layer": 1, "source_run": "elsewhere", "steps": "all",
-                                  "sequences": "all", "positions": "all"}]
+    manifest["interventions"] = [
+        {
+            "kind": "patch_residual",
+            "layer": 1,
+            "source_run": "elsewhere",
+            "steps": "all",
+            "sequences": "all",
+            "positions": "all",
+        }
+    ]
     (moved / "manifest.json").write_text(json.dumps(manifest))
     out = CliRunner().invoke(app, ["explain", str(moved), "--steps", "1"])
     assert out.exit_code == 2 and "patch_residual" in out.output and "cannot replay" in out.output
@@ -508,8 +593,10 @@ def test_explain_refuses_a_child_whose_edits_cannot_be_replayed(ablated_child, t
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory):
     """SmolLM2-135M, greedy: "The capital of France is" -> " Paris.\n\nThe" (steps 0..3)."""
-    return run_spec(tmp_path_factory.mktemp("embedded"), {"prompts": ["The capital of France is"], "capture": "none",
-                                                           "generation": {"max_new_tokens": 4}})
+    return run_spec(
+        tmp_path_factory.mktemp("embedded"),
+        {"prompts": ["The capital of France is"], "capture": "none", "generation": {"max_new_tokens": 4}},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -548,8 +635,10 @@ def test_integrated_gradients_converge_on_the_embedded_model(embedded_run, embed
         ids, chosen, runner = context(embedded_run, 0, e.step)
         x, b = _kept_first_mean_baseline(embedded_model64, ids)
         with torch.no_grad():
-            change = (f_of(embedded_model64, x, chosen, runner, target, quantity)
-                      - f_of(embedded_model64, b, chosen, runner, target, quantity)).item()
+            change = (
+                f_of(embedded_model64, x, chosen, runner, target, quantity)
+                - f_of(embedded_model64, b, chosen, runner, target, quantity)
+            ).item()
         error = abs(float(e.scores.astype(np.float64).sum()) - change) / max(abs(change), attr.IG_SCALE_FLOOR)
         assert e.info["converged"] is True, (e.step, e.info)
         assert error <= 0.01, (e.step, error, e.info)
@@ -565,8 +654,12 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
     m64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     emb = m64.get_input_embeddings()
     for keep, kept, dtype, tol in (("none", [], "float64", 1e-9), ("0,2", [0, 2], "float32", 1e-4)):
-        r = explain_run(forward_only_run.path, "2", methods=["ig", "gxi"], settings=attr.Settings(
-            target="contrast", quantity="logprob", ig_keep=keep, ig_dtype=dtype, batch_size=16))
+        r = explain_run(
+            forward_only_run.path,
+            "2",
+            methods=["ig", "gxi"],
+            settings=attr.Settings(target="contrast", quantity="logprob", ig_keep=keep, ig_dtype=dtype, batch_size=16),
+        )
         with torch.no_grad():
             x = emb(torch.tensor([ids]))
             b = emb.weight.mean(0).expand_as(x).clone()
@@ -574,14 +667,17 @@ def test_integrated_gradients_keep_positions_and_float64(forward_only_run, model
             fx, fb = (f_of(m64, v, chosen, runner, "contrast", "logprob").item() for v in (x, b))
         e = scores_of(r, "integrated_gradients", 2)
         assert e.info["f_x"] == pytest.approx(fx, abs=tol) and e.info["f_baseline"] == pytest.approx(fb, abs=tol)
-        assert all(e.scores[k] == 0.0 for k in kept) and all(e.scores[k] != 0.0 for k in range(len(ids)) if k not in kept)
+        assert all(e.scores[k] == 0.0 for k in kept) and all(
+            e.scores[k] != 0.0 for k in range(len(ids)) if k not in kept
+        )
         assert abs(float(e.scores.astype(np.float64).sum()) - (fx - fb)) <= e.info["completeness_error"] + 10 * tol
         assert r.entries[0]["settings"]["ig_keep"] == kept and r.entries[0]["settings"]["ig_dtype"] == dtype
         # grad × input in the same invocation, after IG, still matches the float32 model
         x32 = model.get_input_embeddings()(torch.tensor([ids])).detach().requires_grad_(True)
         (grad,) = torch.autograd.grad(f_of(model, x32, chosen, runner, "contrast", "logprob").sum(), x32)
-        np.testing.assert_allclose(scores_of(r, "grad_x_input", 2).scores, (grad * x32).sum(-1)[0].detach().numpy(),
-                                   atol=TOL, rtol=1e-3)
+        np.testing.assert_allclose(
+            scores_of(r, "grad_x_input", 2).scores, (grad * x32).sum(-1)[0].detach().numpy(), atol=TOL, rtol=1e-3
+        )
 
 
 def test_integrated_gradients_keep_special_tokens_of_a_chat_context(tmp_path, tiny_llama_dir, model):
@@ -589,14 +685,22 @@ def test_integrated_gradients_keep_special_tokens_of_a_chat_context(tmp_path, ti
     the tokenizer itself) keep their embedding; f(baseline) equals the test's own forward on that baseline."""
     from transformers import AutoTokenizer
 
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": {"texts": ["Name a colour."], "chat": True},
-                              "capture": "none", "generation": {"max_new_tokens": 3}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"texts": ["Name a colour."], "chat": True},
+            "capture": "none",
+            "generation": {"max_new_tokens": 3},
+        },
+    )
     ids, chosen, runner = context(run, 0, 2)
     special = set(AutoTokenizer.from_pretrained(str(tiny_llama_dir)).all_special_ids)
     kept = sorted({0} | {i for i, t in enumerate(ids) if t in special})
     assert len(kept) >= 4  # the chat template's <|im_start|> / <|im_end|> tokens
-    r = explain_run(run.path, "2", methods=["ig"], settings=attr.Settings(ig_keep="special", ig_rule="midpoint",
-                                                                           ig_steps=4))
+    r = explain_run(
+        run.path, "2", methods=["ig"], settings=attr.Settings(ig_keep="special", ig_rule="midpoint", ig_steps=4)
+    )
     e = scores_of(r, "integrated_gradients", 2)
     assert e.info["kept_positions"] == kept and r.entries[0]["settings"]["ig_keep_special"] is True
     assert all(e.scores[k] == 0.0 for k in kept) and all(e.scores[k] != 0.0 for k in range(len(ids)) if k not in kept)
@@ -617,8 +721,9 @@ def test_not_converged_says_which_condition_was_missed():
     assert "0.03% ≤ 1%" in on_bound and "error bound 4.90% > 1%" in on_bound and "1024 gradient points" in on_bound
     on_total = attr.ig_shortfall({**base, "completeness_error_relative": 0.2, "error_bound_relative": 0.3}, 0.01)
     assert "completeness error 20.00% > 1%" in on_total and "bound" not in on_total
-    nonfinite = attr.ig_shortfall({**base, "nonfinite": True, "completeness_error_relative": None,
-                                 "error_bound_relative": None}, 0.01)
+    nonfinite = attr.ig_shortfall(
+        {**base, "nonfinite": True, "completeness_error_relative": None, "error_bound_relative": None}, 0.01
+    )
     assert nonfinite.startswith("non-finite values")
 
 
@@ -631,9 +736,19 @@ def gemma_dir(tmp_path_factory, tiny_llama_dir):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     m = Gemma3ForCausalLM(cfg)
     with torch.no_grad():
         w = m.get_input_embeddings().weight
@@ -659,8 +774,16 @@ def test_integrated_gradients_mean_baseline_is_on_the_inputs_scale_on_gemma(tmp_
 
     monkeypatch.setattr(attr.IGPath, "__init__", recording_init)
 
-    run = run_spec(tmp_path, {"model": str(gemma_dir), "prompts": ["The quick brown fox"], "capture": "none",
-                              "generation": {"max_new_tokens": 4}, "output": {"float_dtype": "float32"}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(gemma_dir),
+            "prompts": ["The quick brown fox"],
+            "capture": "none",
+            "generation": {"max_new_tokens": 4},
+            "output": {"float_dtype": "float32"},
+        },
+    )
     model = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval().requires_grad_(False)
     emb = model.get_input_embeddings()
@@ -668,8 +791,9 @@ def test_integrated_gradients_mean_baseline_is_on_the_inputs_scale_on_gemma(tmp_
         mean = emb(torch.arange(emb.weight.shape[0])[None])[0].double().mean(0).float()  # the module's own outputs
     raw = emb.weight.double().mean(0).norm().item()
     assert mean.norm().item() == pytest.approx(8 * raw, rel=1e-4)  # the module scales: a raw table row is 8× smaller
-    result = explain_run(run.path, "1,3", methods=["ig"],
-                         settings=attr.Settings(target="contrast", quantity="logprob", batch_size=16))
+    result = explain_run(
+        run.path, "1,3", methods=["ig"], settings=attr.Settings(target="contrast", quantity="logprob", batch_size=16)
+    )
     assert len(paths) == 2
     for e, (e_path, b_path) in zip(result.explanations, paths):
         ids, chosen, runner = context(run, 0, e.step)
@@ -710,8 +834,12 @@ def test_kept_positions_outside_the_context_are_refused_before_any_work(forward_
     assert f"positions {n}, 999 are outside" in errors[0] and f"0..{n - 1}" in errors[0]
     out, errors = _cli_explain(attention_run.path, "--steps", "1", "-m", "rollout", "--rollout-exclude", "999")
     assert out.exit_code == 2 and len(errors) == 1 and "--rollout-exclude '999'" in errors[0], out.output
-    kept = explain_run(forward_only_run.path, "0,2", methods=["ig"], settings=attr.Settings(
-        ig_keep=f"0,{n - 1}", ig_rule="midpoint", ig_steps=2))  # inside step 2's context: kept there, not at step 0
+    kept = explain_run(
+        forward_only_run.path,
+        "0,2",
+        methods=["ig"],
+        settings=attr.Settings(ig_keep=f"0,{n - 1}", ig_rule="midpoint", ig_steps=2),
+    )  # inside step 2's context: kept there, not at step 0
     assert [e.info["kept_positions"] for e in kept.explanations] == [[0], [0, n - 1]]
 
 

@@ -15,11 +15,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from tests.helpers.cli import assert_one_line_error, lmtrace
 from tests.helpers.runs import run_spec
 
-PROMPTS = ["one two three one two three one two", "The cat sat on the mat and the cat",
-           "red green blue red green blue red", "Paris is the capital of France and"]
+PROMPTS = [
+    "one two three one two three one two",
+    "The cat sat on the mat and the cat",
+    "red green blue red green blue red",
+    "Paris is the capital of France and",
+]
 TOPICS = ["count", "animals", "count", None]
 
 
@@ -29,11 +34,21 @@ def run(tmp_path_factory, tiny_llama_dir):
     keeps in sequences.parquet."""
     tmp = tmp_path_factory.mktemp("grouped")
     f = tmp / "prompts.jsonl"
-    f.write_text("".join(json.dumps({"prompt": p, **({"topic": t} if t is not None else {})}) + "\n"
-                         for p, t in zip(PROMPTS, TOPICS)))
-    r = run_spec(tmp, {
-        "model": str(tiny_llama_dir), "prompts": {"file": str(f)}, "generation": {"max_new_tokens": 5, "batch_size": 4},
-        "capture": {"lens": {"when": "inline"}}, "output": {"float_dtype": "float32"}})
+    f.write_text(
+        "".join(
+            json.dumps({"prompt": p, **({"topic": t} if t is not None else {})}) + "\n" for p, t in zip(PROMPTS, TOPICS)
+        )
+    )
+    r = run_spec(
+        tmp,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"file": str(f)},
+            "generation": {"max_new_tokens": 5, "batch_size": 4},
+            "capture": {"lens": {"when": "inline"}},
+            "output": {"float_dtype": "float32"},
+        },
+    )
     assert pq.read_table(r.path / "sequences.parquet").column("topic").to_pylist() == TOPICS
     return r
 
@@ -49,8 +64,11 @@ def test_heads_by_group_are_the_pooled_rows_of_its_sequences(run, capsys):
     assert (got.group_column == "topic").all()
     assert sorted(got.group_value.dropna().unique()) == ["animals", "count"] and got.group_value.isna().any()
     for (topic, layer, head), rows in per.groupby(["topic", "layer", "q_head"], dropna=False):
-        mine = got[(got.group_value.isna() if topic is None or pd.isna(topic) else got.group_value == topic)
-                   & (got.layer == layer) & (got.q_head == head)].iloc[0]
+        mine = got[
+            (got.group_value.isna() if topic is None or pd.isna(topic) else got.group_value == topic)
+            & (got.layer == layer)
+            & (got.q_head == head)
+        ].iloc[0]
         assert mine.n_sequences == len(rows) and mine.n_rows == rows.n_rows.sum()
         for score in ("sink_score", "prev_token_score", "local_score", "entropy", "concentration"):
             want = (rows[score] * rows.n_rows).sum() / rows.n_rows.sum()
@@ -77,14 +95,26 @@ def _bootstrap(rows: pd.DataFrame, resamples: int, seed: int) -> tuple[float, fl
 def test_sweep_by_group_means_and_bootstrap_intervals(run, capsys):
     from lmtrace.cli.sweep import sweep_command
 
-    summary = sweep_command(str(run.path), spec_path=None, flags={"over": "attn", "metrics": ["logprob"]},
-                            runs_dir=None, run_id=None, shard=None, resume=False, top=5, json_out=True, quiet=False,
-                            note=lambda *a, **k: None, by="topic")
+    summary = sweep_command(
+        str(run.path),
+        spec_path=None,
+        flags={"over": "attn", "metrics": ["logprob"]},
+        runs_dir=None,
+        run_id=None,
+        shard=None,
+        resume=False,
+        top=5,
+        json_out=True,
+        quiet=False,
+        note=lambda *a, **k: None,
+        by="topic",
+    )
     capsys.readouterr()
     by = summary["by"]
     assert by["resamples"] == 1000 and by["seed"] == 0
-    long = pd.read_parquet(next(p for p in (run.path / "sweeps").iterdir() if not p.name.startswith("."))
-                           / "sweep.parquet")
+    long = pd.read_parquet(
+        next(p for p in (run.path / "sweeps").iterdir() if not p.name.startswith(".")) / "sweep.parquet"
+    )
     long = long[long.metric == "logprob"]
     long["topic"] = long.sequence.map(dict(enumerate(TOPICS)))
     cells = {(c["group_value"], c["layer"]): c for c in by["cells"]}
@@ -132,15 +162,19 @@ def test_sweep_refuses_an_unknown_by_column_before_running_cells(run, tmp_path):
     proc = lmtrace(tmp_path, "sweep", str(run.path), "--over", "attn", "--by", "nope")
     assert_one_line_error(proc, 2, "--by 'nope'", "stop_reason")
     assert (json.loads((run.path / "manifest.json").read_text()).get("sweeps") or []) == before
-    assert not (run.path / "sweeps").is_dir() or not any(p.name.startswith(".partial") for p in (run.path / "sweeps").iterdir())
+    assert not (run.path / "sweeps").is_dir() or not any(
+        p.name.startswith(".partial") for p in (run.path / "sweeps").iterdir()
+    )
 
 
 # Metadata named like the output columns of heads, sweep and stats (`label`, `layer`, `q_head`), and a
 # bool; the last prompt has none of them (its group is null).
-COLLIDING = [{"prompt": PROMPTS[0], "label": "x", "layer": 3, "q_head": 10, "flag": True},
-             {"prompt": PROMPTS[1], "label": "y", "layer": 12, "q_head": 2, "flag": False},
-             {"prompt": PROMPTS[2], "label": "x", "layer": 3, "q_head": 2, "flag": True},
-             {"prompt": PROMPTS[3]}]
+COLLIDING = [
+    {"prompt": PROMPTS[0], "label": "x", "layer": 3, "q_head": 10, "flag": True},
+    {"prompt": PROMPTS[1], "label": "y", "layer": 12, "q_head": 2, "flag": False},
+    {"prompt": PROMPTS[2], "label": "x", "layer": 3, "q_head": 2, "flag": True},
+    {"prompt": PROMPTS[3]},
+]
 COLUMNS = ("label", "layer", "q_head", "flag")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # each terminal table's own headers: a group column of one of these names is headed `NAME (group)`
@@ -169,7 +203,7 @@ def _first_cells(stdout: str, header: str) -> list[str]:
     lines = ANSI.sub("", stdout).splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header + "  "))
     cells = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip() or line.startswith(("(", "every ")):
             break
         cells.append(line.split()[0])
@@ -181,9 +215,16 @@ def colliding(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("colliding")
     f = tmp / "prompts.jsonl"
     f.write_text("".join(json.dumps(row) + "\n" for row in COLLIDING))
-    r = run_spec(tmp, {
-        "model": str(tiny_llama_dir), "prompts": {"file": str(f)}, "generation": {"max_new_tokens": 3, "batch_size": 4},
-        "capture": {"lens": {"when": "inline"}}, "output": {"float_dtype": "float32"}})
+    r = run_spec(
+        tmp,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"file": str(f)},
+            "generation": {"max_new_tokens": 3, "batch_size": 4},
+            "capture": {"lens": {"when": "inline"}},
+            "output": {"float_dtype": "float32"},
+        },
+    )
     assert pq.read_table(r.path / "sequences.parquet").column("layer").to_pylist() == [3, 12, 3, None]
     return r
 
@@ -207,8 +248,9 @@ def test_heads_by_a_column_named_like_an_output_column_keeps_both(colliding, tmp
     it), the group under group_value with the metadata's own type and values, the head's own layer,
     q_head and label beside it; `--json` and the 80-column table show the groups."""
     groups = _groups(column)
-    summary = json.loads(_ok(lmtrace(tmp_path, "heads", str(colliding.path), "--by", column, "--per-sequence",
-                                     "--json")))
+    summary = json.loads(
+        _ok(lmtrace(tmp_path, "heads", str(colliding.path), "--by", column, "--per-sequence", "--json"))
+    )
     path = colliding.path / "analysis" / f"heads_by_{column}.parquet"
     schema = pq.read_schema(path)
     assert schema.names[:3] == ["group_column", "group_value", "n_sequences"]
@@ -232,8 +274,11 @@ def test_heads_by_a_column_named_like_an_output_column_keeps_both(colliding, tmp
     assert summary["by"]["column"] == column
     rows = summary["by"]["heads"]
     assert list(dict.fromkeys(r["group_value"] for r in rows)) == list(groups)
-    assert all(type(r["group_value"]) is type(next(v for v in groups if v is not None)) for r in rows
-               if r["group_value"] is not None)
+    assert all(
+        type(r["group_value"]) is type(next(v for v in groups if v is not None))
+        for r in rows
+        if r["group_value"] is not None
+    )
     assert {(r["group_value"], r["n_sequences"]) for r in rows} == set(groups.items())
     narrow = _ok(lmtrace(tmp_path, "heads", str(colliding.path), "--by", column, "--top", "2", env=NARROW))
     _fits(narrow)
@@ -252,21 +297,42 @@ def test_sweep_by_a_column_named_like_an_output_column_groups_by_the_metadata(co
     from lmtrace.output.jsonout import json_line
 
     groups = _groups(column)
-    narrow = _ok(lmtrace(tmp_path, "sweep", str(colliding.path), "--over", "attn", "--steps", "0", "--metric",
-                         "logprob", "--by", column, "--top", "2", env=NARROW))
+    narrow = _ok(
+        lmtrace(
+            tmp_path,
+            "sweep",
+            str(colliding.path),
+            "--over",
+            "attn",
+            "--steps",
+            "0",
+            "--metric",
+            "logprob",
+            "--by",
+            column,
+            "--top",
+            "2",
+            env=NARROW,
+        )
+    )
     _fits(narrow)
     assert _first_cells(narrow, _header(column, SWEEP_HEADERS)) == [_text(v) for v in groups for _ in range(2)]
     sweep_id = Run(colliding.path).manifest["sweeps"][-1]["id"]
-    by = json.loads(json_line(grouped_cells(str(colliding.path), None, sweep_id, "logprob",
-                                            sequence_groups(Run(colliding.path), column))))
+    by = json.loads(
+        json_line(
+            grouped_cells(str(colliding.path), None, sweep_id, "logprob", sequence_groups(Run(colliding.path), column))
+        )
+    )
     assert by["column"] == column
     long = pd.read_parquet(colliding.path / "sweeps" / sweep_id / "sweep.parquet")
     long = long[long.metric == "logprob"]
     long["meta"] = long.sequence.map(lambda s: COLLIDING[s].get(column))
     assert list(dict.fromkeys(c["group_value"] for c in by["cells"])) == list(groups)
     for c in by["cells"]:
-        rows = long[(long.meta.isna() if c["group_value"] is None else long.meta == c["group_value"])
-                    & (long.layer == c["layer"])]
+        rows = long[
+            (long.meta.isna() if c["group_value"] is None else long.meta == c["group_value"])
+            & (long.layer == c["layer"])
+        ]
         assert c["n_sequences"] == groups[c["group_value"]] == rows.sequence.nunique()
         assert c["effect"] == pytest.approx(rows.effect.mean(), rel=1e-9, abs=1e-12)
     assert sorted({c["layer"] for c in by["cells"]}) == sorted(long.layer.unique())
@@ -274,8 +340,9 @@ def test_sweep_by_a_column_named_like_an_output_column_groups_by_the_metadata(co
 
 def _stats_rows(stdout: str) -> list[list[str]]:
     """The rows of stats' first table (six cells: group, seqs, tokens, logprob, entropy, lens)."""
-    rows = [[c.strip() for c in line.strip().strip("│").split("│")] for line in stdout.splitlines()
-            if line.startswith("│")]
+    rows = [
+        [c.strip() for c in line.strip().strip("│").split("│")] for line in stdout.splitlines() if line.startswith("│")
+    ]
     return [r for r in rows if len(r) == 6 and r[1].isdigit()]
 
 
@@ -295,8 +362,14 @@ def test_stats_by_a_column_named_like_an_output_column(colliding, tmp_path, colu
     assert [(r[0], int(r[1])) for r in _stats_rows(narrow)] == [(_text(v), n) for v, n in groups.items()]
 
 
-@pytest.mark.parametrize("command", [["heads", "--top", "1"], ["stats"],
-                                     ["sweep", "--over", "attn", "--steps", "0", "--metric", "logprob", "--top", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["heads", "--top", "1"],
+        ["stats"],
+        ["sweep", "--over", "attn", "--steps", "0", "--metric", "logprob", "--top", "1"],
+    ],
+)
 def test_every_by_command_prints_its_groups_when_piped(colliding, tmp_path, command):
     """Piped (not a terminal), grouped by `layer`, a column named like one of heads' and sweep's own."""
     out = _ok(lmtrace(tmp_path, command[0], str(colliding.path), *command[1:], "--by", "layer"))
@@ -314,16 +387,33 @@ def test_a_bool_group_is_json_true_in_every_json_and_a_bool_in_the_file(collidin
     outputs = {
         "heads": lmtrace(tmp_path, "heads", str(colliding.path), "--by", "flag", "--json"),
         "stats": lmtrace(tmp_path, "stats", str(colliding.path), "--by", "flag", "--json"),
-        "sweep": lmtrace(tmp_path, "sweep", str(colliding.path), "--over", "attn", "--steps", "0", "--metric",
-                         "logprob", "--by", "flag", "--json")}
+        "sweep": lmtrace(
+            tmp_path,
+            "sweep",
+            str(colliding.path),
+            "--over",
+            "attn",
+            "--steps",
+            "0",
+            "--metric",
+            "logprob",
+            "--by",
+            "flag",
+            "--json",
+        ),
+    }
     for name, proc in outputs.items():
         text = _ok(proc)
         assert '"group_value":true' in text and '"group_value":false' in text, name
         assert not re.search(r'"(?i:true|false)"', text), name  # never the text "true" / "True"
         data = json.loads(text)
-        values = ([r["group_value"] for r in data["by"]["heads"]] if name == "heads" else
-                  [g["group_value"] for g in data["groups"]] if name == "stats" else
-                  [c["group_value"] for c in data["by"]["cells"]])
+        values = (
+            [r["group_value"] for r in data["by"]["heads"]]
+            if name == "heads"
+            else [g["group_value"] for g in data["groups"]]
+            if name == "stats"
+            else [c["group_value"] for c in data["by"]["cells"]]
+        )
         assert list(dict.fromkeys(values)) == [False, True, None], name
     table = pq.read_table(colliding.path / "analysis" / "heads_by_flag.parquet")
     assert table.schema.field("group_value").type == pa.bool_()

@@ -27,19 +27,35 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 WORDS = "violet anchor mosaic thunder pepper glacier ribbon walnut".split()
 PROMPTS = [" ".join(WORDS * 3), " ".join(WORDS[3:] * 4 + WORDS[:2])]
 N = 6
-SCORES = ["sink_score", "prev_token_score", "local_score", "induction_score", "duplicate_score", "entropy",
-          "concentration"]
+SCORES = [
+    "sink_score",
+    "prev_token_score",
+    "local_score",
+    "induction_score",
+    "duplicate_score",
+    "entropy",
+    "concentration",
+]
 # docs/heads.md, "Ranking": without a sweep or DLA, labels in this order, then the label's own score
 RANK_ORDER = ["induction", "previous-token", "local", "focused", "sink", "diffuse"]
-LABEL_SCORE = {"induction": "induction_score", "previous-token": "prev_token_score", "local": "local_score",
-               "focused": "concentration", "sink": "sink_score", "diffuse": "entropy"}
+LABEL_SCORE = {
+    "induction": "induction_score",
+    "previous-token": "prev_token_score",
+    "local": "local_score",
+    "focused": "concentration",
+    "sink": "sink_score",
+    "diffuse": "entropy",
+}
 
 
 def _spec(model_dir, **capture) -> dict:
-    return {"model": str(model_dir), "prompts": PROMPTS,
-            "generation": {"max_new_tokens": N, "batch_size": 2},
-            "capture": {"prefill_attention": True, "lens": {"enabled": False}, **capture},
-            "output": {"float_dtype": "float32", "chunk_steps": 4}}
+    return {
+        "model": str(model_dir),
+        "prompts": PROMPTS,
+        "generation": {"max_new_tokens": N, "batch_size": 2},
+        "capture": {"prefill_attention": True, "lens": {"enabled": False}, **capture},
+        "output": {"float_dtype": "float32", "chunk_steps": 4},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +98,7 @@ def _own_scores(path: Path) -> dict[str, np.ndarray]:
         nan = np.full((L, H), np.nan)
         acc["sink_score"].append(row[:, :, 0])
         acc["prev_token_score"].append(row[:, :, q - 1])
-        acc["local_score"].append(row[:, :, max(1, q - 4): q + 1].sum(-1))
+        acc["local_score"].append(row[:, :, max(1, q - 4) : q + 1].sum(-1))
         ind = [j + 1 for j in range(q) if t[j] == t[q] and j + 1 < q]
         dup = [j for j in range(q) if t[j] == t[q]]
         acc["induction_score"].append(row[:, :, ind].sum(-1) if ind else nan)
@@ -119,7 +135,7 @@ def _set_rows_by_hand(path: Path) -> dict[tuple[int, int], str]:
             a[:] = 1 / (q + 1)
         elif kind == "local":
             lo = max(1, q - 3)
-            a[lo: q + 1] = 1 / (q + 1 - lo)
+            a[lo : q + 1] = 1 / (q + 1 - lo)
         elif kind == "focused":  # 0.7 on position 1, the rest spread over the others
             a[:] = 0.3 / q
             a[1] = 0.7
@@ -128,8 +144,15 @@ def _set_rows_by_hand(path: Path) -> dict[tuple[int, int], str]:
         return a
 
     kinds = {0: ["prev", "sink", "induction", "uniform"], 1: ["local", "focused", "sink-ish", "prev"]}
-    labels = {"prev": "previous-token", "sink": "sink", "induction": "induction", "uniform": "diffuse",
-              "local": "local", "focused": "focused", "sink-ish": "sink"}
+    labels = {
+        "prev": "previous-token",
+        "sink": "sink",
+        "induction": "induction",
+        "uniform": "diffuse",
+        "local": "local",
+        "focused": "focused",
+        "sink-ish": "sink",
+    }
     A, PA = attn[...], pre[...]
     for seq in range(len(P)):
         p, t = int(P[seq]), toks[seq]
@@ -293,12 +316,14 @@ def test_incomplete_run_is_scored_on_its_committed_steps_with_a_note(base, tmp_p
     assert (got.n_rows == want).all()
 
 
-
 @pytest.mark.slow
 def test_embedded_model_scores_equal_the_tests_own_computation(tmp_path):
     """The embedded model's own rows (float16 `attn`, generated steps only), no prefill matrices."""
-    spec = {"prompts": [PROMPTS[0]], "generation": {"max_new_tokens": 6},
-            "capture": {"qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False}}}
+    spec = {
+        "prompts": [PROMPTS[0]],
+        "generation": {"max_new_tokens": 6},
+        "capture": {"qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False}},
+    }
     run = run_spec(tmp_path, spec)
     proc = lmtrace(tmp_path, "heads", str(run.path), "--json")
     assert proc.returncode == 0, proc.stderr

@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers.runs import run_spec
 from lmtrace.analysis import attribution as attr
 from lmtrace.analysis.attribution.lrp import lrp
 from lmtrace.commands.explain import explain_run
 from lmtrace.exits.errors import SpecError
 from tests.helpers.architectures import CASES
+from tests.helpers.runs import run_spec
 
 CONSERVATION_TOL = 1e-5  # |f − (Σ scores + bias relevance)| / max(1, |f|), float32 (docs/explain.md)
 IDS = [5, 17, 33, 9, 70, 3, 44, 12]
@@ -45,8 +45,18 @@ def own_f(model, ids, chosen, runner, target):
 
 
 def context(model, ids, target="contrast"):
-    return attr.StepContext(None, 0, 0, len(ids), list(ids), 5, 7, 0.0, attr.Settings(target=target),
-                            attr.Scorer(model, torch.device("cpu")))
+    return attr.StepContext(
+        None,
+        0,
+        0,
+        len(ids),
+        list(ids),
+        5,
+        7,
+        0.0,
+        attr.Settings(target=target),
+        attr.Scorer(model, torch.device("cpu")),
+    )
 
 
 # ---- conservation on every dense family ------------------------------------------------------------
@@ -102,7 +112,7 @@ def reference_lrp(model, ids, chosen, runner):
         p = f"model.layers.{i}."
         u = _rms(x, sd[p + "input_layernorm.weight"], eps)
         v = u @ sd[p + "self_attn.v_proj.weight"].T  # [n, KV*hd]
-        c = torch.cat([A[i][h] @ v[:, (h // (H // KV)) * hd:(h // (H // KV) + 1) * hd] for h in range(H)], -1)
+        c = torch.cat([A[i][h] @ v[:, (h // (H // KV)) * hd : (h // (H // KV) + 1) * hd] for h in range(H)], -1)
         a = c @ sd[p + "self_attn.o_proj.weight"].T
         x1 = x + a
         u2 = _rms(x1, sd[p + "post_attention_layernorm.weight"], eps)
@@ -123,8 +133,10 @@ def reference_lrp(model, ids, chosen, runner):
         x2 = x1 + m
         R_m, R_x1 = m / x2 * R, x1 / x2 * R
         R_h = _lin_back(h_, sd[p + "mlp.down_proj.weight"], R_m)
-        R_u2 = (_lin_back(u2, sd[p + "mlp.gate_proj.weight"], R_h / 2)  # SiLU: identity; product: half each
-                + _lin_back(u2, sd[p + "mlp.up_proj.weight"], R_h / 2))
+        R_u2 = (
+            _lin_back(u2, sd[p + "mlp.gate_proj.weight"], R_h / 2)  # SiLU: identity; product: half each
+            + _lin_back(u2, sd[p + "mlp.up_proj.weight"], R_h / 2)
+        )
         R_x1 = R_x1 + R_u2
         R_a, R_x = a / x1 * R_x1, x / x1 * R_x1
         R_c = _lin_back(c, sd[p + "self_attn.o_proj.weight"], R_a)
@@ -144,8 +156,16 @@ def test_lrp_matches_the_rules_propagated_layer_by_layer_on_a_tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, initializer_range=0.4, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.4,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -167,8 +187,10 @@ def test_lrp_matches_the_rules_propagated_layer_by_layer_on_a_tiny_llama():
 # ---- the embedded model, through explain_run: archive, components, JSON ------------------------------
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory):
-    return run_spec(tmp_path_factory.mktemp("lrp-embedded"), {"prompts": ["The capital of France is"],
-                                                               "capture": "none", "generation": {"max_new_tokens": 3}})
+    return run_spec(
+        tmp_path_factory.mktemp("lrp-embedded"),
+        {"prompts": ["The capital of France is"], "capture": "none", "generation": {"max_new_tokens": 3}},
+    )
 
 
 def test_lrp_on_the_embedded_model_conserves_and_archives_components(embedded_run):
@@ -182,7 +204,7 @@ def test_lrp_on_the_embedded_model_conserves_and_archives_components(embedded_ru
     prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
     gen = t[~t.is_prompt].sort_values("step")
     for e in result.explanations:
-        ids = prompt + gen.token_id.tolist()[:e.step]
+        ids = prompt + gen.token_id.tolist()[: e.step]
         assert e.token_ids == ids
         f = own_f(model, ids, e.chosen_id, e.runner_up_id, "contrast")
         total = float(np.float64(e.scores).sum()) + e.info["bias_relevance"]
@@ -208,8 +230,8 @@ def test_cli_shows_heads_and_refuses_logprob_and_experts_in_one_line(embedded_ru
 
     from typer.testing import CliRunner
 
-    from tests.helpers.runs import rerecord_checksums
     from lmtrace.cli.main import app
+    from tests.helpers.runs import rerecord_checksums
 
     runner = CliRunner()
     ok = runner.invoke(app, ["explain", str(embedded_run.path), "--steps", "1", "-m", "lrp"])
@@ -238,8 +260,15 @@ def test_report_shows_head_relevance_of_each_lrp_step(tmp_path, tiny_llama_dir):
     from lmtrace.report import report_run
     from tests.helpers.page import blob, page_json
 
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["One two three"], "capture": "none",
-                              "generation": {"max_new_tokens": 3}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": ["One two three"],
+            "capture": "none",
+            "generation": {"max_new_tokens": 3},
+        },
+    )
     result = explain_run(run.path, "1,2", methods=["lrp"])
     page = report_run(str(run.path), sequences=[0]).path.read_text()
     blobs = page_json(page, "lmtrace-blobs")
@@ -290,8 +319,16 @@ def _tiny_llama_with_random_norms(seed=3):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, initializer_range=0.4, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.4,
+        attn_implementation="eager",
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -350,8 +387,9 @@ def test_a_renamed_layernorm_and_activation_are_recognised_by_what_they_do_on_gp
     total = float(np.float64(got.scores).sum()) + got.info["bias_relevance"]
     assert abs(total - f) <= CONSERVATION_TOL * max(1.0, abs(f)), (total, f)  # the Whiteners' offsets included
     np.testing.assert_allclose(got.scores, original.scores, atol=1e-4 * np.abs(original.scores).max())
-    np.testing.assert_allclose(got.components["heads"], original.components["heads"],
-                               atol=1e-4 * np.abs(original.components["heads"]).max())
+    np.testing.assert_allclose(
+        got.components["heads"], original.components["heads"], atol=1e-4 * np.abs(original.components["heads"]).max()
+    )
 
 
 def test_a_module_in_the_path_with_no_rule_is_refused_naming_it():
@@ -406,9 +444,17 @@ def _custom_code_run(root, tokenizer_dir, norm_module: str):
 
     tok_cfg = json.loads((tokenizer_dir / "config.json").read_text())
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=tok_cfg["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok_cfg["bos_token_id"],
-                      eos_token_id=tok_cfg["eos_token_id"], pad_token_id=tok_cfg["pad_token_id"])
+    cfg = LlamaConfig(
+        vocab_size=tok_cfg["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=tok_cfg["bos_token_id"],
+        eos_token_id=tok_cfg["eos_token_id"],
+        pad_token_id=tok_cfg["pad_token_id"],
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -421,11 +467,21 @@ def _custom_code_run(root, tokenizer_dir, norm_module: str):
             (path / f.name).write_bytes(f.read_bytes())
     (path / "modeling_custom.py").write_text(MODELING)
     config = json.loads((path / "config.json").read_text())
-    config.update(auto_map={"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
-                  architectures=["CustomForCausalLM"], norm_module=norm_module)
+    config.update(
+        auto_map={"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
+        architectures=["CustomForCausalLM"],
+        norm_module=norm_module,
+    )
     (path / "config.json").write_text(json.dumps(config))
-    return run_spec(root, {"model": {"ref": str(path), "trust_remote_code": True}, "prompts": ["The capital of France is"],
-                           "capture": "none", "generation": {"max_new_tokens": 3}}), path
+    return run_spec(
+        root,
+        {
+            "model": {"ref": str(path), "trust_remote_code": True},
+            "prompts": ["The capital of France is"],
+            "capture": "none",
+            "generation": {"max_new_tokens": 3},
+        },
+    ), path
 
 
 def _own_relative_errors(run, model_dir, js) -> list[float]:
@@ -433,8 +489,9 @@ def _own_relative_errors(run, model_dir, js) -> list[float]:
     forward (transformers, trust_remote_code) on the context read from tokens.parquet."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=True, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), trust_remote_code=True, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     t = pd.read_parquet(run.path / "tokens.parquet")
     prompt = t[t.is_prompt].sort_values("position").token_id.tolist()
     gen = t[~t.is_prompt].sort_values("step")
@@ -468,8 +525,9 @@ def custom_code_runs(tmp_path_factory, tiny_llama_dir):
 
 def test_a_custom_code_model_whose_normaliser_is_called_scalenormalizer_conserves_through_the_cli(custom_code_runs):
     run, model_dir = custom_code_runs["leaf"]
-    out, errors = _cli(run.path, "--steps", "0,1,2", "-m", "lrp", "--target", "contrast", "--top", "100", "--json",
-                       "--strict")
+    out, errors = _cli(
+        run.path, "--steps", "0,1,2", "-m", "lrp", "--target", "contrast", "--top", "100", "--json", "--strict"
+    )
     assert out.exit_code == 0 and not errors, out.output
     js = json.loads(out.stdout.strip().splitlines()[-1])
     own = _own_relative_errors(run, model_dir, js)
@@ -485,8 +543,10 @@ def test_lrp_that_does_not_conserve_says_so_in_text_and_json_and_strict_exits_1(
     text, errors = _cli(run.path, "--steps", "0,1", "-m", "lrp", "--target", "contrast")
     assert text.exit_code == 0 and not errors, text.output
     notes = [line for line in text.output.splitlines() if line.startswith("sequence 0 step ")]
-    assert [n.split(": lrp does not conserve: f = ")[0] for n in notes if "does not conserve" in n] == \
-        ["sequence 0 step 0", "sequence 0 step 1"], text.output
+    assert [n.split(": lrp does not conserve: f = ")[0] for n in notes if "does not conserve" in n] == [
+        "sequence 0 step 0",
+        "sequence 0 step 1",
+    ], text.output
     assert text.output.count("NOT CONSERVED: f = ") == 2
     out, errors = _cli(run.path, "--steps", "0,1", "-m", "lrp", "--target", "contrast", "--top", "100", "--json")
     assert out.exit_code == 0 and not errors, out.output

@@ -18,11 +18,11 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers.runs import run_spec
 from lmtrace.archive.reader import Run
 from lmtrace.archive.sweeps import read_sweep
 from lmtrace.commands.sweep import run_sweep
 from lmtrace.spec.sweep_spec import SweepSpec
+from tests.helpers.runs import run_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CLEAN = ["The quick brown fox", "Paris is the capital of"]
@@ -31,9 +31,16 @@ METRICS = ["logprob", "prob", "kl", "rank", "logit_diff:42,7"]
 
 
 def _run(tmp, model_dir, prompts, run_id):
-    return run_spec(tmp, {"model": str(model_dir), "prompts": prompts, "capture": "none",
-                          "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5},
-                          "output": {"run_id": run_id}})
+    return run_spec(
+        tmp,
+        {
+            "model": str(model_dir),
+            "prompts": prompts,
+            "capture": "none",
+            "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5},
+            "output": {"run_id": run_id},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +56,9 @@ def runs(tmp_path_factory, sharp_llama_dir):
 def model(sharp_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(sharp_llama_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        sharp_llama_dir, attn_implementation="eager", dtype=torch.float32
+    ).eval()
 
 
 def _seq(run, seq):
@@ -75,8 +84,8 @@ def _logits(model, ids, hooks=()):
 
 def _metrics(logits, base, P, gen):
     """metric -> [step] from the test's own logits at positions P-1+s."""
-    rows = logits[P - 1: P - 1 + len(gen)]
-    brow = base[P - 1: P - 1 + len(gen)]
+    rows = logits[P - 1 : P - 1 + len(gen)]
+    brow = base[P - 1 : P - 1 + len(gen)]
     lp, blp = rows.log_softmax(-1), brow.log_softmax(-1)
     tok = torch.tensor(gen)[:, None]
     return {
@@ -97,6 +106,7 @@ def _own_means(model, run, wanted):
         x = x.reshape(-1, x.shape[-1]).double()
         sums[key] = sums.get(key, 0) + x.sum(0)
         counts[key] = counts.get(key, 0) + x.shape[0]
+
     hooks = []
     for kind, L in wanted:
         key = (kind, L)
@@ -107,7 +117,9 @@ def _own_means(model, run, wanted):
         elif kind == "mlp":
             hooks.append((layers[L].mlp, "fwd", lambda m, a, o, key=key: add(key, o)))
         elif kind == "layer":
-            hooks.append((layers[L], "fwd", lambda m, a, o, key=key: add(key, (o[0] if isinstance(o, tuple) else o) - a[0])))
+            hooks.append(
+                (layers[L], "fwd", lambda m, a, o, key=key: add(key, (o[0] if isinstance(o, tuple) else o) - a[0]))
+            )
     for s in range(2):
         p, g = _seq(run, s)
         _logits(model, p + g, hooks)
@@ -120,27 +132,46 @@ def _own_edit(model, cell, mode, means):
     layer = model.model.layers[L]
     d = model.config.hidden_size // model.config.num_attention_heads
     if comp == "head":
+
         def fn(m, a):
             x = a[0].clone()
-            x[..., h * d:(h + 1) * d] = 0 if mode == "zero" else means[("head", L)][h * d:(h + 1) * d]
+            x[..., h * d : (h + 1) * d] = 0 if mode == "zero" else means[("head", L)][h * d : (h + 1) * d]
             return (x,)
+
         return [(layer.self_attn.o_proj, "pre", fn)]
     if comp == "attn":
-        return [(layer.self_attn, "fwd", lambda m, a, o: (torch.zeros_like(o[0]) if mode == "zero" else
-                                                          means[("attn", L)].expand_as(o[0]).clone(), *o[1:]))]
+        return [
+            (
+                layer.self_attn,
+                "fwd",
+                lambda m, a, o: (
+                    torch.zeros_like(o[0]) if mode == "zero" else means[("attn", L)].expand_as(o[0]).clone(),
+                    *o[1:],
+                ),
+            )
+        ]
     if comp == "mlp":
-        return [(layer.mlp, "fwd", lambda m, a, o: torch.zeros_like(o) if mode == "zero" else
-                 means[("mlp", L)].expand_as(o).clone())]
+        return [
+            (
+                layer.mlp,
+                "fwd",
+                lambda m, a, o: torch.zeros_like(o) if mode == "zero" else means[("mlp", L)].expand_as(o).clone(),
+            )
+        ]
     if comp == "layer":
+
         def skip(m, a, o):
             x = a[0] if mode == "zero" else a[0] + means[("layer", L)]
             return (x, *o[1:]) if isinstance(o, tuple) else x
+
         return [(layer, "fwd", skip)]
     if comp == "neuron":
+
         def neuron(m, a):
             x = a[0].clone()
             x[..., h] = 0
             return (x,)
+
         return [(layer.mlp.down_proj, "pre", neuron)]
     raise AssertionError(comp)
 
@@ -165,20 +196,27 @@ def _compare(df, cell, own, seq):
         np.testing.assert_allclose(r.value.to_numpy(), values, atol=tolerance, rtol=0, err_msg=f"{cell} {metric}")
 
 
-@pytest.mark.parametrize("over,mode,sample", [
-    ("heads", "zero", [("head", 0, 1), ("head", 2, 3), ("head", 3, 0)]),
-    ("heads", "mean", [("head", 1, 2), ("head", 3, 3)]),
-    ("attn", "mean", [("attn", 0, None), ("attn", 3, None)]),
-    ("mlp", "zero", [("mlp", 1, None), ("mlp", 2, None)]),
-    ("layers", "mean", [("layer", 0, None), ("layer", 2, None)]),
-    ("layers", "zero", [("layer", 1, None)]),
-    ("neurons:2", "zero", [("neuron", 2, 5), ("neuron", 2, 77)]),
-])
+@pytest.mark.parametrize(
+    "over,mode,sample",
+    [
+        ("heads", "zero", [("head", 0, 1), ("head", 2, 3), ("head", 3, 0)]),
+        ("heads", "mean", [("head", 1, 2), ("head", 3, 3)]),
+        ("attn", "mean", [("attn", 0, None), ("attn", 3, None)]),
+        ("mlp", "zero", [("mlp", 1, None), ("mlp", 2, None)]),
+        ("layers", "mean", [("layer", 0, None), ("layer", 2, None)]),
+        ("layers", "zero", [("layer", 1, None)]),
+        ("neurons:2", "zero", [("neuron", 2, 5), ("neuron", 2, 77)]),
+    ],
+)
 def test_ablation_cells_equal_the_tests_own_edited_forward(runs, model, over, mode, sample):
     clean, _ = runs
     seqs = [1] if over.startswith("neurons") else [0, 1]  # 128 neurons: one sequence is enough
-    result = run_sweep(str(clean.path), SweepSpec(over=over, edit=mode, metrics=METRICS, batch=32 if seqs == [1] else 5,
-                                                  sequences=",".join(map(str, seqs))))
+    result = run_sweep(
+        str(clean.path),
+        SweepSpec(
+            over=over, edit=mode, metrics=METRICS, batch=32 if seqs == [1] else 5, sequences=",".join(map(str, seqs))
+        ),
+    )
     df = read_sweep(clean, result.sweep_id).to_pandas()
     n_cells = {"heads": 16, "attn": 4, "mlp": 4, "layers": 4, "neurons:2": 128}[over]
     assert len(df) == n_cells * len(seqs) * 4 * len(METRICS)  # cells x sequences x steps x metrics
@@ -190,7 +228,9 @@ def test_ablation_cells_equal_the_tests_own_edited_forward(runs, model, over, mo
         r = df[(df.sequence == seq) & (df.metric == "logprob")].groupby("step").baseline.first()
         np.testing.assert_allclose(r.to_numpy(), own_base["logprob"], atol=1e-4, rtol=0)
         for cell in sample:
-            _compare(df, cell, _metrics(_logits(model, p + g, _own_edit(model, cell, mode, means)), base, len(p), g), seq)
+            _compare(
+                df, cell, _metrics(_logits(model, p + g, _own_edit(model, cell, mode, means)), base, len(p), g), seq
+            )
     # the edits matter far beyond the tolerance, so a wrong edit or metric cannot pass
     assert df[df.metric == "kl"].effect.max() > 1e-2 and df[df.metric == "logprob"].effect.abs().max() > 1e-1
     # the effect column is value - baseline and the mean table / Zarr array agree with it
@@ -236,8 +276,10 @@ def test_batched_rows_equal_unbatched_rows(runs):
 def test_residual_patching_grid_equals_the_tests_own_causal_tracing(runs, model):
     clean, corrupt = runs
     # corrupted run, clean activations patched in (clean -> corrupted), at every layer and prompt position
-    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:0-3", edit="patch", source="clean",
-                                                    metrics=["logit_diff:42,7", "logprob"], steps="0,1"))
+    result = run_sweep(
+        str(corrupt.path),
+        SweepSpec(over="resid:0-3", edit="patch", source="clean", metrics=["logit_diff:42,7", "logprob"], steps="0,1"),
+    )
     df = read_sweep(corrupt, result.sweep_id).to_pandas()
     layers = model.model.layers
     for seq in range(2):
@@ -245,21 +287,36 @@ def test_residual_patching_grid_equals_the_tests_own_causal_tracing(runs, model)
         p, g = _seq(corrupt, seq)
         P = len(p)
         saved = {}
-        _logits(model, (cp + cg)[: P + 1], [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
-            L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in range(4)])
+        _logits(
+            model,
+            (cp + cg)[: P + 1],
+            [
+                (
+                    layers[L],
+                    "fwd",
+                    (lambda L: lambda m, a, o: saved.__setitem__(L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(
+                        L
+                    ),
+                )
+                for L in range(4)
+            ],
+        )
         base = _logits(model, p + g)
         for L in range(4):
             for pos in range(min(clean.prompt_len())):
+
                 def patch(m, a, o, L=L, pos=pos):
                     x = (o[0] if isinstance(o, tuple) else o).clone()
                     x[0, pos] = saved[L][pos]
                     return (x, *o[1:]) if isinstance(o, tuple) else x
+
                 own = _metrics(_logits(model, p + g, [(layers[L], "fwd", patch)]), base, P, g)
                 for metric in ("logit_diff:42,7", "logprob"):
                     r = _cell_rows(df, "resid", L, position=pos, seq=seq)
                     r = r[r.metric == metric].sort_values("step")
-                    np.testing.assert_allclose(r.value.to_numpy(), own[metric][:2], atol=1e-4, rtol=0,
-                                               err_msg=f"{seq} {L} {pos} {metric}")
+                    np.testing.assert_allclose(
+                        r.value.to_numpy(), own[metric][:2], atol=1e-4, rtol=0, err_msg=f"{seq} {L} {pos} {metric}"
+                    )
     # the source's own logit difference (the normaliser of patching effects) is in sweep.json; patching
     # the last layer at the last prompt position gives step 0 exactly that value
     info = json.loads((result.path / "sweep.json").read_text())
@@ -293,8 +350,9 @@ def test_head_and_block_patching_at_every_position_equals_the_tests_own(runs, mo
                 def fn(m, a):
                     x = a[0].clone()
                     n = min(x.shape[1], T)
-                    x[0, :n, h * d:(h + 1) * d] = src["x"][:n, h * d:(h + 1) * d]
+                    x[0, :n, h * d : (h + 1) * d] = src["x"][:n, h * d : (h + 1) * d]
                     return (x,)
+
                 hooks = [(module, "pre", fn)]
             else:
                 _logits(model, (cp + cg)[:T], [(module, "fwd", lambda m, a, o: src.__setitem__("x", o[0].clone()))])
@@ -304,6 +362,7 @@ def test_head_and_block_patching_at_every_position_equals_the_tests_own(runs, mo
                     n = min(x.shape[1], T)
                     x[0, :n] = src["x"][:n]
                     return x
+
                 hooks = [(module, "fwd", fn)]
             base = _logits(model, p + g)
             _compare(df, cell, _metrics(_logits(model, p + g, hooks), base, len(p), g), seq)
@@ -320,12 +379,14 @@ def _embedded_lengths(monkeypatch) -> list[tuple[int, int]]:
     def forward(self, ids):
         seen.append(tuple(ids.shape))
         return real(self, ids)
+
     monkeypatch.setattr(torch.nn.Embedding, "forward", forward)
     return seen
 
 
-def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_the_tests_own(runs, model, tmp_path,
-                                                                                             monkeypatch):
+def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_the_tests_own(
+    runs, model, tmp_path, monkeypatch
+):
     """--from-step S: edits only at the positions of steps >= S. Each cell equals the `lmtrace intervene --from-step S`
     child (its KV-cached loop) and the test's own full forward (no cache) edited at positions >= P - 1 + S; the
     prefix is run once per sequence and every batch computes only the suffix."""
@@ -358,17 +419,23 @@ def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_th
         P = len(p)
         base = _logits(model, p + g)
         for L, h in ((0, 1), (2, 3), (3, 0)):
+
             def fn(m, a, L=L, h=h):
                 x = a[0].clone()
-                x[0, P - 1 + FROM:, h * d:(h + 1) * d] = 0  # the positions of steps >= S only
+                x[0, P - 1 + FROM :, h * d : (h + 1) * d] = 0  # the positions of steps >= S only
                 return (x,)
+
             own = _metrics(_logits(model, p + g, [(model.model.layers[L].self_attn.o_proj, "pre", fn)]), base, P, g)
             _compare(df, ("head", L, h), {k: v[FROM:] for k, v in own.items()}, seq)
     # the same head, edited at every step, is another experiment: the values differ far beyond the tolerance
-    every_step = read_sweep(clean, run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], steps="2-3",
-                                                                       sequences="0")).sweep_id).to_pandas()
-    later = read_sweep(clean, run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], from_step=FROM,
-                                                                  sequences="0")).sweep_id).to_pandas()
+    every_step = read_sweep(
+        clean,
+        run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], steps="2-3", sequences="0")).sweep_id,
+    ).to_pandas()
+    later = read_sweep(
+        clean,
+        run_sweep(str(clean.path), SweepSpec(over="attn", metrics=["logprob"], from_step=FROM, sequences="0")).sweep_id,
+    ).to_pandas()
     key = ["layer", "step"]
     assert np.abs(every_step.sort_values(key).value.to_numpy() - later.sort_values(key).value.to_numpy()).max() > 1e-2
 
@@ -377,8 +444,10 @@ def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_th
     masked = run_sweep(str(clean.path), SweepSpec(over="positions", positions="1", metrics=["logprob"], from_step=FROM))
     mdf = read_sweep(clean, masked.sweep_id).to_pandas()
     _, mask_effects = run_intervene(str(clean.path), [{"kind": "mask_positions", "mask": [1]}], from_step=FROM)
-    for eff, rows, cell in ((effects.to_pandas(), df[df.metric == "logprob"], ("head", 2, 3)),
-                            (mask_effects.to_pandas(), mdf, ("position", None, None))):
+    for eff, rows, cell in (
+        (effects.to_pandas(), df[df.metric == "logprob"], ("head", 2, 3)),
+        (mask_effects.to_pandas(), mdf, ("position", None, None)),
+    ):
         for seq in range(2):
             child = eff[(eff.sequence == seq) & (eff.step >= FROM)].sort_values("step")
             if cell[0] == "head":
@@ -387,8 +456,13 @@ def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_th
                 mine = rows[(rows.sequence == seq) & (rows.position == 1)]
             mine = mine.sort_values("step")
             assert mine.step.tolist() == child.step.tolist() == [2, 3]
-            np.testing.assert_allclose(mine.value.to_numpy(), child.child_logprob_of_parent_token.to_numpy(), atol=1e-4,
-                                       rtol=0, err_msg=f"{cell} {seq}")
+            np.testing.assert_allclose(
+                mine.value.to_numpy(),
+                child.child_logprob_of_parent_token.to_numpy(),
+                atol=1e-4,
+                rtol=0,
+                err_msg=f"{cell} {seq}",
+            )
             # steps before S are the parent's own in the child: the edit really starts at S
             early = eff[(eff.sequence == seq) & (eff.step < FROM)]
             np.testing.assert_allclose(early.child_logprob_of_parent_token, early.parent_logprob, atol=1e-4, rtol=0)
@@ -397,8 +471,17 @@ def test_from_step_sweep_reuses_the_prefix_and_equals_intervene_from_step_and_th
 
 def test_from_step_residual_patching_equals_the_tests_own_forward_without_a_cache(runs, model):
     clean, corrupt = runs
-    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:1-2", edit="patch", source="clean", from_step=FROM,
-                                                    metrics=["logit_diff:42,7", "logprob"], batch=4))
+    result = run_sweep(
+        str(corrupt.path),
+        SweepSpec(
+            over="resid:1-2",
+            edit="patch",
+            source="clean",
+            from_step=FROM,
+            metrics=["logit_diff:42,7", "logprob"],
+            batch=4,
+        ),
+    )
     df = read_sweep(corrupt, result.sweep_id).to_pandas()
     P0 = min(corrupt.prompt_len())
     longest = max(corrupt.prompt_len()) + 3  # the longest measured context: prompt + steps 0..2 as input
@@ -410,8 +493,20 @@ def test_from_step_residual_patching_equals_the_tests_own_forward_without_a_cach
         p, g = _seq(corrupt, seq)
         P = len(p)
         saved = {}
-        _logits(model, cp + cg, [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
-            L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in (1, 2)])
+        _logits(
+            model,
+            cp + cg,
+            [
+                (
+                    layers[L],
+                    "fwd",
+                    (lambda L: lambda m, a, o: saved.__setitem__(L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(
+                        L
+                    ),
+                )
+                for L in (1, 2)
+            ],
+        )
         base = _logits(model, p + g)
         for L in (1, 2):
             for pos in sorted(df.position.unique()):
@@ -424,17 +519,24 @@ def test_from_step_residual_patching_equals_the_tests_own_forward_without_a_cach
                     x = (o[0] if isinstance(o, tuple) else o).clone()
                     x[0, pos] = saved[L][pos]
                     return (x, *o[1:]) if isinstance(o, tuple) else x
+
                 own = _metrics(_logits(model, p + g, [(layers[L], "fwd", patch)]), base, P, g)
                 for metric in ("logit_diff:42,7", "logprob"):
                     mine = r[r.metric == metric].sort_values("step")
-                    np.testing.assert_allclose(mine.value.to_numpy(), own[metric][FROM:], atol=1e-4, rtol=0,
-                                               err_msg=f"{seq} {L} {pos} {metric}")
+                    np.testing.assert_allclose(
+                        mine.value.to_numpy(),
+                        own[metric][FROM:],
+                        atol=1e-4,
+                        rtol=0,
+                        err_msg=f"{seq} {L} {pos} {metric}",
+                    )
                 checked += 1
     assert checked == 8 and df[df.metric == "logprob"].effect.abs().max() > 1e-2
 
 
-def test_a_shared_prefix_is_computed_once_and_block_patching_still_equals_the_tests_own(runs, model, sharp_llama_dir,
-                                                                                        tmp_path, monkeypatch):
+def test_a_shared_prefix_is_computed_once_and_block_patching_still_equals_the_tests_own(
+    runs, model, sharp_llama_dir, tmp_path, monkeypatch
+):
     """Prompts of a pair that begin with the same tokens have the same activations there (a causal model):
     those positions run once per sequence into a KV cache every row continues, and each attention-block
     patch (all positions) still equals the test's own full forward patched at every position."""
@@ -463,6 +565,7 @@ def test_a_shared_prefix_is_computed_once_and_block_patching_still_equals_the_te
             x = o[0].clone()
             x[0, :T] = src["x"][:T]
             return (x, *o[1:])
+
         _compare(df, ("attn", L, None), _metrics(_logits(model, p + g, [(attn, "fwd", fn)]), base, len(p), g), 0)
 
 
@@ -482,15 +585,20 @@ def test_layer_groups_are_the_cheapest_contiguous_split():
         starts = sorted(rng.integers(0, n_layers, n).tolist())
         groups = layer_groups(starts, n_layers, positions)
         assert [i for i, _ in groups] == [0, *[j for _, j in groups[:-1]]] and groups[-1][1] == n
-        best = min(cost(list(zip((0, *cuts), (*cuts, n))), starts, n_layers, positions)
-                   for k in range(n) for cuts in combinations(range(1, n), k))
+        best = min(
+            cost(list(zip((0, *cuts), (*cuts, n))), starts, n_layers, positions)
+            for k in range(n)
+            for cuts in combinations(range(1, n), k)
+        )
         assert cost(groups, starts, n_layers, positions) == best
     assert len(layer_groups(list(range(30)), 30, 5)) > 1  # one attention block per layer: worth splitting
 
 
 def test_a_run_patched_from_itself_changes_nothing(runs):
     clean, _ = runs
-    result = run_sweep(str(clean.path), SweepSpec(over="heads", edit="patch", source="clean", metrics=["logprob", "kl"]))
+    result = run_sweep(
+        str(clean.path), SweepSpec(over="heads", edit="patch", source="clean", metrics=["logprob", "kl"])
+    )
     df = read_sweep(clean, result.sweep_id).to_pandas()
     assert np.abs(df.effect).max() < 1e-5
 
@@ -514,8 +622,9 @@ def test_two_logit_diff_metrics_each_get_their_own_effects_array(runs):
 def test_sequences_of_one_layout_run_packed_and_equal_one_sequence_at_a_time(sharp_llama_dir, tmp_path, monkeypatch):
     """Sequences of the same prompt length and steps run in one forward (row q * cells + b: sequence q, cell b);
     every value equals the sweep of that sequence alone, also when shards pack different subsets."""
-    run = _run(tmp_path, sharp_llama_dir, ["one two three four", "five six seven eight", "nine ten eleven twelve"],
-               "packed")
+    run = _run(
+        tmp_path, sharp_llama_dir, ["one two three four", "five six seven eight", "nine ten eleven twelve"], "packed"
+    )
     seqs = [_seq(run, i) for i in range(3)]
     assert len({(len(p), len(g)) for p, g in seqs}) == 1  # one layout
     spec = dict(over="heads", edit="zero", batch=6, metrics=METRICS)
@@ -531,8 +640,10 @@ def test_sequences_of_one_layout_run_packed_and_equal_one_sequence_at_a_time(sha
         # float32 rows of a larger batch: rounding differs (measured up to 1.6e-5 on logits of ~9)
         np.testing.assert_allclose(a.value.to_numpy(), b.value.to_numpy(), atol=1e-4, rtol=0)
 
-    alone = [read_sweep(run, run_sweep(str(run.path), SweepSpec(**spec, sequences=str(i))).sweep_id).to_pandas()
-             for i in range(3)]
+    alone = [
+        read_sweep(run, run_sweep(str(run.path), SweepSpec(**spec, sequences=str(i))).sweep_id).to_pandas()
+        for i in range(3)
+    ]
     same(whole, pd.concat(alone))
     run_sweep(str(run.path), SweepSpec(**spec), sweep_id="packed-shards", shard=(0, 2))
     run_sweep(str(run.path), SweepSpec(**spec), sweep_id="packed-shards", shard=(1, 2))
@@ -565,6 +676,7 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
         if calls["n"] > 3:
             raise KeyboardInterrupt
         return real(*a, **k)
+
     real = sweep_mod.write_block
     monkeypatch.setattr(sweep_mod, "write_block", dying)
     with pytest.raises(KeyboardInterrupt):
@@ -578,10 +690,22 @@ def test_sharded_and_resumed_sweeps_equal_the_unsharded_one(runs, monkeypatch):
 
 
 def _cli(tmp, *args, env: dict | None = None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args],
+        cwd=tmp,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs):
@@ -596,6 +720,7 @@ def test_sigterm_finishes_the_block_raises_interrupted_and_resume_completes(runs
             seen["blocks"] += 1
             if seen["blocks"] == 2:
                 os.kill(os.getpid(), signal.SIGTERM)
+
     with pytest.raises(Interrupted) as err:
         run_sweep(str(clean.path), spec, sweep_id="term", note=note)
     assert err.value.exit_code == EXIT_INTERRUPTED == 3 and "--resume" in str(err.value)
@@ -620,8 +745,20 @@ def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
 
     clean, _ = runs
     sweep_id = "cli-two-shards"
-    args = ["--over", "mlp", "--edit", "zero", "--batch", "2", "--steps", "0-2", "--run-id", sweep_id, "--json",
-            *[a for m in METRICS for a in ("--metric", m)]]
+    args = [
+        "--over",
+        "mlp",
+        "--edit",
+        "zero",
+        "--batch",
+        "2",
+        "--steps",
+        "0-2",
+        "--run-id",
+        sweep_id,
+        "--json",
+        *[a for m in METRICS for a in ("--metric", m)],
+    ]
     procs = [_cli(clean.path.parent, "sweep", str(clean.path), *args, "--shard", f"{i}/2") for i in range(2)]
     try:
         outs = [p.communicate(timeout=180) for p in procs]
@@ -645,6 +782,7 @@ def test_two_shard_processes_started_together_equal_the_unsharded_sweep(runs):
 
     def table(path):
         return pq.read_table(path / "sweep.parquet").to_pandas().sort_values(key).reset_index(drop=True)
+
     sharded, unsharded = table(root / sweep_id), table(whole.path)
     assert len(sharded) == 4 * 2 * 3 * len(METRICS)  # MLP blocks x sequences x steps x metrics
     pd.testing.assert_frame_equal(sharded, unsharded, check_exact=True)
@@ -660,8 +798,19 @@ def test_a_second_process_of_the_same_sweep_exits_2_naming_the_first(runs):
 
     clean, _ = runs
     sweep_id = "one-writer"
-    args = ["sweep", str(clean.path), "--over", "attn", "--edit", "zero", "--steps", "0-1", "--run-id", sweep_id,
-            "--json"]
+    args = [
+        "sweep",
+        str(clean.path),
+        "--over",
+        "attn",
+        "--edit",
+        "zero",
+        "--steps",
+        "0-1",
+        "--run-id",
+        sweep_id,
+        "--json",
+    ]
     first = _cli(clean.path.parent, *args, env={"LMTRACE_TEST_PAUSE_AFTER_CREATE": "45"})
     try:
         lock = clean.path / "owners" / f"sweep-{sweep_id}.lock"
@@ -673,7 +822,9 @@ def test_a_second_process_of_the_same_sweep_exits_2_naming_the_first(runs):
         out, err = second.communicate(timeout=120)
         lines = _error_lines(err)
         assert second.returncode == 2 and len(lines) == 1, err
-        assert lines[0].startswith("error: ") and f"pid {first.pid}" in lines[0] and f"sweep-{sweep_id}" in lines[0], err
+        assert lines[0].startswith("error: ") and f"pid {first.pid}" in lines[0] and f"sweep-{sweep_id}" in lines[0], (
+            err
+        )
         assert "Traceback" not in out + err and out == ""
         assert first.poll() is None  # refused while the first one runs, not after it
         out, err = first.communicate(timeout=300)
@@ -689,15 +840,17 @@ def test_a_second_process_of_the_same_sweep_exits_2_naming_the_first(runs):
 BAD = [
     (["--over", "resid:0-9", "--edit", "patch", "--source", "corrupt"], "layer 4 is out of range"),
     (["--over", "heads", "--edit", "patch", "--source", "short"], "same token length"),
-    (["--over", "heads", "--metric", "logit_diff:\" Paris is\",7"], "not one"),
+    (["--over", "heads", "--metric", 'logit_diff:" Paris is",7'], "not one"),
     (["--over", "heads", "--sequences", ""], "--sequences"),  # an empty sweep
     (["--over", "heads", "--metric", "entropy"], "unknown"),
     (["--over", "neurons:1", "--edit", "patch", "--source", "corrupt"], "zero or mean"),
     (["--over", "heads", "--spec", "missing.yaml"], "not found"),
     (["--over", "heads", "--from-step", "4"], "none is edited"),
     (["--over", "heads", "--from-step", "2", "--steps", "1-3"], "before --from-step"),
-    (["--over", "resid:0-1", "--edit", "patch", "--source", "corrupt", "--from-step", "2", "--positions", "0-2"],
-     "unedited prefix"),
+    (
+        ["--over", "resid:0-1", "--edit", "patch", "--source", "corrupt", "--from-step", "2", "--positions", "0-2"],
+        "unedited prefix",
+    ),
     (["--over", "heads", "--from-step", "-1"], "from_step"),
 ]
 
@@ -725,8 +878,9 @@ def test_bad_sweeps_exit_2_with_one_line_and_write_nothing(runs, sharp_llama_dir
     before = _sweep_names(clean)
     result = CliRunner().invoke(app, ["sweep", str(clean.path), "--runs-dir", str(clean.path.parent), *args])
     lines = _error_lines(result.stderr)
-    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], \
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (
         result.stderr
+    )
     assert _sweep_names(clean) == before
 
 
@@ -747,8 +901,16 @@ def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path
     from lmtrace.spec.run_spec import ModelSpec
 
     def run(prompts, run_id):
-        return run_spec(tmp_path, {"prompts": prompts, "capture": "none", "output": {"run_id": run_id},
-                                   "generation": {"max_new_tokens": 2, "temperature": 0}})
+        return run_spec(
+            tmp_path,
+            {
+                "prompts": prompts,
+                "capture": "none",
+                "output": {"run_id": run_id},
+                "generation": {"max_new_tokens": 2, "temperature": 0},
+            },
+        )
+
     clean = run(["The Eiffel Tower is located in the city of"], "clean")
     corrupt = run(["The Colosseum is located in the city of"], "corrupt")
     assert list(clean.prompt_len()) == list(corrupt.prompt_len())
@@ -757,8 +919,10 @@ def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path
     rome = _seq(corrupt, 0)[1][0]
     assert paris != rome
     metric = f"logit_diff:{paris},{rome}"
-    result = run_sweep(str(corrupt.path), SweepSpec(over="resid:0-29", edit="patch", source="clean", steps="0",
-                                                    metrics=[metric, "logprob"]))
+    result = run_sweep(
+        str(corrupt.path),
+        SweepSpec(over="resid:0-29", edit="patch", source="clean", steps="0", metrics=[metric, "logprob"]),
+    )
     df = read_sweep(corrupt, result.sweep_id).to_pandas()
     assert len(df) == 30 * P * 2
     model = load_model(ModelSpec(attn_implementation="eager")).model
@@ -766,15 +930,27 @@ def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path
     cp = _seq(clean, 0)[0]
     p, g = _seq(corrupt, 0)
     saved = {}
-    _logits(model, cp, [(layers[L], "fwd", (lambda L: lambda m, a, o: saved.__setitem__(
-        L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L)) for L in range(30)])
+    _logits(
+        model,
+        cp,
+        [
+            (
+                layers[L],
+                "fwd",
+                (lambda L: lambda m, a, o: saved.__setitem__(L, (o[0] if isinstance(o, tuple) else o)[0].clone()))(L),
+            )
+            for L in range(30)
+        ],
+    )
     grid = df[df.metric == metric].set_index(["layer", "position"]).value
     for L in list(range(0, 30, 3)) + [29]:
         for pos in range(P):
+
             def patch(m, a, o, L=L, pos=pos):
                 x = (o[0] if isinstance(o, tuple) else o).clone()
                 x[0, pos] = saved[L][pos]
                 return (x, *o[1:]) if isinstance(o, tuple) else x
+
             logits = _logits(model, p, [(layers[L], "fwd", patch)])[P - 1]
             assert abs(grid[(L, pos)] - (logits[paris] - logits[rome]).item()) < 1e-3, (L, pos)
     # the classic picture: patching the last layer at the last position restores the clean answer
@@ -782,16 +958,26 @@ def test_causal_tracing_grid_on_the_embedded_model_equals_the_tests_own(tmp_path
     assert baseline < 0 < grid[(29, P - 1)]
 
 
-PAIRS = [("p0", "The quick brown fox", "The slow brown cat"), ("p1", "Paris is the capital of", "Rome is the capital of"),
-         ("p2", "She gave the red book to her best friend", "He gave the red book to her best friend")]
+PAIRS = [
+    ("p0", "The quick brown fox", "The slow brown cat"),
+    ("p1", "Paris is the capital of", "Rome is the capital of"),
+    ("p2", "She gave the red book to her best friend", "He gave the red book to her best friend"),
+]
 
 
 def _pair_run(tmp, model_dir, rows, run_id):
     f = tmp / f"{run_id}.jsonl"
     f.write_text("".join(json.dumps({"prompt": text, "pair_id": pid}) + "\n" for pid, text in rows))
-    return run_spec(tmp, {"model": str(model_dir), "prompts": {"file": str(f)}, "capture": "none",
-                          "generation": {"max_new_tokens": 3, "batch_size": 3, "temperature": 0.9, "seed": 5},
-                          "output": {"run_id": run_id}})
+    return run_spec(
+        tmp,
+        {
+            "model": str(model_dir),
+            "prompts": {"file": str(f)},
+            "capture": "none",
+            "generation": {"max_new_tokens": 3, "batch_size": 3, "temperature": 0.9, "seed": 5},
+            "output": {"run_id": run_id},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -809,8 +995,9 @@ def test_dataset_patching_equals_per_pair_sweeps_averaged_by_the_test(paired_run
     difference (the test's forward) and averaged, with the test's own bootstrap interval over pairs."""
     clean, corrupt = paired_runs
     metric = "logit_diff:42,7"
-    spec = dict(over="attn", edit="patch", source="clean-set", pair_by="pair_id", metrics=[metric, "logprob"],
-                steps="0,1")
+    spec = dict(
+        over="attn", edit="patch", source="clean-set", pair_by="pair_id", metrics=[metric, "logprob"], steps="0,1"
+    )
     result = run_sweep(str(corrupt.path), SweepSpec(**spec))
     df = read_sweep(corrupt, result.sweep_id).to_pandas()
     ids_clean = clean.sequences().column("pair_id").to_pylist()
@@ -820,7 +1007,7 @@ def test_dataset_patching_equals_per_pair_sweeps_averaged_by_the_test(paired_run
         cp, cg = _seq(clean, ids_clean.index(pid))
         p, g = _seq(corrupt, seq)
         logits = _logits(model, cp + cg[:1])  # the clean run's own forward at the measured positions
-        clean_value = (logits[len(cp) - 1: len(cp) + 1, 42] - logits[len(cp) - 1: len(cp) + 1, 7]).numpy()
+        clean_value = (logits[len(cp) - 1 : len(cp) + 1, 42] - logits[len(cp) - 1 : len(cp) + 1, 7]).numpy()
         one = run_sweep(str(corrupt.path), SweepSpec(**spec, sequences=str(seq)))
         single = read_sweep(corrupt, one.sweep_id).to_pandas()
         single = single[single.metric == metric]
@@ -844,14 +1031,27 @@ def test_dataset_patching_equals_per_pair_sweeps_averaged_by_the_test(paired_run
     assert len(info["cells"]) == 4 and max(abs(c["effect"]) for c in info["cells"]) > 1e-2
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--pair-by", "nope"], "has no such column"),
-    ([], "same token length"),  # by index the reversed pairs have prompts of different lengths
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--pair-by", "nope"], "has no such column"),
+        ([], "same token length"),  # by index the reversed pairs have prompts of different lengths
+    ],
+)
 def test_bad_pairs_exit_2_with_one_line(paired_runs, args, fragment):
     _, corrupt = paired_runs
-    out = _cli(corrupt.path.parent.parent, "sweep", str(corrupt.path), "--over", "attn", "--edit", "patch",
-               "--source", "clean-set", *args)
+    out = _cli(
+        corrupt.path.parent.parent,
+        "sweep",
+        str(corrupt.path),
+        "--over",
+        "attn",
+        "--edit",
+        "patch",
+        "--source",
+        "clean-set",
+        *args,
+    )
     _, stderr = out.communicate(timeout=300)
     lines = _error_lines(stderr)
     assert out.returncode == 2 and len(lines) == 1 and fragment in lines[0], stderr
@@ -877,11 +1077,13 @@ def test_pairing_by_id_matches_ids_and_refuses_ids_without_a_partner_in_one_line
     parent, source = _Ids("corrupt", ["a", "b", "c"]), _Ids("clean", ["c", "a", "b"])
     assert pair_sequences(parent, source, [0, 1, 2], "pair_id") == {0: (1, "a"), 1: (2, "b"), 2: (0, "c")}
     assert pair_sequences(parent, source, [0, 2], None) == {0: (0, "0"), 2: (2, "2")}
-    for p, s, seqs, fragment in ((parent, _Ids("clean", ["a", "b"]), [0, 1, 2], "id 'c' of run corrupt is missing"),
-                                 (_Ids("corrupt", ["a", "b"]), source, [0, 1], "id 'c' of the source run clean"),
-                                 (_Ids("corrupt", ["a", "a"]), source, [0, 1], "appears twice"),
-                                 (_Ids("corrupt", ["a", None]), source, [0, 1], "has no pair_id"),
-                                 (parent, _Ids("clean", ["a"]), [0, 1], None)):
+    for p, s, seqs, fragment in (
+        (parent, _Ids("clean", ["a", "b"]), [0, 1, 2], "id 'c' of run corrupt is missing"),
+        (_Ids("corrupt", ["a", "b"]), source, [0, 1], "id 'c' of the source run clean"),
+        (_Ids("corrupt", ["a", "a"]), source, [0, 1], "appears twice"),
+        (_Ids("corrupt", ["a", None]), source, [0, 1], "has no pair_id"),
+        (parent, _Ids("clean", ["a"]), [0, 1], None),
+    ):
         with pytest.raises(SpecError) as err:
             pair_sequences(p, s, seqs, "pair_id" if fragment else None)
         assert "\n" not in str(err.value) and (fragment or "has no partner") in str(err.value)
@@ -904,14 +1106,22 @@ def test_intervene_edits_and_sweep_patches_install_the_same_component_hooks(mode
         out = {}
         for kind, m in modules.items():
             taps = m.__dict__.get("_lmtrace_taps")
-            out[kind] = sorted([f.__qualname__ for f in m._forward_pre_hooks.values()]
-                               + [f.__qualname__ for f in m._forward_hooks.values()]
-                               + ([f.__qualname__ for f in taps.fns] if taps is not None else []))
+            out[kind] = sorted(
+                [f.__qualname__ for f in m._forward_pre_hooks.values()]
+                + [f.__qualname__ for f in m._forward_hooks.values()]
+                + ([f.__qualname__ for f in taps.fns] if taps is not None else [])
+            )
         return out
 
-    entries = parse_entries([{"kind": "ablate_head", "layer": 1, "head": 0}, {"kind": "ablate_attention", "layer": 1},
-                             {"kind": "ablate_mlp", "layer": 0},
-                             {"kind": "steer", "layer": 1, "alpha": 1.0, "vector": "unused.npy"}], "test")
+    entries = parse_entries(
+        [
+            {"kind": "ablate_head", "layer": 1, "head": 0},
+            {"kind": "ablate_attention", "layer": 1},
+            {"kind": "ablate_mlp", "layer": 0},
+            {"kind": "steer", "layer": 1, "alpha": 1.0, "vector": "unused.npy"},
+        ],
+        "test",
+    )
     edits = EditSet(entries, adapter, {0: 1}, {3: torch.zeros(adapter.model.config.hidden_size)})
     with edits.attached():
         by_intervene = installed()

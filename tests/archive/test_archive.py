@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,6 @@ import pytest
 from tests.helpers.cli import start_cli as _cli
 from tests.helpers.cli import wait_committed as _wait_committed
 from tests.helpers.reference import Reference
-
 from tests.helpers.runs import PROMPTS, run_spec
 
 
@@ -32,7 +30,7 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
     run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"preset": "full", "residual": {"vectors_at": [1]}}))
     code = textwrap.dedent(f"""
         import sys, pandas as pd, xarray as xr, json
-        ds = xr.open_zarr({str(run.path / 'tensors.zarr')!r})
+        ds = xr.open_zarr({str(run.path / "tensors.zarr")!r})
         assert ds["attn"].dims == ("sequence", "step", "layer", "q_head", "key"), ds["attn"].dims
         assert list(ds["layer"].values) == [0, 1, 2, 3]
         assert list(ds.q_head.values) == list(range(ds.sizes["q_head"]))  # `head` would be Dataset.head()
@@ -41,9 +39,9 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
         assert ds["kv_head_of_head"].dims == ("q_head",)
         row = ds["attn"].sel(layer=2).isel(sequence=0, step=1).values
         assert abs(float(__import__("numpy").nansum(row[0])) - 1.0) < 1e-3
-        tokens = pd.read_parquet({str(run.path / 'tokens.parquet')!r})
-        steps = pd.read_parquet({str(run.path / 'steps.parquet')!r})
-        seqs = pd.read_parquet({str(run.path / 'sequences.parquet')!r})
+        tokens = pd.read_parquet({str(run.path / "tokens.parquet")!r})
+        steps = pd.read_parquet({str(run.path / "steps.parquet")!r})
+        seqs = pd.read_parquet({str(run.path / "sequences.parquet")!r})
         assert set(tokens.columns) >= {{"sequence", "position", "step", "token_id", "logprob", "alt_ids"}}
         # the documented types, nulls on prompt rows included (not float64 / object)
         dtypes = {{c: str(t) for c, t in tokens.dtypes.items()}}
@@ -55,7 +53,7 @@ def test_xarray_and_pandas_read_a_run_without_lmtrace(tmp_path, tiny_llama_dir):
         assert tokens.step.isna().sum() == tokens.is_prompt.sum()
         assert str(steps.dtypes["layer"]) == "int32" and "object" not in set(map(str, steps.dtypes))
         assert len(steps) == int((~tokens.is_prompt).sum()) * 4
-        assert json.load(open({str(run.path / 'manifest.json')!r}))["status"] == "complete"
+        assert json.load(open({str(run.path / "manifest.json")!r}))["status"] == "complete"
         assert "lmtrace" not in sys.modules
         print("ok", len(tokens), len(seqs))
     """)
@@ -70,18 +68,22 @@ def test_eos_and_stop_strings_end_each_sequence(tmp_path, tiny_llama_dir):
     gen0 = tokens[(tokens.sequence == 0) & ~tokens.is_prompt].sort_values("step")
     eos = int(gen0.token_id.iloc[2])
     first = gen0.token_id.tolist().index(eos)
-    run = run_spec(tmp_path / "eos", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "eos_token_id": eos}))
+    run = run_spec(
+        tmp_path / "eos", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "eos_token_id": eos})
+    )
     seqs = run.sequences().to_pandas().set_index("sequence")
     assert seqs.loc[0, "stop_reason"] == "eos" and seqs.loc[0, "generated_len"] == first + 1
     t = run.tokens().to_pandas()
     last = t[(t.sequence == 0) & ~t.is_prompt].sort_values("step").iloc[-1]
     assert last.is_eos and last.token_id == eos
     # steps after the end are padding in the arrays
-    assert np.isnan(run.array("attn")[0, first + 1:]).all()
+    assert np.isnan(run.array("attn")[0, first + 1 :]).all()
     assert not np.isnan(run.array("attn")[0, first, 0, 0, 0])
 
     stop = str(gen0.token_text.iloc[3]).strip() or str(gen0.token_text.iloc[3])
-    run = run_spec(tmp_path / "stop", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "stop": [stop]}))
+    run = run_spec(
+        tmp_path / "stop", _tiny(tiny_llama_dir, generation={"max_new_tokens": 8, "batch_size": 2, "stop": [stop]})
+    )
     seqs = run.sequences().to_pandas().set_index("sequence")
     assert seqs.loc[0, "stop_reason"] == "stop_string"
     assert seqs.loc[0, "generated_len"] <= 4
@@ -94,7 +96,7 @@ def inner_chunks_present(shard_file: Path, chunks_per_shard: tuple[int, ...]) ->
     then 4 bytes of crc32c)."""
     data = shard_file.read_bytes()
     n = int(np.prod(chunks_per_shard))
-    index = np.frombuffer(data[-16 * n - 4: -4], dtype="<u8").reshape(*chunks_per_shard, 2)
+    index = np.frombuffer(data[-16 * n - 4 : -4], dtype="<u8").reshape(*chunks_per_shard, 2)
     return index[..., 0] != np.uint64(2**64 - 1)
 
 
@@ -107,18 +109,21 @@ def test_small_blocks_archive_exactly_what_one_block_does(tmp_path, tiny_llama_d
     gen = gen[(gen.sequence == 1) & ~gen.is_prompt].sort_values("step")
     eos = int(gen.token_id.iloc[2])  # sequence 1 ends early; the others (most likely) later
     generation = {"max_new_tokens": 12, "batch_size": 3, "eos_token_id": eos}
-    small = run_spec(tmp_path / "small", _tiny(tiny_llama_dir, generation=generation,
-                                                output={"chunk_steps": 2, "chunk_keys": 3}))
-    one = run_spec(tmp_path / "one", _tiny(tiny_llama_dir, generation=generation,
-                                            output={"chunk_steps": 16, "chunk_keys": 4096}))
+    small = run_spec(
+        tmp_path / "small", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 2, "chunk_keys": 3})
+    )
+    one = run_spec(
+        tmp_path / "one", _tiny(tiny_llama_dir, generation=generation, output={"chunk_steps": 16, "chunk_keys": 4096})
+    )
     seqs = small.sequences().to_pandas()
     assert seqs.generated_len.nunique() > 1, seqs  # rows inactive in some blocks
     assert one.tensors["attn"].chunks[-1] == one.tensors["attn"].shape[-1]
     # keys at steps 0 and 1 (block 0) reach the padded prompt and one generated token: of the
     # 3-key chunks, only those are in the shard file (c/<sequence group>/<block>/0/0/0)
     P, n_chunks = int(seqs.prompt_len.max()), -(-small.tensors["attn"].shape[-1] // 3)
-    present = inner_chunks_present(small.path / "tensors.zarr" / "attn" / "c" / "0" / "0" / "0" / "0" / "0",
-                                   (3, 1, 1, 1, n_chunks))
+    present = inner_chunks_present(
+        small.path / "tensors.zarr" / "attn" / "c" / "0" / "0" / "0" / "0" / "0", (3, 1, 1, 1, n_chunks)
+    )
     written = {int(c) for c in np.flatnonzero(present[0, 0, 0, 0])}
     assert written == set(range(-(-(P + 1) // 3))) and len(written) < n_chunks, (written, P, n_chunks)
     assert small.array_names() == one.array_names()
@@ -135,8 +140,14 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
     from lmtrace.archive.layout import RunShape
 
     N, cs, K = 24, 4, 4
-    run = run_spec(tmp_path, _tiny(tiny_llama_dir, generation={"max_new_tokens": N, "batch_size": 3},
-                                   output={"codec": "none", "chunk_steps": cs, "chunk_keys": K}))
+    run = run_spec(
+        tmp_path,
+        _tiny(
+            tiny_llama_dir,
+            generation={"max_new_tokens": N, "batch_size": 3},
+            output={"codec": "none", "chunk_steps": cs, "chunk_keys": K},
+        ),
+    )
     seqs = run.sequences().to_pandas()
     assert (seqs.generated_len == N).all()  # every block is written for every sequence
     attn = run.tensors["attn"]
@@ -153,14 +164,26 @@ def test_attention_chunks_on_disk_are_the_keys_each_block_reaches(tmp_path, tiny
     # float16 rows, and the crc32c (4 bytes) each inner chunk (K keys of a block of cs steps) ends in
     assert on_disk == 3 * keys * L * H * 2 + 4 * 3 * keys // (K * cs)
     assert on_disk < 3 * N * max_len * L * H * 2 * 0.9  # well under the rows padded to max_len
-    shape = RunShape(n_sequences=3, n_steps=N, max_prompt=P, layers=tuple(range(L)), resid_layers=(), n_heads=H,
-                     n_kv_heads=1, head_dim=1, d_model=1, d_ffn=1, kv_head_of_head=(0,) * H)
+    shape = RunShape(
+        n_sequences=3,
+        n_steps=N,
+        max_prompt=P,
+        layers=tuple(range(L)),
+        resid_layers=(),
+        n_heads=H,
+        n_kv_heads=1,
+        head_dim=1,
+        d_model=1,
+        d_ffn=1,
+        kv_head_of_head=(0,) * H,
+    )
     assert shape.written_keys_per_step(cs, K) * N == keys
 
 
 def test_auto_codec_compresses_ids_and_attention_and_stores_activations_raw(tmp_path, tiny_llama_dir):
     """`output.codec: auto` (the default) as each array's own zarr.json states it; `zstd` for all; each
     followed by the chunk's crc32c."""
+
     def codecs(run, name):
         meta = json.loads((run.path / "tensors.zarr" / name / "zarr.json").read_text())
         (sharding,) = meta["codecs"]  # format 3: every array over `sequence` is sharded
@@ -199,8 +222,14 @@ def test_forward_only_run_still_archives_tokens_and_alternatives(tmp_path, tiny_
 
 
 def test_topk_attention_and_prefill_matrices_match_the_reference(tmp_path, tiny_llama_dir):
-    run = run_spec(tmp_path, _tiny(tiny_llama_dir, capture={"attention": {"top_k": 3}, "prefill_attention": True},
-                                   output={"float_dtype": "float32"}))
+    run = run_spec(
+        tmp_path,
+        _tiny(
+            tiny_llama_dir,
+            capture={"attention": {"top_k": 3}, "prefill_attention": True},
+            output={"float_dtype": "float32"},
+        ),
+    )
     ref = Reference(str(tiny_llama_dir))
     idx, prob = run.array("attn_topk_idx")[:], run.array("attn_topk_prob")[:]
     pre = run.array("prefill_attn")[:]
@@ -223,11 +252,13 @@ def test_topk_attention_and_prefill_matrices_match_the_reference(tmp_path, tiny_
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killed_run_is_never_complete_and_keeps_flushed_steps(tmp_path, sig):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(textwrap.dedent("""
+    spec.write_text(
+        textwrap.dedent("""
         prompts: ["Count slowly from one to one hundred:"]
         generation: {max_new_tokens: 400, eos_token_id: 0}
         output: {chunk_steps: 4}
-    """))
+    """)
+    )
     runs = tmp_path / "runs"
     proc = _cli(["generate", str(spec)], runs)
     run_dir = _wait_committed(runs, 8)
@@ -260,9 +291,23 @@ def test_compaction_killed_while_deleting_parts_keeps_the_full_table(tmp_path):
     from lmtrace.archive.layout import RunShape
     from lmtrace.archive.writer import ArchiveWriter
 
-    shape = RunShape(n_sequences=1, n_steps=4, max_prompt=2, layers=(0,), resid_layers=(), n_heads=1, n_kv_heads=1,
-                     head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0,), attention=False, qkv=False, ffn=False,
-                     lens=False)
+    shape = RunShape(
+        n_sequences=1,
+        n_steps=4,
+        max_prompt=2,
+        layers=(0,),
+        resid_layers=(),
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=2,
+        d_model=2,
+        d_ffn=2,
+        kv_head_of_head=(0,),
+        attention=False,
+        qkv=False,
+        ffn=False,
+        lens=False,
+    )
     writer = ArchiveWriter(tmp_path, shape, chunk_steps=2, codec="none", level=0)
     for i in range(3):
         writer._write_part("steps", f"b000000-s{i:08d}", pa.table({"x": [i, i]}))
@@ -291,8 +336,8 @@ def test_format_1_archives_still_read_and_compare(tmp_path, tiny_llama_dir):
     import json
     import shutil
 
-    from tests.helpers.runs import rerecord_checksums
     from lmtrace.analysis.compare import compare_runs
+    from tests.helpers.runs import rerecord_checksums
 
     run = run_spec(tmp_path / "v2", _tiny(tiny_llama_dir))
     old = tmp_path / "v1"
@@ -341,21 +386,38 @@ def test_shard_files_are_byte_identical_to_what_zarr_writes(tmp_path, codec):
     from lmtrace.archive.writer import compressors_for, create_array
 
     rng = np.random.default_rng(0)
-    cases = [(layout.ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), "float16", True, auto_codec="lz4"),
-              (5, 6, 2, 3, 21)),
-             (layout.ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True), (5, 6, 2, 4)),
-             (layout.ArraySpec("prompt_k", ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"), "float16", False,
-                               auto_codec="none"), (5, 2, 1, 7, 4))]
+    cases = [
+        (
+            layout.ArraySpec("attn", ("sequence", "step", "layer", "q_head", "key"), "float16", True, auto_codec="lz4"),
+            (5, 6, 2, 3, 21),
+        ),
+        (layout.ArraySpec("ffn_idx", ("sequence", "step", "layer", "k_ffn"), "int32", True), (5, 6, 2, 4)),
+        (
+            layout.ArraySpec(
+                "prompt_k",
+                ("sequence", "layer", "kv_head", "prompt_pos", "head_dim"),
+                "float16",
+                False,
+                auto_codec="none",
+            ),
+            (5, 2, 1, 7, 4),
+        ),
+    ]
     for spec, shape in cases:
         mine = zarr.open_group(str(tmp_path / f"{codec}-mine.zarr"), mode="a", zarr_format=3)
         theirs = zarr.open_group(str(tmp_path / f"{codec}-zarr.zarr"), mode="a", zarr_format=3)
-        arrays = [create_array(g, spec, shape, 4, compressors_for(codec, 1, spec), chunk_keys=8, chunk_sequences=4)
-                  for g in (mine, theirs)]
+        arrays = [
+            create_array(g, spec, shape, 4, compressors_for(codec, 1, spec), chunk_keys=8, chunk_sequences=4)
+            for g in (mine, theirs)
+        ]
         assert arrays[0].shards[0] == 4 and arrays[0].chunks[0] == 1
         files = ShardFiles.for_array(tmp_path / f"{codec}-mine.zarr" / spec.name, arrays[0], spec.per_step)
         assert files is not None
-        data = rng.standard_normal((5,) + shape[1:]).astype(spec.dtype) if spec.dtype != "int32" else \
-            rng.integers(0, 1000, (5,) + shape[1:]).astype(np.int32)
+        data = (
+            rng.standard_normal((5,) + shape[1:]).astype(spec.dtype)
+            if spec.dtype != "int32"
+            else rng.integers(0, 1000, (5,) + shape[1:]).astype(np.int32)
+        )
         if spec.per_step:
             width = 11 if spec.key_chunked else shape[-1]  # attention: 2 of the 3 key chunks of 8
             block = data[..., :width]
@@ -363,9 +425,13 @@ def test_shard_files_are_byte_identical_to_what_zarr_writes(tmp_path, codec):
             for seqs, rows, s0 in writes:
                 files.write(seqs, rows, s0)
                 for row, seq in zip(rows, seqs):
-                    arrays[1][seq, s0: s0 + row.shape[0], ..., : -(-width // 8) * 8 if spec.key_chunked else width] = \
-                        np.concatenate([row, np.full(row.shape[:-1] + (-(-width // 8) * 8 - width,), np.nan, np.float16)],
-                                       -1) if spec.key_chunked else row
+                    arrays[1][seq, s0 : s0 + row.shape[0], ..., : -(-width // 8) * 8 if spec.key_chunked else width] = (
+                        np.concatenate(
+                            [row, np.full(row.shape[:-1] + (-(-width // 8) * 8 - width,), np.nan, np.float16)], -1
+                        )
+                        if spec.key_chunked
+                        else row
+                    )
             shards = ["c/0/0/" + "/".join(["0"] * (len(shape) - 2)), "c/1/1/" + "/".join(["0"] * (len(shape) - 2))]
         else:
             files.write([3, 0], data[[3, 0]])
@@ -387,13 +453,26 @@ def test_files_do_not_multiply_with_sequences(tmp_path, tiny_llama_dir):
     gen = {"max_new_tokens": 6, "batch_size": 5}
 
     def count(run):
-        return {name: sum(1 for f in (run.path / "tensors.zarr" / name / "c").rglob("*") if f.is_file())
-                for name in run.manifest["arrays"]}  # the arrays over `sequence`
+        return {
+            name: sum(1 for f in (run.path / "tensors.zarr" / name / "c").rglob("*") if f.is_file())
+            for name in run.manifest["arrays"]
+        }  # the arrays over `sequence`
 
-    spec = {"model": str(tiny_llama_dir), "generation": gen, "capture": {"preset": "full"}, "output": {"chunk_steps": 4}}
-    two = run_spec(tmp_path / "two", {**spec, "prompts": PROMPTS[:2], "output": {"chunk_steps": 4, "chunk_sequences": 16}})
-    twelve = run_spec(tmp_path / "twelve", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 16}})
-    fours = run_spec(tmp_path / "fours", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 4}})
+    spec = {
+        "model": str(tiny_llama_dir),
+        "generation": gen,
+        "capture": {"preset": "full"},
+        "output": {"chunk_steps": 4},
+    }
+    two = run_spec(
+        tmp_path / "two", {**spec, "prompts": PROMPTS[:2], "output": {"chunk_steps": 4, "chunk_sequences": 16}}
+    )
+    twelve = run_spec(
+        tmp_path / "twelve", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 16}}
+    )
+    fours = run_spec(
+        tmp_path / "fours", {**spec, "prompts": prompts, "output": {"chunk_steps": 4, "chunk_sequences": 4}}
+    )
     assert twelve.sequences().to_pandas().generated_len.min() == 6  # both blocks written for every sequence
     assert count(two) == count(twelve), (count(two), count(twelve))
     per_step = {s.name for s in layout_arrays(twelve) if s.per_step}
@@ -407,8 +486,10 @@ def test_files_do_not_multiply_with_sequences(tmp_path, tiny_llama_dir):
 def layout_arrays(run):
     from lmtrace.archive.layout import ArraySpec
 
-    return [ArraySpec(name, tuple(a["dims"]), a["dtype"], a["dims"][:2] == ["sequence", "step"])
-            for name, a in run.manifest["arrays"].items()]
+    return [
+        ArraySpec(name, tuple(a["dims"]), a["dtype"], a["dims"][:2] == ["sequence", "step"])
+        for name, a in run.manifest["arrays"].items()
+    ]
 
 
 def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llama_dir):
@@ -419,12 +500,12 @@ def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llam
 
     import zarr
 
-    from tests.helpers.runs import rerecord_checksums, with_lens
     from lmtrace import open_run
     from lmtrace.analysis.compare import compare_runs
     from lmtrace.archive.integrity import verify
     from lmtrace.archive.shards import sharding_of
     from lmtrace.archive.writer import consolidate
+    from tests.helpers.runs import rerecord_checksums, with_lens
 
     run = run_spec(tmp_path / "v3", _tiny(tiny_llama_dir))
     old = tmp_path / "v2" / run.path.name
@@ -435,16 +516,25 @@ def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llam
         data, sharding = a[...], sharding_of(a)
         assert sharding is not None, name
         shutil.rmtree(old / "tensors.zarr" / name)
-        b = zarr.create_array(str(old / "tensors.zarr" / name), shape=a.shape, chunks=sharding.chunk_shape, dtype=a.dtype,
-                              fill_value=a.fill_value, compressors=list(sharding.codecs[1:]) or None,
-                              dimension_names=a.metadata.dimension_names, zarr_format=3)
+        b = zarr.create_array(
+            str(old / "tensors.zarr" / name),
+            shape=a.shape,
+            chunks=sharding.chunk_shape,
+            dtype=a.dtype,
+            fill_value=a.fill_value,
+            compressors=list(sharding.codecs[1:]) or None,
+            dimension_names=a.metadata.dimension_names,
+            zarr_format=3,
+        )
         b[...] = data
     consolidate(old)
     manifest = json.loads((old / "manifest.json").read_text())
     manifest["format_version"] = 2
     (old / "manifest.json").write_text(json.dumps(manifest))
     rerecord_checksums(old)
-    assert len([f for f in (old / "tensors.zarr" / "resid" / "c").rglob("*") if f.is_file()]) == 3  # a file per sequence
+    assert (
+        len([f for f in (old / "tensors.zarr" / "resid" / "c").rglob("*") if f.is_file()]) == 3
+    )  # a file per sequence
 
     v2 = open_run(old)
     for name in run.manifest["arrays"]:
@@ -459,7 +549,9 @@ def test_format_2_archives_still_read_verify_and_take_a_lens(tmp_path, tiny_llam
     assert verify(old, open_run(old).manifest)[0] == []
 
 
-def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_in_their_layout(tmp_path, tiny_llama_dir):
+def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_in_their_layout(
+    tmp_path, tiny_llama_dir
+):
     """Format 4 ends every chunk in its crc32c and writes Parquet page checksums; a format-3 archive
     (the same shards, no chunk checksums, Parquet pages without them) rewritten here with zarr and
     pyarrow themselves still opens, verifies, compares and takes a lens whose arrays are like its own."""
@@ -468,12 +560,12 @@ def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_i
     import pyarrow.parquet as pq
     import zarr
 
-    from tests.helpers.runs import rerecord_checksums, with_lens
     from lmtrace import open_run
     from lmtrace.analysis.compare import compare_runs
     from lmtrace.archive.integrity import verify
     from lmtrace.archive.shards import checksummed, sharding_of
     from lmtrace.archive.writer import consolidate
+    from tests.helpers.runs import rerecord_checksums, with_lens
 
     run = run_spec(tmp_path / "v4", _tiny(tiny_llama_dir))
     old = tmp_path / "v3" / run.path.name
@@ -487,10 +579,17 @@ def test_format_3_archives_without_checksums_still_read_verify_and_take_a_lens_i
         data = a[...]
         inner = list((sharding.codecs if sharding is not None else a.metadata.codecs)[1:-1])
         shutil.rmtree(old / "tensors.zarr" / name)
-        b = zarr.create_array(str(old / "tensors.zarr" / name), shape=a.shape, dtype=a.dtype, fill_value=a.fill_value,
-                              chunks=sharding.chunk_shape if sharding is not None else a.chunks,
-                              shards=a.shards, compressors=inner or None,
-                              dimension_names=a.metadata.dimension_names, zarr_format=3)
+        b = zarr.create_array(
+            str(old / "tensors.zarr" / name),
+            shape=a.shape,
+            dtype=a.dtype,
+            fill_value=a.fill_value,
+            chunks=sharding.chunk_shape if sharding is not None else a.chunks,
+            shards=a.shards,
+            compressors=inner or None,
+            dimension_names=a.metadata.dimension_names,
+            zarr_format=3,
+        )
         b[...] = data
         assert not checksummed(b), name
     for table in old.glob("*.parquet"):
@@ -522,8 +621,12 @@ def test_validate_estimate_is_within_2x_of_the_measured_run(tmp_path, tiny_llama
 
     from lmtrace.commands.validate import validate_spec
 
-    spec = _tiny(tiny_llama_dir, generation={"max_new_tokens": 40, "batch_size": 3, "eos_token_id": []},
-                 capture={"preset": preset}, output={"runs_dir": str(tmp_path / "runs")})
+    spec = _tiny(
+        tiny_llama_dir,
+        generation={"max_new_tokens": 40, "batch_size": 3, "eos_token_id": []},
+        capture={"preset": preset},
+        output={"runs_dir": str(tmp_path / "runs")},
+    )
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     estimate = validate_spec(path, [])["estimate"]

@@ -11,12 +11,25 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import zarr
+
 from tests.helpers.cli import lmtrace
 from tests.helpers.runs import rerecord_checksums
+
 EXPECTED_TABLES = {
-    "tokens.parquet", "steps.parquet", "sequences.parquet", "vocab.parquet", "effects.parquet",
-    "heads.parquet", "heads_per_sequence.parquet", "heads_by_topic.parquet", "sweep.parquet",
-    "sweep_mean.parquet", "scores.parts", "per_step.parquet", "per_layer.parquet", "per_head.parquet",
+    "tokens.parquet",
+    "steps.parquet",
+    "sequences.parquet",
+    "vocab.parquet",
+    "effects.parquet",
+    "heads.parquet",
+    "heads_per_sequence.parquet",
+    "heads_by_topic.parquet",
+    "sweep.parquet",
+    "sweep_mean.parquet",
+    "scores.parts",
+    "per_step.parquet",
+    "per_layer.parquet",
+    "per_head.parquet",
     "pairs.parquet",
 }
 
@@ -56,8 +69,12 @@ def _old_archive(every_table_runs: Path, root: Path) -> tuple[Path, Path]:
     manifest = json.loads((new / "manifest.json").read_text())
     (new / "manifest.json").write_text(json.dumps({**manifest, "run_id": "new"}))
     before = {"token_rank": "rank", "head_rank": "rank", "q_head": "head"}
-    files = [old / "tokens.parquet", old / "analysis" / "heads.parquet", old / "analysis" / "heads_per_sequence.parquet",
-             *(old / "sweeps").glob("*/sweep*.parquet")]
+    files = [
+        old / "tokens.parquet",
+        old / "analysis" / "heads.parquet",
+        old / "analysis" / "heads_per_sequence.parquet",
+        *(old / "sweeps").glob("*/sweep*.parquet"),
+    ]
     for f in files:
         t = pq.read_table(f)
         assert set(before) & set(t.column_names), f
@@ -67,10 +84,9 @@ def _old_archive(every_table_runs: Path, root: Path) -> tuple[Path, Path]:
 
 
 def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_runs, tmp_path):
-    from tests.helpers.server import LiveServer
-
     from lmtrace.archive.reader import Run
     from lmtrace.archive.sweeps import read_sweep
+    from tests.helpers.server import LiveServer
 
     root = tmp_path / "runs"
     old, new = _old_archive(every_table_runs, root)
@@ -79,8 +95,10 @@ def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_run
 
     # the reader
     assert Run(old).tokens().column_names == Run(new).tokens().column_names
-    assert Run(old).tokens().column("token_rank").to_pylist() == stored["rank"].astype(object).where(
-        stored["rank"].notna(), None).tolist()
+    assert (
+        Run(old).tokens().column("token_rank").to_pylist()
+        == stored["rank"].astype(object).where(stored["rank"].notna(), None).tolist()
+    )
     assert read_sweep(Run(old)).column_names == read_sweep(Run(new)).column_names
     # only some columns, named today: the old file's `rank` is read as `token_rank`
     picked = Run(old).table("tokens", columns=["sequence", "token_rank"])
@@ -93,8 +111,10 @@ def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_run
         proc = lmtrace(root.parent, "query", sql, "--runs-dir", str(root), "-f", "json")
         assert proc.returncode == 0, proc.stderr
         got = [json.loads(line) for line in proc.stdout.splitlines()]
-        return {run: [{k: v for k, v in r.items() if k != "run_id"} for r in got if r["run_id"] == run]
-                for run in ("old", "new")}
+        return {
+            run: [{k: v for k, v in r.items() if k != "run_id"} for r in got if r["run_id"] == run]
+            for run in ("old", "new")
+        }
 
     tokens = rows("SELECT run_id, sequence, position, token_rank FROM tokens ORDER BY ALL")
     assert tokens["old"] == tokens["new"] and len(tokens["old"]) == len(stored)
@@ -110,7 +130,9 @@ def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_run
     # `lmtrace show --step`: the token's rank, from the old column
     proc = lmtrace(root.parent, "show", str(old), "--step", "1", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["token"]["rank"] == int(want[(want.sequence == 0) & (want.step == 1)]["rank"].iloc[0])
+    assert json.loads(proc.stdout)["token"]["rank"] == int(
+        want[(want.sequence == 0) & (want.step == 1)]["rank"].iloc[0]
+    )
 
     # serve's API
     server = LiveServer(root)
@@ -122,7 +144,10 @@ def test_an_archive_with_the_old_column_names_reads_with_today_s(every_table_run
             step = server.json(f"/api/runs/{run}/sequences/0/steps/1")
             assert step["token"]["token_rank"] == int(seq0[seq0.step == 1]["rank"].iloc[0])
         head_sweep = next(e["id"] for e in Run(old).manifest["sweeps"] if e["over"] == "heads")
-        cells = [server.json(f"/api/runs/{run}/sweeps/{head_sweep}/cell?metric=rank&layer=1&head=2") for run in ("old", "new")]
+        cells = [
+            server.json(f"/api/runs/{run}/sweeps/{head_sweep}/cell?metric=rank&layer=1&head=2")
+            for run in ("old", "new")
+        ]
         assert cells[0] == cells[1] and cells[0]["rows"]
     finally:
         server.stop()

@@ -18,9 +18,23 @@ from lmtrace.archive.reader import IncompleteRunWarning, Run, table_files
 from lmtrace.archive.writer import ArchiveWriter
 from tests.helpers.cli import run_cli as _run
 
-SHAPE = RunShape(n_sequences=64, n_steps=64, max_prompt=2, layers=(0,), resid_layers=(), n_heads=1, n_kv_heads=1,
-                 head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0,), attention=False, qkv=False, ffn=False,
-                 lens=False)
+SHAPE = RunShape(
+    n_sequences=64,
+    n_steps=64,
+    max_prompt=2,
+    layers=(0,),
+    resid_layers=(),
+    n_heads=1,
+    n_kv_heads=1,
+    head_dim=2,
+    d_model=2,
+    d_ffn=2,
+    kv_head_of_head=(0,),
+    attention=False,
+    qkv=False,
+    ffn=False,
+    lens=False,
+)
 
 
 def _block(batch: int, s0: int) -> pa.Table:
@@ -28,8 +42,13 @@ def _block(batch: int, s0: int) -> pa.Table:
     written twice shows."""
     seqs = [batch, batch + 1] * 2
     steps = [s0, s0, s0 + 1, s0 + 1]
-    return pa.table({"sequence": pa.array(seqs, pa.int32()), "step": pa.array(steps, pa.int32()),
-                     "value": pa.array([s * 1000.0 + t for s, t in zip(seqs, steps)], pa.float32())})
+    return pa.table(
+        {
+            "sequence": pa.array(seqs, pa.int32()),
+            "step": pa.array(steps, pa.int32()),
+            "value": pa.array([s * 1000.0 + t for s, t in zip(seqs, steps)], pa.float32()),
+        }
+    )
 
 
 def _rows(files: list[Path]) -> list[tuple]:
@@ -62,11 +81,16 @@ def test_part_files_stay_few_while_blocks_are_committed_and_each_row_is_read_onc
 def _spec(tmp_path: Path, model) -> Path:
     """12 prompts in batches of 2, 16 tokens in blocks of 2: 48 block parts of `tokens` and of `steps`."""
     path = tmp_path / "spec.json"
-    path.write_text(json.dumps({
-        "model": str(model), "prompts": [f"Item {i} is" for i in range(12)],
-        "generation": {"max_new_tokens": 16, "batch_size": 2, "temperature": 0.9, "seed": 3, "eos_token_id": 0},
-        "output": {"chunk_steps": 2},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "prompts": [f"Item {i} is" for i in range(12)],
+                "generation": {"max_new_tokens": 16, "batch_size": 2, "temperature": 0.9, "seed": 3, "eos_token_id": 0},
+                "output": {"chunk_steps": 2},
+            }
+        )
+    )
     return path
 
 
@@ -175,20 +199,27 @@ def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
     clears what a kill during its merge left (and nothing of the other's), and the compacted table
     holds every row once, in block order."""
     monkeypatch.setattr("os.sync", lambda: None)
-    writers = {key: ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
-               for key in ("shard-0-of-2", "shard-1-of-2")}
+    writers = {
+        key: ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
+        for key in ("shard-0-of-2", "shard-1-of-2")
+    }
     for w in writers.values():
         w.rollback([])
     blocks = []
     for s0 in range(0, 2 * FANOUT, 2):
         for batch in (0, 2, 4, 6):  # shard 0 owns batches 0 and 4, shard 1 batches 2 and 6
-            writers[f"shard-{batch // 2 % 2}-of-2"].write_block(batch, [batch, batch + 1], s0, s0 + 2, {},
-                                                                {"steps": _block(batch, s0)})
+            writers[f"shard-{batch // 2 % 2}-of-2"].write_block(
+                batch, [batch, batch + 1], s0, s0 + 2, {}, {"steps": _block(batch, s0)}
+            )
             blocks.append((batch, s0))
     parts = tmp_path / "steps.parts"
     merged = sorted(p.name for p in parts.glob("m*"))
-    assert merged == ["m1_shard-0-of-2_000000.parquet", "m1_shard-0-of-2_000001.parquet",
-                      "m1_shard-1-of-2_000000.parquet", "m1_shard-1-of-2_000001.parquet"], merged
+    assert merged == [
+        "m1_shard-0-of-2_000000.parquet",
+        "m1_shard-0-of-2_000001.parquet",
+        "m1_shard-1-of-2_000000.parquet",
+        "m1_shard-1-of-2_000001.parquet",
+    ], merged
     for name in merged:  # each covers 8 blocks of its own shard's batches
         covers = json.loads(pq.read_metadata(parts / name).metadata[b"lmtrace.covers"])
         assert len(covers) == FANOUT and {int(c[1:7]) // 2 % 2 for c in covers} == {int(name[9])}, (name, covers)
@@ -230,8 +261,10 @@ def test_two_shards_updating_prompt_and_generated_lengths_at_once_lose_neither(t
     from zarr.storage import LocalStore
 
     monkeypatch.setattr("os.sync", lambda: None)
-    writers = [ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
-               for i in (0, 1)]
+    writers = [
+        ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
+        for i in (0, 1)
+    ]
     barriers = {name: threading.Barrier(2, timeout=2.0) for name in ("prompt_len", "generated_len")}
     read = LocalStore.get
 
@@ -253,8 +286,12 @@ def test_two_shards_updating_prompt_and_generated_lengths_at_once_lose_neither(t
     def shard(i: int) -> None:
         w = writers[i]
         w.write_prompt(seqs[i], {}, np.asarray([prompt[s] for s in seqs[i]], dtype=np.int32))
-        w.finish_batch(seqs[i][0], seqs[i], np.asarray([generated[s] for s in seqs[i]], dtype=np.int32),
-                       pa.table({"sequence": pa.array(seqs[i], pa.int32())}))
+        w.finish_batch(
+            seqs[i][0],
+            seqs[i],
+            np.asarray([generated[s] for s in seqs[i]], dtype=np.int32),
+            pa.table({"sequence": pa.array(seqs[i], pa.int32())}),
+        )
 
     failures = []
 

@@ -42,20 +42,31 @@ def decoded(tokenizer) -> list[str]:
 @pytest.fixture(scope="module")
 def run(tiny_llama_dir, tmp_path_factory) -> Run:
     """A sampled run (ranks above 0 occur), deferred lens not computed yet."""
-    return run_spec(tmp_path_factory.mktemp("vocab"), {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS,
-        "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 1.0, "seed": 1}})
+    return run_spec(
+        tmp_path_factory.mktemp("vocab"),
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 1.0, "seed": 1},
+        },
+    )
 
 
 def lmtrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The CLI as a user pipes it: stdout is not a terminal."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    full_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     for key in ("NO_COLOR", "FORCE_COLOR"):
         full_env.pop(key, None)
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], env=full_env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", *args], env=full_env, capture_output=True, text=True, timeout=300
+    )
 
 
 def generated(run: Run):
@@ -108,8 +119,13 @@ def test_shards_and_a_run_that_lacks_it_get_vocab_parquet(tiny_llama_dir, tmp_pa
     from lmtrace.runner.generation import Shard, run_generate
     from lmtrace.spec.run_spec import build_spec
 
-    data = {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
-            "generation": {"max_new_tokens": 3}, "output": {"runs_dir": str(tmp_path), "run_id": "sharded"}}
+    data = {
+        "model": str(tiny_llama_dir),
+        "prompts": PROMPTS,
+        "capture": "none",
+        "generation": {"max_new_tokens": 3},
+        "output": {"runs_dir": str(tmp_path), "run_id": "sharded"},
+    }
     spec = build_spec(data, "test")
     run_generate(spec, yaml.safe_dump(data), shard=Shard(0, 2))
     vocab = tmp_path / "sharded" / "vocab.parquet"
@@ -140,12 +156,12 @@ def parse_numbered(out: str, at: int, texts: list[str]) -> list[float]:
     """Walk `text[p]text[p]...\\n` from `at`, knowing each token's text (from the tokenizer)."""
     numbers = []
     for text in texts:
-        assert out.startswith(text + "[", at), (out[at: at + 60], text)
+        assert out.startswith(text + "[", at), (out[at : at + 60], text)
         at += len(text) + 1
         end = out.index("]", at)
         numbers.append(float(out[at:end]))
         at = end + 1
-    assert out[at] == "\n", out[at: at + 60]
+    assert out[at] == "\n", out[at : at + 60]
     return numbers
 
 
@@ -166,7 +182,9 @@ def test_show_without_colour_prints_each_tokens_probability_and_no_legend(run, d
     for seq, prompt in enumerate(PROMPTS):
         rows = g[g.sequence == seq]
         assert len(rows) > 0
-        at = out.index(f"\n{prompt}\n", out.index(f"sequence {seq} (")) + len(prompt) + 2  # the strip follows the prompt
+        at = (
+            out.index(f"\n{prompt}\n", out.index(f"sequence {seq} (")) + len(prompt) + 2
+        )  # the strip follows the prompt
         shown = parse_numbered(out, at, [decoded[i] for i in rows.token_id])
         assert len(shown) == len(rows)
         for value, lp in zip(shown, rows.logprob):
@@ -219,24 +237,27 @@ def test_show_step_prints_the_logit_lens_as_text(run, decoded, tmp_path):
     # none split, every layer's tokens in order
     narrow = lmtrace("show", str(ready.path), "--step", "0", env={"COLUMNS": "40"}).stdout.splitlines()
     at = next(i for i, line in enumerate(narrow) if line.startswith("logit lens"))
-    for li, r in enumerate(d["lens"]["layers"]):
+    for r in d["lens"]["layers"]:
         head = f"  layer {r['layer']:3d}: "
         start = next(i for i, line in enumerate(narrow) if i > at and line.startswith(head))
-        block = [narrow[start][len(head):]]
-        for line in narrow[start + 1:]:
+        block = [narrow[start][len(head) :]]
+        for line in narrow[start + 1 :]:
             if not line.startswith(" " * len(head)):
                 break
-            block.append(line[len(head):])
+            block.append(line[len(head) :])
         cells = [f"{c['text']!r} {c['prob']:.2g}" for c in r["top"]]
         assert "  ".join(block) == "  ".join(cells), (block, cells)
         assert all(len(head) + len(x) <= 40 or "  " not in x for x in block), block
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--step", "6"], "--step 6: sequence 0 of run"),  # max_new_tokens 6: steps 0..5
-    (["--step", "0", "--sequence", "3"], "--sequence 3: run"),
-    (["--sequence", "-1"], "--sequence -1"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--step", "6"], "--step 6: sequence 0 of run"),  # max_new_tokens 6: steps 0..5
+        (["--step", "0", "--sequence", "3"], "--sequence 3: run"),
+        (["--sequence", "-1"], "--sequence -1"),
+    ],
+)
 def test_show_refuses_a_step_or_sequence_the_run_lacks(run, args, fragment):
     proc = lmtrace("show", str(run.path), *args)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -245,9 +266,14 @@ def test_show_refuses_a_step_or_sequence_the_run_lacks(run, args, fragment):
 
 
 def test_show_step_counts_ranks_from_1_labels_both_margins_and_explains_stability(tiny_llama_dir, tmp_path, decoded):
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,  # top-k 5: ranks 0..4 are stored
-                              "generation": {"max_new_tokens": 8, "batch_size": 3, "temperature": 1.0, "top_k": 5,
-                                             "seed": 2}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS,  # top-k 5: ranks 0..4 are stored
+            "generation": {"max_new_tokens": 8, "batch_size": 3, "temperature": 1.0, "top_k": 5, "seed": 2},
+        },
+    )
     g = generated(run)
     # a sampled step whose chosen token is not the top-1 but is among the stored alternatives
     row = next(r for r in g.itertuples() if 0 < r.token_rank < len(r.alt_ids) and r.alt_ids[r.token_rank] == r.token_id)
@@ -260,8 +286,9 @@ def test_show_step_counts_ranks_from_1_labels_both_margins_and_explains_stabilit
     assert m, text
     assert float(m.group(1)) == pytest.approx(row.margin, rel=1e-3)
     assert float(m.group(2)) == pytest.approx(chosen, rel=1e-3) and float(m.group(2)) < 0
-    d = json.loads(lmtrace("show", str(run.path), "--step", str(row.step), "--sequence", str(row.sequence),
-                           "--json").stdout)
+    d = json.loads(
+        lmtrace("show", str(run.path), "--step", str(row.step), "--sequence", str(row.sequence), "--json").stdout
+    )
     assert d["token"]["margin_chosen"] == pytest.approx(chosen, rel=1e-6)
     stability = re.search(r"^stability: (\w+) \((.*)\)$", text, re.M)
     assert stability and stability.group(1) == row.stability, text
@@ -271,11 +298,21 @@ def test_show_step_counts_ranks_from_1_labels_both_margins_and_explains_stabilit
 
 # ---- colours a colour-blind reader can tell apart ------------------------------------------------------
 # Machado, Oliveira & Fernandes (2009) at full severity, on linear RGB; the difference in CIE L*a*b* (ΔE76)
-CVD = {"protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 0.951998]],
-       "deuteranopia": [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]],
-       "tritanopia": [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]]}
-XTERM = {30: (0, 0, 0), 31: (205, 0, 0), 32: (0, 205, 0), 33: (205, 205, 0), 34: (0, 0, 238), 35: (205, 0, 205),
-         36: (0, 205, 205), 37: (229, 229, 229)}
+CVD = {
+    "protanopia": [[0.152286, 1.052583, -0.204868], [0.114503, 0.786281, 0.099216], [-0.003882, -0.048116, 0.951998]],
+    "deuteranopia": [[0.367322, 0.860646, -0.227968], [0.280085, 0.672501, 0.047413], [-0.011820, 0.042940, 0.968881]],
+    "tritanopia": [[1.255528, -0.076749, -0.178779], [-0.078411, 0.930809, 0.147602], [0.004733, 0.691367, 0.303900]],
+}
+XTERM = {
+    30: (0, 0, 0),
+    31: (205, 0, 0),
+    32: (0, 205, 0),
+    33: (205, 205, 0),
+    34: (0, 0, 238),
+    35: (205, 0, 205),
+    36: (0, 205, 205),
+    37: (229, 229, 229),
+}
 
 
 def _lab_as_seen(rgb, matrix) -> np.ndarray:
@@ -296,7 +333,7 @@ def _ansi_rgb(codes: str):
     parts = [int(x) for x in codes.split(";") if x]
     for i, x in enumerate(parts):
         if x == 38 and parts[i + 1] == 2:
-            return tuple(parts[i + 2:i + 5])
+            return tuple(parts[i + 2 : i + 5])
         if x == 38 and parts[i + 1] == 5 and 16 <= parts[i + 2] < 232:
             n = parts[i + 2] - 16
             return tuple(0 if v == 0 else 55 + 40 * v for v in (n // 36, n // 6 % 6, n % 6))
@@ -320,8 +357,11 @@ def test_probability_colours_stay_apart_for_colour_blind_readers(run, tmp_path):
     from lmtrace.report import report_run
 
     page = report_run(str(run.path), out=tmp_path / "r.html").path.read_text()
-    spans = re.findall(r"<span class='tok' style='background:([^']*)' data-seq='\d+' data-step='\d+' "
-                       r"data-prob='([^']*)'", page)
+    spans = re.findall(
+        r"<span class='tok' style='background:([^']*)' data-seq='\d+' data-step='\d+' "
+        r"data-prob='([^']*)'",
+        page,
+    )
     assert spans, "no coloured token on the page"
     least_likely = _css_rgb(min(spans, key=lambda s: float(s[1]))[0])
     assert min(float(p) for _, p in spans) < 0.1  # a sampled tiny model: unlikely tokens on the page
@@ -337,7 +377,7 @@ def _css_rgb(css: str):
     import colorsys
 
     if css.startswith("#"):
-        return tuple(int(css[i:i + 2], 16) for i in (1, 3, 5))
+        return tuple(int(css[i : i + 2], 16) for i in (1, 3, 5))
     h, sat, light = (float(x.strip("%")) for x in re.fullmatch(r"hsl\((.*)\)", css).group(1).split(","))
     return tuple(255 * x for x in colorsys.hls_to_rgb(h / 360, light / 100, sat / 100))
 

@@ -17,11 +17,25 @@ STEPS, PROMPT, CHUNK_KEYS = 4, 2, 2  # attention rows of 6 keys: 3 key chunks pe
 
 @pytest.fixture
 def core(tmp_path):
-    shape = RunShape(n_sequences=2, n_steps=STEPS, max_prompt=PROMPT, layers=(0, 1), resid_layers=(), n_heads=2,
-                     n_kv_heads=1, head_dim=2, d_model=2, d_ffn=2, kv_head_of_head=(0, 0), qkv=False, ffn=False,
-                     lens=False)
-    return ArchiveWriter(tmp_path, shape, chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS,
-                         chunk_sequences=1)
+    shape = RunShape(
+        n_sequences=2,
+        n_steps=STEPS,
+        max_prompt=PROMPT,
+        layers=(0, 1),
+        resid_layers=(),
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=2,
+        d_model=2,
+        d_ffn=2,
+        kv_head_of_head=(0, 0),
+        qkv=False,
+        ffn=False,
+        lens=False,
+    )
+    return ArchiveWriter(
+        tmp_path, shape, chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS, chunk_sequences=1
+    )
 
 
 def _block() -> dict[str, np.ndarray]:
@@ -29,7 +43,9 @@ def _block() -> dict[str, np.ndarray]:
 
 
 def _chunk_files(core) -> int:
-    return sum(1 for f in (core.dir / "tensors.zarr" / "attn" / "c").rglob("*") if f.is_file() and not f.name.startswith("."))
+    return sum(
+        1 for f in (core.dir / "tensors.zarr" / "attn" / "c").rglob("*") if f.is_file() and not f.name.startswith(".")
+    )
 
 
 _Event = threading.Event
@@ -125,8 +141,8 @@ def test_a_forward_that_raises_lets_the_writer_go_on(core):
 
 def test_generate_runs_every_forward_with_the_writer_paused(tmp_path, tiny_llama_dir, monkeypatch):
     """`lmtrace generate` wraps each model forward (prefill and decode steps) in forward_running."""
-    from tests.helpers.runs import PROMPTS, run_spec
     from lmtrace.runner import generation as generate
+    from tests.helpers.runs import PROMPTS, run_spec
 
     class Recording:
         inside, entered = False, 0
@@ -148,7 +164,9 @@ def test_generate_runs_every_forward_with_the_writer_paused(tmp_path, tiny_llama
         return loaded
 
     monkeypatch.setattr(generate, "load_model", load_watched)
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,
-                              "generation": {"max_new_tokens": 5, "batch_size": 2}})
+    run = run_spec(
+        tmp_path,
+        {"model": str(tiny_llama_dir), "prompts": PROMPTS, "generation": {"max_new_tokens": 5, "batch_size": 2}},
+    )
     assert run.manifest["status"] == "complete"
     assert len(forwards) == 2 * 5 and all(forwards) and pause.entered == len(forwards)

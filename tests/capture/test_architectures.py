@@ -68,8 +68,9 @@ def _ids(run, seq):
 
 
 def _close(got, expected, tol, what):
-    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64),
-                               atol=tol, rtol=0, err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64), atol=tol, rtol=0, err_msg=what
+    )
 
 
 @dataclass
@@ -134,16 +135,18 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
                 assert not np.isnan(got).any(), f"layer {layer} step {s}: NaN inside the context"
                 tol.seen("attn", np.abs(got - expected).max())
                 _close(got, expected, tol.attn, f"attn seq {seq} step {s} layer {layer}")
-                assert np.isnan(attn[s, li, :, qpos + 1:]).all()
+                assert np.isnan(attn[s, li, :, qpos + 1 :]).all()
                 win = kernel_layers[str(layer)]["sliding_window"]
                 if win and qpos + 1 > win:
                     assert (expected[:, : qpos + 1 - win] == 0).all()
                     checked["window_bit"] = True
                 # archived q . archived K (prompt K, then each step's own key) reproduces the row
-                keys = np.concatenate([prompt_k[li, :, :P], k[1: s + 1, li].transpose(1, 0, 2)], axis=1)  # [KVH, T, D]
-                vals = np.concatenate([prompt_v[li, :, :P], v[1: s + 1, li].transpose(1, 0, 2)], axis=1)
+                keys = np.concatenate([prompt_k[li, :, :P], k[1 : s + 1, li].transpose(1, 0, 2)], axis=1)  # [KVH, T, D]
+                vals = np.concatenate([prompt_v[li, :, :P], v[1 : s + 1, li].transpose(1, 0, 2)], axis=1)
                 ka = kernel_layers[str(layer)]
-                scores = np.einsum("hd,htd->ht", q[s, li].astype(np.float64), keys[kv_of].astype(np.float64)) * ka["scaling"]
+                scores = (
+                    np.einsum("hd,htd->ht", q[s, li].astype(np.float64), keys[kv_of].astype(np.float64)) * ka["scaling"]
+                )
                 if ka["softcap"]:
                     scores = np.tanh(scores / ka["softcap"]) * ka["softcap"]
                 if win:
@@ -159,14 +162,19 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
                 head_out = np.einsum("ht,htd->hd", got.astype(np.float64), vals[kv_of].astype(np.float64))
                 o_in = r["o_in"][layer][qpos].reshape(n_heads, -1).numpy()
                 tol.seen("v", np.abs(head_out - o_in).max() / max(1.0, np.abs(o_in).max()))
-                _close(head_out, o_in, tol.qkv * max(1.0, np.abs(o_in).max()), f"row.V seq {seq} step {s} layer {layer}")
+                _close(
+                    head_out, o_in, tol.qkv * max(1.0, np.abs(o_in).max()), f"row.V seq {seq} step {s} layer {layer}"
+                )
                 # residual norms, deltas and component norms
                 resid = r["resid"][layer][qpos]
                 before = r["resid"][layer - 1][qpos] if layer > 0 else r["embed"][qpos]
                 scale = max(1.0, resid.norm().item())
-                for col, value in (("resid_norm", resid.norm()), ("delta_norm", (resid - before).norm()),
-                                   ("attn_norm", r["attn_out"][layer][qpos].norm()),
-                                   ("mlp_norm", r["mlp_out"][layer][qpos].norm())):
+                for col, value in (
+                    ("resid_norm", resid.norm()),
+                    ("delta_norm", (resid - before).norm()),
+                    ("attn_norm", r["attn_out"][layer][qpos].norm()),
+                    ("mlp_norm", r["mlp_out"][layer][qpos].norm()),
+                ):
                     tol.seen("norm", abs(st[col].iloc[li] - value.item()) / scale)
                     assert abs(st[col].iloc[li] - value.item()) < tol.norm * scale, (col, layer, s)
                 # logit lens: the model's own final modules + unembedding of this layer's residual
@@ -211,7 +219,9 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
                         assert (ridx == -1).all() and np.isnan(rw).all()
             # the last layer's lens is the model's own output distribution
             if exact_tokens and layers[-1] == len(r["resid"]) - 1:
-                _close(lens_probs[s, -1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(), tol.lens, "last lens")
+                _close(
+                    lens_probs[s, -1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(), tol.lens, "last lens"
+                )
             checked["steps"] += 1
         checked["sequences"] += 1
     return checked
@@ -220,16 +230,38 @@ def check_run(run, ref: FullForward, tol: Tol, *, exact_tokens: bool = True) -> 
 def _table_row(case: Case, run, checked: dict, tol: Tol) -> dict:
     m = run.manifest
     names = set(run.array_names())
-    captured = [a for a in ("attn", "q", "k", "v", "prompt_k", "prompt_v", "ffn_idx", "ffn_val", "lens_ids",
-                            "lens_probs", "router_topk_idx", "router_topk_weight") if a in names]
+    captured = [
+        a
+        for a in (
+            "attn",
+            "q",
+            "k",
+            "v",
+            "prompt_k",
+            "prompt_v",
+            "ffn_idx",
+            "ffn_val",
+            "lens_ids",
+            "lens_probs",
+            "router_topk_idx",
+            "router_topk_weight",
+        )
+        if a in names
+    ]
     captured += ["resid_norm", "delta_norm", "attn_norm", "mlp_norm", "margin_contrib"]
     return {
-        "case": case.id, "family": m["model"]["architecture_family"], "class": m["model"]["class"],
-        "model_type": m["model"]["config"]["model_type"], "example": case.example,
-        "kernel": m["attention"]["kernel"], "kernel_reason": m["attention"]["kernel_reason"],
+        "case": case.id,
+        "family": m["model"]["architecture_family"],
+        "class": m["model"]["class"],
+        "model_type": m["model"]["config"]["model_type"],
+        "example": case.example,
+        "kernel": m["attention"]["kernel"],
+        "kernel_reason": m["attention"]["kernel_reason"],
         "heads": f"{m['shape']['n_heads']}/{m['shape']['n_kv_heads']}",
-        "captured": captured, "not_captured": m.get("not_captured", {}),
-        "window": checked["window_bit"], "sinks": any(v["sinks"] for v in m["attention"]["layers"].values()),
+        "captured": captured,
+        "not_captured": m.get("not_captured", {}),
+        "window": checked["window_bit"],
+        "sinks": any(v["sinks"] for v in m["attention"]["layers"].values()),
         "softcap": any(v["softcap"] for v in m["attention"]["layers"].values()),
         "router_layers": checked["router_layers"],
     }
@@ -239,8 +271,18 @@ def _table_row(case: Case, run, checked: dict, tol: Tol) -> dict:
 def test_family_capture_matches_full_forward(case, tokenizer, tmp_path):
     path = build_tiny(case, tokenizer, tmp_path / case.id)
     # the full preset: q/k/v are checked, and float32 residuals keep the lens exact
-    run = with_lens(run_spec(tmp_path, {"model": str(path), "prompts": PROMPTS, "generation": GEN,
-                                        "capture": {"preset": "full"}, "output": {"float_dtype": "float32"}}))
+    run = with_lens(
+        run_spec(
+            tmp_path,
+            {
+                "model": str(path),
+                "prompts": PROMPTS,
+                "generation": GEN,
+                "capture": {"preset": "full"},
+                "output": {"float_dtype": "float32"},
+            },
+        )
+    )
     assert run.status == "complete"
     m = run.manifest
     assert m["model"]["architecture_family"] == case.family
@@ -264,15 +306,21 @@ def test_family_capture_matches_full_forward(case, tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-EMBEDDED = Case("smollm2", "llama", None, "embedded:smollm2-135m (SmolLM2-135M-Instruct, Llama architecture, 30 layers, GQA 9/3)")
+EMBEDDED = Case(
+    "smollm2", "llama", None, "embedded:smollm2-135m (SmolLM2-135M-Instruct, Llama architecture, 30 layers, GQA 9/3)"
+)
 # bfloat16 vs the float32 forward; the largest deviations seen are about half of these (docs/architectures.md)
 BF16_TOL = dict(attn=8e-2, logprob=0.2, norm=2e-2, lens=0.12, qkv=0.15, ffn=8e-2)
 
 
 def _embedded_spec(dtype: str) -> dict:
-    return {"prompts": PROMPTS[:2], "model": {"ref": "embedded:smollm2-135m", "dtype": dtype},
-            "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.8, "seed": 1},
-            "capture": {"preset": "full", "layers": [0, 1, 14, 28, 29]}, "output": {"float_dtype": "float32"}}
+    return {
+        "prompts": PROMPTS[:2],
+        "model": {"ref": "embedded:smollm2-135m", "dtype": dtype},
+        "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.8, "seed": 1},
+        "capture": {"preset": "full", "layers": [0, 1, 14, 28, 29]},
+        "output": {"float_dtype": "float32"},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +376,9 @@ def test_family_with_missing_modules_fails_naming_the_class():
     from lmtrace.capture.arch import adapter_for
     from lmtrace.exits.errors import UnsupportedArchitectureError
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     del model.model.layers[0].mlp.down_proj
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM.*supported families"):
         adapter_for(model)
@@ -380,8 +429,10 @@ def render_table(results: dict[str, dict]) -> str:
         kernel = r["kernel"] + (f" ({r['kernel_reason']})" if r["kernel_reason"] else "")
         if "dtype" in r:
             extras.append(f"{r['dtype']}")
-        lines.append(f"| {cid} | {r['family']} | `{r['model_type']}` / {r['class']} | {r['example']} | {r['heads']} "
-                     f"| {kernel} | {ffn} | {', '.join(extras) or '-'} |")
+        lines.append(
+            f"| {cid} | {r['family']} | `{r['model_type']}` / {r['class']} | {r['example']} | {r['heads']} "
+            f"| {kernel} | {ffn} | {', '.join(extras) or '-'} |"
+        )
     lines += [
         "",
         "## Embedded SmolLM2-135M in float32 and bfloat16",
@@ -413,8 +464,10 @@ def render_table(results: dict[str, dict]) -> str:
     for f in FAMILIES:
         seen = {k: v for r in results.values() if r["family"] == f.name for k, v in r["not_captured"].items()}
         not_cap = "; ".join(f"{k}: {v}" for k, v in seen.items()) or "-"
-        lines.append(f"| {f.name} | {', '.join(f.model_types)} | {f.qkv} | {f.mlp_kind} | "
-                     f"{' then '.join(f.final_norm)} | {not_cap} | {f.notes or '-'} |")
+        lines.append(
+            f"| {f.name} | {', '.join(f.model_types)} | {f.qkv} | {f.mlp_kind} | "
+            f"{' then '.join(f.final_norm)} | {not_cap} | {f.notes or '-'} |"
+        )
     lines += [
         "",
         "## Not supported",
@@ -446,5 +499,8 @@ def test_support_table_is_current():
         return
     assert TABLE.is_file(), "docs/architectures.md is missing: run `make support-table`"
     current = TABLE.read_text()
-    strip = lambda t: [ln for ln in t.splitlines() if not ln.startswith("- float32") and not ln.startswith("- bfloat16")]
+
+    def strip(t):
+        return [ln for ln in t.splitlines() if not ln.startswith("- float32") and not ln.startswith("- bfloat16")]
+
     assert strip(current) == strip(text), "docs/architectures.md is out of date: run `make support-table`"

@@ -66,7 +66,9 @@ def test_bfloat16_lens_has_exact_ids_and_probabilities_within_its_bound(tmp_path
 
 def test_padded_batch_sampled_matches_full_forward_and_single_runs(tmp_path, embedded_ref):
     gen = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}
-    batched = with_lens(run_spec(tmp_path / "b", {**_spec(**gen), "generation": {**_spec(**gen)["generation"], "batch_size": 3}}))
+    batched = with_lens(
+        run_spec(tmp_path / "b", {**_spec(**gen), "generation": {**_spec(**gen)["generation"], "batch_size": 3}})
+    )
     single = run_spec(tmp_path / "s", _spec(**gen))
     assert len(set(batched.prompt_len().tolist())) > 1, "prompts must have different lengths to test padding"
     for seq in range(len(PROMPTS)):
@@ -74,7 +76,9 @@ def test_padded_batch_sampled_matches_full_forward_and_single_runs(tmp_path, emb
         assert _ids(batched, seq)[0] == _ids(single, seq)[0]
     a, b = batched.array("attn")[:], single.array("attn")[:]
     np.testing.assert_allclose(a, b, atol=1e-5, equal_nan=True)
-    np.testing.assert_allclose(batched.array("resid")[:], single.array("resid")[:], rtol=1e-4, atol=1e-3, equal_nan=True)
+    np.testing.assert_allclose(
+        batched.array("resid")[:], single.array("resid")[:], rtol=1e-4, atol=1e-3, equal_nan=True
+    )
 
 
 def test_archived_q_and_k_reproduce_the_attention_rows(tmp_path):
@@ -89,7 +93,7 @@ def test_archived_q_and_k_reproduce_the_attention_rows(tmp_path):
     for s in (0, n - 1):
         for li in (0, 15, 29):
             # keys: prompt positions, then the key of each earlier step's query position
-            keys = np.concatenate([prompt_k[li, :, :P], k[1: s + 1, li].transpose(1, 0, 2)], axis=1)  # [kv, T, D]
+            keys = np.concatenate([prompt_k[li, :, :P], k[1 : s + 1, li].transpose(1, 0, 2)], axis=1)  # [kv, T, D]
             scores = np.einsum("hd,htd->ht", q[s, li], keys[kv_of]) / np.sqrt(head_dim)
             probs = torch.tensor(scores).softmax(-1).numpy()
             np.testing.assert_allclose(probs, attn[s, li, :, : P + s], atol=1e-4)

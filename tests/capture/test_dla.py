@@ -23,19 +23,30 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.architectures import BY_ID, D, OPT, Case, FullForward, build_tiny, frozen_norm
+from tests.helpers.architectures import BY_ID, OPT, Case, D, FullForward, build_tiny, frozen_norm
 from tests.helpers.architectures import attr_path as _get
 from tests.helpers.architectures import hf_config as _cfg
 from tests.helpers.runs import run_spec
 
-CAPTURE = {"attention": {"enabled": False}, "qkv": False, "ffn": {"enabled": False}, "lens": {"enabled": False},
-           "component_norms": False, "margin_contributions": False, "head_dla": True}
+CAPTURE = {
+    "attention": {"enabled": False},
+    "qkv": False,
+    "ffn": {"enabled": False},
+    "lens": {"enabled": False},
+    "component_norms": False,
+    "margin_contributions": False,
+    "head_dla": True,
+}
 PROMPTS = ["The quick brown fox", "One, two, three, four,"]
 
 
 def _spec(model: str, n: int = 3) -> dict:
-    return {"model": model, "prompts": PROMPTS, "capture": CAPTURE,
-            "generation": {"max_new_tokens": n, "batch_size": 2, "temperature": 0.0}}
+    return {
+        "model": model,
+        "prompts": PROMPTS,
+        "capture": CAPTURE,
+        "generation": {"max_new_tokens": n, "batch_size": 2, "temperature": 0.0},
+    }
 
 
 class Attribution:
@@ -47,9 +58,13 @@ class Attribution:
         self.H = cfg.num_attention_heads
         # the outputs of the blocks' attention- and MLP-output norms, where the case has them
         self.post = {path: {} for path in POST_NORMS.get(ref.case.id, ())}
-        hooks = [_get(block, path).register_forward_hook(
-            lambda m, a, out, store=store, i=i: store.__setitem__(i, out[0].float()))
-            for path, store in self.post.items() for i, block in enumerate(self.blocks)]
+        hooks = [
+            _get(block, path).register_forward_hook(
+                lambda m, a, out, store=store, i=i: store.__setitem__(i, out[0].float())
+            )
+            for path, store in self.post.items()
+            for i, block in enumerate(self.blocks)
+        ]
         try:
             self.out = ref.run(ids)
         finally:
@@ -67,10 +82,11 @@ class Attribution:
         D = z.shape[0] // self.H
         w = o.weight.float()
         w_o = w if isinstance(o, torch.nn.Linear) else w.T  # GPT-2's Conv1D stores [in, out]
-        heads = torch.stack([w_o[:, h * D:(h + 1) * D] @ z[h * D:(h + 1) * D] for h in range(self.H)])
+        heads = torch.stack([w_o[:, h * D : (h + 1) * D] @ z[h * D : (h + 1) * D] for h in range(self.H)])
         if self.post:  # the attention-output norm, its scale frozen at the whole attention output (its input)
-            heads = frozen_norm(_get(self.blocks[layer], POST_NORMS[self.ref.case.id][0]),
-                                self.out["attn_out"][layer][pos], heads)
+            heads = frozen_norm(
+                _get(self.blocks[layer], POST_NORMS[self.ref.case.id][0]), self.out["attn_out"][layer][pos], heads
+            )
         return heads
 
     def block_parts(self, layer: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +101,20 @@ class Attribution:
         W = self.ref.model.lm_head.weight.float()
         direction = W[chosen] - W[runner_up]
         L = len(self.blocks)
-        return np.stack([(self._through_final(pos, self.head_outputs(layer, pos)) @ direction).numpy()
-                         for layer in range(L)])
+        return np.stack(
+            [(self._through_final(pos, self.head_outputs(layer, pos)) @ direction).numpy() for layer in range(L)]
+        )
 
     def block_dla(self, pos: int, chosen: int, runner_up: int) -> np.ndarray:
         """[layer, 2]: each layer's attention and MLP parts, attributed to logit(chosen) − logit(runner-up)."""
         W = self.ref.model.lm_head.weight.float()
         direction = W[chosen] - W[runner_up]
-        return np.stack([(self._through_final(pos, torch.stack(self.block_parts(layer, pos))) @ direction).numpy()
-                         for layer in range(len(self.blocks))])
+        return np.stack(
+            [
+                (self._through_final(pos, torch.stack(self.block_parts(layer, pos))) @ direction).numpy()
+                for layer in range(len(self.blocks))
+            ]
+        )
 
 
 def _greedy_steps(run, seq: int):
@@ -114,13 +135,24 @@ def _check_against_reference(run, ref: FullForward, atol: float) -> None:
             assert top2[0] == row.token_id
             assert int(run.array("dla_runner_up")[seq, step]) == top2[1]
             got = run.array("head_dla")[seq, step]
-            np.testing.assert_allclose(got, att.head_dla(pos, *top2), atol=atol, rtol=0,
-                                       err_msg=f"head_dla sequence {seq} step {step}")
+            np.testing.assert_allclose(
+                got, att.head_dla(pos, *top2), atol=atol, rtol=0, err_msg=f"head_dla sequence {seq} step {step}"
+            )
             blocks = att.block_dla(pos, *top2)
-            np.testing.assert_allclose(run.array("attn_dla")[seq, step], blocks[:, 0], atol=atol, rtol=0,
-                                       err_msg=f"attn_dla sequence {seq} step {step}")
-            np.testing.assert_allclose(run.array("mlp_dla")[seq, step], blocks[:, 1], atol=atol, rtol=0,
-                                       err_msg=f"mlp_dla sequence {seq} step {step}")
+            np.testing.assert_allclose(
+                run.array("attn_dla")[seq, step],
+                blocks[:, 0],
+                atol=atol,
+                rtol=0,
+                err_msg=f"attn_dla sequence {seq} step {step}",
+            )
+            np.testing.assert_allclose(
+                run.array("mlp_dla")[seq, step],
+                blocks[:, 1],
+                atol=atol,
+                rtol=0,
+                err_msg=f"mlp_dla sequence {seq} step {step}",
+            )
 
 
 def _sum_identity(run, tol: float) -> None:
@@ -129,23 +161,36 @@ def _sum_identity(run, tol: float) -> None:
     tok = run.tokens().to_pandas()
     gen = tok[~tok.is_prompt]
     for suffix, target in (("", lambda r: r.margin), ("_logit", lambda r: r.alt_logits[0])):
-        total = (run.array("embed_dla" + suffix)[:] + run.array("attn_dla" + suffix)[:].sum(-1)
-                 + run.array("mlp_dla" + suffix)[:].sum(-1) + run.array("bias_dla" + suffix)[:]
-                 + run.array("rest_dla" + suffix)[:])
+        total = (
+            run.array("embed_dla" + suffix)[:]
+            + run.array("attn_dla" + suffix)[:].sum(-1)
+            + run.array("mlp_dla" + suffix)[:].sum(-1)
+            + run.array("bias_dla" + suffix)[:]
+            + run.array("rest_dla" + suffix)[:]
+        )
         for r in gen.itertuples():
             expected = float(target(r))
-            assert abs(total[r.sequence, int(r.step)] - expected) <= tol * max(1.0, abs(expected)), (suffix, r.sequence, r.step)
+            assert abs(total[r.sequence, int(r.step)] - expected) <= tol * max(1.0, abs(expected)), (
+                suffix,
+                r.sequence,
+                r.step,
+            )
         rest = run.array("rest_dla" + suffix)[:]
         scale = np.abs(run.array("attn_dla" + suffix)[:]).max()
         assert np.nanmax(np.abs(rest)) <= 1e-4 * max(1.0, scale), "a part of the residual stream was not attributed"
 
 
 # blocks that normalise the attention and MLP outputs before the residual add: (attention norm, MLP norm)
-POST_NORMS = {case: ("post_attention_layernorm", "post_feedforward_layernorm")
-              for case in ("gemma2_uncapped", "gemma3", "olmo2")}
+POST_NORMS = {
+    case: ("post_attention_layernorm", "post_feedforward_layernorm") for case in ("gemma2_uncapped", "gemma3", "olmo2")
+}
 # Gemma 2 without final logit soft-capping (the tiny `gemma2` case keeps Gemma 2's default cap of 30)
-GEMMA2_UNCAPPED = Case("gemma2_uncapped", "gemma", _cfg("Gemma2Config", **D, num_key_value_heads=2, head_dim=16,
-                                                        sliding_window=4, final_logit_softcapping=None), "")
+GEMMA2_UNCAPPED = Case(
+    "gemma2_uncapped",
+    "gemma",
+    _cfg("Gemma2Config", **D, num_key_value_heads=2, head_dim=16, sliding_window=4, final_logit_softcapping=None),
+    "",
+)
 
 
 def build_with_random_norms(case: Case, tokenizer, path: Path) -> Path:
@@ -165,9 +210,21 @@ def build_with_random_norms(case: Case, tokenizer, path: Path) -> Path:
 
 
 # pre-LN OPT with project_in / project_out: the final norm is followed by a linear map to the unembedding
-OPT_PROJECTED = Case("opt_projected", "opt", _cfg("OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=3,
-                                                  num_attention_heads=4, word_embed_proj_dim=32,
-                                                  max_position_embeddings=256), "", **OPT)
+OPT_PROJECTED = Case(
+    "opt_projected",
+    "opt",
+    _cfg(
+        "OPTConfig",
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=256,
+    ),
+    "",
+    **OPT,
+)
 
 
 def _case(case_id: str) -> Case:
@@ -218,8 +275,9 @@ def test_post_normed_blocks_head_dla_and_sum_identity(case_id, tokenizer, tmp_pa
     np.testing.assert_allclose(heads, run.array("attn_dla")[:], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("case_id,fragment", [("gemma2", "final_logit_softcapping=30.0"),
-                                              ("opt_postln", "do_layer_norm_before=false")])
+@pytest.mark.parametrize(
+    "case_id,fragment", [("gemma2", "final_logit_softcapping=30.0"), ("opt_postln", "do_layer_norm_before=false")]
+)
 def test_unsupported_family_is_refused_before_any_run_directory(case_id, fragment, tokenizer, tmp_path):
     """Final logit soft-capping (Gemma 2's default) is not linear in the residual stream, and post-LN blocks
     normalise the residual after every add: no exact attribution, so `capture.head_dla: true` is a spec
@@ -241,8 +299,17 @@ def test_output_norm_that_is_not_an_rmsnorm_is_refused_naming_it():
     from lmtrace.capture.arch import adapter_for
     from lmtrace.capture.dla import unsupported_reason
 
-    model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    model = Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    )
     assert unsupported_reason(adapter_for(model)) is None
     model.model.layers[1].post_feedforward_layernorm = torch.nn.LayerNorm(16)
     reason = unsupported_reason(adapter_for(model))
@@ -251,6 +318,7 @@ def test_output_norm_that_is_not_an_rmsnorm_is_refused_naming_it():
 
 def test_unsupported_family_cli_exit_2_one_line(tokenizer, tmp_path):
     import yaml
+
     from tests.helpers.cli import assert_one_line_error, lmtrace
 
     model_dir = build_tiny(BY_ID["gemma2"], tokenizer, tmp_path / "model")
@@ -310,15 +378,22 @@ def test_layers_left_out_are_the_rest_term(tiny_llama_dir, tmp_path):
     part = run_spec(tmp_path / "part", data)
     assert part.tokens().column("token_id").to_pylist() == full.tokens().column("token_id").to_pylist()
     for suffix in ("", "_logit"):
-        left_out = (full.array("attn_dla" + suffix)[:][..., [1, 3]].sum(-1)
-                    + full.array("mlp_dla" + suffix)[:][..., [1, 3]].sum(-1))
+        left_out = full.array("attn_dla" + suffix)[:][..., [1, 3]].sum(-1) + full.array("mlp_dla" + suffix)[:][
+            ..., [1, 3]
+        ].sum(-1)
         np.testing.assert_allclose(part.array("rest_dla" + suffix)[:], left_out, atol=1e-4, rtol=0)
-        np.testing.assert_allclose(part.array("head_dla" + suffix)[:], full.array("head_dla" + suffix)[:][:, :, [0, 2]],
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            part.array("head_dla" + suffix)[:], full.array("head_dla" + suffix)[:][:, :, [0, 2]], atol=1e-5, rtol=0
+        )
     tok = part.tokens().to_pandas()
     gen = tok[~tok.is_prompt]
-    total = (part.array("embed_dla")[:] + part.array("attn_dla")[:].sum(-1) + part.array("mlp_dla")[:].sum(-1)
-             + part.array("bias_dla")[:] + part.array("rest_dla")[:])
+    total = (
+        part.array("embed_dla")[:]
+        + part.array("attn_dla")[:].sum(-1)
+        + part.array("mlp_dla")[:].sum(-1)
+        + part.array("bias_dla")[:]
+        + part.array("rest_dla")[:]
+    )
     for r in gen.itertuples():
         assert abs(total[r.sequence, int(r.step)] - r.margin) <= 1e-4 * max(1.0, abs(r.margin))
 
@@ -360,8 +435,10 @@ def _check_margin_contributions(run, ref: FullForward, tol: float) -> int:
             a, b = int(row.alt_ids[0]), int(row.alt_ids[1])
             x = out["resid"][-1][pos]  # the final residual: the final norm's input
             before = [out["embed"][pos]] + [out["resid"][layer][pos] for layer in range(len(out["resid"]) - 1)]
-            shares = [ref.margin_share(x, out["resid"][layer][pos] - before[layer], a, b)
-                      for layer in range(len(out["resid"]))]
+            shares = [
+                ref.margin_share(x, out["resid"][layer][pos] - before[layer], a, b)
+                for layer in range(len(out["resid"]))
+            ]
             got = steps[(steps.sequence == seq) & (steps.step == row.step)].sort_values("layer").margin_contrib
             for layer, (share, scale) in enumerate(shares):
                 assert abs(got.iloc[layer] - share) <= tol * max(1.0, scale), ("margin_contrib", seq, row.step, layer)

@@ -6,28 +6,38 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.runs import PROMPTS, run_spec, with_lens
 from lmtrace.archive.reader import Run
-from lmtrace.exits.errors import SpecError
 from lmtrace.commands.intervene import run_intervene
+from lmtrace.exits.errors import SpecError
 from lmtrace.runner.models import load_model
 from lmtrace.spec.run_spec import ModelSpec
+from tests.helpers.runs import PROMPTS, run_spec, with_lens
 
 
 def _tiny_run(tmp, model_dir, batch_size: int, seed: int, **extra):
     """A sampled run of the tiny model over PROMPTS, 6 tokens, float32 arrays."""
-    return run_spec(tmp, {
-        "model": str(model_dir), "prompts": PROMPTS,
-        "generation": {"max_new_tokens": 6, "batch_size": batch_size, "temperature": 0.9, "seed": seed},
-        "output": {"float_dtype": "float32"}, **extra,
-    })
+    return run_spec(
+        tmp,
+        {
+            "model": str(model_dir),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 6, "batch_size": batch_size, "temperature": 0.9, "seed": seed},
+            "output": {"float_dtype": "float32"},
+            **extra,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def parent(tmp_path_factory, tiny_llama_dir):
-    run = _tiny_run(tmp_path_factory.mktemp("parent"), tiny_llama_dir, batch_size=3, seed=4,
-                    # float32 residuals: patching the run with its own vectors is then exact; q/k/v for the rescore test
-                    capture={"residual": {"vectors_at": [1], "dtype": "float32"}, "qkv": True})
+    run = _tiny_run(
+        tmp_path_factory.mktemp("parent"),
+        tiny_llama_dir,
+        batch_size=3,
+        seed=4,
+        # float32 residuals: patching the run with its own vectors is then exact; q/k/v for the rescore test
+        capture={"residual": {"vectors_at": [1], "dtype": "float32"}, "qkv": True},
+    )
     return with_lens(run)  # the deferred logit lens, computed: lens_probs is compared with children's
 
 
@@ -93,7 +103,8 @@ def test_head_ablation_equals_zeroing_that_heads_slice_of_o_proj(parent, tiny_ll
 
     def edit(model):
         d = model.config.hidden_size // model.config.num_attention_heads
-        model.model.layers[2].self_attn.o_proj.weight.data[:, d: 2 * d] = 0
+        model.model.layers[2].self_attn.o_proj.weight.data[:, d : 2 * d] = 0
+
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=edit)
     # layers before the ablated one are untouched while contexts are identical
     np.testing.assert_array_equal(child.array("attn")[:, :, :2], parent.array("attn")[:, :, :2])
@@ -104,6 +115,7 @@ def test_neuron_and_layer_ablation_equal_the_tests_own_edits(parent, tiny_llama_
 
     def zero_neurons(model):
         model.model.layers[0].mlp.down_proj.weight.data[:, [3, 17, 40]] = 0
+
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=zero_neurons)
 
     child, effects = _child(parent, [{"kind": "ablate_layer", "layer": 1}])
@@ -111,8 +123,13 @@ def test_neuron_and_layer_ablation_equal_the_tests_own_edits(parent, tiny_llama_
     def skip_layer(model):
         layer = model.model.layers[1]
         saved = {}
-        return [layer.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True),
-                layer.register_forward_hook(lambda m, a, o: saved["x"])]
+        return [
+            layer.register_forward_pre_hook(
+                lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True
+            ),
+            layer.register_forward_hook(lambda m, a, o: saved["x"]),
+        ]
+
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=skip_layer)
     # what the child archives is the edited forward: layer 1 adds nothing to the residual
     steps = child.steps().to_pandas()
@@ -134,6 +151,7 @@ def test_position_masking_equals_a_forward_with_the_tests_own_mask(parent, tiny_
         m = [1] * n
         m[1] = m[2] = 0
         return m
+
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, mask_fn=mask_fn)
 
 
@@ -144,6 +162,7 @@ def test_steering_adds_the_vector_to_the_residual(parent, tiny_llama_dir, tmp_pa
 
     def steer(model):
         return [model.model.layers[1].register_forward_hook(lambda m, a, o: o + 2.0 * torch.from_numpy(v))]
+
     _check_child_logprobs(parent, child, effects, tiny_llama_dir, edit=steer)
 
 
@@ -162,14 +181,33 @@ def test_cli_shorthands_write_a_linked_child_and_a_temperature_sweep(parent, tmp
     import sys
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "lmtrace.cli", "intervene", str(parent.path), *args, "--json"],
-                              capture_output=True, text=True)
-    out = cli("--ablate-head", "1.2", "--ablate-layer", "3:mean", "--ablate-neurons", "0:1,2", "--mask-positions", "0-1",
-              "--from-step", "2")
+        return subprocess.run(
+            [sys.executable, "-m", "lmtrace.cli", "intervene", str(parent.path), *args, "--json"],
+            capture_output=True,
+            text=True,
+        )
+
+    out = cli(
+        "--ablate-head",
+        "1.2",
+        "--ablate-layer",
+        "3:mean",
+        "--ablate-neurons",
+        "0:1,2",
+        "--mask-positions",
+        "0-1",
+        "--from-step",
+        "2",
+    )
     assert out.returncode == 0, out.stderr
     child = Run(json.loads(out.stdout)["children"][0]["run_dir"])
     kinds = [(e["kind"], e.get("mode")) for e in child.manifest["interventions"]]
-    assert kinds == [("ablate_head", "zero"), ("ablate_layer", "mean"), ("ablate_neurons", "zero"), ("mask_positions", None)]
+    assert kinds == [
+        ("ablate_head", "zero"),
+        ("ablate_layer", "mean"),
+        ("ablate_neurons", "zero"),
+        ("mask_positions", None),
+    ]
     assert all(e["steps"] == {"from": 2} for e in child.manifest["interventions"])
     effects = __import__("pandas").read_parquet(child.path / "effects.parquet")
     assert (effects[effects.step < 2].logprob_shift == 0).all()  # nothing is edited before --from-step
@@ -179,7 +217,9 @@ def test_cli_shorthands_write_a_linked_child_and_a_temperature_sweep(parent, tmp
     bad = cli("--ablate-head", "1")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --ablate-head")
     bad = cli("--mask-positions", "system")  # a chat span of a run that was not chat-templated
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: interventions[0] (mask_positions): span system")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith(
+        "error: interventions[0] (mask_positions): span system"
+    )
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
 
 
@@ -191,12 +231,20 @@ def _tests_own_means(model_dir, run, layer, head):
     d = model.config.hidden_size // model.config.num_attention_heads
     rows: dict[str, list] = {k: [] for k in ("head", "attn", "mlp", "ffn", "layer")}
     saved = {}
-    hooks = [block.self_attn.o_proj.register_forward_pre_hook(lambda m, a: rows["head"].append(a[0][0, :, head * d:(head + 1) * d])),
-             block.self_attn.register_forward_hook(lambda m, a, o: rows["attn"].append(o[0][0])),
-             block.mlp.register_forward_hook(lambda m, a, o: rows["mlp"].append(o[0])),
-             block.mlp.down_proj.register_forward_pre_hook(lambda m, a: rows["ffn"].append(a[0][0])),
-             block.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", (a[0] if a else k["hidden_states"])[0]), with_kwargs=True),
-             block.register_forward_hook(lambda m, a, o: rows["layer"].append((o[0] if isinstance(o, tuple) else o)[0] - saved["x"]))]
+    hooks = [
+        block.self_attn.o_proj.register_forward_pre_hook(
+            lambda m, a: rows["head"].append(a[0][0, :, head * d : (head + 1) * d])
+        ),
+        block.self_attn.register_forward_hook(lambda m, a, o: rows["attn"].append(o[0][0])),
+        block.mlp.register_forward_hook(lambda m, a, o: rows["mlp"].append(o[0])),
+        block.mlp.down_proj.register_forward_pre_hook(lambda m, a: rows["ffn"].append(a[0][0])),
+        block.register_forward_pre_hook(
+            lambda m, a, k: saved.__setitem__("x", (a[0] if a else k["hidden_states"])[0]), with_kwargs=True
+        ),
+        block.register_forward_hook(
+            lambda m, a, o: rows["layer"].append((o[0] if isinstance(o, tuple) else o)[0] - saved["x"])
+        ),
+    ]
     with torch.inference_mode():
         for seq in range(3):
             model(torch.tensor([_sequence_ids(run, seq)]))
@@ -213,13 +261,17 @@ def test_mean_ablation_of_every_kind_equals_the_tests_own_mean_edit(parent, tiny
     def head_edit(model):
         def hook(m, a):
             x = a[0].clone()
-            x[..., head * d:(head + 1) * d] = means["head"]
+            x[..., head * d : (head + 1) * d] = means["head"]
             return (x,)
+
         return [model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(hook)]
 
     def attn_edit(model):
-        return [model.model.layers[layer].self_attn.register_forward_hook(
-            lambda m, a, o: (torch.zeros_like(o[0]) + means["attn"], *o[1:]))]
+        return [
+            model.model.layers[layer].self_attn.register_forward_hook(
+                lambda m, a, o: (torch.zeros_like(o[0]) + means["attn"], *o[1:])
+            )
+        ]
 
     def mlp_edit(model):
         return [model.model.layers[layer].mlp.register_forward_hook(lambda m, a, o: torch.zeros_like(o) + means["mlp"])]
@@ -229,16 +281,25 @@ def test_mean_ablation_of_every_kind_equals_the_tests_own_mean_edit(parent, tiny
             x = a[0].clone()
             x[..., neurons] = means["ffn"][neurons]
             return (x,)
+
         return [model.model.layers[layer].mlp.down_proj.register_forward_pre_hook(hook)]
 
     def layer_edit(model):
         block, saved = model.model.layers[layer], {}
-        return [block.register_forward_pre_hook(lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True),
-                block.register_forward_hook(lambda m, a, o: saved["x"] + means["layer"])]
+        return [
+            block.register_forward_pre_hook(
+                lambda m, a, k: saved.__setitem__("x", a[0] if a else k["hidden_states"]), with_kwargs=True
+            ),
+            block.register_forward_hook(lambda m, a, o: saved["x"] + means["layer"]),
+        ]
 
-    cases = [({"kind": "ablate_head", "head": head}, head_edit), ({"kind": "ablate_attention"}, attn_edit),
-             ({"kind": "ablate_mlp"}, mlp_edit), ({"kind": "ablate_neurons", "neurons": neurons}, neuron_edit),
-             ({"kind": "ablate_layer"}, layer_edit)]
+    cases = [
+        ({"kind": "ablate_head", "head": head}, head_edit),
+        ({"kind": "ablate_attention"}, attn_edit),
+        ({"kind": "ablate_mlp"}, mlp_edit),
+        ({"kind": "ablate_neurons", "neurons": neurons}, neuron_edit),
+        ({"kind": "ablate_layer"}, layer_edit),
+    ]
     for entry, edit in cases:
         child, effects = _child(parent, [{**entry, "layer": layer, "mode": "mean"}])
         assert effects.logprob_shift.abs().max() > 1e-4, entry  # the edit really changes the model
@@ -254,15 +315,17 @@ def other(tmp_path_factory, tiny_llama_dir):
 
 
 def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
-    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path)}],
-                            lens=True)
+    child, effects = _child(
+        parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path)}], lens=True
+    )
     # bit-identical: the source's values are recomputed by the same KV-cached loop over the same batches
     for name in ("lens_probs", "attn", "resid"):
         np.testing.assert_array_equal(child.array(name)[:], parent.array(name)[:], err_msg=name)
     assert (effects.logprob_shift == 0).all()
     # the values really are substituted: sequence 0's head everywhere leaves sequence 0 unchanged, not the others
-    child, effects = _child(parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path),
-                                      "source_sequence": 0}])
+    child, effects = _child(
+        parent, [{"kind": "patch_head", "layer": 2, "head": 1, "source_run": str(parent.path), "source_sequence": 0}]
+    )
     shift = effects.groupby("sequence").logprob_shift.apply(lambda x: x.abs().max())
     assert shift[0] == 0 and shift[1] > 1e-4 and shift[2] > 1e-4
 
@@ -270,7 +333,9 @@ def test_patching_a_head_with_its_own_run_is_bit_identical(parent):
 def test_patching_a_head_from_another_run_equals_the_tests_own_replacement(parent, other, tiny_llama_dir):
     layer, head, d = 2, 1, 16
     assert _sequence_ids(other, 0) != _sequence_ids(parent, 0)
-    child, effects = _child(parent, [{"kind": "patch_head", "layer": layer, "head": head, "source_run": str(other.path)}])
+    child, effects = _child(
+        parent, [{"kind": "patch_head", "layer": layer, "head": head, "source_run": str(other.path)}]
+    )
     assert effects.logprob_shift.abs().max() > 1e-4
     # the test's own source values: a full forward over each source sequence
     model = load_model(ModelSpec(ref=str(tiny_llama_dir), attn_implementation="eager")).model
@@ -278,12 +343,14 @@ def test_patching_a_head_from_another_run_equals_the_tests_own_replacement(paren
     src = {}
     for seq in range(3):
         got = {}
-        h = o_proj.register_forward_pre_hook(lambda m, a: got.__setitem__("x", a[0][0, :, head * d:(head + 1) * d].clone()))
+        h = o_proj.register_forward_pre_hook(
+            lambda m, a: got.__setitem__("x", a[0][0, :, head * d : (head + 1) * d].clone())
+        )
         with torch.inference_mode():
             model(torch.tensor([_sequence_ids(other, seq)]))
         h.remove()
         P = int(other.prompt_len()[seq])
-        src[seq] = got["x"][P - 1: P - 1 + int(other.generated_len()[seq])]  # query position of each step
+        src[seq] = got["x"][P - 1 : P - 1 + int(other.generated_len()[seq])]  # query position of each step
 
     for seq in range(3):
         P = int(parent.prompt_len()[seq])
@@ -292,9 +359,11 @@ def test_patching_a_head_from_another_run_equals_the_tests_own_replacement(paren
             def hook(mod, a):
                 x = a[0].clone()
                 n = min(src[seq].shape[0], x.shape[1] - P + 1)
-                x[0, P - 1: P - 1 + n, head * d:(head + 1) * d] = src[seq][:n]
+                x[0, P - 1 : P - 1 + n, head * d : (head + 1) * d] = src[seq][:n]
                 return (x,)
+
             return [m.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(hook)]
+
         ref = _reference_logprobs(tiny_llama_dir, _sequence_ids(parent, seq), edit=edit)
         for _, row in effects[effects.sequence == seq].iterrows():
             assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
@@ -307,8 +376,10 @@ def test_patch_head_errors_say_what_is_missing(parent, other, tmp_path):
     with pytest.raises(SpecError, match=r"heads 0\.\.3"):
         run_intervene(str(parent.path), [{"kind": "patch_head", "layer": 1, "head": 7, "source_run": str(other.path)}])
     with pytest.raises(SpecError, match=r"source_sequence 5 is out of range: source run .* has sequences 0\.\.2"):
-        run_intervene(str(parent.path), [{"kind": "patch_head", "layer": 1, "head": 0, "source_run": str(other.path),
-                                          "source_sequence": 5}])
+        run_intervene(
+            str(parent.path),
+            [{"kind": "patch_head", "layer": 1, "head": 0, "source_run": str(other.path), "source_sequence": 5}],
+        )
     fake = tmp_path / "bf16-run"
     shutil.copytree(other.path, fake)
     manifest = json.loads((fake / "manifest.json").read_text())
@@ -325,15 +396,19 @@ SYSTEM = "Answer briefly and politely."
 @pytest.fixture(scope="module")
 def chat_parent(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("chat")
-    return run_spec(tmp, {
-        "model": str(tiny_llama_dir), "prompts": {"texts": PROMPTS, "chat": True, "system": SYSTEM},
-        "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 4},
-        "output": {"float_dtype": "float32"},
-    })
+    return run_spec(
+        tmp,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"texts": PROMPTS, "chat": True, "system": SYSTEM},
+            "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 4},
+            "output": {"float_dtype": "float32"},
+        },
+    )
 
 
 def _find(haystack, needle, last=False):
-    starts = [i for i in range(len(haystack) - len(needle) + 1) if haystack[i: i + len(needle)] == needle]
+    starts = [i for i in range(len(haystack) - len(needle) + 1) if haystack[i : i + len(needle)] == needle]
     assert starts, (needle, haystack)
     return starts[-1] if last else starts[0]
 
@@ -361,8 +436,14 @@ def test_chat_span_masks_equal_the_tests_own_masks(chat_parent, tiny_llama_dir):
 def test_chat_spans_need_a_chat_run_with_a_system_prompt(parent, tmp_path, tiny_llama_dir):
     with pytest.raises(SpecError, match="needs a chat run, but parent run .* was not chat-templated"):
         run_intervene(str(parent.path), [{"kind": "mask_positions", "span": "user"}])
-    no_system = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": {"texts": PROMPTS[:1], "chat": True},
-                                    "generation": {"max_new_tokens": 1}})
+    no_system = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": {"texts": PROMPTS[:1], "chat": True},
+            "generation": {"max_new_tokens": 1},
+        },
+    )
     with pytest.raises(SpecError, match="needs a system prompt, but parent run .* has none"):
         run_intervene(str(no_system.path), [{"kind": "mask_positions", "span": "system"}])
 
@@ -370,8 +451,11 @@ def test_chat_spans_need_a_chat_run_with_a_system_prompt(parent, tmp_path, tiny_
 # --- MoE expert masking -----------------------------------------------------------------------------------
 MOE = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4), "gate"),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                         mlp_only_layers=[1]), "gate"),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
+        "gate",
+    ),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, head_dim=16, sliding_window=4), "router"),
 }
 
@@ -395,16 +479,32 @@ def test_expert_masking_equals_the_tests_own_minus_infinity_router_logits(family
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     name, extra, router_name = MOE[family]
-    cfg = getattr(transformers, name)(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
-                                      max_position_embeddings=256, bos_token_id=tok.bos_token_id,
-                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    cfg = getattr(transformers, name)(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    moe_parent = run_spec(tmp_path, {"model": str(tmp_path / "model"), "prompts": PROMPTS,
-                                     "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 2},
-                                     "output": {"float_dtype": "float32"}})
+    moe_parent = run_spec(
+        tmp_path,
+        {
+            "model": str(tmp_path / "model"),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 4, "batch_size": 3, "temperature": 0.9, "seed": 2},
+            "output": {"float_dtype": "float32"},
+        },
+    )
     masked = [1, 3]
     child, effects = _child(moe_parent, [{"kind": "mask_experts", "layer": 0, "experts": masked}])
     assert effects.logprob_shift.abs().max() > 1e-5
@@ -421,8 +521,10 @@ def test_expert_masking_equals_the_tests_own_minus_infinity_router_logits(family
             logits[:, masked] = float("-inf")
             weights, idx = _tests_own_routing(family, logits, router.top_k, model.config)
             return logits, weights, idx
+
         router.forward = forward
         return []
+
     for seq in range(3):
         ids = _sequence_ids(moe_parent, seq)
         P = int(moe_parent.prompt_len()[seq])
@@ -481,8 +583,9 @@ def test_the_readme_tours_intervene_changes_the_demo_text_and_gives_the_child_it
     env = {**os.environ, "LMTRACE_RUNS_DIR": str(tmp_path / "runs")}
 
     def lmtrace(*args):
-        done = subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True,
-                              text=True, timeout=900)
+        done = subprocess.run(
+            [sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True, text=True, timeout=900
+        )
         assert done.returncode == 0, (args, done.stderr[-2000:])
 
     lmtrace("generate", str(repo / "configs" / "demo.yaml"), "--run-id", "demo")
@@ -529,15 +632,28 @@ def test_intervene_and_compare_report_the_same_kl_the_tests_own_from_the_archive
         assert out.exit_code == 0, out.output
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    made = cli("intervene", parent.path, "--ablate-layer", "1", "--ablate-head", "2.0", "--mode", mode,
-               *(["--from-step", 2] if mode == "regenerate" else []), "--runs-dir", tmp_path)["children"][0]
+    made = cli(
+        "intervene",
+        parent.path,
+        "--ablate-layer",
+        "1",
+        "--ablate-head",
+        "2.0",
+        "--mode",
+        mode,
+        *(["--from-step", 2] if mode == "regenerate" else []),
+        "--runs-dir",
+        tmp_path,
+    )["children"][0]
     child = Run(made["run_dir"])
     effects = pd.read_parquet(child.path / "effects.parquet")
     compared = pd.DataFrame(cli("compare", parent.path, child.path)["per_step"])
     pt, ct = pd.read_parquet(parent.path / "tokens.parquet"), pd.read_parquet(child.path / "tokens.parquet")
     checked = 0
     for _, e in effects.iterrows():
-        (c,) = compared[(compared.seq_a == e.sequence) & (compared.seq_b == e.sequence) & (compared.step == e.step)].kl_ab
+        (c,) = compared[
+            (compared.seq_a == e.sequence) & (compared.seq_b == e.sequence) & (compared.step == e.step)
+        ].kl_ab
         if not e.context_identical:  # a different context: neither side pairs the step
             assert pd.isna(e.kl_parent_child_topk) and pd.isna(c), (e.sequence, e.step)
             continue

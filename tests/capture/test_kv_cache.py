@@ -12,8 +12,14 @@ import torch
 
 from lmtrace.capture.kv_cache import StackedCache, StackedLayer
 
-D = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-         max_position_embeddings=128)
+D = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
 CONFIGS = {
     "llama-gqa": lambda t: t.LlamaConfig(**D, num_key_value_heads=2),
     "gemma2-sliding": lambda t: t.Gemma2Config(**D, num_key_value_heads=2, head_dim=8, sliding_window=4),
@@ -40,8 +46,14 @@ def _greedy_logits(model, cache, steps: int = 12) -> list[torch.Tensor]:
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     out = []
     for _ in range(steps):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         out.append(logits)
         ids = logits.argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(ids)], 1)
@@ -90,9 +102,8 @@ def test_beam_reordering_is_refused():
 def test_llama_rows_come_from_one_product_over_the_stack(tmp_path, tiny_llama_dir, monkeypatch):
     """On a Llama every captured layer's row comes from the batched product (the per-layer fallback is
     for sliding windows): otherwise the rows stay right (other tests) but cost ~3 ms more a step."""
-    from tests.helpers.runs import PROMPTS, run_spec
-
     from lmtrace.capture.attention_rows import BatchedRows
+    from tests.helpers.runs import PROMPTS, run_spec
 
     served: list[list[int]] = []
     rows = BatchedRows.rows
@@ -103,8 +114,14 @@ def test_llama_rows_come_from_one_product_over_the_stack(tmp_path, tiny_llama_di
         return layers, probs, T
 
     monkeypatch.setattr(BatchedRows, "rows", counting)
-    run = run_spec(tmp_path, {"model": {"ref": str(tiny_llama_dir)}, "prompts": PROMPTS,
-                              "generation": {"max_new_tokens": 5, "batch_size": 3}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": {"ref": str(tiny_llama_dir)},
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 5, "batch_size": 3},
+        },
+    )
     assert run.manifest["status"] == "complete"
     assert served and all(layers == [0, 1, 2, 3] for layers in served), served
     assert len(served) == 5

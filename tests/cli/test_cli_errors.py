@@ -23,20 +23,30 @@ DEMO = REPO / "configs" / "demo.yaml"
 
 # ---- bad specs: caught before torch is imported or a model loaded (about a second each) ------------
 SPEC_CASES = {
-    "malformed_yaml": ("prompts: [hi]\ngeneration:\n  seed: 1\n  top_k: a: b\n", [],
-                       ["spec.yaml: malformed YAML at line 4, column 11", "indentation"]),
-    "unknown_key": ("prompts: [hi]\ngeneration:\n  max_new_tokenz: 3\n", [],
-                    ["generation.max_new_tokenz: unknown key", "did you mean 'max_new_tokens'"]),
-    "wrong_type": ("prompts: [hi]\ngeneration:\n  top_k: abc\n", [],
-                   ["generation.top_k:", "integer", "'abc'"]),
-    "out_of_range": ("prompts: [hi]\ngeneration:\n  top_p: 2\n", [],
-                     ["generation.top_p:", "less than or equal to 1", "(got 2)"]),
-    "missing_prompt_file": ("prompts:\n  file: missing.txt\n", [],
-                            ["prompts.file:", "missing.txt does not exist"]),
+    "malformed_yaml": (
+        "prompts: [hi]\ngeneration:\n  seed: 1\n  top_k: a: b\n",
+        [],
+        ["spec.yaml: malformed YAML at line 4, column 11", "indentation"],
+    ),
+    "unknown_key": (
+        "prompts: [hi]\ngeneration:\n  max_new_tokenz: 3\n",
+        [],
+        ["generation.max_new_tokenz: unknown key", "did you mean 'max_new_tokens'"],
+    ),
+    "wrong_type": ("prompts: [hi]\ngeneration:\n  top_k: abc\n", [], ["generation.top_k:", "integer", "'abc'"]),
+    "out_of_range": (
+        "prompts: [hi]\ngeneration:\n  top_p: 2\n",
+        [],
+        ["generation.top_p:", "less than or equal to 1", "(got 2)"],
+    ),
+    "missing_prompt_file": ("prompts:\n  file: missing.txt\n", [], ["prompts.file:", "missing.txt does not exist"]),
     "empty_prompt_list": ("prompts: []\n", [], ["prompts.texts is empty", "at least one prompt"]),
     "empty_prompt_file": ("prompts:\n  file: empty.txt\n", [], ["empty.txt contains no prompts", "add at least one"]),
-    "set_without_equals": ("prompts: [hi]\n", ["--set", "generation.seed"],
-                           ["--set 'generation.seed': expected KEY=VALUE", "--set generation.seed=3"]),
+    "set_without_equals": (
+        "prompts: [hi]\n",
+        ["--set", "generation.seed"],
+        ["--set 'generation.seed': expected KEY=VALUE", "--set generation.seed=3"],
+    ),
     "bad_set_value": ("prompts: [hi]\n", ["--set", "generation.top_k=-1"], ["generation.top_k:", "(got -1)"]),
 }
 
@@ -67,22 +77,28 @@ def test_usage_errors_are_one_line_too(tmp_path):
 # ---- bad model references and runs directories: caught before loading any weights ---------------
 def test_unknown_embedded_model(tmp_path):
     write(tmp_path / "spec.yaml", "model: embedded:nope\nprompts: [hi]\n")
-    assert_one_line_error(lmtrace(tmp_path, "generate", "spec.yaml"), 2,
-                          "unknown embedded model 'nope'", "embedded:smollm2-135m")
+    assert_one_line_error(
+        lmtrace(tmp_path, "generate", "spec.yaml"), 2, "unknown embedded model 'nope'", "embedded:smollm2-135m"
+    )
 
 
 def test_nonexistent_local_model_path(tmp_path):
     write(tmp_path / "spec.yaml", "model: ./models/missing-checkpoint\nprompts: [hi]\n")
-    assert_one_line_error(lmtrace(tmp_path, "generate", "spec.yaml"), 2,
-                          "./models/missing-checkpoint does not exist", "config.json")
+    assert_one_line_error(
+        lmtrace(tmp_path, "generate", "spec.yaml"), 2, "./models/missing-checkpoint does not exist", "config.json"
+    )
 
 
 def test_hub_id_not_in_the_local_cache_is_never_downloaded(tmp_path):
     write(tmp_path / "spec.yaml", "model: lmtrace-tests/not-a-cached-model\nprompts: [hi]\n")
     env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "hf-home" / "hub")}
-    line = assert_one_line_error(lmtrace(tmp_path, "generate", "spec.yaml", env=env), 1,
-                                 "'lmtrace-tests/not-a-cached-model'", "not in the local Hugging Face cache",
-                                 "never downloads")
+    line = assert_one_line_error(
+        lmtrace(tmp_path, "generate", "spec.yaml", env=env),
+        1,
+        "'lmtrace-tests/not-a-cached-model'",
+        "not in the local Hugging Face cache",
+        "never downloads",
+    )
     assert "download it first" in line
     assert not (tmp_path / "runs").exists()
 
@@ -100,16 +116,19 @@ def test_runs_dir_that_cannot_be_created(tmp_path):
     write(tmp_path / "some_file", "not a directory\n")
     write(tmp_path / "spec.yaml", "prompts: [hi]\n")
     proc = lmtrace(tmp_path, "generate", "spec.yaml", "--runs-dir", "some_file/runs")
-    assert_one_line_error(proc, 2, "runs directory some_file/runs cannot be created", "some_file is a file",
-                          "--runs-dir")
+    assert_one_line_error(
+        proc, 2, "runs directory some_file/runs cannot be created", "some_file is a file", "--runs-dir"
+    )
     proc = lmtrace(tmp_path, "ls", "--runs-dir", "some_file")
     assert_one_line_error(proc, 2, "some_file is not a directory")
 
 
 def test_model_that_fails_to_load_is_exit_1_and_leaves_no_complete_run(tmp_path):
     ckpt = tmp_path / "ckpt"  # a config but neither weights nor tokenizer
-    write(ckpt / "config.json", json.dumps({"model_type": "llama", "num_hidden_layers": 2,
-                                            "num_attention_heads": 2, "hidden_size": 8}))
+    write(
+        ckpt / "config.json",
+        json.dumps({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}),
+    )
     write(tmp_path / "spec.yaml", "model: ./ckpt\nprompts: [hi]\n")
     proc = lmtrace(tmp_path, "generate", "spec.yaml", "--quiet")
     assert_one_line_error(proc, 1, "cannot load model")
@@ -140,19 +159,34 @@ def one_run(tmp_path_factory, tiny_llama_dir) -> Path:
     from tests.helpers.runs import run_spec
 
     base = tmp_path_factory.mktemp("one_run")
-    run_spec(base, {"model": str(tiny_llama_dir), "prompts": ["Hello there"], "output": {"run_id": "a"},
-                    "generation": {"max_new_tokens": 3, "batch_size": 1}})
+    run_spec(
+        base,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": ["Hello there"],
+            "output": {"run_id": "a"},
+            "generation": {"max_new_tokens": 3, "batch_size": 1},
+        },
+    )
     return base / "runs"
 
 
 # every command that takes --runs-dir and reads runs from it (generate creates its runs directory)
 READING_COMMANDS = {
-    "ls": ["ls"], "show": ["show", "a"], "verify": ["verify", "a"],
+    "ls": ["ls"],
+    "show": ["show", "a"],
+    "verify": ["verify", "a"],
     "query": ["query", "SELECT count(*) AS n FROM tokens"],
-    "explain": ["explain", "a", "--steps", "0"], "lens": ["lens", "a"], "heads": ["heads", "a"],
-    "stats": ["stats", "a"], "compare": ["compare", "a", "a"], "report": ["report", "a"],
-    "serve": ["serve", "--port", "0"], "intervene": ["intervene", "a", "--ablate-head", "0.0"],
-    "sweep": ["sweep", "a", "--over", "heads"], "generate --resume": ["generate", "--resume", "a"],
+    "explain": ["explain", "a", "--steps", "0"],
+    "lens": ["lens", "a"],
+    "heads": ["heads", "a"],
+    "stats": ["stats", "a"],
+    "compare": ["compare", "a", "a"],
+    "report": ["report", "a"],
+    "serve": ["serve", "--port", "0"],
+    "intervene": ["intervene", "a", "--ablate-head", "0.0"],
+    "sweep": ["sweep", "a", "--over", "heads"],
+    "generate --resume": ["generate", "--resume", "a"],
 }
 
 
@@ -164,16 +198,19 @@ def test_a_runs_dir_that_does_not_exist_is_refused_by_every_reading_command(tmp_
     assert not (tmp_path / "rnus").exists()
 
 
-@pytest.mark.parametrize("args", [READING_COMMANDS["ls"], READING_COMMANDS["query"], READING_COMMANDS["show"]],
-                         ids=["ls", "query", "show"])
+@pytest.mark.parametrize(
+    "args", [READING_COMMANDS["ls"], READING_COMMANDS["query"], READING_COMMANDS["show"]], ids=["ls", "query", "show"]
+)
 def test_a_runs_dir_from_the_environment_that_does_not_exist_is_refused(tmp_path, args):
     proc = lmtrace(tmp_path, *args, env={"LMTRACE_RUNS_DIR": str(tmp_path / "rnus")}, timeout=60)
     assert_one_line_error(proc, 2, f"runs directory {tmp_path / 'rnus'} does not exist ($LMTRACE_RUNS_DIR)")
 
 
 def test_generate_creates_a_runs_dir_that_does_not_exist(tmp_path, tiny_llama_dir):
-    write(tmp_path / "spec.yaml", json.dumps({"model": str(tiny_llama_dir), "prompts": ["hi"],
-                                              "generation": {"max_new_tokens": 2}}))
+    write(
+        tmp_path / "spec.yaml",
+        json.dumps({"model": str(tiny_llama_dir), "prompts": ["hi"], "generation": {"max_new_tokens": 2}}),
+    )
     proc = lmtrace(tmp_path, "generate", "spec.yaml", "--runs-dir", "new/runs", "--run-id", "first", "-q")
     assert proc.returncode == 0, proc.stderr
     assert Run(tmp_path / "new" / "runs" / "first").manifest["status"] == "complete"
@@ -201,8 +238,14 @@ def test_validate_on_an_80_column_terminal_wraps_its_estimate_into_comment_lines
 
     main, side = pty.openpty()
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli", "validate", str(DEMO)], stdout=side,
-                          stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", "validate", str(DEMO)],
+        stdout=side,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     os.close(side)
     chunks = []
     while True:
@@ -216,16 +259,29 @@ def test_validate_on_an_80_column_terminal_wraps_its_estimate_into_comment_lines
     os.close(main)
     assert proc.returncode == 0, proc.stderr
     lines = b"".join(chunks).decode().replace("\r\n", "\n").splitlines()
-    comment = lines[lines.index(next(x for x in lines if x.startswith("# 2 prompt(s)"))):]
+    comment = lines[lines.index(next(x for x in lines if x.startswith("# 2 prompt(s)"))) :]
     assert len(comment) >= 2 and all(x.startswith("# ") and len(x) <= 80 for x in comment), comment
     assert " ".join(x[2:] for x in comment).startswith(
-        "# 2 prompt(s), up to 24 new tokens each, 30 of 30 layers captured; archive at most ~"[2:])
+        "# 2 prompt(s), up to 24 new tokens each, 30 of 30 layers captured; archive at most ~"[2:]
+    )
 
 
 def test_generate_then_ls_and_show(tmp_path):
     runs = tmp_path / "myruns"
-    proc = lmtrace(tmp_path, "generate", str(DEMO), "--set", "generation.max_new_tokens=4", "--set",
-                   "generation.seed=3", "--set", "model.device=cpu", "--json", "--runs-dir", str(runs))
+    proc = lmtrace(
+        tmp_path,
+        "generate",
+        str(DEMO),
+        "--set",
+        "generation.max_new_tokens=4",
+        "--set",
+        "generation.seed=3",
+        "--set",
+        "model.device=cpu",
+        "--json",
+        "--runs-dir",
+        str(runs),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     summary = json.loads(proc.stdout)
@@ -243,7 +299,9 @@ def test_generate_then_ls_and_show(tmp_path):
     proc = lmtrace(tmp_path, "ls", "--json", "--runs-dir", str(runs))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert [(r["run_id"], r["status"], r["tokens"]) for r in rows] == [(run_id, "complete", summary["generated_tokens"])]
+    assert [(r["run_id"], r["status"], r["tokens"]) for r in rows] == [
+        (run_id, "complete", summary["generated_tokens"])
+    ]
 
     proc = lmtrace(tmp_path, "show", run_id[:15], "--runs-dir", str(runs))  # a unique prefix is enough
     assert proc.returncode == 0, proc.stderr

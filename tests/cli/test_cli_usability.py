@@ -16,14 +16,29 @@ import yaml
 
 from tests.helpers.cli import REPO, assert_help_shows_no_python_types, lmtrace
 
-COMMANDS = ("generate", "validate", "ls", "show", "verify", "intervene", "sweep", "explain", "lens", "heads",
-            "compare", "report")
+COMMANDS = (
+    "generate",
+    "validate",
+    "ls",
+    "show",
+    "verify",
+    "intervene",
+    "sweep",
+    "explain",
+    "lens",
+    "heads",
+    "compare",
+    "report",
+)
 
 
 def _tiny_spec(tmp_path: Path, model_dir: Path, name: str = "tiny.yaml", **over) -> Path:
-    data = {"model": str(model_dir), "prompts": ["The quick brown fox", "Paris is the capital of"],
-            "generation": {"max_new_tokens": 5, "batch_size": 2},
-            "capture": {"residual": {"vectors_at": "all"}}}
+    data = {
+        "model": str(model_dir),
+        "prompts": ["The quick brown fox", "Paris is the capital of"],
+        "generation": {"max_new_tokens": 5, "batch_size": 2},
+        "capture": {"residual": {"vectors_at": "all"}},
+    }
     data.update(over)
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
@@ -33,8 +48,10 @@ def _tiny_spec(tmp_path: Path, model_dir: Path, name: str = "tiny.yaml", **over)
 def test_help_shows_no_python_types_and_posix_arguments(tmp_path):
     env = {"COLUMNS": "200"}
     assert_help_shows_no_python_types(tmp_path, COMMANDS)
-    assert "Usage: python -m lmtrace.cli generate [OPTIONS] [SPEC]" in lmtrace(tmp_path, "generate", "--help",
-                                                                                 env=env).stdout
+    assert (
+        "Usage: python -m lmtrace.cli generate [OPTIONS] [SPEC]"
+        in lmtrace(tmp_path, "generate", "--help", env=env).stdout
+    )
     assert "RUN..." in lmtrace(tmp_path, "lens", "--help", env=env).stdout
     flags = lmtrace(tmp_path, "generate", "-h", env=env).stdout
     assert re.search(r"--json\s+Print", flags) and re.search(r"--set\s+KEY=VALUE\s+Override", flags), flags
@@ -55,15 +72,20 @@ def test_a_no_op_lens_answers_without_importing_torch(tmp_path, tiny_llama_dir):
     assert gen.returncode == 0, gen.stderr
     summary = json.loads(gen.stdout)
     assert summary["lens"]["computed"] is True and summary["status"] == "complete"
-    code = (f"import sys; sys.argv = ['lmtrace', 'lens', {summary['run_id']!r}, '--json']\n"
-            "from lmtrace.cli.main import app\n"
-            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        f"import sys; sys.argv = ['lmtrace', 'lens', {summary['run_id']!r}, '--json']\n"
+        "from lmtrace.cli.main import app\n"
+        "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     env = {**os.environ, "LMTRACE_RUNS_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {"run_id": summary["run_id"], "computed": False,
-                                       "reason": "logit lens already present"}
+    assert json.loads(proc.stdout) == {
+        "run_id": summary["run_id"],
+        "computed": False,
+        "reason": "logit lens already present",
+    }
     text = lmtrace(tmp_path, "lens", summary["run_id"])
     assert text.stdout.strip() == f"{summary['run_id']}: logit lens already present"  # the same words as JSON
 
@@ -114,8 +136,15 @@ def test_ls_tells_runs_and_children_apart_and_intervene_quiet_prints_child_ids(t
 def test_every_json_output_is_one_compact_line(tmp_path, tiny_llama_dir):
     spec = _tiny_spec(tmp_path, tiny_llama_dir)
     outputs = [lmtrace(tmp_path, "generate", str(spec), "--json", "--run-id", "r")]
-    for args in (("validate", str(spec)), ("ls",), ("show", "r"), ("verify", "r"), ("heads", "r"),
-                 ("compare", "r", "r"), ("report", "r")):
+    for args in (
+        ("validate", str(spec)),
+        ("ls",),
+        ("show", "r"),
+        ("verify", "r"),
+        ("heads", "r"),
+        ("compare", "r", "r"),
+        ("report", "r"),
+    ):
         outputs.append(lmtrace(tmp_path, *args, "--json"))
     for proc in outputs:
         assert proc.returncode == 0, (proc.args, proc.stderr)
@@ -133,9 +162,11 @@ def _many_runs(tmp_path: Path, tiny_llama_dir: Path, n: int = 29) -> dict[str, d
 
     spec = _tiny_spec(tmp_path, tiny_llama_dir, capture="none")
     assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "parent").returncode == 0
-    for args in (("--ablate-head", "1.2", "--from-step", "1"),
-                 ("--ablate-mlp", "2:mean", "--mask-positions", "0-2", "--mode", "regenerate"),
-                 ("--ablate-neurons", "3:1,2,3,7", "--mask-positions", "prompt")):
+    for args in (
+        ("--ablate-head", "1.2", "--from-step", "1"),
+        ("--ablate-mlp", "2:mean", "--mask-positions", "0-2", "--mode", "regenerate"),
+        ("--ablate-neurons", "3:1,2,3,7", "--mask-positions", "prompt"),
+    ):
         proc = lmtrace(tmp_path, "intervene", "parent", *args, "-q")
         assert proc.returncode == 0, proc.stderr
     runs = tmp_path / "runs"
@@ -179,11 +210,21 @@ def test_ls_fits_80_columns_and_a_pipe_gets_one_whole_line_per_run(tmp_path, tin
         cells = dict(zip(header, line.split("\t")))
         assert len(line.split("\t")) == len(header)
         r = rows[cells["run id"]]
-        assert (cells["model"], cells["edits"], cells["parent"]) == (r["model"], r["edits"] or "-", r["parent_id"] or "-")
+        assert (cells["model"], cells["edits"], cells["parent"]) == (
+            r["model"],
+            r["edits"] or "-",
+            r["parent_id"] or "-",
+        )
 
     # edits in the CLI's own words: each label read back by intervene's own flag parser gives the stored entries
-    flags = {"ablate-head": "ablate_head", "ablate-layer": "ablate_layer", "ablate-mlp": "ablate_mlp",
-             "ablate-attn": "ablate_attn", "ablate-neurons": "ablate_neurons", "mask-positions": "mask_positions"}
+    flags = {
+        "ablate-head": "ablate_head",
+        "ablate-layer": "ablate_layer",
+        "ablate-mlp": "ablate_mlp",
+        "ablate-attn": "ablate_attn",
+        "ablate-neurons": "ablate_neurons",
+        "mask-positions": "mask_positions",
+    }
     for r in rows.values():
         if r["kind"] != "intervene":
             continue
@@ -202,8 +243,9 @@ def test_ls_fits_80_columns_and_a_pipe_gets_one_whole_line_per_run(tmp_path, tin
         if from_step is not None:
             entries = [{"steps": {"from": int(from_step)}, **e} for e in entries]
         key = lambda e: json.dumps(e, sort_keys=True)  # noqa: E731
-        assert sorted(map(key, (e.model_dump(mode="json") for e in parse_entries(entries, "test")))) == \
-            sorted(map(key, m["interventions"])), (r["edits"], m["interventions"])
+        assert sorted(map(key, (e.model_dump(mode="json") for e in parse_entries(entries, "test")))) == sorted(
+            map(key, m["interventions"])
+        ), (r["edits"], m["interventions"])
     child = next(r["run_id"] for r in rows.values() if (r["edits"] or "").startswith("ablate-head"))
     diffs = json.loads(lmtrace(tmp_path, "compare", "parent", child, "--json").stdout)["spec_differences"]
     assert {"key": "interventions", "a": None, "b": "ablate-head 1.2 from 1"} in diffs  # compare says it alike
@@ -217,12 +259,17 @@ def test_every_command_takes_q_and_it_means_what_its_help_says(tmp_path, tiny_ll
     valid = lmtrace(tmp_path, "validate", str(spec), "-q")
     assert (valid.returncode, valid.stdout) == (0, ""), valid
     assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "r").returncode == 0
-    assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "s", "--set", "generation.temperature=1.5"
-                   ).returncode == 0
+    assert (
+        lmtrace(
+            tmp_path, "generate", str(spec), "-q", "--run-id", "s", "--set", "generation.temperature=1.5"
+        ).returncode
+        == 0
+    )
 
     ls = lmtrace(tmp_path, "ls", "-q")
-    assert ls.returncode == 0 and ls.stdout.split() == [r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls",
-                                                                                                  "--json").stdout)]
+    assert ls.returncode == 0 and ls.stdout.split() == [
+        r["run_id"] for r in json.loads(lmtrace(tmp_path, "ls", "--json").stdout)
+    ]
     verify = lmtrace(tmp_path, "verify", "r", "-q")
     assert (verify.returncode, verify.stdout, verify.stderr) == (0, "", "")
     heads = lmtrace(tmp_path, "heads", "r", "-q")

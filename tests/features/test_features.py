@@ -17,7 +17,6 @@ import torch
 from lmtrace.exits.errors import SpecError
 from lmtrace.features import parse_hook_name, read_sae, write_sae
 from lmtrace.features.sites import Site, at_site
-
 from tests.helpers.runs import PROMPTS, run_spec
 
 
@@ -67,15 +66,21 @@ def write_saelens_dir(path: Path, cfg: dict, weights: dict) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "cfg.json").write_text(json.dumps(cfg))
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
-              str(path / "sae_weights.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()},
+        str(path / "sae_weights.safetensors"),
+    )
     return path
 
 
 def random_weights(d_in: int, d_sae: int, seed: int, jumprelu: bool = False) -> dict:
     rng = np.random.default_rng(seed)
-    w = {"W_enc": rng.normal(size=(d_in, d_sae)) / np.sqrt(d_in), "b_enc": rng.normal(size=d_sae) * 0.1,
-         "W_dec": rng.normal(size=(d_sae, d_in)) / np.sqrt(d_sae), "b_dec": rng.normal(size=d_in) * 0.3}
+    w = {
+        "W_enc": rng.normal(size=(d_in, d_sae)) / np.sqrt(d_in),
+        "b_enc": rng.normal(size=d_sae) * 0.1,
+        "W_dec": rng.normal(size=(d_sae, d_in)) / np.sqrt(d_sae),
+        "b_dec": rng.normal(size=d_in) * 0.3,
+    }
     if jumprelu:
         w["threshold"] = rng.uniform(0.0, 0.6, size=d_sae)
     return {k: v.astype(np.float32) for k, v in w.items()}
@@ -95,8 +100,14 @@ ARCH_CFGS = {
 @pytest.mark.parametrize("arch", list(ARCH_CFGS))
 def test_encode_and_decode_equal_saelens_formula(tmp_path, arch, apply_b_dec, norm):
     d_in, d_sae = 12, 40
-    cfg = {**ARCH_CFGS[arch], "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": apply_b_dec,
-           "normalize_activations": norm, "metadata": {"hook_name": "blocks.2.hook_resid_post"}}
+    cfg = {
+        **ARCH_CFGS[arch],
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "apply_b_dec_to_input": apply_b_dec,
+        "normalize_activations": norm,
+        "metadata": {"hook_name": "blocks.2.hook_resid_post"},
+    }
     w = random_weights(d_in, d_sae, seed=len(arch) + 7 * apply_b_dec, jumprelu=arch == "jumprelu")
     sae = read_sae(write_saelens_dir(tmp_path / "sae", cfg, w))
     x = np.random.default_rng(1).normal(size=(64, d_in)).astype(np.float32) * 3
@@ -106,8 +117,9 @@ def test_encode_and_decode_equal_saelens_formula(tmp_path, arch, apply_b_dec, no
     np.testing.assert_allclose(acts, acts_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out, out_ref, rtol=1e-4, atol=1e-4)
     if arch == "jumprelu":  # the thresholds matter here: some positive pre-activations are cut
-        pre = (x.astype(np.float64) - (w["b_dec"] if apply_b_dec and norm in ("none", "expected_average_only_in")
-                                       else 0)) @ w["W_enc"] + w["b_enc"]
+        pre = (
+            x.astype(np.float64) - (w["b_dec"] if apply_b_dec and norm in ("none", "expected_average_only_in") else 0)
+        ) @ w["W_enc"] + w["b_enc"]
         if norm in ("none", "expected_average_only_in"):
             assert ((pre > 0) & (pre <= w["threshold"])).any()
     if "topk" in arch:
@@ -117,15 +129,23 @@ def test_encode_and_decode_equal_saelens_formula(tmp_path, arch, apply_b_dec, no
 def test_pre_6_config_with_hook_point_and_boolean_normalisation(tmp_path):
     cfg = {"d_in": 8, "d_sae": 16, "hook_point": "blocks.0.hook_mlp_out", "normalize_activations": False}
     sae = read_sae(write_saelens_dir(tmp_path / "old", cfg, random_weights(8, 16, 3)))
-    assert (sae.cfg.architecture, sae.cfg.hook_name, sae.cfg.normalize_activations) == \
-        ("standard", "blocks.0.hook_mlp_out", "none")
+    assert (sae.cfg.architecture, sae.cfg.hook_name, sae.cfg.normalize_activations) == (
+        "standard",
+        "blocks.0.hook_mlp_out",
+        "none",
+    )
 
 
 @pytest.mark.parametrize("arch", ["topk", "jumprelu"])
 def test_written_sae_reads_back_identically_in_saelens_layout(tmp_path, arch):
-    cfg = {"architecture": arch, "d_in": 10, "d_sae": 24, "apply_b_dec_to_input": False,
-           "normalize_activations": "constant_norm_rescale", "metadata": {"hook_name": "blocks.3.attn.hook_z",
-                                                                          "model_name": "tiny", "context_size": 128}}
+    cfg = {
+        "architecture": arch,
+        "d_in": 10,
+        "d_sae": 24,
+        "apply_b_dec_to_input": False,
+        "normalize_activations": "constant_norm_rescale",
+        "metadata": {"hook_name": "blocks.3.attn.hook_z", "model_name": "tiny", "context_size": 128},
+    }
     if arch == "topk":
         cfg["k"] = 3
     w = random_weights(10, 24, 5, jumprelu=arch == "jumprelu")
@@ -155,29 +175,62 @@ def _tiny(family: str):
     torch.manual_seed(0)
     common = dict(vocab_size=96, attn_implementation="eager")
     if family == "llama":
-        cfg = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=2, **common)
+        cfg = tf.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **common,
+        )
         model = tf.LlamaForCausalLM(cfg)
         block = lambda i: model.model.layers[i]  # noqa: E731
-        own = {"attn_out": ("self_attn", "out"), "mlp_out": ("mlp", "out"), "mlp_in": ("post_attention_layernorm", "out"),
-               "attn_z": ("self_attn.o_proj", "in"), "mlp_post": ("mlp.down_proj", "in")}
+        own = {
+            "attn_out": ("self_attn", "out"),
+            "mlp_out": ("mlp", "out"),
+            "mlp_in": ("post_attention_layernorm", "out"),
+            "attn_z": ("self_attn.o_proj", "in"),
+            "mlp_post": ("mlp.down_proj", "in"),
+        }
     elif family == "gpt2":
         cfg = tf.GPT2Config(n_embd=32, n_layer=3, n_head=4, n_positions=64, **common)
         model = tf.GPT2LMHeadModel(cfg)
         block = lambda i: model.transformer.h[i]  # noqa: E731
-        own = {"attn_out": ("attn", "out"), "mlp_out": ("mlp", "out"), "mlp_in": ("ln_2", "out"),
-               "attn_z": ("attn.c_proj", "in"), "mlp_post": ("mlp.c_proj", "in")}
+        own = {
+            "attn_out": ("attn", "out"),
+            "mlp_out": ("mlp", "out"),
+            "mlp_in": ("ln_2", "out"),
+            "attn_z": ("attn.c_proj", "in"),
+            "mlp_post": ("mlp.c_proj", "in"),
+        }
     elif family == "gpt_neox":
-        cfg = tf.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                               max_position_embeddings=64, **common)
+        cfg = tf.GPTNeoXConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            **common,
+        )
         model = tf.GPTNeoXForCausalLM(cfg)
         block = lambda i: model.gpt_neox.layers[i]  # noqa: E731
-        own = {"attn_out": ("attention", "out"), "mlp_out": ("mlp", "out"),
-               "mlp_in": ("post_attention_layernorm", "out"), "attn_z": ("attention.dense", "in"),
-               "mlp_post": ("mlp.dense_4h_to_h", "in")}
+        own = {
+            "attn_out": ("attention", "out"),
+            "mlp_out": ("mlp", "out"),
+            "mlp_in": ("post_attention_layernorm", "out"),
+            "attn_z": ("attention.dense", "in"),
+            "mlp_post": ("mlp.dense_4h_to_h", "in"),
+        }
     else:  # opt: no MLP module; fc1/fc2 on the block
-        cfg = tf.OPTConfig(hidden_size=32, ffn_dim=48, num_hidden_layers=3, num_attention_heads=4,
-                           word_embed_proj_dim=32, max_position_embeddings=64, **common)
+        cfg = tf.OPTConfig(
+            hidden_size=32,
+            ffn_dim=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=64,
+            **common,
+        )
         model = tf.OPTForCausalLM(cfg)
         block = lambda i: model.model.decoder.layers[i]  # noqa: E731
         own = {"attn_out": ("self_attn", "out"), "mlp_out": ("fc2", "out"), "mlp_post": ("fc2", "in")}
@@ -203,8 +256,11 @@ def test_hook_names_reach_the_tensors_the_models_own_modules_compute(family):
     for kind, (path, side) in own.items():
         mod = _module(block(layer), path)
         if side == "out":
-            handles.append(mod.register_forward_hook(
-                lambda m, a, o, kind=kind: refs.__setitem__(kind, (o[0] if isinstance(o, tuple) else o).detach())))
+            handles.append(
+                mod.register_forward_hook(
+                    lambda m, a, o, kind=kind: refs.__setitem__(kind, (o[0] if isinstance(o, tuple) else o).detach())
+                )
+            )
         else:
             handles.append(mod.register_forward_pre_hook(lambda m, a, kind=kind: refs.__setitem__(kind, a[0].detach())))
     with torch.no_grad():
@@ -236,8 +292,11 @@ def test_unsupported_hook_points_and_widths_are_refused_in_one_line(tmp_path):
         assert "\n" not in str(err.value)
     model, _, _ = _tiny("llama")
     adapter = adapter_for(model)
-    with pytest.raises(SpecError, match=r"d_in 48 does not match blocks.1.hook_resid_post of this model, which has "
-                                        r"width 32"):
+    with pytest.raises(
+        SpecError,
+        match=r"d_in 48 does not match blocks.1.hook_resid_post of this model, which has "
+        r"width 32",
+    ):
         Site(1, "resid_post").check(adapter, 48, "SAE x")
     with pytest.raises(SpecError, match=r"layer 3 is out of range: the model has layers 0..2"):
         Site(3, "resid_post").check(adapter, 32, "SAE x")
@@ -246,30 +305,49 @@ def test_unsupported_hook_points_and_widths_are_refused_in_one_line(tmp_path):
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_bad_sae_directories_get_one_line_and_exit_2(tmp_path):
-    good_cfg = {"architecture": "topk", "k": 2, "d_in": 4, "d_sae": 6, "metadata": {"hook_name": "blocks.0.hook_resid_post"}}
+    good_cfg = {
+        "architecture": "topk",
+        "k": 2,
+        "d_in": 4,
+        "d_sae": 6,
+        "metadata": {"hook_name": "blocks.0.hook_resid_post"},
+    }
     w = random_weights(4, 6, 0)
     cases = {"missing": (tmp_path / "nowhere", "no such directory")}
     only_cfg = tmp_path / "only-cfg"
     only_cfg.mkdir()
     (only_cfg / "cfg.json").write_text(json.dumps(good_cfg))
     cases["no weights"] = (only_cfg, "sae_weights.safetensors is missing")
-    cases["gated"] = (write_saelens_dir(tmp_path / "gated", {**good_cfg, "architecture": "gated"}, w),
-                      "unknown architecture 'gated'; supported: standard, jumprelu, topk")
-    cases["shape"] = (write_saelens_dir(tmp_path / "shape", {**good_cfg, "d_sae": 7}, w),
-                      "W_enc has shape [4, 6], expected [4, 7]")
-    cases["nan"] = (write_saelens_dir(tmp_path / "nan", good_cfg, {**w, "b_dec": np.full(4, np.nan, np.float32)}),
-                    "b_dec holds NaN or infinite values")
-    cases["hook"] = (write_saelens_dir(tmp_path / "hook", {**good_cfg, "metadata": {"hook_name": "blocks.0.hook_resid_mid"}},
-                                       w), "hook point 'blocks.0.hook_resid_mid' is not supported")
-    cases["jumprelu without threshold"] = (write_saelens_dir(tmp_path / "jr", {**good_cfg, "architecture": "jumprelu"}, w),
-                                           "has no tensor threshold")
-    cases["transcoder"] = (write_saelens_dir(tmp_path / "tc", {**good_cfg, "architecture": "transcoder"}, w),
-                           "transcoders (transcoder) are not supported yet")
+    cases["gated"] = (
+        write_saelens_dir(tmp_path / "gated", {**good_cfg, "architecture": "gated"}, w),
+        "unknown architecture 'gated'; supported: standard, jumprelu, topk",
+    )
+    cases["shape"] = (
+        write_saelens_dir(tmp_path / "shape", {**good_cfg, "d_sae": 7}, w),
+        "W_enc has shape [4, 6], expected [4, 7]",
+    )
+    cases["nan"] = (
+        write_saelens_dir(tmp_path / "nan", good_cfg, {**w, "b_dec": np.full(4, np.nan, np.float32)}),
+        "b_dec holds NaN or infinite values",
+    )
+    cases["hook"] = (
+        write_saelens_dir(tmp_path / "hook", {**good_cfg, "metadata": {"hook_name": "blocks.0.hook_resid_mid"}}, w),
+        "hook point 'blocks.0.hook_resid_mid' is not supported",
+    )
+    cases["jumprelu without threshold"] = (
+        write_saelens_dir(tmp_path / "jr", {**good_cfg, "architecture": "jumprelu"}, w),
+        "has no tensor threshold",
+    )
+    cases["transcoder"] = (
+        write_saelens_dir(tmp_path / "tc", {**good_cfg, "architecture": "transcoder"}, w),
+        "transcoders (transcoder) are not supported yet",
+    )
     for what, (path, text) in cases.items():
         with pytest.raises(SpecError) as err:
             read_sae(path)
@@ -290,8 +368,9 @@ def test_bad_sae_directories_get_one_line_and_exit_2(tmp_path):
 def train_run(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("sae-train")
     prompts = PROMPTS + ["It was a dark and stormy night", "Hello world, this is", "A B C D E F G"]
-    return run_spec(root, {"model": str(tiny_llama_dir), "prompts": prompts,
-                           "generation": {"max_new_tokens": 6, "seed": 1}})
+    return run_spec(
+        root, {"model": str(tiny_llama_dir), "prompts": prompts, "generation": {"max_new_tokens": 6, "seed": 1}}
+    )
 
 
 def _sequences(run) -> dict[int, list[int]]:
@@ -305,13 +384,35 @@ def _ce(logits: torch.Tensor, ids: list[int]) -> tuple[float, int]:
     return float(-logp[torch.arange(len(target)), target].sum()), len(target)
 
 
-def test_sae_train_replay_metrics_equal_the_saved_weights_on_the_models_own_forward(train_run, tiny_llama_dir, tmp_path):
+def test_sae_train_replay_metrics_equal_the_saved_weights_on_the_models_own_forward(
+    train_run, tiny_llama_dir, tmp_path
+):
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "sae"
-    r = _cli("sae", "train", train_run.path, "--layer", 1, "--latents", 32, "--k", 4, "--out", out, "--source",
-             "replay", "--epochs", 8, "--batch", 32, "--heldout", 0.34, "--json")
+    r = _cli(
+        "sae",
+        "train",
+        train_run.path,
+        "--layer",
+        1,
+        "--latents",
+        32,
+        "--k",
+        4,
+        "--out",
+        out,
+        "--source",
+        "replay",
+        "--epochs",
+        8,
+        "--batch",
+        32,
+        "--heldout",
+        0.34,
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     card = json.loads(r.stdout)
     assert card == {**json.loads((out / "training_card.json").read_text()), "path": str(out)}
@@ -334,6 +435,7 @@ def test_sae_train_replay_metrics_equal_the_saved_weights_on_the_models_own_forw
         xs.append(x)
         _, recon = saelens_encode_decode(cfg, w, x)
         for how, fill in (("orig", None), ("sae", recon), ("zero", np.zeros_like(x))):
+
             def hook(m, a, o, fill=fill):
                 h = (o[0] if isinstance(o, tuple) else o).clone()
                 h[0, 1:] = torch.from_numpy(fill).float()
@@ -367,8 +469,28 @@ def test_sae_train_reads_the_archived_residual_vectors_when_the_run_has_them(tra
     from safetensors.numpy import load_file
 
     out = tmp_path / "sae"
-    r = _cli("sae", "train", train_run.path, "--layer", 2, "--latents", 16, "--k", 3, "--out", out,
-             "--arch", "batchtopk", "--epochs", 4, "--batch", 16, "--heldout", 0.34, "--json")
+    r = _cli(
+        "sae",
+        "train",
+        train_run.path,
+        "--layer",
+        2,
+        "--latents",
+        16,
+        "--k",
+        3,
+        "--out",
+        out,
+        "--arch",
+        "batchtopk",
+        "--epochs",
+        4,
+        "--batch",
+        16,
+        "--heldout",
+        0.34,
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     card = json.loads(r.stdout)
     assert card["data"]["source"] == "archive" and card["saved_architecture"] == "jumprelu"

@@ -42,52 +42,172 @@ def hf_config(name: str, **kw):
 
 
 GPT2 = dict(layers="transformer.h", attn="attn", o_proj="attn.c_proj", ffn_in="mlp.c_proj", final=("transformer.ln_f",))
-NEOX = dict(layers="gpt_neox.layers", attn="attention", o_proj="attention.dense", ffn_in="mlp.dense_4h_to_h",
-            final=("gpt_neox.final_layer_norm",))
+NEOX = dict(
+    layers="gpt_neox.layers",
+    attn="attention",
+    o_proj="attention.dense",
+    ffn_in="mlp.dense_4h_to_h",
+    final=("gpt_neox.final_layer_norm",),
+)
 PHI = dict(o_proj="self_attn.dense", ffn_in="mlp.fc2", final=("model.final_layernorm",))
-OPT = dict(layers="model.decoder.layers", o_proj="self_attn.out_proj", mlp_out="fc2", ffn_in="fc2",
-           final=("model.decoder.final_layer_norm", "model.decoder.project_out"))
+OPT = dict(
+    layers="model.decoder.layers",
+    o_proj="self_attn.out_proj",
+    mlp_out="fc2",
+    ffn_in="fc2",
+    final=("model.decoder.final_layer_norm", "model.decoder.project_out"),
+)
 
 CASES = [
-    Case("llama", "llama", hf_config("LlamaConfig", **D, num_key_value_heads=2), "LlamaConfig: 3 layers, 4 heads / 2 KV heads (GQA)"),
-    Case("mistral", "llama", hf_config("MistralConfig", **D, num_key_value_heads=2, sliding_window=5),
-         "MistralConfig: GQA 4/2, sliding_window=5", sliding=True),
+    Case(
+        "llama",
+        "llama",
+        hf_config("LlamaConfig", **D, num_key_value_heads=2),
+        "LlamaConfig: 3 layers, 4 heads / 2 KV heads (GQA)",
+    ),
+    Case(
+        "mistral",
+        "llama",
+        hf_config("MistralConfig", **D, num_key_value_heads=2, sliding_window=5),
+        "MistralConfig: GQA 4/2, sliding_window=5",
+        sliding=True,
+    ),
     Case("qwen2", "llama", hf_config("Qwen2Config", **D, num_key_value_heads=2), "Qwen2Config: GQA 4/2, q/k/v biases"),
-    Case("qwen3", "llama", hf_config("Qwen3Config", **D, num_key_value_heads=2, head_dim=16),
-         "Qwen3Config: GQA 4/2, q/k RMS norms"),
-    Case("smollm3", "llama", hf_config("SmolLM3Config", **D, num_key_value_heads=2),
-         "SmolLM3Config: GQA 4/2, NoPE every 4th layer"),
+    Case(
+        "qwen3",
+        "llama",
+        hf_config("Qwen3Config", **D, num_key_value_heads=2, head_dim=16),
+        "Qwen3Config: GQA 4/2, q/k RMS norms",
+    ),
+    Case(
+        "smollm3",
+        "llama",
+        hf_config("SmolLM3Config", **D, num_key_value_heads=2),
+        "SmolLM3Config: GQA 4/2, NoPE every 4th layer",
+    ),
     Case("olmo2", "llama", hf_config("Olmo2Config", **D, num_key_value_heads=2), "Olmo2Config: post-norms, q/k norms"),
-    Case("gemma", "gemma", hf_config("GemmaConfig", **D, num_key_value_heads=1, head_dim=16),
-         "GemmaConfig: multi-query (1 KV head), scaled embeddings"),
-    Case("gemma2", "gemma", hf_config("Gemma2Config", **D, num_key_value_heads=2, head_dim=16, sliding_window=4),
-         "Gemma2Config: GQA 4/2, sliding_window=4 on alternate layers, attn softcap 50, final softcap 30",
-         sliding=True),
-    Case("gemma3", "gemma", hf_config("Gemma3TextConfig", **D, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                                    sliding_window_pattern=2),
-         "Gemma3TextConfig: MQA, sliding_window=4 on alternate layers, q/k norms, query_pre_attn_scalar",
-         sliding=True),
-    Case("gpt2", "gpt2", hf_config("GPT2Config", n_embd=64, n_layer=3, n_head=4, n_positions=256),
-         "GPT2Config: 3 layers, 4 heads, fused c_attn, Conv1D", **GPT2),
-    Case("gpt_neox", "gpt_neox", hf_config("GPTNeoXConfig", **D), "GPTNeoXConfig: fused query_key_value, parallel residual, rotary_pct 0.25", **NEOX),
-    Case("phi", "phi", hf_config("PhiConfig", **D), "PhiConfig: parallel residual, partial rotary, lm_head bias", **PHI),
-    Case("phi3", "phi3", hf_config("Phi3Config", **D, num_key_value_heads=2), "Phi3Config: fused qkv_proj and gate_up_proj, GQA 4/2"),
-    Case("opt", "opt", hf_config("OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
-                               word_embed_proj_dim=64, max_position_embeddings=256),
-         "OPTConfig: pre-LN (OPT-125m style), learned positions, ReLU fc1/fc2 on the block", **OPT),
-    Case("opt_postln", "opt", hf_config("OPTConfig", hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
-                                      word_embed_proj_dim=32, do_layer_norm_before=False, max_position_embeddings=256),
-         "OPTConfig: post-LN with project_in/project_out (OPT-350m style)", **OPT),
-    Case("mixtral", "moe", hf_config("MixtralConfig", **D, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-         "MixtralConfig: 4 experts, top-2, GQA 4/2", ffn_in=None, router="mlp.gate", route="softmax_topk_renorm"),
-    Case("qwen2_moe", "moe", hf_config("Qwen2MoeConfig", **D, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                     moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1]),
-         "Qwen2MoeConfig: 4 experts, top-2, shared expert, layer 1 dense", ffn_in=None, router="mlp.gate",
-         route="softmax_topk"),
-    Case("gpt_oss", "moe", hf_config("GptOssConfig", **D, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                   num_experts_per_tok=2, sliding_window=4),
-         "GptOssConfig: 4 experts, top-2, attention sinks, sliding_window=4 on alternate layers", ffn_in=None,
-         router="mlp.router", route="topk_softmax", sliding=True, sinks=True),
+    Case(
+        "gemma",
+        "gemma",
+        hf_config("GemmaConfig", **D, num_key_value_heads=1, head_dim=16),
+        "GemmaConfig: multi-query (1 KV head), scaled embeddings",
+    ),
+    Case(
+        "gemma2",
+        "gemma",
+        hf_config("Gemma2Config", **D, num_key_value_heads=2, head_dim=16, sliding_window=4),
+        "Gemma2Config: GQA 4/2, sliding_window=4 on alternate layers, attn softcap 50, final softcap 30",
+        sliding=True,
+    ),
+    Case(
+        "gemma3",
+        "gemma",
+        hf_config(
+            "Gemma3TextConfig", **D, num_key_value_heads=1, head_dim=16, sliding_window=4, sliding_window_pattern=2
+        ),
+        "Gemma3TextConfig: MQA, sliding_window=4 on alternate layers, q/k norms, query_pre_attn_scalar",
+        sliding=True,
+    ),
+    Case(
+        "gpt2",
+        "gpt2",
+        hf_config("GPT2Config", n_embd=64, n_layer=3, n_head=4, n_positions=256),
+        "GPT2Config: 3 layers, 4 heads, fused c_attn, Conv1D",
+        **GPT2,
+    ),
+    Case(
+        "gpt_neox",
+        "gpt_neox",
+        hf_config("GPTNeoXConfig", **D),
+        "GPTNeoXConfig: fused query_key_value, parallel residual, rotary_pct 0.25",
+        **NEOX,
+    ),
+    Case(
+        "phi", "phi", hf_config("PhiConfig", **D), "PhiConfig: parallel residual, partial rotary, lm_head bias", **PHI
+    ),
+    Case(
+        "phi3",
+        "phi3",
+        hf_config("Phi3Config", **D, num_key_value_heads=2),
+        "Phi3Config: fused qkv_proj and gate_up_proj, GQA 4/2",
+    ),
+    Case(
+        "opt",
+        "opt",
+        hf_config(
+            "OPTConfig",
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            word_embed_proj_dim=64,
+            max_position_embeddings=256,
+        ),
+        "OPTConfig: pre-LN (OPT-125m style), learned positions, ReLU fc1/fc2 on the block",
+        **OPT,
+    ),
+    Case(
+        "opt_postln",
+        "opt",
+        hf_config(
+            "OPTConfig",
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            do_layer_norm_before=False,
+            max_position_embeddings=256,
+        ),
+        "OPTConfig: post-LN with project_in/project_out (OPT-350m style)",
+        **OPT,
+    ),
+    Case(
+        "mixtral",
+        "moe",
+        hf_config("MixtralConfig", **D, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "MixtralConfig: 4 experts, top-2, GQA 4/2",
+        ffn_in=None,
+        router="mlp.gate",
+        route="softmax_topk_renorm",
+    ),
+    Case(
+        "qwen2_moe",
+        "moe",
+        hf_config(
+            "Qwen2MoeConfig",
+            **D,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+        ),
+        "Qwen2MoeConfig: 4 experts, top-2, shared expert, layer 1 dense",
+        ffn_in=None,
+        router="mlp.gate",
+        route="softmax_topk",
+    ),
+    Case(
+        "gpt_oss",
+        "moe",
+        hf_config(
+            "GptOssConfig",
+            **D,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        ),
+        "GptOssConfig: 4 experts, top-2, attention sinks, sliding_window=4 on alternate layers",
+        ffn_in=None,
+        router="mlp.router",
+        route="topk_softmax",
+        sliding=True,
+        sinks=True,
+    ),
 ]
 BY_ID = {c.id: c for c in CASES}
 
@@ -102,8 +222,12 @@ def attr_path(obj, path):
 def build_tiny(case: Case, tokenizer, path: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(case.config(common))
     model.save_pretrained(path)
@@ -135,6 +259,7 @@ class FullForward:
                 if isinstance(t, tuple):
                     t = t[0]
                 rec[store][i] = t.reshape(len(ids), t.shape[-1]) if t.dim() == 2 else t[0]
+
             return hook
 
         for i, b in enumerate(self.blocks):
@@ -150,8 +275,10 @@ class FullForward:
                 except AttributeError:
                     router = None
                 if router is not None and hasattr(router, "top_k"):
+
                     def rhook(m, a, out, i=i):
                         rec["router"][i] = (out[0].float(), m.top_k)
+
                     hooks.append(router.register_forward_hook(rhook))
         try:
             out = model(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)

@@ -17,9 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-default-apps",
-         "--proxy-server=127.0.0.1:9", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=30000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--hide-scrollbars",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--proxy-server=127.0.0.1:9",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=30000",
+]
 
 
 @dataclass
@@ -49,8 +61,9 @@ def page_requests(netlog: Path) -> list[str]:
     return sorted(set(urls))
 
 
-def open_page(page: Path, workdir: Path, *, width: int = 1400, height: int = 2400, shot_name: str = "page.png"
-              ) -> PageVisit:
+def open_page(
+    page: Path, workdir: Path, *, width: int = 1400, height: int = 2400, shot_name: str = "page.png"
+) -> PageVisit:
     workdir.mkdir(parents=True, exist_ok=True)
     path, _, anchor = str(page).partition("#")
     url = Path(path).resolve().as_uri() + (f"#{anchor}" if anchor else "")
@@ -71,8 +84,9 @@ def distinct_colours(png: Path) -> int:
     return len(np.unique(pixels, axis=0))
 
 
-def section_shots(page: Path, workdir: Path, sections: dict[str, str], *, width: int = 1400, height: int = 1500
-                  ) -> dict[str, Path]:
+def section_shots(
+    page: Path, workdir: Path, sections: dict[str, str], *, width: int = 1400, height: int = 1500
+) -> dict[str, Path]:
     """Screenshots of parts of a page: {name: section id} -> {name: PNG}, each `height` pixels from the
     section's top (offsets from the page's own `data-sections`, after its figures are drawn)."""
     from PIL import Image

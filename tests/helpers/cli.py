@@ -17,12 +17,23 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 def lmtrace(tmp_path: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m lmtrace.cli ARGS` in tmp_path, runs under tmp_path/runs, never touching the network."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "LMTRACE_RUNS_DIR": str(tmp_path / "runs"),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    full_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "LMTRACE_RUNS_DIR": str(tmp_path / "runs"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], cwd=tmp_path, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", *args],
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
@@ -73,15 +84,26 @@ def cli_env(runs: Path, **extra) -> dict:
 
 def run_cli(args, runs: Path, timeout=300, quiet=True, **env) -> subprocess.CompletedProcess:
     """`lmtrace ARGS -q` to its end, one torch thread, under `runs`."""
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, *(["-q"] if quiet else [])],
-                          env=cli_env(runs, **env), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", *args, *(["-q"] if quiet else [])],
+        env=cli_env(runs, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start_cli(args, runs, env=None, **kw):
     """`lmtrace ARGS` started (not waited for), one torch thread, under `runs`, its output piped."""
     env = cli_env(runs, **(env or {}))
-    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def wait_committed(runs: Path, at_least: int, timeout: float = 120) -> Path:

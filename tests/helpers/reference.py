@@ -14,7 +14,7 @@ LENS_BF16_RTOL = 0.02  # documented bound ~1 % (normaliser error <= 0.011 measur
 # "Capture presets"): lens probabilities within 2e-3 (measured max 1.6e-3 over 6,300 rows of SmolLM2),
 # the top-1 the reference's except between tokens whose lens logits are within RESID16_BAND of each other
 RESID16_PROB_ATOL = 2e-3
-RESID16_REL = 2.0 ** -10  # a product with a float16-rounded residual: within 2^-11 of |x|·|w| per term, doubled
+RESID16_REL = 2.0**-10  # a product with a float16-rounded residual: within 2^-11 of |x|·|w| per term, doubled
 
 
 class Reference:
@@ -32,10 +32,14 @@ class Reference:
         model = self.model
         last = {}
         layers = model.model.layers
-        h1 = layers[-1].register_forward_hook(lambda m, a, o: last.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0]))
+        h1 = layers[-1].register_forward_hook(
+            lambda m, a, o: last.__setitem__("resid", (o[0] if isinstance(o, tuple) else o)[0])
+        )
         down = {}
-        hooks = [layers[i].mlp.down_proj.register_forward_pre_hook(
-            (lambda i: lambda m, a: down.__setitem__(i, a[0][0]))(i)) for i in range(len(layers))]
+        hooks = [
+            layers[i].mlp.down_proj.register_forward_pre_hook((lambda i: lambda m, a: down.__setitem__(i, a[0][0]))(i))
+            for i in range(len(layers))
+        ]
         try:
             out = model(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
         finally:
@@ -108,7 +112,7 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
                 expected = r["attn"][layer][:, qpos, : qpos + 1].numpy()
                 got = attn[s, li, :, : qpos + 1].astype(np.float32)
                 np.testing.assert_allclose(got, expected, atol=tol)
-                assert np.isnan(attn[s, li, :, qpos + 1:]).all()
+                assert np.isnan(attn[s, li, :, qpos + 1 :]).all()
             # residual norms and deltas
             resid = r["resid"][layer][qpos]
             before = r["resid"][layer - 1][qpos] if layer > 0 else r["embed"][qpos]
@@ -117,14 +121,18 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             # logit lens: final norm + unembedding of this layer's residual
             normed = norm(resid[None])[0].float()
             lens_logits = normed @ W.T
-            absdot = (normed.norm() * W_norm).numpy()  # ≥ Σ|x_i·w_i| (Cauchy-Schwarz): bounds a product's rounding, per token
+            absdot = (
+                normed.norm() * W_norm
+            ).numpy()  # ≥ Σ|x_i·w_i| (Cauchy-Schwarz): bounds a product's rounding, per token
             lens = lens_logits.log_softmax(-1)
             lt = lens.topk(lens_ids.shape[-1])
             if resid16:  # the lens of a float16-rounded residual: a near tie may swap the top-1
                 band16 = RESID16_REL * 2 * absdot[lt.indices[0].item()]
                 got_top = int(lens_ids[s, li, 0])
                 assert lens_logits[got_top] >= lens_logits[lt.indices[0]] - band16, (s, layer)
-                np.testing.assert_allclose(np.sort(lens_probs[s, li])[::-1], lt.values.exp().numpy(), atol=RESID16_PROB_ATOL)
+                np.testing.assert_allclose(
+                    np.sort(lens_probs[s, li])[::-1], lt.values.exp().numpy(), atol=RESID16_PROB_ATOL
+                )
             else:
                 assert lens_ids[s, li, 0] == lt.indices[0].item()
             if resid16:
@@ -136,7 +144,10 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
                 np.testing.assert_allclose(lens_probs[s, li], lt.values.exp().numpy(), rtol=LENS_BF16_RTOL, atol=1e-6)
             top2 = lens_logits.topk(2).values
             if resid16:
-                assert abs(st.lens_margin.iloc[li] - (top2[0] - top2[1]).item()) < 4 * RESID16_REL * absdot.max() + tol * 10
+                assert (
+                    abs(st.lens_margin.iloc[li] - (top2[0] - top2[1]).item())
+                    < 4 * RESID16_REL * absdot.max() + tol * 10
+                )
                 assert st.lens_top1.iloc[li] == lens_ids[s, li, 0]
             else:
                 assert abs(st.lens_margin.iloc[li] - (top2[0] - top2[1]).item()) < tol * 10
@@ -144,8 +155,10 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
             # the chosen token's and the runner-up's (the model's most likely other token) lens rank and prob
             # (numpy: comparisons over the vocabulary are several times cheaper than torch's here)
             logits_np, lens_np = lens_logits.numpy(), lens.numpy()
-            for tok, rank_col, prob_col in ((row.token_id, "lens_target_rank", "lens_target_prob"),
-                                            (runner, "lens_runner_up_rank", "lens_runner_up_prob")):
+            for tok, rank_col, prob_col in (
+                (row.token_id, "lens_target_rank", "lens_target_prob"),
+                (runner, "lens_runner_up_rank", "lens_runner_up_prob"),
+            ):
                 diff = logits_np - logits_np[tok]
                 want_rank = int(np.count_nonzero(diff > 0))
                 got_rank = int(st[rank_col].iloc[li])
@@ -153,12 +166,12 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
                 # archived residual differs from this forward's by ~1e-5 relative, and in bfloat16 mode
                 # tokens outside the re-scored candidates are compared by their bfloat16 logits (2^-8
                 # relative per product term). Elsewhere the rank is exact.
-                band = (2.0 ** -7 if not lens_exact else RESID16_REL if resid16 else 1e-4) * (absdot + absdot[tok])
+                band = (2.0**-7 if not lens_exact else RESID16_REL if resid16 else 1e-4) * (absdot + absdot[tok])
                 lo, hi = int(np.count_nonzero(diff > band)), int(np.count_nonzero(diff > -band)) - 1
                 assert lo <= got_rank <= hi, (s, layer, rank_col, got_rank, want_rank, lo, hi)
                 assert abs(st[prob_col].iloc[li] - np.exp(lens_np[tok])) <= tol + (
-                    RESID16_PROB_ATOL if resid16 else 0 if lens_exact else LENS_BF16_RTOL * np.exp(lens_np[tok])), \
-                    (s, layer, prob_col)
+                    RESID16_PROB_ATOL if resid16 else 0 if lens_exact else LENS_BF16_RTOL * np.exp(lens_np[tok])
+                ), (s, layer, prob_col)
                 if rank_col == "lens_target_rank":  # (checked just above against this forward's ranks)
                     lens_ranks.setdefault(s, []).append(got_rank)
             # margin contribution of this layer's delta to the final top-1 vs top-2 logit difference
@@ -182,6 +195,10 @@ def check_sequence(run, ref: Reference, seq: int, tol: float = TOL) -> int:
         assert (st.settle_layer == want_settle).all(), (s, st.settle_layer.tolist(), want_settle, chosen_ranks)
         # the last layer's lens is the model's own output distribution
         if layers[-1] == len(r["resid"]) - 1:
-            np.testing.assert_allclose(np.sort(lens_probs[s, -1])[::-1], logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(),
-                                       atol=RESID16_PROB_ATOL if resid16 else tol, rtol=0 if lens_exact else LENS_BF16_RTOL)
+            np.testing.assert_allclose(
+                np.sort(lens_probs[s, -1])[::-1],
+                logprobs.topk(lens_probs.shape[-1]).values.exp().numpy(),
+                atol=RESID16_PROB_ATOL if resid16 else tol,
+                rtol=0 if lens_exact else LENS_BF16_RTOL,
+            )
     return n

@@ -45,14 +45,27 @@ def test_a_fitted_table_draws_the_columns_that_fit_two_spaces_apart_and_names_th
     assert left_out == [] and _drawn(table, 80) == [
         "component  layer  baseline     value   effect",
         "layer          0   -0.9356  -10.8698  -9.9342",
-        "layer         12   -0.9356      -1.0      0.1"]
+        "layer         12   -0.9356      -1.0      0.1",
+    ]
     # 30 cells: baseline (named first) goes, then from the right: value; effect is kept, and the title
     # wraps at the width given, not at the table's
-    table, left_out = fitted_table(headers, rows, 30, omit_empty=True, drop_first=("baseline",),
-                                   keep=("component", "effect"), left=("component",), title="a title of some words")
+    table, left_out = fitted_table(
+        headers,
+        rows,
+        30,
+        omit_empty=True,
+        drop_first=("baseline",),
+        keep=("component", "effect"),
+        left=("component",),
+        title="a title of some words",
+    )
     assert left_out == ["baseline", "value"]
-    assert _drawn(table, 30) == ["a title of some words", "component  layer   effect", "layer          0  -9.9342",
-                                 "layer         12      0.1"]
+    assert _drawn(table, 30) == [
+        "a title of some words",
+        "component  layer   effect",
+        "layer          0  -9.9342",
+        "layer         12      0.1",
+    ]
     table, left_out = fitted_table(headers, rows, 10)  # the first column stays when nothing is kept
     assert left_out == headers[1:] and _drawn(table, 10)[0] == "component"
 
@@ -66,20 +79,63 @@ def test_intervene_and_sweep_tables_fit_80_columns(monkeypatch, capsys):
     from lmtrace.cli import intervene, sweep
 
     monkeypatch.setenv("COLUMNS", "80")
-    intervene._print([{"run_id": "20261205-091111-4249c3f4a", "mode": "regenerate", "sequences": [
-        {"sequence": 0, "first_divergence_step": None, "first_divergence": None, "winner_changes": 0,
-         "mean_logprob_shift": -0.163, "max_kl_topk": 0.42},
-        {"sequence": 1, "first_divergence_step": 1, "first_divergence": {"parent": " waves", "child": " sea"},
-         "winner_changes": 1, "mean_logprob_shift": -0.3627, "max_kl_topk": 0.5}]}])
+    intervene._print(
+        [
+            {
+                "run_id": "20261205-091111-4249c3f4a",
+                "mode": "regenerate",
+                "sequences": [
+                    {
+                        "sequence": 0,
+                        "first_divergence_step": None,
+                        "first_divergence": None,
+                        "winner_changes": 0,
+                        "mean_logprob_shift": -0.163,
+                        "max_kl_topk": 0.42,
+                    },
+                    {
+                        "sequence": 1,
+                        "first_divergence_step": 1,
+                        "first_divergence": {"parent": " waves", "child": " sea"},
+                        "winner_changes": 1,
+                        "mean_logprob_shift": -0.3627,
+                        "max_kl_topk": 0.5,
+                    },
+                ],
+            }
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     assert [line.split()[:2] for line in lines if line.split()[:1] in (["0"], ["1"])] == [["0", "-"], ["1", "1"]]
 
-    top = [{"component": "layer", "layer": i, "q_head": None, "neuron": None, "position": None, "baseline": -0.9356,
-            "value": -10.8698, "effect": -9.9342} for i in range(3)]
-    sweep._print({"status": "complete", "sweep_id": "20261205-090624-366b8fff2", "run_id": "demo-20261205T014326",
-                  "top": top, "metric": "logprob", "n_cells": 30, "sweep_s": 27.3, "baseline_max_abs_diff": 5e-6,
-                  "path": "/runs/demo/sweeps/20261205-090624-366b8fff2"}, SimpleNamespace(over="layers", edit="zero"))
+    top = [
+        {
+            "component": "layer",
+            "layer": i,
+            "q_head": None,
+            "neuron": None,
+            "position": None,
+            "baseline": -0.9356,
+            "value": -10.8698,
+            "effect": -9.9342,
+        }
+        for i in range(3)
+    ]
+    sweep._print(
+        {
+            "status": "complete",
+            "sweep_id": "20261205-090624-366b8fff2",
+            "run_id": "demo-20261205T014326",
+            "top": top,
+            "metric": "logprob",
+            "n_cells": 30,
+            "sweep_s": 27.3,
+            "baseline_max_abs_diff": 5e-6,
+            "path": "/runs/demo/sweeps/20261205-090624-366b8fff2",
+        },
+        SimpleNamespace(over="layers", edit="zero"),
+    )
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     assert "component  layer  baseline     value   effect" in lines
@@ -96,11 +152,15 @@ def test_two_columns_with_one_header_are_fitted_as_two_columns():
     assert left_out == [] and _drawn(table, 34) == [
         "label  seqs  layer  label  entropy",
         "x         2      0  local     1.93",
-        "y         1      3  sink      2.00"]
+        "y         1      3  sink      2.00",
+    ]
     # 19 cells: entropy and seqs go (from the right), both label columns and layer stay
     table, left_out = fitted_table(headers, rows, 19, keep=("label", "layer"), left=("label",))
     assert left_out == ["seqs", "entropy"] and _drawn(table, 19) == [
-        "label  layer  label", "x          0  local", "y          3  sink "]  # label: left-justified
+        "label  layer  label",
+        "x          0  local",
+        "y          3  sink ",
+    ]  # label: left-justified
     # drop_first by a repeated name leaves out both columns of that name, first of all
     table, left_out = fitted_table(headers, rows, 26, drop_first=("label",), keep=("layer",))
     assert left_out == ["label", "label"] and _drawn(table, 26)[0] == "seqs  layer  entropy"

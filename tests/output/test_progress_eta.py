@@ -34,19 +34,40 @@ def test_the_estimate_is_the_sequences_left_times_tokens_per_finished_sequence_a
 
 def _spec(tmp_path: Path, model: Path) -> Path:
     path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump({"model": {"ref": str(model), "device": "cpu"}, "prompts": PROMPTS,
-                                    "generation": {"max_new_tokens": 3, "batch_size": 1}, "capture": "none"}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"ref": str(model), "device": "cpu"},
+                "prompts": PROMPTS,
+                "generation": {"max_new_tokens": 3, "batch_size": 1},
+                "capture": "none",
+            }
+        )
+    )
     return path
 
 
-LINE = re.compile(r"\[\d\d:\d\d:\d\d\] shard-1-of-2: (\d+)/2 sequences, (\d+) tokens, [\d.]+ tok/s"
-                  r"(, ETA ~\d+ (s|min)( \d\d min)? \(estimate\))?$")
+LINE = re.compile(
+    r"\[\d\d:\d\d:\d\d\] shard-1-of-2: (\d+)/2 sequences, (\d+) tokens, [\d.]+ tok/s"
+    r"(, ETA ~\d+ (s|min)( \d\d min)? \(estimate\))?$"
+)
 
 
 def test_plain_progress_lines_name_the_shard_sequences_tokens_rate_and_eta(tmp_path, tiny_llama_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LMTRACE_PROGRESS_EVERY": "0"}
-    cmd = [sys.executable, "-m", "lmtrace.cli", "generate", str(_spec(tmp_path, tiny_llama_dir)), "--shard", "1/2",
-           "--run-id", "sharded", "--runs-dir", str(tmp_path / "runs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmtrace.cli",
+        "generate",
+        str(_spec(tmp_path, tiny_llama_dir)),
+        "--shard",
+        "1/2",
+        "--run-id",
+        "sharded",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # stderr is not a terminal
     assert done.returncode == 0, done.stderr
     lines = [m for m in map(LINE.match, done.stderr.splitlines()) if m]
@@ -61,8 +82,13 @@ def test_plain_progress_lines_name_the_shard_sequences_tokens_rate_and_eta(tmp_p
     archived = sum(sum(pq.read_table(p).column("generated_len").to_pylist()) for p in parts)
     assert int(lines[-1].group(2)) == archived
 
-    logged = subprocess.run(cmd[:-6] + ["--run-id", "json", "--runs-dir", str(tmp_path / "runs"), "--log-json"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    logged = subprocess.run(
+        cmd[:-6] + ["--run-id", "json", "--runs-dir", str(tmp_path / "runs"), "--log-json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     events = [json.loads(x) for x in logged.stderr.splitlines() if x.startswith("{")]
     progress = [e for e in events if e["event"] == "progress"]
     assert progress and progress[-1]["sequences_done"] == 4 and progress[-1]["sequences_total"] == 4
@@ -71,8 +97,8 @@ def test_plain_progress_lines_name_the_shard_sequences_tokens_rate_and_eta(tmp_p
 
 def test_ls_shows_how_far_a_running_run_has_got_and_its_eta(tmp_path, tiny_llama_dir):
     from lmtrace.archive.summary import run_summary
-    from lmtrace.runner.generation import run_generate
     from lmtrace.output.progress import Progress
+    from lmtrace.runner.generation import run_generate
     from lmtrace.spec.run_spec import build_spec
 
     data = yaml.safe_load(_spec(tmp_path, tiny_llama_dir).read_text())

@@ -16,6 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from tests.helpers.cli import assert_one_line_error, lmtrace
 from tests.helpers.runs import rerecord_checksums, run_spec
 
@@ -33,10 +34,16 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
     from lmtrace.spec.sweep_spec import SweepSpec
 
     tmp = tmp_path_factory.mktemp("query")
-    base = run_spec(tmp, {"model": str(tiny_llama_dir), "prompts": PROMPTS,
-                          "generation": {"max_new_tokens": 5, "batch_size": 3},
-                          "capture": {"lens": {"when": "inline"}},
-                          "output": {"run_id": "20260101-000000-000aaaaaa", "float_dtype": "float32"}})
+    base = run_spec(
+        tmp,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 5, "batch_size": 3},
+            "capture": {"lens": {"when": "inline"}},
+            "output": {"run_id": "20260101-000000-000aaaaaa", "float_dtype": "float32"},
+        },
+    )
     heads_command(str(base.path), quiet=True, per_sequence=True)
     heads_command(str(base.path), quiet=True, by="stop_reason")  # analysis/heads_by_stop_reason.parquet
     run_sweep(str(base.path), SweepSpec(over="attn", metrics=["logprob"], sequences="0,1"))
@@ -98,18 +105,31 @@ def _direct(root: Path, table: str) -> pd.DataFrame:
 
 
 def test_tokens_view_equals_the_parquet_files_and_skips_the_damaged_run(runs_dir):
-    proc = _query(runs_dir, "SELECT run_id, sequence, count(*) AS n, sum(logprob) AS lp, max(position) AS last "
-                            "FROM tokens GROUP BY ALL ORDER BY ALL", "--format", "json")
+    proc = _query(
+        runs_dir,
+        "SELECT run_id, sequence, count(*) AS n, sum(logprob) AS lp, max(position) AS last "
+        "FROM tokens GROUP BY ALL ORDER BY ALL",
+        "--format",
+        "json",
+    )
     got = _frame(proc)
     t = _direct(runs_dir, "tokens")
-    want = (t.groupby(["run_id", "sequence"]).agg(n=("position", "size"), lp=("logprob", "sum"),
-                                                  last=("position", "max")).reset_index())
-    assert got[["run_id", "sequence", "n", "last"]].values.tolist() == want[["run_id", "sequence", "n", "last"]].values.tolist()
+    want = (
+        t.groupby(["run_id", "sequence"])
+        .agg(n=("position", "size"), lp=("logprob", "sum"), last=("position", "max"))
+        .reset_index()
+    )
+    assert (
+        got[["run_id", "sequence", "n", "last"]].values.tolist()
+        == want[["run_id", "sequence", "n", "last"]].values.tolist()
+    )
     np.testing.assert_allclose(got.lp.astype(float), want.lp.astype(float), rtol=1e-5)
     # the unfinished copy shows its committed part only (sequence 0), not the part being written
     assert sorted(got[got.run_id.str.endswith("dddddd")].sequence) == [0]
     warnings = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: run 20260101-000004-000eeeeee is damaged"), proc.stderr
+    assert len(warnings) == 1 and warnings[0].startswith("warning: run 20260101-000004-000eeeeee is damaged"), (
+        proc.stderr
+    )
     assert "tokens.parquet" in warnings[0]
 
 
@@ -129,8 +149,11 @@ def test_runs_view_has_the_manifest_fields_and_the_shown_status(runs_dir):
 
 
 def test_sequences_view_reads_runs_with_different_columns_by_name(runs_dir):
-    got = _frame(_query(runs_dir, "SELECT run_id, sequence, topic, prompt FROM sequences ORDER BY run_id, sequence",
-                        "-f", "json"))
+    got = _frame(
+        _query(
+            runs_dir, "SELECT run_id, sequence, topic, prompt FROM sequences ORDER BY run_id, sequence", "-f", "json"
+        )
+    )
     want = _direct(runs_dir, "sequences").sort_values(["run_id", "sequence"])
     assert got.prompt.tolist() == want.prompt.tolist()
     topics = got.set_index(["run_id", "sequence"]).topic
@@ -145,8 +168,14 @@ def test_heads_sweeps_and_effects_views_equal_their_files(runs_dir):
     assert len(heads) == len(want) and heads.label.tolist() == want.label.tolist()
 
     sweep_dir = next(p for p in (base / "sweeps").iterdir() if not p.name.startswith("."))
-    sweeps = _frame(_query(runs_dir, "SELECT run_id, sweep_id, layer, avg(effect) AS e FROM sweeps "
-                                     "GROUP BY ALL ORDER BY ALL", "-f", "json"))
+    sweeps = _frame(
+        _query(
+            runs_dir,
+            "SELECT run_id, sweep_id, layer, avg(effect) AS e FROM sweeps GROUP BY ALL ORDER BY ALL",
+            "-f",
+            "json",
+        )
+    )
     s = pd.read_parquet(sweep_dir / "sweep.parquet")
     want = s.groupby("layer").effect.mean()
     mine = sweeps[sweeps.run_id == "20260101-000000-000aaaaaa"]
@@ -155,8 +184,9 @@ def test_heads_sweeps_and_effects_views_equal_their_files(runs_dir):
 
     effects = _frame(_query(runs_dir, "SELECT run_id, count(*) AS n FROM effects GROUP BY run_id", "-f", "json"))
     child = runs_dir / "20260101-000001-000bbbbbb"
-    assert effects.set_index("run_id").n.to_dict() == {"20260101-000001-000bbbbbb":
-                                                      len(pd.read_parquet(child / "effects.parquet"))}
+    assert effects.set_index("run_id").n.to_dict() == {
+        "20260101-000001-000bbbbbb": len(pd.read_parquet(child / "effects.parquet"))
+    }
 
 
 def test_views_missing_everywhere_are_empty_and_csv_parquet_outputs_agree(runs_dir, tmp_path):
@@ -181,8 +211,10 @@ def test_table_output_fits_80_columns_and_names_what_it_leaves_out(runs_dir):
     assert any("columns left out" in line for line in lines) and "first 100 rows" in proc.stdout
 
 
-@pytest.mark.parametrize("sql, fragment", [("SELEC 1", "Parser Error"), ("SELECT * FROM nope", "views: runs"),
-                                            ("SELECT nope FROM runs", "Binder Error")])
+@pytest.mark.parametrize(
+    "sql, fragment",
+    [("SELEC 1", "Parser Error"), ("SELECT * FROM nope", "views: runs"), ("SELECT nope FROM runs", "Binder Error")],
+)
 def test_bad_sql_is_one_line_exit_2(runs_dir, sql, fragment):
     proc = lmtrace(runs_dir.parent, "query", sql, "--runs-dir", str(runs_dir), "-f", "csv")
     # the error is the last line and the only one but the damaged run's warning (when the SQL reads runs)
@@ -199,10 +231,12 @@ def test_format_flags_are_checked(runs_dir, tmp_path):
 
 
 def test_out_that_cannot_be_a_file_is_one_line_exit_2(tmp_path):
-    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path), "-f", "csv"), 2,
-                          "is a directory")
-    assert_one_line_error(lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "no" / "x.csv")), 2,
-                          "does not exist")
+    assert_one_line_error(
+        lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path), "-f", "csv"), 2, "is a directory"
+    )
+    assert_one_line_error(
+        lmtrace(tmp_path, "query", "SELECT 1", "--out", str(tmp_path / "no" / "x.csv")), 2, "does not exist"
+    )
 
 
 def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, tmp_path):
@@ -211,7 +245,7 @@ def test_a_file_damaged_without_a_size_change_skips_its_run_when_read(runs_dir, 
     bad = shutil.copytree(good, root / "20260101-000009-000ffffff")
     _rename(bad, "20260101-000009-000ffffff")
     data = bytearray((bad / "sequences.parquet").read_bytes())
-    data[4:len(data) - 8] = bytes(len(data) - 12)  # same size: the stat check cannot see it
+    data[4 : len(data) - 8] = bytes(len(data) - 12)  # same size: the stat check cannot see it
     (bad / "sequences.parquet").write_bytes(bytes(data))
     proc = _query(root, "SELECT run_id, count(*) AS n FROM sequences GROUP BY run_id", "-f", "json")
     assert _frame(proc).run_id.tolist() == ["20260101-000000-000aaaaaa"]
@@ -229,7 +263,7 @@ def test_a_file_duckdb_fails_to_read_is_pinned_to_its_own_run(runs_dir, tmp_path
     bad = shutil.copytree(runs_dir / "20260101-000000-000aaaaaa", root / "20260101-000009-000ffffff")
     _rename(bad, "20260101-000009-000ffffff")
     data = bytearray((bad / "tokens.parquet").read_bytes())
-    data[4:len(data) - 8] = bytes(len(data) - 12)  # same size, does not decode
+    data[4 : len(data) - 8] = bytes(len(data) - 12)  # same size, does not decode
     (bad / "tokens.parquet").write_bytes(bytes(data))
     monkeypatch.setattr(query, "damaged_runs", lambda *args: [], raising=False)
     monkeypatch.delenv("LMTRACE_RUNS_DIR", raising=False)
@@ -240,8 +274,9 @@ def test_a_file_duckdb_fails_to_read_is_pinned_to_its_own_run(runs_dir, tmp_path
     assert got.run_id.tolist() == ["20260101-000000-000aaaaaa"]
     assert got.n.tolist() == [len(pd.read_parquet(root / "20260101-000000-000aaaaaa" / "tokens.parquet"))]
     lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000009-000ffffff is damaged "
-                                                   "(tokens.parquet does not decode"), captured.err
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: run 20260101-000009-000ffffff is damaged (tokens.parquet does not decode"
+    ), captured.err
 
 
 def test_an_older_archive_s_head_column_reads_as_q_head(runs_dir, tmp_path):
@@ -260,8 +295,11 @@ def test_an_older_archive_s_head_column_reads_as_q_head(runs_dir, tmp_path):
         assert "q_head" in t.column_names and "head" not in t.column_names
         pq.write_table(t.rename_columns(["head" if n == "q_head" else n for n in t.column_names]), f)
     heads = _frame(_query(root, "SELECT run_id, layer, q_head, label FROM heads ORDER BY ALL", "-f", "json"))
-    want = pd.read_parquet(new / "analysis" / "heads.parquet")[["layer", "q_head", "label"]].sort_values(
-        ["layer", "q_head", "label"]).values.tolist()
+    want = (
+        pd.read_parquet(new / "analysis" / "heads.parquet")[["layer", "q_head", "label"]]
+        .sort_values(["layer", "q_head", "label"])
+        .values.tolist()
+    )
     for run_id in ("20260101-000000-000aaaaaa", "20260101-000008-000abcdef"):
         assert heads[heads.run_id == run_id][["layer", "q_head", "label"]].values.tolist() == want
     assert read_sweep(Run(old)).column_names == read_sweep(Run(new)).column_names
@@ -279,9 +317,18 @@ def test_heads_by_view_has_every_group_and_head_of_the_heads_by_files(runs_dir):
         # the group's value: `group_value` (the group's own name space), or in files written before, the
         # column named after the sequences.parquet column, first
         value = t["group_value"] if "group_value" in t.columns else t[t.columns[0]]
-        frames.append(pd.DataFrame({"run_id": run.name, "group_value": value.astype(str), "layer": t.layer,
-                                    "q_head": t.q_head, "n_sequences": t.n_sequences,
-                                    "induction_score": t.induction_score}))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "run_id": run.name,
+                    "group_value": value.astype(str),
+                    "layer": t.layer,
+                    "q_head": t.q_head,
+                    "n_sequences": t.n_sequences,
+                    "induction_score": t.induction_score,
+                }
+            )
+        )
     want = pd.concat(frames).sort_values(["run_id", "group_value", "layer", "q_head"]).reset_index(drop=True)
     assert len(want) > 0 and len(got) == len(want)
     assert set(got.group_column) == {"stop_reason"}
@@ -302,8 +349,14 @@ def test_csv_quotes_only_the_fields_that_need_it(tmp_path):
     import csv
 
     rows = [("a,b", 1, None), ('say "hi"', 2, "x"), ("two\nlines", 3, "plain"), ("café", -4, "tab\there")]
-    values = ", ".join("(" + ", ".join("NULL" if v is None else str(v) if isinstance(v, int)
-                                       else "'" + v.replace("'", "''") + "'" for v in row) + ")" for row in rows)
+    values = ", ".join(
+        "("
+        + ", ".join(
+            "NULL" if v is None else str(v) if isinstance(v, int) else "'" + v.replace("'", "''") + "'" for v in row
+        )
+        + ")"
+        for row in rows
+    )
     sql = f"SELECT * FROM (VALUES {values}) t(text, n, other) ORDER BY n DESC"
     want = io.StringIO()
     writer = csv.writer(want, quoting=csv.QUOTE_MINIMAL, lineterminator="\n")
@@ -319,10 +372,12 @@ def test_csv_quotes_only_the_fields_that_need_it(tmp_path):
 def test_csv_is_what_duckdb_s_own_writer_writes(tmp_path):
     import duckdb
 
-    sql = ("SELECT i, i / 3 AS third, 1e-7 * i AS tiny, 0.0 AS zero, [i, i + 1] AS pair, {'k': i} AS rec, "
-           "TIMESTAMP '2026-01-01 00:00:00' + INTERVAL (i) HOUR AS at, i % 2 = 0 AS even, "
-           "CASE WHEN i = 1 THEN '' WHEN i = 2 THEN NULL ELSE 'a,b \"c\"' END AS text, 1.5::DECIMAL(5, 2) AS d "
-           "FROM range(4) r(i) ORDER BY i")
+    sql = (
+        "SELECT i, i / 3 AS third, 1e-7 * i AS tiny, 0.0 AS zero, [i, i + 1] AS pair, {'k': i} AS rec, "
+        "TIMESTAMP '2026-01-01 00:00:00' + INTERVAL (i) HOUR AS at, i % 2 = 0 AS even, "
+        "CASE WHEN i = 1 THEN '' WHEN i = 2 THEN NULL ELSE 'a,b \"c\"' END AS text, 1.5::DECIMAL(5, 2) AS d "
+        "FROM range(4) r(i) ORDER BY i"
+    )
     duckdb.execute(f"COPY ({sql}) TO '{tmp_path / 'duck.csv'}' (HEADER)")
     proc = lmtrace(tmp_path, "query", sql, "-f", "csv")
     assert proc.returncode == 0, proc.stderr
@@ -347,11 +402,13 @@ def test_a_changed_page_of_an_unfinished_run_s_part_fails_its_checksum_and_skips
     proc = _query(root, "SELECT run_id, count(*) AS n FROM tokens GROUP BY run_id", "-f", "json")
     assert _frame(proc).run_id.tolist() == ["20260101-000003-000dddddd"]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("warning: run 20260101-000005-000ffffff is damaged "
-                                                   "(tokens.parts/b000000.parquet is changed"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: run 20260101-000005-000ffffff is damaged (tokens.parts/b000000.parquet is changed"
+    ), proc.stderr
 
 
 # ---- the recipes of docs/query.md, each against pandas on the files ------------------------------
+
 
 def _recipes() -> dict[int, str]:
     import re
@@ -366,14 +423,23 @@ def _runs_direct(root: Path) -> pd.DataFrame:
     for run in sorted(root.iterdir()):
         m = json.loads((run / "manifest.json").read_text())
         if not run.name.endswith("eeeeee"):
-            rows.append({"run_id": m["run_id"], "kind": m["kind"], "status": m["status"],
-                         "parent": (m.get("parent") or {}).get("run_id")})
+            rows.append(
+                {
+                    "run_id": m["run_id"],
+                    "kind": m["kind"],
+                    "status": m["status"],
+                    "parent": (m.get("parent") or {}).get("run_id"),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def _analysis_direct(root: Path, name: str) -> pd.DataFrame:
-    frames = [pd.read_parquet(run / "analysis" / name).assign(run_id=run.name) for run in sorted(root.iterdir())
-              if not run.name.endswith("eeeeee") and (run / "analysis" / name).is_file()]
+    frames = [
+        pd.read_parquet(run / "analysis" / name).assign(run_id=run.name)
+        for run in sorted(root.iterdir())
+        if not run.name.endswith("eeeeee") and (run / "analysis" / name).is_file()
+    ]
     return pd.concat(frames, ignore_index=True)
 
 
@@ -388,8 +454,11 @@ def _sweeps_direct(root: Path) -> pd.DataFrame:
 
 
 def _effects_direct(root: Path) -> pd.DataFrame:
-    frames = [pd.read_parquet(run / "effects.parquet").assign(run_id=run.name) for run in sorted(root.iterdir())
-              if (run / "effects.parquet").is_file()]
+    frames = [
+        pd.read_parquet(run / "effects.parquet").assign(run_id=run.name)
+        for run in sorted(root.iterdir())
+        if (run / "effects.parquet").is_file()
+    ]
     return pd.concat(frames, ignore_index=True)
 
 
@@ -417,9 +486,15 @@ def _expected(n: int, root: Path) -> pd.DataFrame:
     if n == 6:
         h = _analysis_direct(root, "heads_per_sequence.parquet")
         h = h[h.n_induction_rows > 0]
-        g = h.groupby(["run_id", "layer", "q_head"]).agg(
-            induction=("induction_score", "mean"), induction_sequences=("label", lambda x: int((x == "induction").sum())),
-            sequences=("label", "size")).reset_index()
+        g = (
+            h.groupby(["run_id", "layer", "q_head"])
+            .agg(
+                induction=("induction_score", "mean"),
+                induction_sequences=("label", lambda x: int((x == "induction").sum())),
+                sequences=("label", "size"),
+            )
+            .reset_index()
+        )
         return g.sort_values(["induction", "run_id", "layer", "q_head"], ascending=[False, True, True, True]).head(5)
     if n == 7:
         e = _effects_direct(root)
@@ -428,13 +503,18 @@ def _expected(n: int, root: Path) -> pd.DataFrame:
         g = e.groupby("run_id").step.min().rename("first_changed_step").reset_index()
         g["parent"] = [runs.parent[r] for r in g.run_id]
         return g.rename(columns={"run_id": "child"}).sort_values(["first_changed_step", "child"])[
-            ["child", "parent", "first_changed_step"]]
+            ["child", "parent", "first_changed_step"]
+        ]
     if n == 8:
         w = _sweeps_direct(root)
-        w = w[w.metric == "logprob"].merge(_direct(root, "sequences")[["run_id", "sequence", "stop_reason"]],
-                                           on=["run_id", "sequence"])
-        g = w.groupby(["run_id", "sweep_id", "layer", "stop_reason"]).agg(mean_effect=("effect", "mean"),
-                                                                        rows=("effect", "size")).reset_index()
+        w = w[w.metric == "logprob"].merge(
+            _direct(root, "sequences")[["run_id", "sequence", "stop_reason"]], on=["run_id", "sequence"]
+        )
+        g = (
+            w.groupby(["run_id", "sweep_id", "layer", "stop_reason"])
+            .agg(mean_effect=("effect", "mean"), rows=("effect", "size"))
+            .reset_index()
+        )
         return g.rename(columns={"stop_reason": "condition"})
     if n == 9:
         st = _direct(root, "steps").drop_duplicates(["run_id", "sequence", "step", "settle_layer"])
@@ -462,8 +542,13 @@ def test_recipe_equals_pandas_on_the_files(runs_dir, n, capsys):
     assert len(got) == len(want), (got, want)
     for col in want.columns:
         a, b = got[col].tolist(), want[col].tolist()
-        if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in a + b if v is not None):
-            np.testing.assert_allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float), rtol=1e-5,
-                                       err_msg=f"recipe {n}, column {col}")
+        if all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+            for v in a + b
+            if v is not None
+        ):
+            np.testing.assert_allclose(
+                np.asarray(a, dtype=float), np.asarray(b, dtype=float), rtol=1e-5, err_msg=f"recipe {n}, column {col}"
+            )
         else:
             assert a == b, f"recipe {n}, column {col}"

@@ -8,7 +8,6 @@ decoding.
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import math
@@ -29,23 +28,33 @@ from tests.helpers.page import blob, page_json
 from tests.helpers.runs import PROMPTS, run_spec, with_lens
 
 REPO = Path(__file__).resolve().parents[2]
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's `chromium` is not installed "
-                                    "(.ci/run installs it when run as root)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's `chromium` is not installed (.ci/run installs it when run as root)"
+)
 
 
 def token_spans(page: str) -> list[dict]:
-    spans = re.findall(r"<span class='tok' style='[^']*' data-seq='(\d+)' data-step='(\d+)' data-prob='([^']*)' "
-                       r"title='[^']*'>(.*?)</span>", page, re.S)
+    spans = re.findall(
+        r"<span class='tok' style='[^']*' data-seq='(\d+)' data-step='(\d+)' data-prob='([^']*)' "
+        r"title='[^']*'>(.*?)</span>",
+        page,
+        re.S,
+    )
     return [{"seq": int(a), "step": int(b), "prob": float(c), "text": html.unescape(d)} for a, b, c, d in spans]
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_llama_dir):
-    run = run_spec(tmp_path_factory.mktemp("report"), {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS,
-        "generation": {"max_new_tokens": 7, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3},
-        "capture": {"prefill_attention": True, "head_dla": True}, "output": {"chunk_steps": 3},
-    })
+    run = run_spec(
+        tmp_path_factory.mktemp("report"),
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 7, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3},
+            "capture": {"prefill_attention": True, "head_dla": True},
+            "output": {"chunk_steps": 3},
+        },
+    )
     return with_lens(run)
 
 
@@ -76,8 +85,9 @@ def test_token_strip_holds_each_generated_token_with_its_archived_probability(ti
     title = html.unescape(re.search(r"data-seq='0' data-step='0' data-prob='[^']*' title='([^']*)'", page).group(1))
     alts = title.split("alternatives: ")[1].split(" · ")
     assert [a.rsplit(" ", 1)[0] for a in alts] == [repr(tok.decode([i]).replace("\n", "⏎")) for i in first["alt_ids"]]
-    assert [float(a.rsplit(" ", 1)[1]) for a in alts] == pytest.approx([math.exp(x) for x in first["alt_logprobs"]],
-                                                                        rel=2e-3)
+    assert [float(a.rsplit(" ", 1)[1]) for a in alts] == pytest.approx(
+        [math.exp(x) for x in first["alt_logprobs"]], rel=2e-3
+    )
 
 
 def test_attention_figures_hold_the_archived_rows(tiny_report):
@@ -120,8 +130,9 @@ def test_logit_lens_grid_holds_the_archived_lens_with_token_texts(tiny_report, t
     np.testing.assert_array_equal(blob(blobs, "lens_top1_prob_0"), probs[:, :, 0].T)
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     texts = blob(blobs, "lens_top1_text_0")
-    expected = np.vectorize(lambda i: (tok.decode([int(i)]).replace("\n", "⏎").replace("\t", "⇥") or "∅")[:8],
-                            otypes=[object])(ids[:, :, 0].T)
+    expected = np.vectorize(
+        lambda i: (tok.decode([int(i)]).replace("\n", "⏎").replace("\t", "⇥") or "∅")[:8], otypes=[object]
+    )(ids[:, :, 0].T)
     assert (texts == expected).all()
 
 
@@ -141,7 +152,7 @@ def test_report_in_a_real_browser_offline_renders_every_figure(tiny_report, tmp_
     dom_text = html.unescape(re.sub(r"<[^>]+>", "", visit.dom))
     for s in spans:
         assert s["text"] in dom_text
-    assert visit.dom.count("class=\"main-svg\"") >= n_figures  # plotly drew an SVG per figure
+    assert visit.dom.count('class="main-svg"') >= n_figures  # plotly drew an SVG per figure
 
 
 def test_the_browser_check_catches_a_request_and_a_script_error(tmp_path):
@@ -169,10 +180,12 @@ def test_a_report_is_built_without_loading_the_web_server(tiny_run, tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from lmtrace.report import report_run; "
-            f"page = report_run({str(tiny_run.path)!r}, out={str(tmp_path / 'r.html')!r}, sequences=[0]).path.read_text(); "
-            "assert 'window.lmtraceView' in page, 'no token view on the page'; "
-            "print(sorted(m for m in sys.modules if m.startswith(('lmtrace.serve', 'starlette'))))")
+    code = (
+        "import sys; from lmtrace.report import report_run; "
+        f"page = report_run({str(tiny_run.path)!r}, out={str(tmp_path / 'r.html')!r}, sequences=[0]).path.read_text(); "
+        "assert 'window.lmtraceView' in page, 'no token view on the page'; "
+        "print(sorted(m for m in sys.modules if m.startswith(('lmtrace.serve', 'starlette'))))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -181,8 +194,10 @@ def test_a_report_is_built_without_loading_the_web_server(tiny_run, tmp_path):
 def test_capture_none_run_gets_the_text_sections_only(tmp_path, tiny_llama_dir):
     from lmtrace.report import report_run
 
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "capture": "none",
-                              "generation": {"max_new_tokens": 4}})
+    run = run_spec(
+        tmp_path,
+        {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "capture": "none", "generation": {"max_new_tokens": 4}},
+    )
     page = report_run(str(run.path)).path.read_text()
     assert page_json(page, "lmtrace-figures") == []
     assert len(token_spans(page)) == 4
@@ -192,7 +207,9 @@ def test_capture_none_run_gets_the_text_sections_only(tmp_path, tiny_llama_dir):
 def test_deferred_lens_not_computed_names_the_command(tmp_path, tiny_llama_dir):
     from lmtrace.report import report_run
 
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 3}})
+    run = run_spec(
+        tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 3}}
+    )
     page = html.unescape(report_run(str(run.path)).path.read_text())
     assert f"run `lmtrace lens {run.id}`" in page
     assert not any(f["id"].startswith("lens-") for f in page_json(page, "lmtrace-figures"))
@@ -216,7 +233,7 @@ def test_intervention_child_and_explanations_get_their_sections(tiny_run, tiny_l
     scores = pq.read_table(next((result.run_dir / "explain" / "scores.parts").glob("*.parquet"))).to_pandas()
     raw = blob(blobs, "explain_raw_0")
     step2 = scores[scores.step == 2].sort_values("position")
-    np.testing.assert_array_equal(raw[1, :len(step2)], step2.score.to_numpy())
+    np.testing.assert_array_equal(raw[1, : len(step2)], step2.score.to_numpy())
 
 
 def test_attributions_that_did_not_converge_are_marked(tiny_run):
@@ -226,13 +243,22 @@ def test_attributions_that_did_not_converge_are_marked(tiny_run):
     from lmtrace.report import report_run
 
     explain_run(str(tiny_run.path), "1", sequence=0, methods=["grad_x_input"])
-    explain_run(str(tiny_run.path), "1", sequence=0, methods=["integrated_gradients"],  # a 2-point grid cannot meet 1e-9
-                settings=Settings(ig_rule="midpoint", ig_steps=2, ig_tolerance=1e-9))
+    explain_run(
+        str(tiny_run.path),
+        "1",
+        sequence=0,
+        methods=["integrated_gradients"],  # a 2-point grid cannot meet 1e-9
+        settings=Settings(ig_rule="midpoint", ig_steps=2, ig_tolerance=1e-9),
+    )
     manifest = json.loads((tiny_run.path / "manifest.json").read_text())
-    assert [r["converged"] for e in manifest["explain"] for r in e["results"] if e["method"] != "grad_x_input"] == [False]
+    assert [r["converged"] for e in manifest["explain"] for r in e["results"] if e["method"] != "grad_x_input"] == [
+        False
+    ]
     page = report_run(str(tiny_run.path), sequences=[0]).path.read_text()
     rows = list(blob(page_json(page, "lmtrace-blobs"), "explain_rows_0"))
-    assert [r.startswith("NOT CONVERGED") for r in rows] == ["integrated_gradients" in r for r in rows] and len(rows) == 2
+    assert [r.startswith("NOT CONVERGED") for r in rows] == ["integrated_gradients" in r for r in rows] and len(
+        rows
+    ) == 2
     assert "rows marked NOT CONVERGED" in page
 
 
@@ -246,16 +272,23 @@ def test_attribution_rows_are_labelled_by_method_and_target_with_the_ids_in_a_no
     seq = 2  # a sequence no other test explains
     first = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input", "rollout"])
     second = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"])
-    contrast = explain_run(str(tiny_run.path), "1", sequence=seq, methods=["grad_x_input"],
-                           settings=Settings(target="contrast", quantity="logprob"))
+    contrast = explain_run(
+        str(tiny_run.path),
+        "1",
+        sequence=seq,
+        methods=["grad_x_input"],
+        settings=Settings(target="contrast", quantity="logprob"),
+    )
     page = html.unescape(report_run(str(tiny_run.path), sequences=[seq]).path.read_text())
     rows = list(blob(page_json(page, "lmtrace-blobs"), f"explain_rows_{seq}"))
     token = first.explanations[0].target_text.replace("\n", "⏎").replace("\t", "⇥").replace("\r", "␍") or "∅"
     ids = [first.explain_id, second.explain_id, contrast.explain_id]
     assert len(rows) == 4 and len(set(rows)) == 4
     assert not any(i[-4:] in r or i in r for r in rows for i in ids), rows  # no id fragments in the labels
-    assert sorted(r for r in rows if "(chosen logit)" in r) == [f"s1 grad_x_input (chosen logit) {token} [1]",
-                                                                 f"s1 grad_x_input (chosen logit) {token} [2]"]
+    assert sorted(r for r in rows if "(chosen logit)" in r) == [
+        f"s1 grad_x_input (chosen logit) {token} [1]",
+        f"s1 grad_x_input (chosen logit) {token} [2]",
+    ]
     assert [r for r in rows if "contrast" in r] == [f"s1 grad_x_input (contrast logprob) {token}"]
     assert [r for r in rows if "rollout" in r] == [f"s1 attention_rollout {token}"]
     order = sorted(ids[:2])  # invocations are numbered in the order of their ids (creation time)
@@ -265,8 +298,10 @@ def test_attribution_rows_are_labelled_by_method_and_target_with_the_ids_in_a_no
 def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_llama_dir):
     base = {"model": str(tiny_llama_dir), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 5, "batch_size": 2}}
     a = run_spec(tmp_path / "a", {**base, "output": {"run_id": "cmp-a"}})
-    b = run_spec(tmp_path / "b", {**base, "generation": {**base["generation"], "temperature": 1.5, "seed": 7},
-                                  "output": {"run_id": "cmp-b"}})
+    b = run_spec(
+        tmp_path / "b",
+        {**base, "generation": {**base["generation"], "temperature": 1.5, "seed": 7}, "output": {"run_id": "cmp-b"}},
+    )
     out = tmp_path / "c.html"
     proc = lmtrace(tmp_path, "report", str(a.path), str(b.path), "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -278,8 +313,10 @@ def test_compare_report_and_compare_html_write_the_same_figures(tmp_path, tiny_l
 
     cmp = compare_runs(str(a.path), str(b.path))
     js = [r["js"] for r in cmp.per_step.to_pylist() if r["pair"] == 0 and r["context_identical"]]
-    np.testing.assert_allclose(blob(page_json(page, "lmtrace-blobs"), "cmp_js_0"),
-                               np.asarray([np.nan if v is None else v for v in js], dtype=np.float32))
+    np.testing.assert_allclose(
+        blob(page_json(page, "lmtrace-blobs"), "cmp_js_0"),
+        np.asarray([np.nan if v is None else v for v in js], dtype=np.float32),
+    )
     out2 = tmp_path / "c2.html"
     proc = lmtrace(tmp_path, "compare", str(a.path), str(b.path), "--html", str(out2))
     assert proc.returncode == 0, proc.stderr
@@ -290,8 +327,11 @@ def test_compare_page_draws_the_paired_steps_only(tmp_path, tiny_llama_dir):
     """The divergence timeline compares identical contexts only: up to and including the first divergence.
     Checked against both archives' tokens.parquet read with pyarrow."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(json.dumps({"model": str(tiny_llama_dir), "prompts": PROMPTS[:2],
-                                "generation": {"max_new_tokens": 6, "batch_size": 2}}))
+    spec.write_text(
+        json.dumps(
+            {"model": str(tiny_llama_dir), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 6, "batch_size": 2}}
+        )
+    )
     assert lmtrace(tmp_path, "generate", str(spec), "-q", "--run-id", "greedy").returncode == 0
     proc = lmtrace(tmp_path, "intervene", "greedy", "--temperatures", "1.5", "--from-step", "2", "-q")
     assert proc.returncode == 0, proc.stderr
@@ -314,10 +354,12 @@ def test_compare_page_draws_the_paired_steps_only(tmp_path, tiny_llama_dir):
         np.testing.assert_array_equal(blob(blobs, f"cmp_steps_{seq}"), np.arange(first + 1))
         expected = [float(tb.logprob[s] - ta.logprob[s]) for s in range(first)]  # the same token on both sides
         under_b = dict(zip(tb.alt_ids[first], tb.alt_logprobs[first]))  # A's token in B's distribution
-        expected.append(float(under_b[ta.token_id[first]] - ta.logprob[first]) if ta.token_id[first] in under_b
-                        else np.nan)
-        np.testing.assert_allclose(blob(blobs, f"cmp_dlp_{seq}"), np.asarray(expected, np.float32), rtol=1e-5,
-                                   atol=1e-6)
+        expected.append(
+            float(under_b[ta.token_id[first]] - ta.logprob[first]) if ta.token_id[first] in under_b else np.nan
+        )
+        np.testing.assert_allclose(
+            blob(blobs, f"cmp_dlp_{seq}"), np.asarray(expected, np.float32), rtol=1e-5, atol=1e-6
+        )
         assert "identical contexts" in titles[f"cmp-timeline-{seq}"]
 
 
@@ -348,8 +390,9 @@ def test_still_images_are_written_for_every_figure(tiny_run, tmp_path):
     assert sorted(p.name for p in result.images) == sorted(f"{f['id']}.png" for f in figures)
     for p in result.images:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and distinct_colours(p) > 5
-    svg = report_run(str(tiny_run.path), out=tmp_path / "r2.html", sequences=[1], png_dir=tmp_path / "svg",
-                     image_format="svg")
+    svg = report_run(
+        str(tiny_run.path), out=tmp_path / "r2.html", sequences=[1], png_dir=tmp_path / "svg", image_format="svg"
+    )
     assert all(p.read_text().lstrip().startswith("<?xml") for p in svg.images)
 
 
@@ -362,8 +405,9 @@ def test_large_runs_embed_a_stride_of_steps_and_say_so():
     assert sel.heatmap_steps[0] == list(range(0, 1000, 8))
     assert any("--sequence" in n for n in sel.notes) and any("every 4th of its 1000 steps" in n for n in sel.notes)
     assert any("one row for every 2nd step shown (125 rows)" in n for n in sel.notes)
-    sel = select(n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=[0, 1], steps="10-20:5",
-                 sequences=[3])
+    sel = select(
+        n_sequences=5, committed={s: 1000 for s in range(5)}, captured_layers=[0, 1], steps="10-20:5", sequences=[3]
+    )
     assert sel.steps == {3: [10, 15, 20]} and sel.notes == []
 
 
@@ -372,8 +416,10 @@ def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path, ti
     from tests.helpers.cli import wait_committed as _wait_committed
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text(f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"
-                    "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n")
+    spec.write_text(
+        f"model: {tiny_llama_dir}\nprompts: ['Count slowly from one to one hundred:']\n"
+        "generation: {max_new_tokens: 400, eos_token_id: 0}\noutput: {chunk_steps: 4}\n"
+    )
     runs = tmp_path / "runs"
     proc = _cli(["generate", str(spec)], runs)
     run_dir = _wait_committed(runs, 8)
@@ -385,8 +431,11 @@ def test_killed_run_report_shows_the_committed_steps_under_a_banner(tmp_path, ti
     committed = json.loads((run_dir / "progress" / "shard-0-of-1.json").read_text())["batches"]["0"]["committed_steps"]
     assert "This run is <b>running</b>, not complete" in page
     assert len(token_spans(page)) == committed
-    assert blob(page_json(page, "lmtrace-blobs"), "lens_top1_prob_0").shape[1] == committed \
-        if "lens_top1_prob_0" in page else True
+    assert (
+        blob(page_json(page, "lmtrace-blobs"), "lens_top1_prob_0").shape[1] == committed
+        if "lens_top1_prob_0" in page
+        else True
+    )
 
 
 @pytest.mark.slow
@@ -395,8 +444,18 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     LMTRACE_DOC_SCREENSHOTS=1 (they are taken in tmp_path otherwise)."""
     if CHROMIUM is None:
         pytest.skip("Debian's `chromium` is not installed (.ci/run installs it when run as root)")
-    proc = lmtrace(tmp_path, "generate", str(REPO / "configs" / "demo.yaml"), "--run-id", "demo",
-                   "--set", "capture.prefill_attention=true", "--set", "capture.head_dla=true", "-q")
+    proc = lmtrace(
+        tmp_path,
+        "generate",
+        str(REPO / "configs" / "demo.yaml"),
+        "--run-id",
+        "demo",
+        "--set",
+        "capture.prefill_attention=true",
+        "--set",
+        "capture.head_dla=true",
+        "-q",
+    )
     assert proc.returncode == 0, proc.stderr
     assert lmtrace(tmp_path, "lens", "demo", "-q").returncode == 0
     proc = lmtrace(tmp_path, "report", "demo", "--json")
@@ -408,8 +467,11 @@ def test_demo_report_in_chromium_and_its_screenshots(tmp_path):
     assert f'data-rendered="{len(page_json(page, "lmtrace-figures"))}"' in visit.dom
     assert " Paris" in html.unescape(visit.dom)
     assert distinct_colours(visit.screenshot) > 50
-    shots = section_shots(path, tmp_path / "sections", {f"report-{name}.png": f"sec-{name}"
-                                                        for name in ("tokens", "attention", "lens", "layers", "dla")})
+    shots = section_shots(
+        path,
+        tmp_path / "sections",
+        {f"report-{name}.png": f"sec-{name}" for name in ("tokens", "attention", "lens", "layers", "dla")},
+    )
     for shot in shots.values():
         assert distinct_colours(shot) > 50
     if os.environ.get("LMTRACE_DOC_SCREENSHOTS") == "1":
@@ -425,10 +487,20 @@ def test_moe_run_gets_its_routing_grid(tmp_path, tiny_llama_dir):
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
+    cfg = MixtralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     path = tmp_path / "tiny-mixtral"
     MixtralForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -444,8 +516,15 @@ def test_moe_run_gets_its_routing_grid(tmp_path, tiny_llama_dir):
 def test_topk_attention_run_is_drawn_with_the_other_keys_at_zero(tmp_path, tiny_llama_dir):
     from lmtrace.report import report_run
 
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 4},
-                              "capture": {"attention": {"top_k": 3}}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS[:1],
+            "generation": {"max_new_tokens": 4},
+            "capture": {"attention": {"top_k": 3}},
+        },
+    )
     page = report_run(str(run.path)).path.read_text()
     group = zarr.open_group(str(run.path / "tensors.zarr"), mode="r")
     idx, prob = group["attn_topk_idx"][0, 3], group["attn_topk_prob"][0, 3]  # [layer, head, k] at the last step
@@ -494,8 +573,9 @@ def test_head_classification_is_drawn_from_heads_parquet(tiny_run, tmp_path):
     from lmtrace.report import report_run
     from lmtrace.report.analysis_sections import HEAD_LABELS
 
-    assert "lmtrace heads" in html.unescape(report_run(str(tiny_run.path), out=tmp_path / "before.html")
-                                            .path.read_text())  # the note names the command
+    assert "lmtrace heads" in html.unescape(
+        report_run(str(tiny_run.path), out=tmp_path / "before.html").path.read_text()
+    )  # the note names the command
     proc = lmtrace(tmp_path, "heads", str(tiny_run.path), "--json")
     assert proc.returncode == 0, proc.stderr
     page = report_run(str(tiny_run.path), out=tmp_path / "after.html").path.read_text()
@@ -538,17 +618,39 @@ def test_sweep_heatmap_is_the_mean_over_every_row_as_in_the_terminal_heads_and_e
     from lmtrace.report import report_run
 
     gen = {"max_new_tokens": 6, "batch_size": 3, "temperature": 0.8, "top_k": 20, "seed": 3}
-    base = run_spec(tmp_path / "base", {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none",
-                                        "generation": gen})
+    base = run_spec(
+        tmp_path / "base", {"model": str(tiny_llama_dir), "prompts": PROMPTS, "capture": "none", "generation": gen}
+    )
     t = base.tokens().to_pandas()
     eos = int(t[(t.sequence == 0) & ~t.is_prompt].sort_values("step").token_id.iloc[1])
-    run = run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": PROMPTS,
-                              "generation": {**gen, "eos_token_id": eos},
-                              "capture": {"lens": {"enabled": False}}, "output": {"run_id": "ragged"}})
+    run = run_spec(
+        tmp_path,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS,
+            "generation": {**gen, "eos_token_id": eos},
+            "capture": {"lens": {"enabled": False}},
+            "output": {"run_id": "ragged"},
+        },
+    )
     lengths = run.sequences().to_pandas().generated_len.tolist()
     assert len(set(lengths)) > 1, lengths  # the point of the test: sequences with different numbers of steps
-    proc = lmtrace(tmp_path, "sweep", str(run.path), "--over", "heads", "--edit", "zero", "--metric", "logprob",
-                   "--metric", "kl", "--top", "16", "--json")
+    proc = lmtrace(
+        tmp_path,
+        "sweep",
+        str(run.path),
+        "--over",
+        "heads",
+        "--edit",
+        "zero",
+        "--metric",
+        "logprob",
+        "--metric",
+        "kl",
+        "--top",
+        "16",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     sweep_dir = Path(summary["path"])
@@ -587,12 +689,14 @@ def test_attention_step_past_a_sequences_end_starts_it_at_its_last_step():
     from lmtrace.exits.errors import SpecError
     from lmtrace.report.selection import select
 
-    sel = select(n_sequences=3, committed={0: 30, 1: 8, 2: 20}, captured_layers=[0, 1], sequences=["0-2"],
-                 attention_step=20)
+    sel = select(
+        n_sequences=3, committed={0: 30, 1: 8, 2: 20}, captured_layers=[0, 1], sequences=["0-2"], attention_step=20
+    )
     assert sel.attention_step == {0: 20, 1: 7, 2: 19}
     assert [n for n in sel.notes if "--attention-step" in n] == [
         "sequence 1 has steps 0..7: its token view and attention grid start at its last step, not --attention-step 20",
-        "sequence 2 has steps 0..19: its token view and attention grid start at its last step, not --attention-step 20"]
+        "sequence 2 has steps 0..19: its token view and attention grid start at its last step, not --attention-step 20",
+    ]
     with pytest.raises(SpecError, match="--attention-step -1"):
         select(n_sequences=3, committed={0: 30}, captured_layers=[0], attention_step=-1)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from lmtrace.archive.reader import Run
-from lmtrace.runner.batching import Batch
 from lmtrace.exits.errors import LmtraceError
+from lmtrace.runner.batching import Batch
 from lmtrace.runner.generation import run_generate
 from lmtrace.spec.run_spec import build_spec
 
@@ -26,10 +26,13 @@ PROMPTS = ["The cat", "Paris is the capital of", "One, two, three,", "Hello", "A
 
 
 def _data(tmp_path: Path, model: Path, run_id: str, **generation) -> dict:
-    return {"model": {"ref": str(model), "device": "cpu"}, "prompts": PROMPTS,
-            "generation": {"max_new_tokens": 6, **generation},
-            "capture": {"residual": {"vectors_at": [1]}},
-            "output": {"runs_dir": str(tmp_path / "runs"), "run_id": run_id, "chunk_steps": 2}}
+    return {
+        "model": {"ref": str(model), "device": "cpu"},
+        "prompts": PROMPTS,
+        "generation": {"max_new_tokens": 6, **generation},
+        "capture": {"residual": {"vectors_at": [1]}},
+        "output": {"runs_dir": str(tmp_path / "runs"), "run_id": run_id, "chunk_steps": 2},
+    }
 
 
 def _run(tmp_path, model, run_id, **generation) -> Run:
@@ -46,8 +49,9 @@ def assert_same_as(reference: Run, run: Run) -> None:
     float noise (a batch pads its prompts on the left)."""
     order = {"tokens": ["sequence", "position"], "steps": ["sequence", "step", "layer"], "sequences": ["sequence"]}
     for table, keys in order.items():  # rows in part order: by batch, then step
-        a, b = (r.table(table).to_pandas().sort_values(keys, kind="stable").reset_index(drop=True)
-                for r in (reference, run))
+        a, b = (
+            r.table(table).to_pandas().sort_values(keys, kind="stable").reset_index(drop=True) for r in (reference, run)
+        )
         assert list(a.columns) == list(b.columns) and len(a) == len(b), table
         for column in a.columns:
             if column == "batch":  # the batch a sequence ran in
@@ -85,7 +89,11 @@ def test_auto_batching_under_injected_oom_equals_batch_size_one(tmp_path, tiny_l
     assert run.status == "complete"
     splits = _events(run, "batch_split")
     assert [(e["batch"], e["size"], e["sizes"]) for e in splits] == [
-        (0, 5, [2, 3]), (0, 2, [1, 1]), (2, 3, [1, 2]), (3, 2, [1, 1])]
+        (0, 5, [2, 3]),
+        (0, 2, [1, 1]),
+        (2, 3, [1, 2]),
+        (3, 2, [1, 1]),
+    ]
     assert all(e["reason"].startswith("out of memory") and e["from_step"] == 4 for e in splits)
     done = _events(run, "batch_done")
     assert sorted(s for e in done for s in e["sequences"]) == list(range(len(PROMPTS)))  # none lost, none twice
@@ -93,7 +101,8 @@ def test_auto_batching_under_injected_oom_equals_batch_size_one(tmp_path, tiny_l
 
 
 def test_a_budget_splits_fixed_batches_and_sizes_auto_ones_and_one_sequence_over_it_fails(
-        tmp_path, tiny_llama_dir, batch_of_one):
+    tmp_path, tiny_llama_dir, batch_of_one
+):
     from lmtrace.runner.batching import Footprint
 
     run = _run(tmp_path, tiny_llama_dir, "fixed", batch_size=4, memory_budget="1MB")
@@ -107,8 +116,11 @@ def test_a_budget_splits_fixed_batches_and_sizes_auto_ones_and_one_sequence_over
     assert not _events(auto, "batch_split")  # sized to fit from the start
     assert [len(e["sequences"]) for e in _events(auto, "batch_done")] == sizes
 
-    with pytest.raises(LmtraceError, match=r"sequence 0 alone does not fit generation.memory_budget 10KB \(it needs "
-                                           r"about .*\): .*raise the budget \(--memory-budget\)"):
+    with pytest.raises(
+        LmtraceError,
+        match=r"sequence 0 alone does not fit generation.memory_budget 10KB \(it needs "
+        r"about .*\): .*raise the budget \(--memory-budget\)",
+    ):
         _run(tmp_path, tiny_llama_dir, "tiny", batch_size="auto", memory_budget="10KB")
     assert Footprint  # the footprint's arithmetic is documented in docs/batch.md
 
@@ -127,15 +139,35 @@ def test_a_kill_at_a_split_resumes_to_the_same_archive(tmp_path, tiny_llama_dir,
     run_dir = tmp_path / "runs" / "killed"
     assert [e["sizes"] for e in _events(Run(run_dir), "batch_split")] == [[2, 3]]
     env.pop("LMTRACE_TEST_KILL_AT")  # the same faults again: the 3-sequence half splits once more
-    resumed = subprocess.run([sys.executable, "-m", "lmtrace.cli", "generate", "--resume", "killed", "-q",
-                              "--runs-dir", str(tmp_path / "runs")], env=env, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmtrace.cli",
+            "generate",
+            "--resume",
+            "killed",
+            "-q",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr
     run = Run(run_dir)
     assert [e["sizes"] for e in _events(run, "batch_split")] == [[2, 3], [1, 2]]
     assert run.status == "complete"
     assert_same_as(batch_of_one, run)
-    verify = subprocess.run([sys.executable, "-m", "lmtrace.cli", "verify", str(run_dir)], env=env,
-                            capture_output=True, text=True, timeout=600)
+    verify = subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", "verify", str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -170,7 +202,9 @@ def test_a_cuda_out_of_memory_error_is_caught_and_splits_the_batch(tmp_path, tin
     monkeypatch.setattr(Tracer, "run_batch", run_batch)
     run = _run(tmp_path, tiny_llama_dir, "cuda-oom", batch_size=5)
     assert [(e["size"], e["sizes"], e["reason"]) for e in _events(run, "batch_split")] == [
-        (5, [2, 3], "out of memory (CUDA)"), (3, [1, 2], "out of memory (CUDA)")]
+        (5, [2, 3], "out of memory (CUDA)"),
+        (3, [1, 2], "out of memory (CUDA)"),
+    ]
     assert_same_as(batch_of_one, run)
 
 
@@ -181,12 +215,21 @@ def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_rec
     from lmtrace.runner.batching import Batch, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
-    footprint = Footprint(shape=None, n_layers=0, dtype_bytes=0, vocab=0, max_new=10, chunk_steps=1, chunk_keys=None,
-                          measured=True)
+    footprint = Footprint(
+        shape=None, n_layers=0, dtype_bytes=0, vocab=0, max_new=10, chunk_steps=1, chunk_keys=None, measured=True
+    )
     lens = {s: 5 for s in range(100)}
     committed = {}
-    queue = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
-                       lambda key: committed.get(key, (0, False)))
+    queue = BatchQueue(
+        tmp_path,
+        "shard-0-of-1",
+        list(range(100)),
+        "auto",
+        1000 * 15 * 7,
+        lens,
+        footprint,
+        lambda key: committed.get(key, (0, False)),
+    )
     first = next(queue)
     assert first.seqs == [0]  # nothing measured yet
     footprint.observe(1, 5, 1000 * 15)  # 1000 bytes per position, 15 positions
@@ -197,9 +240,19 @@ def test_measured_footprints_size_the_batches_and_a_recorded_plan_resumes_as_rec
     committed[8] = (4, False)
     queue.split(Batch(list(range(8, 16))), 4)
     assert {k: (b.seqs, b.from_step) for k, b in read_plan(tmp_path).items()} == {
-        8: ([8, 9, 10, 11], 4), 12: ([12, 13, 14, 15], 4)}
-    resumed = BatchQueue(tmp_path, "shard-0-of-1", list(range(100)), "auto", 1000 * 15 * 7, lens, footprint,
-                         lambda key: committed.get(key, (0, False)))
+        8: ([8, 9, 10, 11], 4),
+        12: ([12, 13, 14, 15], 4),
+    }
+    resumed = BatchQueue(
+        tmp_path,
+        "shard-0-of-1",
+        list(range(100)),
+        "auto",
+        1000 * 15 * 7,
+        lens,
+        footprint,
+        lambda key: committed.get(key, (0, False)),
+    )
     batches = list(resumed)
     assert [b.seqs for b in batches[:2]] == [list(range(0, 7)), [7]]  # before the recorded ones: cut anew
     assert [(b.seqs, b.from_step) for b in batches[2:4]] == [([8, 9, 10, 11], 4), ([12, 13, 14, 15], 4)]
@@ -238,14 +291,34 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
     from lmtrace.runner.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
-    shape = RunShape(n_sequences=20_000, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
-                     head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
+    shape = RunShape(
+        n_sequences=20_000,
+        n_steps=10,
+        max_prompt=5,
+        layers=(),
+        resid_layers=(),
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_model=64,
+        d_ffn=128,
+        kv_head_of_head=(0, 0, 1, 1),
+    )
 
     def cpu_queue():
-        footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2,
-                              chunk_keys=None, measured=False)
-        return footprint, BatchQueue(tmp_path, "shard-0-of-1", list(range(20_000)), "auto", budget,
-                                     {s: 5 for s in range(20_000)}, footprint, lambda key: (0, False))
+        footprint = Footprint(
+            shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None, measured=False
+        )
+        return footprint, BatchQueue(
+            tmp_path,
+            "shard-0-of-1",
+            list(range(20_000)),
+            "auto",
+            budget,
+            {s: 5 for s in range(20_000)},
+            footprint,
+            lambda key: (0, False),
+        )
 
     budget = 16 * RSS_RESOLUTION  # 256 MiB
     footprint, queue = cpu_queue()
@@ -285,10 +358,22 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
     from lmtrace.archive.layout import RunShape
     from lmtrace.runner.batching import HEADROOM, RSS_RESOLUTION, Footprint
 
-    shape = RunShape(n_sequences=1, n_steps=10, max_prompt=5, layers=(), resid_layers=(), n_heads=4, n_kv_heads=2,
-                     head_dim=16, d_model=64, d_ffn=128, kv_head_of_head=(0, 0, 1, 1))
-    footprint = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None,
-                          measured=False)
+    shape = RunShape(
+        n_sequences=1,
+        n_steps=10,
+        max_prompt=5,
+        layers=(),
+        resid_layers=(),
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_model=64,
+        d_ffn=128,
+        kv_head_of_head=(0, 0, 1, 1),
+    )
+    footprint = Footprint(
+        shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None, measured=False
+    )
     assert footprint.sizing_budget(4 * RSS_RESOLUTION - 1) == 4 * RSS_RESOLUTION - 1
     assert footprint.sizing_budget(8 * RSS_RESOLUTION) == 2 * RSS_RESOLUTION
     n = 4 * RSS_RESOLUTION // footprint.computed(1, 5)
@@ -298,8 +383,17 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
 
     # a run whose budget RSS cannot resolve: what the process holds after a batch (allocator arenas,
     # lazily loaded code) and a growth over the resolution leave the computed sizing as it was
-    small = Footprint(shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None,
-                      measured=False, budget=1_000_000)
+    small = Footprint(
+        shape,
+        n_layers=4,
+        dtype_bytes=4,
+        vocab=1000,
+        max_new=10,
+        chunk_steps=2,
+        chunk_keys=None,
+        measured=False,
+        budget=1_000_000,
+    )
     small.retained = 400_000
     small.observe(2, 5, 2 * RSS_RESOLUTION)
     assert small.sizing_budget(1_000_000) == 1_000_000
@@ -353,8 +447,9 @@ def _mem_available() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").is_file(), reason="reads MemAvailable from /proc (Linux)")
-def test_auto_without_a_budget_validates_and_generates_with_half_the_available_ram(tmp_path, tiny_llama_dir,
-                                                                                    batch_of_one):
+def test_auto_without_a_budget_validates_and_generates_with_half_the_available_ram(
+    tmp_path, tiny_llama_dir, batch_of_one
+):
     data = _data(tmp_path, tiny_llama_dir, "auto-free", batch_size="auto")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(data))
@@ -402,11 +497,17 @@ def test_auto_without_a_budget_on_cuda_sums_the_free_memory_of_each_gpu_once(mon
     free = {0: 10 * 2**30, 1: 6 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    chosen = memory_budget(GenerationSpec(batch_size="auto"),
-                           [torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)])
+    chosen = memory_budget(
+        GenerationSpec(batch_size="auto"), [torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)]
+    )
     assert chosen.bytes == int(0.8 * 16 * 2**30)
-    assert chosen.record == {"bytes": chosen.bytes, "from": "auto", "share": 0.8, "free_bytes": 16 * 2**30,
-                             "memory": "cuda"}
+    assert chosen.record == {
+        "bytes": chosen.bytes,
+        "from": "auto",
+        "share": 0.8,
+        "free_bytes": 16 * 2**30,
+        "memory": "cuda",
+    }
     assert "80% of the 16.0 GB free on cuda:0, cuda:1" in chosen.text, chosen.text
     given = memory_budget(GenerationSpec(batch_size="auto", memory_budget="8GiB"), [torch.device("cuda", 0)])
     assert (given.bytes, given.record["from"]) == (8 * 2**30, "generation.memory_budget")

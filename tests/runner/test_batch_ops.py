@@ -21,13 +21,17 @@ from tests.helpers.archives import assert_same_archive
 def _spec(tmp_path: Path, model: str, **gen) -> Path:
     generation = {"max_new_tokens": 150, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
     path = tmp_path / "spec.yaml"
-    path.write_text(json.dumps({
-        "model": model,
-        "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
-        "generation": generation,
-        "capture": {"residual": {"vectors_at": [1]}},
-        "output": {"chunk_steps": 8},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
+                "generation": generation,
+                "capture": {"residual": {"vectors_at": [1]}},
+                "output": {"chunk_steps": 8},
+            }
+        )
+    )
     return path
 
 
@@ -39,14 +43,20 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def _start(args, runs: Path) -> subprocess.Popen:
     env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
-    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args, "-q"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _run(args, runs: Path, timeout=600) -> subprocess.CompletedProcess:
     env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
-    return subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _wait_writing(run_dir: Path, pid: int, timeout=120) -> bool:
@@ -182,8 +192,10 @@ def test_shards_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama
     assert single.returncode == 0, single.stderr
     sharded = Run(runs / "sharded")
     assert sharded.status == "complete"
-    assert {k: v["status"] for k, v in sharded.shard_status.items()} == {"shard-0-of-2": "complete",
-                                                                         "shard-1-of-2": "complete"}
+    assert {k: v["status"] for k, v in sharded.shard_status.items()} == {
+        "shard-0-of-2": "complete",
+        "shard-1-of-2": "complete",
+    }
     assert_same_archive(Run(runs / "single"), sharded)
 
 
@@ -216,8 +228,11 @@ def test_a_sigkilled_intervene_child_shows_killed_and_resumes_equal_to_an_uninte
     edits = ["--ablate-head", "1.1", "--mode", "regenerate", "--from-step", "3"]
     proc = _start(["intervene", "parent", *edits, "--run-id", "kid"], runs)
     deadline, batches = time.time() + 300, {}
-    while not (batches.get("0", {}).get("done") and 8 <= batches.get("1", {}).get("committed_steps", 0)
-               and not batches["1"].get("done")):
+    while not (
+        batches.get("0", {}).get("done")
+        and 8 <= batches.get("1", {}).get("committed_steps", 0)
+        and not batches["1"].get("done")
+    ):
         assert time.time() < deadline and proc.poll() is None, (batches, proc.communicate())
         try:
             batches = json.loads((runs / "kid" / "progress" / "shard-0-of-1.json").read_text())["batches"]
@@ -228,8 +243,12 @@ def test_a_sigkilled_intervene_child_shows_killed_and_resumes_equal_to_an_uninte
     proc.communicate(timeout=60)
     assert json.loads((runs / "kid" / "manifest.json").read_text())["status"] == "running"  # what it last wrote
     env = {**os.environ, **ENV, "LMTRACE_RUNS_DIR": str(runs)}
-    view = lambda *args: json.loads(subprocess.run([sys.executable, "-m", "lmtrace.cli", *args, "--json"], env=env,  # noqa: E731
-                                                   capture_output=True, text=True, timeout=120, check=True).stdout)
+
+    def view(*args):
+        cmd = [sys.executable, "-m", "lmtrace.cli", *args, "--json"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(done.stdout)
+
     listed = {r["run_id"]: r["status"] for r in view("ls")}
     assert listed == {"parent": "complete", "kid": "killed"}, listed
     assert view("show", "kid")["status"] == "killed"
@@ -247,7 +266,10 @@ def test_a_sigkilled_intervene_child_shows_killed_and_resumes_equal_to_an_uninte
     assert_same_archive(ref, kid)
     parent_tokens = Run(runs / "parent").tokens().to_pandas()
     assert not kid.tokens().to_pandas().token_id.equals(parent_tokens.token_id)  # the edit changed the text
-    pd.testing.assert_frame_equal(pd.read_parquet(runs / "kid" / "effects.parquet"),
-                                  pd.read_parquet(runs / "ref" / "effects.parquet"), check_exact=True)
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(runs / "kid" / "effects.parquet"),
+        pd.read_parquet(runs / "ref" / "effects.parquet"),
+        check_exact=True,
+    )
     assert not (runs / "kid" / "effects.parts").exists()
     assert view("verify", "kid")["ok"] is True

@@ -38,9 +38,18 @@ def wide_llama_dir(tmp_path_factory):
 
     tok = load_tokenizer(ModelSpec())
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=2048, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     path = tmp_path_factory.mktemp("wide-llama")
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -48,8 +57,17 @@ def wide_llama_dir(tmp_path_factory):
 
 
 def _run(tmp_path, model: dict, **extra):
-    return run_spec(tmp_path, {"model": {"dtype": "float32", **model}, "prompts": PROMPTS, "capture": CAPTURE,
-                               "output": OUTPUT, "generation": {"max_new_tokens": 5, "batch_size": 3}, **extra})
+    return run_spec(
+        tmp_path,
+        {
+            "model": {"dtype": "float32", **model},
+            "prompts": PROMPTS,
+            "capture": CAPTURE,
+            "output": OUTPUT,
+            "generation": {"max_new_tokens": 5, "batch_size": 3},
+            **extra,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +91,9 @@ def assert_same_archive(a, b) -> None:
     sa, sb = a.steps().to_pandas(), b.steps().to_pandas()
     assert list(sa.columns) == list(sb.columns)
     for column in sa.columns:
-        np.testing.assert_allclose(sb[column].to_numpy(float), sa[column].to_numpy(float), atol=TOL, rtol=TOL,
-                                   equal_nan=True, err_msg=column)
+        np.testing.assert_allclose(
+            sb[column].to_numpy(float), sa[column].to_numpy(float), atol=TOL, rtol=TOL, equal_nan=True, err_msg=column
+        )
 
 
 def _placed(run) -> dict[str, list[str]]:
@@ -82,8 +101,15 @@ def _placed(run) -> dict[str, list[str]]:
 
 
 def test_disk_offload_gives_the_single_device_archive(tmp_path, wide_llama_dir, single_run):
-    spread = _run(tmp_path, {"ref": str(wide_llama_dir), "device_map": "auto", "max_memory": BUDGET,
-                             "offload_folder": str(tmp_path / "offload")})
+    spread = _run(
+        tmp_path,
+        {
+            "ref": str(wide_llama_dir),
+            "device_map": "auto",
+            "max_memory": BUDGET,
+            "offload_folder": str(tmp_path / "offload"),
+        },
+    )
     placed = _placed(spread)
     assert placed["cpu"] == ["model.embed_tokens", "model.layers.0-1"], placed
     assert "model.layers.2-3" in placed["disk"] and "lm_head" in placed["disk"], placed
@@ -96,11 +122,19 @@ def test_disk_offload_gives_the_single_device_archive(tmp_path, wide_llama_dir, 
 
 
 def test_explicit_map_gives_the_single_device_archive(tmp_path, wide_llama_dir, single_run):
-    device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
-                  "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                  "lm_head": "disk"}
-    spread = _run(tmp_path, {"ref": str(wide_llama_dir), "device_map": device_map,
-                             "offload_folder": str(tmp_path / "offload")})
+    device_map = {
+        "model.embed_tokens": "disk",
+        "model.layers.0": "cpu",
+        "model.layers.1": "disk",
+        "model.layers.2": "cpu",
+        "model.layers.3": "disk",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "disk",
+    }
+    spread = _run(
+        tmp_path, {"ref": str(wide_llama_dir), "device_map": device_map, "offload_folder": str(tmp_path / "offload")}
+    )
     assert spread.manifest["model"]["placement"]["device_map"] == device_map
     assert_same_archive(single_run, spread)
     # commands that edit or differentiate the model run on one device: a spread run is refused in
@@ -115,7 +149,9 @@ def test_explicit_map_gives_the_single_device_archive(tmp_path, wide_llama_dir, 
         load_run_model(spread.manifest, spread.id, purpose="the sweep")
     with pytest.raises(SpecError, match=r"give --device DEVICE"):
         load_run_model(spread.manifest, spread.id, purpose="explain", overrides={"device": None})
-    assert load_run_model(spread.manifest, spread.id, purpose="explain", overrides={"device": "cpu"}).device.type == "cpu"
+    assert (
+        load_run_model(spread.manifest, spread.id, purpose="explain", overrides={"device": "cpu"}).device.type == "cpu"
+    )
 
 
 def test_layers_in_several_kv_stacks_give_the_same_archive(tmp_path, wide_llama_dir, single_run, monkeypatch):
@@ -125,8 +161,9 @@ def test_layers_in_several_kv_stacks_give_the_same_archive(tmp_path, wide_llama_
     from lmtrace.capture.attention_rows import BatchedRows
 
     def split(config, prompt_len, max_new_tokens, device, layer_devices=None):
-        return kv_cache.StackedCache(config, capacity_hint=prompt_len + max_new_tokens,
-                                     groups=[(None, [0, 2]), (None, [1, 3])])
+        return kv_cache.StackedCache(
+            config, capacity_hint=prompt_len + max_new_tokens, groups=[(None, [0, 2]), (None, [1, 3])]
+        )
 
     served = []
     rows = BatchedRows.rows
@@ -157,9 +194,21 @@ def test_validate_reports_the_plan_without_weights(tmp_path, wide_llama_dir):
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     shutil.copy(wide_llama_dir / "config.json", config_only)
-    spec = write(tmp_path / "spec.yaml", json.dumps({
-        "model": {"ref": str(config_only), "dtype": "float32", "device_map": "sequential", "max_memory": BUDGET,
-                  "offload_folder": str(tmp_path / "off")}, "prompts": ["hi"]}))
+    spec = write(
+        tmp_path / "spec.yaml",
+        json.dumps(
+            {
+                "model": {
+                    "ref": str(config_only),
+                    "dtype": "float32",
+                    "device_map": "sequential",
+                    "max_memory": BUDGET,
+                    "offload_folder": str(tmp_path / "off"),
+                },
+                "prompts": ["hi"],
+            }
+        ),
+    )
     placement = validate_spec(spec, [])["placement"]
     with init_empty_weights():
         empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_only), dtype=torch.float32)
@@ -167,19 +216,28 @@ def test_validate_reports_the_plan_without_weights(tmp_path, wide_llama_dir):
     assert placement["device_map"] == {k: str(v) for k, v in expected.items()}
     on_disk = [row for row in placement["devices"] if row["device"] == "disk"][0]
     on_disk_modules = [m for m, d in expected.items() if d == "disk"]
-    assert on_disk["bytes"] == sum(t.numel() * 4 for n, t in [*empty.named_parameters(), *empty.named_buffers()]
-                                   if any(n.startswith(m + ".") for m in on_disk_modules))
+    assert on_disk["bytes"] == sum(
+        t.numel() * 4
+        for n, t in [*empty.named_parameters(), *empty.named_buffers()]
+        if any(n.startswith(m + ".") for m in on_disk_modules)
+    )
     proc = lmtrace(tmp_path, "validate", str(spec))
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert "# placement (float32): cpu: model.embed_tokens, model.layers.0-1" in text and "disk: model.layers.2-3" in text
+    assert (
+        "# placement (float32): cpu: model.embed_tokens, model.layers.0-1" in text and "disk: model.layers.2-3" in text
+    )
 
 
 BAD_MAPS = {
-    "unknown_module": ({"device_map": {"model.embed_tokens": "cpu", "model.layer.0": "cpu", "": "cpu"}},
-                       ["unknown module 'model.layer.0'", "did you mean 'model.layers.0'"]),
-    "unplaced_module": ({"device_map": {"model.embed_tokens": "cpu", "model.layers": "cpu"}},
-                        ["does not place", "lm_head"]),
+    "unknown_module": (
+        {"device_map": {"model.embed_tokens": "cpu", "model.layer.0": "cpu", "": "cpu"}},
+        ["unknown module 'model.layer.0'", "did you mean 'model.layers.0'"],
+    ),
+    "unplaced_module": (
+        {"device_map": {"model.embed_tokens": "cpu", "model.layers": "cpu"}},
+        ["does not place", "lm_head"],
+    ),
     "device_not_present": ({"device_map": {"": "cuda:7"}}, ["cuda:7 is not present on this machine"]),
     "both_keys": ({"device": "cpu", "device_map": "auto"}, ["model.device (cpu) and model.device_map are exclusive"]),
     "bad_device": ({"device_map": {"": "gpu0"}}, ["model.device_map", "expected cpu, cuda:N"]),
@@ -195,7 +253,9 @@ def test_bad_maps_are_one_line_usage_errors(tmp_path, wide_llama_dir, case):
     if case == "device_not_present" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     model, fragments = BAD_MAPS[case]
-    spec = write(tmp_path / "spec.yaml", json.dumps({"model": {"ref": str(wide_llama_dir), **model}, "prompts": ["hi"]}))
+    spec = write(
+        tmp_path / "spec.yaml", json.dumps({"model": {"ref": str(wide_llama_dir), **model}, "prompts": ["hi"]})
+    )
     with pytest.raises(SpecError) as err:
         validate_spec(spec, [])
     message = str(err.value)
@@ -205,9 +265,16 @@ def test_bad_maps_are_one_line_usage_errors(tmp_path, wide_llama_dir, case):
 
 
 def test_bad_map_exits_2_from_the_cli(tmp_path, wide_llama_dir):
-    spec = write(tmp_path / "spec.yaml", json.dumps({
-        "model": {"ref": str(wide_llama_dir), "device_map": {"": "cuda:7"}}, "prompts": ["hi"],
-        "generation": {"max_new_tokens": 2}}))
+    spec = write(
+        tmp_path / "spec.yaml",
+        json.dumps(
+            {
+                "model": {"ref": str(wide_llama_dir), "device_map": {"": "cuda:7"}},
+                "prompts": ["hi"],
+                "generation": {"max_new_tokens": 2},
+            }
+        ),
+    )
     if torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     assert_one_line_error(lmtrace(tmp_path, "generate", str(spec), "--quiet"), 2, "cuda:7 is not present")
@@ -217,12 +284,25 @@ def test_bad_map_exits_2_from_the_cli(tmp_path, wide_llama_dir):
 @pytest.mark.slow
 def test_embedded_model_with_offloaded_layers(tmp_path):
     """The embedded GGUF model (converted to safetensors once) loads with part of its layers on disk."""
-    base = {"prompts": ["Paris is the capital of"], "generation": {"max_new_tokens": 2}, "output": OUTPUT,
-            "capture": {"layers": [0, 29], "lens": {"when": "inline"}}}
+    base = {
+        "prompts": ["Paris is the capital of"],
+        "generation": {"max_new_tokens": 2},
+        "output": OUTPUT,
+        "capture": {"layers": [0, 29], "lens": {"when": "inline"}},
+    }
     one = run_spec(tmp_path / "one", {**base, "model": {"device": "cpu", "dtype": "float32"}})
-    spread = run_spec(tmp_path / "spread", {**base, "model": {"dtype": "float32", "device_map": "auto",
-                                                              "max_memory": {"cpu": "300MB"},
-                                                              "offload_folder": str(tmp_path / "off")}})
+    spread = run_spec(
+        tmp_path / "spread",
+        {
+            **base,
+            "model": {
+                "dtype": "float32",
+                "device_map": "auto",
+                "max_memory": {"cpu": "300MB"},
+                "offload_folder": str(tmp_path / "off"),
+            },
+        },
+    )
     placed = _placed(spread)
     assert any(m.startswith("model.layers.") for m in placed.get("disk", [])), placed
     assert_same_archive(one, spread)
@@ -249,11 +329,23 @@ def test_cuda_run_matches_the_cpu_run(tmp_path, wide_llama_dir, single_run, dtyp
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_map_over_two_gpus_gives_the_single_device_archive(tmp_path, wide_llama_dir, single_run):
-    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.layers.2": 0,
-                  "model.layers.3": 1, "model.norm": 1, "model.rotary_emb": 0, "lm_head": 1}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.layers.2": 0,
+        "model.layers.3": 1,
+        "model.norm": 1,
+        "model.rotary_emb": 0,
+        "lm_head": 1,
+    }
     spread = _run(tmp_path, {"ref": str(wide_llama_dir), "device_map": device_map})
     assert set(spread.manifest["timings"]["peak_gpu_memory_bytes"]) == {"cuda:0", "cuda:1"}
     a, b = single_run.tokens().to_pandas(), spread.tokens().to_pandas()
     assert a.token_id.tolist() == b.token_id.tolist()
-    np.testing.assert_allclose(np.asarray(spread.array("attn")[:]), np.asarray(single_run.array("attn")[:]),
-                               atol=CUDA_TOL["float32"], equal_nan=True)
+    np.testing.assert_allclose(
+        np.asarray(spread.array("attn")[:]),
+        np.asarray(single_run.array("attn")[:]),
+        atol=CUDA_TOL["float32"],
+        equal_nan=True,
+    )

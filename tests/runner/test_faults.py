@@ -25,18 +25,27 @@ from tests.helpers.cli import run_cli as _run
 def _spec(tmp_path: Path, model, name="spec.yaml", **gen) -> Path:
     generation = {"max_new_tokens": 12, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
     path = tmp_path / name
-    path.write_text(json.dumps({
-        "model": str(model),
-        "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
-        "generation": generation,
-        "output": {"chunk_steps": 4},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "model": str(model),
+                "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
+                "generation": generation,
+                "output": {"chunk_steps": 4},
+            }
+        )
+    )
     return path
 
 
 def _start(args, runs: Path, **env) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args, "-q"], env=_env(runs, **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args, "-q"],
+        env=_env(runs, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -71,8 +80,9 @@ def test_two_writers_of_one_run_id_exactly_one_writes_and_the_archive_is_one_run
 
     runs = tmp_path / "runs"
     spec = _spec(tmp_path, tiny_llama_dir)
-    _one_wrote_one_refused(_race(["generate", str(spec), "--run-id", "race"],
-                                 ["generate", str(spec), "--run-id", "race"], runs))
+    _one_wrote_one_refused(
+        _race(["generate", str(spec), "--run-id", "race"], ["generate", str(spec), "--run-id", "race"], runs)
+    )
     # two resumers of an interrupted run: the same
     killed = _start(["generate", str(spec), "--run-id", "resumed", "--set", "generation.max_new_tokens=400"], runs)
     _wait_for(runs / "resumed" / "heartbeats" / "shard-0-of-1.json", killed)
@@ -137,8 +147,15 @@ def test_a_failure_after_the_run_exists_is_recorded_as_failed(tmp_path, tiny_lla
 
     monkeypatch.setattr(gen, "Tracer", broken_tracer)
     with pytest.raises(RuntimeError):
-        run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["Hello"], "output": {"run_id": "broken"},
-                            "generation": {"max_new_tokens": 3}})
+        run_spec(
+            tmp_path,
+            {
+                "model": str(tiny_llama_dir),
+                "prompts": ["Hello"],
+                "output": {"run_id": "broken"},
+                "generation": {"max_new_tokens": 3},
+            },
+        )
     manifest = json.loads((tmp_path / "runs" / "broken" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "tracer could not start" in manifest["error"], manifest.get("status")
     shard = json.loads((tmp_path / "runs" / "broken" / "shards" / "shard-0-of-1.json").read_text())
@@ -170,8 +187,13 @@ def _catches_sigterm(pid: int) -> bool:
 
 def _sigterm_while_running(args, runs: Path, delay: float) -> tuple[int, str]:
     """Start `lmtrace ARGS`, send SIGTERM `delay` s after the command started; (exit code, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args],
+        env=_env(runs),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while not _catches_sigterm(proc.pid):
         assert time.time() < deadline and proc.poll() is None, proc.communicate()
@@ -183,14 +205,21 @@ def _sigterm_while_running(args, runs: Path, delay: float) -> tuple[int, str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads SigCgt from /proc (Linux)")
-@pytest.mark.parametrize("args, delay", [
-    (["lens", "a", "-q"], 2.0),  # loading the model or computing
-    (["explain", "a", "--steps", "0", "-q"], 2.0),
-    (["heads", "a"], 0.05),  # heads takes well under a second on this run: the signal lands while it reads
-    (["report", "a", "-q"], 0.2),
-    (["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid", "-q"], 2.0),  # loading: the child not yet created
-    (["sweep", "a", "--over", "heads", "-q"], 2.0),  # before its block loop
-], ids=lambda v: v[0] if isinstance(v, list) else None)
+@pytest.mark.parametrize(
+    "args, delay",
+    [
+        (["lens", "a", "-q"], 2.0),  # loading the model or computing
+        (["explain", "a", "--steps", "0", "-q"], 2.0),
+        (["heads", "a"], 0.05),  # heads takes well under a second on this run: the signal lands while it reads
+        (["report", "a", "-q"], 0.2),
+        (
+            ["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid", "-q"],
+            2.0,
+        ),  # loading: the child not yet created
+        (["sweep", "a", "--over", "heads", "-q"], 2.0),  # before its block loop
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else None,
+)
 def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp_path, args, delay):
     # the delay is when the signal usually lands in the command's work; on a fast, idle machine the
     # command may be done by then (exit 0, nothing to test): it runs again on a fresh copy with the
@@ -216,8 +245,13 @@ def test_sigterm_stops_every_command_with_exit_3_and_one_line(complete_runs, tmp
 def _sigterm_at(point: str, args, runs: Path, pause: float = 30.0) -> tuple[int, str]:
     """Start `lmtrace ARGS` with the test-only LMTRACE_TEST_PAUSE_AT=POINT:PAUSE, send SIGTERM once it
     says `paused at POINT` (exits/faults.py, pause_point); (exit code, stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", *args], env=_env(runs, LMTRACE_TEST_PAUSE_AT=f"{point}:{pause}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", *args],
+        env=_env(runs, LMTRACE_TEST_PAUSE_AT=f"{point}:{pause}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     for line in proc.stderr:  # (stdout stays small: the pipe cannot fill meanwhile)
         seen.append(line)
@@ -237,8 +271,10 @@ RECORDED = {  # each command, and how to see that its work is recorded in run `a
     "heads": (["heads", "a"], lambda runs: (runs / "a" / "analysis" / "heads.parquet").is_file()),
     "report": (["report", "a"], lambda runs: (runs / "a" / "report.html").is_file()),
     "sweep": (["sweep", "a", "--over", "heads"], lambda runs: len(Run(runs / "a").manifest["sweeps"]) == 1),
-    "intervene": (["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid"],
-                  lambda runs: Run(runs / "kid").manifest["status"] == "complete"),
+    "intervene": (
+        ["intervene", "a", "--ablate-head", "0.0", "--run-id", "kid"],
+        lambda runs: Run(runs / "kid").manifest["status"] == "complete",
+    ),
 }
 
 
@@ -263,15 +299,15 @@ def test_sigterm_after_generate_completed_its_run_exits_0(tmp_path, tiny_llama_d
 
 def test_sigterm_after_the_run_of_generate_lens_completed_stops_it_before_the_lens_with_3(tmp_path, tiny_llama_dir):
     runs = tmp_path / "runs"
-    code, err = _sigterm_at("recorded", ["generate", str(_spec(tmp_path, tiny_llama_dir)), "--run-id", "g", "--lens",
-                                         "-q"], runs)
+    code, err = _sigterm_at(
+        "recorded", ["generate", str(_spec(tmp_path, tiny_llama_dir)), "--run-id", "g", "--lens", "-q"], runs
+    )
     assert code == 3 and err.strip().splitlines()[-1].startswith("error: interrupted by signal 15 (SIGTERM)"), err
     run = Run(runs / "g")
     assert run.manifest["status"] == "complete" and run.manifest["lens"]["computed"] is None  # kept, lens pending
 
 
-@pytest.mark.parametrize("args", [["lens", "a", "-q"], ["show", "a", "-q"], ["verify", "a", "-q"]],
-                         ids=lambda v: v[0])
+@pytest.mark.parametrize("args", [["lens", "a", "-q"], ["show", "a", "-q"], ["verify", "a", "-q"]], ids=lambda v: v[0])
 def test_sigterm_while_the_process_exits_after_its_command_leaves_exit_0_never_143(complete_runs, tmp_path, args):
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)
@@ -321,11 +357,17 @@ def complete_runs(tmp_path_factory, tiny_llama_dir):
     from tests.helpers.runs import run_spec
 
     base = tmp_path_factory.mktemp("damage")
-    spec = {"model": str(tiny_llama_dir), "prompts": ["Hello there", "One two"],
-            "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9},
-            "capture": {"residual": {"vectors_at": [1]}}, "output": {"chunk_steps": 4}}
+    spec = {
+        "model": str(tiny_llama_dir),
+        "prompts": ["Hello there", "One two"],
+        "generation": {"max_new_tokens": 6, "batch_size": 2, "temperature": 0.9},
+        "capture": {"residual": {"vectors_at": [1]}},
+        "output": {"chunk_steps": 4},
+    }
     a = run_spec(base, {**spec, "output": {**spec["output"], "run_id": "a"}})
-    b = run_spec(base, {**spec, "generation": {**spec["generation"], "seed": 5}, "output": {**spec["output"], "run_id": "b"}})
+    b = run_spec(
+        base, {**spec, "generation": {**spec["generation"], "seed": 5}, "output": {**spec["output"], "run_id": "b"}}
+    )
     return a.path, b.path
 
 
@@ -374,8 +416,16 @@ def test_every_reading_command_refuses_a_damaged_complete_run_in_one_line(comple
         chunk.write_bytes(chunk.read_bytes()[:10])
         named = f"{chunk.relative_to(a)} is truncated"
     expected = f"error: run a is damaged: {named}; `lmtrace verify a`"
-    for args in (["show", "a"], ["show", "a", "--json"], ["compare", "a", "b"], ["compare", "b", "a"], ["lens", "a"],
-                 ["explain", "a", "--steps", "0"], ["intervene", "a", "--ablate-head", "0.0"], ["verify", "a"]):
+    for args in (
+        ["show", "a"],
+        ["show", "a", "--json"],
+        ["compare", "a", "b"],
+        ["compare", "b", "a"],
+        ["lens", "a"],
+        ["explain", "a", "--steps", "0"],
+        ["intervene", "a", "--ablate-head", "0.0"],
+        ["verify", "a"],
+    ):
         code, out, err = _cli(args, runs)
         assert code == 2, (args, code, out, err)
         if args[0] != "verify":
@@ -451,16 +501,18 @@ def _flip_inside_a_chunk(run_dir: Path, array: str = "attn") -> tuple[Path, int]
     names = [c["name"] for c in sharding["configuration"]["codecs"]]
     assert "zstd" in names, names
     tail = 4 if names[-1] == "crc32c" else 0  # the chunk's own checksum, where it has one
-    per_shard = tuple(o // i for o, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"],
-                                              sharding["configuration"]["chunk_shape"]))
+    per_shard = tuple(
+        o // i
+        for o, i in zip(meta["chunk_grid"]["configuration"]["chunk_shape"], sharding["configuration"]["chunk_shape"])
+    )
     data = bytearray(shard.read_bytes())
     n = math.prod(per_shard)
-    index = np.frombuffer(bytes(data[-16 * n - 4: -4]), "<u8").reshape(n, 2)
+    index = np.frombuffer(bytes(data[-16 * n - 4 : -4]), "<u8").reshape(n, 2)
     zstd = numcodecs.Zstd()
     for i, (offset, nbytes) in enumerate(index.tolist()):
         if offset == 2**64 - 1:
             continue
-        payload = bytes(data[offset: offset + nbytes - tail])
+        payload = bytes(data[offset : offset + nbytes - tail])
         clean = zstd.decode(payload)
         for pos in range(len(payload) // 2, len(payload)):  # past the frame header
             trial = bytearray(payload)
@@ -566,15 +618,27 @@ def test_a_flipped_byte_inside_a_parquet_data_page_is_refused_naming_the_file(co
 
 
 # ---- intervene: refused requests ----------------------------------------------------------------
-@pytest.mark.parametrize("args, says", [
-    (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
-    (["--mask-positions", "100"], "positions [100] are past every sequence: its sequences have positions 0.."),
-    (["--mask-positions", "5-3"], "range 5-3 is empty"),
-    (["--ablate-head", "0.0", "--from-step", "-1"], "--from-step -1 is out of range: the parent run's steps are 0..5"),
-    (["--ablate-head", "0.0", "--from-step", "99"], "--from-step 99 is out of range: the parent run's steps are 0..5"),
-    (["--ablate-head", "0.0", "--temperatures", "0.5", "--mode", "rescore"], "cannot be combined with --mode rescore"),
-    ([], "no interventions given"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--run-id", "b", "--ablate-head", "0.0"], "a run b exists"),
+        (["--mask-positions", "100"], "positions [100] are past every sequence: its sequences have positions 0.."),
+        (["--mask-positions", "5-3"], "range 5-3 is empty"),
+        (
+            ["--ablate-head", "0.0", "--from-step", "-1"],
+            "--from-step -1 is out of range: the parent run's steps are 0..5",
+        ),
+        (
+            ["--ablate-head", "0.0", "--from-step", "99"],
+            "--from-step 99 is out of range: the parent run's steps are 0..5",
+        ),
+        (
+            ["--ablate-head", "0.0", "--temperatures", "0.5", "--mode", "rescore"],
+            "cannot be combined with --mode rescore",
+        ),
+        ([], "no interventions given"),
+    ],
+)
 def test_intervene_refuses_no_op_and_contradictory_requests(complete_runs, tmp_path, args, says):
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs), _copy(complete_runs[1], runs)
@@ -591,8 +655,10 @@ def test_intervene_and_sweep_on_an_unfinished_run_say_how_to_finish_it(complete_
     a = _copy(complete_runs[0], runs)
     manifest = json.loads((a / "manifest.json").read_text())
     (a / "manifest.json").write_text(json.dumps({**manifest, "status": status}))  # (nobody writes it)
-    expected = (f"error: run a is {shown}, not complete: finish it first with `lmtrace generate --resume a`, "
-                f"then run this again")
+    expected = (
+        f"error: run a is {shown}, not complete: finish it first with `lmtrace generate --resume a`, "
+        f"then run this again"
+    )
     for args in (["intervene", "a", "--ablate-head", "0.0"], ["sweep", "a", "--over", "heads"]):
         code, out, err = _cli(args, runs)
         assert code == 2 and err.strip() == expected, (args, code, err)
@@ -610,23 +676,43 @@ def test_intervene_on_a_run_still_being_written_says_to_wait(complete_runs, tmp_
         code, out, err = _cli(["intervene", "a", "--ablate-head", "0.0"], runs)
     finally:
         owner.release()
-    assert code == 2 and err.strip() == ("error: run a is running, not complete: wait until it completes "
-                                         "(`lmtrace ls` shows its status)"), err
+    assert code == 2 and err.strip() == (
+        "error: run a is running, not complete: wait until it completes (`lmtrace ls` shows its status)"
+    ), err
 
 
 def test_regenerate_effects_compare_only_identical_contexts(complete_runs, tmp_path):
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)
-    code, out, err = _cli(["intervene", "a", "--mode", "regenerate", "--ablate-layer", "0", "--ablate-layer", "1",
-                           "--run-id", "child", "--json"], runs)
+    code, out, err = _cli(
+        [
+            "intervene",
+            "a",
+            "--mode",
+            "regenerate",
+            "--ablate-layer",
+            "0",
+            "--ablate-layer",
+            "1",
+            "--run-id",
+            "child",
+            "--json",
+        ],
+        runs,
+    )
     assert code == 0, err
     import pandas as pd
 
     effects = pd.read_parquet(runs / "child" / "effects.parquet")
     differ = effects[~effects.context_identical]
     assert len(differ), "the edit never changed a token: the test proves nothing"
-    for col in ("child_logprob_of_parent_token", "logprob_shift", "margin_shift", "winner_changed",
-                "kl_parent_child_topk"):
+    for col in (
+        "child_logprob_of_parent_token",
+        "logprob_shift",
+        "margin_shift",
+        "winner_changed",
+        "kl_parent_child_topk",
+    ):
         assert differ[col].isna().all(), col
     same = effects[effects.context_identical]
     assert same.logprob_shift.notna().all() and same.winner_changed.notna().all()
@@ -640,7 +726,9 @@ def small_tmpfs(tmp_path):
         pytest.skip("mounting a small tmpfs needs root")
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -683,8 +771,9 @@ def _fill(mount: Path, name: str, leave: int = 0) -> None:
         os.close(fd)
 
 
-def test_a_full_disk_in_lens_explain_and_sweep_is_one_line_naming_the_run_and_its_free_space(complete_runs,
-                                                                                              small_tmpfs):
+def test_a_full_disk_in_lens_explain_and_sweep_is_one_line_naming_the_run_and_its_free_space(
+    complete_runs, small_tmpfs
+):
     from lmtrace.archive.reader import lens_state
 
     runs = small_tmpfs / "runs"
@@ -694,7 +783,10 @@ def test_a_full_disk_in_lens_explain_and_sweep_is_one_line_naming_the_run_and_it
         out = _run(args, runs, quiet=False)
         line = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         assert out.returncode == 1, (args, out.returncode, out.stderr[-2000:])
-        assert line.startswith(f"error: No space left on device writing {a}") and "bytes free there" in line, (args, line)
+        assert line.startswith(f"error: No space left on device writing {a}") and "bytes free there" in line, (
+            args,
+            line,
+        )
         assert "internal error" not in out.stderr and "Traceback" not in out.stderr, out.stderr
         manifest = json.loads((a / "manifest.json").read_text())
         assert manifest["status"] == "complete" and lens_state(manifest) == "pending", args
@@ -738,8 +830,15 @@ def test_a_run_with_nothing_committed_reads_as_empty_tables_with_the_schema(tmp_
 
     monkeypatch.setattr(gen.Tracer, "run_batch", no_steps)
     with pytest.raises(RuntimeError):
-        run_spec(tmp_path, {"model": str(tiny_llama_dir), "prompts": ["Hello"], "output": {"run_id": "empty"},
-                            "generation": {"max_new_tokens": 3}})
+        run_spec(
+            tmp_path,
+            {
+                "model": str(tiny_llama_dir),
+                "prompts": ["Hello"],
+                "output": {"run_id": "empty"},
+                "generation": {"max_new_tokens": 3},
+            },
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = Run(tmp_path / "runs" / "empty")
@@ -753,9 +852,13 @@ def test_sharded_run_sequences_table_is_in_sequence_order(tmp_path, tiny_llama_d
     from lmtrace.runner.generation import Shard, run_generate
     from lmtrace.spec.run_spec import build_spec
 
-    data = {"model": str(tiny_llama_dir), "prompts": ["a b", "c d", "e f", "g h", "i j"],
-            "generation": {"max_new_tokens": 2, "batch_size": 2},
-            "output": {"runs_dir": str(tmp_path / "runs"), "run_id": "sharded"}, "capture": "none"}
+    data = {
+        "model": str(tiny_llama_dir),
+        "prompts": ["a b", "c d", "e f", "g h", "i j"],
+        "generation": {"max_new_tokens": 2, "batch_size": 2},
+        "output": {"runs_dir": str(tmp_path / "runs"), "run_id": "sharded"},
+        "capture": "none",
+    }
     for i in range(2):
         run_generate(build_spec(data, "test"), yaml.safe_dump(data), shard=Shard(i, 2))
     run = Run(tmp_path / "runs" / "sharded")
@@ -786,18 +889,25 @@ def long_llama_dir(tmp_path_factory, tiny_llama_dir):
 
 
 # VmHWM: the peak RSS of this process image (ru_maxrss would include the forking pytest process's)
-_PEAK = ("import runpy, sys\n"
-         "sys.argv = ['lmtrace', *sys.argv[2:]]\n"
-         "try:\n    runpy.run_module('lmtrace.cli', run_name='__main__')\n"
-         "finally:\n"
-         "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
-         "    open(OUT, 'w').write(hwm.split()[1])\n")
+_PEAK = (
+    "import runpy, sys\n"
+    "sys.argv = ['lmtrace', *sys.argv[2:]]\n"
+    "try:\n    runpy.run_module('lmtrace.cli', run_name='__main__')\n"
+    "finally:\n"
+    "    hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+    "    open(OUT, 'w').write(hwm.split()[1])\n"
+)
 
 
 def _peak_rss_kb(args, runs: Path, out: Path) -> int:
     """Peak RSS (KB) of one `lmtrace` process."""
-    proc = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}\n" + _PEAK, "-", *args, "-q"],
-                          env=_env(runs), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"OUT = {str(out)!r}\n" + _PEAK, "-", *args, "-q"],
+        env=_env(runs),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(out.read_text())
 
@@ -807,8 +917,12 @@ def _peak_rss_kb(args, runs: Path, out: Path) -> int:
 def test_peak_memory_follows_the_tokens_generated_not_max_new_tokens(tmp_path, long_llama_dir):
     from tests.helpers.runs import run_spec
 
-    spec = {"model": str(long_llama_dir), "prompts": ["Count slowly:"], "output": {"chunk_steps": 16},
-            "generation": {"max_new_tokens": 64, "temperature": 1.0, "seed": 3}}
+    spec = {
+        "model": str(long_llama_dir),
+        "prompts": ["Count slowly:"],
+        "output": {"chunk_steps": 16},
+        "generation": {"max_new_tokens": 64, "temperature": 1.0, "seed": 3},
+    }
     # an eos id that ends the run after ~30 tokens: the first new token from step 25 on
     probe = run_spec(tmp_path / "probe", {**spec, "output": {**spec["output"], "run_id": "probe"}})
     ids = probe.tokens().to_pandas().query("not is_prompt").token_id.tolist()
@@ -818,8 +932,11 @@ def test_peak_memory_follows_the_tokens_generated_not_max_new_tokens(tmp_path, l
     runs = tmp_path / "runs"
     peak = {}
     for n in (64, 100_000):
-        peak[n] = _peak_rss_kb(["generate", str(path), "--run-id", f"n{n}", "--set", f"generation.max_new_tokens={n}"],
-                               runs, tmp_path / f"peak{n}")
+        peak[n] = _peak_rss_kb(
+            ["generate", str(path), "--run-id", f"n{n}", "--set", f"generation.max_new_tokens={n}"],
+            runs,
+            tmp_path / f"peak{n}",
+        )
         assert len(Run(runs / f"n{n}").tokens().to_pandas().query("not is_prompt")) == step + 1
     assert peak[100_000] <= 1.05 * peak[64], peak
 
@@ -839,18 +956,23 @@ def test_sigterm_is_honoured_within_a_step_at_a_huge_max_new_tokens(tmp_path, lo
     assert json.loads((runs / "huge" / "manifest.json").read_text())["status"] == "interrupted"
 
 
-def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_the_free_space(tmp_path, long_llama_dir,
-                                                                                            monkeypatch):
+def test_validate_states_the_estimate_for_the_tokens_generated_and_warns_past_the_free_space(
+    tmp_path, long_llama_dir, monkeypatch
+):
     import lmtrace.commands.validate as validate
 
     spec = _spec(tmp_path, long_llama_dir, max_new_tokens=190_000)
     monkeypatch.setattr(validate, "_free_bytes", lambda root: 50 * 2**30)
     report = validate.validate_spec(spec, [])
-    assert "archive at most ~" in report["summary"] and "if every prompt stops after 1000 new tokens" in report["summary"]
+    assert (
+        "archive at most ~" in report["summary"] and "if every prompt stops after 1000 new tokens" in report["summary"]
+    )
     assert report["estimate"]["bytes_first_1000_steps"] < report["estimate"]["tensor_bytes_max"] / 100
     assert len(report["warnings"]) == 1 and "exceeds the 50.0 GB free" in report["warnings"][0], report["warnings"]
-    assert all(lever in report["warnings"][0] for lever in ("capture.preset", "capture.attention.top_k", "capture.layers",
-                                                            "generation.max_new_tokens")), report["warnings"]
+    assert all(
+        lever in report["warnings"][0]
+        for lever in ("capture.preset", "capture.attention.top_k", "capture.layers", "generation.max_new_tokens")
+    ), report["warnings"]
     small = validate.validate_spec(_spec(tmp_path, long_llama_dir, max_new_tokens=64), [])
     assert small["warnings"] == [] and "stops after" not in small["summary"]
 
@@ -954,8 +1076,11 @@ def _tree(root: Path) -> dict[str, str]:
     """Every file under `root` (relative path -> sha256 of its bytes): what `query` must never change."""
     import hashlib
 
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _query_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -965,23 +1090,26 @@ def _query_here(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return lmtrace(cwd, "query", *args, env={"LMTRACE_RUNS_DIR": ""})
 
 
-@pytest.mark.parametrize("sql", [
-    "COPY (SELECT 1 AS a) TO 'runs/a/tokens.parquet' (FORMAT parquet)",
-    "COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
-    "COPY (SELECT * FROM tokens) TO 'runs/a/copy.csv'",
-    "SELECT 1; COPY (SELECT 1 AS a) TO 'runs/new.parquet' (FORMAT parquet)",
-    "EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
-    "COPY (PIVOT (SELECT sequence, is_prompt FROM tokens) ON is_prompt USING count(*)) "
-    "TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
-    "ATTACH 'runs/x.duckdb'",
-    "EXPORT DATABASE 'runs/exp'",
-    "INSTALL httpfs",
-    "LOAD parquet",
-    "SET enable_external_access = true",
-    "SET lock_configuration = false",
-    "PRAGMA enable_profiling = 'json'",
-    "SELECT * FROM query('COPY (SELECT 1 AS a) TO ''runs/q.csv''')",
-])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COPY (SELECT 1 AS a) TO 'runs/a/tokens.parquet' (FORMAT parquet)",
+        "COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+        "COPY (SELECT * FROM tokens) TO 'runs/a/copy.csv'",
+        "SELECT 1; COPY (SELECT 1 AS a) TO 'runs/new.parquet' (FORMAT parquet)",
+        "EXPLAIN ANALYZE COPY (SELECT 1 AS a) TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+        "COPY (PIVOT (SELECT sequence, is_prompt FROM tokens) ON is_prompt USING count(*)) "
+        "TO '{abs}/runs/a/tokens.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+        "ATTACH 'runs/x.duckdb'",
+        "EXPORT DATABASE 'runs/exp'",
+        "INSTALL httpfs",
+        "LOAD parquet",
+        "SET enable_external_access = true",
+        "SET lock_configuration = false",
+        "PRAGMA enable_profiling = 'json'",
+        "SELECT * FROM query('COPY (SELECT 1 AS a) TO ''runs/q.csv''')",
+    ],
+)
 def test_query_refuses_every_write_and_the_runs_stay_byte_identical(complete_runs, tmp_path, sql):
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)
@@ -1000,9 +1128,9 @@ def test_query_locks_duckdb_itself_to_reading_the_views_files(complete_runs, tmp
     views read, and refuses to be unlocked."""
     import duckdb
 
+    from lmtrace.archive.sql_views import connect
     from lmtrace.archive.table_catalog import read_catalog
     from lmtrace.query.guard import lock
-    from lmtrace.archive.sql_views import connect
 
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)
@@ -1013,10 +1141,15 @@ def test_query_locks_duckdb_itself_to_reading_the_views_files(complete_runs, tmp
     named = "SELECT * FROM tokens, read_text('runs/a/manifest.json')"
     lock(con, [str(p) for p in catalog.listed], named, Path("runs"), str(tmp_path / "tmp"))
     assert con.execute("SELECT count(*) FROM tokens").fetchall()[0][0] == len(Run(runs / "a").tokens())
-    for sql in ("COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet)", "ATTACH 'runs/x.duckdb'",
-                "EXPORT DATABASE 'runs/exp'", "SET enable_external_access = true", "RESET lock_configuration",
-                "SELECT * FROM read_text('runs/a/manifest.json')",
-                "COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet, USE_TMP_FILE false)"):
+    for sql in (
+        "COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet)",
+        "ATTACH 'runs/x.duckdb'",
+        "EXPORT DATABASE 'runs/exp'",
+        "SET enable_external_access = true",
+        "RESET lock_configuration",
+        "SELECT * FROM read_text('runs/a/manifest.json')",
+        "COPY (SELECT 1 AS a) TO 'runs/a/new.parquet' (FORMAT parquet, USE_TMP_FILE false)",
+    ):
         with pytest.raises(duckdb.Error):
             con.execute(sql)
     assert sorted(p.name for p in (runs / "a").iterdir()) == sorted(p.name for p in complete_runs[0].iterdir())
@@ -1028,8 +1161,13 @@ def test_query_out_inside_the_runs_directory_is_refused(complete_runs, tmp_path)
     (tmp_path / "link").symlink_to(runs / "a")
     (tmp_path / "elsewhere").mkdir()
     before = _tree(runs)
-    for out in ("runs/a/sequences.parquet", str(runs / "new.csv"), "link/sequences.parquet",
-                "elsewhere/../runs/a/x.json", "runs"):
+    for out in (
+        "runs/a/sequences.parquet",
+        str(runs / "new.csv"),
+        "link/sequences.parquet",
+        "elsewhere/../runs/a/x.json",
+        "runs",
+    ):
         proc = _query_here(tmp_path, "SELECT * FROM sequences", "--out", out, "-f", "csv")
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and "inside the runs directory" in lines[0], (out, proc.stderr)
@@ -1045,8 +1183,12 @@ def test_query_reads_the_user_s_own_files_and_writes_none(complete_runs, tmp_pat
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "one.csv").write_text("sequence,note\n0,first\n")
     (tmp_path / "data" / "two.csv").write_text("sequence,note\n1,second\n")
-    proc = _query_here(tmp_path, "SELECT s.sequence, n.note FROM sequences s JOIN read_csv('data/one.csv') n "
-                                 "USING (sequence)", "-f", "csv")
+    proc = _query_here(
+        tmp_path,
+        "SELECT s.sequence, n.note FROM sequences s JOIN read_csv('data/one.csv') n USING (sequence)",
+        "-f",
+        "csv",
+    )
     assert proc.returncode == 0 and proc.stdout == "sequence,note\n0,first\n", proc.stderr
     proc = _query_here(tmp_path, "SELECT note FROM 'data/*.csv' ORDER BY note", "-f", "csv")
     assert proc.returncode == 0 and proc.stdout == "note\nfirst\nsecond\n", proc.stderr

@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import shutil
 
-from tests.helpers.runs import PROMPTS, run_spec
 from lmtrace.analysis.compare import compare_runs
 from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.runs import PROMPTS, run_spec
 
 
 def _spec(model_dir) -> dict:
-    return {"model": str(model_dir), "prompts": PROMPTS[:1], "generation": {"max_new_tokens": 2},
-            "capture": {"layers": [0, 1]}}
+    return {
+        "model": str(model_dir),
+        "prompts": PROMPTS[:1],
+        "generation": {"max_new_tokens": 2},
+        "capture": {"layers": [0, 1]},
+    }
 
 
 def test_a_changed_tokenizer_is_recorded_refused_and_compared(tmp_path, tiny_llama_dir):
@@ -28,8 +32,11 @@ def test_a_changed_tokenizer_is_recorded_refused_and_compared(tmp_path, tiny_lla
     again = run_spec(tmp_path, _spec(model_dir))
     sha = first.manifest["tokenizer"]["sha256"]
     assert len(sha) == 64 and again.manifest["tokenizer"]["sha256"] == sha  # same files, same fingerprint
-    assert not [d for d in compare_runs(first.id, again.id, runs_dir=tmp_path / "runs").spec_differences
-                if d["key"].startswith("tokenizer")]
+    assert not [
+        d
+        for d in compare_runs(first.id, again.id, runs_dir=tmp_path / "runs").spec_differences
+        if d["key"].startswith("tokenizer")
+    ]
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # weight files unchanged
@@ -44,13 +51,18 @@ def test_a_changed_tokenizer_is_recorded_refused_and_compared(tmp_path, tiny_lla
     # what loads the first run's model again refuses: the tokenizer it was made with is gone
     changed_since = f"changed since run {first.id}"
     assert_one_line_error(lmtrace(tmp_path, "lens", "--quiet", first.id), 1, "the tokenizer of", changed_since)
-    assert_one_line_error(lmtrace(tmp_path, "intervene", first.id, "--ablate-head", "0.1", "--quiet"), 1,
-                          "the tokenizer of", changed_since)
+    assert_one_line_error(
+        lmtrace(tmp_path, "intervene", first.id, "--ablate-head", "0.1", "--quiet"),
+        1,
+        "the tokenizer of",
+        changed_since,
+    )
     assert len(list((tmp_path / "runs").iterdir())) == 3  # no child run was created
     manifest = json.loads((first.path / "manifest.json").read_text())  # as if it had been interrupted
     (first.path / "manifest.json").write_text(json.dumps({**manifest, "status": "interrupted"}))
-    assert_one_line_error(lmtrace(tmp_path, "generate", "--resume", first.id, "--quiet"), 1,
-                          "the tokenizer of", changed_since)
+    assert_one_line_error(
+        lmtrace(tmp_path, "generate", "--resume", first.id, "--quiet"), 1, "the tokenizer of", changed_since
+    )
     assert json.loads((first.path / "manifest.json").read_text())["status"] == "interrupted"  # left as it was
     proc = lmtrace(tmp_path, "lens", changed.id)  # the run made with the edited tokenizer still works
     assert proc.returncode == 0, proc.stderr

@@ -32,8 +32,10 @@ from tests.helpers.server import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
 INJECTIONS = ["<script>alert(1)</script>", '"><img src=x onerror=alert(1)>']
-CHILD_EDITS = [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 2}},
-               {"kind": "ablate_head", "layer": 1, "head": 2, "steps": {"from": 2}}]
+CHILD_EDITS = [
+    {"kind": "ablate_mlp", "layer": 0, "steps": {"from": 2}},
+    {"kind": "ablate_head", "layer": 1, "head": 2, "steps": {"from": 2}},
+]
 RUN_IDS = ["child", "damaged", "tiny"]
 
 
@@ -43,11 +45,16 @@ def runs_dir(tmp_path_factory, tiny_llama_dir) -> Path:
     """runs/tiny (2 prompts + the 2 injection prompts, lens computed, head DLA), runs/damaged (a copy
     with a chunk file deleted) and runs/escaped (a symlink to a run outside the runs directory)."""
     base = tmp_path_factory.mktemp("serve")
-    run = run_spec(base, {
-        "model": str(tiny_llama_dir), "prompts": PROMPTS[:2] + INJECTIONS,
-        "generation": {"max_new_tokens": 6, "batch_size": 4, "temperature": 0.8, "top_k": 20, "seed": 3},
-        "capture": {"head_dla": True}, "output": {"chunk_steps": 3, "run_id": "tiny"},
-    })
+    run = run_spec(
+        base,
+        {
+            "model": str(tiny_llama_dir),
+            "prompts": PROMPTS[:2] + INJECTIONS,
+            "generation": {"max_new_tokens": 6, "batch_size": 4, "temperature": 0.8, "top_k": 20, "seed": 3},
+            "capture": {"head_dla": True},
+            "output": {"chunk_steps": 3, "run_id": "tiny"},
+        },
+    )
     with_lens(run)
     runs = base / "runs"
     for name, where in (("damaged", runs / "damaged"), ("escaped", base / "outside" / "escaped")):
@@ -69,8 +76,9 @@ def add_sweep_child_and_explanations(base: Path, runs: Path) -> None:
     from lmtrace.commands.explain import explain_run
     from lmtrace.commands.intervene import run_intervene
 
-    proc = lmtrace(base, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--metric", "logprob",
-                   "--metric", "kl")
+    proc = lmtrace(
+        base, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--metric", "logprob", "--metric", "kl"
+    )
     assert proc.returncode == 0, proc.stderr
     explain_run(runs / "tiny", "1,2", sequence=1, methods=["grad_x_input,occlusion"])
     explain_run(runs / "tiny", "2", sequence=1, methods=["lrp"])
@@ -133,7 +141,7 @@ def test_head_row_is_the_archived_row_with_key_texts(server, runs_dir):
     d = server.json("/api/runs/tiny/sequences/2/steps/4/attention/3/1")
     assert [k["key"] for k in d["keys"]] == list(range(attn.shape[-1]))
     assert [k["weight"] for k in d["keys"]] == [float(w) for w in attn[3, 1]]
-    assert [k["text"] for k in d["keys"]] == texts[:attn.shape[-1]]
+    assert [k["text"] for k in d["keys"]] == texts[: attn.shape[-1]]
     assert math.isclose(sum(k["weight"] for k in d["keys"]), 1.0, abs_tol=5e-3)
 
 
@@ -165,7 +173,9 @@ def test_sequences_sort_by_lowest_probability_and_search_prompt_text(server, run
     d = server.json("/api/runs/tiny/sequences?sort=lowest_prob")
     assert [r["sequence"] for r in d["rows"]] == lowest.index.tolist()
     entropy = gen.groupby("sequence").entropy.max().sort_values(ascending=False, kind="stable")
-    assert [r["sequence"] for r in server.json("/api/runs/tiny/sequences?sort=highest_entropy")["rows"]] == entropy.index.tolist()
+    assert [
+        r["sequence"] for r in server.json("/api/runs/tiny/sequences?sort=highest_entropy")["rows"]
+    ] == entropy.index.tolist()
     hits = server.json("/api/runs/tiny/sequences?q=ONERROR")
     assert hits["total"] == 1 and hits["rows"][0]["sequence"] == 3
     assert server.json("/api/runs/tiny/sequences?q=no+such+text")["total"] == 0
@@ -192,21 +202,41 @@ def test_runs_list_filters_and_leaves_out_a_symlink_out_of_the_runs_dir(server):
 
 def test_damaged_run_shows_its_one_line_damage_message(server, runs_dir):
     info = server.json("/api/runs/damaged")
-    missing = [p for p in json.loads((runs_dir / "damaged" / "checksums.json").read_text())["files"]
-               if not (runs_dir / "damaged" / p).exists()]
+    missing = [
+        p
+        for p in json.loads((runs_dir / "damaged" / "checksums.json").read_text())["files"]
+        if not (runs_dir / "damaged" / p).exists()
+    ]
     assert info["damaged"] == f"run damaged is damaged: {missing[0]} is missing; `lmtrace verify damaged`"
     status, _, body = server.request("/api/runs/damaged/sequences/0/steps/0")
     assert status == 409 and json.loads(body)["error"] == info["damaged"]
 
 
-@pytest.mark.parametrize("path", [
-    "/api/runs/..", "/api/runs/%2e%2e", "/api/runs/%2E%2E/tiny", "/api/runs/..%2f..%2fetc%2fpasswd",
-    "/api/runs/%2e%2e%2f%2e%2e%2fetc%2fpasswd", "/api/runs/tiny/../../../../etc/passwd", "/api/runs//etc/passwd",
-    "/api/runs/%2Fetc%2Fpasswd", "/api/runs/ti", "/api/runs/escaped", "/api/runs/escaped/sequences/0/steps/0",
-    "/api/runs/tiny/sequences/0/steps/99", "/api/runs/tiny/sequences/-1", "/api/runs/tiny/sequences/0/steps/0/attention/9/0",
-    "/static/..%2fapp.py", "/static/%2e%2e%2fguard.py", "/static/../../cli/main.py", "/static/index.html/..",
-    "/../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/runs/..",
+        "/api/runs/%2e%2e",
+        "/api/runs/%2E%2E/tiny",
+        "/api/runs/..%2f..%2fetc%2fpasswd",
+        "/api/runs/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "/api/runs/tiny/../../../../etc/passwd",
+        "/api/runs//etc/passwd",
+        "/api/runs/%2Fetc%2Fpasswd",
+        "/api/runs/ti",
+        "/api/runs/escaped",
+        "/api/runs/escaped/sequences/0/steps/0",
+        "/api/runs/tiny/sequences/0/steps/99",
+        "/api/runs/tiny/sequences/-1",
+        "/api/runs/tiny/sequences/0/steps/0/attention/9/0",
+        "/static/..%2fapp.py",
+        "/static/%2e%2e%2fguard.py",
+        "/static/../../cli/main.py",
+        "/static/index.html/..",
+        "/../../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+    ],
+)
 def test_traversal_attempts_get_a_4xx(server, runs_dir, path):
     status, _, body = server.request(path)
     assert 400 <= status < 500, (path, status, body[:200])
@@ -230,9 +260,11 @@ def _prob_colours_in_node(code: str) -> list[str]:
     import subprocess
 
     probes = json.dumps(SCALE_PROBES)
-    script = ("globalThis.window = globalThis; globalThis.document = {getElementById: () => null, "
-              "querySelectorAll: () => []};\n" + code + "\n;const v = {nan: NaN, inf: Infinity};"
-              f"console.log(JSON.stringify({probes}.map((p) => window.lmtraceView.probColour(p in v ? v[p] : p))));")
+    script = (
+        "globalThis.window = globalThis; globalThis.document = {getElementById: () => null, "
+        "querySelectorAll: () => []};\n" + code + "\n;const v = {nan: NaN, inf: Infinity};"
+        f"console.log(JSON.stringify({probes}.map((p) => window.lmtraceView.probColour(p in v ? v[p] : p))));"
+    )
     proc = subprocess.run([NODE, "-"], input=script, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -262,8 +294,11 @@ def test_writes_foreign_hosts_and_cross_origin_reads_are_refused(server):
     status, headers, _ = server.request("/api/runs", headers={"Origin": "http://evil.example"})
     assert status == 200 and not any(k.startswith("access-control-") for k in headers)
     status, headers, page = server.request("/")
-    assert "script-src 'self'" in headers["content-security-policy"] and "unsafe-inline" not in headers["content-security-policy"]
-    assert b"<script src=\"/static/app.js\"" in page and b"<script>" not in page
+    assert (
+        "script-src 'self'" in headers["content-security-policy"]
+        and "unsafe-inline" not in headers["content-security-policy"]
+    )
+    assert b'<script src="/static/app.js"' in page and b"<script>" not in page
 
 
 def test_token_is_checked_on_every_request(runs_dir):
@@ -355,7 +390,9 @@ def test_sweep_cell_is_its_rows_of_sweep_parquet_with_the_chosen_tokens(server, 
     text = {(r.sequence, r.step): r.token_text for r in tokens[~tokens.is_prompt].itertuples()}
     for metric, layer, head in (("kl", 2, 1), ("logprob", 0, 3)):
         cell = server.json(f"/api/runs/tiny/sweeps/{d.name}/cell?metric={metric}&layer={layer}&head={head}")
-        own = long[(long.metric == metric) & (long.layer == layer) & (long["q_head"] == head)].sort_values(["sequence", "step"])
+        own = long[(long.metric == metric) & (long.layer == layer) & (long["q_head"] == head)].sort_values(
+            ["sequence", "step"]
+        )
         assert cell["component"] == "head" and cell["n_rows"] == len(own) > 0
         assert [(r["sequence"], r["step"]) for r in cell["rows"]] == list(zip(own.sequence, own.step))
         for key in ("value", "baseline", "effect"):
@@ -430,18 +467,21 @@ def test_head_pattern_over_steps_is_the_archived_rows(server, runs_dir):
     texts = archive_tokens(run_dir, 1).token_text.tolist()
     n, P = int(group["generated_len"][1]), int(group["prompt_len"][1])
     d = server.json("/api/runs/tiny/sequences/1/attention/2/3")
-    assert d["steps"] == list(range(n)) and d["keys"] == texts[:P + n - 1] and d["chosen"] == texts[P:P + n]
+    assert d["steps"] == list(range(n)) and d["keys"] == texts[: P + n - 1] and d["chosen"] == texts[P : P + n]
     for s, row in enumerate(d["rows"]):
-        ref = np.asarray(group["attn"][1, s, 2, 3, :P + s], dtype=np.float32)
-        assert row[:P + s] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+        ref = np.asarray(group["attn"][1, s, 2, 3, : P + s], dtype=np.float32)
+        assert row[: P + s] == ref.tolist() and row[P + s :] == [None] * (n - 1 - s)
     assert server.request("/api/runs/tiny/sequences/1/attention/2/9")[0] == 404
 
 
 def archived_lrp(run_dir: Path, seq: int, step: int) -> dict:
     """The lrp explanation of (seq, step) read here: manifest.json's entry, its component arrays read with
     zarr at the step's index, and the step's conservation numbers."""
-    entry = next(e for e in json.loads((run_dir / "manifest.json").read_text())["explain"]
-                 if e["method"] == "lrp" and e["sequence"] == seq and step in e["steps"])
+    entry = next(
+        e
+        for e in json.loads((run_dir / "manifest.json").read_text())["explain"]
+        if e["method"] == "lrp" and e["sequence"] == seq and step in e["steps"]
+    )
     k = entry["steps"].index(step)
     arrays = {name: zarr.open_array(str(run_dir / path), mode="r")[k] for name, path in entry["components"].items()}
     return {"id": entry["id"], "arrays": arrays, "result": next(r for r in entry["results"] if r["step"] == step)}
@@ -456,7 +496,7 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     attn = archive_attention(run_dir, 1, 2)
     assert d["over_heads"]["mean"] == attn.mean(axis=1, dtype=np.float32).tolist()
     assert d["over_heads"]["max"] == attn.max(axis=1).tolist()
-    assert d["over_heads"]["keys"] == archive_tokens(run_dir, 1).token_text.tolist()[:attn.shape[-1]]
+    assert d["over_heads"]["keys"] == archive_tokens(run_dir, 1).token_text.tolist()[: attn.shape[-1]]
     scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas()
     own = scores[(scores.sequence == 1) & (scores.step == 2)]
     assert sorted(a["method"] for a in d["attributions"]) == ["grad_x_input", "lrp", "occlusion"]
@@ -474,8 +514,10 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
     assert c["heads"] == ref["arrays"]["heads"].tolist() and len(c["heads"]) == len(c["layers"])
     assert c["per_layer"] == {n: ref["arrays"][n].tolist() for n in ("attention", "mlp", "attention_bias")}
     assert c["layers"] == list(range(ref["arrays"]["heads"].shape[0]))
-    assert c["conservation"] == {k: ref["result"][k] for k in ("f_x", "sum_scores", "bias_relevance",
-                                                                "conservation_error", "conservation_error_relative")}
+    assert c["conservation"] == {
+        k: ref["result"][k]
+        for k in ("f_x", "sum_scores", "bias_relevance", "conservation_error", "conservation_error_relative")
+    }
     assert abs(c["conservation"]["conservation_error_relative"]) < 1e-4
     assert server.json("/api/runs/tiny/sequences/1/steps/3")["attributions"] == []
     assert server.json("/api/runs/child/sequences/1/steps/2")["attributions"] is None
@@ -484,9 +526,8 @@ def test_mean_and_max_over_heads_and_attributions_of_the_step(server, runs_dir):
 def test_kept_reads_follow_a_rewritten_table_and_a_run_damaged_after_opening(runs_dir, tmp_path, monkeypatch):
     import pyarrow as pa
 
-    from lmtrace.viewdata import kept
-    from lmtrace.viewdata import queries
     from lmtrace.serve.catalog import Catalog
+    from lmtrace.viewdata import kept, queries
 
     table = tmp_path / "t.parquet"
     pq.write_table(pa.table({"x": [1, 2]}), table)
@@ -517,8 +558,14 @@ def _playwright():
     return sync_playwright
 
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def open_page(p, problems: list, requests: list):
@@ -526,7 +573,9 @@ def open_page(p, problems: list, requests: list):
     and request addresses are collected."""
     browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on(
+        "console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None
+    )
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("request", lambda r: requests.append(r.url))
     return browser, page
@@ -591,9 +640,12 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         page.click("#strip .tok.gen[data-step='2']")
         for step in (2, 3):
             page.wait_for_selector(f"#detail[data-step='{step}'] #attention-grid")
-            cells = page.eval_on_selector_all("#attention-grid td.cell", """cells => cells.map(c => ({
+            cells = page.eval_on_selector_all(
+                "#attention-grid td.cell",
+                """cells => cells.map(c => ({
                 layer: +c.dataset.layer, head: +c.dataset.head, key: +c.dataset.key,
-                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""")
+                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""",
+            )
             attn = archive_attention(run_dir, 2, step)
             texts = archive_tokens(run_dir, 2).token_text.tolist()
             assert len(cells) == attn.shape[0] * attn.shape[1]
@@ -608,14 +660,21 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         # the chosen token's rank (tokens.parquet's token_rank, counted from 1) in its tooltip and the step's facts
         rank = int(archive_tokens(run_dir, 2).query("step == 3").token_rank.iloc[0]) + 1
         assert f" rank {rank} " in page.get_attribute("#strip .tok.gen[data-step='3']", "title")
-        facts = dict(page.eval_on_selector_all("#detail table.list tr", """rs => rs.filter(r => r.querySelector('th')
-            && r.querySelector('td')).map(r => [r.querySelector('th').textContent, r.querySelector('td').textContent])"""))
+        facts = dict(
+            page.eval_on_selector_all(
+                "#detail table.list tr",
+                """rs => rs.filter(r => r.querySelector('th')
+            && r.querySelector('td')).map(r => [r.querySelector('th').textContent, r.querySelector('td').textContent])""",
+            )
+        )
         assert facts["rank (1 = top-1)"] == str(rank)
 
         # one head's row over the keys
         page.click("#attention-grid td.cell[data-layer='1'][data-head='2']")
         page.wait_for_selector("#head-row .row-keys")
-        keys = page.eval_on_selector_all("#head-row .tok.key", "ks => ks.map(k => [+k.dataset.key, k.querySelector('small').textContent])")
+        keys = page.eval_on_selector_all(
+            "#head-row .tok.key", "ks => ks.map(k => [+k.dataset.key, k.querySelector('small').textContent])"
+        )
         attn = archive_attention(run_dir, 2, 3)
         assert [k for k, _ in keys] == list(range(attn.shape[-1]))
         assert [float(w) for _, w in keys] == pytest.approx(attn[1, 2].tolist(), abs=5e-4)
@@ -633,7 +692,12 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         page.wait_for_selector("#detail[data-step='0'] #attention-grid")
         assert page.inner_text("#prompt") == INJECTIONS[1]
         assert page.eval_on_selector_all("img", "n => n.length") == 0
-        assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == ["/static/tokenview.js", "/static/groups.js", "/static/compare.js", "/static/app.js"]
+        assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == [
+            "/static/tokenview.js",
+            "/static/groups.js",
+            "/static/compare.js",
+            "/static/app.js",
+        ]
         browser.close()
 
     assert problems == [] and dialogs == []
@@ -648,8 +712,13 @@ def test_serve_command_prints_its_address_serves_and_stops_on_ctrl_c(runs_dir, t
     import urllib.request
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0"],
-                            cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()
         url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
@@ -675,9 +744,16 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
     from tests.helpers.cli import wait_committed as _wait_committed
 
     spec = tmp_path / "long.yaml"
-    spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": ["Count slowly from one to one hundred:"],
-                                    "generation": {"max_new_tokens": 400, "eos_token_id": 0},
-                                    "output": {"chunk_steps": 4}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_llama_dir),
+                "prompts": ["Count slowly from one to one hundred:"],
+                "generation": {"max_new_tokens": 400, "eos_token_id": 0},
+                "output": {"chunk_steps": 4},
+            }
+        )
+    )
     runs = tmp_path / "runs"
     writer = _cli(["generate", str(spec)], runs)
     run_dir = _wait_committed(runs, 8)
@@ -702,7 +778,11 @@ def test_killed_run_is_shown_up_to_its_last_committed_block(tmp_path, tiny_llama
         # prompts read from a file (not in the manifest): the committed prompt tokens, joined
         shutil.copytree(run_dir, runs / "from-file")
         manifest = json.loads((runs / "from-file" / "manifest.json").read_text())
-        manifest["spec_resolved"]["prompts"] = {**manifest["spec_resolved"]["prompts"], "texts": None, "file": "prompts.txt"}
+        manifest["spec_resolved"]["prompts"] = {
+            **manifest["spec_resolved"]["prompts"],
+            "texts": None,
+            "file": "prompts.txt",
+        }
         (runs / "from-file" / "manifest.json").write_text(json.dumps(manifest))
         parts = pq.read_table(runs / "from-file" / "tokens.parts").to_pandas()
         own = "".join(parts[(parts.sequence == 0) & parts.is_prompt].sort_values("position").token_text)
@@ -733,13 +813,17 @@ def check_lrp_components(page, prefix: str, run_dir: Path, seq: int, step: int, 
     same = lambda a, b: a == pytest.approx(b, rel=rel, abs=1e-30)  # noqa: E731
     box = f"#{prefix}attribution-panel .attribution[data-method='lrp'][data-explain='{ref['id']}']"
     heads = ref["arrays"]["heads"]
-    cells = page.eval_on_selector_all(f"{box} .head-relevance td.cell",
-                                      "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, +c.dataset.value, c.textContent])")
+    cells = page.eval_on_selector_all(
+        f"{box} .head-relevance td.cell",
+        "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, +c.dataset.value, c.textContent])",
+    )
     assert len(cells) == heads.size
     for layer, head, value, text in cells:
         assert same(value, float(heads[layer, head])) and float(text) == pytest.approx(value, abs=5.1e-5)
-    rows = page.eval_on_selector_all(f"{box} .per-layer td.cell",
-                                     "cs => cs.map(c => [+c.closest('tr').dataset.layer, c.dataset.component, +c.dataset.value])")
+    rows = page.eval_on_selector_all(
+        f"{box} .per-layer td.cell",
+        "cs => cs.map(c => [+c.closest('tr').dataset.layer, c.dataset.component, +c.dataset.value])",
+    )
     assert sorted({r[1] for r in rows}) == ["attention", "attention_bias", "mlp"] and len(rows) == 3 * heads.shape[0]
     for layer, name, value in rows:
         assert same(value, float(ref["arrays"][name][layer]))
@@ -749,7 +833,9 @@ def check_lrp_components(page, prefix: str, run_dir: Path, seq: int, step: int, 
         terms = [c[2] for c in cells if c[0] == layer] + [got[(layer, "attention_bias")]]
         assert got[(layer, "attention")] == pytest.approx(sum(terms), abs=1e-5 + (rel + 1e-6) * sum(map(abs, terms)))
     line = page.eval_on_selector(f"{box} .conservation", "n => [+n.dataset.error, +n.dataset.relative, n.textContent]")
-    assert same(line[0], ref["result"]["conservation_error"]) and same(line[1], ref["result"]["conservation_error_relative"])
+    assert same(line[0], ref["result"]["conservation_error"]) and same(
+        line[1], ref["result"]["conservation_error_relative"]
+    )
     assert float(re.search(r"f = (\S+),", line[2]).group(1)) == pytest.approx(ref["result"]["f_x"], rel=rel, abs=5.1e-5)
 
 
@@ -774,19 +860,29 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         page.wait_for_selector(".sweep-metric[data-metric='kl'] td.cell")
         for metric in ("logprob", "kl"):
             archived = zarr.open_array(str(d / "effects.zarr" / f"effect_{metric}"), mode="r")[...]
-            cells = page.eval_on_selector_all(f".sweep-metric[data-metric='{metric}'] td.cell",
-                                              "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, c.textContent])")
+            cells = page.eval_on_selector_all(
+                f".sweep-metric[data-metric='{metric}'] td.cell",
+                "cs => cs.map(c => [+c.dataset.layer, +c.dataset.head, c.textContent])",
+            )
             assert len(cells) == archived.size
             for layer, head, text in cells:
-                assert float(text) == pytest.approx(float(archived[layer, head]), rel=5e-3, abs=1e-12), (metric, layer, head)
+                assert float(text) == pytest.approx(float(archived[layer, head]), rel=5e-3, abs=1e-12), (
+                    metric,
+                    layer,
+                    head,
+                )
         page.click(".sweep-metric[data-metric='kl'] td.cell[data-layer='2'][data-head='1']")
         page.wait_for_selector(".sweep-rows tbody tr")
         long = pq.read_table(d / "sweep.parquet").to_pandas()
         own = long[(long.metric == "kl") & (long.layer == 2) & (long["q_head"] == 1)].sort_values(["sequence", "step"])
-        rows = page.eval_on_selector_all(".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
+        rows = page.eval_on_selector_all(
+            ".sweep-rows tbody tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))"
+        )
         assert [(int(r[0]), int(r[1])) for r in rows] == list(zip(own.sequence, own.step))
         assert [float(r[5]) for r in rows] == pytest.approx(own.effect.tolist(), abs=5e-5)
-        assert [r[2] for r in rows] == [shown_token(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)]
+        assert [r[2] for r in rows] == [
+            shown_token(gen(parent_tokens, s).set_index("step").token_text[t]) for s, t in zip(own.sequence, own.step)
+        ]
         assert_no_placeholder_text(page)
         page.locator(".sweep").first.screenshot(path=str(shots / "serve-sweep.png"))
 
@@ -800,8 +896,10 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         page.wait_for_selector("#pairs tr.pair-row")
         assert page.evaluate("location.hash") == "#/compare/tiny/child"
         firsts = page.eval_on_selector_all("#pairs tr.pair-row", "rs => rs.map(r => r.dataset.first)")
-        expected = [first_divergence(gen(parent_tokens, s).token_id.tolist(), gen(child_tokens, s).token_id.tolist())
-                    for s in range(4)]
+        expected = [
+            first_divergence(gen(parent_tokens, s).token_id.tolist(), gen(child_tokens, s).token_id.tolist())
+            for s in range(4)
+        ]
         assert firsts == ["" if f is None else str(f) for f in expected]
         assert page.inner_text("#verdict") == server.json("/api/compare?a=tiny&b=child")["verdict"]
         assert_no_placeholder_text(page)
@@ -811,14 +909,27 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         seq = next(s for s, f in enumerate(expected) if f is not None)
         page.goto(server.base + f"/#/run/child/seq/{seq}")
         page.wait_for_selector("#parent-steps tbody tr")
-        rows = page.eval_on_selector_all("#parent-steps tbody tr", """rs => rs.map(r => [+r.dataset.step,
+        rows = page.eval_on_selector_all(
+            "#parent-steps tbody tr",
+            """rs => rs.map(r => [+r.dataset.step,
             r.querySelector('.parent').textContent, r.querySelector('.child').textContent, r.classList.contains('differs'),
-            r.querySelector('.shift').textContent])""")
-        pt, ct = gen(parent_tokens, seq).set_index("step").token_text, gen(child_tokens, seq).set_index("step").token_text
-        effects = pq.read_table(runs_dir / "child" / "effects.parquet").to_pandas().query("sequence == @seq").set_index("step")
+            r.querySelector('.shift').textContent])""",
+        )
+        pt, ct = (
+            gen(parent_tokens, seq).set_index("step").token_text,
+            gen(child_tokens, seq).set_index("step").token_text,
+        )
+        effects = (
+            pq.read_table(runs_dir / "child" / "effects.parquet")
+            .to_pandas()
+            .query("sequence == @seq")
+            .set_index("step")
+        )
         assert [r[0] for r in rows] == sorted(set(pt.index) | set(ct.index))
         for step, ptext, ctext, differs, shift in rows:
-            assert ptext == shown_token(pt.get(step, "")) and ctext == shown_token(ct.get(step, ""))  # missing: an empty box
+            assert ptext == shown_token(pt.get(step, "")) and ctext == shown_token(
+                ct.get(step, "")
+            )  # missing: an empty box
             assert differs == (pt.get(step) != ct.get(step))
             ref = effects.logprob_shift.get(step)
             assert shift == "" if ref is None or np.isnan(ref) else float(shift) == pytest.approx(ref, abs=5e-5)
@@ -832,10 +943,14 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         page.wait_for_selector("#detail[data-step='2'] #attribution-panel .attribution")
         scores = pq.read_table(run_dir / "explain" / "scores.parts").to_pandas().query("sequence == 1 and step == 2")
         for method in ("grad_x_input", "occlusion", "lrp"):
-            got = page.eval_on_selector_all(f".attribution[data-method='{method}'] .tok",
-                                            "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])")
+            got = page.eval_on_selector_all(
+                f".attribution[data-method='{method}'] .tok",
+                "ts => ts.map(t => [+t.dataset.position, +t.dataset.score, t.firstChild.textContent])",
+            )
             own = scores[scores.method == method].sort_values("position")
-            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [shown_token(t) for t in own.token_text]
+            assert [g[0] for g in got] == own.position.tolist() and [g[2] for g in got] == [
+                shown_token(t) for t in own.token_text
+            ]
             assert [g[1] for g in got] == [float(x) for x in own.score]
         check_lrp_components(page, "", run_dir, 1, 2)
         page.locator(".attribution[data-method='lrp']").screenshot(path=str(shots / "serve-lrp.png"))
@@ -843,26 +958,34 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         for layer, head in ((2, 3), (0, 1)):
             page.click(f"#attention-grid td.cell[data-layer='{layer}'][data-head='{head}']")
             page.wait_for_selector(f".pattern[data-layer='{layer}'][data-head='{head}'] .pattern-grid")
-            rows = page.eval_on_selector_all(f".pattern[data-layer='{layer}'][data-head='{head}'] tbody tr",
-                                             "rs => rs.map(r => [...r.querySelectorAll('td')].map(c => c.dataset.w ?? null))")
+            rows = page.eval_on_selector_all(
+                f".pattern[data-layer='{layer}'][data-head='{head}'] tbody tr",
+                "rs => rs.map(r => [...r.querySelectorAll('td')].map(c => c.dataset.w ?? null))",
+            )
             assert len(rows) == n
             for s, row in enumerate(rows):
-                ref = np.asarray(group["attn"][1, s, layer, head, :P + s], dtype=np.float32)
-                assert [float(w) for w in row[:P + s]] == ref.tolist() and row[P + s:] == [None] * (n - 1 - s)
+                ref = np.asarray(group["attn"][1, s, layer, head, : P + s], dtype=np.float32)
+                assert [float(w) for w in row[: P + s]] == ref.tolist() and row[P + s :] == [None] * (n - 1 - s)
         assert_no_placeholder_text(page)
         page.screenshot(path=str(shots / "serve-heads.png"), full_page=True)
         page.keyboard.press("ArrowRight")
-        page.wait_for_selector("#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] tr.current[data-step='3']")
+        page.wait_for_selector(
+            "#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] tr.current[data-step='3']"
+        )
         assert page.eval_on_selector_all(".pattern", "ps => ps.length") == 2
         attn = archive_attention(run_dir, 1, 3)
         for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
             page.select_option("#grid-view", view)
             page.wait_for_selector(f"#attention-{view}")
-            cells = page.eval_on_selector_all(f"#attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])")
+            cells = page.eval_on_selector_all(
+                f"#attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])"
+            )
             assert len(cells) == ref.size and all(w == float(ref[li, k]) for li, k, w in cells)
         page.select_option("#grid-view", "heads")
         small = "#detail .pattern[data-layer='0'][data-head='1'] td.cell"
-        before = page.eval_on_selector_all(small, "cs => cs.map(c => [+c.dataset.w, getComputedStyle(c).backgroundColor])")
+        before = page.eval_on_selector_all(
+            small, "cs => cs.map(c => [+c.dataset.w, getComputedStyle(c).backgroundColor])"
+        )
         page.check("#log-scale")
         after = page.eval_on_selector_all(small, "cs => cs.map(c => getComputedStyle(c).backgroundColor)")
         darker = lambda rgb: sum(int(x) for x in rgb[4:-1].split(","))  # noqa: E731
@@ -886,8 +1009,9 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
     run_dir = runs_dir / "tiny"
     group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
     lengths = group["generated_len"][:]
-    out = report_run(str(run_dir), out=tmp_path / "report.html", sequences=[1, 2, 3], layers=[1],
-                     attention_step=100).path
+    out = report_run(
+        str(run_dir), out=tmp_path / "report.html", sequences=[1, 2, 3], layers=[1], attention_step=100
+    ).path
     text = out.read_text(encoding="utf-8")
     for prompt in INJECTIONS:  # neither prompt is in the page's source as written: escaped in markup and JSON
         assert prompt not in text
@@ -909,9 +1033,12 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         page.click("#s2-strip .tok.gen[data-step='1']")
         for step in (1, 2):
             page.wait_for_selector(f"#s2-detail[data-step='{step}'] #s2-attention-grid")
-            cells = page.eval_on_selector_all("#s2-attention-grid td.cell", """cells => cells.map(c => ({
+            cells = page.eval_on_selector_all(
+                "#s2-attention-grid td.cell",
+                """cells => cells.map(c => ({
                 layer: +c.dataset.layer, head: +c.dataset.head, key: +c.dataset.key, weight: +c.dataset.weight,
-                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""")
+                w: c.querySelector('.w').textContent, k: c.querySelector('.k').textContent}))""",
+            )
             attn = archive_attention(run_dir, 2, step)
             texts = archive_tokens(run_dir, 2).token_text.tolist()
             assert len(cells) == attn.shape[0] * attn.shape[1]
@@ -942,7 +1069,9 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         lens = page.eval_on_selector_all("#s2-lens tbody tr", "rows => rows.map(r => r.children[1].textContent)")
         assert lens == [shown_token(vocab[int(i)]) for i in ids[:, 0]]
         tok = archive_tokens(run_dir, 2).query("step == 2").iloc[0]
-        alts = page.eval_on_selector_all("#s2-alternatives tbody tr", "rows => rows.map(r => [...r.children].map(c => c.textContent))")
+        alts = page.eval_on_selector_all(
+            "#s2-alternatives tbody tr", "rows => rows.map(r => [...r.children].map(c => c.textContent))"
+        )
         assert [a for a, _ in alts] == [shown_token(vocab[int(i)]) for i in tok.alt_ids]
         assert [float(p) for _, p in alts] == pytest.approx([math.exp(x) for x in tok.alt_logprobs], abs=1e-4)
         dla = page.eval_on_selector_all("#s2-dla-grid td.cell", "cs => cs.map(c => +c.textContent)")
@@ -952,7 +1081,9 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
             page.select_option("#s2-grid-view", view)
             page.wait_for_selector(f"#s2-attention-{view}")
-            cells = page.eval_on_selector_all(f"#s2-attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])")
+            cells = page.eval_on_selector_all(
+                f"#s2-attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])"
+            )
             assert len(cells) == ref.size
             assert [w for _, _, w in cells] == pytest.approx([float(ref[li, k]) for li, k, _ in cells], abs=5.1e-5)
         page.select_option("#s2-grid-view", "heads")
@@ -976,8 +1107,19 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
     sync_playwright = _playwright()
     runs = tmp_path / "runs"
     shutil.copytree(runs_dir / "tiny", runs / "tiny", ignore=shutil.ignore_patterns("sweeps", "explain"))
-    proc = lmtrace(tmp_path, "sweep", str(runs / "tiny"), "--over", "heads", "--edit", "zero", "--positions", "1-2",
-                   "--metric", "logprob")
+    proc = lmtrace(
+        tmp_path,
+        "sweep",
+        str(runs / "tiny"),
+        "--over",
+        "heads",
+        "--edit",
+        "zero",
+        "--positions",
+        "1-2",
+        "--metric",
+        "logprob",
+    )
     assert proc.returncode == 0, proc.stderr
     d = sweep_dir_of(runs / "tiny")
     archived = zarr.open_group(str(d / "effects.zarr"), mode="r")["effect_logprob"][...]
@@ -992,14 +1134,18 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
             page.wait_for_selector(".sweep-metric[data-metric='logprob'] td.cell")
 
             def cells():
-                return page.eval_on_selector_all(".sweep-metric td.cell", "cs => cs.map(c => [{...c.dataset}, c.textContent])")
+                return page.eval_on_selector_all(
+                    ".sweep-metric td.cell", "cs => cs.map(c => [{...c.dataset}, c.textContent])"
+                )
 
             def check(index_of):  # every cell drawn: its coordinates' value in effects.zarr
                 got = cells()
                 assert len(got) == 16
                 for data, text in got:
                     ref = float(archived[index_of(data)])
-                    assert float(text) == pytest.approx(ref, rel=5e-3, abs=1e-12) and float(data["value"]) == pytest.approx(ref, rel=1e-6)
+                    assert float(text) == pytest.approx(ref, rel=5e-3, abs=1e-12) and float(
+                        data["value"]
+                    ) == pytest.approx(ref, rel=1e-6)
 
             # layer × head at position 1, then at position 2
             for i, position in enumerate((1, 2)):
@@ -1012,7 +1158,9 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
             got = cells()
             assert len(got) == 8 and {c["head"] for c, _ in got} == {"3"}
             for c, text in got:
-                assert float(text) == pytest.approx(float(archived[int(c["layer"]), 3, int(c["position"]) - 1]), rel=5e-3)
+                assert float(text) == pytest.approx(
+                    float(archived[int(c["layer"]), 3, int(c["position"]) - 1]), rel=5e-3
+                )
             # the terminal's ranking: its top cells, found on the page with the same numbers
             for r in top[:3]:
                 page.select_option(".sweep-axes select.axis-row", "layer")
@@ -1036,8 +1184,10 @@ def test_sweep_over_three_coordinates_shows_a_chosen_pair_at_the_others_values(r
 
 # ---- the screenshots of docs/serve.md: a small run of the embedded model ----------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("LMTRACE_DOC_SCREENSHOTS") != "1",
-                    reason="retakes docs/img/serve-*.png; set LMTRACE_DOC_SCREENSHOTS=1")
+@pytest.mark.skipif(
+    os.environ.get("LMTRACE_DOC_SCREENSHOTS") != "1",
+    reason="retakes docs/img/serve-*.png; set LMTRACE_DOC_SCREENSHOTS=1",
+)
 def test_doc_screenshots_of_the_embedded_model(tmp_path):
     """2 chat prompts x 12 tokens of the embedded SmolLM2-135M (configs/demo.yaml) with the lens, head
     DLA, a head sweep, attributions and an intervention child; each page of docs/serve.md drawn
@@ -1047,15 +1197,44 @@ def test_doc_screenshots_of_the_embedded_model(tmp_path):
 
     sync_playwright = _playwright()
     runs = tmp_path / "runs"
-    proc = lmtrace(tmp_path, "generate", str(REPO / "configs" / "demo.yaml"), "--run-id", "demo", "--lens", "-q",
-                   "--set", "generation.max_new_tokens=12", "--set", "capture.head_dla=true", timeout=900)
+    proc = lmtrace(
+        tmp_path,
+        "generate",
+        str(REPO / "configs" / "demo.yaml"),
+        "--run-id",
+        "demo",
+        "--lens",
+        "-q",
+        "--set",
+        "generation.max_new_tokens=12",
+        "--set",
+        "capture.head_dla=true",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
-    proc = lmtrace(tmp_path, "sweep", "demo", "--over", "heads", "--edit", "zero", "--metric", "logprob",
-                   "--metric", "kl", timeout=900)
+    proc = lmtrace(
+        tmp_path,
+        "sweep",
+        "demo",
+        "--over",
+        "heads",
+        "--edit",
+        "zero",
+        "--metric",
+        "logprob",
+        "--metric",
+        "kl",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr
     explain_run(runs / "demo", "3,4", sequence=0, methods=["grad_x_input"])
-    run_intervene(str(runs / "demo"), [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 3}}], mode="regenerate",
-                  runs_dir=str(runs), run_id="demo-no-mlp0")
+    run_intervene(
+        str(runs / "demo"),
+        [{"kind": "ablate_mlp", "layer": 0, "steps": {"from": 3}}],
+        mode="regenerate",
+        runs_dir=str(runs),
+        run_id="demo-no-mlp0",
+    )
     img = REPO / "docs" / "img"
     live = LiveServer(runs)
     problems = []
@@ -1100,23 +1279,43 @@ def test_doc_screenshots_of_the_embedded_model(tmp_path):
 TOKEN = "s3cret-token"
 HOSTILE = [
     # (address, the documented status: 303 for a first visit with the token, 4xx for the rest)
-    (f"//evil.example.com?token={TOKEN}", 303), (f"///evil.example.com/x?token={TOKEN}", 303),
-    (f"/\\evil.example.com?token={TOKEN}", 303), (f"/%2F%2Fevil.example.com?token={TOKEN}", 303),
-    (f"/%5C%5Cevil.example.com?token={TOKEN}", 303), (f"/%E2%82%AC?token={TOKEN}", 303),
+    (f"//evil.example.com?token={TOKEN}", 303),
+    (f"///evil.example.com/x?token={TOKEN}", 303),
+    (f"/\\evil.example.com?token={TOKEN}", 303),
+    (f"/%2F%2Fevil.example.com?token={TOKEN}", 303),
+    (f"/%5C%5Cevil.example.com?token={TOKEN}", 303),
+    (f"/%E2%82%AC?token={TOKEN}", 303),
     (f"/api/runs/tiny/sequences/%E2%82%AC?token={TOKEN}", 303),
-    ("/%E2%82%AC", 404), ("/%FF%FE", 404), ("/api/runs/%E2%82%AC", 404), ("/api/runs/tiny%00", 404),
-    ("/api/runs/tiny/sequences/%E2%82%AC", 404), ("/api/runs/tiny/sequences/%D9%A3", 404),  # an Arabic-Indic 3
-    ("/api/runs/tiny/sequences/" + "9" * 5000, 404), ("/api/runs/tiny/sequences/0/steps/" + "1" * 4400, 404),
+    ("/%E2%82%AC", 404),
+    ("/%FF%FE", 404),
+    ("/api/runs/%E2%82%AC", 404),
+    ("/api/runs/tiny%00", 404),
+    ("/api/runs/tiny/sequences/%E2%82%AC", 404),
+    ("/api/runs/tiny/sequences/%D9%A3", 404),  # an Arabic-Indic 3
+    ("/api/runs/tiny/sequences/" + "9" * 5000, 404),
+    ("/api/runs/tiny/sequences/0/steps/" + "1" * 4400, 404),
     ("/api/runs/tiny/sequences/0/steps/0/attention/" + "2" * 4301 + "/0", 404),
     ("/api/runs/tiny/sequences/1/attention/0/" + "7" * 6000, 404),
-    ("/api/runs/tiny/sequences?page=" + "9" * 5000, 400), ("/api/runs/tiny/sequences?page=abc", 400),
-    ("/api/runs/tiny/sequences?page=%E2%82%AC", 400), ("/api/runs/tiny/sequences?sort=nope", 400),
-    ("/api/runs/tiny/sequences/abc", 404), ("/api/runs/tiny/sequences/-5", 404), ("/api/runs/tiny/sequences/0x1", 404),
-    ("/api/runs/tiny/sequences/0/steps/x", 404), ("/api/runs/tiny/sequences/0/steps/-1", 404),
-    ("/api/runs/tiny/sequences/0/steps/0/attention/x/0", 404), ("/api/runs/tiny/sequences/0/steps/0/attention/0/99", 404),
-    ("/api/runs/tiny/sequences/99", 404), ("/api/runs/nope", 404), ("/api/runs/nope/sequences/0", 404),
-    ("/api/nothing", 404), ("/nothing/at/all", 404), ("/static/nope.js", 404), ("/api/runs/tiny/sweeps/nope", 404),
-    ("/api/compare?a=tiny&b=nope", 404), ("/api/runs/tiny/sweeps/x/cell?metric=kl&layer=" + "9" * 5000, 400),
+    ("/api/runs/tiny/sequences?page=" + "9" * 5000, 400),
+    ("/api/runs/tiny/sequences?page=abc", 400),
+    ("/api/runs/tiny/sequences?page=%E2%82%AC", 400),
+    ("/api/runs/tiny/sequences?sort=nope", 400),
+    ("/api/runs/tiny/sequences/abc", 404),
+    ("/api/runs/tiny/sequences/-5", 404),
+    ("/api/runs/tiny/sequences/0x1", 404),
+    ("/api/runs/tiny/sequences/0/steps/x", 404),
+    ("/api/runs/tiny/sequences/0/steps/-1", 404),
+    ("/api/runs/tiny/sequences/0/steps/0/attention/x/0", 404),
+    ("/api/runs/tiny/sequences/0/steps/0/attention/0/99", 404),
+    ("/api/runs/tiny/sequences/99", 404),
+    ("/api/runs/nope", 404),
+    ("/api/runs/nope/sequences/0", 404),
+    ("/api/nothing", 404),
+    ("/nothing/at/all", 404),
+    ("/static/nope.js", 404),
+    ("/api/runs/tiny/sweeps/nope", 404),
+    ("/api/compare?a=tiny&b=nope", 404),
+    ("/api/runs/tiny/sweeps/x/cell?metric=kl&layer=" + "9" * 5000, 400),
 ]
 
 
@@ -1161,11 +1360,25 @@ def test_no_answer_names_where_the_runs_directory_is(server, runs_dir):
     assert status == 404 and json.loads(body)["error"] == "no run 'nope' in the runs directory"
     assert server.json("/api/runs")["runs_dir"] == runs_dir.resolve().name
     where = str(runs_dir.resolve().parent).encode()
-    for path in ("/api/runs", "/api/runs/tiny", "/api/runs/child", "/api/runs/damaged", "/api/compare?a=tiny&b=child",
-                 "/api/runs/child/sequences/0/parent", "/api/runs/tiny/sequences/1/steps/2", "/api/runs/tiny/sequences",
-                 "/api/runs/damaged/sequences/0/steps/0", "/api/runs/nope/sequences/0", "/api/runs/tiny/sweeps/x"):
+    for path in (
+        "/api/runs",
+        "/api/runs/tiny",
+        "/api/runs/child",
+        "/api/runs/damaged",
+        "/api/compare?a=tiny&b=child",
+        "/api/runs/child/sequences/0/parent",
+        "/api/runs/tiny/sequences/1/steps/2",
+        "/api/runs/tiny/sequences",
+        "/api/runs/damaged/sequences/0/steps/0",
+        "/api/runs/nope/sequences/0",
+        "/api/runs/tiny/sweeps/x",
+    ):
         status, _, body = server.request(path)
-        assert status in (200, 404, 409) and where not in body, (path, status, body[max(0, body.find(where) - 200):][:400])
+        assert status in (200, 404, 409) and where not in body, (
+            path,
+            status,
+            body[max(0, body.find(where) - 200) :][:400],
+        )
 
 
 # ---- a loopback --host other than 127.0.0.1 answers its own requests ------------------------------
@@ -1175,8 +1388,13 @@ def serve_process(runs_dir: Path, tmp_path: Path, *args: str):
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0",
-                             *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmtrace.cli", "serve", "--runs-dir", str(runs_dir), "--port", "0", *args],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stderr.readline()
     found = re.search(r"http://(\S+?):(\d+)/", line)
     assert found, line
@@ -1190,7 +1408,13 @@ def test_serve_on_another_loopback_address_answers_requests_addressed_to_it(runs
     proc, shown, port = serve_process(runs_dir, tmp_path, "--host", host)
     try:
         assert shown == (f"[{host}]" if ":" in host else host)
-        for host_header in (f"{shown}:{port}", f"localhost:{port}", f"127.0.0.1:{port}", f"127.9.8.7:{port}", f"[::1]:{port}"):
+        for host_header in (
+            f"{shown}:{port}",
+            f"localhost:{port}",
+            f"127.0.0.1:{port}",
+            f"127.9.8.7:{port}",
+            f"[::1]:{port}",
+        ):
             conn = http.client.HTTPConnection(host, port, timeout=30)
             conn.request("GET", "/api/runs", headers={"Host": host_header})
             r = conn.getresponse()
@@ -1237,9 +1461,19 @@ def test_a_loopback_name_the_server_was_bound_to_is_an_accepted_host(runs_dir, m
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "GET", "path": "/api/runs", "raw_path": b"/api/runs", "query_string": b"",
-                 "headers": [(b"host", host_header.encode())], "root_path": "", "scheme": "http", "http_version": "1.1",
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8765)}
+        scope = {
+            "type": "http",
+            "method": "GET",
+            "path": "/api/runs",
+            "raw_path": b"/api/runs",
+            "query_string": b"",
+            "headers": [(b"host", host_header.encode())],
+            "root_path": "",
+            "scheme": "http",
+            "http_version": "1.1",
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 8765),
+        }
         asyncio.run(app(scope, receive, send))
         return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
@@ -1282,7 +1516,9 @@ def test_a_copy_of_a_run_opens_under_its_own_name_and_a_symlink_to_a_run_is_list
         s.stop()
 
 
-def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_follows_it_to_the_end(tmp_path, tiny_llama_dir):
+def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_follows_it_to_the_end(
+    tmp_path, tiny_llama_dir
+):
     """A writer SIGKILLed mid-run: its run and sequence pages say `killed`, as the list does, with the
     spec's prompt. Resumed, it is `running · live` while its writer holds the owner lock; the sequence page
     opened then, never reloaded, follows it to the end: every generated token, and `complete`."""
@@ -1296,8 +1532,16 @@ def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_fo
     sync_playwright = _playwright()
     prompt = "Count slowly from one to one hundred:"
     spec = tmp_path / "long.yaml"
-    spec.write_text(yaml.safe_dump({"model": str(tiny_llama_dir), "prompts": [prompt],
-                                    "generation": {"max_new_tokens": 96, "eos_token_id": 0}, "output": {"chunk_steps": 4}}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_llama_dir),
+                "prompts": [prompt],
+                "generation": {"max_new_tokens": 96, "eos_token_id": 0},
+                "output": {"chunk_steps": 4},
+            }
+        )
+    )
     runs = tmp_path / "runs"
     writer = _cli(["generate", str(spec)], runs)
     run_dir = _wait_committed(runs, 8)
@@ -1349,7 +1593,9 @@ def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_fo
             assert n > committed
             assert page.eval_on_selector_all("#strip .tok.gen", strip_steps) == list(range(n))
             generated = archive_tokens(run_dir, 0).query("not is_prompt").token_text.tolist()
-            assert page.eval_on_selector_all("#strip .tok.gen", "ts => ts.map(t => t.textContent)") == [shown(t) for t in generated]
+            assert page.eval_on_selector_all("#strip .tok.gen", "ts => ts.map(t => t.textContent)") == [
+                shown(t) for t in generated
+            ]
             assert page.query_selector("#run-note") is None and page.inner_text("#prompt") == prompt
             browser.close()
     finally:
@@ -1359,12 +1605,29 @@ def test_a_killed_run_is_killed_on_its_pages_and_a_running_runs_sequence_page_fo
 
 # ---- a token "-" and a missing value look different --------------------------------------------------
 MISSING_VS_DASH = {
-    "sequence": 0, "step": 0, "attention": None, "head_dla": None, "attributions": None,
-    "token": {"token": "-", "token_id": 12, "position": 1, "prob": 0.5, "token_rank": 0, "entropy": 1.0, "margin": None,
-              "greedy": None, "alternatives": [{"id": 12, "text": "-", "prob": 0.5}, {"id": 13, "text": "–", "prob": None}]},
-    "lens": {"state": "ready", "rows": [
-        {"layer": 0, "top1": "-", "top1_id": 12, "top1_prob": 0.4, "target_rank": None, "target_prob": None},
-        {"layer": 1, "top1": "–", "top1_id": 13, "top1_prob": 0.3, "target_rank": 0, "target_prob": 0.3}]},
+    "sequence": 0,
+    "step": 0,
+    "attention": None,
+    "head_dla": None,
+    "attributions": None,
+    "token": {
+        "token": "-",
+        "token_id": 12,
+        "position": 1,
+        "prob": 0.5,
+        "token_rank": 0,
+        "entropy": 1.0,
+        "margin": None,
+        "greedy": None,
+        "alternatives": [{"id": 12, "text": "-", "prob": 0.5}, {"id": 13, "text": "–", "prob": None}],
+    },
+    "lens": {
+        "state": "ready",
+        "rows": [
+            {"layer": 0, "top1": "-", "top1_id": 12, "top1_prob": 0.4, "target_rank": None, "target_prob": None},
+            {"layer": 1, "top1": "–", "top1_id": 13, "top1_prob": 0.3, "target_rank": 0, "target_prob": 0.3},
+        ],
+    },
 }
 
 
@@ -1379,33 +1642,52 @@ def test_a_lens_token_dash_is_drawn_unlike_a_missing_value(server, tmp_path):
         browser, page = open_page(p, problems, [])
         page.goto(server.base + "/#/run/tiny/seq/1/step/1")
         page.wait_for_selector("#detail[data-step='1'] #lens")
-        page.evaluate("""answer => {
+        page.evaluate(
+            """answer => {
             const view = window.lmtraceView.tokenView(async () => answer, {sequence: 0, prompt: "p", tokens: [
                 {position: 0, step: null, text: "a"},
                 {position: 1, step: 0, text: "-", prob: 0.5, entropy: 1, token_rank: 0}]}, {prefix: "dash-"});
             document.getElementById("app").prepend(view.strip, view.detail);
             view.select(0, false);
-        }""", MISSING_VS_DASH)
+        }""",
+            MISSING_VS_DASH,
+        )
         page.wait_for_selector("#dash-lens tbody tr")
-        cells = page.eval_on_selector_all("#dash-lens tbody tr", """rows => rows.map(r => [...r.children].map(c => ({
+        cells = page.eval_on_selector_all(
+            "#dash-lens tbody tr",
+            """rows => rows.map(r => [...r.children].map(c => ({
             text: c.textContent, token: c.querySelector('.t') ? c.querySelector('.t').textContent : null,
-            none: c.querySelector('.none') ? c.querySelector('.none').getAttribute('aria-label') : null})))""")
+            none: c.querySelector('.none') ? c.querySelector('.none').getAttribute('aria-label') : null})))""",
+        )
         # layer 0: top-1 "-" (a token), chosen rank and p missing; layer 1: top-1 "–" (a token), rank 1
         assert [cells[0][1]["token"], cells[1][1]["token"]] == ["-", "–"]
         assert cells[0][1]["none"] is None and cells[1][1]["none"] is None
         assert cells[0][3] == {"text": "", "token": None, "none": "no value"} and cells[0][4]["none"] == "no value"
         assert cells[1][3]["text"] == "1" and cells[1][3]["none"] is None
-        facts = dict(page.eval_on_selector_all("#dash-token-panel table.list tr", """rs => rs.filter(r => r.querySelector('th')
+        facts = dict(
+            page.eval_on_selector_all(
+                "#dash-token-panel table.list tr",
+                """rs => rs.filter(r => r.querySelector('th')
             && r.querySelector('td')).map(r => [r.querySelector('th').textContent,
             r.querySelector('td .none') ? 'none' : r.querySelector('td .t') ? 'token ' + r.querySelector('td .t').textContent
-            : r.querySelector('td').textContent])"""))
+            : r.querySelector('td').textContent])""",
+            )
+        )
         assert facts["greedy choice"] == "none" and facts["margin (top-1 − top-2)"] == "none"
-        alts = page.eval_on_selector_all("#dash-alternatives tbody tr", """rs => rs.map(r => [r.children[0].querySelector('.t').textContent,
-            r.children[1].querySelector('.none') ? 'none' : r.children[1].textContent])""")
+        alts = page.eval_on_selector_all(
+            "#dash-alternatives tbody tr",
+            """rs => rs.map(r => [r.children[0].querySelector('.t').textContent,
+            r.children[1].querySelector('.none') ? 'none' : r.children[1].textContent])""",
+        )
         assert alts == [["-", "0.5000"], ["–", "none"]]
         # drawn differently: a token is a bordered box with its text, a missing value an empty hatched box
-        token_style = page.eval_on_selector("#dash-lens tbody tr .t", "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]")
-        none_style = page.eval_on_selector("#dash-lens tbody tr .none", "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]")
+        token_style = page.eval_on_selector(
+            "#dash-lens tbody tr .t", "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]"
+        )
+        none_style = page.eval_on_selector(
+            "#dash-lens tbody tr .none",
+            "n => [getComputedStyle(n).borderTopStyle, getComputedStyle(n).backgroundImage]",
+        )
         assert token_style[0] == "solid" and token_style[1] == "none"
         assert none_style[0] == "none" and "repeating-linear-gradient" in none_style[1]
         token_shot = page.locator("#dash-lens tbody tr").nth(0).locator("td").nth(1).screenshot()

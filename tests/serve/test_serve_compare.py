@@ -16,12 +16,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.cli import lmtrace
-from tests.helpers.server import LiveServer
 from tests.helpers.serve_page import assert_fits, assert_no_placeholder_text, served_page
+from tests.helpers.server import LiveServer
 
 BASE, CHILD, REGEN = "every-table", "every-table-child", "regen"
-FIGURES = ("attn_js_mean", "delta_norm_delta", "resid_norm_rel_delta", "resid_dist", "lens_changed",
-           "lens_top1_prob_delta", "margin_contrib_delta")
+FIGURES = (
+    "attn_js_mean",
+    "delta_norm_delta",
+    "resid_norm_rel_delta",
+    "resid_dist",
+    "lens_changed",
+    "lens_top1_prob_delta",
+    "margin_contrib_delta",
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +39,14 @@ def runs(every_table_runs, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("compare-pages")
     shutil.copytree(every_table_runs / "runs", root / "runs")
-    run_intervene(str(root / "runs" / BASE), [{"kind": "ablate_layer", "layer": 0}, {"kind": "ablate_layer", "layer": 2}],
-                  mode="regenerate", from_step=2, runs_dir=str(root / "runs"), run_id=REGEN)
+    run_intervene(
+        str(root / "runs" / BASE),
+        [{"kind": "ablate_layer", "layer": 0}, {"kind": "ablate_layer", "layer": 2}],
+        mode="regenerate",
+        from_step=2,
+        runs_dir=str(root / "runs"),
+        run_id=REGEN,
+    )
     return root
 
 
@@ -49,8 +62,11 @@ def cli_compare(runs, a: str, b: str) -> dict:
     out = runs / f"cmp-{a}-{b}"
     proc = lmtrace(runs, "compare", a, b, "--json", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    return {"json": json.loads(proc.stdout), "per_layer": pq.read_table(out / "per_layer.parquet").to_pandas(),
-            "per_head": pq.read_table(out / "per_head.parquet").to_pandas()}
+    return {
+        "json": json.loads(proc.stdout),
+        "per_layer": pq.read_table(out / "per_layer.parquet").to_pandas(),
+        "per_head": pq.read_table(out / "per_head.parquet").to_pandas(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +113,16 @@ def check_head_dla_against_the_archives(cli: dict, runs, a: str, b: str) -> None
     """per_head.parquet's head DLA delta is B's head_dla minus A's, read here with zarr."""
     import zarr
 
-    dla = {side: zarr.open_array(str(runs / "runs" / name / "tensors.zarr" / "head_dla"), mode="r")[...]
-           for side, name in (("a", a), ("b", b))}
+    dla = {
+        side: zarr.open_array(str(runs / "runs" / name / "tensors.zarr" / "head_dla"), mode="r")[...]
+        for side, name in (("a", a), ("b", b))
+    }
     t = cli["per_head"]
     assert len(t) and t.head_dla_delta.notna().all()
     got = t.head_dla_delta.to_numpy()
-    want = (dla["b"][t.seq_b, t.step, t.layer, t.q_head].astype(np.float64)
-            - dla["a"][t.seq_a, t.step, t.layer, t.q_head].astype(np.float64))
+    want = dla["b"][t.seq_b, t.step, t.layer, t.q_head].astype(np.float64) - dla["a"][
+        t.seq_a, t.step, t.layer, t.q_head
+    ].astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=0)
 
 
@@ -156,7 +175,8 @@ def shot(page, selector: str, name: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("width", [1280, 800])
 def test_compare_page_draws_each_pairs_figures_and_links_the_first_divergence_to_both_token_views(
-        server, regen_cli, width, tmp_path):
+    server, regen_cli, width, tmp_path
+):
     cli = regen_cli["json"]
     pair = next(p for p in cli["pairs"] if p["first_divergence"])
     with served_page(width) as (page, problems):
@@ -167,11 +187,22 @@ def test_compare_page_draws_each_pairs_figures_and_links_the_first_divergence_to
         d = server.json(f"/api/compare/pair?a={BASE}&b={REGEN}&pair={pair['pair']}")
         shown = [k for k in FIGURES if d["has"][k]]
         assert sorted(got["figures"]) == sorted(shown) and "attn_js_mean" in shown
-        check_figures({**d, "figures": {**d["figures"], **got["figures"]}, "head_js": got["head_js"],
-                       "head_dla_delta": got["head_dla_delta"]}, regen_cli, pair["pair"])
+        check_figures(
+            {
+                **d,
+                "figures": {**d["figures"], **got["figures"]},
+                "head_js": got["head_js"],
+                "head_dla_delta": got["head_dla_delta"],
+            },
+            regen_cli,
+            pair["pair"],
+        )
         step = pair["first_divergence"]["step"]
         assert got["step"] == str(step)
-        assert got["links"] == [f"#/run/{BASE}/seq/{pair['seq_a']}/step/{step}", f"#/run/{REGEN}/seq/{pair['seq_b']}/step/{step}"]
+        assert got["links"] == [
+            f"#/run/{BASE}/seq/{pair['seq_a']}/step/{step}",
+            f"#/run/{REGEN}/seq/{pair['seq_b']}/step/{step}",
+        ]
         assert_no_placeholder_text(page)
         assert_fits(page, "#pair-internals")
         shot(page, "#pair-internals", f"compare-{width}.png", tmp_path)
@@ -190,8 +221,16 @@ def test_child_page_draws_its_internals_against_the_parent(server, child_cli, wi
         page.wait_for_selector("#child-internals canvas.heatmap")
         got = read_canvases(page, "#child-internals")
         d = server.json(f"/api/runs/{CHILD}/sequences/{p['seq_b']}/parent/internals")
-        check_figures({**d, "figures": {**d["figures"], **got["figures"]}, "head_js": got["head_js"],
-                       "head_dla_delta": got["head_dla_delta"]}, child_cli, p["pair"])
+        check_figures(
+            {
+                **d,
+                "figures": {**d["figures"], **got["figures"]},
+                "head_js": got["head_js"],
+                "head_dla_delta": got["head_dla_delta"],
+            },
+            child_cli,
+            p["pair"],
+        )
         assert got["step"] == ""  # the child kept its parent's tokens: no divergence
         assert_no_placeholder_text(page)
         assert_fits(page, "#child-internals")

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from tests.helpers.cli import lmtrace
-from tests.helpers.server import LiveServer
 from tests.helpers.serve_page import assert_fits, assert_no_placeholder_text, served_page
+from tests.helpers.server import LiveServer
 
 RUN = "every-table"
 
@@ -58,7 +58,9 @@ def test_groups_route_gives_the_numbers_stats_and_heads_by_print(server, cli):
             assert mine[k] == theirs[k], k
         got = [(h["layer"], h["q_head"], h["label"]) for h in mine["heads"]]
         assert got == top_heads(heads, mine["group_value"], 5)
-        by_head = {(r["layer"], r["q_head"]): r for r in heads["by"]["heads"] if r["group_value"] == mine["group_value"]}
+        by_head = {
+            (r["layer"], r["q_head"]): r for r in heads["by"]["heads"] if r["group_value"] == mine["group_value"]
+        }
         for h in mine["heads"]:
             assert h["local_score"] == by_head[(h["layer"], h["q_head"])]["local_score"]
     assert server.json(f"/api/runs/{RUN}/groups")["groups"] is None
@@ -79,21 +81,25 @@ def test_run_page_groups_by_the_picked_column_with_the_terminals_numbers(server,
         page.select_option("#group-by", "topic")
         page.wait_for_selector("#groups tr.group-row")
         assert "by=topic" in page.evaluate("location.hash")
-        rows = page.eval_on_selector_all("#groups tr.group-row", """rs => rs.map(r => ({
+        rows = page.eval_on_selector_all(
+            "#groups tr.group-row",
+            """rs => rs.map(r => ({
             group: r.querySelector('.group-value').textContent,
             sequences: +r.querySelector('.sequences').textContent, tokens: +r.querySelector('.tokens').textContent,
             mean_logprob: +r.querySelector('.mean-logprob').dataset.value, shown_logprob: r.querySelector('.mean-logprob').textContent,
             mean_entropy: +r.querySelector('.mean-entropy').dataset.value,
             settle: r.querySelector('.settle').textContent,
             heads: [...r.querySelectorAll('.group-head')].map(h => [+h.dataset.layer, +h.dataset.head, h.dataset.label]),
-            lowest: [...r.querySelectorAll('.group-low a')].map(a => a.getAttribute('href'))}))""")
+            lowest: [...r.querySelectorAll('.group-low a')].map(a => a.getAttribute('href'))}))""",
+        )
         assert [r["group"] for r in rows] == ["a", "b"]
         for r, g in zip(rows, stats["groups"]):
             assert (r["sequences"], r["tokens"]) == (g["sequences"], g["tokens"])
             assert r["mean_logprob"] == g["mean_logprob"] and r["mean_entropy"] == g["mean_entropy"]
             assert r["shown_logprob"] == f"{g['mean_logprob']:.3f}"  # as the terminal's table writes it
-            assert r["settle"] == ", ".join(f"{'never' if int(k) < 0 else k}: {n}"
-                                            for k, n in sorted(g["settle"].items(), key=lambda x: int(x[0])))
+            assert r["settle"] == ", ".join(
+                f"{'never' if int(k) < 0 else k}: {n}" for k, n in sorted(g["settle"].items(), key=lambda x: int(x[0]))
+            )
             assert [tuple(h) for h in r["heads"]] == top_heads(heads, g["group_value"], 5)
             assert r["lowest"] == [f"#/run/{RUN}/seq/{t['sequence']}/step/{t['step']}" for t in g["lowest"]]
         assert_no_placeholder_text(page)

@@ -16,8 +16,8 @@ import yaml
 from lmtrace.archive.reader import Run
 from lmtrace.archive.rundir import Shard
 from lmtrace.exits.errors import LmtraceError, SpecError
-from lmtrace.runner.generation import run_generate
 from lmtrace.output.progress import Progress
+from lmtrace.runner.generation import run_generate
 from lmtrace.spec.prompts import load_prompts_and_metadata
 from lmtrace.spec.run_spec import PromptsSpec, build_spec
 
@@ -68,7 +68,11 @@ def assert_matches_pandas(table: pa.Table, f: Path, prefix: dict[str, str] | Non
         assert table.schema.field(stored).type == TYPES[column], (f.suffix, column, table.schema.field(stored).type)
         expected = [None if pd.isna(v) else (v.item() if hasattr(v, "item") else v) for v in frame[column]]
         got = table.column(stored).to_pylist()
-        assert all(same_value(g, e) for g, e in zip(got, expected)) and len(got) == len(expected), (column, got, expected)
+        assert all(same_value(g, e) for g, e in zip(got, expected)) and len(got) == len(expected), (
+            column,
+            got,
+            expected,
+        )
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
@@ -85,8 +89,11 @@ def test_reserved_names_are_prefixed_nested_values_are_json_text_and_mixed_types
     f.write_text('{"text": "a", "batch": 3, "tags": ["x", 1], "cfg": {"k": 1}}\n{"text": "b", "batch": 4}\n"plain"\n')
     prompts, metadata = load_prompts_and_metadata(PromptsSpec(file=str(f)))
     assert prompts == ["a", "b", "plain"]
-    assert metadata.to_pydict() == {"meta_batch": [3, 4, None], "tags": ['["x", 1]', None, None],
-                                    "cfg": ['{"k": 1}', None, None]}
+    assert metadata.to_pydict() == {
+        "meta_batch": [3, 4, None],
+        "tags": ['["x", 1]', None, None],
+        "cfg": ['{"k": 1}', None, None],
+    }
     f.write_text('{"prompt": "a", "batch": 1, "meta_batch": 2}\n')
     with pytest.raises(SpecError, match=r"column 'batch' would be stored as 'meta_batch', which the file also has"):
         load_prompts_and_metadata(PromptsSpec(file=str(f)))
@@ -105,9 +112,13 @@ def test_reserved_names_are_prefixed_nested_values_are_json_text_and_mixed_types
 
 
 def _spec(tmp_path: Path, model: Path, prompts: Path, **generation) -> tuple:
-    data = {"model": {"ref": str(model), "device": "cpu"}, "prompts": {"file": str(prompts)}, "capture": "none",
-            "generation": {"max_new_tokens": 3, "batch_size": 2, **generation},
-            "output": {"runs_dir": str(tmp_path / "runs")}}
+    data = {
+        "model": {"ref": str(model), "device": "cpu"},
+        "prompts": {"file": str(prompts)},
+        "capture": "none",
+        "generation": {"max_new_tokens": 3, "batch_size": 2, **generation},
+        "output": {"runs_dir": str(tmp_path / "runs")},
+    }
     return build_spec(data, "test-spec"), yaml.safe_dump(data)
 
 
@@ -119,14 +130,17 @@ def test_metadata_reaches_sequences_parquet_and_joins_every_table(tmp_path, tiny
     assert seqs.column("sequence").to_pylist() == [0, 1, 2]
     assert_matches_pandas(seqs, f)
     assert run.manifest["prompt_metadata"] == {"id": "int64", "label": "string", "score": "double", "ok": "bool"}
-    joined = pq.read_table(run.path / "tokens.parquet", columns=["sequence", "token_id"]).join(seqs.select(["sequence", "label"]), "sequence")
+    joined = pq.read_table(run.path / "tokens.parquet", columns=["sequence", "token_id"]).join(
+        seqs.select(["sequence", "label"]), "sequence"
+    )
     assert joined.num_rows == pq.read_metadata(run.path / "tokens.parquet").num_rows
     by_seq = {s: lab for s, lab in zip(joined.column("sequence").to_pylist(), joined.column("label").to_pylist())}
     assert by_seq == {0: "a", 1: None, 2: "c"}
     from lmtrace.viewdata.queries import sequence_page  # serve's sequence list shows them
 
     assert [r["metadata"] for r in sequence_page(run)["rows"]] == [
-        {k: v for k, v in r.items() if k != "prompt"} for r in ROWS]
+        {k: v for k, v in r.items() if k != "prompt"} for r in ROWS
+    ]
 
 
 def test_metadata_survives_shards_and_a_resume_and_a_changed_file_is_refused(tmp_path, tiny_llama_dir):
@@ -150,8 +164,11 @@ def test_metadata_survives_shards_and_a_resume_and_a_changed_file_is_refused(tmp
         run_generate(failing, text, progress=Progress(advance=advance))
     assert json.loads((tmp_path / "runs" / "resumed" / "manifest.json").read_text())["status"] == "failed"
     f.write_text(f.read_text().replace("0.25", "x"))  # score becomes a string column
-    with pytest.raises(SpecError, match=r"metadata columns \(.*score: string.*\) differ from those the run was started "
-                                        r"with \(.*score: double.*\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"metadata columns \(.*score: string.*\) differ from those the run was started "
+        r"with \(.*score: double.*\)",
+    ):
         run_generate(failing, text, resume=True)
     f = write_prompt_file(tmp_path, "csv")
     run_generate(failing, text, resume=True)

@@ -46,7 +46,14 @@ def test_defaults():
     assert c.ffn.top_k == 32 and c.lens.top_k == 5 and c.alternatives == 10 and c.residual.vectors_at == []
     assert not c.forward_only
     o = spec.output
-    assert (o.runs_dir, o.run_id, o.chunk_steps, o.codec, o.level, o.float_dtype) == (None, None, 16, "auto", 1, "float16")
+    assert (o.runs_dir, o.run_id, o.chunk_steps, o.codec, o.level, o.float_dtype) == (
+        None,
+        None,
+        16,
+        "auto",
+        1,
+        "float16",
+    )
     assert o.chunk_sequences == 32
     assert spec.prompts.texts == ["hi"] and spec.prompts.file is None and spec.prompts.chat is False
 
@@ -96,7 +103,9 @@ def test_unknown_key_names_the_dotted_path_and_suggests():
     msg = spec_error({"prompts": ["a"], "generation": {"max_new_tokenz": 3}})
     assert msg.startswith("spec.yaml: generation.max_new_tokenz: unknown key")
     assert "did you mean 'max_new_tokens'" in msg
-    assert "unknown key" in spec_error({"prompts": ["a"], "promts": 1}) and "top level" in spec_error({"prompts": ["a"], "x": 1})
+    assert "unknown key" in spec_error({"prompts": ["a"], "promts": 1}) and "top level" in spec_error(
+        {"prompts": ["a"], "x": 1}
+    )
 
 
 def test_wrong_type_and_range_name_the_path_and_value():
@@ -115,7 +124,9 @@ def test_union_fields_get_a_readable_message():
     assert "capture.layers.stride: " in spec_error({"prompts": ["a"], "capture": {"layers": {"stride": 0}}})
     msg = spec_error({"prompts": ["a"], "capture": {"layers": {"strid": 2}}})
     assert "capture.layers.strid: unknown key; did you mean 'stride'" in msg
-    assert "generation.eos_token_id: expected a token id" in spec_error({"prompts": ["a"], "generation": {"eos_token_id": "x"}})
+    assert "generation.eos_token_id: expected a token id" in spec_error(
+        {"prompts": ["a"], "generation": {"eos_token_id": "x"}}
+    )
 
 
 def test_several_problems_are_counted():
@@ -143,16 +154,24 @@ def test_apply_override_creates_nested_keys_and_parses_yaml():
     apply_override(data, "prompts.system=a=b")  # only the first '=' splits
     apply_override(data, "output.run_id=null")
     apply_override(data, "model.ref= org/name ")
-    assert data == {"generation": {"seed": 3, "temperature": 0.5}, "a": {"b": {"c": True}},
-                    "capture": {"layers": [0, -1]}, "prompts": {"system": "a=b"}, "output": {"run_id": None},
-                    "model": {"ref": "org/name"}}
+    assert data == {
+        "generation": {"seed": 3, "temperature": 0.5},
+        "a": {"b": {"c": True}},
+        "capture": {"layers": [0, -1]},
+        "prompts": {"system": "a=b"},
+        "output": {"run_id": None},
+        "model": {"ref": "org/name"},
+    }
 
 
 def test_apply_override_expands_shorthands_and_reports_errors():
     data = {"model": "embedded:smollm2-135m", "prompts": ["a"]}
     apply_override(data, "model.device=cpu")
     apply_override(data, "prompts.chat=true")
-    assert data == {"model": {"ref": "embedded:smollm2-135m", "device": "cpu"}, "prompts": {"texts": ["a"], "chat": True}}
+    assert data == {
+        "model": {"ref": "embedded:smollm2-135m", "device": "cpu"},
+        "prompts": {"texts": ["a"], "chat": True},
+    }
     with pytest.raises(SpecError, match="expected KEY=VALUE"):
         apply_override({}, "generation.seed")
     with pytest.raises(SpecError, match="key before '=' is empty"):
@@ -212,7 +231,9 @@ def test_resolve_vector_layers():
     # a deferred logit lens (the default) reads the residual of every captured layer: they are added
     spec = build_spec({"prompts": ["a"], "capture": {"residual": {"vectors_at": [0, 15, -1]}}}, "t")
     assert spec.capture.lens_deferred and resolve_vector_layers(spec.capture, 30) == list(range(30))
-    spec = build_spec({"prompts": ["a"], "capture": {"layers": {"stride": 10, "start": 5}, "residual": {"vectors_at": [0]}}}, "t")
+    spec = build_spec(
+        {"prompts": ["a"], "capture": {"layers": {"stride": 10, "start": 5}, "residual": {"vectors_at": [0]}}}, "t"
+    )
     assert resolve_vector_layers(spec.capture, 30) == [0, 5, 15, 25]
     for capture in ({"layers": [3], "lens": {"enabled": False}}, {"layers": [3], "lens": {"when": "inline"}}):
         spec = build_spec({"prompts": ["a"], "capture": capture}, "t")
@@ -262,7 +283,10 @@ def test_csv_with_column_and_autodetection(tmp_path):
     f = tmp_path / "p.csv"
     f.write_text('id,question,notes\n1,"What is 2+2?",x\n2,"Say ""hi"", please",y\n')
     assert prompts_from(f, column="question") == ["What is 2+2?", 'Say "hi", please']
-    with pytest.raises(SpecError, match=r"cannot tell which column holds the prompts \(columns: id, question, notes\); set prompts.column"):
+    with pytest.raises(
+        SpecError,
+        match=r"cannot tell which column holds the prompts \(columns: id, question, notes\); set prompts.column",
+    ):
         prompts_from(f)
     with pytest.raises(SpecError, match=r"no column 'prompt' \(columns: id, question, notes\)"):
         prompts_from(f, column="prompt")
@@ -338,8 +362,8 @@ def test_setting_one_prompts_source_replaces_the_other(tmp_path, monkeypatch):
 
 # ---- validate's model inspection (no weights) ------------------------------------------------
 def test_gguf_header_gives_the_embedded_model_sizes():
-    from lmtrace.runner.models import embedded_gguf
     from lmtrace.runner.model_config import gguf_config
+    from lmtrace.runner.models import embedded_gguf
 
     cfg = gguf_config(embedded_gguf("smollm2-135m"))
     assert cfg["num_hidden_layers"] == 30 and cfg["num_attention_heads"] == 9 and cfg["hidden_size"] == 576
@@ -347,9 +371,9 @@ def test_gguf_header_gives_the_embedded_model_sizes():
 
 
 def test_classify_model_agrees_with_locate(tmp_path):
+    from lmtrace.runner.model_config import classify_model
     from lmtrace.runner.models import locate
     from lmtrace.spec.run_spec import ModelSpec
-    from lmtrace.runner.model_config import classify_model
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
@@ -383,4 +407,5 @@ def test_validate_spec_checks_layers_against_the_model(tmp_path):
 
 def test_head_dla_needs_the_model_on_one_device():
     assert "capture.head_dla with model.device_map is not supported" in spec_error(
-        {"prompts": ["a"], "model": {"device_map": "auto"}, "capture": {"head_dla": True}})
+        {"prompts": ["a"], "model": {"device_map": "auto"}, "capture": {"head_dla": True}}
+    )

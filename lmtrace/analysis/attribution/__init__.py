@@ -10,6 +10,7 @@ intervention child's edits under gradients) and `explain` (run the methods over 
 # isort: off
 # importing a method's module registers it: this order is the order `--method` lists them in
 from . import grad_x_input, integrated_gradients, occlusion, attention_rollout, lrp  # noqa: F401
+
 # isort: on
 from .attention_rollout import rollout
 from .explain import explain_steps, sequence_tokens
@@ -19,6 +20,25 @@ from .replay import NOT_REPLAYABLE, REPLAY_TOLERANCE, ContextEdits, child_edits,
 from .settings import Settings
 from .targets import Scorer, target_values
 
-__all__ = ["IG_SCALE_FLOOR", "METHODS", "NOT_REPLAYABLE", "REPLAY_TOLERANCE", "ContextEdits", "IGPath", "Method",
-           "MethodResult", "Scorer", "Settings", "StepContext", "child_edits", "explain_steps", "ig_shortfall",
-           "parse_methods", "register", "rollout", "sequence_tokens", "target_values", "unreplayable_edit"]
+__all__ = [
+    "IG_SCALE_FLOOR",
+    "METHODS",
+    "NOT_REPLAYABLE",
+    "REPLAY_TOLERANCE",
+    "ContextEdits",
+    "IGPath",
+    "Method",
+    "MethodResult",
+    "Scorer",
+    "Settings",
+    "StepContext",
+    "child_edits",
+    "explain_steps",
+    "ig_shortfall",
+    "parse_methods",
+    "register",
+    "rollout",
+    "sequence_tokens",
+    "target_values",
+    "unreplayable_edit",
+]

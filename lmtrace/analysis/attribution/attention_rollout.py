@@ -45,13 +45,18 @@ def rollout_requirements(run: Run) -> list[str]:
     missing = []
     if "attn" not in names:
         if "attn_topk_idx" in names:
-            missing.append("full attention rows (the run kept only the top-k keys per row: set "
-                           "capture.attention.top_k: null)")
+            missing.append(
+                "full attention rows (the run kept only the top-k keys per row: set capture.attention.top_k: null)"
+            )
         else:
-            missing.append("attention rows (`attn`: set capture.attention.enabled: true, capture.attention.top_k: null)")
+            missing.append(
+                "attention rows (`attn`: set capture.attention.enabled: true, capture.attention.top_k: null)"
+            )
     n_layers = _model_layer_count(run.manifest)
     if "attn" in names and n_layers is not None and list(run.layers) != list(range(n_layers)):
-        missing.append(f"attention of every layer (captured layers {run.layers} of {n_layers}: set capture.layers: all)")
+        missing.append(
+            f"attention of every layer (captured layers {run.layers} of {n_layers}: set capture.layers: all)"
+        )
     if "prefill_attn" not in names:
         missing.append("the prompt's full attention matrices (`prefill_attn`: set capture.prefill_attention: true)")
     return missing
@@ -69,21 +74,30 @@ def archived_attention(run: Run, sequence: int, step: int) -> np.ndarray:
     out = np.zeros((L, H, n, n), dtype=np.float32)
     out[:, :, :P, :P] = np.nan_to_num(pre, nan=0.0)
     if step > 0:
-        rows = np.asarray(run.array("attn")[sequence, 1:step + 1, :, :, :n], dtype=np.float32)  # [step, L, H, n]
+        rows = np.asarray(run.array("attn")[sequence, 1 : step + 1, :, :, :n], dtype=np.float32)  # [step, L, H, n]
         for t in range(1, step + 1):  # step t: query position P-1+t over keys 0..P-1+t
             row = rows[t - 1, :, :, : P + t]
             if np.isnan(row).any():
-                raise ArchiveError(f"run {run.id}: the archived attention row of sequence {sequence} step {t} is "
-                                   f"incomplete (NaN): that step was not captured or not committed")
+                raise ArchiveError(
+                    f"run {run.id}: the archived attention row of sequence {sequence} step {t} is "
+                    f"incomplete (NaN): that step was not captured or not committed"
+                )
             out[:, :, P - 1 + t, : P + t] = row
     return out
 
 
-@register("attention_rollout", needs_model=False, requirements=rollout_requirements,
-          settings=lambda s: {"head_fusion": "mean", "residual": "add identity, renormalise rows",
-                              "source": "archived prefill_attn + attn rows",
-                              "excluded_positions": list(s.rollout_excluded)},
-          description="attention rollout over every layer from the archived attention (no model needed)")
+@register(
+    "attention_rollout",
+    needs_model=False,
+    requirements=rollout_requirements,
+    settings=lambda s: {
+        "head_fusion": "mean",
+        "residual": "add identity, renormalise rows",
+        "source": "archived prefill_attn + attn rows",
+        "excluded_positions": list(s.rollout_excluded),
+    },
+    description="attention rollout over every layer from the archived attention (no model needed)",
+)
 def attention_rollout(ctx: StepContext) -> MethodResult:
     R = rollout(archived_attention(ctx.run, ctx.sequence, ctx.step), ctx.settings.rollout_excluded)
     scores = R[-1]

@@ -41,10 +41,19 @@ def runner_up(chosen: int, alt_ids) -> int:
     raise ArchiveError("no archived alternative other than the chosen token: cannot define the runner-up")
 
 
-def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names: list[str], settings: Settings,
-                  scorer: Scorer | None, edits: ContextEdits | None,
-                  note: Callable[[str], None] = lambda text: None,
-                  progress: Callable[[str], None] = lambda text: None) -> list[StepExplanation]:
+def explain_steps(
+    run: Run,
+    sequence: int,
+    prompt,
+    gen,
+    steps: list[int],
+    names: list[str],
+    settings: Settings,
+    scorer: Scorer | None,
+    edits: ContextEdits | None,
+    note: Callable[[str], None] = lambda text: None,
+    progress: Callable[[str], None] = lambda text: None,
+) -> list[StepExplanation]:
     """Every method of `names` on every step of `steps` of `sequence` (`prompt`, `gen` from `sequence_tokens`).
 
     `scorer` is the run's model (None when no method needs one); `edits` an intervention child's edits, installed
@@ -56,7 +65,7 @@ def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names:
     gen_texts = list(gen.token_text)
     explanations: list[StepExplanation] = []
     run_dtype = str(run.manifest.get("dtype") or (run.manifest.get("model") or {}).get("dtype") or "")
-    with (edits.attached() if edits is not None else nullcontext()):
+    with edits.attached() if edits is not None else nullcontext():
         if scorer is not None:
             scorer.edits = edits
         try:
@@ -67,10 +76,18 @@ def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names:
                 if edits is not None:
                     edits.check_step(step, run.id)
                 chosen = int(row.token_id)
-                ctx = StepContext(run=run, sequence=sequence, step=step, prompt_len=len(prompt_ids),
-                                  ids=prompt_ids + gen_ids[:step], chosen_id=chosen,
-                                  runner_up_id=runner_up(chosen, row.alt_ids), archived_logprob=float(row.logprob),
-                                  settings=settings, scorer=scorer)
+                ctx = StepContext(
+                    run=run,
+                    sequence=sequence,
+                    step=step,
+                    prompt_len=len(prompt_ids),
+                    ids=prompt_ids + gen_ids[:step],
+                    chosen_id=chosen,
+                    runner_up_id=runner_up(chosen, row.alt_ids),
+                    archived_logprob=float(row.logprob),
+                    settings=settings,
+                    scorer=scorer,
+                )
                 check = _reproduction_check(ctx, edits, run_dtype, note) if scorer is not None else {}
                 for name in names:
                     progress(f"sequence {sequence} step {step}: {name}")
@@ -81,12 +98,24 @@ def explain_steps(run: Run, sequence: int, prompt, gen, steps: list[int], names:
                     failed = METHODS[name].failed_check(res.info, settings)
                     if failed is not None:  # the method's own check (IG completeness, lrp conservation)
                         note(f"sequence {sequence} step {step}: {name} {failed}")
-                    explanations.append(StepExplanation(
-                        name, sequence, step, chosen, ctx.runner_up_id, np.arange(ctx.n), ctx.ids,
-                        prompt_texts + gen_texts[:step], [True] * len(prompt_ids) + [False] * step, res.scores, info,
-                        target_text=str(row.token_text),
-                        runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else "",
-                        components=res.components))
+                    explanations.append(
+                        StepExplanation(
+                            name,
+                            sequence,
+                            step,
+                            chosen,
+                            ctx.runner_up_id,
+                            np.arange(ctx.n),
+                            ctx.ids,
+                            prompt_texts + gen_texts[:step],
+                            [True] * len(prompt_ids) + [False] * step,
+                            res.scores,
+                            info,
+                            target_text=str(row.token_text),
+                            runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else "",
+                            components=res.components,
+                        )
+                    )
         finally:
             if scorer is not None:
                 scorer.edits = None
@@ -109,9 +138,12 @@ def _reproduction_check(ctx: StepContext, edits: ContextEdits | None, run_dtype:
                 f"replayed, the chosen token's logprob is {lp:.6f} but the child archived "
                 f"{lp_archived:.6f} (|difference| {diff:.2e} > {REPLAY_TOLERANCE:g}): the "
                 f"replay does not reproduce the child, so its attributions would describe another "
-                f"model; nothing was written")
+                f"model; nothing was written"
+            )
     if diff > 0.05 or (edits is not None and diff > REPLAY_TOLERANCE):
-        note(f"step {ctx.step}: the float32 model{' with the replayed edits' if edits else ''} gives the "
-             f"chosen token logprob {lp:.4f}, the run archived {lp_archived:.4f} (run dtype "
-             f"{run_dtype or 'unknown'}); the attributions describe the float32 model")
+        note(
+            f"step {ctx.step}: the float32 model{' with the replayed edits' if edits else ''} gives the "
+            f"chosen token logprob {lp:.4f}, the run archived {lp_archived:.4f} (run dtype "
+            f"{run_dtype or 'unknown'}); the attributions describe the float32 model"
+        )
     return check

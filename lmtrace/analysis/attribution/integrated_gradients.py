@@ -17,15 +17,27 @@ from .registry import MethodResult, StepContext, register
 from .settings import Settings
 
 GAUSS2 = (0.5 - 0.5 / math.sqrt(3.0), 0.5 + 0.5 / math.sqrt(3.0))  # Gauss–Legendre nodes on [0, 1], weights ½ each
-IG_SCALE_FLOOR = 0.01  # relative errors are taken against max(|f(x) − f(b)|, this), so a near-zero change is judged absolutely
+IG_SCALE_FLOOR = (
+    0.01  # relative errors are taken against max(|f(x) − f(b)|, this), so a near-zero change is judged absolutely
+)
 
 
 def ig_settings(s: Settings) -> dict:
     """The settings that define an integrated-gradients result (recorded in the manifest)."""
-    return {"target": s.target, "quantity": s.quantity, "baseline": s.baseline, "ig_steps": s.ig_steps,
-            "ig_rule": s.ig_rule, "ig_tolerance": s.ig_tolerance, "ig_max_points": s.ig_max_points,
-            "ig_keep": list(s.ig_kept), "ig_keep_special": s.ig_keep_special, "ig_dtype": s.ig_dtype,
-            "path": "straight line b + α(e − b), α ∈ [0, 1]", "batch_size": s.batch_size}
+    return {
+        "target": s.target,
+        "quantity": s.quantity,
+        "baseline": s.baseline,
+        "ig_steps": s.ig_steps,
+        "ig_rule": s.ig_rule,
+        "ig_tolerance": s.ig_tolerance,
+        "ig_max_points": s.ig_max_points,
+        "ig_keep": list(s.ig_kept),
+        "ig_keep_special": s.ig_keep_special,
+        "ig_dtype": s.ig_dtype,
+        "path": "straight line b + α(e − b), α ∈ [0, 1]",
+        "batch_size": s.batch_size,
+    }
 
 
 def ig_alphas(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +112,9 @@ class IGPath:
         out = np.empty(len(alphas))
         with torch.no_grad():
             for lo in range(0, len(alphas), self.batch):
-                out[lo:lo + self.batch] = self.sc.f(self.ctx, self._x(alphas[lo:lo + self.batch])).double().cpu().numpy()
+                out[lo : lo + self.batch] = (
+                    self.sc.f(self.ctx, self._x(alphas[lo : lo + self.batch])).double().cpu().numpy()
+                )
         self.forwards += len(alphas)
         return out
 
@@ -110,11 +124,11 @@ class IGPath:
             raise LmtraceError("integrated gradients: a gradient at α = 0 was requested (internal error)")
         out = np.empty((len(alphas), self.e.shape[0]))
         for lo in range(0, len(alphas), self.batch):
-            x = self._x(alphas[lo:lo + self.batch]).requires_grad_(True)
+            x = self._x(alphas[lo : lo + self.batch]).requires_grad_(True)
             with torch.enable_grad():
                 y = self.sc.f(self.ctx, x)
                 (g,) = torch.autograd.grad(y.sum(), x)  # rows are independent: row k gets ∂f/∂x_k
-            out[lo:lo + len(x)] = (g * self.diff[None]).sum(-1).double().cpu().numpy()
+            out[lo : lo + len(x)] = (g * self.diff[None]).sum(-1).double().cpu().numpy()
         self.points += len(alphas)
         return out
 
@@ -151,15 +165,15 @@ def _ig_adaptive(path: IGPath, s: Settings, scale: float) -> tuple[np.ndarray, d
         return [f_known[a] for a in alphas]
 
     def evaluate(bounds: list[tuple[float, float]]) -> list[dict]:
-        nodes = [l + (r - l) * g for l, r in bounds for g in GAUSS2]
+        nodes = [lo + (hi - lo) * g for lo, hi in bounds for g in GAUSS2]
         dens = path.density(nodes) if nodes else np.empty((0, path.e.shape[0]))
         f_of([a for lr in bounds for a in lr])
         out = []
-        for j, (l, r) in enumerate(bounds):
-            attr = 0.5 * (r - l) * (dens[2 * j] + dens[2 * j + 1])
-            change = f_known[r] - f_known[l]
+        for j, (lo, hi) in enumerate(bounds):
+            attr = 0.5 * (hi - lo) * (dens[2 * j] + dens[2 * j + 1])
+            change = f_known[hi] - f_known[lo]
             err = abs(float(attr.sum()) - change)
-            out.append({"l": l, "r": r, "attr": attr, "err": err if math.isfinite(err) else math.inf})
+            out.append({"l": lo, "r": hi, "attr": attr, "err": err if math.isfinite(err) else math.inf})
         return out
 
     intervals = evaluate(list(zip(edges[:-1], edges[1:])))
@@ -185,8 +199,12 @@ def _ig_adaptive(path: IGPath, s: Settings, scale: float) -> tuple[np.ndarray, d
     intervals.sort(key=lambda iv: iv["l"])
     total = np.sum([iv["attr"] for iv in intervals], axis=0)
     widths = [iv["r"] - iv["l"] for iv in intervals]
-    return total, {"intervals": len(intervals), "error_bound": sum(iv["err"] for iv in intervals),
-                   "min_interval": min(widths), "path_total_variation": tv}
+    return total, {
+        "intervals": len(intervals),
+        "error_bound": sum(iv["err"] for iv in intervals),
+        "min_interval": min(widths),
+        "path_total_variation": tv,
+    }
 
 
 @contextmanager
@@ -203,12 +221,19 @@ def _model_dtype(model: torch.nn.Module, dtype: torch.dtype):
 
 
 # ---- the method -------------------------------------------------------------------------------------
-@register("integrated_gradients", needs_model=True, settings=ig_settings,
-          shortfall=lambda info, s: (None if info.get("converged", True) else
-                                     f"did not converge: {ig_shortfall(info, s.ig_tolerance)}: treat these scores as "
-                                     f"approximate (docs/explain.md, 'When a result did not converge')"),
-          description="integrated gradients along the straight path from a baseline (mean, pad or zero embedding), "
-                      "adaptive until completeness holds to --ig-tolerance")
+@register(
+    "integrated_gradients",
+    needs_model=True,
+    settings=ig_settings,
+    shortfall=lambda info, s: (
+        None
+        if info.get("converged", True)
+        else f"did not converge: {ig_shortfall(info, s.ig_tolerance)}: treat these scores as "
+        f"approximate (docs/explain.md, 'When a result did not converge')"
+    ),
+    description="integrated gradients along the straight path from a baseline (mean, pad or zero embedding), "
+    "adaptive until completeness holds to --ig-tolerance",
+)
 def integrated_gradients(ctx: StepContext) -> MethodResult:
     sc, s = ctx.scorer, ctx.settings
     dtype = getattr(torch, s.ig_dtype)
@@ -229,11 +254,21 @@ def integrated_gradients(ctx: StepContext) -> MethodResult:
     rel = err / scale if finite else math.inf
     bound = extra.get("error_bound", err)
     converged = finite and rel <= s.ig_tolerance and bound <= s.ig_tolerance * scale * (1 + 1e-9)
-    info = {"f_x": fx, "f_baseline": fb, "sum_scores": total_attr, "completeness_error": err,
-            "completeness_error_relative": rel, "error_bound_relative": bound / scale if finite else math.inf,
-            "converged": converged, "nonfinite": not finite,
-            "ig_tolerance": s.ig_tolerance, "gradient_points": path.points, "forwards": path.forwards + 2,
-            "kept_positions": kept_positions(ctx), **extra}
+    info = {
+        "f_x": fx,
+        "f_baseline": fb,
+        "sum_scores": total_attr,
+        "completeness_error": err,
+        "completeness_error_relative": rel,
+        "error_bound_relative": bound / scale if finite else math.inf,
+        "converged": converged,
+        "nonfinite": not finite,
+        "ig_tolerance": s.ig_tolerance,
+        "gradient_points": path.points,
+        "forwards": path.forwards + 2,
+        "kept_positions": kept_positions(ctx),
+        **extra,
+    }
     return MethodResult(scores.astype(np.float32), info)
 
 
@@ -254,5 +289,7 @@ def ig_shortfall(info: dict, tolerance: float) -> str:
         return f"non-finite values on the path {after}"
     if rel is not None and rel > tolerance:
         return f"completeness error {percent(rel)} > {tol} of |f(x) − f(baseline)| {after}"
-    return (f"completeness error {percent(rel)} ≤ {tol}, but the per-interval error bound {percent(bound)} > {tol} "
-            f"{after} (the intervals' own checks fail; their errors cancel in the total)")
+    return (
+        f"completeness error {percent(rel)} ≤ {tol}, but the per-interval error bound {percent(bound)} > {tol} "
+        f"{after} (the intervals' own checks fail; their errors cancel in the total)"
+    )

@@ -32,22 +32,31 @@ from .settings import Settings
 from .targets import target_values
 
 CONSERVATION_TOLERANCE = 1e-4  # |f − (Σ scores + bias relevance)| / max(1, |f|) a result must meet: its own check
-RULES = {"norms": "identity (1/rms, 1/std constant)", "activations": "identity",
-         "gated_product": "uniform (half to each factor)", "attention": "CP-LRP (attention weights constant)",
-         "linear": "gradient (epsilon 0); biases absorb their share", "final_softcap": "identity"}
+RULES = {
+    "norms": "identity (1/rms, 1/std constant)",
+    "activations": "identity",
+    "gated_product": "uniform (half to each factor)",
+    "attention": "CP-LRP (attention weights constant)",
+    "linear": "gradient (epsilon 0); biases absorb their share",
+    "final_softcap": "identity",
+}
 
 
 def check(run: Run, settings: Settings) -> None:
     """Refusals that need no weights: the logprob quantity and mixture-of-experts families."""
     if settings.quantity != "logit":
-        raise SpecError(f"--method lrp explains logits: its conservation f = Σ relevance + biases holds for a logit "
-                        f"or a difference of logits, not a log-probability; use --quantity logit "
-                        f"(--target contrast explains chosen − runner-up)")
+        raise SpecError(
+            "--method lrp explains logits: its conservation f = Σ relevance + biases holds for a logit "
+            "or a difference of logits, not a log-probability; use --quantity logit "
+            "(--target contrast explains chosen − runner-up)"
+        )
     model = run.manifest.get("model") or {}
     if model.get("architecture_family") == "moe":
-        raise SpecError(f"--method lrp: run {run.id}'s model {model.get('class')} routes tokens to experts (its MLP "
-                        f"is a mixture of experts); the routing has no relevance rule, so lrp covers the dense "
-                        f"families only (docs/explain.md)")
+        raise SpecError(
+            f"--method lrp: run {run.id}'s model {model.get('class')} routes tokens to experts (its MLP "
+            f"is a mixture of experts); the routing has no relevance rule, so lrp covers the dense "
+            f"families only (docs/explain.md)"
+        )
 
 
 def _leak_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -65,8 +74,10 @@ def relevance(ctx: StepContext) -> dict:
     if is_spread(sc.model):
         raise SpecError("--method lrp: the model is spread over devices; load it on one device (--device)")
     if not torch.is_floating_point(sc.embed.weight):
-        raise SpecError(f"--method lrp: the model's weights are {sc.embed.weight.dtype}, gradients are unavailable; "
-                        f"explain needs a float model")
+        raise SpecError(
+            f"--method lrp: the model's weights are {sc.embed.weight.dtype}, gradients are unavailable; "
+            f"explain needs a float model"
+        )
     L, H, hd = adapter.n_layers, adapter.n_heads, adapter.head_dim
     attn_out: list = [None] * L
     mlp_out: list = [None] * L
@@ -93,16 +104,17 @@ def relevance(ctx: StepContext) -> dict:
             logits = soft_capped(sc.logits(e[None]), cap)
             y = target_values(logits, ctx.chosen_id, ctx.runner_up_id, s.target, "logit")
             offsets = list(probe.offsets)  # the LayerNorm-form rule's constant offsets, one per call
-            grads = torch.autograd.grad(y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak, *offsets],
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak, *offsets], allow_unused=True
+            )
     finally:
         for h in handles:
             h.remove()
         for p, w in zip(leak, was):
             p.requires_grad_(w)
     g_e, rest = grads[0], grads[1:]
-    g_attn, g_mlp, g_heads = rest[:L], rest[L:2 * L], rest[2 * L:3 * L]
-    g_leak, g_offsets = rest[3 * L:3 * L + len(leak)], rest[3 * L + len(leak):]
+    g_attn, g_mlp, g_heads = rest[:L], rest[L : 2 * L], rest[2 * L : 3 * L]
+    g_leak, g_offsets = rest[3 * L : 3 * L + len(leak)], rest[3 * L + len(leak) :]
 
     def rel(x, g) -> float:
         return 0.0 if g is None else float((x.detach().double() * g.double()).sum())
@@ -113,30 +125,47 @@ def relevance(ctx: StepContext) -> dict:
     attn_bias = np.zeros(L)
     for i in range(L):
         if g_heads[i] is not None:
-            heads[i] = (heads_in[i].detach().double() * g_heads[i].double()).reshape(-1, H, hd).sum((0, 2)).cpu().numpy()
+            heads[i] = (
+                (heads_in[i].detach().double() * g_heads[i].double()).reshape(-1, H, hd).sum((0, 2)).cpu().numpy()
+            )
         b = getattr(adapter.o_proj(i), "bias", None)
         if b is not None and g_attn[i] is not None:
             attn_bias[i] = float((b.detach().double() * g_attn[i].double().reshape(-1, b.shape[0]).sum(0)).sum())
-    components = {"attention": np.array([rel(attn_out[i], g_attn[i]) for i in range(L)]),
-                  "mlp": np.array([rel(mlp_out[i], g_mlp[i]) for i in range(L)]),
-                  "heads": heads, "attention_bias": attn_bias}
+    components = {
+        "attention": np.array([rel(attn_out[i], g_attn[i]) for i in range(L)]),
+        "mlp": np.array([rel(mlp_out[i], g_mlp[i]) for i in range(L)]),
+        "heads": heads,
+        "attention_bias": attn_bias,
+    }
     return {"scores": scores.cpu().numpy(), "components": components, "f": float(y.item()), "bias_relevance": bias_rel}
 
 
-@register("lrp", needs_model=True, check=check, shortfall=lambda info, s: conservation_shortfall(info),
-          settings=lambda s: {"target": s.target, "quantity": s.quantity, "rules": RULES},
-          description="layer-wise relevance propagation (AttnLRP rules, CP-LRP attention): one backward pass, "
-                      "conserving f, with relevance per layer's attention/MLP and per head")
+@register(
+    "lrp",
+    needs_model=True,
+    check=check,
+    shortfall=lambda info, s: conservation_shortfall(info),
+    settings=lambda s: {"target": s.target, "quantity": s.quantity, "rules": RULES},
+    description="layer-wise relevance propagation (AttnLRP rules, CP-LRP attention): one backward pass, "
+    "conserving f, with relevance per layer's attention/MLP and per head",
+)
 def lrp(ctx: StepContext) -> MethodResult:
     r = relevance(ctx)
     total = float(r["scores"].sum())
     error = r["f"] - (total + r["bias_relevance"])
     relative = abs(error) / max(1.0, abs(r["f"])) if math.isfinite(error) else math.inf
-    info = {"f_x": r["f"], "sum_scores": total, "bias_relevance": r["bias_relevance"], "conservation_error": error,
-            "conservation_error_relative": relative, "conserved": relative <= CONSERVATION_TOLERANCE,
-            "conservation_tolerance": CONSERVATION_TOLERANCE}
-    return MethodResult(r["scores"].astype(np.float32), info,
-                        components={k: v.astype(np.float32) for k, v in r["components"].items()})
+    info = {
+        "f_x": r["f"],
+        "sum_scores": total,
+        "bias_relevance": r["bias_relevance"],
+        "conservation_error": error,
+        "conservation_error_relative": relative,
+        "conserved": relative <= CONSERVATION_TOLERANCE,
+        "conservation_tolerance": CONSERVATION_TOLERANCE,
+    }
+    return MethodResult(
+        r["scores"].astype(np.float32), info, components={k: v.astype(np.float32) for k, v in r["components"].items()}
+    )
 
 
 def conservation_shortfall(info: dict) -> str | None:
@@ -144,7 +173,9 @@ def conservation_shortfall(info: dict) -> str | None:
     if info.get("conserved", True):
         return None
     total = info["sum_scores"] + info["bias_relevance"]
-    return (f"does not conserve: f = {info['f_x']:.6g} but Σ scores + bias relevance = {total:.6g} (relative "
-            f"error {info['conservation_error_relative']:.2e} > {CONSERVATION_TOLERANCE:g}): a step of the model "
-            f"has no relevance rule, so the scores do not add up to f; do not read them as its decomposition "
-            f"(docs/explain.md, 'When lrp does not conserve')")
+    return (
+        f"does not conserve: f = {info['f_x']:.6g} but Σ scores + bias relevance = {total:.6g} (relative "
+        f"error {info['conservation_error_relative']:.2e} > {CONSERVATION_TOLERANCE:g}): a step of the model "
+        f"has no relevance rule, so the scores do not add up to f; do not read them as its decomposition "
+        f"(docs/explain.md, 'When lrp does not conserve')"
+    )

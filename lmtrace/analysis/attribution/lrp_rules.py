@@ -93,8 +93,9 @@ def _carries(t) -> bool:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, scale: float, tol: float) -> bool:
-    return bool(torch.isfinite(a).all() and torch.isfinite(b).all()
-                and (a - b).abs().max().item() <= tol * scale + 1e-30)
+    return bool(
+        torch.isfinite(a).all() and torch.isfinite(b).all() and (a - b).abs().max().item() <= tol * scale + 1e-30
+    )
 
 
 def _scale(*xs: torch.Tensor) -> float:
@@ -192,7 +193,7 @@ class _Probe:
 
         def f(v):  # the module on another value of its relevance-carrying input, hooks bypassed
             if isinstance(slot, int):
-                return module.forward(*args[:slot], v, *args[slot + 1:], **kwargs)
+                return module.forward(*args[:slot], v, *args[slot + 1 :], **kwargs)
             return module.forward(*args, **{**kwargs, slot: v})
 
         kind = self.classify(f, x.detach(), output.detach())
@@ -205,8 +206,11 @@ class _Probe:
         if kind == "affine":
             self.kinds[self.names.get(module, "?")] = kind
             return None
-        return self.refuse(module, "is neither affine, element-wise nor a normaliser (x·g/rms(x) or "
-                                   "(x − mean)/std·g + b) on this step's activations")
+        return self.refuse(
+            module,
+            "is neither affine, element-wise nor a normaliser (x·g/rms(x) or "
+            "(x − mean)/std·g + b) on this step's activations",
+        )
 
     @staticmethod
     @torch.no_grad()
@@ -233,8 +237,10 @@ class _Probe:
 
     def refuse(self, module, why: str):
         name = self.names.get(module, "?")
-        raise SpecError(f"--method lrp: module {name} ({type(module).__name__}) {why}; lrp has no rule for it, "
-                        f"so it cannot explain this model (docs/explain.md, 'Layer-wise relevance propagation')")
+        raise SpecError(
+            f"--method lrp: module {name} ({type(module).__name__}) {why}; lrp has no rule for it, "
+            f"so it cannot explain this model (docs/explain.md, 'Layer-wise relevance propagation')"
+        )
 
 
 def _constant_weights(inner):
@@ -253,11 +259,15 @@ def refusal(adapter: Adapter) -> str | None:
     model = adapter.model
     if adapter.has_routers or adapter.family.mlp_down is None:
         mlp = adapter.mlp(0)
-        return (f"{type(model).__name__}: layer 0's MLP ({type(mlp).__name__}) routes each token to experts; the "
-                f"routing has no relevance rule here, so lrp covers the dense families only (docs/explain.md)")
+        return (
+            f"{type(model).__name__}: layer 0's MLP ({type(mlp).__name__}) routes each token to experts; the "
+            f"routing has no relevance rule here, so lrp covers the dense families only (docs/explain.md)"
+        )
     if model.config._attn_implementation != "eager":
-        return (f"{type(model).__name__}: lrp needs the eager attention kernel (loaded with "
-                f"{model.config._attn_implementation})")
+        return (
+            f"{type(model).__name__}: lrp needs the eager attention kernel (loaded with "
+            f"{model.config._attn_implementation})"
+        )
     return None
 
 
@@ -289,8 +299,10 @@ def installed(adapter: Adapter) -> Iterator[_Probe]:
             module = sys.modules[mod_name]
             inner = getattr(module, "eager_attention_forward", None)
             if inner is None:
-                raise SpecError(f"--method lrp: {type(model).__name__}: no eager_attention_forward in {mod_name} "
-                                f"to hold the attention weights constant in")
+                raise SpecError(
+                    f"--method lrp: {type(model).__name__}: no eager_attention_forward in {mod_name} "
+                    f"to hold the attention weights constant in"
+                )
             if not getattr(inner, "lmtrace_lrp", False):
                 patched.append((module, inner))
                 module.eager_attention_forward = _constant_weights(inner)

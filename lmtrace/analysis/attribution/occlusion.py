@@ -9,10 +9,17 @@ import torch
 from .registry import MethodResult, StepContext, register
 
 
-@register("occlusion", needs_model=True, settings=lambda s: {"target": s.target, "quantity": s.quantity,
-                                                             "mask": "attention_mask[position] = 0",
-                                                             "batch_size": s.batch_size},
-          description="f(x) − f(x with the position removed from the attention mask), one forward per position")
+@register(
+    "occlusion",
+    needs_model=True,
+    settings=lambda s: {
+        "target": s.target,
+        "quantity": s.quantity,
+        "mask": "attention_mask[position] = 0",
+        "batch_size": s.batch_size,
+    },
+    description="f(x) − f(x with the position removed from the attention mask), one forward per position",
+)
 def occlusion(ctx: StepContext) -> MethodResult:
     sc, s = ctx.scorer, ctx.settings
     e = sc.embeddings(ctx.ids)
@@ -24,6 +31,6 @@ def occlusion(ctx: StepContext) -> MethodResult:
             pos = torch.arange(lo, min(lo + s.batch_size, n), device=sc.device)
             mask = torch.ones((len(pos), n), dtype=torch.long, device=sc.device)
             mask[torch.arange(len(pos)), pos] = 0
-            out[lo:lo + len(pos)] = sc.f(ctx, e[None].expand(len(pos), n, e.shape[-1]), mask).double().cpu().numpy()
+            out[lo : lo + len(pos)] = sc.f(ctx, e[None].expand(len(pos), n, e.shape[-1]), mask).double().cpu().numpy()
     scores = fx - out
     return MethodResult(scores.astype(np.float32), {"f_x": fx, "sum_scores": float(scores.sum())})

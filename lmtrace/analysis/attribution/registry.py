@@ -67,17 +67,30 @@ METHODS: dict[str, Method] = {}
 ALIASES = {"gxi": "grad_x_input", "ig": "integrated_gradients", "rollout": "attention_rollout"}
 
 
-def register(name: str, *, needs_model: bool, description: str, settings: Callable[[Settings], dict] | None = None,
-             requirements: Callable[[Run], list[str]] | None = None,
-             check: Callable[[Run, Settings], None] | None = None,
-             shortfall: Callable[[dict, Settings], str | None] | None = None):
+def register(
+    name: str,
+    *,
+    needs_model: bool,
+    description: str,
+    settings: Callable[[Settings], dict] | None = None,
+    requirements: Callable[[Run], list[str]] | None = None,
+    check: Callable[[Run, Settings], None] | None = None,
+    shortfall: Callable[[dict, Settings], str | None] | None = None,
+):
     """Add an attribution method: `fn(ctx: StepContext) -> MethodResult` with one score per context position;
     `shortfall(info, settings)` is its own check of a result (None: passed)."""
 
     def wrap(fn):
-        METHODS[name] = Method(name, fn, needs_model, description,
-                               settings or (lambda s: {"target": s.target, "quantity": s.quantity}), requirements,
-                               check, shortfall)
+        METHODS[name] = Method(
+            name,
+            fn,
+            needs_model,
+            description,
+            settings or (lambda s: {"target": s.target, "quantity": s.quantity}),
+            requirements,
+            check,
+            shortfall,
+        )
         return fn
 
     return wrap

@@ -12,8 +12,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...archive.reader import IncompleteRunWarning, Run
-from ...capture.interventions import (CHAT_SPANS, EditSet, MaskExperts, MaskPositions, Steer, load_steer_vector,
-                                      mean_ablation_values, parse_entries, routing_rule)
+from ...capture.interventions import (
+    CHAT_SPANS,
+    EditSet,
+    MaskExperts,
+    MaskPositions,
+    Steer,
+    load_steer_vector,
+    mean_ablation_values,
+    parse_entries,
+    routing_rule,
+)
 from ...exits.errors import ArchiveError, LmtraceError, SpecError
 
 if TYPE_CHECKING:
@@ -21,9 +30,9 @@ if TYPE_CHECKING:
 
 NOT_REPLAYABLE = {
     "patch_residual": "it overwrote the query position's residual at each step with another run's archived vector; "
-                      "one forward over the whole context cannot reproduce those per-step patches",
+    "one forward over the whole context cannot reproduce those per-step patches",
     "patch_head": "it overwrote a head's value at each step's query position with a replay of another run; "
-                  "one forward over the whole context cannot reproduce those per-step patches",
+    "one forward over the whole context cannot reproduce those per-step patches",
 }
 REPLAY_TOLERANCE = 1e-4  # |recomputed − archived| chosen-token logprob of a float32 child, nats
 
@@ -83,10 +92,12 @@ class ContextEdits(EditSet):
         every step 0..step (the queries computed earlier then hid the same keys, causality doing the rest)."""
         for i, e in enumerate(self.entries):
             if isinstance(e, MaskPositions) and len({e.active_at(t) for t in range(step + 1)}) > 1:
-                raise SpecError(f"run {run_id}: interventions[{i}] (mask_positions) is active at some of steps "
-                                f"0..{step} but not all; explain replays it with one attention mask over the whole "
-                                f"context, which cannot reproduce that: explain a step before it starts or after "
-                                f"it is active throughout")
+                raise SpecError(
+                    f"run {run_id}: interventions[{i}] (mask_positions) is active at some of steps "
+                    f"0..{step} but not all; explain replays it with one attention mask over the whole "
+                    f"context, which cannot reproduce that: explain a step before it starts or after "
+                    f"it is active throughout"
+                )
 
 
 def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> ContextEdits | None:
@@ -101,8 +112,10 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
     bad = unreplayable_edit(run)
     if bad is not None:
         i, kind = bad
-        raise SpecError(f"run {run.id} is an intervention child with interventions[{i}] ({kind}), which explain "
-                        f"cannot replay: {NOT_REPLAYABLE[kind]}. Explain its parent, or a child without {kind}")
+        raise SpecError(
+            f"run {run.id} is an intervention child with interventions[{i}] ({kind}), which explain "
+            f"cannot replay: {NOT_REPLAYABLE[kind]}. Explain its parent, or a child without {kind}"
+        )
     m = run.manifest
     entries = parse_entries(m["interventions"], f"run {run.id}")
     parent_info = m.get("parent") or {}
@@ -117,8 +130,10 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
                     warnings.simplefilter("ignore", IncompleteRunWarning)
                     state["run"] = open_run(ref, run.path.parent)
             except LmtraceError as err:
-                raise ArchiveError(f"run {run.id}: its edits need its parent run {parent_info.get('run_id')} "
-                                   f"(mean values, chat spans or steering runs), which cannot be opened: {err}") from None
+                raise ArchiveError(
+                    f"run {run.id}: its edits need its parent run {parent_info.get('run_id')} "
+                    f"(mean values, chat spans or steering runs), which cannot be opened: {err}"
+                ) from None
         return state["run"]
 
     def view() -> "ParentView":
@@ -128,13 +143,16 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
 
     adapter = adapter_for(scorer.model)
     resources: dict[int, object] = mean_ablation_values(
-        entries, adapter, lambda: [view().prompt_ids[s] + view().generated[s] for s in range(len(view().prompt_ids))])
+        entries, adapter, lambda: [view().prompt_ids[s] + view().generated[s] for s in range(len(view().prompt_ids))]
+    )
     for i, e in enumerate(entries):
         where = f"run {run.id} interventions[{i}] ({e.kind})"
         if i in resources:  # a mean value
             continue
         if isinstance(e, Steer):
-            resources[i] = load_steer_vector(e, int(run.shape["d_model"]), lambda ref: open_run(ref, parent().path.parent))
+            resources[i] = load_steer_vector(
+                e, int(run.shape["d_model"]), lambda ref: open_run(ref, parent().path.parent)
+            )
         elif isinstance(e, MaskPositions) and e.span in CHAT_SPANS:
             resources[i] = chat_span_ranges(parent(), view(), e.span, where, tokenizer_of(parent()))
         elif isinstance(e, MaskExperts):

@@ -50,13 +50,19 @@ class Settings:
 
     def check(self) -> "Settings":
         if self.ig_rule == "trapezoid":
-            raise SpecError("--ig-rule trapezoid: removed, it evaluates the gradient at the baseline (α = 0), where "
-                            "RMSNorm/LayerNorm models are singular for the zero baseline; use adaptive (default) or midpoint")
+            raise SpecError(
+                "--ig-rule trapezoid: removed, it evaluates the gradient at the baseline (α = 0), where "
+                "RMSNorm/LayerNorm models are singular for the zero baseline; use adaptive (default) or midpoint"
+            )
         self.rollout_excluded  # noqa: B018 (refuses a bad --rollout-exclude before anything runs)
         self.ig_kept  # noqa: B018
-        for name, value, allowed in (("--target", self.target, TARGETS), ("--quantity", self.quantity, QUANTITIES),
-                                     ("--baseline", self.baseline, BASELINES), ("--ig-rule", self.ig_rule, IG_RULES),
-                                     ("--ig-dtype", self.ig_dtype, IG_DTYPES)):
+        for name, value, allowed in (
+            ("--target", self.target, TARGETS),
+            ("--quantity", self.quantity, QUANTITIES),
+            ("--baseline", self.baseline, BASELINES),
+            ("--ig-rule", self.ig_rule, IG_RULES),
+            ("--ig-dtype", self.ig_dtype, IG_DTYPES),
+        ):
             if value not in allowed:
                 raise SpecError(f"{name} {value!r}: expected one of {', '.join(allowed)}")
         if self.ig_steps < 1:
@@ -73,15 +79,21 @@ class Settings:
         """Refuse `--ig-keep` / `--rollout-exclude` positions outside every explained context (the longest, at
         step `last_step`, has positions 0..longest−1) for the methods that use them, before any work."""
         for option, text, positions, method in (
-                ("--ig-keep", self.ig_keep, self.ig_kept, "integrated_gradients"),
-                ("--rollout-exclude", self.rollout_exclude, self.rollout_excluded, "attention_rollout")):
+            ("--ig-keep", self.ig_keep, self.ig_kept, "integrated_gradients"),
+            ("--rollout-exclude", self.rollout_exclude, self.rollout_excluded, "attention_rollout"),
+        ):
             outside = [p for p in positions if p >= longest]
             if method in methods and outside:
-                which = f"position {outside[0]} is" if len(outside) == 1 else \
-                    f"positions {', '.join(map(str, outside))} are"
-                raise SpecError(f"{option} {text!r}: {which} outside every "
-                                f"explained context (step {last_step}'s context has positions 0..{longest - 1}); "
-                                f"give positions below {longest}")
+                which = (
+                    f"position {outside[0]} is"
+                    if len(outside) == 1
+                    else f"positions {', '.join(map(str, outside))} are"
+                )
+                raise SpecError(
+                    f"{option} {text!r}: {which} outside every "
+                    f"explained context (step {last_step}'s context has positions 0..{longest - 1}); "
+                    f"give positions below {longest}"
+                )
 
 
 def _positions(text: str, option: str, words: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:

@@ -71,8 +71,9 @@ class Scorer:
             self.edits.begin_forward(B, n, self.device)
             mask = self.edits.mask(mask)
         positions = torch.arange(n, device=self.device)[None].expand(B, n)
-        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False,
-                         logits_to_keep=1)
+        out = self.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=False, logits_to_keep=1
+        )
         return out.logits[:, -1]
 
     def f(self, ctx: "StepContext", embeds: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,8 +70,14 @@ def topk_divergence(known_a: dict[int, float], known_b: dict[int, float]) -> dic
     tail_b = max(1.0 - float(pb_.sum()), 0.0)
     P = np.append(pa_, max(tail_a, TAIL_FLOOR))
     Q = np.append(pb_, max(tail_b, TAIL_FLOOR))
-    return {"kl_ab": float(_kl(P, Q)), "kl_ba": float(_kl(Q, P)), "js": float(_js(P, Q)),
-            "tail_a": tail_a, "tail_b": tail_b, "n_common": len(common)}
+    return {
+        "kl_ab": float(_kl(P, Q)),
+        "kl_ba": float(_kl(Q, P)),
+        "js": float(_js(P, Q)),
+        "tail_a": tail_a,
+        "tail_b": tail_b,
+        "n_common": len(common),
+    }
 
 
 def attention_js_dense(a: np.ndarray, b: np.ndarray, n_keys: np.ndarray) -> np.ndarray:
@@ -102,4 +108,3 @@ def attention_js_sparse(idx_a: np.ndarray, p_a: np.ndarray, idx_b: np.ndarray, p
     tail_a = np.maximum(np.maximum(1.0 - pa_c.sum(-1), 0.0), TAIL_FLOOR)
     tail_b = np.maximum(np.maximum(1.0 - pb_c.sum(-1), 0.0), TAIL_FLOOR)
     return _js(np.concatenate([pa_c, tail_a[..., None]], -1), np.concatenate([pb_c, tail_b[..., None]], -1))
-

@@ -45,10 +45,15 @@ def run_info(side: Side) -> dict:
     """What the summary says about one run: id, path, status, model, parent and generation settings."""
     m = side.run.manifest
     gen = (m.get("spec_resolved") or {}).get("generation") or {}
-    return {"run_id": side.run.id, "path": str(side.run.path), "status": side.run.status,
-            "model": (m.get("model") or {}).get("reference"), "parent": m.get("parent"),
-            "sequences": side.n_seq, "generation": {k: gen.get(k) for k in
-                                                   ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}}
+    return {
+        "run_id": side.run.id,
+        "path": str(side.run.path),
+        "status": side.run.status,
+        "model": (m.get("model") or {}).get("reference"),
+        "parent": m.get("parent"),
+        "sequences": side.n_seq,
+        "generation": {k: gen.get(k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")},
+    }
 
 
 def _side_run(label: str, run, runs_dir, allow_incomplete: bool) -> Run:
@@ -59,8 +64,10 @@ def _side_run(label: str, run, runs_dir, allow_incomplete: bool) -> Run:
             warnings.simplefilter("ignore", IncompleteRunWarning)
             run = open_run(str(run), runs_dir)
     if run.status != "complete" and not allow_incomplete:
-        raise ArchiveError(f"run {label} ({run.id}) is {run.status}, not complete; pass --allow-incomplete to "
-                           f"compare the steps it committed")
+        raise ArchiveError(
+            f"run {label} ({run.id}) is {run.status}, not complete; pass --allow-incomplete to "
+            f"compare the steps it committed"
+        )
     return run
 
 
@@ -72,9 +79,17 @@ def _first_divergence(A: Side, B: Side, sa: int, sb: int) -> tuple[bool, int | N
     same_prompt = pid_a is not None and pid_a == pid_b
     n_min = min(na, nb)
     if not same_prompt:
-        return False, None, None, 0, (
-            "prompt token ids differ (different prompt or chat rendering): the contexts are never identical"
-            if pid_a is not None and pid_b is not None else "no archived prompt tokens on one side")
+        return (
+            False,
+            None,
+            None,
+            0,
+            (
+                "prompt token ids differ (different prompt or chat rendering): the contexts are never identical"
+                if pid_a is not None and pid_b is not None
+                else "no archived prompt tokens on one side"
+            ),
+        )
     diff = np.flatnonzero(ga["token_id"][:n_min] != gb["token_id"][:n_min]) if n_min else np.array([], int)
     if diff.size:
         return True, int(diff[0]), "token", int(diff[0]) + 1, None
@@ -82,14 +97,28 @@ def _first_divergence(A: Side, B: Side, sa: int, sb: int) -> tuple[bool, int | N
         shorter_finished = A.finished(sa) if na < nb else B.finished(sb)
         if shorter_finished:
             return True, n_min, "length", n_min, None
-        return True, None, None, n_min, (f"no divergence in the {n_min} steps both archives hold "
-                                         f"(one archive is incomplete)")
+        return (
+            True,
+            None,
+            None,
+            n_min,
+            (f"no divergence in the {n_min} steps both archives hold (one archive is incomplete)"),
+        )
     return True, None, None, na, None
 
 
-def compare_runs(run_a: Run | str | Path, run_b: Run | str | Path, *, runs_dir: str | Path | None = None,
-                 allow_incomplete: bool = False, pair: str = "auto", exact: bool = False,
-                 exact_steps: str | None = None, device: str | None = None, note=lambda text: None) -> Comparison:
+def compare_runs(
+    run_a: Run | str | Path,
+    run_b: Run | str | Path,
+    *,
+    runs_dir: str | Path | None = None,
+    allow_incomplete: bool = False,
+    pair: str = "auto",
+    exact: bool = False,
+    exact_steps: str | None = None,
+    device: str | None = None,
+    note=lambda text: None,
+) -> Comparison:
     """Compare two runs: `Run` readers, or run ids, id prefixes or directories (ids are looked up in `runs_dir`).
     Reads only the archives and loads no model, unless `exact`: then each side's model (loaded once when both
     runs share it) rescores the paired contexts. `note(text)` receives progress messages (--exact's loading)."""
@@ -112,23 +141,30 @@ def compare_runs(run_a: Run | str | Path, run_b: Run | str | Path, *, runs_dir: 
         rows = pair_step_rows(k, sa, sb, ga, gb, na, nb, same_prompt, first, kind)
         step_rows.extend(rows)
         if n_paired and layers:
-            same_top2 = np.asarray([bool(np.array_equal(ga["alt_ids"][s][:2], gb["alt_ids"][s][:2]))
-                                    for s in range(n_paired)])
+            same_top2 = np.asarray(
+                [bool(np.array_equal(ga["alt_ids"][s][:2], gb["alt_ids"][s][:2])) for s in range(n_paired)]
+            )
             cols, heads = pair_layer_figures(k, A, B, sa, sb, n_paired, layers, same_top2)
             layer_parts.append(cols)
             head_parts.append(heads)
-        pair_summaries.append(summarise_pair(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired,
-                                             same_prompt, pair_note))
+        pair_summaries.append(
+            summarise_pair(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired, same_prompt, pair_note)
+        )
 
     if exact:
         from .exact import exact_figures
 
         notes.append(exact_figures(A, B, pairing["pairs"], step_rows, exact_steps, device, note)["note"])
     elif step_rows:
-        notes.append("KL/JS are over the stored top-k + one tail bucket: lower bounds of the full-vocabulary values "
-                     "(--exact rescores the paired contexts with the models for exact figures)")
-    per_step = pa.Table.from_pylist(step_rows, schema=pa.schema(STEP_FIELDS)) if step_rows \
+        notes.append(
+            "KL/JS are over the stored top-k + one tail bucket: lower bounds of the full-vocabulary values "
+            "(--exact rescores the paired contexts with the models for exact figures)"
+        )
+    per_step = (
+        pa.Table.from_pylist(step_rows, schema=pa.schema(STEP_FIELDS))
+        if step_rows
         else pa.schema(STEP_FIELDS).empty_table()
+    )
     per_layer = typed_table(LAYER_FIELDS, concat_columns(layer_parts))
     per_head = typed_table(HEAD_FIELDS, concat_columns(head_parts))
     ranked_layers = rank_layers(per_layer)
@@ -137,6 +173,20 @@ def compare_runs(run_a: Run | str | Path, run_b: Run | str | Path, *, runs_dir: 
     first_changed = min(changed) if changed else None
 
     identical, verdict = verdict_line(pairing, pair_summaries, step_rows, first_changed)
-    return Comparison(run_info(A), run_info(B), compat, spec_differences(A.run.manifest, B.run.manifest), pairing,
-                      pair_summaries, per_step, per_layer, per_head, ranked_layers, ranked_heads, first_changed,
-                      identical, verdict, notes)
+    return Comparison(
+        run_info(A),
+        run_info(B),
+        compat,
+        spec_differences(A.run.manifest, B.run.manifest),
+        pairing,
+        pair_summaries,
+        per_step,
+        per_layer,
+        per_head,
+        ranked_layers,
+        ranked_heads,
+        first_changed,
+        identical,
+        verdict,
+        notes,
+    )

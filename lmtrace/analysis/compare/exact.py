@@ -31,8 +31,12 @@ def _parse_steps(text: str | None) -> set[int] | None:
 def _load(side, device):
     from ...runner.models import load_run_model
 
-    loaded = load_run_model(side.run.manifest, side.run.id, purpose="compare --exact (without it compare loads no model)",
-                            overrides={"dtype": "float32", "attn_implementation": "eager", "device": device})
+    loaded = load_run_model(
+        side.run.manifest,
+        side.run.id,
+        purpose="compare --exact (without it compare loads no model)",
+        overrides={"dtype": "float32", "attn_implementation": "eager", "device": device},
+    )
     return Scorer.of(loaded)
 
 
@@ -48,27 +52,40 @@ def _logits(scorer, side, seq: int, ids: list[int], prompt_len: int, wanted: lis
     """[len(wanted), vocab] float64 logits of the side's model (its edits replayed) at steps `wanted`."""
     edits = child_edits(side.run, scorer, seq, prompt_len)
     n = len(ids)
-    with torch.no_grad(), (edits.attached() if edits is not None else nullcontext()):
+    with torch.no_grad(), edits.attached() if edits is not None else nullcontext():
         mask = torch.ones((1, n), dtype=torch.long, device=scorer.device)
         if edits is not None:
             edits.check_step(n - prompt_len, side.run.id)
             edits.begin_forward(1, n, scorer.device)
             mask = edits.mask(mask)
-        out = scorer.model(input_ids=torch.tensor([ids], device=scorer.device), attention_mask=mask,
-                           position_ids=torch.arange(n, device=scorer.device)[None], use_cache=False)
+        out = scorer.model(
+            input_ids=torch.tensor([ids], device=scorer.device),
+            attention_mask=mask,
+            position_ids=torch.arange(n, device=scorer.device)[None],
+            use_cache=False,
+        )
     rows = torch.tensor([prompt_len - 1 + s for s in wanted], device=scorer.device)
     return out.logits[0, rows].double().cpu()
 
 
-def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], steps: str | None, device: str | None,
-                  note=lambda text: None) -> dict:
+def exact_figures(
+    A,
+    B,
+    pairs: list[tuple[int, int]],
+    step_rows: list[dict],
+    steps: str | None,
+    device: str | None,
+    note=lambda text: None,
+) -> dict:
     """Fill the exact_* columns of the paired rows of `step_rows` (in place); return a summary with a note."""
     for side in (A, B):  # refuse before loading anything
         bad = unreplayable_edit(side.run)
         if bad is not None:
             i, kind = bad
-            raise SpecError(f"--exact: run {side.label} ({side.run.id}) is an intervention child with "
-                            f"interventions[{i}] ({kind}), which cannot be replayed: {NOT_REPLAYABLE[kind]}")
+            raise SpecError(
+                f"--exact: run {side.label} ({side.run.id}) is an intervention child with "
+                f"interventions[{i}] ({kind}), which cannot be replayed: {NOT_REPLAYABLE[kind]}"
+            )
     chosen = _parse_steps(steps)
     note(f"--exact: loading the model of run A ({A.run.manifest.get('model', {}).get('reference')}, float32)")
     scorer_a = _load(A, device)
@@ -78,8 +95,12 @@ def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], ste
         scorer_b = _load(B, device)
     by_pair: dict[int, list[dict]] = {}
     for r in step_rows:
-        if r["context_identical"] and r["token_a"] is not None and r["token_b"] is not None \
-                and (chosen is None or r["step"] in chosen):
+        if (
+            r["context_identical"]
+            and r["token_a"] is not None
+            and r["token_b"] is not None
+            and (chosen is None or r["step"] in chosen)
+        ):
             by_pair.setdefault(r["pair"], []).append(r)
     worst = {"A": 0.0, "B": 0.0}
     done = 0
@@ -112,9 +133,11 @@ def exact_figures(A, B, pairs: list[tuple[int, int]], step_rows: list[dict], ste
                     worst[tag] = max(worst[tag], abs(float(lp[j, tok]) - archived))
         done += len(rows)
     dtypes = {tag: str(side.run.manifest.get("dtype")) for tag, side in (("A", A), ("B", B))}
-    text = (f"--exact: full-vocabulary KL/JS at {done} paired step(s) from the models (float32, eager); recomputed vs "
-            f"archived chosen-token logprob: max |difference| A {worst['A']:.1e}, B {worst['B']:.1e} nats "
-            f"(run dtypes {dtypes['A']}/{dtypes['B']})")
+    text = (
+        f"--exact: full-vocabulary KL/JS at {done} paired step(s) from the models (float32, eager); recomputed vs "
+        f"archived chosen-token logprob: max |difference| A {worst['A']:.1e}, B {worst['B']:.1e} nats "
+        f"(run dtypes {dtypes['A']}/{dtypes['B']})"
+    )
     for tag in ("A", "B"):
         if dtypes[tag] == "float32" and worst[tag] > 1e-4:
             text += f"; WARNING: run {tag} is not reproduced to 1e-4, its exact figures describe the float32 model"

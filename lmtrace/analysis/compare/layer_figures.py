@@ -16,21 +16,45 @@ from .sides import Side, column_array
 STEP_CHUNK = 16  # attention rows are compared this many steps at a time (bounded memory)
 
 LAYER_FIELDS = [
-    ("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("step", pa.int32()), ("layer", pa.int32()),
-    ("resid_norm_a", pa.float64()), ("resid_norm_b", pa.float64()), ("resid_norm_delta", pa.float64()),
+    ("pair", pa.int32()),
+    ("seq_a", pa.int32()),
+    ("seq_b", pa.int32()),
+    ("step", pa.int32()),
+    ("layer", pa.int32()),
+    ("resid_norm_a", pa.float64()),
+    ("resid_norm_b", pa.float64()),
+    ("resid_norm_delta", pa.float64()),
     ("resid_norm_rel_delta", pa.float64()),
-    ("delta_norm_a", pa.float64()), ("delta_norm_b", pa.float64()), ("delta_norm_delta", pa.float64()),
-    ("attn_norm_delta", pa.float64()), ("mlp_norm_delta", pa.float64()),
-    ("lens_top1_a", pa.int32()), ("lens_top1_b", pa.int32()), ("lens_changed", pa.bool_()),
+    ("delta_norm_a", pa.float64()),
+    ("delta_norm_b", pa.float64()),
+    ("delta_norm_delta", pa.float64()),
+    ("attn_norm_delta", pa.float64()),
+    ("mlp_norm_delta", pa.float64()),
+    ("lens_top1_a", pa.int32()),
+    ("lens_top1_b", pa.int32()),
+    ("lens_changed", pa.bool_()),
     ("lens_top1_prob_delta", pa.float64()),
-    ("margin_contrib_a", pa.float64()), ("margin_contrib_b", pa.float64()), ("margin_contrib_delta", pa.float64()),
+    ("margin_contrib_a", pa.float64()),
+    ("margin_contrib_b", pa.float64()),
+    ("margin_contrib_delta", pa.float64()),
     ("same_final_top2", pa.bool_()),
-    ("attn_js_mean", pa.float64()), ("attn_js_max", pa.float64()),
-    ("resid_dist", pa.float64()), ("resid_cos", pa.float64()),
+    ("attn_js_mean", pa.float64()),
+    ("attn_js_max", pa.float64()),
+    ("resid_dist", pa.float64()),
+    ("resid_cos", pa.float64()),
 ]
-HEAD_FIELDS = [("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("step", pa.int32()),
-               ("layer", pa.int32()), ("q_head", pa.int32()), ("attn_js", pa.float64()),
-               ("head_dla_a", pa.float64()), ("head_dla_b", pa.float64()), ("head_dla_delta", pa.float64())]
+HEAD_FIELDS = [
+    ("pair", pa.int32()),
+    ("seq_a", pa.int32()),
+    ("seq_b", pa.int32()),
+    ("step", pa.int32()),
+    ("layer", pa.int32()),
+    ("q_head", pa.int32()),
+    ("attn_js", pa.float64()),
+    ("head_dla_a", pa.float64()),
+    ("head_dla_b", pa.float64()),
+    ("head_dla_delta", pa.float64()),
+]
 
 
 def _steps_block(side: Side, seq: int, n: int, layers: list[int]) -> dict[str, np.ndarray]:
@@ -63,8 +87,9 @@ def _attention_source(run: Run, seq: int, s0: int, s1: int, li: int, n_keys_max:
 
 def _attention_js(A: Side, B: Side, sa: int, sb: int, n: int, layers: list[int], prompt_len: int) -> np.ndarray | None:
     """[step, layer, head] JS between the two sides' attention rows (None when either has no attention)."""
-    if not ({"attn", "attn_topk_idx"} & set(A.run.array_names())
-            and {"attn", "attn_topk_idx"} & set(B.run.array_names())):
+    if not (
+        {"attn", "attn_topk_idx"} & set(A.run.array_names()) and {"attn", "attn_topk_idx"} & set(B.run.array_names())
+    ):
         return None
     n_keys = prompt_len + np.arange(n)
     out = None
@@ -125,8 +150,9 @@ def _resid_figures(A: Side, B: Side, sa: int, sb: int, n: int, layers: list[int]
     return dist, cos
 
 
-def pair_layer_figures(k: int, A: Side, B: Side, sa: int, sb: int, n: int, layers: list[int],
-                       same_top2: np.ndarray) -> tuple[dict, dict]:
+def pair_layer_figures(
+    k: int, A: Side, B: Side, sa: int, sb: int, n: int, layers: list[int], same_top2: np.ndarray
+) -> tuple[dict, dict]:
     """Pair k's per-layer columns (`LAYER_FIELDS`, flattened [step, layer]) and per-head columns
     (`HEAD_FIELDS`, flattened [step, layer, head]; empty without attention) over its n paired steps.
     `same_top2` [n]: both sides' stored top-2 agree, so their margin contributions mean the same."""
@@ -138,25 +164,39 @@ def pair_layer_figures(k: int, A: Side, B: Side, sa: int, sb: int, n: int, layer
         return xa.get(name, nan), xb.get(name, nan)
 
     cols: dict[str, np.ndarray] = {
-        "pair": np.full((n, L), k), "seq_a": np.full((n, L), sa), "seq_b": np.full((n, L), sb),
-        "step": np.repeat(np.arange(n)[:, None], L, 1), "layer": np.repeat(np.asarray(layers)[None, :], n, 0),
+        "pair": np.full((n, L), k),
+        "seq_a": np.full((n, L), sa),
+        "seq_b": np.full((n, L), sb),
+        "step": np.repeat(np.arange(n)[:, None], L, 1),
+        "layer": np.repeat(np.asarray(layers)[None, :], n, 0),
     }
     ra, rb = pair_of("resid_norm")
-    cols.update(resid_norm_a=ra, resid_norm_b=rb, resid_norm_delta=rb - ra,
-                resid_norm_rel_delta=np.divide(rb - ra, ra, out=np.full((n, L), np.nan), where=ra > 0))
+    cols.update(
+        resid_norm_a=ra,
+        resid_norm_b=rb,
+        resid_norm_delta=rb - ra,
+        resid_norm_rel_delta=np.divide(rb - ra, ra, out=np.full((n, L), np.nan), where=ra > 0),
+    )
     da, db = pair_of("delta_norm")
     cols.update(delta_norm_a=da, delta_norm_b=db, delta_norm_delta=db - da)
     for name in ("attn_norm", "mlp_norm"):
         x, y = pair_of(name)
         cols[f"{name}_delta"] = y - x
     la, lb = pair_of("lens_top1")
-    cols.update(lens_top1_a=la, lens_top1_b=lb,
-                lens_changed=np.where(np.isnan(la) | np.isnan(lb), np.nan, (la != lb).astype(float)))
+    cols.update(
+        lens_top1_a=la,
+        lens_top1_b=lb,
+        lens_changed=np.where(np.isnan(la) | np.isnan(lb), np.nan, (la != lb).astype(float)),
+    )
     x, y = pair_of("lens_top1_prob")
     cols["lens_top1_prob_delta"] = y - x
     ma, mb = pair_of("margin_contrib")
-    cols.update(margin_contrib_a=ma, margin_contrib_b=mb, margin_contrib_delta=mb - ma,
-                same_final_top2=np.repeat(same_top2[:, None].astype(float), L, 1))
+    cols.update(
+        margin_contrib_a=ma,
+        margin_contrib_b=mb,
+        margin_contrib_delta=mb - ma,
+        same_final_top2=np.repeat(same_top2[:, None].astype(float), L, 1),
+    )
     js = _attention_js(A, B, sa, sb, n, layers, len(A.prompt_ids[sa]))
     dla_a, dla_b = _head_dla(A, sa, n, layers), _head_dla(B, sb, n, layers)
     if dla_a is None or dla_b is None:
@@ -172,11 +212,18 @@ def pair_layer_figures(k: int, A: Side, B: Side, sa: int, sb: int, n: int, layer
         H = shape[-1]
         none = np.full(shape, np.nan)
         da, db = (none, none) if dla_a is None else (dla_a, dla_b)
-        heads = {"pair": np.full(shape, k), "seq_a": np.full(shape, sa), "seq_b": np.full(shape, sb),
-                 "step": np.broadcast_to(np.arange(n)[:, None, None], shape),
-                 "layer": np.broadcast_to(np.asarray(layers)[None, :, None], shape),
-                 "q_head": np.broadcast_to(np.arange(H)[None, None, :], shape),
-                 "attn_js": none if js is None else js, "head_dla_a": da, "head_dla_b": db, "head_dla_delta": db - da}
+        heads = {
+            "pair": np.full(shape, k),
+            "seq_a": np.full(shape, sa),
+            "seq_b": np.full(shape, sb),
+            "step": np.broadcast_to(np.arange(n)[:, None, None], shape),
+            "layer": np.broadcast_to(np.asarray(layers)[None, :, None], shape),
+            "q_head": np.broadcast_to(np.arange(H)[None, None, :], shape),
+            "attn_js": none if js is None else js,
+            "head_dla_a": da,
+            "head_dla_b": db,
+            "head_dla_delta": db - da,
+        }
         heads = {name: np.asarray(v).reshape(-1) for name, v in heads.items()}
     dist, cos = _resid_figures(A, B, sa, sb, n, layers)
     cols["resid_dist"] = nan if dist is None else dist
@@ -208,4 +255,3 @@ def concat_columns(parts: list[dict]) -> dict[str, np.ndarray] | None:
     if not parts:
         return None
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-

@@ -23,35 +23,45 @@ def compatibility(A, B) -> dict:
     ma, mb = A.run.manifest, B.run.manifest
     for side in (A, B):
         if side.run.manifest.get("format_version") not in layout.READABLE_FORMAT_VERSIONS:
-            raise IncomparableRunsError(f"run {side.label} ({side.run.id}) has archive format "
-                                        f"{side.run.manifest.get('format_version')!r}; this lmtrace reads formats "
-                                        f"{', '.join(map(str, layout.READABLE_FORMAT_VERSIONS))}")
+            raise IncomparableRunsError(
+                f"run {side.label} ({side.run.id}) has archive format "
+                f"{side.run.manifest.get('format_version')!r}; this lmtrace reads formats "
+                f"{', '.join(map(str, layout.READABLE_FORMAT_VERSIONS))}"
+            )
     ta, tb = ma.get("tokenizer") or {}, mb.get("tokenizer") or {}
     if ta.get("vocab_size") != tb.get("vocab_size"):
         raise IncomparableRunsError(
             f"runs use different tokenizers ({ta.get('class')} with {ta.get('vocab_size')} tokens vs "
-            f"{tb.get('class')} with {tb.get('vocab_size')}): token ids, top-k lists and texts cannot be compared")
+            f"{tb.get('class')} with {tb.get('vocab_size')}): token ids, top-k lists and texts cannot be compared"
+        )
     shared = sorted(set(A.token_text) & set(B.token_text))
     conflicts = [i for i in shared if A.token_text[i] != B.token_text[i]]
     if conflicts:
         ex = ", ".join(f"id {i}: {A.token_text[i]!r} vs {B.token_text[i]!r}" for i in conflicts[:3])
-        raise IncomparableRunsError(f"runs use different tokenizers: {len(conflicts)} token id(s) decode differently "
-                                    f"({ex}); token ids cannot be compared")
+        raise IncomparableRunsError(
+            f"runs use different tokenizers: {len(conflicts)} token id(s) decode differently "
+            f"({ex}); token ids cannot be compared"
+        )
     notes = []
     if ta.get("class") != tb.get("class"):
-        notes.append(f"tokenizer classes differ ({ta.get('class')} vs {tb.get('class')}) but the vocabulary size "
-                     f"and all {len(shared)} token texts seen in both runs agree: compared as one tokenizer")
+        notes.append(
+            f"tokenizer classes differ ({ta.get('class')} vs {tb.get('class')}) but the vocabulary size "
+            f"and all {len(shared)} token texts seen in both runs agree: compared as one tokenizer"
+        )
     if not shared:
         notes.append("the runs share no token ids, so token texts could not be cross-checked")
     ca = (ma.get("model") or {}).get("config") or {}
     cb = (mb.get("model") or {}).get("config") or {}
     if ca.get("vocab_size") != cb.get("vocab_size"):
-        notes.append(f"model vocabularies differ in size ({ca.get('vocab_size')} vs {cb.get('vocab_size')}): "
-                     f"distributions cover different id ranges")
+        notes.append(
+            f"model vocabularies differ in size ({ca.get('vocab_size')} vs {cb.get('vocab_size')}): "
+            f"distributions cover different id ranges"
+        )
     sa, sb = ma["shape"], mb["shape"]
     arch_keys = ("n_heads", "n_kv_heads", "head_dim", "d_model")
-    same_arch = (ca.get("num_hidden_layers") == cb.get("num_hidden_layers")
-                 and all(sa.get(k) == sb.get(k) for k in arch_keys))
+    same_arch = ca.get("num_hidden_layers") == cb.get("num_hidden_layers") and all(
+        sa.get(k) == sb.get(k) for k in arch_keys
+    )
     if not same_arch:
         notes.append("the models differ in shape (layers, heads or width): per-layer and per-head figures are skipped")
     wa, wb = (ma.get("model") or {}).get("weights_sha256"), (mb.get("model") or {}).get("weights_sha256")
@@ -63,13 +73,19 @@ def compatibility(A, B) -> dict:
         if side.steps is None and same_arch:
             notes.append(f"run {side.label} has no per-layer table (capture: none): per-layer figures are skipped")
         elif side.steps is not None and lens_state(side.run.manifest) == "pending":
-            notes.append(f"run {side.label}: " + LENS_NOT_COMPUTED.format(run_id=side.run.id)
-                         + " to include lens winner changes")
+            notes.append(
+                f"run {side.label}: " + LENS_NOT_COMPUTED.format(run_id=side.run.id) + " to include lens winner changes"
+            )
     return {
-        "tokenizer": {"class_a": ta.get("class"), "class_b": tb.get("class"), "vocab_size": ta.get("vocab_size"),
-                      "token_ids_cross_checked": len(shared)},
+        "tokenizer": {
+            "class_a": ta.get("class"),
+            "class_b": tb.get("class"),
+            "vocab_size": ta.get("vocab_size"),
+            "token_ids_cross_checked": len(shared),
+        },
         "model_vocab_size": [ca.get("vocab_size"), cb.get("vocab_size")],
-        "same_architecture": same_arch, "same_weights": same_weights,
+        "same_architecture": same_arch,
+        "same_weights": same_weights,
         "common_layers": common_layers if (A.steps is not None and B.steps is not None) else [],
         "notes": notes,
     }
@@ -118,8 +134,15 @@ def prompt_differences(ta, tb) -> list[dict]:
     if not (isinstance(ta, list) and isinstance(tb, list)):
         return [{"key": "prompts.texts", "a": ta, "b": tb}]
     if sorted(map(str, ta)) == sorted(map(str, tb)):
-        return [{"key": "prompts.order", "a": "as in A", "b": "the same texts reordered: "
-                 + ", ".join(str(ta.index(t)) for t in tb) + " (A's index of each of B's prompts)"}]
+        return [
+            {
+                "key": "prompts.order",
+                "a": "as in A",
+                "b": "the same texts reordered: "
+                + ", ".join(str(ta.index(t)) for t in tb)
+                + " (A's index of each of B's prompts)",
+            }
+        ]
     out = []
     for i in range(max(len(ta), len(tb))):
         x = ta[i] if i < len(ta) else None
@@ -128,7 +151,9 @@ def prompt_differences(ta, tb) -> list[dict]:
             out.append({"key": f"prompts.texts[{i}]", "a": x, "b": y})
     if len(out) > MAX_PROMPT_DIFFS:
         more = len(out) - MAX_PROMPT_DIFFS
-        out = out[:MAX_PROMPT_DIFFS] + [{"key": "prompts.texts[…]", "a": f"{more} more differ", "b": f"{more} more differ"}]
+        out = out[:MAX_PROMPT_DIFFS] + [
+            {"key": "prompts.texts[…]", "a": f"{more} more differ", "b": f"{more} more differ"}
+        ]
     return out
 
 
@@ -163,6 +188,9 @@ def pair_sequences(prompts_a: list[str | None], prompts_b: list[str | None], mod
                     break
     pa_ = {i for i, _ in pairs}
     pb_ = {j for _, j in pairs}
-    return {"method": mode, "pairs": pairs, "unpaired_a": [i for i in range(na) if i not in pa_],
-            "unpaired_b": [j for j in range(nb) if j not in pb_]}
-
+    return {
+        "method": mode,
+        "pairs": pairs,
+        "unpaired_a": [i for i in range(na) if i not in pa_],
+        "unpaired_b": [j for j in range(nb) if j not in pb_],
+    }

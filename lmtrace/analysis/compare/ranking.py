@@ -21,25 +21,43 @@ def rank_layers(per_layer: pa.Table) -> list[dict]:
     for layer in sorted(set(c["layer"].tolist())):
         m = c["layer"] == layer
         row = {
-            "layer": int(layer), "steps": int(m.sum()),
+            "layer": int(layer),
+            "steps": int(m.sum()),
             "delta_norm_rel_change": _rel(c["delta_norm_delta"][m], c["delta_norm_a"][m]),
             "resid_norm_rel_change": _rel(c["resid_norm_delta"][m], c["resid_norm_a"][m]),
             "resid_norm_abs_delta": abs_mean(c["resid_norm_delta"][m]),
             "delta_norm_abs_delta": abs_mean(c["delta_norm_delta"][m]),
-            "attn_norm_abs_delta": abs_mean(c["attn_norm_delta"][m]), "mlp_norm_abs_delta": abs_mean(c["mlp_norm_delta"][m]),
-            "attn_js_mean": abs_mean(c["attn_js_mean"][m]), "attn_js_max": finite(np.nanmax(c["attn_js_max"][m]))
-            if np.isfinite(c["attn_js_max"][m]).any() else None,
+            "attn_norm_abs_delta": abs_mean(c["attn_norm_delta"][m]),
+            "mlp_norm_abs_delta": abs_mean(c["mlp_norm_delta"][m]),
+            "attn_js_mean": abs_mean(c["attn_js_mean"][m]),
+            "attn_js_max": finite(np.nanmax(c["attn_js_max"][m])) if np.isfinite(c["attn_js_max"][m]).any() else None,
             "lens_changes": int(np.nansum(lens[m])) if np.isfinite(lens[m]).any() else None,
             "margin_contrib_abs_delta": abs_mean(c["margin_contrib_delta"][m & same2]),
             "resid_dist_mean": abs_mean(c["resid_dist"][m]),
         }
-        figures = [row[k] for k in ("resid_norm_abs_delta", "delta_norm_abs_delta", "attn_norm_abs_delta",
-                                    "mlp_norm_abs_delta", "attn_js_mean", "lens_changes", "resid_dist_mean")]
+        figures = [
+            row[k]
+            for k in (
+                "resid_norm_abs_delta",
+                "delta_norm_abs_delta",
+                "attn_norm_abs_delta",
+                "mlp_norm_abs_delta",
+                "attn_js_mean",
+                "lens_changes",
+                "resid_dist_mean",
+            )
+        ]
         figures.append(abs_mean(c["margin_contrib_delta"][m & same2]))  # only where both margins mean the same
         row["changed"] = any(v not in (None, 0, 0.0) for v in figures)
         out.append(row)
-    out.sort(key=lambda r: (-(r["delta_norm_rel_change"] or 0.0), -(r["resid_norm_rel_change"] or 0.0),
-                            -(r["attn_js_mean"] or 0.0), r["layer"]))
+    out.sort(
+        key=lambda r: (
+            -(r["delta_norm_rel_change"] or 0.0),
+            -(r["resid_norm_rel_change"] or 0.0),
+            -(r["attn_js_mean"] or 0.0),
+            r["layer"],
+        )
+    )
     return out
 
 
@@ -65,8 +83,14 @@ def rank_heads(per_head: pa.Table) -> list[dict]:
         x = js[m][np.isfinite(js[m])]
         if not x.size:
             continue
-        out.append({"layer": int(u // 100000), "q_head": int(u % 100000), "steps": int(m.sum()),
-                    "attn_js_mean": float(x.mean()), "attn_js_max": float(x.max())})
+        out.append(
+            {
+                "layer": int(u // 100000),
+                "q_head": int(u % 100000),
+                "steps": int(m.sum()),
+                "attn_js_mean": float(x.mean()),
+                "attn_js_max": float(x.max()),
+            }
+        )
     out.sort(key=lambda r: (-r["attn_js_mean"], -r["attn_js_max"], r["layer"], r["q_head"]))
     return out
-

@@ -104,8 +104,20 @@ def load_side(label: str, run: Run) -> Side:
         for s in np.unique(pseq):
             prompt_ids[int(s)] = tuple(int(x) for x in pid[pseq == s])
         g = tokens.filter(pc.invert(is_prompt)).sort_by([("sequence", "ascending"), ("step", "ascending")])
-        cols = {c: column_array(g, c) for c in ("sequence", "step", "token_id", "logprob", "sampling_logprob", "entropy",
-                                       "margin", "greedy_id", "is_eos")}
+        cols = {
+            c: column_array(g, c)
+            for c in (
+                "sequence",
+                "step",
+                "token_id",
+                "logprob",
+                "sampling_logprob",
+                "entropy",
+                "margin",
+                "greedy_id",
+                "is_eos",
+            )
+        }
         cols["token_text"] = np.asarray(g.column("token_text").to_pylist(), dtype=object)
         cols["alt_ids"] = list_matrix(g, "alt_ids")
         cols["alt_logprobs"] = list_matrix(g, "alt_logprobs")
@@ -117,8 +129,10 @@ def load_side(label: str, run: Run) -> Side:
             d = {k: v[sel] for k, v in cols.items()}
             n = len(d["step"])
             if n and not np.array_equal(d["step"], np.arange(n)):
-                raise ArchiveError(f"run {run.id}: sequence {int(s)} has non-contiguous steps in tokens.parquet; "
-                                   f"the archive is damaged")
+                raise ArchiveError(
+                    f"run {run.id}: sequence {int(s)} has non-contiguous steps in tokens.parquet; "
+                    f"the archive is damaged"
+                )
             gen[int(s)] = d
     try:
         steps = run.steps()
@@ -127,6 +141,3 @@ def load_side(label: str, run: Run) -> Side:
     except ArchiveError:  # capture: none, or no committed block yet
         steps = None
     return Side(label, run, n_seq, prompt_text, prompt_ids, gen, seq_rows, steps, token_text)
-
-
-

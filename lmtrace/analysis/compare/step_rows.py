@@ -12,26 +12,62 @@ from .divergence import stored_logprobs, topk_divergence
 from .values import finite
 
 STEP_FIELDS = [
-    ("pair", pa.int32()), ("seq_a", pa.int32()), ("seq_b", pa.int32()), ("step", pa.int32()),
-    ("phase", pa.string()), ("context_identical", pa.bool_()),
-    ("token_a", pa.int32()), ("token_b", pa.int32()), ("text_a", pa.string()), ("text_b", pa.string()),
-    ("logprob_a", pa.float64()), ("logprob_b", pa.float64()),
-    ("logprob_a_under_b", pa.float64()), ("logprob_b_under_a", pa.float64()),
-    ("sampling_logprob_a", pa.float64()), ("sampling_logprob_b", pa.float64()),
-    ("entropy_a", pa.float64()), ("entropy_b", pa.float64()), ("entropy_delta", pa.float64()),
-    ("margin_a", pa.float64()), ("margin_b", pa.float64()), ("margin_delta", pa.float64()),
-    ("top1_a", pa.int32()), ("top1_b", pa.int32()), ("top1_agree", pa.bool_()), ("same_stored", pa.bool_()),
-    ("kl_ab", pa.float64()), ("kl_ba", pa.float64()), ("js", pa.float64()),
-    ("tail_a", pa.float64()), ("tail_b", pa.float64()), ("n_common", pa.int32()),
+    ("pair", pa.int32()),
+    ("seq_a", pa.int32()),
+    ("seq_b", pa.int32()),
+    ("step", pa.int32()),
+    ("phase", pa.string()),
+    ("context_identical", pa.bool_()),
+    ("token_a", pa.int32()),
+    ("token_b", pa.int32()),
+    ("text_a", pa.string()),
+    ("text_b", pa.string()),
+    ("logprob_a", pa.float64()),
+    ("logprob_b", pa.float64()),
+    ("logprob_a_under_b", pa.float64()),
+    ("logprob_b_under_a", pa.float64()),
+    ("sampling_logprob_a", pa.float64()),
+    ("sampling_logprob_b", pa.float64()),
+    ("entropy_a", pa.float64()),
+    ("entropy_b", pa.float64()),
+    ("entropy_delta", pa.float64()),
+    ("margin_a", pa.float64()),
+    ("margin_b", pa.float64()),
+    ("margin_delta", pa.float64()),
+    ("top1_a", pa.int32()),
+    ("top1_b", pa.int32()),
+    ("top1_agree", pa.bool_()),
+    ("same_stored", pa.bool_()),
+    ("kl_ab", pa.float64()),
+    ("kl_ba", pa.float64()),
+    ("js", pa.float64()),
+    ("tail_a", pa.float64()),
+    ("tail_b", pa.float64()),
+    ("n_common", pa.int32()),
     ("kl_stored_max", pa.float64()),
     # --exact only (null otherwise): full-vocabulary figures from the two models rescoring the shared context
-    ("exact_kl_ab", pa.float64()), ("exact_kl_ba", pa.float64()), ("exact_js", pa.float64()),
-    ("exact_max_abs_logit_diff", pa.float64()), ("exact_chosen_logit_diff", pa.float64()),
+    ("exact_kl_ab", pa.float64()),
+    ("exact_kl_ba", pa.float64()),
+    ("exact_js", pa.float64()),
+    ("exact_max_abs_logit_diff", pa.float64()),
+    ("exact_chosen_logit_diff", pa.float64()),
 ]
 EXACT_FIELDS = ("exact_kl_ab", "exact_kl_ba", "exact_js", "exact_max_abs_logit_diff", "exact_chosen_logit_diff")
-PAIRED_STEP_FIGURES = ("logprob_a_under_b", "logprob_b_under_a", "entropy_delta", "margin_delta", "top1_agree",
-                       "same_stored", "kl_ab", "kl_ba", "js", "tail_a", "tail_b", "n_common", "kl_stored_max")
-
+PAIRED_STEP_FIGURES = (
+    "logprob_a_under_b",
+    "logprob_b_under_a",
+    "entropy_delta",
+    "margin_delta",
+    "top1_agree",
+    "same_stored",
+    "kl_ab",
+    "kl_ba",
+    "js",
+    "tail_a",
+    "tail_b",
+    "n_common",
+    "kl_stored_max",
+)
 
 
 def stored_alternatives(g: dict, s: int) -> dict[int, float]:
@@ -49,8 +85,18 @@ def is_paired(row: dict) -> bool:
     return bool(row["context_identical"]) and row["token_a"] is not None and row["token_b"] is not None
 
 
-def pair_step_rows(k: int, sa: int, sb: int, ga: dict | None, gb: dict | None, na: int, nb: int,
-                   same_prompt: bool, first: int | None, kind: str | None) -> list[dict]:
+def pair_step_rows(
+    k: int,
+    sa: int,
+    sb: int,
+    ga: dict | None,
+    gb: dict | None,
+    na: int,
+    nb: int,
+    same_prompt: bool,
+    first: int | None,
+    kind: str | None,
+) -> list[dict]:
     """Rows (schema `STEP_FIELDS`) of pair k over steps 0..max(na, nb)-1; `ga`/`gb` are the sides'
     per-sequence columns (`Side.gen`), `first` the first divergence step (None: none), exact_* left null."""
     rows = []
@@ -85,12 +131,12 @@ def pair_step_rows(k: int, sa: int, sb: int, ga: dict | None, gb: dict | None, n
             row["top1_agree"] = row["top1_a"] == row["top1_b"]
             # judged without the chosen tokens' own entries: a sampled token outside the top-k is not a model difference
             sa_, sb_ = stored_alternatives(ga, s), stored_alternatives(gb, s)
-            row["same_stored"] = (sa_ == sb_ and row["entropy_a"] == row["entropy_b"]
-                                  and row["margin_a"] == row["margin_b"])
+            row["same_stored"] = (
+                sa_ == sb_ and row["entropy_a"] == row["entropy_b"] and row["margin_a"] == row["margin_b"]
+            )
             row.update({key: (finite(v) if isinstance(v, float) else v) for key, v in topk_divergence(ka, kb).items()})
             stored = topk_divergence(sa_, sb_)
-            row["kl_stored_max"] = (None if stored["kl_ab"] is None
-                                    else finite(max(stored["kl_ab"], stored["kl_ba"])))
+            row["kl_stored_max"] = None if stored["kl_ab"] is None else finite(max(stored["kl_ab"], stored["kl_ba"]))
         else:
             row.update({key: None for key in PAIRED_STEP_FIGURES})
         row.update({key: None for key in EXACT_FIELDS})
@@ -113,6 +159,11 @@ def step0_logit_diff(ga: dict, gb: dict) -> dict | None:
     def diff(known: dict[int, float]) -> float | None:
         return finite(known[x] - known[y]) if x in known and y in known else None
 
-    return {"token_a": x, "text_a": ga["token_text"][0], "token_b": y, "text_b": gb["token_text"][0],
-            "under_a": diff(known_a), "under_b": diff(known_b)}
-
+    return {
+        "token_a": x,
+        "text_a": ga["token_text"][0],
+        "token_b": y,
+        "text_b": gb["token_text"][0],
+        "under_a": diff(known_a),
+        "under_b": diff(known_b),
+    }

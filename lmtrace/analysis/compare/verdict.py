@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from .step_rows import is_paired
 
-FLOAT_NOISE_KL = 1e-6  # nats: paired distributions closer than this (both KL directions) are "the same up to float noise"
+FLOAT_NOISE_KL = (
+    1e-6  # nats: paired distributions closer than this (both KL directions) are "the same up to float noise"
+)
 
 
 def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
@@ -21,15 +23,24 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
     kl = [r["kl_stored_max"] for r in paired]
     known = [x for x in kl if x is not None]
     max_kl = max(known, default=0.0)
-    noise_only = (not figures_zero and len(known) == len(kl) and max_kl < FLOAT_NOISE_KL
-                  and all(r["top1_agree"] for r in paired))
+    noise_only = (
+        not figures_zero and len(known) == len(kl) and max_kl < FLOAT_NOISE_KL and all(r["top1_agree"] for r in paired)
+    )
     same_lengths = all(p["generated_len_a"] == p["generated_len_b"] for p in pairs)
     unpaired = len(pairing["unpaired_a"]) + len(pairing["unpaired_b"])
-    identical = (n > 0 and not other_ctx and not diverged and figures_zero and first_changed is None and same_lengths
-                 and not unpaired)
+    identical = (
+        n > 0
+        and not other_ctx
+        and not diverged
+        and figures_zero
+        and first_changed is None
+        and same_lengths
+        and not unpaired
+    )
     if identical:
-        return True, (f"no difference: all {n} paired sequence(s) generated the same tokens and every compared "
-                      f"figure is equal")
+        return True, (
+            f"no difference: all {n} paired sequence(s) generated the same tokens and every compared figure is equal"
+        )
     parts = []
     if n == 0:
         parts.append("no sequences could be paired")
@@ -37,8 +48,10 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
         what = "pair(s)" if not other_ctx else "pair(s) with the same prompt"
         if diverged:
             first = min(diverged, key=lambda p: p["first_divergence"]["step"])
-            parts.append(f"{len(diverged)} of {len(same_ctx)} {what} diverge (earliest: pair {first['pair']} at step "
-                         f"{first['first_divergence']['step']})")
+            parts.append(
+                f"{len(diverged)} of {len(same_ctx)} {what} diverge (earliest: pair {first['pair']} at step "
+                f"{first['first_divergence']['step']})"
+            )
         else:
             parts.append(f"all {len(same_ctx)} {what} generated the same tokens")
     if other_ctx:
@@ -46,25 +59,37 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
         line = f"{len(other_ctx)} pair(s) have different prompt tokens"
         if differ:
             p = differ[0]
-            line += (f", {len(differ)} of them generated different text (pair {p['pair']}: "
-                     f"{_clip(p['text']['a'])!r} vs {_clip(p['text']['b'])!r})")
+            line += (
+                f", {len(differ)} of them generated different text (pair {p['pair']}: "
+                f"{_clip(p['text']['a'])!r} vs {_clip(p['text']['b'])!r})"
+            )
         else:
             line += ", all of them generated the same text"
         parts.append(line)
     if paired:
         if first_changed is not None:
-            parts.append(f"internal figures change from layer {first_changed} on"
-                         + (f" (output distributions equal up to float noise: KL < {FLOAT_NOISE_KL:g})"
-                            if noise_only or figures_zero else ""))
+            parts.append(
+                f"internal figures change from layer {first_changed} on"
+                + (
+                    f" (output distributions equal up to float noise: KL < {FLOAT_NOISE_KL:g})"
+                    if noise_only or figures_zero
+                    else ""
+                )
+            )
         elif noise_only:
-            parts.append(f"same next-token distributions up to float noise (max KL over the stored top-k "
-                         f"{max_kl:.1e} < {FLOAT_NOISE_KL:g} nats)")
+            parts.append(
+                f"same next-token distributions up to float noise (max KL over the stored top-k "
+                f"{max_kl:.1e} < {FLOAT_NOISE_KL:g} nats)"
+            )
         elif figures_zero and diverged:
-            parts.append("the stored next-token distributions are identical at every paired step: the tokens differ "
-                         "by sampling, not by the model")
+            parts.append(
+                "the stored next-token distributions are identical at every paired step: the tokens differ "
+                "by sampling, not by the model"
+            )
         elif not figures_zero:
-            parts.append(f"next-token distributions differ (max KL over the stored top-k {max_kl:.3g} nats, "
-                         f"a lower bound)")
+            parts.append(
+                f"next-token distributions differ (max KL over the stored top-k {max_kl:.3g} nats, a lower bound)"
+            )
     if unpaired:
         parts.append(f"{unpaired} sequence(s) unpaired")
     return False, "; ".join(parts)
@@ -72,4 +97,3 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
 
 def _clip(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
-

@@ -57,8 +57,9 @@ def kept_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def replay(model, adapter, site: Site, sequences: list[list[int]], *, pad_id: int, batch_tokens: int = 2048
-           ) -> Iterator[torch.Tensor]:
+def replay(
+    model, adapter, site: Site, sequences: list[list[int]], *, pad_id: int, batch_tokens: int = 2048
+) -> Iterator[torch.Tensor]:
     """Yield [n, width] float32 CPU activations at `site`, batch by batch, for every kept position."""
     device = next(model.parameters()).device
     for group in batches_of(sequences, batch_tokens):
@@ -66,7 +67,7 @@ def replay(model, adapter, site: Site, sequences: list[list[int]], *, pad_id: in
         seen: list[torch.Tensor] = []
 
         def grab(tensor, b=ids.shape[0], t=ids.shape[1]):
-            seen.append(as_positions(tensor, b, t).detach())
+            seen.append(as_positions(tensor, b, t).detach())  # noqa: B023 (runs in this iteration's forward)
             raise _Enough  # the layers above the site are not needed
 
         try:
@@ -95,7 +96,7 @@ class ActivationStore:
             take = min(len(rows), self.limit - self.n)
             if take <= 0:
                 break
-            self.data[self.n: self.n + take] = rows[:take].numpy().astype(np.float16)
+            self.data[self.n : self.n + take] = rows[:take].numpy().astype(np.float16)
             self.n += take
             if self.n >= self.limit:
                 break

@@ -41,14 +41,19 @@ def reconstruction_metrics(sae: Sae, source: Iterable[torch.Tensor]) -> dict:
         n += len(x)
     if n == 0:
         return {"tokens": 0, "explained_variance": None, "mean_l0": None, "dead_fraction": None}
-    total = sum_sq - float((sum_x ** 2).sum()) / n
-    return {"tokens": n, "explained_variance": 1.0 - sse / total if total > 0 else None, "mean_l0": l0 / n,
-            "dead_fraction": 1.0 - float(fired.float().mean())}
+    total = sum_sq - float((sum_x**2).sum()) / n
+    return {
+        "tokens": n,
+        "explained_variance": 1.0 - sse / total if total > 0 else None,
+        "mean_l0": l0 / n,
+        "dead_fraction": 1.0 - float(fired.float().mean()),
+    }
 
 
 @torch.inference_mode()
-def ce_loss_recovered(model, adapter, sae: Sae, site: Site, sequences: list[list[int]], *, pad_id: int,
-                      batch_tokens: int = 2048) -> dict:
+def ce_loss_recovered(
+    model, adapter, sae: Sae, site: Site, sequences: list[list[int]], *, pad_id: int, batch_tokens: int = 2048
+) -> dict:
     """Mean next-token cross-entropy (nats) of the original forward, with the SAE spliced in at `site`,
     and with the site zeroed; and the loss recovered."""
     device = next(model.parameters()).device
@@ -59,13 +64,13 @@ def ce_loss_recovered(model, adapter, sae: Sae, site: Site, sequences: list[list
         b, t = ids.shape
         keep = kept_positions(mask)
 
-        def splice(tensor, how):
-            view = as_positions(tensor, b, t)
+        def splice(tensor, how):  # a hook used only by this iteration's forwards
+            view = as_positions(tensor, b, t)  # noqa: B023
             out = view.clone()
             if how == "zero":
-                out[keep] = 0
+                out[keep] = 0  # noqa: B023
             else:
-                out[keep] = sae.reconstruct(view[keep].float()).to(view.dtype)
+                out[keep] = sae.reconstruct(view[keep].float()).to(view.dtype)  # noqa: B023
             return out.view(tensor.shape)
 
         targets = ids[:, 1:]
@@ -84,5 +89,10 @@ def ce_loss_recovered(model, adapter, sae: Sae, site: Site, sequences: list[list
         return {"ce_orig": None, "ce_sae": None, "ce_zero": None, "loss_recovered": None, "tokens": 0}
     ce = {k: v / count for k, v in sums.items()}
     gap = ce["zero"] - ce["orig"]
-    return {"ce_orig": ce["orig"], "ce_sae": ce["sae"], "ce_zero": ce["zero"], "tokens": count,
-            "loss_recovered": (ce["zero"] - ce["sae"]) / gap if gap != 0 else None}
+    return {
+        "ce_orig": ce["orig"],
+        "ce_sae": ce["sae"],
+        "ce_zero": ce["zero"],
+        "tokens": count,
+        "loss_recovered": (ce["zero"] - ce["sae"]) / gap if gap != 0 else None,
+    }

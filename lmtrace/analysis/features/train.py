@@ -41,14 +41,19 @@ class TrainSettings:
     seed: int = 0
     aux_coefficient: float = 1 / 32
     dead_after: int = 100_000  # tokens without activity after which a latent counts as dead in training (at most
-                               # half the training tokens, so a small data set still revives its dead latents)
+    # half the training tokens, so a small data set still revives its dead latents)
 
 
 def _order(n: int, gen: torch.Generator) -> torch.Tensor:
     blocks = torch.randperm(math.ceil(n / BLOCK), generator=gen)
-    return torch.cat([torch.arange(b * BLOCK, min(n, (b + 1) * BLOCK))[torch.randperm(min(n, (b + 1) * BLOCK) - b * BLOCK,
-                                                                                       generator=gen)]
-                      for b in blocks.tolist()])
+    return torch.cat(
+        [
+            torch.arange(b * BLOCK, min(n, (b + 1) * BLOCK))[
+                torch.randperm(min(n, (b + 1) * BLOCK) - b * BLOCK, generator=gen)
+            ]
+            for b in blocks.tolist()
+        ]
+    )
 
 
 def _topk(pre: torch.Tensor, k: int) -> torch.Tensor:
@@ -65,15 +70,21 @@ def _batch_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     return kept, float(positive.min()) if len(positive) else 0.0
 
 
-def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *, model_name: str | None = None,
-              progress=lambda done, total: None) -> tuple[Sae, dict]:
+def train_sae(
+    store: ActivationStore,
+    settings: TrainSettings,
+    hook_name: str,
+    *,
+    model_name: str | None = None,
+    progress=lambda done, total: None,
+) -> tuple[Sae, dict]:
     """Train on store's rows [n, d_in] -> (the SAE for raw activations, a log of the training)."""
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     n, d = store.n, store.d
     idx = torch.randperm(n, generator=gen)[: min(n, 16384)].sort().values
     sample = torch.from_numpy(store.data[idx.numpy()].astype("float32"))
-    scale = math.sqrt(d / float((sample ** 2).sum(-1).mean()))
+    scale = math.sqrt(d / float((sample**2).sum(-1).mean()))
     sample = sample * scale
     mean = sample.mean(0)
     variance = float(((sample - mean) ** 2).sum(-1).mean())  # per token, of scaled inputs
@@ -94,7 +105,7 @@ def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *
     for _epoch in range(settings.epochs):
         order = _order(n, gen)
         for start in range(0, n, settings.batch):
-            rows = order[start: start + settings.batch]
+            rows = order[start : start + settings.batch]
             x = torch.from_numpy(store.data[rows.sort().values.numpy()].astype("float32")) * scale
             pre = (x - params["b_dec"]) @ params["W_enc"] + params["b_enc"]
             if settings.architecture == "batchtopk":
@@ -104,7 +115,7 @@ def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *
                 acts = _topk(pre, settings.k)
             recon = acts @ params["W_dec"] + params["b_dec"]
             error = x - recon
-            mse = (error ** 2).sum(-1).mean() / variance
+            mse = (error**2).sum(-1).mean() / variance
             loss = mse
             dead = since_fired > dead_after
             n_dead = int(dead.sum())
@@ -132,12 +143,27 @@ def train_sae(store: ActivationStore, settings: TrainSettings, hook_name: str, *
         b_dec = params["b_dec"] / scale
         b_enc = params["b_enc"].clone()
     arch = "jumprelu" if settings.architecture == "batchtopk" else "topk"
-    cfg = SaeConfig(architecture=arch, d_in=d, d_sae=settings.d_sae, hook_name=hook_name,
-                    k=settings.k if arch == "topk" else None, model_name=model_name)
+    cfg = SaeConfig(
+        architecture=arch,
+        d_in=d,
+        d_sae=settings.d_sae,
+        hook_name=hook_name,
+        k=settings.k if arch == "topk" else None,
+        model_name=model_name,
+    )
     thr = torch.full((settings.d_sae,), float(threshold or 0.0)) if arch == "jumprelu" else None
     sae = Sae(cfg, W_enc, b_enc, W_dec, b_dec, thr)
-    log = {"steps": steps, "tokens_seen": seen, "epochs": settings.epochs, "batch": settings.batch, "lr": settings.lr,
-           "seed": settings.seed, "activation_scale": scale, "seconds": round(time.time() - t0, 2), **last}
+    log = {
+        "steps": steps,
+        "tokens_seen": seen,
+        "epochs": settings.epochs,
+        "batch": settings.batch,
+        "lr": settings.lr,
+        "seed": settings.seed,
+        "activation_scale": scale,
+        "seconds": round(time.time() - t0, 2),
+        **last,
+    }
     if threshold is not None:
         log["batchtopk_threshold"] = threshold
     return sae, log

@@ -45,8 +45,16 @@ def _positions(text: str | None, what: str) -> list[int] | None:
     return sorted(set(_range_list(text, what)))
 
 
-def build_cells(over: str, edit: str, positions_text: str | None, n_layers: int, n_heads: int, d_ffn: int,
-                prompt_len: int, edited: range | None = None) -> list[Cell]:
+def build_cells(
+    over: str,
+    edit: str,
+    positions_text: str | None,
+    n_layers: int,
+    n_heads: int,
+    d_ffn: int,
+    prompt_len: int,
+    edited: range | None = None,
+) -> list[Cell]:
     """The swept cells of `--over` / `--edit` / `--positions`, validated against the model; sorted by layer.
 
     `edited`: the positions an edit can reach when it starts at a later step (`from_step`); `resid`
@@ -68,18 +76,28 @@ def build_cells(over: str, edit: str, positions_text: str | None, n_layers: int,
         comp = OVER_SIMPLE[over]
         if comp == "position":
             if edit != "zero":
-                raise SpecError("--over positions hides one position at a time from every query (intervene's "
-                                "mask_positions); it takes --edit zero. To patch positions use --over resid:A-B")
+                raise SpecError(
+                    "--over positions hides one position at a time from every query (intervene's "
+                    "mask_positions); it takes --edit zero. To patch positions use --over resid:A-B"
+                )
             for p in positions if positions is not None else range(prompt_len):
                 cells.append(Cell("position", position=p))
         else:
             if comp == "layer" and edit == "patch":
-                raise SpecError("--over layers --edit patch would replace the whole residual stream; patch it at "
-                                "single positions with --over resid:A-B")
-            base = ([Cell("head", layer, h) for layer in range(n_layers) for h in range(n_heads)] if comp == "head"
-                    else [Cell(comp, layer) for layer in range(n_layers)])
-            cells = base if positions is None else [
-                Cell(c.component, c.layer, c.head, c.neuron, p) for c in base for p in positions]
+                raise SpecError(
+                    "--over layers --edit patch would replace the whole residual stream; patch it at "
+                    "single positions with --over resid:A-B"
+                )
+            base = (
+                [Cell("head", layer, h) for layer in range(n_layers) for h in range(n_heads)]
+                if comp == "head"
+                else [Cell(comp, layer) for layer in range(n_layers)]
+            )
+            cells = (
+                base
+                if positions is None
+                else [Cell(c.component, c.layer, c.head, c.neuron, p) for c in base for p in positions]
+            )
     elif over.startswith("neurons:"):
         try:
             layer = int(over.split(":", 1)[1])
@@ -91,12 +109,17 @@ def build_cells(over: str, edit: str, positions_text: str | None, n_layers: int,
         if edit == "patch":
             raise SpecError("--over neurons: takes --edit zero or mean")
         base = [Cell("neuron", layer, neuron=n) for n in range(d_ffn)]
-        cells = base if positions is None else [Cell("neuron", layer, neuron=c.neuron, position=p)
-                                                for c in base for p in positions]
+        cells = (
+            base
+            if positions is None
+            else [Cell("neuron", layer, neuron=c.neuron, position=p) for c in base for p in positions]
+        )
     elif over.startswith("resid:"):
         if edit != "patch":
-            raise SpecError("--over resid:A-B patches the residual stream at one position at a time; it takes "
-                            "--edit patch --source RUN_B")
+            raise SpecError(
+                "--over resid:A-B patches the residual stream at one position at a time; it takes "
+                "--edit patch --source RUN_B"
+            )
         layers = _range_list(over.split(":", 1)[1], f"--over {over}")
         if not layers:
             raise SpecError(f"--over {over!r}: expected resid:A-B, e.g. resid:0-29")
@@ -110,4 +133,6 @@ def build_cells(over: str, edit: str, positions_text: str | None, n_layers: int,
         raise SpecError(f"--over {over!r}: expected heads, attn, mlp, layers, neurons:LAYER, positions or resid:A-B")
     if not cells:
         raise SpecError(f"--over {over}: the sweep is empty (no positions?)")
-    return sorted(cells, key=lambda c: (c.start_layer(), c.head or 0, c.neuron or 0, -1 if c.position is None else c.position))
+    return sorted(
+        cells, key=lambda c: (c.start_layer(), c.head or 0, c.neuron or 0, -1 if c.position is None else c.position)
+    )

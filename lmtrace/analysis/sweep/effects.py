@@ -40,9 +40,19 @@ def ranking(table: pa.Table, metric: str, top: int) -> list[dict]:
     g = g.reindex(g.effect.abs().sort_values(ascending=False).index).head(top)
     out = []
     for _, r in g.iterrows():
-        out.append({k: (None if isinstance(r[k], float) and np.isnan(r[k]) else
-                        int(r[k]) if k in ("layer", "q_head", "neuron", "position") else r[k]) for k in CELL_KEYS}
-                   | {"value": float(r.value), "baseline": float(r.baseline), "effect": float(r.effect)})
+        out.append(
+            {
+                k: (
+                    None
+                    if isinstance(r[k], float) and np.isnan(r[k])
+                    else int(r[k])
+                    if k in ("layer", "q_head", "neuron", "position")
+                    else r[k]
+                )
+                for k in CELL_KEYS
+            }
+            | {"value": float(r.value), "baseline": float(r.baseline), "effect": float(r.effect)}
+        )
     return out
 
 
@@ -69,7 +79,9 @@ def sequence_means(table: pa.Table) -> pa.Table:
     df = table.to_pandas()
     patch = "normalised" in df.columns
     keys = [*CELL_KEYS, "sequence", *(["pair", "source_sequence"] if patch else []), "metric"]
-    mean = df.groupby(keys, dropna=False)[MEANS + (["source_value", "normalised"] if patch else [])].mean().reset_index()
+    mean = (
+        df.groupby(keys, dropna=False)[MEANS + (["source_value", "normalised"] if patch else [])].mean().reset_index()
+    )
     mean["n_steps"] = df.groupby(keys, dropna=False).step.count().values
     return pa.Table.from_pandas(mean, preserve_index=False)
 
@@ -87,8 +99,9 @@ def bootstrap_weights(n: int, resamples: int, seed: int) -> np.ndarray:
     return weights
 
 
-def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: int = BOOTSTRAP_RESAMPLES,
-                    seed: int = BOOTSTRAP_SEED) -> pd.DataFrame:
+def grouped_effects(
+    table: pa.Table, metric: str, groups: dict, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> pd.DataFrame:
     """Per (group, cell) of `metric`: the mean effect over the group's (sequence, step) rows of the cell
     (`cell_effects`' reduction, on the group's sequences), n_sequences, n_rows, and a 95 % bootstrap
     interval over sequences (`low`, `high`: the 2.5th and 97.5th percentiles of the mean over
@@ -127,7 +140,9 @@ def grouped_effects(table: pa.Table, metric: str, groups: dict, *, resamples: in
         out.append(cells)
     result = pd.concat(out, ignore_index=True)
     order = result[GROUP_VALUE].map(group_order)
-    return result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
+    return (
+        result.assign(_o=order).sort_values(["_o", *keys[1:]], kind="stable").drop(columns="_o").reset_index(drop=True)
+    )
 
 
 def normalised_effect(value: np.ndarray, baseline: np.ndarray, source: np.ndarray) -> np.ndarray:
@@ -143,40 +158,69 @@ def normalised_effect(value: np.ndarray, baseline: np.ndarray, source: np.ndarra
     return out
 
 
-def normalised_cells(table: pa.Table, metric: str, *, resamples: int = BOOTSTRAP_RESAMPLES,
-                     seed: int = BOOTSTRAP_SEED) -> pd.DataFrame:
+def normalised_cells(
+    table: pa.Table, metric: str, *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> pd.DataFrame:
     """Per cell of a patching sweep on `metric`: the mean normalised effect over every (pair, step)
     row where it is defined, with a 95 % bootstrap interval over pairs (`grouped_effects` on the
     `normalised` column, every pair one group's sequence): columns CELL_KEYS, effect, low, high,
     n_pairs, n_rows. A pair is a row of the patched run (`sequence`), so resampling sequences
     resamples pairs."""
     t = table.select([*CELL_KEYS, "sequence", "metric", "normalised"]).to_pandas()
-    t = t[(t.metric == metric) & t.normalised.notna()].drop(columns="effect", errors="ignore").rename(columns={"normalised": "effect"})
+    t = (
+        t[(t.metric == metric) & t.normalised.notna()]
+        .drop(columns="effect", errors="ignore")
+        .rename(columns={"normalised": "effect"})
+    )
     if t.empty:
         return pd.DataFrame(columns=[*CELL_KEYS, "effect", "low", "high", "n_pairs", "n_rows"])
-    frame = grouped_effects(pa.Table.from_pandas(t, preserve_index=False), metric, {},
-                            resamples=resamples, seed=seed)
+    frame = grouped_effects(pa.Table.from_pandas(t, preserve_index=False), metric, {}, resamples=resamples, seed=seed)
     return frame.drop(columns=GROUP_VALUE).rename(columns={"n_sequences": "n_pairs"})
 
 
 def cell_records(frame: pd.DataFrame, ints: tuple[str, ...], keep: tuple[str, ...] = ()) -> list[dict]:
     """A frame of cells as plain dicts: NaN and None as None, the columns `ints` as int, effect / low /
     high as float, the columns in `keep` as they are."""
-    return [{k: (v if k in keep else None if v is None or (isinstance(v, float) and np.isnan(v)) else int(v)
-                 if k in ints else float(v) if k in ("effect", "low", "high") else v) for k, v in r.items()}
-            for r in frame.to_dict("records")]
+    return [
+        {
+            k: (
+                v
+                if k in keep
+                else None
+                if v is None or (isinstance(v, float) and np.isnan(v))
+                else int(v)
+                if k in ints
+                else float(v)
+                if k in ("effect", "low", "high")
+                else v
+            )
+            for k, v in r.items()
+        }
+        for r in frame.to_dict("records")
+    ]
 
 
-def patching_summary(table: pa.Table, clean: str, corrupted: str, n_pairs: int, pairs: dict, metric: str,
-                     pair_by: str | None) -> dict:
+def patching_summary(
+    table: pa.Table, clean: str, corrupted: str, n_pairs: int, pairs: dict, metric: str, pair_by: str | None
+) -> dict:
     """sweep.json's `patching`: which run is clean and which corrupted, the pairs (`pairs`: corrupted
     sequence -> (clean sequence, pair id)), and per cell the mean normalised effect on `metric` across
     pairs with its 95 % bootstrap interval over pairs (`normalised_cells`)."""
-    cells = cell_records(normalised_cells(table, metric), ("layer", "q_head", "neuron", "position", "n_pairs", "n_rows"))
+    cells = cell_records(
+        normalised_cells(table, metric), ("layer", "q_head", "neuron", "position", "n_pairs", "n_rows")
+    )
     cells.sort(key=lambda c: -abs(c["effect"]))
-    return {"clean": clean, "corrupted": corrupted, "pair_by": pair_by or "index", "n_pairs": n_pairs,
-            "pairs": [{"pair": pair, "sequence": s, "source_sequence": t} for s, (t, pair) in pairs.items()],
-            "metric": metric, "formula": "(patched - corrupted) / (clean - corrupted), per (pair, step); "
-            "mean over the (pair, step) rows where clean != corrupted",
-            "resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED,
-            "interval": "95 % percentile bootstrap over pairs", "cells": cells}
+    return {
+        "clean": clean,
+        "corrupted": corrupted,
+        "pair_by": pair_by or "index",
+        "n_pairs": n_pairs,
+        "pairs": [{"pair": pair, "sequence": s, "source_sequence": t} for s, (t, pair) in pairs.items()],
+        "metric": metric,
+        "formula": "(patched - corrupted) / (clean - corrupted), per (pair, step); "
+        "mean over the (pair, step) rows where clean != corrupted",
+        "resamples": BOOTSTRAP_RESAMPLES,
+        "seed": BOOTSTRAP_SEED,
+        "interval": "95 % percentile bootstrap over pairs",
+        "cells": cells,
+    }

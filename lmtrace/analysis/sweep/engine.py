@@ -1,22 +1,22 @@
 """The sweep's forward engine: a pack of sequences of one layout, one cell per batch row per sequence.
 
-  edits      `zero` / `mean` are exactly `lmtrace intervene`'s ablations (`interventions.EditSet`
-             with the same entry kinds), one entry per batch row; `patch` replaces a component's
-             value with the source run's at the same position (`_Patches`, values from
-             `capture_source`); both read and replace components with the hooks intervene's
-             edits use (`capture/component_hooks.py`).
-  semantics  rescore: the sequence is the parent's prompt followed by its generated tokens
-             (teacher-forced); one forward computes every measured step at once (step s is read at
-             position prompt_len - 1 + s).
-  pack       K sequences of the same prompt length, measured steps and prefix run in one forward:
-             row q * cells + b is sequence q with cell b (`SequenceInput`, `Engine.pack`).
-  prefix KV  the positions no edit changes (before `from_step`'s, or those a patch source shares)
-             are computed once per pack and their KV cache is continued by every batch row, so each
-             forward computes only the rest.
-  shortcut   the layers below a batch's lowest edited layer are not computed: they return the
-             unedited forward's outputs, saved once per pack (`_PrefixSkip`); a self-check on the
-             first baseline compares the shortcut's logits with the full forward's and turns it off
-             if they differ. A batch of cells spread over many layers runs in `layer_groups`.
+edits      `zero` / `mean` are exactly `lmtrace intervene`'s ablations (`interventions.EditSet`
+           with the same entry kinds), one entry per batch row; `patch` replaces a component's
+           value with the source run's at the same position (`_Patches`, values from
+           `capture_source`); both read and replace components with the hooks intervene's
+           edits use (`capture/component_hooks.py`).
+semantics  rescore: the sequence is the parent's prompt followed by its generated tokens
+           (teacher-forced); one forward computes every measured step at once (step s is read at
+           position prompt_len - 1 + s).
+pack       K sequences of the same prompt length, measured steps and prefix run in one forward:
+           row q * cells + b is sequence q with cell b (`SequenceInput`, `Engine.pack`).
+prefix KV  the positions no edit changes (before `from_step`'s, or those a patch source shares)
+           are computed once per pack and their KV cache is continued by every batch row, so each
+           forward computes only the rest.
+shortcut   the layers below a batch's lowest edited layer are not computed: they return the
+           unedited forward's outputs, saved once per pack (`_PrefixSkip`); a self-check on the
+           first baseline compares the shortcut's logits with the full forward's and turns it off
+           if they differ. A batch of cells spread over many layers runs in `layer_groups`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,13 @@ from ...capture.kv_cache import repeat_prefix, repeat_rows
 from .cells import Cell
 from .metrics import Metric, measure
 
-ENTRY_KIND = {"head": "ablate_head", "attn": "ablate_attention", "mlp": "ablate_mlp", "layer": "ablate_layer",
-              "neuron": "ablate_neurons"}
+ENTRY_KIND = {
+    "head": "ablate_head",
+    "attn": "ablate_attention",
+    "mlp": "ablate_mlp",
+    "layer": "ablate_layer",
+    "neuron": "ablate_neurons",
+}
 # the `component_means` kind whose mean value a `mean` ablation of the cell's component writes
 MEAN_KIND = {"head": "head", "attn": "attn", "mlp": "mlp", "layer": "layer", "neuron": "ffn"}
 
@@ -50,8 +55,10 @@ class _PrefixSkip:
     @contextmanager
     def recording(self):
         self.saved = {}
-        handles = [layer.register_forward_hook((lambda i: lambda m, a, o: self.saved.__setitem__(i, o))(i))
-                   for i, layer in enumerate(self.layers)]
+        handles = [
+            layer.register_forward_hook((lambda i: lambda m, a, o: self.saved.__setitem__(i, o))(i))  # noqa: B023 (i bound)
+            for i, layer in enumerate(self.layers)
+        ]
         try:
             yield
         finally:
@@ -69,7 +76,9 @@ class _PrefixSkip:
                 if isinstance(out, tuple):
                     return (repeat_rows(out[0], each), *out[1:])
                 return repeat_rows(out, each)
+
             return forward
+
         try:
             for i in range(start):
                 layer = self.layers[i]
@@ -115,7 +124,7 @@ class _Patches:
             sl = cols.get(b, slice(None))
             if c.position is None:
                 if end > lo:
-                    x[b, : end - lo, sl] = src[lo - s0:end - s0, sl].to(x.dtype)
+                    x[b, : end - lo, sl] = src[lo - s0 : end - s0, sl].to(x.dtype)
             elif lo <= c.position < end:
                 x[b, c.position - lo, sl] = src[c.position - s0, sl].to(x.dtype)
         return x
@@ -132,8 +141,11 @@ class _Patches:
                     cols = {b: slice(c.head * d, (c.head + 1) * d) for b, c in rows}
                 else:
                     cols = {}
-                handles.append(edit_component(a, kind, layer, lambda x, rows=rows, key=key, cols=cols: self._apply(
-                    x, rows, key, cols)))
+                handles.append(
+                    edit_component(
+                        a, kind, layer, lambda x, rows=rows, key=key, cols=cols: self._apply(x, rows, key, cols)
+                    )
+                )
             yield
         finally:
             for h in handles:
@@ -141,8 +153,9 @@ class _Patches:
 
 
 @torch.inference_mode()
-def capture_source(adapter, ids: list[list[int]], wanted: set[tuple[str, int]], keep: int = 1, prefix=None,
-                   start: int = 0) -> tuple[list[SourceValues], torch.Tensor]:
+def capture_source(
+    adapter, ids: list[list[int]], wanted: set[tuple[str, int]], keep: int = 1, prefix=None, start: int = 0
+) -> tuple[list[SourceValues], torch.Tensor]:
     """The unedited values of K source sequences of equal length, one forward: per sequence the values at
     positions `start`..; and their logits [K, keep, V] at the last `keep` positions. With `prefix` (the
     K-row KV cache of positions < start, which each source shares with its patched sequence) only the
@@ -152,16 +165,21 @@ def capture_source(adapter, ids: list[list[int]], wanted: set[tuple[str, int]], 
     a = adapter
     try:
         for kind, layer in wanted:
-            handles.append(read_component(a, kind, layer, lambda x, key=(kind, layer): out.__setitem__(
-                key, x.detach().clone())))
+            handles.append(
+                read_component(a, kind, layer, lambda x, key=(kind, layer): out.__setitem__(key, x.detach().clone()))
+            )
         device = next(a.model.parameters()).device
         x = torch.tensor(ids, dtype=torch.long, device=device)
         if prefix is None:
             start = 0
             kw = {"attention_mask": torch.ones_like(x), "use_cache": False}
         else:
-            kw = {"attention_mask": torch.ones_like(x), "use_cache": True, "cache": repeat_prefix(prefix, 1),
-                  "position_ids": torch.arange(start, x.shape[1], device=device)[None].expand(len(ids), -1)}
+            kw = {
+                "attention_mask": torch.ones_like(x),
+                "use_cache": True,
+                "cache": repeat_prefix(prefix, 1),
+                "position_ids": torch.arange(start, x.shape[1], device=device)[None].expand(len(ids), -1),
+            }
         logits = a.model(input_ids=x[:, start:], logits_to_keep=keep, **kw).logits
     finally:
         for h in handles:
@@ -223,9 +241,15 @@ class SequenceInput:
 
         def pick(out):
             return (out[0].index_select(0, index), *out[1:]) if isinstance(out, tuple) else out.index_select(0, index)
-        return SequenceInput(self.ids.index_select(0, index), self.first_step, self.n_logits, self.start,
-                             None if self.prefix is None else select_prefix(self.prefix, rows),
-                             {i: pick(o) for i, o in self.layer_outputs.items()})
+
+        return SequenceInput(
+            self.ids.index_select(0, index),
+            self.first_step,
+            self.n_logits,
+            self.start,
+            None if self.prefix is None else select_prefix(self.prefix, rows),
+            {i: pick(o) for i, o in self.layer_outputs.items()},
+        )
 
 
 class Engine:
@@ -271,9 +295,14 @@ class Engine:
 
         first_step = max(0, start - (prompt_len - 1))
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=x[:, :start], attention_mask=torch.ones_like(x[:, :start]),
-                   position_ids=torch.arange(start, device=self.device)[None].expand(len(ids), -1), cache=cache,
-                   use_cache=True, logits_to_keep=1)
+        self.model(
+            input_ids=x[:, :start],
+            attention_mask=torch.ones_like(x[:, :start]),
+            position_ids=torch.arange(start, device=self.device)[None].expand(len(ids), -1),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return SequenceInput(x, first_step, last_step - first_step + 1, start, cache)
 
     def _forward(self, seq: SequenceInput, each: int, start: int = 0, edits=None, patches=None):
@@ -281,11 +310,14 @@ class Engine:
         sequence (row q * each + b: sequence q); `start`: the lowest edited layer."""
         rows = seq.size * each
         T = seq.ids.shape[1]
-        x = repeat_rows(seq.ids[:, seq.start:], each)
+        x = repeat_rows(seq.ids[:, seq.start :], each)
         mask = torch.ones((rows, T), dtype=torch.long, device=self.device)  # the prefix's positions too
         positions = torch.arange(seq.start, T, device=self.device)[None].expand(rows, -1)
-        cache = {"cache": repeat_prefix(seq.prefix, each), "use_cache": True} if seq.prefix is not None else {
-            "use_cache": False}
+        cache = (
+            {"cache": repeat_prefix(seq.prefix, each), "use_cache": True}
+            if seq.prefix is not None
+            else {"use_cache": False}
+        )
         with ExitStack() as stack:
             head = self.model.get_output_embeddings()
             if head is not None:
@@ -302,8 +334,9 @@ class Engine:
                 mask = edits.edit_mask(mask, [0] * rows, list(range(rows)), self.from_step)
             if patches is not None:
                 stack.enter_context(patches.attached())
-            out = self.model(input_ids=x, attention_mask=mask, position_ids=positions, logits_to_keep=seq.n_logits,
-                             **cache)
+            out = self.model(
+                input_ids=x, attention_mask=mask, position_ids=positions, logits_to_keep=seq.n_logits, **cache
+            )
         return out.logits.float()
 
     @torch.inference_mode()
@@ -325,8 +358,14 @@ class Engine:
         data, resources = [], {}
         for b, c in enumerate(cells):
             if c.component == "position":
-                data.append({"kind": "mask_positions", "mask": [c.position], "sequences": [b],
-                             **({"steps": {"from": self.from_step}} if self.from_step else {})})
+                data.append(
+                    {
+                        "kind": "mask_positions",
+                        "mask": [c.position],
+                        "sequences": [b],
+                        **({"steps": {"from": self.from_step}} if self.from_step else {}),
+                    }
+                )
                 continue
             e = {"kind": ENTRY_KIND[c.component], "layer": c.layer, "mode": self.edit, "sequences": [b]}
             if self.from_step:
@@ -342,7 +381,7 @@ class Engine:
                 mean = self.means[(MEAN_KIND[c.component], c.layer)]
                 if c.component == "head":
                     d = self.adapter.head_dim
-                    mean = mean[c.head * d: (c.head + 1) * d]
+                    mean = mean[c.head * d : (c.head + 1) * d]
                 resources[b] = mean
         entries = parse_entries(data, "sweep")
         return EditSet(entries, self.adapter, {b: 0 for b in range(len(cells))}, resources)
@@ -353,8 +392,13 @@ class Engine:
         cells (sorted by their lowest edited layer) on each of the pack's K sequences; sources[q]: the
         patch source of sequence q. Computed in the groups `layer_groups` chooses: each group's forward
         starts at its own lowest edited layer, the layers below it are the baseline's saved outputs."""
-        groups = layer_groups([c.start_layer() for c in cells], len(self.adapter.layers),
-                              seq.size * (seq.ids.shape[1] - seq.start)) if self.skip_ok else [(0, len(cells))]
+        groups = (
+            layer_groups(
+                [c.start_layer() for c in cells], len(self.adapter.layers), seq.size * (seq.ids.shape[1] - seq.start)
+            )
+            if self.skip_ok
+            else [(0, len(cells))]
+        )
         parts = [self._run_group(seq, cells[i:j], sources).unflatten(0, (seq.size, j - i)) for i, j in groups]
         return torch.cat(parts, 1).flatten(0, 1)
 
@@ -363,11 +407,13 @@ class Engine:
         row_cells = [c for _ in range(seq.size) for c in cells]
         if self.edit == "patch":
             row_sources = [src for src in sources for _ in cells]
-            return self._forward(seq, len(cells), start,
-                                 patches=_Patches(self.adapter, row_cells, row_sources, seq.start))
+            return self._forward(
+                seq, len(cells), start, patches=_Patches(self.adapter, row_cells, row_sources, seq.start)
+            )
         return self._forward(seq, len(cells), start, edits=self.entries_for(row_cells))
 
-    def measure(self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int],
-                first_step: int = 0) -> dict[str, np.ndarray]:
+    def measure(
+        self, logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int], first_step: int = 0
+    ) -> dict[str, np.ndarray]:
         """The sweep's metrics of R edited rows against the baseline (`metrics.measure`)."""
         return measure(self.metrics, logits, base, steps, tokens, first_step)

@@ -1,9 +1,9 @@
 """What a sweep measures per (cell, sequence, step), and how each metric is computed from logits.
 
-  logprob / prob   of the parent's chosen token
-  rank             how many tokens have a strictly larger logit than the chosen one (0 = top-1)
-  kl               KL(baseline || edited) over the full vocabulary, nats
-  logit_diff:A,B   logit of A − logit of B (token ids, or texts that are one token each)
+logprob / prob   of the parent's chosen token
+rank             how many tokens have a strictly larger logit than the chosen one (0 = top-1)
+kl               KL(baseline || edited) over the full vocabulary, nats
+logit_diff:A,B   logit of A − logit of B (token ids, or texts that are one token each)
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ def parse_metrics(names: list[str], tokenizer, vocab: int) -> list[Metric]:
         if base == "logit_diff":
             parts = _split_pair(arg) if arg else []
             if len(parts) != 2:
-                raise SpecError(f"metric {name!r}: logit_diff takes two tokens, e.g. logit_diff:\" Paris\",\" Rome\" "
-                                f"or logit_diff:7042,11389")
+                raise SpecError(
+                    f'metric {name!r}: logit_diff takes two tokens, e.g. logit_diff:" Paris"," Rome" '
+                    f"or logit_diff:7042,11389"
+                )
             a, b = (_token_id(p, tokenizer, vocab, f"metric {name!r}") for p in parts)
             out.append(Metric("logit_diff", (a, b)))
         elif arg:
@@ -86,8 +88,14 @@ def parse_metrics(names: list[str], tokenizer, vocab: int) -> list[Metric]:
     return out
 
 
-def measure(metrics: list[Metric], logits: torch.Tensor, base: torch.Tensor, steps: list[int], tokens: list[int],
-            first_step: int = 0) -> dict[str, np.ndarray]:
+def measure(
+    metrics: list[Metric],
+    logits: torch.Tensor,
+    base: torch.Tensor,
+    steps: list[int],
+    tokens: list[int],
+    first_step: int = 0,
+) -> dict[str, np.ndarray]:
     """logits [R, n, V] float32 of R edited rows, base [n, V] the unedited forward's (row i = step
     first_step + i); tokens: the chosen token by step. Returns metric key -> [R, len(steps)] float64."""
     idx = torch.tensor(steps) - first_step

@@ -38,16 +38,58 @@ Modules, one job each:
 """
 
 from .edits import EditSet
-from .entries import (CHAT_SPANS, KINDS, SPANS, Ablation, AblateAttention, AblateHead, AblateLayer, AblateMlp,
-                      AblateNeurons, Entry, EntryBase, MaskExperts, MaskPositions, PatchHead, PatchResidual, Steer,
-                      parse_entries, validate_against)
+from .entries import (
+    CHAT_SPANS,
+    KINDS,
+    SPANS,
+    AblateAttention,
+    AblateHead,
+    AblateLayer,
+    AblateMlp,
+    AblateNeurons,
+    Ablation,
+    Entry,
+    EntryBase,
+    MaskExperts,
+    MaskPositions,
+    PatchHead,
+    PatchResidual,
+    Steer,
+    parse_entries,
+    validate_against,
+)
 from .means import MEAN_COMPONENT, component_means, mean_ablation_values
 from .routing import ROUTING_RULES, routing_rule
 from .shorthand import parse_range_list, shorthand_entries
 from .sources import load_steer_vector, patch_source
 
-__all__ = ["CHAT_SPANS", "KINDS", "MEAN_COMPONENT", "ROUTING_RULES", "SPANS", "Ablation", "AblateAttention",
-           "AblateHead", "AblateLayer", "AblateMlp", "AblateNeurons", "EditSet", "Entry", "EntryBase", "MaskExperts",
-           "MaskPositions", "PatchHead", "PatchResidual", "Steer", "component_means", "load_steer_vector",
-           "mean_ablation_values", "parse_entries", "parse_range_list", "patch_source", "routing_rule",
-           "shorthand_entries", "validate_against"]
+__all__ = [
+    "CHAT_SPANS",
+    "KINDS",
+    "MEAN_COMPONENT",
+    "ROUTING_RULES",
+    "SPANS",
+    "Ablation",
+    "AblateAttention",
+    "AblateHead",
+    "AblateLayer",
+    "AblateMlp",
+    "AblateNeurons",
+    "EditSet",
+    "Entry",
+    "EntryBase",
+    "MaskExperts",
+    "MaskPositions",
+    "PatchHead",
+    "PatchResidual",
+    "Steer",
+    "component_means",
+    "load_steer_vector",
+    "mean_ablation_values",
+    "parse_entries",
+    "parse_range_list",
+    "patch_source",
+    "routing_rule",
+    "shorthand_entries",
+    "validate_against",
+]

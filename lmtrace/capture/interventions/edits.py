@@ -11,8 +11,21 @@ import torch
 from ...exits.errors import SpecError
 from ..component_hooks import edit_component, first, replace_first, row_mask
 from ..taps import tap
-from .entries import (CHAT_SPANS, Ablation, AblateAttention, AblateHead, AblateLayer, AblateNeurons, EntryBase,
-                      MaskExperts, MaskPositions, PatchHead, PatchResidual, Steer)
+from .entries import (
+    CHAT_SPANS,
+    AblateAttention,
+    AblateHead,
+    AblateLayer,
+    AblateNeurons,
+    Ablation,
+    EntryBase,
+    MaskExperts,
+    MaskPositions,
+    PatchHead,
+    PatchResidual,
+    Steer,
+)
+
 
 class EditSet:
     """The tracer's `Edits`: installs one hook per entry and knows which rows/positions are active.
@@ -82,7 +95,6 @@ class EditSet:
             for h in handles:
                 h.remove()
 
-
     def _install(self, i: int, e: EntryBase) -> list:
         """Entry i's hooks; mask_positions has none (it works through `edit_mask`)."""
         if isinstance(e, Ablation):
@@ -114,11 +126,14 @@ class EditSet:
                 value = torch.zeros((), dtype=x.dtype, device=x.device) if mean is None else mean.to(x.device, x.dtype)
                 x[..., lo:hi] = torch.where(row_mask(sel, x), value, x[..., lo:hi])
                 return x
+
             return edit_component(a, "head", e.layer, ablate_head)
         if isinstance(e, AblateNeurons):
             if a.family.mlp_down is None:
-                raise SpecError(f"ablate_neurons: {a.family.name} models have no single MLP "
-                                f"down-projection (experts are fused); ablate the MLP block or a layer instead")
+                raise SpecError(
+                    f"ablate_neurons: {a.family.name} models have no single MLP "
+                    f"down-projection (experts are fused); ablate the MLP block or a layer instead"
+                )
             idx = torch.tensor(e.neurons)
 
             def ablate_neurons(x):
@@ -129,9 +144,13 @@ class EditSet:
                 cols = idx.to(x.device)
                 current = x[..., cols]
                 rows = row_mask(sel, x)
-                x[..., cols] = current.masked_fill(rows, 0.0) if mean is None else torch.where(
-                    rows, mean[idx].to(x.device, x.dtype), current)
+                x[..., cols] = (
+                    current.masked_fill(rows, 0.0)
+                    if mean is None
+                    else torch.where(rows, mean[idx].to(x.device, x.dtype), current)
+                )
                 return x
+
             return edit_component(a, "ffn", e.layer, ablate_neurons)
 
         def ablate_block(out):  # ablate_attention, ablate_mlp: the block's output
@@ -139,11 +158,15 @@ class EditSet:
             if sel is None:
                 return None
             rows = row_mask(sel, out)
-            return out.masked_fill(rows, 0.0) if mean is None else torch.where(rows, mean.to(out.device, out.dtype), out)
+            return (
+                out.masked_fill(rows, 0.0) if mean is None else torch.where(rows, mean.to(out.device, out.dtype), out)
+            )
+
         return edit_component(a, "attn" if isinstance(e, AblateAttention) else "mlp", e.layer, ablate_block)
 
     def _skip_layer(self, e: AblateLayer, mean):
         """The layer's output replaced by its input (plus its mean residual contribution) where e applies."""
+
         def skip(module, args, kwargs, output):
             sel = self._selected(e)
             if sel is None:
@@ -153,6 +176,7 @@ class EditSet:
             if mean is not None:
                 x = x + mean.to(out.device, out.dtype)
             return replace_first(output, torch.where(sel[..., None], x, out))
+
         return tap(self.adapter.layers[e.layer], skip, prepend=True)
 
     def _patch_head(self, i: int, e: PatchHead):
@@ -172,6 +196,7 @@ class EditSet:
                     if v is not None:
                         x[b, -1, lo:hi] = v.to(x.device, x.dtype)
             return x
+
         return edit_component(self.adapter, "head", e.layer, patch_head)
 
     def _mask_experts(self, i: int, e: MaskExperts):
@@ -189,8 +214,12 @@ class EditSet:
             cols[experts.to(logits.device)] = True
             masked = logits.masked_fill(rows & cols, float("-inf"))
             new_weights, new_chosen = rule(module, masked)
-            return (masked, torch.where(rows, new_weights.to(weights.dtype), weights),
-                    torch.where(rows, new_chosen, chosen))
+            return (
+                masked,
+                torch.where(rows, new_weights.to(weights.dtype), weights),
+                torch.where(rows, new_chosen, chosen),
+            )
+
         return tap(self.adapter.routers[e.layer], mask_experts, prepend=True)
 
     def _residual(self, i: int, e: PatchResidual | Steer):
@@ -205,10 +234,13 @@ class EditSet:
             if isinstance(e, Steer):
                 v = resource.to(out.dtype).to(out.device)
                 return torch.where(sel[..., None], out + e.alpha * v, out)
-            for b, seq in enumerate(self.seq_ids):  # only the query position's residual is archived, so only it is patched
+            for b, seq in enumerate(
+                self.seq_ids
+            ):  # only the query position's residual is archived, so only it is patched
                 if sel[b, -1]:
                     src = resource(seq, self.step)
                     if src is not None:
                         out[b, -1] = torch.as_tensor(src, dtype=out.dtype, device=out.device)
             return out
+
         return edit_component(self.adapter, "resid", e.layer, edit_residual)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from ...exits.errors import SpecError
 
+
 class EntryBase(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sequences: Literal["all"] | list[int] = "all"
@@ -74,8 +75,9 @@ class MaskPositions(EntryBase):
     @model_validator(mode="after")
     def _one(self):
         if (self.mask is None) == (self.span is None):
-            raise ValueError("mask_positions needs exactly one of `mask` (positions) or `span` "
-                             "(prompt|generated|system|user)")
+            raise ValueError(
+                "mask_positions needs exactly one of `mask` (positions) or `span` (prompt|generated|system|user)"
+            )
         return self
 
 
@@ -116,10 +118,33 @@ class Steer(EntryBase):
         return self
 
 
-Entry = Annotated[Union[AblateHead, AblateAttention, AblateMlp, AblateNeurons, AblateLayer, MaskPositions,
-                        PatchResidual, PatchHead, Steer, MaskExperts], Field(discriminator="kind")]
-KINDS = ("ablate_head", "ablate_attention", "ablate_mlp", "ablate_neurons", "ablate_layer", "mask_positions",
-         "patch_residual", "patch_head", "steer", "mask_experts")
+Entry = Annotated[
+    Union[
+        AblateHead,
+        AblateAttention,
+        AblateMlp,
+        AblateNeurons,
+        AblateLayer,
+        MaskPositions,
+        PatchResidual,
+        PatchHead,
+        Steer,
+        MaskExperts,
+    ],
+    Field(discriminator="kind"),
+]
+KINDS = (
+    "ablate_head",
+    "ablate_attention",
+    "ablate_mlp",
+    "ablate_neurons",
+    "ablate_layer",
+    "mask_positions",
+    "patch_residual",
+    "patch_head",
+    "steer",
+    "mask_experts",
+)
 _ENTRIES = TypeAdapter(list[Entry])
 
 
@@ -132,9 +157,16 @@ def parse_entries(data, source: str) -> list[EntryBase]:
         raise SpecError(f"{source}: interventions.{loc}: {first['msg']} (kinds: {', '.join(KINDS)})") from None
 
 
-def validate_against(entries: list[EntryBase], n_layers: int, n_heads: int, d_ffn: int, n_sequences: int,
-                     n_experts: int | None = None, experts_per_token: int | None = None,
-                     model_class: str = "this model") -> None:
+def validate_against(
+    entries: list[EntryBase],
+    n_layers: int,
+    n_heads: int,
+    d_ffn: int,
+    n_sequences: int,
+    n_experts: int | None = None,
+    experts_per_token: int | None = None,
+    model_class: str = "this model",
+) -> None:
     """Out-of-range layers, heads, neurons, experts or sequences are errors naming the valid range."""
     for i, e in enumerate(entries):
         where = f"interventions[{i}] ({e.kind})"
@@ -149,18 +181,21 @@ def validate_against(entries: list[EntryBase], n_layers: int, n_heads: int, d_ff
                 raise SpecError(f"{where}: neurons {bad[:5]} out of range: the MLP has neurons 0..{d_ffn - 1}")
         if isinstance(e, MaskExperts):
             if not n_experts:
-                raise SpecError(f"{where}: {model_class} has no mixture-of-experts router; expert masking needs a "
-                                f"MoE model (mixtral, qwen2_moe, gpt_oss)")
+                raise SpecError(
+                    f"{where}: {model_class} has no mixture-of-experts router; expert masking needs a "
+                    f"MoE model (mixtral, qwen2_moe, gpt_oss)"
+                )
             bad = [x for x in e.experts if not 0 <= x < n_experts]
             if bad:
                 raise SpecError(f"{where}: experts {bad[:5]} out of range: the model has experts 0..{n_experts - 1}")
             left = n_experts - len(set(e.experts))
             if experts_per_token and left < experts_per_token:
-                raise SpecError(f"{where}: masking {len(set(e.experts))} of {n_experts} experts leaves {left}, fewer "
-                                f"than the {experts_per_token} the router picks per token; mask at most "
-                                f"{n_experts - experts_per_token}")
+                raise SpecError(
+                    f"{where}: masking {len(set(e.experts))} of {n_experts} experts leaves {left}, fewer "
+                    f"than the {experts_per_token} the router picks per token; mask at most "
+                    f"{n_experts - experts_per_token}"
+                )
         if e.sequences != "all":
             bad = [s for s in e.sequences if not 0 <= s < n_sequences]
             if bad:
                 raise SpecError(f"{where}: sequences {bad} out of range: the run has sequences 0..{n_sequences - 1}")
-

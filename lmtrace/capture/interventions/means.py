@@ -6,14 +6,21 @@ from __future__ import annotations
 import torch
 
 from ..component_hooks import first, read_component
-from .entries import Ablation, AblateHead
+from .entries import AblateHead, Ablation
 
-MEAN_COMPONENT = {"ablate_head": "head", "ablate_attention": "attn", "ablate_mlp": "mlp", "ablate_neurons": "ffn",
-                  "ablate_layer": "layer"}
+MEAN_COMPONENT = {
+    "ablate_head": "head",
+    "ablate_attention": "attn",
+    "ablate_mlp": "mlp",
+    "ablate_neurons": "ffn",
+    "ablate_layer": "layer",
+}
 
 
 @torch.inference_mode()
-def component_means(adapter, sequences: list[list[int]], wanted: set[tuple[str, int]]) -> dict[tuple[str, int], torch.Tensor]:
+def component_means(
+    adapter, sequences: list[list[int]], wanted: set[tuple[str, int]]
+) -> dict[tuple[str, int], torch.Tensor]:
     """Mean of each wanted (component, layer) over every token position of every sequence.
 
     Each sequence (a parent's prompt + generated ids) runs alone in one forward of the unedited model,
@@ -39,11 +46,15 @@ def component_means(adapter, sequences: list[list[int]], wanted: set[tuple[str, 
             elif kind == "layer":  # the block's contribution: its output minus its input
                 saved = {}
                 block = adapter.layers[layer]
-                handles.append(block.register_forward_pre_hook(
-                    lambda m, a, k, saved=saved: saved.__setitem__("x", a[0] if a else k["hidden_states"]),
-                    with_kwargs=True))
-                handles.append(block.register_forward_hook(
-                    lambda m, a, o, key=key, saved=saved: add(key, first(o) - saved["x"])))
+                handles.append(
+                    block.register_forward_pre_hook(
+                        lambda m, a, k, saved=saved: saved.__setitem__("x", a[0] if a else k["hidden_states"]),
+                        with_kwargs=True,
+                    )
+                )
+                handles.append(
+                    block.register_forward_hook(lambda m, a, o, key=key, saved=saved: add(key, first(o) - saved["x"]))
+                )
         device = next(model.parameters()).device
         for ids in sequences:
             x = torch.tensor([ids], dtype=torch.long, device=device)
@@ -71,7 +82,6 @@ def mean_ablation_values(entries: list, adapter, sequences, note=None) -> dict[i
         if isinstance(e, Ablation) and e.mode == "mean":
             mean = means[(MEAN_COMPONENT[e.kind], e.layer)]
             if isinstance(e, AblateHead):
-                mean = mean[e.head * adapter.head_dim: (e.head + 1) * adapter.head_dim]
+                mean = mean[e.head * adapter.head_dim : (e.head + 1) * adapter.head_dim]
             out[i] = mean
     return out
-

@@ -7,6 +7,7 @@ import torch
 
 from ...exits.errors import SpecError, UnsupportedArchitectureError
 
+
 def _route_mixtral(router, logits):
     """MixtralTopKRouter: softmax (float32) -> top-k -> renormalise the k weights."""
     probs = torch.nn.functional.softmax(logits.float(), dim=-1)
@@ -29,8 +30,11 @@ def _route_gpt_oss(router, logits):
     return torch.nn.functional.softmax(value, dim=1, dtype=value.dtype), index
 
 
-ROUTING_RULES = {"MixtralTopKRouter": _route_mixtral, "Qwen2MoeTopKRouter": _route_qwen2_moe,
-                 "GptOssTopKRouter": _route_gpt_oss}
+ROUTING_RULES = {
+    "MixtralTopKRouter": _route_mixtral,
+    "Qwen2MoeTopKRouter": _route_qwen2_moe,
+    "GptOssTopKRouter": _route_gpt_oss,
+}
 
 
 @torch.inference_mode()
@@ -39,13 +43,16 @@ def routing_rule(adapter, layer: int, where: str):
     router = adapter.routers[layer]
     if router is None:
         with_router = [i for i, r in enumerate(adapter.routers) if r is not None]
-        raise SpecError(f"{where}: layer {layer} of {type(adapter.model).__name__} is a dense layer without a router; "
-                        f"layers with experts: {', '.join(map(str, with_router)) or 'none'}")
+        raise SpecError(
+            f"{where}: layer {layer} of {type(adapter.model).__name__} is a dense layer without a router; "
+            f"layers with experts: {', '.join(map(str, with_router)) or 'none'}"
+        )
     name = type(router).__name__
     rule = ROUTING_RULES.get(name)
     if rule is None:
         raise UnsupportedArchitectureError(
-            f"{where}: expert masking is not supported for router {name}; supported routers: {', '.join(ROUTING_RULES)}")
+            f"{where}: expert masking is not supported for router {name}; supported routers: {', '.join(ROUTING_RULES)}"
+        )
     weight = router.weight
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(7, weight.shape[1], generator=g).to(weight.device, weight.dtype)
@@ -54,5 +61,6 @@ def routing_rule(adapter, layer: int, where: str):
     if not (torch.equal(c2, chosen) and torch.equal(w2.to(weights.dtype), weights)):
         raise UnsupportedArchitectureError(
             f"{where}: router {name} no longer computes the routing rule lmtrace re-applies after masking "
-            f"(installed transformers differs); expert masking is unsupported with this version")
+            f"(installed transformers differs); expert masking is unsupported with this version"
+        )
     return rule

@@ -19,8 +19,14 @@ def _split_mode(item, flag: str, example: str) -> tuple[str, str]:
     return text, "zero"
 
 
-def shorthand_entries(ablate_head: list[str], ablate_layer: list, ablate_mlp: list, ablate_attn: list,
-                      ablate_neurons: list[str], mask_positions: list[str]) -> list[dict]:
+def shorthand_entries(
+    ablate_head: list[str],
+    ablate_layer: list,
+    ablate_mlp: list,
+    ablate_attn: list,
+    ablate_neurons: list[str],
+    mask_positions: list[str],
+) -> list[dict]:
     """Turn the CLI's shorthand flags into entry dicts.
 
     Every ablation flag takes an optional `:mean` suffix (default zero): `--ablate-head 12.3:mean`,
@@ -36,8 +42,11 @@ def shorthand_entries(ablate_head: list[str], ablate_layer: list, ablate_mlp: li
         except ValueError:
             raise SpecError(f"--ablate-head {item!r}: expected LAYER.HEAD[:mean], e.g. 12.3 or 12.3:mean") from None
         out.append({"kind": "ablate_head", "layer": layer, "head": head, "mode": mode})
-    for flag, kind, items in (("--ablate-layer", "ablate_layer", ablate_layer), ("--ablate-mlp", "ablate_mlp", ablate_mlp),
-                              ("--ablate-attn", "ablate_attention", ablate_attn)):
+    for flag, kind, items in (
+        ("--ablate-layer", "ablate_layer", ablate_layer),
+        ("--ablate-mlp", "ablate_mlp", ablate_mlp),
+        ("--ablate-attn", "ablate_attention", ablate_attn),
+    ):
         for item in items:
             text, mode = _split_mode(item, flag, "7:mean")
             try:
@@ -50,8 +59,14 @@ def shorthand_entries(ablate_head: list[str], ablate_layer: list, ablate_mlp: li
             raise SpecError(f"--ablate-neurons {item!r}: expected LAYER:N1,N2,...[:mean], e.g. 7:120,455")
         layer, neurons = text.split(":", 1)
         try:
-            out.append({"kind": "ablate_neurons", "layer": int(layer),
-                        "neurons": parse_range_list(neurons, "--ablate-neurons"), "mode": mode})
+            out.append(
+                {
+                    "kind": "ablate_neurons",
+                    "layer": int(layer),
+                    "neurons": parse_range_list(neurons, "--ablate-neurons"),
+                    "mode": mode,
+                }
+            )
         except ValueError:
             raise SpecError(f"--ablate-neurons {item!r}: LAYER must be an integer") from None
     for item in mask_positions:
@@ -60,4 +75,3 @@ def shorthand_entries(ablate_head: list[str], ablate_layer: list, ablate_mlp: li
         else:
             out.append({"kind": "mask_positions", "mask": parse_range_list(item, "--mask-positions")})
     return out
-

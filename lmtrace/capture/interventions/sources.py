@@ -11,6 +11,7 @@ import torch
 from ...exits.errors import SpecError
 from .entries import PatchResidual, Steer
 
+
 def load_steer_vector(e: Steer, d_model: int, open_run) -> torch.Tensor:
     if e.vector is not None:
         path = Path(e.vector)
@@ -22,8 +23,10 @@ def load_steer_vector(e: Steer, d_model: int, open_run) -> torch.Tensor:
         for ref in e.from_runs:
             r = open_run(ref)
             if "resid" not in r.array_names() or e.layer not in r.shape["resid_layers"]:
-                raise SpecError(f"steer.from_runs: run {r.id} has no residual vectors at layer {e.layer} "
-                                f"(set capture.residual.vectors_at to include {e.layer})")
+                raise SpecError(
+                    f"steer.from_runs: run {r.id} has no residual vectors at layer {e.layer} "
+                    f"(set capture.residual.vectors_at to include {e.layer})"
+                )
             ri = r.shape["resid_layers"].index(e.layer)
             arr = r.array("resid")[:, :, ri]
             means.append(np.nanmean(arr.reshape(-1, arr.shape[-1]), axis=0))
@@ -38,8 +41,10 @@ def patch_source(e: PatchResidual, open_run):
     """(sequence, step) -> archived residual vector after e.layer at that step's query position."""
     src = open_run(e.source_run)
     if "resid" not in src.array_names() or e.layer not in src.shape["resid_layers"]:
-        raise SpecError(f"patch_residual: source run {src.id} has no residual vectors at layer {e.layer}; "
-                        f"rerun it with capture.residual.vectors_at including {e.layer}")
+        raise SpecError(
+            f"patch_residual: source run {src.id} has no residual vectors at layer {e.layer}; "
+            f"rerun it with capture.residual.vectors_at including {e.layer}"
+        )
     ri = src.shape["resid_layers"].index(e.layer)
     arr = src.array("resid")
     lengths = src.generated_len()
@@ -49,4 +54,5 @@ def patch_source(e: PatchResidual, open_run):
         if s >= arr.shape[0] or step >= lengths[s]:
             return None
         return np.asarray(arr[s, step, ri], dtype=np.float32)  # float16 in runs of the default capture
+
     return get
