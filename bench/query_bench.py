@@ -107,9 +107,9 @@ def in_process(root: Path, sql: str, repeats: int) -> dict:
     stat checks), checking the bytes of the files it reads (query/check.py) and DuckDB (building the
     views the SQL names, running it, the result as Arrow)."""
     sys.path.insert(0, str(REPO))
-    from lmtrace.query.catalog import read_catalog
+    from lmtrace.archive.sql_views import connect, named_views
+    from lmtrace.archive.table_catalog import read_catalog
     from lmtrace.query.check import damaged_runs
-    from lmtrace.query.views import connect, named_views
 
     catalog_s, check_s, duckdb_s = [], [], []
     for _ in range(repeats):

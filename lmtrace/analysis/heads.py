@@ -372,6 +372,15 @@ def _group_tables(
     return pa.concat_tables(parts).cast(group_schema(groups.type))
 
 
+def grouped_rows(table: pa.Table, wanted: list[str] | None) -> list[dict]:
+    """Every group's heads (those with the labels asked for): the rows of heads_by_<COLUMN>.parquet (`by_group` of compute_heads)
+    without group_column (`by.column` names it), groups in the file's order, each group's heads in
+    rank order (label, then the label's score), NaN as null."""
+    rows = [r for r in table.drop_columns([GROUP_COLUMN]).to_pylist() if wanted is None or r["label"] in wanted]
+    rows.sort(key=lambda r: (group_order(r[GROUP_VALUE]), RANK_ORDER.index(r["label"]), -label_score(r)))
+    return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
+
+
 def group_schema(value_type: pa.DataType) -> pa.Schema:
     """heads_by_<COLUMN>.parquet: group_column (the sequences.parquet column's name), group_value (its
     value, of its type `value_type`; null for sequences without one), n_sequences, then the columns

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, label_score
+from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, grouped_rows
 from ..archive.files import atomic_write_parquet
-from ..archive.groups import GROUP_COLUMN, GROUP_VALUE, group_header, group_order, group_text, sequence_groups
+from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError
@@ -76,7 +76,7 @@ def heads_command(
         "label_filter": wanted,
         "by": None
         if by is None
-        else {"column": by, "path": str(folder / by_file(by)), "heads": _grouped_rows(result["by_group"], wanted)},
+        else {"column": by, "path": str(folder / by_file(by)), "heads": grouped_rows(result["by_group"], wanted)},
         "heads": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in shown],
     }  # NaN (no induction rows) as null: strict JSON
     if json_out:
@@ -86,15 +86,6 @@ def heads_command(
     elif not quiet:
         _print(run, table, shown, wanted, result, folder, top)
     return summary
-
-
-def _grouped_rows(table: pa.Table, wanted: list[str] | None) -> list[dict]:
-    """Every group's heads (those with the labels asked for): the rows of heads_by_<COLUMN>.parquet
-    without group_column (`by.column` names it), groups in the file's order, each group's heads in
-    rank order (label, then the label's score), NaN as null."""
-    rows = [r for r in table.drop_columns([GROUP_COLUMN]).to_pylist() if wanted is None or r["label"] in wanted]
-    rows.sort(key=lambda r: (group_order(r[GROUP_VALUE]), RANK_ORDER.index(r["label"]), -label_score(r)))
-    return [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in r.items()} for r in rows]
 
 
 # columns left out first when a table is wider than the terminal: the secondary scores, then the

@@ -12,12 +12,12 @@ import duckdb
 
 from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
+from ..archive.sql_views import connect, named_views
+from ..archive.table_catalog import VIEWS, Catalog, read_catalog
 from ..exits.errors import SpecError
-from ..query.catalog import VIEWS, Catalog, read_catalog
 from ..query.check import damaged_runs, failing_file, first_line, printable
 from ..query.guard import check_out, check_read_only, lock
 from ..query.output import FORMATS, write_result
-from ..query.views import connect, named_views
 
 SUFFIX_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -25,8 +25,8 @@ import duckdb
 
 from ..archive.integrity import verify
 from ..archive.runs import read_manifest
+from ..archive.table_catalog import Catalog, TableFile
 from ..exits.errors import RunNotFoundError
-from .catalog import Catalog, TableFile
 
 
 def printable(text: str) -> str:

@@ -14,9 +14,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from ..archive.sql_views import ident
 from ..output.column_fit import fitting_columns
 from ..output.jsonout import json_line
-from .views import ident
 
 FORMATS = ("table", "csv", "json", "parquet")
 TABLE_ROWS = 100  # rows a terminal table shows; the others are counted and named

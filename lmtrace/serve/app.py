@@ -3,19 +3,23 @@
 Routes (all GET; `{run}` is a run directory's name as the runs directory lists it; `{seq}`, `{step}`,
 `{layer}`, `{head}` are whole numbers, anything else is not there: 404):
   /                                            the page (runs list, run, sequence views; hash-routed)
-  /static/{app,tokenview}.{js,css}            the frontend: app.* from this package, tokenview.* from viewdata
+  /static/{app,tokenview,compare}.{js,css}, /static/groups.js   the frontend: tokenview.* from viewdata, the rest
+                                               from this package
   /api/runs?kind=&status=&model=&q=            runs list
   /api/runs/{run}                              a run's header
   /api/runs/{run}/sequences?page=&q=&sort=     a page of its sequences
+  /api/runs/{run}/groups?by=COLUMN             its sequences grouped by a column (stats --by, heads --by)
   /api/runs/{run}/sequences/{seq}              one sequence's tokens
   /api/runs/{run}/sequences/{seq}/steps/{step} the selected token: attention grid, alternatives, lens, DLA
   /api/runs/{run}/sequences/{seq}/steps/{step}/over_heads   its attention averaged and maximised over heads
   /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
   /api/runs/{run}/sequences/{seq}/attention/{layer}/{head}   one head's pattern over every step
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
+  /api/runs/{run}/sequences/{seq}/parent/internals   its per-layer and per-head divergence from its parent
   /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
   /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
+  /api/compare/pair?a=RUN&b=RUN&pair=K         one pair's per-layer and per-head figures over its steps
 Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
 Every error is one JSON line with its status (errors.py), an address no route matches included.
 """
@@ -33,10 +37,11 @@ from starlette.routing import Route
 
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
 from ..viewdata import queries, token_extras
+from ..viewdata.groups import sequence_groups_view
 from ..viewdata.page_code import token_view_css, token_view_js
 from .catalog import Catalog
 from .child_view import against_parent, edits
-from .compare_view import comparison
+from .compare_view import child_figures, comparison, pair_figures
 from .errors import (
     BAD_PARAMETER,
     CONFLICT,
@@ -56,6 +61,9 @@ from .sweep_view import cell_rows, sweep_heatmaps, sweep_list
 STATIC = {
     "app.js": "application/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
+    "groups.js": "application/javascript; charset=utf-8",
+    "compare.js": "application/javascript; charset=utf-8",
+    "compare.css": "text/css; charset=utf-8",
     "tokenview.js": "application/javascript; charset=utf-8",
     "tokenview.css": "text/css; charset=utf-8",
 }
@@ -94,15 +102,18 @@ class _Api:
             Route("/api/runs", answer(self.runs)),
             Route("/api/runs/{run}", answer(self.run)),
             Route("/api/runs/{run}/sequences", answer(self.sequences)),
+            Route("/api/runs/{run}/groups", answer(self.groups)),
             Route("/api/runs/{run}/sequences/{seq}", answer(self.sequence)),
             Route("/api/runs/{run}/sequences/{seq}/steps/{step}", answer(self.step)),
             Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads", answer(self.over_heads)),
             Route("/api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}", answer(self.head)),
             Route("/api/runs/{run}/sequences/{seq}/attention/{layer}/{head}", answer(self.pattern)),
             Route("/api/runs/{run}/sequences/{seq}/parent", answer(self.parent)),
+            Route("/api/runs/{run}/sequences/{seq}/parent/internals", answer(self.parent_internals)),
             Route("/api/runs/{run}/sweeps/{sweep}", answer(self.sweep)),
             Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(self.cell)),
             Route("/api/compare", answer(self.compare)),
+            Route("/api/compare/pair", answer(self.compare_pair)),
         ]
 
     def runs(self, request: Request):
@@ -137,6 +148,9 @@ class _Api:
             sort=request.query_params.get("sort", "index"),
         )
 
+    def groups(self, request: Request):
+        return sequence_groups_view(self.catalog.open(request.path_params["run"]), request.query_params.get("by"))
+
     def sequence(self, request: Request):
         p = _numbers(request)
         return queries.sequence_tokens(self.catalog.open(p["run"]), p["seq"])
@@ -157,15 +171,28 @@ class _Api:
         p = _numbers(request)
         return queries.head_row(self.catalog.open(p["run"]), p["seq"], p["step"], p["layer"], p["head"])
 
+    def _parent_of(self, child):
+        parent_id = (child.manifest.get("parent") or {}).get("run_id")
+        try:
+            return self.catalog.open(parent_id) if parent_id else None
+        except RunNotFoundError:  # the parent lives in another runs directory: the child's side alone
+            return None
+
     def parent(self, request: Request):
         p = _numbers(request)
         child = self.catalog.open(p["run"])
-        parent_id = (child.manifest.get("parent") or {}).get("run_id")
-        try:
-            parent_run = self.catalog.open(parent_id) if parent_id else None
-        except RunNotFoundError:  # the parent lives in another runs directory: the child's side alone
-            parent_run = None
-        return against_parent(child, parent_run, p["seq"])
+        return against_parent(child, self._parent_of(child), p["seq"])
+
+    def parent_internals(self, request: Request):
+        p = _numbers(request)
+        child = self.catalog.open(p["run"])
+        if edits(child) is None:
+            raise NotFound(f"run {child.id} is not an intervention child (kind {child.manifest.get('kind')!r})")
+        queries.check_sequence(child, p["seq"])
+        parent = self._parent_of(child)
+        if parent is None:
+            raise NotFound(f"the parent of run {child.id} is not in the runs directory")
+        return child_figures(parent, child, p["seq"])
 
     def sweep(self, request: Request):
         p = _numbers(request)
@@ -181,6 +208,12 @@ class _Api:
         if not q.get("a") or not q.get("b"):
             raise NotFound("compare needs two runs: /api/compare?a=RUN&b=RUN")
         return comparison(self.catalog.open(q["a"]), self.catalog.open(q["b"]))
+
+    def compare_pair(self, request: Request):
+        q = request.query_params
+        if not q.get("a") or not q.get("b"):
+            raise NotFound("a pair of a comparison needs two runs: /api/compare/pair?a=RUN&b=RUN&pair=K")
+        return pair_figures(self.catalog.open(q["a"]), self.catalog.open(q["b"]), _int_param(request, "pair"))
 
 
 def create_app(runs_dir: Path, *, token: str | None = None, host: str = "127.0.0.1") -> Guard:

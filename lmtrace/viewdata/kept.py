@@ -97,3 +97,9 @@ def integrity_problem(run: Run) -> Problem | None:
     with _lock:
         _per_run.setdefault(run, {})["checked"] = (now, problem)
     return problem
+
+
+def once(run: Run, key, compute):
+    """compute() kept per complete run (an analysis over the whole run, such as its groups' numbers);
+    computed every time for a run still being written."""
+    return _once(run, key, compute)

@@ -1128,9 +1128,9 @@ def test_query_locks_duckdb_itself_to_reading_the_views_files(complete_runs, tmp
     views read, and refuses to be unlocked."""
     import duckdb
 
-    from lmtrace.query.catalog import read_catalog
+    from lmtrace.archive.sql_views import connect
+    from lmtrace.archive.table_catalog import read_catalog
     from lmtrace.query.guard import lock
-    from lmtrace.query.views import connect
 
     runs = tmp_path / "runs"
     _copy(complete_runs[0], runs)

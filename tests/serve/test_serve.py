@@ -694,6 +694,8 @@ def test_page_in_chromium_shows_the_archived_grid_and_prompts_as_text(server, ru
         assert page.eval_on_selector_all("img", "n => n.length") == 0
         assert page.eval_on_selector_all("script", "s => s.map(x => x.getAttribute('src'))") == [
             "/static/tokenview.js",
+            "/static/groups.js",
+            "/static/compare.js",
             "/static/app.js",
         ]
         browser.close()

@@ -51,6 +51,9 @@ HEAD_FIELDS = [
     ("layer", pa.int32()),
     ("q_head", pa.int32()),
     ("attn_js", pa.float64()),
+    ("head_dla_a", pa.float64()),
+    ("head_dla_b", pa.float64()),
+    ("head_dla_delta", pa.float64()),
 ]
 
 
@@ -106,6 +109,15 @@ def _attention_js(A: Side, B: Side, sa: int, sb: int, n: int, layers: list[int],
                 out = np.full((n, len(layers), js.shape[-1]), np.nan)
             out[s0:s1, j] = js
     return out
+
+
+def _head_dla(side: Side, seq: int, n: int, layers: list[int]) -> np.ndarray | None:
+    """[step, layer, head] the side's direct logit attribution per head (`capture.head_dla`: each head's
+    share of logit(chosen) − logit(runner-up)) over steps 0..n-1, None without it."""
+    if "head_dla" not in side.run.array_names():
+        return None
+    x = np.asarray(side.run.array("head_dla")[seq, :n], np.float64)  # [n, L_run, H]
+    return x[:, [side.run.layer_index(layer) for layer in layers]]
 
 
 def _as_sparse(kind: str, x, n_keys: np.ndarray):
@@ -186,23 +198,33 @@ def pair_layer_figures(
         same_final_top2=np.repeat(same_top2[:, None].astype(float), L, 1),
     )
     js = _attention_js(A, B, sa, sb, n, layers, len(A.prompt_ids[sa]))
+    dla_a, dla_b = _head_dla(A, sa, n, layers), _head_dla(B, sb, n, layers)
+    if dla_a is None or dla_b is None:
+        dla_a = dla_b = None
     heads: dict[str, np.ndarray] = {}
     if js is not None:
-        H = js.shape[-1]
         cols["attn_js_mean"] = js.mean(-1)
         cols["attn_js_max"] = js.max(-1)
-        heads = {
-            "pair": np.full(js.shape, k),
-            "seq_a": np.full(js.shape, sa),
-            "seq_b": np.full(js.shape, sb),
-            "step": np.broadcast_to(np.arange(n)[:, None, None], js.shape),
-            "layer": np.broadcast_to(np.asarray(layers)[None, :, None], js.shape),
-            "q_head": np.broadcast_to(np.arange(H)[None, None, :], js.shape),
-            "attn_js": js,
-        }
-        heads = {name: np.asarray(v).reshape(-1) for name, v in heads.items()}
     else:
         cols["attn_js_mean"] = cols["attn_js_max"] = nan
+    shape = js.shape if js is not None else None if dla_a is None else dla_a.shape
+    if shape is not None:
+        H = shape[-1]
+        none = np.full(shape, np.nan)
+        da, db = (none, none) if dla_a is None else (dla_a, dla_b)
+        heads = {
+            "pair": np.full(shape, k),
+            "seq_a": np.full(shape, sa),
+            "seq_b": np.full(shape, sb),
+            "step": np.broadcast_to(np.arange(n)[:, None, None], shape),
+            "layer": np.broadcast_to(np.asarray(layers)[None, :, None], shape),
+            "q_head": np.broadcast_to(np.arange(H)[None, None, :], shape),
+            "attn_js": none if js is None else js,
+            "head_dla_a": da,
+            "head_dla_b": db,
+            "head_dla_delta": db - da,
+        }
+        heads = {name: np.asarray(v).reshape(-1) for name, v in heads.items()}
     dist, cos = _resid_figures(A, B, sa, sb, n, layers)
     cols["resid_dist"] = nan if dist is None else dist
     cols["resid_cos"] = nan if cos is None else cos

@@ -157,7 +157,8 @@
       app.replaceChildren(title, el("p", { class: "error", id: "damaged", text: info.damaged }));
       return;
     }
-    const q = params.get("q") || "", sort = params.get("sort") || "index", page = Number(params.get("page") || 0);
+    const q = params.get("q") || "", sort = params.get("sort") || "index", page = Number(params.get("page") || 0),
+      by = params.get("by") || "";
     const search = el("input", { type: "search", placeholder: "prompt, generated text or metadata", value: q, id: "seq-search" });
     const sortSel = el("select", { id: "seq-sort" }, ...[["index", "in order"], ["lowest_prob", "lowest-probability token"],
       ["highest_entropy", "highest entropy"], ["length", "longest"]].map(([v, t]) => el("option", { value: v, text: `sort: ${t}` })));
@@ -167,14 +168,18 @@
       if (search.value) ps.set("q", search.value);
       if (sortSel.value !== "index") ps.set("sort", sortSel.value);
       if (p) ps.set("page", String(p));
+      if (groupBy.value) ps.set("by", groupBy.value);
       location.hash = `#/run/${enc(runId)}?${ps}`;
     };
+    const groupBy = window.lmtraceGroups.control(api, runId, by, () => go(page));
+    const groupsBox = by ? el("div", { id: "groups-box" }) : null;
     search.addEventListener("keydown", (e) => { if (e.key === "Enter") go(0); });
     sortSel.addEventListener("change", () => go(0));
     const body = el("div", {}, el("p", { class: "note", text: "loading…" }));
     const running = info.status !== "complete" ? el("p", { class: "note", text: `This run is ${info.status}: it is shown up to its last committed block.` }) : null;
     put(app, title, runHeader(info), running,
-      el("div", { class: "controls" }, search, el("button", { onclick: () => go(0), text: "search" }), sortSel), body);
+      el("div", { class: "controls" }, search, el("button", { onclick: () => go(0), text: "search" }), sortSel, groupBy), groupsBox, body);
+    if (by) window.lmtraceGroups.view(api, runId, by, groupsBox, () => gen === generation);
 
     const data = await api(`${runUrl(runId)}/sequences?${new URLSearchParams({ page, q, sort })}`);
     if (gen !== generation) return;
@@ -295,7 +300,7 @@
   }
 
   // ---- two runs compared -----------------------------------------------------------------------------
-  async function compareView(a, b, gen) {
+  async function compareView(a, b, params, gen) {
     setCrumbs({ text: "runs", href: "#/" }, { text: `compare ${a} · ${b}` });
     app.replaceChildren(el("h1", { text: `${a} vs ${b}` }), el("p", { class: "note", text: "comparing… (reads both archives)" }));
     const d = await api(`/api/compare?${new URLSearchParams({ a, b })}`);
@@ -306,7 +311,8 @@
         el("td", { class: "num", text: p.pair }),
         el("td", { class: "num" }, el("a", { href: `#/run/${enc(a)}/seq/${p.seq_a}`, text: p.seq_a })),
         el("td", { class: "num" }, el("a", { href: `#/run/${enc(b)}/seq/${p.seq_b}`, text: p.seq_b })),
-        el("td", { class: "num first", text: fd ? fd.step : MISSING }), el("td", { text: fd ? `${fd.kind}: ${fd.explanation || ""}` : "none" }),
+        el("td", { class: "num first" }, fd ? el("a", { href: `#/compare/${enc(a)}/${enc(b)}?pair=${p.pair}`, text: fd.step, title: "this pair's internals, with links to both token views" }) : MISSING),
+        el("td", { text: fd ? `${fd.kind}: ${fd.explanation || ""}` : "none" }),
         el("td", { class: "texts" }, el("span", { class: "common", text: shown(p.text.common) }),
           el("div", { class: "side a" }, el("b", { text: "A: " }), el("span", { class: "rest", text: shown(p.text.a) })),
           el("div", { class: "side b" }, el("b", { text: "B: " }), el("span", { class: "rest", text: shown(p.text.b) }))));
@@ -318,6 +324,20 @@
       el("p", { class: "note", text: "The text both generated until the first divergence, then each run's own continuation." }),
       el("table", { class: "list", id: "pairs" }, el("thead", {}, el("tr", {}, ...["pair", "A seq", "B seq", "first divergence", "why", "texts"].map((h) =>
         el("th", { text: h })))), el("tbody", {}, ...pairs)));
+    // one pair's internals: the one in the address, else the first that diverges, else the first
+    const shownPair = params.has("pair") ? Number(params.get("pair")) : (d.pairs.find((p) => p.first_divergence) || d.pairs[0] || {}).pair;
+    if (shownPair === undefined) return;
+    const pairSel = el("select", { id: "pair-pick" }, ...d.pairs.map((p) => el("option", { value: String(p.pair),
+      text: `pair ${p.pair}: A ${p.seq_a} · B ${p.seq_b}${p.first_divergence ? ` · diverges at step ${p.first_divergence.step}` : ""}` })));
+    pairSel.value = String(shownPair);
+    pairSel.addEventListener("change", () => { location.hash = `#/compare/${enc(a)}/${enc(b)}?pair=${pairSel.value}`; });
+    const box = el("div", { class: "panel", id: "pair-internals" }, el("p", { class: "note", text: "loading…" }));
+    app.append(el("h2", { text: "Inside the models" }), el("p", { class: "note", text: d.first_changed_layer === null ? "No internal figure changes in the paired steps."
+      : `Internal figures change from layer ${d.first_changed_layer} on (per-layer rankings over every pair: \`lmtrace compare --json\`'s layers and heads).` }),
+    el("div", { class: "controls" }, pairSel), box);
+    api(`/api/compare/pair?${new URLSearchParams({ a, b, pair: shownPair })}`)
+      .then((x) => { if (gen === generation) window.lmtraceCompare.internals(box, x, { title: `Pair ${x.pair}: A sequence ${x.seq_a}, B sequence ${x.seq_b}` }); })
+      .catch((e) => showError(e, box));
   }
 
   // ---- one sequence: token strip and the selected step ----------------------------------------
@@ -399,6 +419,12 @@
           el("td", { class: "num shift", text: fmt(r.logprob_shift, 4), style: { background: r.logprob_shift === null ? null : signedColour(r.logprob_shift, max) } }),
           el("td", { class: "num", text: fmt(r.kl_parent_child_topk, 4) }),
           el("td", { class: "num", text: r.winner_changed === null ? MISSING : r.winner_changed ? "yes" : "no" }))))));
+    if (!d.parent_found) return;
+    const inside = el("div", { id: "child-internals" }, el("p", { class: "note", text: "loading the internals… (compares both archives)" }));
+    box.appendChild(inside);
+    api(`${runUrl(runId)}/sequences/${seq}/parent/internals`)
+      .then((x) => window.lmtraceCompare.internals(inside, x, { title: `Inside the models: ${x.b} against its parent ${x.a}` }))
+      .catch((e) => showError(e, inside));
   }
 
   // ---- routing ---------------------------------------------------------------------------------
@@ -410,7 +436,7 @@
     const { parts, params } = parseHash();
     try {
       if (parts[0] === "compare" && parts.length >= 3) {
-        await compareView(parts[1], parts[2], gen);
+        await compareView(parts[1], parts[2], params, gen);
       } else if (parts[0] === "run" && parts.length >= 2) {
         const runId = parts[1];
         if (parts[2] === "seq" && parts.length >= 4) {

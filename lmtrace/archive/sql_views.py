@@ -1,4 +1,5 @@
-"""DuckDB views over a catalog of runs: one per table (`catalog.VIEWS`), each with a `run_id` column.
+"""DuckDB views over a catalog of runs (`lmtrace query`; `lmtrace stats` over one run): one per table
+(`table_catalog.VIEWS`), each with a `run_id` column.
 
 A view is built only when the SQL names it (building one reads the Parquet footers of its files),
 as a single `read_parquet` over the list of its committed files with `union_by_name`, so runs whose
@@ -15,9 +16,9 @@ import re
 import duckdb
 import pyarrow as pa
 
-from ..archive import layout
-from ..archive.columns import RENAMED
-from .catalog import VIEWS, Catalog
+from . import layout
+from .columns import RENAMED
+from .table_catalog import VIEWS, Catalog
 
 # A view with no file in any run still exists, empty, with the documented columns where the
 # archive layout defines them (others have only their key columns)

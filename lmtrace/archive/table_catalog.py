@@ -1,5 +1,6 @@
-"""What `lmtrace query` can see: every run of a runs directory, and for each SQL view the committed
-Parquet files that hold its rows, with the run (and sweep) each file belongs to.
+"""What `lmtrace query` (and `stats`, over one run) can see: every run of a runs directory, and for
+each SQL view the committed Parquet files that hold its rows, with the run (and sweep) each file
+belongs to.
 
 Reads manifests and lists files; opens no table. A damaged run (a missing or truncated committed
 file, an unreadable manifest: what `lmtrace ls` shows as `damaged`) is left out and named in
@@ -12,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS
-from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE
-from ..archive.reader import table_files
-from ..archive.runs import list_runs
-from ..archive.summary import summary_or_damaged
-from ..archive.sweeps import finished_sweeps
+from .explanations import EXPLAIN_DIR, SCORES_PARTS
+from .heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE
+from .reader import table_files
+from .runs import list_runs
+from .summary import summary_or_damaged
+from .sweeps import finished_sweeps
 
 # view name -> what one row is (the documented tables: docs/archive.md, docs/heads.md, docs/sweep.md, docs/explain.md)
 VIEWS = {
