@@ -35,20 +35,39 @@
   }
 
   const views = {};
+  // the keys (← → tokens, Shift + arrows heads) go to the token view last clicked or focused, so they
+  // keep working after a click anywhere in it (a grid cell, a panel)
+  let active = null;
   for (const box of document.querySelectorAll(".tokenview[data-seq]")) {
     const seq = box.dataset.seq;
-    const view = window.lmtraceView.tokenView(source, answers[`sequences/${seq}`], { prefix: `s${seq}-` });
+    // the layers whose heads' rows and patterns are embedded; the grid hatches the others' rows, and
+    // picking one of their heads says so in a note
+    const layers = new Set((box.dataset.layers || "").split(",").filter((x) => x !== "").map(Number));
+    const view = window.lmtraceView.tokenView(source, answers[`sequences/${seq}`], {
+      prefix: `s${seq}-`,
+      headAvailable: (layer) => layers.has(layer),
+      headMissing: (layer, head) => `layer ${layer}, head ${head} is not embedded (this report embeds the heads of layer${layers.size === 1 ? "" : "s"} `
+        + `${[...layers].join(", ") || "none"}): ${missing.head}`,
+    });
     box.append(view.legend, view.strip, view.detail);
-    view.strip.addEventListener("keydown", view.keydown);
+    const entry = { view, box };
+    box.addEventListener("pointerdown", () => { active = entry; });
+    box.addEventListener("focusin", () => { active = entry; });
     if (view.steps.length) view.select(Number(box.dataset.step), false);
-    views[seq] = { view, box };
+    views[seq] = entry;
+    if (!active) active = entry;
   }
+  document.addEventListener("keydown", (e) => {
+    if (!active || (e.target.closest && e.target.closest(".tokenview") && !active.box.contains(e.target))) return;
+    active.view.keydown(e);
+  });
   // a token of the "Generated text" section opens its step in the token view
   for (const tok of document.querySelectorAll("#sec-text .tok[data-seq][data-step]")) {
     const v = views[tok.dataset.seq];
     if (!v) continue;
     tok.style.cursor = "pointer";
     tok.addEventListener("click", () => {
+      active = v;
       v.view.select(Number(tok.dataset.step));
       v.box.scrollIntoView({ block: "start" });
       v.view.strip.focus({ preventScroll: true });

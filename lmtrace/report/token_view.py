@@ -7,7 +7,8 @@ What is inlined is the answer serve's routes give, computed by the same function
 rounded to `WEIGHT_DECIMALS` decimals and other floats to `DIGITS` significant digits: per shown
 sequence its token strip, the selected-token answer and the attention over heads of each step shown
 (at most `MAX_VIEW_STEPS`, a regular stride past that, always with the initial step), and the pattern over
-steps of every head of the selected layers (`--layer`), from which a head's row at a step is read;
+steps of every head of the selected layers (`--layer`), from which a head's row at a step is read (the
+view's `data-layers` lists those layers: the grid hatches the others' rows);
 all within about `BUDGET_BYTES` per page (fewer steps, then fewer layers' heads, each said in a note).
 """
 
@@ -122,9 +123,10 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
     heads: dict[int, list[int]] = {}
     parts = [
         (
-            "<p class='legend'>Click a generated token (or use ← → in a strip) for what the model did at that "
-            "step: the layer × head attention grid (click a cell for that head's row and its pattern over "
-            "the steps), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
+            "<p class='legend'>Click a generated token (or use ← → in the view last clicked) for what the model "
+            "did at that step: the layer × head attention grid (hover a cell for its key; click it, or walk the "
+            "heads with Shift + arrows and press Enter, for that head's row and its pattern over the steps; "
+            "hatched rows: layers whose heads this page does not embed), the mean / max over heads, the alternatives, the logit-lens column, and per-head "
             "direct logit attribution and attributions where the run has them. The same view as "
             "<code>lmtrace serve</code>, from the numbers this page embeds.</p>"
         )
@@ -136,7 +138,8 @@ def token_view_section(data: RunData, sel: Selection) -> Section:
             continue
         answers.update(own)
         parts.append(
-            f"<h3>sequence {seq}</h3><div class='tokenview' id='tv-{seq}' data-seq='{seq}' data-step='{initial}'></div>"
+            f"<h3>sequence {seq}</h3><div class='tokenview' id='tv-{seq}' data-seq='{seq}' "
+            f"data-step='{initial}' data-layers='{','.join(map(str, heads[seq]))}'></div>"
         )
     if not answers:
         sec.notes.append("no sequence shown has a readable step")

@@ -1,5 +1,5 @@
-"""The token view's code, as `lmtrace serve` serves it and the report inlines it: static/tokenview.js
-and static/tokenview.css (one script for both views), with the probability colour scale of
+"""The token view's code, as `lmtrace serve` serves it and the report inlines it: static/headgrid.js and
+static/tokenview.js as one script, and static/tokenview.css (one script for both views), with the probability colour scale of
 `output/prob_colours.py` written into the script, so that the page colours a probability (and a
 missing one) exactly as the report's text and `lmtrace show` do, from one definition."""
 
@@ -23,11 +23,14 @@ def _static(name: str) -> str:
 
 
 def token_view_js() -> str:
-    """static/tokenview.js with `prob_scale()` in place of its PROB_SCALE_MARK."""
+    """static/headgrid.js (the canvas heatmap, legends and exports) then static/tokenview.js with
+    `prob_scale()` in place of its PROB_SCALE_MARK: one script."""
     code = _static("tokenview.js")
     if code.count(PROB_SCALE_MARK) != 1:
         raise RuntimeError(f"tokenview.js must hold {PROB_SCALE_MARK!r} once")  # a broken install, not user input
-    return code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
+    return (
+        _static("headgrid.js") + "\n" + code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
+    )
 
 
 def token_view_css() -> str:

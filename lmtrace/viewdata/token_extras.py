@@ -7,10 +7,13 @@ some (lrp: per layer and per head, `manifest.explain[].components`)."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from ..analysis.attention_heads import mean_max_over_heads
 from ..archive.attention import topk_dense
+from ..archive.columns import current_names
 from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_component, read_explanations
+from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
 from ..archive.reader import Run
 from ..output.jsonout import strict
 from . import kept
@@ -141,12 +144,35 @@ def components(run: Run, entry: dict, step: int) -> dict:
     return out
 
 
+def head_labels(run: Run) -> dict | None:
+    """What `lmtrace heads` called each head (analysis/heads.parquet's `label`, analysis/heads.py's
+    classes): {"labels": [layer index][q_head] label or None, "file": its path in the run}, or None
+    when `lmtrace heads` has not been run on it."""
+    path = run.path / ANALYSIS_DIR / HEADS_FILE
+    if not path.is_file():
+        return None
+    t = current_names(pq.read_table(path), "heads")
+    n_heads = int(run.shape.get("n_heads") or 0)
+    labels: list[list[str | None]] = [[None] * n_heads for _ in run.layers]
+    index = {layer: i for i, layer in enumerate(run.layers)}
+    for layer, head, label in zip(
+        t.column("layer").to_pylist(), t.column("q_head").to_pylist(), t.column("label").to_pylist()
+    ):
+        if layer in index and head is not None and 0 <= head < n_heads:
+            labels[index[layer]][head] = label
+    return {"labels": labels, "file": f"{ANALYSIS_DIR}/{HEADS_FILE}"}
+
+
 def selected_token(run: Run, seq: int, step: int) -> dict:
     """The token view's answer for one selected token (serve's steps/STEP route; the report inlines it):
-    queries.step_detail with the attributions of that step. The attention over heads is its own answer
+    queries.step_detail with the attributions of that step, and in its `attention` the heads' labels
+    of `lmtrace heads` (`head_labels`) when the run has them. The attention over heads is its own answer
     (`over_heads`, the steps/STEP/over_heads route): 2 x layers x keys weights, ~400 kB late in a long
     sequence, fetched only when the view shows it."""
-    return {**step_detail(run, seq, step), "attributions": attributions(run, seq, step)}
+    detail = step_detail(run, seq, step)
+    if detail["attention"] is not None:
+        detail["attention"]["head_labels"] = head_labels(run)
+    return {**detail, "attributions": attributions(run, seq, step)}
 
 
 def step_over_heads(run: Run, seq: int, step: int) -> dict | None:

@@ -1061,7 +1061,7 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         page.wait_for_selector("#s2-head-patterns .pattern[data-layer='1'][data-head='2'] .pattern-grid")
         # a head of a layer the report did not embed: one line saying so
         page.click("#s2-attention-grid td.cell[data-layer='0'][data-head='0']")
-        assert "not embedded" in page.wait_for_selector("#s2-head-row .error").inner_text()
+        assert "not embedded" in page.wait_for_selector("#s2-head-row .not-embedded").inner_text()
 
         # the lens column, alternatives and head DLA of the selected step
         vocab = vocab_text(run_dir)
@@ -1251,13 +1251,14 @@ def test_doc_screenshots_of_the_embedded_model(tmp_path):
             page.wait_for_selector(".sweep-rows tbody tr")
             page.locator(".sweep").first.screenshot(path=str(img / "serve-sweep.png"))
 
-            page.goto(live.base + "/#/run/demo/seq/0/step/4")
-            page.wait_for_selector("#detail[data-step='4'] #attention-grid")
-            page.click("#attention-grid td.cell[data-layer='5'][data-head='3']")
+            # picked heads and the grid's cursor from the address (the view's state), as a link reopens them
+            page.goto(live.base + "/#/run/demo/seq/0/step/4?heads=5.3&cell=5.3")
+            page.wait_for_selector("#detail[data-step='4'] #attention-heatmap")
             page.wait_for_selector("#head-row .row-keys")
             page.wait_for_selector(".pattern .pattern-grid")
             page.screenshot(path=str(img / "serve-token.png"), full_page=True)
-            page.click("#attention-grid td.cell[data-layer='12'][data-head='0']")
+            page.goto(live.base + "/#/run/demo/seq/0/step/4?heads=5.3,12.0&cell=12.0")
+            page.reload()
             page.wait_for_selector(".pattern[data-layer='12'][data-head='0'] .pattern-grid")
             page.wait_for_selector("#attribution-panel .attribution")
             page.screenshot(path=str(img / "serve-heads.png"), full_page=True)

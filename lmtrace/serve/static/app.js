@@ -115,8 +115,8 @@
         el("td", { text: r.kind || MISSING }), statusCell(r), el("td", { text: r.model || MISSING }),
         el("td", { class: "num", text: r.sequences ?? MISSING }), el("td", { class: "num", text: r.tokens ?? MISSING }),
         el("td", {}, r.parent_id ? el("a", { href: `#/run/${enc(r.parent_id)}`, text: r.parent_id }) : MISSING),
-        el("td", { text: r.children.length ? r.children.join(", ") : MISSING }), el("td", { text: r.created || MISSING })));
-      body.replaceChildren(el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows)),
+        el("td", { text: r.children.length ? r.children.join(", ") : MISSING }), el("td", { class: "created", text: r.created || MISSING })));
+      body.replaceChildren(el("div", { class: "table-scroll" }, el("table", { class: "list", id: "runs" }, el("thead", {}, head), el("tbody", {}, ...rows))),
         el("div", { class: "controls" }, compareBtn));
       if (data.runs.some(isRunning)) {
         refreshTimer = setTimeout(() => { if (gen === generation) load().catch((e) => showError(e, body)); }, REFRESH_MS);
@@ -198,7 +198,8 @@
       ...metaCols.map((c) => el("td", { text: r.metadata[c] ?? MISSING })),
       el("td", { class: "num", text: r.generated_len ?? MISSING }), el("td", { class: "num", text: fmtP(r.min_prob) }),
       el("td", { class: "num", text: fmt(r.max_entropy) }), el("td", { text: r.stop_reason || MISSING })));
-    body.replaceChildren(pager, data.rows.length ? el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows))
+    body.replaceChildren(pager, data.rows.length ? el("div", { class: "table-scroll" },
+      el("table", { class: "list", id: "sequences" }, el("thead", {}, head), el("tbody", {}, ...rows)))
       : el("p", { class: "note", text: "no sequence matches" }));
     for (const sw of info.sweeps || []) {
       const box = el("div", { class: "sweep", data: { sweep: sw.id } }, el("p", { class: "note", text: "loading…" }));
@@ -273,12 +274,15 @@
           });
           return td;
         })));
-      gridBox.replaceChildren(el("table", { class: "grid sweep-grid" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+      gridBox.replaceChildren(window.lmtraceGrid.signedLegend("mean effect", signedColour, max),
+        el("div", { class: "scroll" }, el("table", { class: "grid sweep-grid" }, el("thead", {}, head), el("tbody", {}, ...rows))));
     }
     drawControls();
     draw();
-    return el("div", { class: "panel sweep-metric", data: { metric: m.metric } },
+    const panel = el("div", { class: "panel sweep-metric", data: { metric: m.metric } },
       el("h3", { text: `${m.metric}${dims.length > 2 ? ` (${dims.join(" × ")})` : ""}` }), controls, gridBox);
+    window.lmtraceGrid.exportBar(panel, `sweep-${d.id}-${m.metric}`);
+    return panel;
   }
 
   async function loadSweepCell(runId, sweepId, metric, coords, box) {
@@ -344,12 +348,19 @@
   // A running run's page asks again every REFRESH_MS and redraws when more steps are committed or
   // its status changes (complete, killed, ...), keeping the selected token; it stops once the run
   // is no longer running.
-  async function sequenceView(runId, seq, step, gen) {
+  async function sequenceView(runId, seq, step, gen, params = new URLSearchParams()) {
     setCrumbs({ text: "runs", href: "#/" }, { text: runId, href: `#/run/${enc(runId)}` }, { text: `sequence ${seq}` });
     const load = () => Promise.all([api(runUrl(runId)), api(`${runUrl(runId)}/sequences/${seq}`)]);
     let [info, data] = await load();
     if (gen !== generation) return;
     let selected = step;
+    // the view's state (picked heads, grid view, colour scale, numbers, grid cursor: tokenview.js's
+    // v.state) lives in the address's query, so a link or a reload reopens it
+    let viewState = Object.fromEntries(params);
+    const address = () => {
+      const q = new URLSearchParams(viewState).toString();
+      return `#/run/${enc(runId)}/seq/${seq}/step/${selected}${q ? `?${q}` : ""}`;
+    };
     const draw = () => {
       if (info.damaged) {
         app.replaceChildren(el("h1", { text: runId }), el("p", { class: "error", id: "damaged", text: info.damaged }));
@@ -359,7 +370,12 @@
         alive: () => gen === generation,
         onSelect: (s, push) => {
           selected = s;
-          if (push) history.replaceState(null, "", `#/run/${enc(runId)}/seq/${seq}/step/${s}`);
+          if (push) history.replaceState(null, "", address());
+        },
+        state: viewState,
+        onState: (st) => {
+          viewState = st;
+          if (selected !== null) history.replaceState(null, "", address());
         },
       });
       put(app, el("h1", { text: `${runId} · sequence ${seq}` }), runHeader(info),
@@ -409,6 +425,7 @@
       el("ul", { id: "interventions" }, ...d.interventions.map((e) => el("li", { class: "mono", text: JSON.stringify(e) }))),
       d.parent_found ? null : el("p", { class: "note", text: `the parent ${d.parent_id} is not in this runs directory` }),
       d.has_effects ? null : el("p", { class: "note", text: "this child has no effects.parquet (it was interrupted before finishing)" }),
+      d.has_effects ? window.lmtraceGrid.signedLegend("logprob shift", signedColour, max) : null,
       el("p", { class: "note", text: "Rows where the tokens differ are marked. The logprob shift is the child's log-probability of the parent's token minus the parent's (effects.parquet), while the contexts are identical." }),
       el("table", { class: "list", id: "parent-steps" },
         el("thead", {}, el("tr", {}, ...["step", "parent", "child", "logprob shift", "KL top-k", "winner changed"].map((h) =>
@@ -419,6 +436,7 @@
           el("td", { class: "num shift", text: fmt(r.logprob_shift, 4), style: { background: r.logprob_shift === null ? null : signedColour(r.logprob_shift, max) } }),
           el("td", { class: "num", text: fmt(r.kl_parent_child_topk, 4) }),
           el("td", { class: "num", text: r.winner_changed === null ? MISSING : r.winner_changed ? "yes" : "no" }))))));
+    window.lmtraceGrid.exportBar(box, `${runId}-seq${seq}-against-parent`);
     if (!d.parent_found) return;
     const inside = el("div", { id: "child-internals" }, el("p", { class: "note", text: "loading the internals… (compares both archives)" }));
     box.appendChild(inside);
@@ -441,7 +459,7 @@
         const runId = parts[1];
         if (parts[2] === "seq" && parts.length >= 4) {
           const step = parts[4] === "step" && parts.length >= 6 ? Number(parts[5]) : null;
-          await sequenceView(runId, Number(parts[3]), step, gen);
+          await sequenceView(runId, Number(parts[3]), step, gen, params);
         } else {
           await runView(runId, params, gen);
         }

@@ -113,15 +113,48 @@ window.lmtraceView = (() => {
 
   // heads' pattern and grid views kept while moving between tokens (and pages)
   let gridView = "heads";
+  // the grid's numbers (a table of the cells under the heatmap): null = shown when the grid has at
+  // most NUMBERS_AUTO_CELLS cells
+  let showNumbers = null;
+  const NUMBERS_AUTO_CELLS = 64;
+  const GRID_VIEWS = ["heads", "mean", "max"];
+  // what `lmtrace heads` called a head: the corner mark's colour on the grid (diffuse: none)
+  const LABEL_COLOURS = { induction: "#d62728", "previous-token": "#9467bd", sink: "#2ca02c", local: "#e6a100",
+    focused: "#17becf" };
+
+  // The view's state as an address's query: {step, heads: "L.H,L.H", view, log, nums, cell: "L.H"}
+  function parseHeads(text) {
+    return String(text || "").split(",").map((x) => x.split(".").map(Number))
+      .filter((x) => x.length === 2 && x.every((n) => Number.isInteger(n) && n >= 0));
+  }
 
   // ---- one sequence ------------------------------------------------------------------------------
   // tokenView(source, data, opts) -> { legend, strip, detail, select(step, push), keydown(event), steps }
   //   data: the answer of sequences/SEQ; opts.prefix: prepended to every element id (several views on
   //   one page); opts.alive(): false once the view is gone (answers for it are dropped);
-  //   opts.onSelect(step, push): told of every selection (serve puts it in the address).
+  //   opts.onSelect(step, push): told of every selection (serve puts it in the address);
+  //   opts.state: the view's state to open with ({heads, cell, view, log, nums}, strings as in an address's
+  //   query), opts.onState(state): told of every change of it; opts.headAvailable(layer): false for a
+  //   layer whose heads' rows the data source lacks (the report: its grid rows hatched, a click gives
+  //   opts.headMissing(layer, head), a note).
   function tokenView(source, data, opts = {}) {
     const v = { source, seq: data.sequence, id: (n) => (opts.prefix || "") + n, alive: opts.alive || (() => true),
-      pickedHeads: [], stepRequest: 0 };
+      pickedHeads: [], stepRequest: 0, cursor: null, grid: null, opts };
+    const st = opts.state || {};
+    if (GRID_VIEWS.includes(st.view)) gridView = st.view;
+    if (st.log === "1" || st.log === "0") logScale = st.log === "1";
+    if (st.nums === "1" || st.nums === "0") showNumbers = st.nums === "1";
+    if (st.heads) v.pickedHeads = parseHeads(st.heads);
+    if (st.cell) v.cursor = parseHeads(st.cell)[0] || null;
+    // the state a link reopens: told to opts.onState (serve writes it in the address)
+    v.state = () => {
+      const out = { view: gridView === "heads" ? null : gridView, log: logScale ? "1" : null,
+        nums: showNumbers === null ? null : showNumbers ? "1" : "0",
+        heads: v.pickedHeads.length ? v.pickedHeads.map(([l, h]) => `${l}.${h}`).join(",") : null,
+        cell: v.cursor ? v.cursor.join(".") : null };
+      return Object.fromEntries(Object.entries(out).filter(([, x]) => x !== null));
+    };
+    v.emit = () => { if (opts.onState) opts.onState(v.state()); };
     const steps = data.tokens.filter((t) => t.step !== null).map((t) => t.step);
     const strip = el("div", { class: "strip", id: v.id("strip"), tabindex: "0" }, ...data.tokens.map((t) => t.step === null
       ? el("span", { class: "tok prompt", text: shown(t.text), title: `prompt position ${t.position}` })
@@ -148,13 +181,19 @@ window.lmtraceView = (() => {
       loadStep(v, s, detail);
     }
     function keydown(e) {
-      if (current === null || e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
+      if (current === null || (e.target.tagName === "INPUT" && e.target.type !== "checkbox") || e.target.tagName === "SELECT") return;
+      // the heads: Shift + arrows move the grid's cursor (its card shows the cell), Enter on the grid
+      // (or Shift + Enter) picks the head under it, as a click does
+      const arrows = { ArrowLeft: [0, -1], ArrowRight: [0, 1], ArrowUp: [-1, 0], ArrowDown: [1, 0] };
+      if (v.grid && e.shiftKey && arrows[e.key]) { e.preventDefault(); v.grid.move(...arrows[e.key]); return; }
+      if (v.grid && e.key === "Enter" && (e.shiftKey || e.target === v.grid.canvas)) { e.preventDefault(); v.grid.pick(); return; }
+      if (e.altKey || e.ctrlKey || e.metaKey || e.shiftKey) return;
       const i = steps.indexOf(current);
       if (e.key === "ArrowRight" && i < steps.length - 1) { e.preventDefault(); select(steps[i + 1]); }
       if (e.key === "ArrowLeft" && i > 0) { e.preventDefault(); select(steps[i - 1]); }
     }
     if (!steps.length) detail.replaceChildren(el("p", { class: "note", text: "no committed generated token yet" }));
-    return { legend, strip, detail, select, keydown, steps };
+    return { legend, strip, detail, select, keydown, steps, state: v.state, view: v };
   }
 
   async function loadStep(v, step, detail) {
@@ -171,10 +210,18 @@ window.lmtraceView = (() => {
     const left = el("div", {}, tokenPanel(v, d), lensPanel(v, d.lens));
     const right = el("div", {}, attentionPanel(v, d), d.head_dla ? dlaPanel(v, d.head_dla) : null,
       d.attributions ? attributionPanel(v, d.attributions) : null);
+    // every panel: PNG and CSV (files named sequence-step-panel)
+    for (const panel of [...left.children, ...right.children]) {
+      if (panel.classList.contains("panel") && !panel.querySelector(".export-bar")) {
+        window.lmtraceGrid.exportBar(panel, `seq${v.seq}-step${step}-${(panel.id || "panel").slice((idPrefix(v)).length).replace(/-panel$/, "")}`, panel._csvRows);
+      }
+    }
     detail.replaceChildren(el("div", { class: "panels" }, left, right));
     detail.dataset.step = String(step);
     delete detail.dataset.loading;
   }
+
+  const idPrefix = (v) => v.id("");
 
   function tokenPanel(v, d) {
     const t = d.token;
@@ -186,7 +233,7 @@ window.lmtraceView = (() => {
     const alts = el("table", { class: "list", id: v.id("alternatives") },
       el("thead", {}, el("tr", {}, el("th", { text: "alternative" }), el("th", { class: "num", text: "p" }))),
       el("tbody", {}, ...t.alternatives.map((a) => el("tr", {}, el("td", { class: "mono" }, tokenBox(a.text)),
-        el("td", { class: "num", text: fmtP(a.prob, 4) })))));
+        el("td", { class: "num", data: { value: a.prob ?? "" }, text: fmtP(a.prob, 4) })))));
     return el("div", { class: "panel", id: v.id("token-panel") }, el("h2", {}, "Chosen token ", el("span", { class: "tok gen", style: { background: probColour(t.prob) }, text: shownToken(t.token) })),
       facts, el("h2", { text: "Alternatives" }), t.alternatives.length ? alts : el("p", { class: "note", text: "none archived" }));
   }
@@ -228,9 +275,10 @@ window.lmtraceView = (() => {
       }
       if (view === gridView) gridBox.replaceChildren(overHeadsGrid(v, overHeads, view));
     };
-    views.addEventListener("change", () => { gridView = views.value; draw(); });
+    views.addEventListener("change", () => { gridView = views.value; draw(); v.emit(); });
     logBox.addEventListener("change", () => {
       logScale = logBox.checked;
+      v.emit();
       draw();
       for (const n of box.querySelectorAll("[data-w]")) {
         const w = n.dataset.w === "" ? null : Number(n.dataset.w);
@@ -241,7 +289,18 @@ window.lmtraceView = (() => {
     box.appendChild(gridBox);
     draw();
     box.appendChild(patterns);
-    for (const [layer, head] of v.pickedHeads) loadPattern(v, d.step, layer, head, patterns);
+    for (const [layer, head] of v.pickedHeads) if (headAvailable(v, layer)) loadPattern(v, d.step, layer, head, patterns);
+    // its CSV: the view shown (every head's most-attended key, or the mean / max over heads per key)
+    box._csvRows = () => {
+      if (gridView === "heads") {
+        const labels = a.head_labels ? a.head_labels.labels : null;
+        return [["layer", "head", "key_position", "key_text", "weight", ...(labels ? ["label"] : [])],
+          ...a.cells.flatMap((cells, li) => cells.map((c, h) => [a.layers[li], h, c.key, c.text, c.weight ?? "",
+            ...(labels ? [labels[li][h] ?? ""] : [])]))];
+      }
+      if (!overHeads) return [["not loaded"]];
+      return [["layer", ...overHeads.keys.map((k, i) => `${i}:${k}`)], ...overHeads[gridView].map((row, li) => [overHeads.layers[li], ...row.map((w) => w ?? "")])];
+    };
     return box;
   }
 
@@ -252,33 +311,103 @@ window.lmtraceView = (() => {
       ...row.map((w, k) => el("td", { class: "cell", data: { layer: o.layers[li], key: k, w: w ?? "" },
         title: `layer ${o.layers[li]}, key ${k} ${JSON.stringify(o.keys[k])}: ${which} over heads ${fmt(w, 4)}`,
         style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
-    return el("div", { class: "scroll" }, el("table", { class: "grid over-heads", id: v.id(`attention-${which}`) }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    return el("div", {}, weightLegend(), el("div", { class: "scroll" }, el("table", { class: "grid over-heads", id: v.id(`attention-${which}`) }, el("thead", {}, head), el("tbody", {}, ...rows))));
   }
 
+  // the attention weight's legend, on the scale in use (linear 0 – 1, or log 0.001 – 1)
+  function weightLegend() {
+    const G = window.lmtraceGrid;
+    return logScale
+      ? G.legend("attention weight (log)", (x) => weightColour(10 ** x), -LOG_DECADES, 0, [[-3, "0.001"], [-2, "0.01"], [-1, "0.1"], [0, "1"]], "weight")
+      : G.legend("attention weight", weightColour, 0, 1, [[0, "0"], [0.5, "0.5"], [1, "1"]], "weight");
+  }
+
+  // a layer's heads can be picked (their rows and patterns read) unless the data source lacks them:
+  // the report embeds the heads of some layers only (opts.headAvailable)
+  const headAvailable = (v, layer) => !v.opts.headAvailable || v.opts.headAvailable(layer);
+
+  // Every head of every layer: a heatmap on a canvas (headgrid.js) of the weight of the key each head's
+  // query attended to most, with a hover card (layer, head, the key's text and position, the weight, the
+  // head's `lmtrace heads` label), a keyboard cursor, and under it on demand the same cells as numbers.
   function headsGrid(v, d, box, patterns) {
-    const a = d.attention;
-    const wrap = el("div", {}, el("p", { class: "note", text: `Each cell: the key the query at position ${a.query_position} attended to most in that layer and head — its weight, and its token. Click a cell for the head's whole row and its pattern over every step.` }));
+    const a = d.attention, G = window.lmtraceGrid;
+    const labels = a.head_labels ? a.head_labels.labels : null;
+    const inert = a.layers.filter((l) => !headAvailable(v, l));
+    const wrap = el("div", {}, el("p", { class: "note", text: `Each cell: the weight of the key the query at position ${a.query_position} attended to most in that layer (row) and head (column). `
+      + `Hover a cell for its key's text and position${labels ? " and the head's label (lmtrace heads)" : ""}; click it for the head's whole row and its pattern over every step. `
+      + "Shift + arrows walk the heads, Enter picks one." }));
+    if (inert.length) {
+      wrap.appendChild(el("p", { class: "note embedded-layers", id: v.id("embedded-layers"),
+        text: `This page embeds the heads' rows and patterns of layer${a.layers.length - inert.length === 1 ? "" : "s"} ${a.layers.filter((l) => headAvailable(v, l)).join(", ") || "none"}; `
+          + `the hatched rows (layer${inert.length === 1 ? "" : "s"} ${inert.join(", ")}) show their grid cells only.` }));
+    }
     const rowBox = el("div", { id: v.id("head-row") });
-    const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
-    const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
-      ...cells.map((c, h) => {
-        const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight },
-          title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}`,
-          style: { background: weightColour(c.weight), color: weightText(c.weight) } },
-        el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shownToken(c.text) }));
-        td.addEventListener("click", () => {
-          for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
-          td.classList.add("picked");
-          loadHeadRow(v, d.step, a.layers[li], h, rowBox);
-          if (!v.pickedHeads.some(([l, x]) => l === a.layers[li] && x === h)) {
-            v.pickedHeads.push([a.layers[li], h]);
-            loadPattern(v, d.step, a.layers[li], h, patterns);
-          }
-        });
-        return td;
-      })));
-    wrap.appendChild(el("table", { class: "grid", id: v.id("attention-grid") }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    const numbersBox = el("input", { type: "checkbox", id: v.id("grid-numbers") });
+    const numbersOn = () => (showNumbers === null ? a.layers.length * a.heads <= NUMBERS_AUTO_CELLS : showNumbers);
+    numbersBox.checked = numbersOn();
+    const tableBox = el("div", { class: "scroll" });
+    const li0 = (layer) => a.layers.indexOf(layer);
+    const pick = (li, h) => {
+      const layer = a.layers[li];
+      v.cursor = [layer, h];
+      for (const n of box.querySelectorAll("td.cell.picked")) n.classList.remove("picked");
+      const td = tableBox.querySelector(`td.cell[data-layer="${layer}"][data-head="${h}"]`);
+      if (td) td.classList.add("picked");
+      if (!headAvailable(v, layer)) {
+        rowBox.replaceChildren(el("p", { class: "note not-embedded", text: v.opts.headMissing ? v.opts.headMissing(layer, h)
+          : `layer ${layer}, head ${h} is not embedded here` }));
+        v.emit();
+        return;
+      }
+      loadHeadRow(v, d.step, layer, h, rowBox);
+      if (!v.pickedHeads.some(([l, x]) => l === layer && x === h)) {
+        v.pickedHeads.push([layer, h]);
+        loadPattern(v, d.step, layer, h, patterns);
+      }
+      v.emit();
+      if (v.grid) v.grid.redraw();
+    };
+    const card = (li, h) => {
+      const c = a.cells[li][h], layer = a.layers[li];
+      const lines = [["layer", String(layer)], ["head", String(h)], ["key", `${shownToken(c.text)} (position ${c.key})`],
+        ["weight", fmt(c.weight, 4)]];
+      if (labels) lines.push(["label", labels[li][h] ?? "no value"]);
+      else lines.push(["label", "run `lmtrace heads` for the heads' labels"]);
+      if (!headAvailable(v, layer)) lines.push(["", "its row is not embedded here"]);
+      return lines;
+    };
+    const cursor = v.cursor && li0(v.cursor[0]) >= 0 && v.cursor[1] < a.heads ? [li0(v.cursor[0]), v.cursor[1]] : null;
+    v.grid = G.heatmap({ id: v.id("attention-heatmap"), label: "attention: layers × heads", rows: a.layers.map((l) => `L${l}`),
+      cols: Array.from({ length: a.heads }, (_, h) => `H${h}`), value: (i, j) => a.cells[i][j].weight, colour: weightColour,
+      textColour: weightText, numbers: (w) => fmt(w, 2), card, cursor,
+      mark: labels ? (i, j) => LABEL_COLOURS[labels[i][j]] || null : null,
+      inert: inert.length ? (i) => !headAvailable(v, a.layers[i]) : null,
+      picked: () => v.pickedHeads.filter(([l]) => li0(l) >= 0).map(([l, h]) => [li0(l), h]),
+      onPick: pick, onMove: (i, j) => { v.cursor = [a.layers[i], j]; v.emit(); } });
+    v.grid.canvas.dataset.step = String(d.step);
+    const legends = el("div", { class: "legends" }, weightLegend(), labels ? el("span", { class: "label-legend" }, "label (lmtrace heads): ",
+      ...Object.entries(LABEL_COLOURS).map(([name, colour]) => el("span", { class: "label-key" }, el("i", { style: { borderTopColor: colour, borderLeftColor: colour } }), name))) : null);
+    const drawTable = () => {
+      if (!numbersBox.checked) { tableBox.replaceChildren(); return; }
+      const head = el("tr", {}, el("th", { text: "layer \\ head" }), ...Array.from({ length: a.heads }, (_, h) => el("th", { text: `H${h}` })));
+      const rows = a.cells.map((cells, li) => el("tr", {}, el("th", { text: `L${a.layers[li]}` }),
+        ...cells.map((c, h) => {
+          const td = el("td", { class: "cell", data: { layer: a.layers[li], head: h, key: c.key, weight: c.weight, ...(labels ? { label: labels[li][h] ?? "" } : {}) },
+            title: `layer ${a.layers[li]} head ${h}: key ${c.key} ${JSON.stringify(c.text)} weight ${fmt(c.weight, 4)}${labels ? ` · ${labels[li][h] ?? "no label"}` : ""}`,
+            style: { background: weightColour(c.weight), color: weightText(c.weight) } },
+          el("span", { class: "w", text: fmt(c.weight) }), el("span", { class: "k", text: shownToken(c.text) }));
+          td.addEventListener("click", () => { v.grid.setCursor(li, h, false); pick(li, h); });
+          return td;
+        })));
+      tableBox.replaceChildren(el("table", { class: "grid", id: v.id("attention-grid") }, el("thead", {}, head), el("tbody", {}, ...rows)));
+    };
+    numbersBox.addEventListener("change", () => { showNumbers = numbersBox.checked; drawTable(); v.emit(); });
+    wrap.append(v.grid.node, legends, el("label", { class: "numbers-toggle" }, numbersBox, " numbers (a table of the cells)"), tableBox);
+    drawTable();
     wrap.appendChild(rowBox);
+    if (v.cursor && cursor && v.pickedHeads.some(([l, h]) => l === v.cursor[0] && h === v.cursor[1]) && headAvailable(v, v.cursor[0])) {
+      loadHeadRow(v, d.step, v.cursor[0], v.cursor[1], rowBox);
+    }
     return wrap;
   }
 
@@ -292,6 +421,8 @@ window.lmtraceView = (() => {
       const i = v.pickedHeads.findIndex(([l, x]) => l === layer && x === head);
       if (i >= 0) v.pickedHeads.splice(i, 1);
       holder.remove();
+      v.emit();
+      if (v.grid) v.grid.redraw();
     });
     const headRow = el("tr", {}, el("th", { text: "step \\ key" }), ...p.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shownToken(k) })));
     const rows = p.rows.map((row, s) => el("tr", { class: s === step ? "current" : null, data: { step: s } },
@@ -301,6 +432,7 @@ window.lmtraceView = (() => {
           style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
     holder.replaceChildren(el("h3", {}, `Layer ${layer}, head ${head}: attention over steps ${p.dense ? "" : "(top-k keys; others 0)"}`, close),
       el("div", { class: "scroll" }, el("table", { class: "grid pattern-grid" }, el("thead", {}, headRow), el("tbody", {}, ...rows))));
+    window.lmtraceGrid.exportBar(holder, `seq${v.seq}-pattern-L${layer}-H${head}`);
   }
 
   function attributionPanel(v, groups) {
@@ -310,6 +442,7 @@ window.lmtraceView = (() => {
       const max = absMax(g.scores.map((x) => x.score));
       box.appendChild(el("div", { class: "attribution", data: { method: g.method, explain: g.explain_id } },
         el("h3", { text: `${g.method} · ${g.target || "no target"}${g.quantity ? ` (${g.quantity})` : ""} · ${g.explain_id}` }),
+        window.lmtraceGrid.signedLegend("score", signedColour, max),
         el("div", { class: "row-keys" }, ...g.scores.map((x) => el("span", { class: `tok key${x.is_prompt ? " prompt-key" : ""}`,
           data: { position: x.position, score: x.score ?? "" }, title: `position ${x.position}: ${fmt(x.score, 4)}`,
           style: { background: signedColour(x.score, max), color: Math.abs(x.score || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
@@ -339,6 +472,7 @@ window.lmtraceView = (() => {
     }
     if (names.length) {
       const max = absMax(names.flatMap((n) => c.per_layer[n]));
+      box.appendChild(window.lmtraceGrid.signedLegend("relevance per layer", signedColour, max));
       box.appendChild(el("table", { class: "grid per-layer" },
         el("thead", {}, el("tr", {}, el("th", { text: "layer" }), ...names.map((n) => el("th", { text: n.replace(/_/g, " ") })))),
         el("tbody", {}, ...c.layers.map((layer, li) => el("tr", { data: { layer } }, el("th", { text: `L${layer}` }),
@@ -347,6 +481,7 @@ window.lmtraceView = (() => {
     if (c.heads) {
       const max = absMax(c.heads.flat());
       box.appendChild(el("h3", { text: "Relevance per head (rows = layers)" }));
+      box.appendChild(window.lmtraceGrid.signedLegend("relevance per head", signedColour, max));
       box.appendChild(el("table", { class: "grid head-relevance" },
         el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...c.heads[0].map((_, h) => el("th", { text: `H${h}` })))),
         el("tbody", {}, ...c.heads.map((row, li) => el("tr", {}, el("th", { text: `L${c.layers[li]}` }),
@@ -366,15 +501,33 @@ window.lmtraceView = (() => {
       shownToken(k.text), el("small", { text: fmt(k.weight) })))));
   }
 
+  // Per-head direct logit attribution: a signed heatmap on a canvas (headgrid.js) with its legend and
+  // hover card, and under it on demand the same values as a table of numbers.
   function dlaPanel(v, dla) {
     const max = Math.max(1e-9, ...dla.values.flat().map((x) => Math.abs(x || 0)));
-    return el("div", { class: "panel", id: v.id("dla-panel") }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
-      el("table", { class: "grid", id: v.id("dla-grid") },
-        el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
-        el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
-          ...row.map((x) => el("td", { class: "cell", text: fmt(x), style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } })))))));
+    const heads = dla.values[0].length;
+    const hm = window.lmtraceGrid.heatmap({ id: v.id("dla-heatmap"), label: "direct logit attribution: layers × heads",
+      rows: dla.layers.map((l) => `L${l}`), cols: Array.from({ length: heads }, (_, h) => `H${h}`),
+      value: (i, j) => dla.values[i][j], colour: (x) => signedColour(x, max),
+      textColour: (x) => (Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24"), numbers: (x) => fmt(x, 2),
+      card: (i, j) => [["layer", String(dla.layers[i])], ["head", String(j)], ["DLA", fmt(dla.values[i][j], 4)]] });
+    const numbersBox = el("input", { type: "checkbox", id: v.id("dla-numbers") });
+    numbersBox.checked = showNumbers === null ? dla.layers.length * heads <= NUMBERS_AUTO_CELLS : showNumbers;
+    const tableBox = el("div", { class: "scroll" });
+    const drawTable = () => tableBox.replaceChildren(...(!numbersBox.checked ? [] : [el("table", { class: "grid", id: v.id("dla-grid") },
+      el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
+      el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
+        ...row.map((x, h) => el("td", { class: "cell inert", data: { layer: dla.layers[li], head: h, value: x ?? "" }, text: fmt(x),
+          style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } }))))))]));
+    numbersBox.addEventListener("change", () => { showNumbers = numbersBox.checked; drawTable(); v.emit(); });
+    drawTable();
+    const box = el("div", { class: "panel", id: v.id("dla-panel") }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
+      hm.node, window.lmtraceGrid.signedLegend("logit difference", signedColour, max),
+      el("label", { class: "numbers-toggle" }, numbersBox, " numbers (a table of the cells)"), tableBox);
+    box._csvRows = () => [["layer", "head", "dla"], ...dla.values.flatMap((row, li) => row.map((x, h) => [dla.layers[li], h, x ?? ""]))];
+    return box;
   }
 
   return { el, put, fmt, fmtP, shown, shownToken, tokenBox, none, MISSING, probColour, signedColour, absMax, showError, rank1,
-    tokenView };
+    tokenView, parseHeads };
 })();
