@@ -131,6 +131,22 @@ def sweep(
         help="Edits apply from this step on; the unedited "
         "prefix is computed once and its KV cache shared (steps >= it are measured).",
     ),
+    method: Optional[str] = typer.Option(
+        None,
+        "--method",
+        help="exact (default: every cell patched) | attribution "
+        "(every cell estimated from one forward and backward per sequence or pair).",
+    ),
+    verify: Optional[int] = typer.Option(
+        None,
+        "--verify",
+        metavar="N",
+        help="Attribution: patch the estimate's top N "
+        "cells exactly; per metric the rank correlation and each cell's two values.",
+    ),
+    graddrop: Optional[bool] = typer.Option(
+        None, "--graddrop", help="Attribution: AtP*'s GradDrop check for cancellation (one more backward per layer)."
+    ),
     spec_path: Optional[Path] = typer.Option(None, "--spec", help="YAML sweep spec (the same keys; flags override)."),
     shard: Optional[str] = typer.Option(
         None, "--shard", help="I/N or auto (SLURM array): split the cells over processes."
@@ -170,6 +186,9 @@ def sweep(
                 positions=positions,
                 batch=batch,
                 from_step=from_step,
+                method=method,
+                verify=verify,
+                graddrop=graddrop,
             ),
             runs_dir=runs_dir,
             run_id=run_id,

@@ -57,6 +57,8 @@ def sweep_command(
             _print_patching(summary["patching"], top)
         if "by" in summary:
             _print_grouped(summary["by"], top)
+        if "verify" in summary:
+            _print_verify(summary["verify"])
     return summary
 
 
@@ -136,6 +138,38 @@ def _print_grouped(by: dict, top: int) -> None:
     )
 
 
+def _print_verify(verify: dict) -> None:
+    from rich.console import Console
+
+    console = Console()
+    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+    for metric, found in verify["metrics"].items():
+        rho = found["spearman"]
+        if not found["cells"]:
+            console.print(f"--verify {verify['n']}: {metric} is not estimated")
+            continue
+        rows = [
+            [
+                c["component"],
+                *(fmt(c[k]) for k in ("layer", "q_head", "neuron", "position")),
+                f"{c['estimate']:.4f}",
+                f"{c['exact']:.4f}",
+            ]
+            for c in found["cells"]
+        ]
+        _print_fitted(
+            console,
+            f"--verify {verify['n']}: the estimate's top {verify['n']} cells (by {verify['ranked_by']}) "
+            f"patched exactly, mean effect on {metric}; Spearman rank correlation "
+            f"{'-' if rho is None else f'{rho:.3f}'}",
+            ["component", "layer", "q_head", "neuron", "position", "estimate", "exact"],
+            rows,
+            drop_first=(),
+            keep=("component", "layer", "estimate", "exact"),
+            left=("component",),
+        )
+
+
 def _print(summary: dict, spec) -> None:
     from rich.console import Console
 
@@ -152,7 +186,8 @@ def _print(summary: dict, spec) -> None:
     ]
     _print_fitted(
         console,
-        f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}; "
+        f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}"
+        f"{'' if spec.method == 'exact' else ', estimated by attribution patching'}; "
         f"top {len(summary['top'])} by |mean effect| on {summary['metric']}",
         ["component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"],
         rows,

@@ -9,6 +9,7 @@ What is computed lives below it:
   lmtrace/analysis/sweep/metrics  the metrics per (cell, sequence, step)
   lmtrace/analysis/sweep/engine   the forward: one cell per batch row, prefix KV reuse, patches
   lmtrace/analysis/sweep/effects  the per-cell mean effects (ranking, effects.zarr, report, heads)
+  lmtrace/analysis/sweep/attribution(_run)  --method attribution: the estimate, its blocks, --verify
   lmtrace/archive/sweeps          the files: blocks, sweep.parquet, sweep_mean, effects.zarr, sweep.json
 
 Output: RUN/sweeps/<id>/, recorded in the run's manifest under `sweeps`. Blocks are written as
@@ -27,7 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..analysis.sweep import attribution_run as sweep_attribution
 from ..analysis.sweep.cells import Cell, build_cells
+from ..analysis.sweep.checks import SweepError, measured_steps
+from ..analysis.sweep.checks import check_source as _check_source
 from ..analysis.sweep.effects import (
     cell_effects,
     effect_array,
@@ -53,14 +57,10 @@ from ..archive.sweeps import (
     writer_key,
 )
 from ..capture.interventions import parse_range_list
-from ..exits.errors import Interrupted, LmtraceError, SpecError
+from ..exits.errors import Interrupted, SpecError
 from ..exits.faults import pause_after_owning
 from ..exits.interrupts import StopFlag
 from ..spec.sweep_spec import SweepSpec
-
-
-class SweepError(LmtraceError):
-    """The model does not reproduce the parent's archived log-probs: the baseline cannot be trusted."""
 
 
 @dataclass
@@ -130,6 +130,7 @@ def _inputs(parent_ref: str, spec: SweepSpec, runs_dir: str | None) -> _Inputs:
     tokenizer = tokenizer_of(parent)
     metrics = parse_metrics(spec.metrics, tokenizer, len(tokenizer))
     inputs = _Inputs(parent, view, seqs, seq_steps, cells, metrics, from_step)
+    sweep_attribution.check(spec, metrics)
     if spec.edit == "patch":
         if spec.source is None:
             raise SpecError("--edit patch needs --source RUN_B (the run whose activations are patched in)")
@@ -170,9 +171,11 @@ def run_sweep(
     parent, cells = inp.parent, inp.cells
 
     # the plan: blocks of cells, per sequence; a shard takes every N-th block
-    blocks = [
-        (s, j, cells[i : i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))
-    ]
+    blocks = (
+        [(s, j, cells[i : i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))]
+        if spec.method == "exact"
+        else [(s, 0, cells) for s in inp.seqs]
+    )  # attribution: a sequence a block
     given = {
         "parent": parent.id,
         "source": inp.source_run.id if inp.source_run else None,
@@ -238,6 +241,8 @@ def _sweep_owned(
         note(f"mean values: one forward over each of the parent's {n_seq} sequences")
         means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
     engine = Engine(adapter, spec.edit, means, inp.metrics, inp.from_step)
+    if spec.method == "attribution" and any(c.component == "position" for c in cells):
+        loaded.model.set_attn_implementation("eager")  # the QK fix reads the attention patterns
 
     # only now is anything written into sweeps/
     root.mkdir(exist_ok=True)
@@ -248,7 +253,9 @@ def _sweep_owned(
             create_partial(partial, {**plan, "n_blocks": len(blocks), "n_cells": len(cells), "created": now_iso()})
     t_model = time.time()
     mine = [blk for k, blk in enumerate(blocks) if k % count == index]
-    done = _run_blocks(inp, spec, engine, adapter, mine, partial, sweep_id, note)
+    done = (_run_blocks if spec.method == "exact" else sweep_attribution.run_blocks)(
+        inp, spec, engine, adapter, mine, partial, sweep_id, note
+    )
     t_done = time.time()
     atomic_write_json(
         partial / f"shard-{index}-of-{count}.json",
@@ -267,16 +274,27 @@ def _sweep_owned(
             return SweepResult(
                 sweep_id, None, "shard-complete", {"sweep_id": sweep_id, "blocks": done["n_done"]}, t_done - t0
             )
+        table, checked = read_blocks(partial), None
+        if spec.verify:
+            table, checked = sweep_attribution.verify(
+                inp, spec, engine, adapter, table, spec.verify, note, (_packs, _plan_sequences, _prepare_pack)
+            )
         info = _assemble(
             inp,
             spec,
             loaded,
             given,
             sweep_id,
+            table,
             partial,
             final,
             top,
-            {"model_load_s": round(t_model - t0, 3), "sweep_s": round(t_done - t_model, 3)},
+            {
+                "model_load_s": round(t_model - t0, 3),
+                "sweep_s": round(t_done - t_model, 3),
+                **({"verify_s": round(time.time() - t_done, 3)} if checked else {}),
+            },
+            checked,
         )
     summary = {
         "sweep_id": sweep_id,
@@ -289,8 +307,9 @@ def _sweep_owned(
         "sweep_s": info["timings"]["sweep_s"],
         "top": info["top"],
     }
-    if "patching" in info:
-        summary["patching"] = info["patching"]
+    for key in ("patching", "method", "verify"):
+        if key in info:
+            summary[key] = info[key]
     return SweepResult(sweep_id, final, "complete", summary, time.time() - t0)
 
 
@@ -497,17 +516,18 @@ def _assemble(
     loaded,
     given: dict,
     sweep_id: str,
+    table,
     partial: Path,
     final: Path,
     top: int,
     timings: dict,
+    checked: dict | None,
 ) -> dict:
     """Every block is committed: write `sweeps/<id>/`, drop the partial directory, record the sweep in
     the manifest (call under the sweeps lock). Returns sweep.json's content."""
     from ..archive.runs import host_info, now_iso, package_versions
 
     parent, source_run = inp.parent, inp.source_run
-    table = read_blocks(partial)
     shards = [json.loads(f.read_text()) for f in sorted(partial.glob("shard-*.json"))]
     metric_keys = [m.key for m in inp.metrics]
     info = {
@@ -544,6 +564,15 @@ def _assemble(
         "timings": {**timings, "shards": len(shards)},
         "top": ranking(table, metric_keys[0], top),
     }
+    if spec.method != "exact":
+        info["method"] = {
+            "name": spec.method,
+            "graddrop": spec.graddrop,
+            "estimate": "first-order: gradient x (edited - "
+            "unedited value); value / effect hold the estimate, exact_value / exact_effect --verify's",
+        }
+        if checked:
+            info["verify"] = checked
     if source_run is not None:
         info["patching"] = patching_summary(
             table, inp.source_run.id, inp.parent.id, len(inp.seqs), inp.pairs, metric_keys[0], spec.pair_by
@@ -569,47 +598,6 @@ def _assemble(
         },
     )
     return info
-
-
-def measured_steps(text: str, from_step: int, n: int, seq: int, run_id: str) -> list[int]:
-    """The steps measured in a sequence of n generated tokens; with from_step, only steps >= from_step exist."""
-    from ..spec.steps import parse_steps
-
-    if n == 0:
-        raise SpecError(f"sequence {seq} of run {run_id} generated no tokens: nothing to measure")
-    if from_step >= n:
-        raise SpecError(
-            f"--from-step {from_step}: sequence {seq} of run {run_id} has steps 0..{n - 1}, none is edited; "
-            f"choose a smaller step or other --sequences"
-        )
-    steps = parse_steps(text, n)
-    if text.strip() == "all":
-        return [st for st in steps if st >= from_step]
-    early = [st for st in steps if st < from_step]
-    if early:
-        raise SpecError(
-            f"--steps: step(s) {early} come before --from-step {from_step}; their forward is the unedited "
-            f"prefix, so measure steps {from_step} and later"
-        )
-    return steps
-
-
-def _check_source(parent, source) -> None:
-    pm, sm = parent.manifest, source.manifest
-    for what, a, b in (
-        (
-            "model weights",
-            pm["model"].get("weights_sha256") or pm["model"]["reference"],
-            sm["model"].get("weights_sha256") or sm["model"]["reference"],
-        ),
-        ("tokenizer", (pm.get("tokenizer") or {}).get("sha256"), (sm.get("tokenizer") or {}).get("sha256")),
-        ("dtype", pm.get("dtype"), sm.get("dtype")),
-    ):
-        if a != b:
-            raise SpecError(
-                f"source run {source.id} differs from run {parent.id} in {what}; patching needs a source "
-                f"run of the same model, tokenizer and dtype"
-            )
 
 
 def sweep_groups(run_ref: str, runs_dir: str | None, by: str):

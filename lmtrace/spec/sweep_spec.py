@@ -32,6 +32,10 @@ class SweepSpec(BaseModel):
     batch: int = Field(32, ge=1)
     # edits apply from this step on (intervene's --from-step): the unedited prefix is computed once per sequence
     from_step: int | None = Field(None, ge=0)
+    # exact: every cell patched; attribution: every cell estimated from one forward and backward per sequence
+    method: Literal["exact", "attribution"] = "exact"
+    verify: int | None = Field(None, ge=1)  # attribution: patch the estimate's top N cells exactly
+    graddrop: bool = False  # attribution: AtP*'s GradDrop (one more backward per layer)
 
 
 def load_sweep_spec(path: Path) -> dict:
@@ -46,7 +50,7 @@ def load_sweep_spec(path: Path) -> dict:
     if not isinstance(data, dict):
         raise SpecError(
             f"{path}: expected a mapping (over, edit, source, pair_by, metrics, steps, sequences, positions, batch, "
-            f"from_step)"
+            f"from_step, method, verify, graddrop)"
         )
     return data
 
