@@ -19,9 +19,13 @@ one non-chat prompt of exactly 64 tokens, N new tokens for each N in --tokens):
   forward-only  `run_generate` with `capture: none`.
   inline-lens   the default capture with `capture.lens.when: inline` (the lens per step, during
                 generation); no target, reported for comparison.
+  features      the default capture plus `capture.features`: one random TopK SAE (d_sae 16384, k 32,
+                seeded, written once to a temporary directory) at blocks.15.hook_resid_post, each
+                token's top 32 latents archived; the issue's target is <= 10 % over default
+                (compare its "vs floor" with default's). Not timed by default.
 
 Timed by default: floor, default and forward-only (the configurations with a target); `--configs
-all` adds floor-stacked and inline-lens.
+all` adds floor-stacked, inline-lens and features.
 
 Timing: the floor is timed around its own loop (prefill + N-1 decodes, perf_counter); lmtrace runs
 use the manifest's `timings.generate_s` (prefill to archive drained), so the model reload that
@@ -115,7 +119,7 @@ from lmtrace.spec.run_spec import ModelSpec, build_spec  # noqa: E402
 
 MODEL_REF = "embedded:smollm2-135m"
 PROMPT_TOKENS = 64
-CONFIGS = ("floor", "floor-stacked", "default", "forward-only", "inline-lens")
+CONFIGS = ("floor", "floor-stacked", "default", "forward-only", "inline-lens", "features")
 TARGET_RATIO = {"default": 0.85, "forward-only": 0.97}
 RSS_FLAT_TOLERANCE = 0.10  # peak RSS at the largest N within 10% of the smallest N
 WARMUP_TOKENS = 8
@@ -300,7 +304,37 @@ def spec_data(config: str, prompt: str, n_new: int, eos: int, runs_dir: str) -> 
         data["capture"] = "none"
     elif config == "inline-lens":  # the default capture with the logit lens computed per step
         data["capture"] = {"lens": {"when": "inline"}}
+    elif config == "features":  # the default capture plus one SAE's top-32 latents per token
+        data["capture"] = {"features": [{"sae": str(bench_sae()), "top_k": 32}]}
     return data
+
+
+_SAE_DIR: list[Path] = []
+
+
+def bench_sae() -> Path:
+    """A random TopK SAE for SmolLM2-135M's residual after layer 15 (d_in 576, d_sae 16384, k 32),
+    seeded, written once per process to a temporary directory (removed at exit)."""
+    if not _SAE_DIR:
+        import atexit
+
+        from lmtrace.features import Sae, SaeConfig, write_sae
+
+        folder = Path(tempfile.mkdtemp(prefix="lmtrace-bench-sae-"))
+        atexit.register(shutil.rmtree, folder, True)
+        g = torch.Generator().manual_seed(0)
+        d_in, d_sae = 576, 16384
+        w_dec = torch.randn(d_sae, d_in, generator=g)
+        w_dec = w_dec / w_dec.norm(dim=-1, keepdim=True)
+        sae = Sae(
+            SaeConfig("topk", d_in, d_sae, "blocks.15.hook_resid_post", k=32),
+            w_dec.T.clone(),
+            torch.zeros(d_sae),
+            w_dec,
+            torch.zeros(d_in),
+        )
+        _SAE_DIR.append(write_sae(sae, folder / "bench-sae"))
+    return _SAE_DIR[0]
 
 
 def own_cpu_s() -> float:

@@ -238,3 +238,47 @@ def test_no_module_is_over_500_lines():
     )
     unexplained = [p for p in large if p not in KNOWN_LARGE]
     assert not unexplained, f"modules over {MAX_MODULE_LINES} lines (split them by what each part does): {unexplained}"
+
+
+MAX_FUNCTION_LINES = 80
+LONG_REASON = "Long because"
+
+
+def long_functions(package: Path) -> list[tuple[str, int, bool]]:
+    """(where, lines, whether its docstring starts with a reason) of every function or method over
+    MAX_FUNCTION_LINES lines (from its `def` to its last line, decorators excluded)."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    doc = (ast.get_docstring(node) or "").lstrip()
+                    found.append(
+                        (
+                            f"{path.relative_to(package.parent)}:{node.lineno} {node.name}",
+                            lines,
+                            doc.startswith(LONG_REASON),
+                        )
+                    )
+    return found
+
+
+def test_every_function_over_80_lines_says_why_at_the_top_of_its_docstring():
+    unexplained = [f"{where} ({n} lines)" for where, n, reason in long_functions(PACKAGE) if not reason]
+    assert not unexplained, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them, or start the docstring with "
+        f"`{LONG_REASON} ...`): {unexplained}"
+    )
+
+
+def test_the_long_function_check_sees_one_without_a_reason(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(
+        f'def long():\n{body}\n\n\ndef explained():\n    """{LONG_REASON} it is a table."""\n{body}\n'
+        f"\n\ndef short():\n    return 1\n"
+    )
+    assert [(w.split(" ")[1], reason) for w, _, reason in long_functions(tmp_path)] == [
+        ("long", False),
+        ("explained", True),
+    ]

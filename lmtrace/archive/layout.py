@@ -21,9 +21,13 @@ Array names follow one scheme and are used unchanged by probes, writer, reader a
     embed_dla, bias_dla, rest_dla [sequence, step]           embedding; constant (norm / unembedding biases); rest
     *_dla_logit    the same six, attributing logit(chosen)
     dla_runner_up  [sequence, step]                          the runner-up token id
+    feat_<sae>_idx [sequence, step, k_feat]                  (capture.features) the SAE's most active latents
+                                                             at the token, largest first, -1 = fewer active
+    feat_<sae>_val [sequence, step, k_feat]                  their activations (NaN where idx is -1)
   prompt time:
     prefill_attn   [sequence, layer, q_head, query_pos, key_pos]
     prompt_k, prompt_v [sequence, layer, kv_head, prompt_pos, head_dim]
+    prompt_feat_<sae>_idx, prompt_feat_<sae>_val [sequence, prompt_pos, k_feat]   (capture.features prompt: true)
   coordinates and per-sequence:
     layer [layer], resid_layer [resid_layer], q_head [q_head], kv_head [kv_head], key, prompt_pos, query_pos, key_pos (positions),
     kv_head_of_head [q_head], prompt_len [sequence], generated_len [sequence]
@@ -169,6 +173,30 @@ def dla_arrays() -> list[ArraySpec]:
 
 
 @dataclass(frozen=True)
+class FeatureShape:
+    """One SAE's arrays (capture.features): `name` is the run's short name for it (its directory's
+    name, made unique), `top_k` the latents kept per token, `prompt` whether prompt positions are too."""
+
+    name: str
+    top_k: int
+    prompt: bool = False
+
+
+def feature_arrays(f: FeatureShape) -> list[ArraySpec]:
+    """feat_<name>_idx / _val over (sequence, step, k_feat), and the prompt's over prompt_pos."""
+    out = [
+        ArraySpec(f"feat_{f.name}_idx", ("sequence", "step", "k_feat"), "int32", True),
+        ArraySpec(f"feat_{f.name}_val", ("sequence", "step", "k_feat"), "float32", True),
+    ]
+    if f.prompt:
+        out += [
+            ArraySpec(f"prompt_feat_{f.name}_idx", ("sequence", "prompt_pos", "k_feat"), "int32", False),
+            ArraySpec(f"prompt_feat_{f.name}_val", ("sequence", "prompt_pos", "k_feat"), "float32", False),
+        ]
+    return out
+
+
+@dataclass(frozen=True)
 class RunShape:
     """The sizes that fix every array's shape for one run."""
 
@@ -195,11 +223,18 @@ class RunShape:
     resid_dtype: str = "float32"  # capture.residual.dtype: storage dtype of `resid`
     k_router: int = 0  # experts per token of a mixture-of-experts model (0: dense, no router arrays)
     head_dla: bool = False  # direct logit attribution arrays (dla_arrays())
+    features: tuple[FeatureShape, ...] = ()  # capture.features: one SAE's arrays each (feature_arrays())
     extra: dict = field(default_factory=dict)
 
     @property
     def max_len(self) -> int:
         return self.max_prompt + self.n_steps
+
+    @property
+    def k_feat(self) -> int:
+        """The width of every SAE's feature arrays: the largest top_k asked for (an SAE that keeps
+        fewer fills the rest with -1 / NaN)."""
+        return max((f.top_k for f in self.features), default=0)
 
     def dim_sizes(self) -> dict[str, int]:
         return {
@@ -216,6 +251,7 @@ class RunShape:
             "k_ffn": self.k_ffn,
             "k_lens": self.k_lens,
             "k_router": self.k_router,
+            "k_feat": self.k_feat,
             "query_pos": self.max_prompt,
             "key_pos": self.max_prompt,
             "prompt_pos": self.max_prompt,
@@ -267,6 +303,8 @@ class RunShape:
             out.append(ArraySpec("router_topk_weight", ("sequence", "step", "layer", "k_router"), "float32", True))
         if self.head_dla and self.layers:
             out.extend(dla_arrays())
+        for f in self.features:
+            out.extend(feature_arrays(f))
         if self.prefill_attention:
             out.append(ArraySpec("prefill_attn", ("sequence", "layer", "q_head", "query_pos", "key_pos"), f, False))
         return out

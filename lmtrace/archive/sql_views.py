@@ -88,6 +88,12 @@ def create_view(con: duckdb.DuckDBPyConnection, catalog: Catalog, view: str) -> 
         con.register("_runs_rows", runs_table(catalog))
         con.execute("CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs_rows")
         return
+    if view == "features":
+        from .feature_rows import features_table
+
+        con.register("_features_rows", features_table(catalog))
+        con.execute("CREATE OR REPLACE VIEW features AS SELECT * FROM _features_rows")
+        return
     keys = _key_columns(view)
     files = catalog.files(view)
     if view == "heads_by" and files:

@@ -32,6 +32,8 @@ VIEWS = {
     "heads_by": "analysis/heads_by_<COLUMN>.parquet (`lmtrace heads --by COLUMN`): per group and head",
     "sweeps": "sweeps/<id>/sweep.parquet of finished sweeps, with a sweep_id column",
     "explain": "explain/scores.parts/*.parquet: attribution scores (`lmtrace explain`)",
+    "features": "feat_<sae>_idx/_val arrays (capture.features, `lmtrace features`): one row per active SAE latent "
+    "of a token",
 }
 
 
@@ -88,6 +90,8 @@ def read_catalog(root: Path) -> Catalog:
 
 def view_files(run_dir: Path, run_id: str, view: str) -> list[TableFile]:
     """The committed files of one run that hold rows of `view` (none when the run lacks it)."""
+    if view == "features":  # Zarr arrays, not Parquet files: read by archive/feature_rows.py
+        return []
     if view in ("tokens", "steps", "sequences", "effects"):
         paths = table_files(run_dir, view)
     elif view == "heads":

@@ -82,8 +82,10 @@ class Probes:
         margin_contributions: bool,
         lens_dtype: str = "float32",
         inner_attention=None,
+        features=None,
     ):
         self.adapter = adapter
+        self.features = features  # capture.features: a FeatureProbe (lmtrace/capture/feature_probe.py), or None
         self.shape = shape
         self.layers = list(shape.layers)
         self.pos = {layer: i for i, layer in enumerate(self.layers)}
@@ -154,6 +156,8 @@ class Probes:
     def begin(self, ctx: ForwardContext) -> None:
         self.ctx = ctx
         self._reset()
+        if self.features is not None:
+            self.features.begin()
         if ctx.prefill and self.batched is not None:
             self.batched.new_batch(ctx.kv)
 
@@ -179,6 +183,8 @@ class Probes:
                 handles.append(tap(a.layers[0], self._input_tap("ends", "embed")))
             if self.final is not None:  # ... and its end: the final norm's input
                 handles.append(tap(self.final.entry, self._input_tap("ends", "final")))
+            if self.features is not None:
+                handles.extend(self.features.attach(lambda: self.ctx))
             with attention.observing(self if self.want_attention else None):
                 yield self
         finally:
@@ -334,6 +340,8 @@ class Probes:
             scalars["margin_contrib"] = torch.einsum("lbd,bd->bl", delta, direction).cpu().numpy()
         if s.lens:  # final norm + unembedding of every layer's residual, all layers in one product
             self._lens_columns(choice, resid_out, arrays, scalars)
+        if self.features is not None:
+            arrays.update(self.features.collect())
         return arrays, scalars
 
     def _attention_arrays(self) -> dict[str, np.ndarray]:
@@ -502,4 +510,6 @@ class Probes:
                     n = ctx.total_len - pad  # prompt length of this row
                     arr[b, li, :, :n, :n] = t[b, :, q_len - n :, kv_len - n :]
             out["prefill_attn"] = arr
+        if self.features is not None:
+            out.update(self.features.collect_prefill(ctx.pads))
         return out

@@ -56,6 +56,13 @@ def generate(
         help="Compute the deferred logit lens right after generating, in "
         "this process (no second model load; as `lmtrace lens RUN`).",
     ),
+    sae: list[str] = typer.Option(
+        [],
+        "--sae",
+        metavar="DIR",
+        help="Archive each token's top active latents of this "
+        "SAE (SAELens directory; repeatable; as capture.features, top_k 32).",
+    ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..commands.generate import GenerateJob, print_summary
@@ -63,7 +70,9 @@ def generate(
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     job = GenerateJob(runs_dir=runs_dir, run_id=run_id, resume=resume)
     try:
-        job.prepare(spec_path, set_, shard=shard, memory_budget=memory_budget, lens=lens, note=reporter.message)
+        job.prepare(
+            spec_path, set_, shard=shard, memory_budget=memory_budget, lens=lens, note=reporter.message, saes=sae
+        )
         if job.shard.count > 1:
             reporter.shard = job.shard.key
         progress = reporter.progress()

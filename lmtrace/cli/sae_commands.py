@@ -89,3 +89,71 @@ def show(
         sae_show_command(path, json_out=json_out, quiet=quiet)
     except BaseException as err:  # noqa: BLE001
         fail(err)
+
+
+@app.command()
+def features(
+    run: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory, complete."),
+    sae: str = typer.Option(
+        ...,
+        "--sae",
+        metavar="NAME|DIR",
+        help="An SAE directory (to compute), or the run's name "
+        "for one of its SAEs (manifest `features`) or its directory (to find).",
+    ),
+    feature: Optional[int] = typer.Option(
+        None, "--feature", metavar="F", help="Print this latent's max-activating examples, density and logit effects."
+    ),
+    by: Optional[str] = typer.Option(
+        None,
+        "--by",
+        metavar="COLUMN",
+        help="Features whose mean activation differs most between groups of sequences (a column of sequences.parquet).",
+    ),
+    top_k: int = typer.Option(32, "--top-k", help="Latents kept per token when computing."),
+    prompt: bool = typer.Option(False, "--prompt", help="Also the prompt positions (computed by a replay)."),
+    source: str = typer.Option("auto", "--source", help="auto | archive (the run's residual vectors) | replay."),
+    top: int = typer.Option(10, "--top", help="Examples (--feature) or features (--by) to print."),
+    window: int = typer.Option(8, "--window", help="Tokens of context before the activating token (--feature)."),
+    tokens: int = typer.Option(10, "--tokens", help="Promoted and suppressed tokens listed (--feature)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+):
+    """SAE features of a run: compute them (--sae DIR), or find them (--feature F, --by COLUMN)."""
+    reporter = Reporter(quiet or json_out)
+    try:
+        if feature is not None or by is not None:
+            from ..commands.feature_find import features_find_command
+
+            features_find_command(
+                run,
+                sae,
+                feature=feature,
+                by=by,
+                top=top,
+                window=window,
+                n_tokens=tokens,
+                device=device,
+                runs_dir=runs_dir,
+                json_out=json_out,
+            )
+        else:
+            reporter.starting()
+            from ..commands.features import features_compute_command
+
+            features_compute_command(
+                run,
+                sae,
+                top_k=top_k,
+                prompt=prompt,
+                source=source,
+                device=device,
+                runs_dir=runs_dir,
+                json_out=json_out,
+                quiet=quiet,
+                note=reporter.message,
+            )
+    except BaseException as err:  # noqa: BLE001
+        fail(err, lambda: run_dir_or_root(run, runs_dir))

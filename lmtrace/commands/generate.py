@@ -42,6 +42,7 @@ class GenerateJob:
         memory_budget: str | None,
         lens: bool,
         note: Callable[[str], None],
+        saes: list[str] = (),
     ) -> None:
         """Every check that needs no model weights; `note` gets the line that says torch is next."""
         from ..spec.run_spec import load_spec
@@ -52,6 +53,10 @@ class GenerateJob:
 
             shard_obj, slurm_run_id = parse_shard(shard)
         if self.resume:
+            if saes:
+                raise SpecError(
+                    "--sae cannot change a run being resumed; it continues with the SAEs it was started with"
+                )
             from ..runner.resume import run_kind, spec_for_resume
 
             spec, text = spec_for_resume(
@@ -69,6 +74,10 @@ class GenerateJob:
             if memory_budget is not None:
                 given.append(f"generation.memory_budget={json.dumps(memory_budget)}")
             spec, text, _ = load_spec(spec_path, given)  # before torch is even imported: bad specs fail fast
+            if saes:  # --sae DIR: one more capture.features entry each, with the default top_k
+                from ..spec.sections import FeatureCapture
+
+                spec.capture.features.extend(FeatureCapture(sae=str(Path(d).expanduser().resolve())) for d in saes)
         if shard_obj is not None and shard_obj.count > 1 and spec.output.run_id is None:
             raise SpecError(
                 "a sharded run needs a shared run id: pass --run-id (with --shard auto it is "

@@ -121,15 +121,7 @@ def sae_train_command(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)
         run = open_run(ref, runs_dir, require_complete=True)
-    resid_layers = list(run.shape.get("resid_layers") or [])
-    in_archive = the_site.archived_resid_layer is not None and the_site.archived_resid_layer in resid_layers
-    if source == "archive" and not in_archive:
-        held = f"resid at layers {resid_layers}" if resid_layers else "no residual vectors"
-        raise SpecError(
-            f"run {run.id} has {held}, not {the_site.hook_name}: use --source replay (or auto), or "
-            f"generate the run with capture.residual.vectors_at including that layer"
-        )
-    use_archive = in_archive and source != "replay"
+    resid_layers, use_archive = _archive_source(run, the_site, source)
     view = ParentView.read(run)
     sequences = [p + g for p, g in zip(view.prompt_ids, view.generated)]
     train_ids, held_ids = split_sequences(len(sequences), heldout, seed)
@@ -216,6 +208,36 @@ def sae_train_command(
         },
         "seconds": round(time.time() - t0, 2),
     }
+    _save(sae, card, out_dir)
+    work_recorded()
+    card["path"] = str(out_dir)
+    _report(card, json_out, quiet)
+    return card
+
+
+def _report(card: dict, json_out: bool, quiet: bool) -> None:
+    if json_out:
+        print(json_line(card))
+    elif not quiet:
+        _print(card)
+
+
+def _archive_source(run: Run, the_site, source: str) -> tuple[list[int], bool]:
+    """(the run's resid layers, whether the activations come from its archived vectors); `--source
+    archive` for a site the run did not archive is refused in one line."""
+    resid_layers = list(run.shape.get("resid_layers") or [])
+    in_archive = the_site.archived_resid_layer is not None and the_site.archived_resid_layer in resid_layers
+    if source == "archive" and not in_archive:
+        held = f"resid at layers {resid_layers}" if resid_layers else "no residual vectors"
+        raise SpecError(
+            f"run {run.id} has {held}, not {the_site.hook_name}: use --source replay (or auto), or "
+            f"generate the run with capture.residual.vectors_at including that layer"
+        )
+    return resid_layers, in_archive and source != "replay"
+
+
+def _save(sae, card: dict, out_dir: Path) -> None:
+    """The SAE and its card written to a temporary directory beside `out_dir`, then renamed into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         write_sae(sae, tmp, {CARD: json.dumps(card, indent=2, allow_nan=False) + "\n"})
@@ -225,13 +247,6 @@ def sae_train_command(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    work_recorded()
-    card["path"] = str(out_dir)
-    if json_out:
-        print(json_line(card))
-    elif not quiet:
-        _print(card)
-    return card
 
 
 def _num(x, fmt: str) -> str:

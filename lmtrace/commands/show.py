@@ -237,7 +237,7 @@ def step_detail(run, sequence: int, step: int) -> dict:
             }
             for li, layer in enumerate(run.layers)
         ]
-    return {
+    out = {
         "run_id": run.id,
         "sequence": sequence,
         "step": step,
@@ -247,6 +247,30 @@ def step_detail(run, sequence: int, step: int) -> dict:
         "alternatives": alternatives,
         "lens": lens,
     }
+    if run.manifest.get("features"):  # capture.features / `lmtrace features`: each SAE's active latents here
+        out["features"] = step_features(run, sequence, step)
+    return out
+
+
+def step_features(run, sequence: int, step: int) -> list[dict]:
+    """Per SAE of the run: the token's archived active latents, largest first."""
+    import numpy as np
+
+    out = []
+    names = set(run.array_names())
+    for f in run.manifest["features"]:
+        if f"feat_{f['name']}_idx" not in names:
+            continue
+        ids = np.asarray(run.array(f"feat_{f['name']}_idx")[sequence, step])
+        vals = np.asarray(run.array(f"feat_{f['name']}_val")[sequence, step])
+        out.append(
+            {
+                "sae": f["name"],
+                "hook_name": f["hook_name"],
+                "active": [{"feature": int(i), "activation": float(v)} for i, v in zip(ids, vals) if i >= 0],
+            }
+        )
+    return out
 
 
 def _packed(head: str, cells: list[str], width: int) -> list[str]:
@@ -288,6 +312,10 @@ def _print_step(d: dict, console: Console) -> None:
     width = max((len(repr(a["text"])) for a in d["alternatives"]), default=0)
     for n, a in enumerate(d["alternatives"], 1):
         out(f"  {n:2d}. {repr(a['text']).ljust(width)}  {a['prob']:.4g}  (id {a['id']})")
+    for f in d.get("features", []):
+        cells = [f"{a['feature']} {a['activation']:.3g}" for a in f["active"]] or ["(none active)"]
+        for line in _packed(f"features of SAE {f['sae']} ({f['hook_name']}): ", cells, console.width):
+            out(line)
     lens = d["lens"]
     if lens["state"] == "none":
         out("logit lens: not captured in this run (capture.lens)")

@@ -57,7 +57,7 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         raise SpecError(f"model {spec.model.ref}: cannot read layer/head sizes from its config")
     layers, resid_layers = check_layers(spec, n_layers)
     check_generation(spec, cfg)
-    from ..archive.layout import RunShape
+    from ..archive.layout import FeatureShape, RunShape
 
     # Prompt lengths are estimated from characters (3 per token) so no tokenizer is loaded.
     max_prompt = max(len(p) for p in prompts) // 3 + (32 if spec.prompts.chat else 1)
@@ -87,6 +87,8 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
             float_dtype=spec.output.float_dtype,
             resid_dtype=cap.residual.dtype,
             head_dla=cap.head_dla and bool(layers),
+            # capture.features: the arrays' sizes need only top_k (the SAEs are read by generate)
+            features=tuple(FeatureShape(f"sae{i}", f.top_k, f.prompt) for i, f in enumerate(cap.features)),
         )
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))

@@ -17,13 +17,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..archive import layout
-from ..archive.layout import RunShape
+from ..archive.layout import FeatureShape, RunShape
 from ..archive.rundir import RunDir, Shard, finish_failed, open_run_dir, outcome
 from ..archive.runs import RunLog, now_iso, runs_root, write_manifest
 from ..archive.writer import ArchiveWriter, BackgroundWriter
 from ..capture import attention
 from ..capture.arch import adapter_for, sdpa_refused
 from ..capture.devices import cuda_devices, layer_devices
+from ..capture.feature_probe import FeatureProbe, check_sites, check_unchanged, load_feature_saes
 from ..capture.probes import Probes
 from ..capture.sampling import Sampler
 from ..capture.tracer import Tracer
@@ -59,7 +60,7 @@ def eos_ids(spec_value, model, tokenizer) -> set[int]:
     return {int(v) for v in values if v is not None}
 
 
-def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> RunShape:
+def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int, features=()) -> RunShape:
     cap = spec.capture
     forward_only = cap.forward_only
     layers = resolve_layers(cap.layers, adapter.n_layers)
@@ -87,6 +88,7 @@ def build_shape(spec: RunSpec, adapter, n_sequences: int, max_prompt: int) -> Ru
         resid_dtype=cap.residual.dtype,
         k_router=adapter.router_top_k if not forward_only else 0,
         head_dla=cap.head_dla and not forward_only,
+        features=tuple(features),
     )
 
 
@@ -167,6 +169,7 @@ class Setup:
     load_s: float
     metadata: pa.Table | None = None  # the prompt file's other columns, one row per prompt (prompt_metadata.py)
     budget: MemoryBudget | None = None  # what the batches may take (batching.memory_budget), once the model is loaded
+    features: list = field(default_factory=list)  # capture.features: the SAEs (capture/feature_probe.LoadedSae)
 
 
 def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
@@ -175,6 +178,7 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     prompts, metadata = (
         (replay.prompts, replay.metadata) if replay is not None else load_prompts_and_metadata(spec.prompts)
     )
+    saes = load_feature_saes(spec.capture.features)  # bad SAE directories, too
     t0 = time.time()
     progress.message(f"loading model {spec.model.ref}")
     loaded, eager_reason = _load(spec.model, progress.message)
@@ -183,13 +187,20 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
     if replay is not None and replay.parent is not None:
         check_run_model(replay.parent[1], replay.parent[0], loaded, spec.model.ref)
     adapter = adapter_for(model)
+    check_sites(saes, adapter)  # a hook point the model lacks, a d_in that does not match: before any step
     if replay is not None:
         rendered, prompt_ids = replay.rendered, replay.prompt_ids
         if replay.on_model is not None:
             replay.on_model(adapter)
     else:
         rendered, prompt_ids = render_prompts(tokenizer, prompts, spec.prompts.chat, spec.prompts.system)
-    shape = build_shape(spec, adapter, len(prompts), max(len(p) for p in prompt_ids))
+    shape = build_shape(
+        spec,
+        adapter,
+        len(prompts),
+        max(len(p) for p in prompt_ids),
+        [FeatureShape(s.name, s.top_k, s.prompt) for s in saes],
+    )
 
     probes = None
     if not spec.capture.forward_only:
@@ -207,6 +218,7 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
             margin_contributions=spec.capture.margin_contributions,
             lens_dtype=spec.capture.lens.dtype,
             inner_attention=inner,
+            features=FeatureProbe(adapter, saes, shape.k_feat, shape.max_prompt) if saes else None,
         )
     else:
         inner_name = model.config._attn_implementation
@@ -228,6 +240,7 @@ def prepare(spec: RunSpec, replay: Replay | None, progress: Progress) -> Setup:
         _step_columns(spec, shape, probes),
         load_s,
         metadata,
+        features=saes,
     )
 
 
@@ -275,6 +288,7 @@ def run_generate(
     try:
         if existing is not None:  # resuming, or joining a sharded run: the steps so far came from this model
             check_run_model(existing, run_id, setup.loaded, spec.model.ref)
+            check_unchanged(existing, setup.features, run_id)
             setup.metadata = resumed_metadata(existing, run_id, setup.metadata)
         rd = RunDir(run_dir, shard)
         start_run(

@@ -37,6 +37,8 @@ def new_manifest(spec, given_text, setup: Setup, run_id, shard, replay) -> dict:
     if setup.probes is not None and setup.shape.attention and setup.inner_name != "eager":
         manifest["attention"]["row_method"] = setup.probes.row_method
     manifest["shards"] = shard.count
+    if setup.features:  # capture.features: each SAE, its weights' sha256 (a resume checks them)
+        manifest["features"] = [s.record() for s in setup.features]
     manifest["prompt_metadata"] = schema_of(setup.metadata)
     if setup.budget is not None:
         manifest["memory_budget"] = setup.budget.record

@@ -141,7 +141,7 @@ def _override_key(assignment: str) -> str:
 def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[RunSpec, str, dict]:
     """Read and validate a spec file. Returns (spec, text as given, data after overrides).
 
-    A relative `prompts.file` is resolved against the spec's own directory (specs are portable),
+    A relative `prompts.file` (or `capture.features[].sae`) is resolved against the spec's own directory (specs are portable),
     except when it was given with `--set`, where it is relative to the current directory like
     any other path typed on the command line.
     """
@@ -178,4 +178,10 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> tuple[RunSpec, str
             base = Path.cwd() if file_from_command_line else path.parent
             file = (base / file).resolve()
         spec.prompts.file = str(file)
+    for feature in spec.capture.features:  # an SAE directory: as prompts.file
+        sae = Path(feature.sae).expanduser()
+        if not sae.is_absolute():
+            from_command_line = any(_override_key(o).startswith("capture") for o in overrides)
+            sae = ((Path.cwd() if from_command_line else path.parent) / sae).resolve()
+        feature.sae = str(sae)
     return spec, text, data

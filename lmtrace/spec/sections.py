@@ -231,6 +231,15 @@ class LensCapture(_Strict):
     )
 
 
+class FeatureCapture(_Strict):
+    """One SAE applied during generation (docs/features.md): its directory (SAELens format), how
+    many of each token's active latents are archived, and whether the prompt's positions are too."""
+
+    sae: str = Field(min_length=1, description="an SAE directory: cfg.json + sae_weights.safetensors")
+    top_k: int = Field(32, ge=1, le=4096)
+    prompt: bool = False
+
+
 # What each `capture.preset` sets; keys given in the spec override it (docs/spec.md, "Capture presets").
 CAPTURE_PRESETS: dict[str, dict] = {
     # tokens, alternatives, per-layer norms and margin contributions, the 8 strongest keys of each
@@ -274,6 +283,9 @@ class CaptureSpec(_Strict):
     margin_contributions: bool = True
     # per-head direct logit attribution with the final norm frozen (lmtrace/capture/dla.py)
     head_dla: bool = False
+    # sparse autoencoders applied at their hook in the same forward: each token's top-k latents
+    # archived as feat_<name>_idx / _val (lmtrace/capture/feature_probe.py)
+    features: list[FeatureCapture] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -304,6 +316,7 @@ class CaptureSpec(_Strict):
             or self.residual.vectors_at
             or self.margin_contributions
             or self.head_dla
+            or self.features
         )
 
 

@@ -1,0 +1,150 @@
+"""Finding features in a run's archived feature arrays (docs/features.md, "Finding features").
+
+`examples`: a latent's max-activating tokens over the whole run, each with its context; `density`: the
+share of the run's tokens where it is among the archived top-k; `logit_effects`: its decoder direction
+through the final norm and unembedding; `by_groups`: the latents whose mean activation differs most
+between groups of sequences, with 95 % bootstrap intervals over each group's sequences (the resamples
+of `analysis/sweep/effects.bootstrap_weights`, as `sweep --by` draws them).
+
+Activations are the archived ones: a latent outside a token's top-k counts as 0 there, so density and
+means are lower bounds when a token had more than top_k active latents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weights
+
+
+@dataclass
+class FeatureArrays:
+    """One SAE's archived arrays of a run, in memory: idx, val [sequence, step, k] and the tokens
+    archived (steps < generated_len)."""
+
+    idx: np.ndarray
+    val: np.ndarray
+    generated_len: np.ndarray
+
+    @classmethod
+    def read(cls, run, name: str) -> FeatureArrays:
+        return cls(
+            np.asarray(run.array(f"feat_{name}_idx")[:]),
+            np.asarray(run.array(f"feat_{name}_val")[:]),
+            np.maximum(np.asarray(run.generated_len(), dtype=np.int64), 0),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.generated_len.sum())
+
+
+def examples(arrays: FeatureArrays, feature: int, top: int) -> list[tuple[int, int, float]]:
+    """(sequence, step, activation) of the `top` largest activations of `feature`, largest first."""
+    seq, step, k = np.nonzero(arrays.idx == feature)
+    vals = arrays.val[seq, step, k]
+    order = np.lexsort((step, seq, -vals))[:top]
+    return [(int(seq[i]), int(step[i]), float(vals[i])) for i in order]
+
+
+def density(arrays: FeatureArrays, feature: int) -> tuple[int, float]:
+    """(tokens where `feature` is active, that share of the run's archived tokens)."""
+    n = int((arrays.idx == feature).any(-1).sum())
+    return n, n / max(arrays.n_tokens, 1)
+
+
+def context(tokens: list[str], position: int, window: int, after: int = 2) -> str:
+    """The tokens from `window` before `position` to `after` after it, the token at `position` in [[ ]]."""
+    lo, hi = max(0, position - window), min(len(tokens), position + after + 1)
+    return "".join(f"[[{t}]]" if p == position else t for p, t in zip(range(lo, hi), tokens[lo:hi]))
+
+
+@torch.inference_mode()
+def logit_effects(final, direction: torch.Tensor, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """The decoder direction [d_model] through the final norm and unembedding, as SAELens's and
+    Neuronpedia's logit tables compute it with the norm folded in: centred (a LayerNorm's mean
+    subtraction), times the norm's gain, through any linear map after the norm (OPT's project_out),
+    times the unembedding; the norm's 1/σ (one scale for every token) and the biases left out.
+    `final`: capture.dla.FrozenFinalNorm. Returns the n most promoted and the n most suppressed
+    (token id, effect), largest |effect| first."""
+    v = direction.float()
+    w = final.unembed
+    v = v.to(w.device)
+    if final.kind == "layer":
+        v = v - v.mean()
+    if final.gain is not None:
+        v = v * final.gain.to(v.device)
+    for params in final.linear_params:
+        v = params["weight"].float().to(v.device) @ v
+    effects = w.float() @ v  # [vocab]
+    up = effects.topk(min(n, effects.numel()))
+    down = (-effects).topk(min(n, effects.numel()))
+    return (
+        [(int(i), float(e)) for i, e in zip(up.indices, up.values)],
+        [(int(i), float(-e)) for i, e in zip(down.indices, down.values)],
+    )
+
+
+def by_groups(
+    arrays: FeatureArrays,
+    d_sae: int,
+    groups: dict,
+    top: int,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> tuple[list, list[dict]]:
+    """The `top` latents whose mean activation per token differs most between groups (largest group
+    mean − smallest). groups: sequence -> group value (None: no value). Returns (group values in the
+    order of the lists, rows): each row {feature, spread, groups: [{mean, low, high, n_sequences,
+    n_tokens}]}, the interval the 2.5th and 97.5th percentiles of the mean over `resamples` resamples of
+    the group's sequences with replacement (each resample's mean over every token of the sequences drawn)."""
+    from ...archive.groups import group_order
+
+    n_seq = arrays.idx.shape[0]
+    values = sorted(dict.fromkeys(groups.get(s) for s in range(n_seq)), key=group_order)
+    code = np.asarray([values.index(groups.get(s)) for s in range(n_seq)])
+    # per sequence: the sum of each latent's activation over its tokens, sparse (sequence, latent) pairs
+    active = arrays.idx >= 0
+    seq = np.broadcast_to(np.arange(n_seq)[:, None, None], arrays.idx.shape)[active]
+    feat, val = arrays.idx[active].astype(np.int64), arrays.val[active].astype(np.float64)
+    sums = np.zeros((len(values), d_sae))
+    np.add.at(sums, (code[seq], feat), val)
+    tokens = np.bincount(code, weights=arrays.generated_len, minlength=len(values))
+    means = sums / np.maximum(tokens, 1)[:, None]
+    spread = means.max(0) - means.min(0)
+    chosen = np.argsort(-spread, kind="stable")[:top]
+    # the chosen latents' per-sequence sums [n_seq, top], for the bootstrap
+    per_seq = np.zeros((n_seq, len(chosen)))
+    col = {int(f): j for j, f in enumerate(chosen)}
+    keep = np.isin(feat, chosen)
+    np.add.at(per_seq, (seq[keep], np.asarray([col[int(f)] for f in feat[keep]], dtype=np.int64)), val[keep])
+    stats = []
+    for g in range(len(values)):
+        seqs = np.flatnonzero(code == g)
+        w = bootstrap_weights(len(seqs), resamples, seed)  # [B, n]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = (w @ per_seq[seqs]) / (w @ arrays.generated_len[seqs])[:, None]  # [B, top]
+        low, high = np.nanpercentile(boot, [2.5, 97.5], axis=0)
+        stats.append((low, high, len(seqs), int(tokens[g])))
+    rows = [
+        {
+            "feature": int(f),
+            "spread": float(spread[f]),
+            "groups": [
+                {
+                    "mean": float(means[g, f]),
+                    "low": float(stats[g][0][j]),
+                    "high": float(stats[g][1][j]),
+                    "n_sequences": stats[g][2],
+                    "n_tokens": stats[g][3],
+                }
+                for g in range(len(values))
+            ],
+        }
+        for j, f in enumerate(chosen)
+    ]
+    return values, rows

@@ -1,0 +1,214 @@
+"""`lmtrace features RUN --sae NAME|DIR --feature F` and `--by COLUMN`: finding features in a run's
+archived feature arrays (computed by `generate` with `capture.features`, or `lmtrace features RUN
+--sae DIR`). The numbers come from `analysis/features/find.py`; this module picks the SAE, reads the
+run and prints (or `--json`)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from ..archive.reader import IncompleteRunWarning, Run, open_run
+from ..exits.errors import SpecError
+from ..output.jsonout import json_line
+
+
+def resolve_sae(run: Run, sae: str) -> dict:
+    """The run's manifest entry for `sae`: one of its SAE names, or a directory whose weights (sha256)
+    or path is one the run names."""
+    entries = run.manifest.get("features") or []
+    if not entries:
+        raise SpecError(
+            f"run {run.id} has no feature activations: compute them with `lmtrace features {run.id} "
+            f"--sae DIR` (or generate with capture.features / --sae DIR)"
+        )
+    for f in entries:
+        if f["name"] == sae:
+            return f
+    path = Path(sae).expanduser()
+    if path.is_dir():
+        from ..capture.feature_probe import file_sha256
+        from ..features.format import WEIGHTS
+
+        sha = file_sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else None
+        for f in entries:
+            if f["sha256"] == sha or f["path"] == str(path.resolve()):
+                return f
+        raise SpecError(
+            f"--sae {sae}: run {run.id} has no features of this SAE; compute them with "
+            f"`lmtrace features {run.id} --sae {sae}`"
+        )
+    raise SpecError(
+        f"--sae {sae!r}: not an SAE of run {run.id} (its SAEs: {', '.join(f['name'] for f in entries)}) nor a directory"
+    )
+
+
+def _token_texts(run: Run) -> dict[int, list[str]]:
+    t = run.table("tokens", columns=["sequence", "position", "token_text"]).to_pandas()
+    t = t.sort_values(["sequence", "position"])
+    return {int(s): g.token_text.tolist() for s, g in t.groupby("sequence")}
+
+
+def feature_report(
+    run: Run, entry: dict, feature: int, *, top: int, window: int, n_tokens: int, device: str | None
+) -> dict:
+    from ..analysis.features.find import FeatureArrays, context, density, examples
+
+    if not 0 <= feature < int(entry["d_sae"]):
+        raise SpecError(f"--feature {feature}: SAE {entry['name']} has latents 0..{int(entry['d_sae']) - 1}")
+    arrays = FeatureArrays.read(run, entry["name"])
+    found = examples(arrays, feature, top)
+    texts = _token_texts(run)
+    prompt_len = run.prompt_len()
+    rows = []
+    for seq, step, value in found:
+        position = int(prompt_len[seq]) + step
+        rows.append(
+            {
+                "sequence": seq,
+                "step": step,
+                "position": position,
+                "activation": value,
+                "token": texts[seq][position] if position < len(texts[seq]) else "",
+                "context": context(texts[seq], position, window),
+            }
+        )
+    n_active, share = density(arrays, feature)
+    return {
+        "run_id": run.id,
+        "sae": entry["name"],
+        "hook_name": entry["hook_name"],
+        "feature": feature,
+        "tokens": arrays.n_tokens,
+        "active_tokens": n_active,
+        "density": share,
+        "examples": rows,
+        "logit_effects": _logit_effects(run, entry, feature, n_tokens, device),
+    }
+
+
+def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | None) -> dict:
+    """The decoder row through the final norm and unembedding of the run's model (loaded for it)."""
+    if entry["site"] not in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
+        return {
+            "promoted": None,
+            "suppressed": None,
+            "note": f"{entry['site']} is not written into the residual stream as it is: no logit effects",
+        }
+    from ..analysis.features.find import logit_effects
+    from ..capture.arch import adapter_for
+    from ..capture.dla import FrozenFinalNorm
+    from ..features import read_sae
+    from ..runner.models import load_run_model
+
+    sae = read_sae(entry["path"])
+    from ..capture.feature_probe import file_sha256
+    from ..features.format import WEIGHTS
+
+    if file_sha256(Path(entry["path"]) / WEIGHTS) != entry["sha256"]:
+        raise SpecError(
+            f"SAE {entry['path']}: its weights changed since the run's features were computed "
+            f"(sha256 differs from manifest `features`); restore them, or compute the features again"
+        )
+    loaded = load_run_model(
+        run.manifest, run.id, purpose="the logit effects of a feature", overrides={"device": device}, spread_ok=True
+    )
+    final = FrozenFinalNorm(adapter_for(loaded.model), "feature logit effects")
+    up, down = logit_effects(final, sae.W_dec[feature], n)
+
+    def text(pairs):
+        return [{"id": i, "text": t, "effect": e} for (i, e), t in zip(pairs, run.text([i for i, _ in pairs]))]
+
+    return {
+        "promoted": text(up),
+        "suppressed": text(down),
+        "method": "W_dec[F], centred for a LayerNorm, times the final norm's gain, through the unembedding",
+    }
+
+
+def by_report(run: Run, entry: dict, column: str, top: int) -> dict:
+    from ..analysis.features.find import FeatureArrays, by_groups
+    from ..archive.groups import plain_value, sequence_groups
+
+    groups = sequence_groups(run, column)
+    values, rows = by_groups(FeatureArrays.read(run, entry["name"]), int(entry["d_sae"]), groups.of, top)
+    return {
+        "run_id": run.id,
+        "sae": entry["name"],
+        "group_column": column,
+        "groups": [plain_value(v) for v in values],
+        "interval": "95 % percentile bootstrap over the group's sequences",
+        "features": rows,
+    }
+
+
+def features_find_command(
+    ref: str,
+    sae: str,
+    *,
+    feature: int | None,
+    by: str | None,
+    top: int = 10,
+    window: int = 8,
+    n_tokens: int = 10,
+    device: str | None = None,
+    runs_dir: str | None = None,
+    json_out: bool = False,
+) -> dict:
+    if feature is not None and by is not None:
+        raise SpecError("--feature and --by: give one of them")
+    for flag, value in (("--top", top), ("--tokens", n_tokens)):
+        if value < 1:
+            raise SpecError(f"{flag} {value}: expected a whole number >= 1")
+    if window < 0:
+        raise SpecError(f"--window {window}: expected a whole number >= 0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        run = open_run(ref, runs_dir, require_complete=True)
+    entry = resolve_sae(run, sae)
+    if feature is not None:
+        out = feature_report(run, entry, feature, top=top, window=window, n_tokens=n_tokens, device=device)
+    else:
+        out = by_report(run, entry, by, top)
+    if json_out:
+        print(json_line(out))
+    elif feature is not None:
+        _print_feature(out)
+    else:
+        _print_by(out)
+    return out
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+
+def _print_feature(out: dict) -> None:
+    print(
+        f"{out['run_id']}: SAE {out['sae']} ({out['hook_name']}) feature {out['feature']}: active on "
+        f"{out['active_tokens']:,} of {out['tokens']:,} tokens (density {out['density']:.4g})"
+    )
+    if not out["examples"]:
+        print("no token of the run has it among its archived top-k latents")
+    for e in out["examples"]:
+        print(f"  {e['activation']:9.4f}  seq {e['sequence']:>5} step {e['step']:>4}  {_one_line(e['context'])}")
+    effects = out["logit_effects"]
+    if effects.get("promoted") is None:
+        print(f"logit effects: {effects['note']}")
+        return
+    for label, key in (("promotes", "promoted"), ("suppresses", "suppressed")):
+        print(f"{label}: " + "  ".join(f"{_one_line(t['text'])!r} {t['effect']:+.3f}" for t in effects[key]))
+
+
+def _print_by(out: dict) -> None:
+    from ..archive.groups import group_text
+
+    print(
+        f"{out['run_id']}: SAE {out['sae']}: features whose mean activation per token differs most by "
+        f"{out['group_column']} (95 % bootstrap intervals over sequences)"
+    )
+    head = "  ".join(f"{group_text(g)[:24]:>30}" for g in out["groups"])
+    print(f"{'feature':>8} {'spread':>9}  {head}")
+    for r in out["features"]:
+        cells = "  ".join(f"{g['mean']:9.4f} [{g['low']:8.4f},{g['high']:8.4f}]" for g in r["groups"])
+        print(f"{r['feature']:>8} {r['spread']:9.4f}  {cells}")
