@@ -54,10 +54,11 @@ bench: venv
 bench-serve: venv
 	$(BIN)/python bench/serve_bench.py $(SERVE_BENCH_ARGS)
 
-# 1,000 prompts x 16 tokens of the embedded model, default capture: tok/s at batch 1 / 8 / 32 / auto,
+# 1,000 prompts x 16 tokens of the embedded model, default capture: tok/s at batch 1 / 8 / 32 / 64 / auto,
+# at 8 / 32 / 64 / auto 3 repeats each paired with plain batched model.generate (the ratio to it),
 # a 4-task SLURM array against one process (root and the SLURM packages, else skipped), files, bytes
 # per token, peak RSS at two sizes, and `ls`, `heads`, `report` and serve's run page on the run
-# (~20 min on 2 cores); SCALE_BENCH_ARGS="--prompts 200" for a shorter one, "--runs-dir DIR" keeps the runs.
+# (~60 min on 2 cores); SCALE_BENCH_ARGS="--prompts 200" for a shorter one, "--runs-dir DIR" keeps the runs.
 bench-scale: venv
 	$(BIN)/python bench/scale_bench.py $(SCALE_BENCH_ARGS)
 

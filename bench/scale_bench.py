@@ -4,7 +4,12 @@ Builds a prompt file (`prompts.jsonl`: N short prompts from a few templates fill
 generator, with metadata columns `id`, `label`, `template`), then generates --tokens tokens for each
 (`generation.eos_token_id: []`: no sequence stops early), default capture, greedy:
   - batch 1 on a subset (--batch1-prompts, 50 by default: batch 1 is the slow case), batch 8, 32 and
-    `auto` (generation.memory_budget --memory-budget) on all N; for each: tok/s of generation (the
+    `auto` (generation.memory_budget --memory-budget) on all N, and batch 64; batch 8, 32, 64 and auto each --repeats
+    times (3), paired with the batched floor: plain `model.generate` in a child process (the model
+    loaded by lmtrace's loader, not timed) on the same prompt ids in the same batches (the run's plan), left
+    padding, greedy, exactly --tokens new tokens, no capture; each pair's ratio is the floor's seconds
+    / the run's `generate_s`, the order alternating per repeat, and the median is reported;
+    for each: tok/s of generation (the
     manifest's own `timings.tokens_per_s`, model load and finalising excluded) and of the whole process,
     files in the run (`find -type f | wc -l`), bytes on disk per generated token, and the generate
     process's peak RSS (its own `ru_maxrss`, from wait4);
@@ -18,10 +23,10 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     run page in headless Chromium (bench/serve_bench.py's server and browser): the sequences list drawn
     on the first load after the server starts and on a second load.
 
-    .venv/bin/python bench/scale_bench.py [--prompts 1000] [--tokens 16] [--runs-dir DIR] [--only PART ...]
-                                          [--out bench/results/scale.json]
+    .venv/bin/python bench/scale_bench.py [--prompts 1000] [--tokens 16] [--repeats 3] [--runs-dir DIR]
+                                          [--only PART ...] [--out bench/results/scale.json]
 
-PART: batch8, tools, batch1, batch32, auto, small, slurm, run in this order (slurm needs the batch-8
+PART: batch8, tools, batch1, batch32, batch64, auto, small, slurm, run in this order (slurm needs the batch-8
 run, tools the run --tools-run names: made by its part, or found in --runs-dir). The JSON is written
 after every part. At 10,000 prompts: `--prompts 10000 --only batch32 --only tools --tools-run batch32`
 (tools then run after batch32).
@@ -35,6 +40,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +50,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_bench import MODEL, REPO, Server, browse, run_facts
 
-PARTS = ("batch8", "tools", "batch1", "batch32", "auto", "small", "slurm")
+sys.path.insert(0, str(REPO))  # the floor loads the model with this tree's lmtrace
+
+PARTS = ("batch8", "tools", "batch1", "batch32", "batch64", "auto", "small", "slurm")
 
 # ---- the prompts --------------------------------------------------------------------------------
 # Short prompts of a few kinds, each kind a template filled from word lists; `label` is the kind,
@@ -215,6 +223,10 @@ def batch_sizes(run_dir: Path) -> dict:
 def generate(runs: Path, specs: Path, name: str, prompts: Path, tokens: int, batch, budget=None) -> dict:
     """One single-process `lmtrace generate` of the bench's own run id `name` (an earlier one removed first)."""
     spec = write_spec(specs / f"{name}.json", prompts, tokens, batch, budget)
+    return generate_spec(runs, spec, name, prompts, batch, budget)
+
+
+def generate_spec(runs: Path, spec: Path, name: str, prompts: Path, batch, budget=None) -> dict:
     if (runs / name).exists():
         shutil.rmtree(runs / name)
     print(f"[{time.strftime('%H:%M:%S')}] generate {name} (batch {batch})", file=sys.stderr, flush=True)
@@ -236,6 +248,123 @@ def generate(runs: Path, specs: Path, name: str, prompts: Path, tokens: int, bat
         "model_load_s": t.get("model_load_s"),
         "generate_s": t.get("generate_s"),
         "finalize_s": t.get("finalize_s"),
+    }
+
+
+# ---- the batched floor, paired with lmtrace ---------------------------------------------------------
+class Floor:
+    """Plain batched generation: the same model as lmtrace loads it (lmtrace's own loader, so the
+    same dtype and weights), the same prompt ids (the spec's prompts rendered as lmtrace renders
+    them), the same batches (the lmtrace run's plan), left padding, sdpa, `model.generate` greedy
+    with exactly the run's number of new tokens and no capture. Each measurement is a fresh child
+    process (`--floor-child`), as each `lmtrace generate` is, so both start equally cold; the model
+    load is not timed (nor is it in lmtrace's `generate_s`)."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def measured(self, spec_path: Path, batches: list[list[int]], tokens: int, tmp: Path) -> dict:
+        plan = tmp / "floor-batches.json"
+        plan.write_text(json.dumps(batches))
+        m = run_measured(
+            [sys.executable, str(Path(__file__).resolve()), "--floor-child", str(spec_path), str(plan), str(tokens)]
+        )
+        if m["rc"] != 0:
+            raise SystemExit(f"the batched floor failed (exit {m['rc']}): {m['stderr_tail']}")
+        return json.loads(m["stdout"].strip().splitlines()[-1])
+
+    def seconds(self, spec_path: Path, batches: list[list[int]], tokens: int) -> dict:
+        import torch
+
+        from lmtrace.runner.models import load_model
+        from lmtrace.spec.prompts import load_prompts_and_metadata, render_prompts
+        from lmtrace.spec.run_spec import load_spec
+
+        spec = load_spec(spec_path)[0]
+        if self.loaded is None:
+            self.loaded = load_model(spec.model)
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        prompts, _ = load_prompts_and_metadata(spec.prompts)
+        _, ids = render_prompts(tokenizer, prompts, spec.prompts.chat, spec.prompts.system)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        device = self.loaded.device
+        generated = 0
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for seqs in batches:
+                width = max(len(ids[s]) for s in seqs)
+                input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(seqs), width), dtype=torch.long)
+                for row, s in enumerate(seqs):  # left padding, as lmtrace pads its batches
+                    input_ids[row, width - len(ids[s]) :] = torch.tensor(ids[s], dtype=torch.long)
+                    mask[row, width - len(ids[s]) :] = 1
+                out = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=mask.to(device),
+                    do_sample=False,
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    pad_token_id=pad,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                )
+                generated += (out.shape[1] - width) * len(seqs)
+            seconds = time.perf_counter() - t0
+        return {"seconds": round(seconds, 3), "generated_tokens": generated, "tok_s": round(generated / seconds, 2)}
+
+
+def plan_batches(run_dir: Path) -> list[list[int]]:
+    """The batches a run generated, in order (progress/*.plan.jsonl; a split batch: its two halves)."""
+    batches: dict[int, list[int]] = {}
+    for plan in sorted((run_dir / "progress").glob("*.plan.jsonl")):
+        for line in plan.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                batches[row["batch"]] = row["sequences"]  # a later line for the same key replaces it
+    return [batches[k] for k in sorted(batches)]
+
+
+def paired(
+    runs: Path, specs: Path, name: str, prompts: Path, tokens: int, batch, floor: Floor, repeats: int, budget=None
+) -> dict:
+    """`repeats` pairs of (lmtrace generate, the batched floor) on the same prompts and batches; the
+    order alternates per repeat (lmtrace first in the first, whose plan gives the floor its batches).
+    Each pair's ratio: lmtrace's tok/s (its manifest's generate_s) / the floor's; the median is reported.
+    The other facts (files, bytes, RSS, pace) are those of the last repeat's run."""
+    spec = write_spec(specs / f"{name}.json", prompts, tokens, batch, budget)
+    pairs = []
+    run = None
+    for r in range(repeats):
+        order = ("lmtrace", "floor") if r % 2 == 0 else ("floor", "lmtrace")
+        pair: dict = {"order": list(order), "load_average": round(os.getloadavg()[0], 2)}
+        for what in order:
+            if what == "lmtrace":
+                run = generate_spec(runs, spec, name, prompts, batch, budget)
+                pair["lmtrace_tok_s"] = run["tok_s_generation"]
+                pair["lmtrace_generate_s"] = run["generate_s"]
+            else:
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] floor {name} (model.generate, batched)", file=sys.stderr, flush=True
+                )
+                f = floor.measured(spec, plan_batches(runs / name), tokens, specs)
+                pair["floor_tok_s"], pair["floor_s"] = f["tok_s"], f["seconds"]
+                pair["floor_tokens"] = f["generated_tokens"]
+        if pair["floor_tokens"] != run["generated_tokens"]:
+            raise SystemExit(
+                f"{name}: the floor generated {pair['floor_tokens']} tokens, lmtrace "
+                f"{run['generated_tokens']}: the comparison would be unfair"
+            )
+        pair["ratio"] = round(pair["floor_s"] / pair["lmtrace_generate_s"], 3)
+        pairs.append(pair)
+    ratios = sorted(p["ratio"] for p in pairs)
+    return {
+        **run,
+        "repeats": repeats,
+        "pairs": pairs,
+        "ratio_median": statistics.median(ratios),
+        "floor_tok_s_median": statistics.median(p["floor_tok_s"] for p in pairs),
+        "lmtrace_tok_s_median": statistics.median(p["lmtrace_tok_s"] for p in pairs),
     }
 
 
@@ -356,11 +485,21 @@ def tools(runs: Path, run_id: str) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------------
 def main() -> None:
+    if sys.argv[1:2] == ["--floor-child"]:  # Floor.measured's child: SPEC BATCHES_JSON TOKENS -> one JSON line
+        spec_path, batches, tokens = Path(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text()), int(sys.argv[4])
+        print(json.dumps(Floor().seconds(spec_path, batches, tokens)))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--batch1-prompts", type=int, default=50, help="prompts of the batch-1 run (a subset)")
     ap.add_argument("--memory-budget", default="2GiB", help="generation.memory_budget of the auto run")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="pairs of (lmtrace, the batched floor) at batch 8, 32, 64 and auto (default 3)",
+    )
     ap.add_argument(
         "--runs-dir", type=Path, default=None, help="keep the runs here (default: a temporary directory, removed after)"
     )
@@ -392,14 +531,18 @@ def main() -> None:
             result, commands = old.get("parts", {}), old.get("commands", [])
     commands.append(" ".join(sys.argv))
     # batch 8 first (the SLURM array's and the tools' run), the tools right after (whatever else is cut)
+    floor = Floor()
     plan = {
-        "batch8": lambda: generate(runs, specs, "batch8", prompts, args.tokens, 8),
+        "batch8": lambda: paired(runs, specs, "batch8", prompts, args.tokens, 8, floor, args.repeats),
         "tools": lambda: {**tools(runs, args.tools_run), "run": args.tools_run},
         "batch1": lambda: generate(
             runs, specs, "batch1", write_prompts(specs / f"prompts-{one_n}.jsonl", one_n), args.tokens, 1
         ),
-        "batch32": lambda: generate(runs, specs, "batch32", prompts, args.tokens, 32),
-        "auto": lambda: generate(runs, specs, "auto", prompts, args.tokens, "auto", args.memory_budget),
+        "batch32": lambda: paired(runs, specs, "batch32", prompts, args.tokens, 32, floor, args.repeats),
+        "batch64": lambda: paired(runs, specs, "batch64", prompts, args.tokens, 64, floor, args.repeats),
+        "auto": lambda: paired(
+            runs, specs, "auto", prompts, args.tokens, "auto", floor, args.repeats, args.memory_budget
+        ),
         "small": lambda: generate(
             runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8
         ),
@@ -443,10 +586,28 @@ def print_table(doc: dict) -> None:
         f"  load at start"
     )
     print(head)
+    ratios = [
+        (label, p[key])
+        for key, label in (("batch8", "batch 8"), ("batch32", "batch 32"), ("batch64", "batch 64"), ("auto", "auto"))
+        if p.get(key, {}).get("pairs")
+    ]
+    if ratios:
+        print(
+            "  against the batched floor (plain model.generate, same prompts and batches, in the same bench run), "
+            "paired per repeat:"
+        )
+        for label, r in ratios:
+            each = ", ".join(f"{q['ratio']:.3f}" for q in r["pairs"])
+            print(
+                f"    {label:<9} x the floor: median {r['ratio_median']:.3f} ({each}); tok/s median lmtrace "
+                f"{r['lmtrace_tok_s_median']}, floor {r['floor_tok_s_median']}; load "
+                f"{', '.join(str(q['load_average']) for q in r['pairs'])}"
+            )
     for key, label in (
         ("batch1", "batch 1"),
         ("batch8", "batch 8"),
         ("batch32", "batch 32"),
+        ("batch64", "batch 64"),
         ("auto", "auto"),
         ("small", "batch 8, fewer prompts"),
     ):
