@@ -14,8 +14,17 @@ on a free loopback port and, in chromium through Playwright:
   - samples the server's RSS (/proc/PID/status) every 50 ms throughout; reports the peak.
 Targets: RSS <= 400 MB; select a token -> grid drawn p50 <= 150 ms, p95 <= 400 ms; first paint <= 1 s.
 
+The long-context case (`--case long`, also run by default after the large run): one sequence of
+~4,000 keys, made cheaply as a long PROMPT (SOURCE_TEXT repeated: 4,082 tokens) and `--long-tokens`
+(16) generated steps, default capture with its lens; a 4,000-token generation would take hours on
+a 2-core CPU, while the views read the same ~4,000-key rows either way. In chromium: select tokens
+(click -> attention grid drawn), pick heads from a layer's small multiples (click -> the head's
+pattern image drawn), switch to the mean and max over heads, and sample the server's RSS.
+Targets: grid p50 <= 150 ms; a head's pattern <= 300 ms; mean / max over heads <= 300 ms; RSS <= 400 MB.
+
     .venv/bin/python bench/serve_bench.py [--runs-dir DIR [--run-id ID] | --run-dir RUN] [--prompts 24]
                                           [--tokens 256] [--selections 100] [--out bench/results/serve.json]
+                                          [--case all|large|long] [--long-tokens 16]
 """
 
 from __future__ import annotations
@@ -76,6 +85,15 @@ def run_spec(n_prompts: int, tokens: int, batch: int) -> dict:
     }
 
 
+def long_spec(tokens: int) -> dict:
+    """One plain (not chat) prompt of SOURCE_TEXT 26 times (4,082 tokens), `tokens` steps after it."""
+    return {
+        "model": MODEL,
+        "prompts": {"chat": False, "texts": [" ".join([SOURCE_TEXT] * 26)]},
+        "generation": {"max_new_tokens": tokens, "temperature": 0.0, "seed": 0, "eos_token_id": [], "batch_size": 1},
+    }
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def lmtrace(runs: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -89,7 +107,7 @@ def lmtrace(runs: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-def ensure_run(runs: Path, run_id: str, args) -> Path:
+def ensure_run(runs: Path, run_id: str, args, spec_data: dict | None = None) -> Path:
     """The run `run_id` under `runs`, generated (with its lens) unless a complete one is there."""
     run_dir = runs / run_id
     manifest = run_dir / "manifest.json"
@@ -103,8 +121,8 @@ def ensure_run(runs: Path, run_id: str, args) -> Path:
         )
     runs.mkdir(parents=True, exist_ok=True)
     spec = runs / f"{run_id}.spec.json"
-    spec.write_text(json.dumps(run_spec(args.prompts, args.tokens, args.batch), indent=1))
-    print(f"generating {args.prompts} x {args.tokens} tokens into {run_dir} (several minutes)", file=sys.stderr)
+    spec.write_text(json.dumps(spec_data or run_spec(args.prompts, args.tokens, args.batch), indent=1))
+    print(f"generating {run_id} into {run_dir} (several minutes)", file=sys.stderr)
     t0 = time.perf_counter()
     proc = lmtrace(runs, "generate", str(spec), "--run-id", run_id, "--lens", "-q")
     if proc.returncode != 0:
@@ -234,6 +252,11 @@ new MutationObserver(() => {
 """
 
 
+# The layer x head grid's cells drawn (the heatmap canvas's rows x columns; 0 when none is drawn)
+GRID_CELLS = """const cells = () => { const c = document.getElementById("attention-heatmap");
+  return c ? +c.dataset.rows * +c.dataset.cols : 0; };"""
+
+
 # The grid switched to the mean over heads (its own request, 30 layers x every key) and back:
 # milliseconds from the change to the mean grid painted.
 MEAN_VIEW = """async () => {
@@ -339,12 +362,13 @@ def browse(server: Server, facts: dict, page_loads: int, selections: int) -> dic
                 if drawn != str(step):
                     raise SystemExit(f"sequence {seq}: step {drawn} was drawn after selecting step {step}")
                 r = page.evaluate(f"""() => {{
+                    {GRID_CELLS}
                     const api = performance.getEntriesByType("resource").filter((e) => e.name.endsWith("/steps/{step}")).pop();
                     performance.clearResourceTimings();
                     return {{ ms: __bench.drawnAt - __bench.input, fetch_ms: api ? api.responseEnd - api.startTime : null,
                               before_fetch_ms: api ? api.startTime - __bench.input : null,
                               after_fetch_ms: api ? __bench.drawnAt - api.responseEnd : null,
-                              bytes: api ? api.encodedBodySize : null, cells: document.querySelectorAll("#attention-grid td.cell").length }};
+                              bytes: api ? api.encodedBodySize : null, cells: cells() }};
                 }}""")
                 if r["cells"] == 0:
                     raise SystemExit(f"sequence {seq} step {step}: no attention grid drawn")
@@ -353,6 +377,196 @@ def browse(server: Server, facts: dict, page_loads: int, selections: int) -> dic
         out["selections_server_cpu_ms"] = server.cpu_ms() - cpu
         browser.close()
     return out
+
+
+# ---- the long-context case ----------------------------------------------------------------------
+WAIT = """const frame = () => new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
+const waitFor = (test) => new Promise((resolve) => {
+  if (test()) return resolve();
+  const o = new MutationObserver(() => { if (test()) { o.disconnect(); resolve(); } });
+  o.observe(document.body, { subtree: true, childList: true, attributes: true });
+});"""
+
+# A layer's small multiples shown (select -> every head's image drawn), then one head picked from them
+# (click -> its query x key pattern image drawn); milliseconds on the page's clock, to the next frame.
+PICK_HEAD = (
+    """async ([layer, head]) => {
+  %s
+  const out = {};
+  const sel = document.getElementById("layer-multiples");
+  if (sel.value !== String(layer)) {
+    const t0 = performance.now();
+    sel.value = String(layer);
+    sel.dispatchEvent(new Event("change"));
+    await waitFor(() => document.querySelectorAll(`#layer-heads-${layer} figure.tile canvas`).length > 0);
+    await frame();
+    out.multiples_ms = performance.now() - t0;
+  }
+  for (const b of document.querySelectorAll(".pattern .close")) b.click();
+  const tile = document.querySelector(`#layer-heads-${layer} figure.tile[data-head="${head}"]`);
+  const t0 = performance.now();
+  tile.click();
+  await waitFor(() => document.querySelector(`.pattern[data-layer="${layer}"][data-head="${head}"] canvas.pattern-image`));
+  await frame();
+  out.pattern_ms = performance.now() - t0;
+  const c = document.querySelector(`.pattern[data-layer="${layer}"][data-head="${head}"] canvas.pattern-image`);
+  out.cells = c.lmtraceValues.length;
+  return out;
+}"""
+    % WAIT
+)
+
+# The grid view switched to `which` (mean or max over heads) and back: ms to the image drawn.
+OVER_HEADS = (
+    """async (which) => {
+  %s
+  const views = document.getElementById("grid-view");
+  const t0 = performance.now();
+  views.value = which;
+  views.dispatchEvent(new Event("change"));
+  await waitFor(() => document.getElementById(`attention-${which}`));
+  await frame();
+  const ms = performance.now() - t0;
+  views.value = "heads";
+  views.dispatchEvent(new Event("change"));
+  return ms;
+}"""
+    % WAIT
+)
+
+
+def browse_long(server: Server, facts: dict, selections: int, picks: int) -> dict:
+    """The ~4,000-key sequence: token selections (click and arrow keys), head patterns picked from
+    small multiples, the mean and max over heads at several steps."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    out: dict = {"selections": [], "picks": [], "over_heads": []}
+    steps = facts["generated_lens"][0]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"],
+        )
+        out["chromium"] = browser.version
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.add_init_script(PROBE)
+        page.goto(f"{server.url}#/run/{facts['run_id']}/seq/0")
+        t0 = time.perf_counter()
+        page.evaluate("() => __bench.drawn")  # step 0, selected on opening: the server reads its block
+        out["open_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        current = 0
+        for i in range(selections):  # a click, then two arrow keys from it (right early on, left late)
+            if i % 3 == 0:
+                how, step = "click", (i * 7 + 3) % steps
+                step = step if step != current else (step + 1) % steps
+            elif current < steps // 2:
+                how, step = "ArrowRight", current + 1
+            else:
+                how, step = "ArrowLeft", current - 1
+            current = step
+            page.evaluate(f"() => __bench.expect({step})")
+            if how == "click":
+                page.locator(f'#strip .tok.gen[data-step="{step}"]').click()
+            else:
+                page.keyboard.press(how)
+            if page.evaluate("() => __bench.drawn") != str(step):
+                raise SystemExit(f"step {step} was not drawn")
+            r = page.evaluate(f"""() => {{
+                const api = performance.getEntriesByType("resource").filter((e) => e.name.endsWith("/steps/{step}")).pop();
+                performance.clearResourceTimings();
+                return {{ ms: __bench.drawnAt - __bench.input, fetch_ms: api ? api.responseEnd - api.startTime : null,
+                          bytes: api ? api.encodedBodySize : null, grid: !!document.getElementById("attention-heatmap") }};
+            }}""")
+            if not r["grid"]:
+                raise SystemExit(f"step {step}: no attention grid drawn")
+            out["selections"].append({"step": step, "input": how, **r})
+        layers = facts["layers"]
+        for k in range(picks):  # a new (layer, head) each time: nothing is read twice
+            layer, head = layers[(k * 7) % len(layers)], (k * 4) % facts["heads"]
+            out["picks"].append({"layer": layer, "head": head, **page.evaluate(PICK_HEAD, [layer, head])})
+        for step in sorted({steps - 1, steps // 2, 1} & set(range(steps))):
+            page.evaluate(f"() => __bench.expect({step})")
+            page.locator(f'#strip .tok.gen[data-step="{step}"]').click()
+            page.evaluate("() => __bench.drawn")
+            for which in ("mean", "max"):
+                out["over_heads"].append({"step": step, "which": which, "ms": page.evaluate(OVER_HEADS, which)})
+        browser.close()
+    return out
+
+
+def long_case(args, runs: Path) -> dict:
+    run_dir = ensure_run(runs, f"serve-bench-long-{args.long_tokens}", args, long_spec(args.long_tokens))
+    facts = run_facts(run_dir)
+    from lmtrace.archive.reader import Run
+
+    run = Run(run_dir, require_complete=True)
+    facts.update(layers=run.layers, heads=run.shape["n_heads"], keys=facts["prompt_len_max"] + facts["steps_max"] - 1)
+    server = Server(run_dir.parent)
+    try:
+        time.sleep(0.5)
+        started = server.rss_mb()
+        seen = browse_long(server, facts, args.long_selections, args.long_picks)
+    finally:
+        memory = server.stop()
+    ms = [s["ms"] for s in seen["selections"]]
+    pat = [p["pattern_ms"] for p in seen["picks"]]
+    mult = [p["multiples_ms"] for p in seen["picks"] if "multiples_ms" in p]
+    over = [o["ms"] for o in seen["over_heads"]]
+    summary = {
+        "keys": facts["keys"],
+        "steps": facts["steps_max"],
+        "open_sequence_ms": seen["open_ms"],
+        "select_p50_ms": round(percentile(ms, 50), 1),
+        "select_p95_ms": round(percentile(ms, 95), 1),
+        "select_max_ms": round(max(ms), 1),
+        "selections": len(ms),
+        "pattern_p50_ms": round(percentile(pat, 50), 1),
+        "pattern_max_ms": round(max(pat), 1),
+        "picks": len(pat),
+        "multiples_p50_ms": round(percentile(mult, 50), 1) if mult else None,
+        "over_heads_p50_ms": round(percentile(over, 50), 1),
+        "over_heads_max_ms": round(max(over), 1),
+        "rss_at_start_mib": round(started, 1),
+        "rss_peak_mib": memory["vmhwm_mib"],
+    }
+    return {
+        "run": {k: v for k, v in facts.items() if not k.endswith("_lens")},
+        "summary": summary,
+        "memory": memory,
+        "targets": LONG_TARGETS,
+        **seen,
+    }
+
+
+LONG_TARGETS = {"select_p50_ms": 150, "pattern_p50_ms": 300, "over_heads_p50_ms": 300, "rss_peak_mib": 400}
+
+
+def print_long(result: dict) -> None:
+    s = result["summary"]
+    print(f"long context: one sequence of {s['keys']} keys ({s['steps']} generated steps after a long prompt)")
+    rows = [
+        ("server RSS peak (VmHWM)", f"{s['rss_peak_mib']} MiB", "<= 400 MB"),
+        ("open the sequence (step 0 drawn; its block read)", f"{s['open_sequence_ms']} ms", ""),
+        (f"select a token -> grid drawn, p50 ({s['selections']} selections)", f"{s['select_p50_ms']} ms", "<= 150 ms"),
+        ("select a token -> grid drawn, p95 / max", f"{s['select_p95_ms']} / {s['select_max_ms']} ms", ""),
+        (
+            f"pick a head -> its pattern image drawn, p50 ({s['picks']}) / max",
+            f"{s['pattern_p50_ms']} / {s['pattern_max_ms']} ms",
+            "<= 300 ms",
+        ),
+        ("a layer's small multiples drawn, p50", f"{s['multiples_p50_ms']} ms", ""),
+        (
+            "mean / max over heads drawn, p50 / max",
+            f"{s['over_heads_p50_ms']} / {s['over_heads_max_ms']} ms",
+            "<= 300 ms",
+        ),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    for a, b, c in rows:
+        print(f"  {a:<{width}}  {b:>16}  {c}")
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -413,7 +627,19 @@ def main() -> None:
         help="servers started: each one's first load of the run page is a first load (median reported)",
     )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serve.json")
+    ap.add_argument(
+        "--case",
+        choices=["all", "large", "long"],
+        default="all",
+        help="the large run, the long-context sequence, or both (default)",
+    )
+    ap.add_argument("--long-tokens", type=int, default=16, help="steps generated after the long prompt")
+    ap.add_argument("--long-selections", type=int, default=40)
+    ap.add_argument("--long-picks", type=int, default=20, help="heads picked from small multiples")
     args = ap.parse_args()
+    if args.case == "long":
+        run_long_only(args)
+        return
 
     import tempfile
 
@@ -458,10 +684,39 @@ def main() -> None:
         "first_loads": first_loads,
         **seen,
     }
+    if args.case == "all":
+        with tempfile.TemporaryDirectory(prefix="serve-bench-long-") as t:
+            result["long"] = long_case(args, args.runs_dir.resolve() if args.runs_dir and tmp is None else Path(t))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
+    if "long" in result:
+        print_long(result["long"])
     print(f"written to {args.out}")
+
+
+def run_long_only(args) -> None:
+    """--case long: the long-context sequence alone, into --out (serve-long.json by default)."""
+    import tempfile
+
+    out = (
+        args.out
+        if args.out != REPO / "bench" / "results" / "serve.json"
+        else REPO / "bench" / "results" / "serve-long.json"
+    )
+    with tempfile.TemporaryDirectory(prefix="serve-bench-long-") as t:
+        long = long_case(args, (args.runs_dir or Path(t)).resolve())
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join(sys.argv),
+        "load_average": os.getloadavg(),
+        "long": long,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"load average {' '.join(f'{x:.1f}' for x in result['load_average'])}")
+    print_long(long)
+    print(f"written to {out}")
 
 
 def print_table(result: dict) -> None:

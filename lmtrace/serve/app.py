@@ -14,6 +14,11 @@ Routes (all GET; `{run}` is a run directory's name as the runs directory lists i
   /api/runs/{run}/sequences/{seq}/steps/{step}/over_heads   its attention averaged and maximised over heads
   /api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}   one head's row over keys
   /api/runs/{run}/sequences/{seq}/attention/{layer}/{head}   one head's pattern over every step
+  /api/runs/{run}/sequences/{seq}/pattern/{layer}/{head}     one head's query x key pattern, packed (patterns.py)
+  /api/runs/{run}/sequences/{seq}/pattern/{layer}            every head of a layer, packed (small multiples)
+  /api/runs/{run}/sequences/{seq}/steps/{step}/over_heads/packed   the mean / max over heads, packed
+  /api/runs/{run}/sequences/{seq}/lens                       the logit lens, layers x steps (top-1, probability)
+  /api/runs/{run}/sequences/{seq}/head_dla/{layer}/{head}    one head's DLA over the steps
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
   /api/runs/{run}/sequences/{seq}/parent/internals   its per-layer and per-head divergence from its parent
   /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
@@ -36,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
-from ..viewdata import queries, token_extras
+from ..viewdata import patterns, queries, token_extras
 from ..viewdata.groups import sequence_groups_view
 from ..viewdata.page_code import token_view_css, token_view_js
 from .catalog import Catalog
@@ -108,6 +113,11 @@ class _Api:
             Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads", answer(self.over_heads)),
             Route("/api/runs/{run}/sequences/{seq}/steps/{step}/attention/{layer}/{head}", answer(self.head)),
             Route("/api/runs/{run}/sequences/{seq}/attention/{layer}/{head}", answer(self.pattern)),
+            Route("/api/runs/{run}/sequences/{seq}/pattern/{layer}/{head}", answer(self.head_image)),
+            Route("/api/runs/{run}/sequences/{seq}/pattern/{layer}", answer(self.layer_images)),
+            Route("/api/runs/{run}/sequences/{seq}/steps/{step}/over_heads/packed", answer(self.over_heads_packed)),
+            Route("/api/runs/{run}/sequences/{seq}/lens", answer(self.lens)),
+            Route("/api/runs/{run}/sequences/{seq}/head_dla/{layer}/{head}", answer(self.head_dla)),
             Route("/api/runs/{run}/sequences/{seq}/parent", answer(self.parent)),
             Route("/api/runs/{run}/sequences/{seq}/parent/internals", answer(self.parent_internals)),
             Route("/api/runs/{run}/sweeps/{sweep}", answer(self.sweep)),
@@ -166,6 +176,26 @@ class _Api:
     def pattern(self, request: Request):
         p = _numbers(request)
         return token_extras.head_pattern(self.catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
+
+    def head_image(self, request: Request):
+        p = _numbers(request)
+        return patterns.head_image(self.catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
+
+    def layer_images(self, request: Request):
+        p = _numbers(request)
+        return patterns.layer_images(self.catalog.open(p["run"]), p["seq"], p["layer"])
+
+    def over_heads_packed(self, request: Request):
+        p = _numbers(request)
+        return patterns.over_heads_image(self.catalog.open(p["run"]), p["seq"], p["step"])
+
+    def lens(self, request: Request):
+        p = _numbers(request)
+        return patterns.lens_grid(self.catalog.open(p["run"]), p["seq"])
+
+    def head_dla(self, request: Request):
+        p = _numbers(request)
+        return patterns.head_dla_over_steps(self.catalog.open(p["run"]), p["seq"], p["layer"], p["head"])
 
     def head(self, request: Request):
         p = _numbers(request)

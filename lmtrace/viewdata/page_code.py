@@ -1,6 +1,7 @@
-"""The token view's code, as `lmtrace serve` serves it and the report inlines it: static/headgrid.js and
-static/tokenview.js as one script, and static/tokenview.css (one script for both views), with the probability colour scale of
-`output/prob_colours.py` written into the script, so that the page colours a probability (and a
+"""The token view's code, as `lmtrace serve` serves it and the report inlines it: static/headgrid.js,
+static/tokenview.js and static/patterns.js (its pictures, drawn on canvases) as one script, and
+static/tokenview.css then static/patterns.css as one style (both views use them), with the
+probability colour scale of `output/prob_colours.py` written into the script, so that the page colours a probability (and a
 missing one) exactly as the report's text and `lmtrace show` do, from one definition."""
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ def _static(name: str) -> str:
 
 
 def token_view_js() -> str:
-    """static/headgrid.js (the canvas heatmap, legends and exports) then static/tokenview.js with
-    `prob_scale()` in place of its PROB_SCALE_MARK: one script."""
+    """static/headgrid.js (the canvas heatmap, legends and exports), static/tokenview.js with
+    `prob_scale()` in place of its PROB_SCALE_MARK, then static/patterns.js: one script."""
     code = _static("tokenview.js")
     if code.count(PROB_SCALE_MARK) != 1:
         raise RuntimeError(f"tokenview.js must hold {PROB_SCALE_MARK!r} once")  # a broken install, not user input
     return (
-        _static("headgrid.js") + "\n" + code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
+        _static("headgrid.js")
+        + "\n"
+        + code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
+        + "\n"
+        + _static("patterns.js")
     )
 
 
 def token_view_css() -> str:
-    return _static("tokenview.css")
+    return _static("tokenview.css") + "\n" + _static("patterns.css")

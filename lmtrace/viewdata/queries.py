@@ -24,7 +24,7 @@ from ..archive.reader import Run, lens_state, read_table_files
 from ..archive.summary import status_label
 from ..exits.errors import ArchiveError
 from ..output.jsonout import strict
-from . import kept
+from . import blocks, kept
 from .errors import BadParameter, NotFound
 
 PAGE_SIZE = 50
@@ -317,7 +317,7 @@ def attention_grid(run: Run, seq: int, step: int) -> dict | None:
     names = kept.array_names(run)
     n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
-        rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys], dtype=np.float32)  # [layer, q_head, key]
+        rows = np.asarray(blocks.step_rows(run, seq, step, n_keys), dtype=np.float32)  # [layer, q_head, key]
         key, weight = most_attended(rows)  # [layer, q_head]
     elif "attn_topk_prob" in names:
         probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step], dtype=np.float32)  # [layer, q_head, k_attn]
@@ -359,7 +359,7 @@ def head_row(run: Run, seq: int, step: int, layer: int, head: int) -> dict:
     n_keys = n_keys_of(run, seq, step)
     texts = key_texts(run, seq, n_keys)
     if "attn" in names:
-        row = np.asarray(kept.array(run, "attn")[seq, step, li, head, :n_keys], dtype=np.float32)
+        row = np.asarray(blocks.step_rows(run, seq, step, n_keys)[li, head], dtype=np.float32)
         keys = [{"key": k, "text": texts[k], "weight": strict(float(row[k]))} for k in range(n_keys)]
     elif "attn_topk_prob" in names:
         probs = np.asarray(kept.array(run, "attn_topk_prob")[seq, step, li, head], dtype=np.float32)

@@ -16,7 +16,7 @@ from ..archive.explanations import EXPLAIN_DIR, SCORES_PARTS, read_component, re
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
 from ..archive.reader import Run
 from ..output.jsonout import strict
-from . import kept
+from . import blocks, kept
 from .queries import NotFound, check_sequence, check_step, key_texts, n_keys_of, step_detail, steps_ready
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
@@ -27,7 +27,7 @@ def over_heads(run: Run, seq: int, step: int) -> dict | None:
     names = kept.array_names(run)
     n_keys = n_keys_of(run, seq, step)
     if "attn" in names:
-        rows = np.asarray(kept.array(run, "attn")[seq, step, :, :, :n_keys])  # [layer, q_head, key]
+        rows = blocks.step_rows(run, seq, step, n_keys)  # [layer, q_head, key]
     elif "attn_topk_prob" in names:
         rows = topk_dense(
             np.asarray(kept.array(run, "attn_topk_idx")[seq, step]),

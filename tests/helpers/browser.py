@@ -111,3 +111,17 @@ def external_urls(text: str) -> list[str]:
     """http(s) addresses in a page, XML namespace names (not fetched by anything) left out."""
     urls = re.findall(r"https?://[^\s\"'<>)\\]+", text)
     return sorted({u for u in urls if not u.startswith(("http://www.w3.org/", "https://www.w3.org/"))})
+
+
+def cell_point(page, canvas: str, i: int, j: int) -> tuple[float, float]:
+    """The window coordinates of the centre of cell (row i, column j) of a heatmap canvas, scrolled into view
+    (34 and 18 px: the canvas's row and column label margins, headgrid.js's LABEL_W and TOP_H)."""
+    return page.evaluate(
+        """([sel, i, j]) => {
+      const c = document.querySelector(sel), cw = +c.dataset.cellWidth, ch = +c.dataset.cellHeight;
+      window.scrollBy(0, c.getBoundingClientRect().top + 18 + ch * (i + 0.5) - innerHeight / 2);
+      const r = c.getBoundingClientRect();
+      return [r.left + 34 + cw * (j + 0.5), r.top + 18 + ch * (i + 0.5)];
+    }""",
+        [canvas, i, j],
+    )

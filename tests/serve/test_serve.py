@@ -957,41 +957,42 @@ def test_page_in_chromium_shows_sweeps_child_compare_head_patterns_and_attributi
         P, n = int(group["prompt_len"][1]), int(group["generated_len"][1])
         for layer, head in ((2, 3), (0, 1)):
             page.click(f"#attention-grid td.cell[data-layer='{layer}'][data-head='{head}']")
-            page.wait_for_selector(f".pattern[data-layer='{layer}'][data-head='{head}'] .pattern-grid")
-            rows = page.eval_on_selector_all(
-                f".pattern[data-layer='{layer}'][data-head='{head}'] tbody tr",
-                "rs => rs.map(r => [...r.querySelectorAll('td')].map(c => c.dataset.w ?? null))",
+            image = f".pattern[data-layer='{layer}'][data-head='{head}'] canvas.pattern-image"
+            page.wait_for_selector(image)  # the head's pattern image (its numbers: tests/serve/test_serve_patterns.py)
+            rows = page.eval_on_selector(
+                image,
+                """c => { const n = +c.dataset.keys, v = Array.from(c.lmtraceValues, (x) =>
+                Number.isNaN(x) ? null : x); return Array.from({ length: +c.dataset.rows }, (_, r) => v.slice(r * n, (r + 1) * n)); }""",
             )
-            assert len(rows) == n
+            assert len(rows) == n  # no prefill_attn captured: a row per step
             for s, row in enumerate(rows):
                 ref = np.asarray(group["attn"][1, s, layer, head, : P + s], dtype=np.float32)
-                assert [float(w) for w in row[: P + s]] == ref.tolist() and row[P + s :] == [None] * (n - 1 - s)
+                assert row[: P + s] == ref.tolist() and row[P + s :] == [None] * (n - 1 - s)
         assert_no_placeholder_text(page)
         page.screenshot(path=str(shots / "serve-heads.png"), full_page=True)
         page.keyboard.press("ArrowRight")
-        page.wait_for_selector(
-            "#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] tr.current[data-step='3']"
-        )
+        page.wait_for_selector("#detail[data-step='3'] .pattern[data-layer='0'][data-head='1'] canvas.pattern-image")
+        top = page.eval_on_selector("#detail .pattern[data-layer='0'][data-head='1'] .row-mark", "m => m.style.top")
+        assert float(top.rstrip("%")) == pytest.approx(100 * 3 / n)  # step 3's row outlined
         assert page.eval_on_selector_all(".pattern", "ps => ps.length") == 2
         attn = archive_attention(run_dir, 1, 3)
         for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
             page.select_option("#grid-view", view)
-            page.wait_for_selector(f"#attention-{view}")
-            cells = page.eval_on_selector_all(
-                f"#attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])"
-            )
-            assert len(cells) == ref.size and all(w == float(ref[li, k]) for li, k, w in cells)
+            page.wait_for_selector(f"canvas#attention-{view}")
+            got = page.eval_on_selector(f"#attention-{view}", "c => Array.from(c.lmtraceValues)")
+            assert got == ref.astype(np.float32).ravel().tolist()
         page.select_option("#grid-view", "heads")
-        small = "#detail .pattern[data-layer='0'][data-head='1'] td.cell"
-        before = page.eval_on_selector_all(
-            small, "cs => cs.map(c => [+c.dataset.w, getComputedStyle(c).backgroundColor])"
-        )
+        # the pattern image's pixels: the log scale draws a small weight darker than the linear one
+        small = "#detail .pattern[data-layer='0'][data-head='1'] canvas.pattern-image"
+        pixels = """c => { const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+            return Array.from(c.lmtraceValues, (w, i) => [w, d[4 * i] + d[4 * i + 1] + d[4 * i + 2]]); }"""
+        before = page.eval_on_selector(small, pixels)
         page.check("#log-scale")
-        after = page.eval_on_selector_all(small, "cs => cs.map(c => getComputedStyle(c).backgroundColor)")
-        darker = lambda rgb: sum(int(x) for x in rgb[4:-1].split(","))  # noqa: E731
-        for (w, b), a in zip(before, after):
-            if 0.001 < w < 0.99:  # the log scale draws a small weight darker than the linear one
-                assert darker(a) < darker(b), (w, a, b)
+        after = page.eval_on_selector(small, pixels)
+        assert any(0.001 < w < 0.99 for w, _ in before)
+        for (w, b), (_, a) in zip(before, after):
+            if w is not None and 0.001 < w < 0.99:
+                assert a < b, (w, a, b)
         browser.close()
 
     assert problems == []
@@ -1058,7 +1059,7 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         attn = archive_attention(run_dir, 2, 2)
         assert [k for k, _ in keys] == list(range(attn.shape[-1]))
         assert [w for _, w in keys] == pytest.approx(attn[1, 2].tolist(), abs=5e-5)
-        page.wait_for_selector("#s2-head-patterns .pattern[data-layer='1'][data-head='2'] .pattern-grid")
+        page.wait_for_selector("#s2-head-patterns .pattern[data-layer='1'][data-head='2'] canvas.pattern-image")
         # a head of a layer the report did not embed: one line saying so
         page.click("#s2-attention-grid td.cell[data-layer='0'][data-head='0']")
         assert "not embedded" in page.wait_for_selector("#s2-head-row .not-embedded").inner_text()
@@ -1080,12 +1081,9 @@ def test_report_token_view_in_chromium_shows_the_archived_grid_offline_and_promp
         attn = archive_attention(run_dir, 2, 2)
         for view, ref in (("mean", attn.mean(axis=1, dtype=np.float32)), ("max", attn.max(axis=1))):
             page.select_option("#s2-grid-view", view)
-            page.wait_for_selector(f"#s2-attention-{view}")
-            cells = page.eval_on_selector_all(
-                f"#s2-attention-{view} td.cell", "cs => cs.map(c => [+c.dataset.layer, +c.dataset.key, +c.dataset.w])"
-            )
-            assert len(cells) == ref.size
-            assert [w for _, _, w in cells] == pytest.approx([float(ref[li, k]) for li, k, _ in cells], abs=5.1e-5)
+            page.wait_for_selector(f"canvas#s2-attention-{view}")
+            got = page.eval_on_selector(f"#s2-attention-{view}", "c => Array.from(c.lmtraceValues)")
+            assert got == pytest.approx(ref.astype(np.float64).ravel().tolist(), abs=5.1e-5)
         page.select_option("#s2-grid-view", "heads")
 
         # attributions of sequence 1's step 2 (lmtrace explain), from a click in the "Generated text" section
@@ -1255,11 +1253,11 @@ def test_doc_screenshots_of_the_embedded_model(tmp_path):
             page.goto(live.base + "/#/run/demo/seq/0/step/4?heads=5.3&cell=5.3")
             page.wait_for_selector("#detail[data-step='4'] #attention-heatmap")
             page.wait_for_selector("#head-row .row-keys")
-            page.wait_for_selector(".pattern .pattern-grid")
+            page.wait_for_selector(".pattern canvas.pattern-image")
             page.screenshot(path=str(img / "serve-token.png"), full_page=True)
             page.goto(live.base + "/#/run/demo/seq/0/step/4?heads=5.3,12.0&cell=12.0")
             page.reload()
-            page.wait_for_selector(".pattern[data-layer='12'][data-head='0'] .pattern-grid")
+            page.wait_for_selector(".pattern[data-layer='12'][data-head='0'] canvas.pattern-image")
             page.wait_for_selector("#attribution-panel .attribution")
             page.screenshot(path=str(img / "serve-heads.png"), full_page=True)
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-from tests.helpers.browser import CHROMIUM
+from tests.helpers.browser import CHROMIUM, cell_point
 from tests.helpers.cli import lmtrace
 from tests.helpers.runs import PROMPTS, run_spec
 from tests.helpers.server import LiveServer
@@ -120,20 +120,6 @@ OVERFLOW = """() => {
 }"""
 
 
-def cell_point(page, canvas: str, i: int, j: int) -> tuple[float, float]:
-    """The window coordinates of the centre of cell (row i, column j) of a heatmap canvas, scrolled into view
-    (34 and 18 px: the canvas's row and column label margins, headgrid.js's LABEL_W and TOP_H)."""
-    return page.evaluate(
-        """([sel, i, j]) => {
-      const c = document.querySelector(sel), cw = +c.dataset.cellWidth, ch = +c.dataset.cellHeight;
-      window.scrollBy(0, c.getBoundingClientRect().top + 18 + ch * (i + 0.5) - innerHeight / 2);
-      const r = c.getBoundingClientRect();
-      return [r.left + 34 + cw * (j + 0.5), r.top + 18 + ch * (i + 0.5)];
-    }""",
-        [canvas, i, j],
-    )
-
-
 def test_step_answer_carries_each_heads_label_from_lmtrace_heads(wide_server, wide_runs):
     labels = archive_labels(wide_runs / "wide")
     answer = wide_server.json("/api/runs/wide/sequences/0/steps/2")["attention"]["head_labels"]
@@ -223,7 +209,7 @@ def test_layer_head_heatmap_fits_a_32_by_32_model_at_1280_and_800_px_with_the_ar
             page.wait_for_selector("#head-row .row-keys[data-layer='17'][data-head='29']")
             keys = page.eval_on_selector_all("#head-row .tok.key", "ks => ks.map(k => +k.dataset.w)")
             assert keys == pytest.approx(attn[17, 29].tolist(), abs=1e-6)
-            page.wait_for_selector("#head-patterns .pattern[data-layer='17'][data-head='29'] .pattern-grid")
+            page.wait_for_selector("#head-patterns .pattern[data-layer='17'][data-head='29'] canvas.pattern-image")
             # the keyboard: Shift + arrows walk the heads from there, Enter picks one, ← → still walk the tokens
             page.keyboard.press("Shift+ArrowDown")
             page.keyboard.press("Shift+ArrowRight")
@@ -240,7 +226,7 @@ def test_layer_head_heatmap_fits_a_32_by_32_model_at_1280_and_800_px_with_the_ar
             )
             page.reload()
             page.wait_for_selector("#detail[data-step='4'] #attention-grid")
-            page.wait_for_selector("#head-patterns .pattern[data-layer='18'][data-head='30'] .pattern-grid")
+            page.wait_for_selector("#head-patterns .pattern[data-layer='18'][data-head='30'] canvas.pattern-image")
             assert page.eval_on_selector_all(
                 "#head-patterns .pattern", "ps => ps.map(p => p.dataset.layer + '.' + p.dataset.head)"
             ) == ["17.29", "18.30"]

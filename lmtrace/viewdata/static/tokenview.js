@@ -193,6 +193,7 @@ window.lmtraceView = (() => {
       if (e.key === "ArrowLeft" && i > 0) { e.preventDefault(); select(steps[i - 1]); }
     }
     if (!steps.length) detail.replaceChildren(el("p", { class: "note", text: "no committed generated token yet" }));
+    Object.assign(v, { select, steps });
     return { legend, strip, detail, select, keydown, steps, state: v.state, view: v };
   }
 
@@ -208,7 +209,7 @@ window.lmtraceView = (() => {
     }
     if (mine !== v.stepRequest || !v.alive()) return;
     const left = el("div", {}, tokenPanel(v, d), lensPanel(v, d.lens));
-    const right = el("div", {}, attentionPanel(v, d), d.head_dla ? dlaPanel(v, d.head_dla) : null,
+    const right = el("div", {}, attentionPanel(v, d), d.head_dla ? dlaPanel(v, d.head_dla, d.step) : null,
       d.attributions ? attributionPanel(v, d.attributions) : null);
     // every panel: PNG and CSV (files named sequence-step-panel)
     for (const panel of [...left.children, ...right.children]) {
@@ -216,7 +217,15 @@ window.lmtraceView = (() => {
         window.lmtraceGrid.exportBar(panel, `seq${v.seq}-step${step}-${(panel.id || "panel").slice((idPrefix(v)).length).replace(/-panel$/, "")}`, panel._csvRows);
       }
     }
-    detail.replaceChildren(el("div", { class: "panels" }, left, right));
+    // the logit lens over every step (layers x steps), below the panels: patterns.js
+    const lensOverSteps = el("div", { id: v.id("lens-over-steps") });
+    window.lmtracePatterns.lensGrid(v, step).then((panel) => {
+      if (mine !== v.stepRequest || !v.alive()) return;
+      const canvas = panel.querySelector("canvas.lens-grid");
+      window.lmtraceGrid.exportBar(panel, `seq${v.seq}-lens-over-steps`, canvas ? () => lensCsv(canvas.lmtraceLens) : null);
+      lensOverSteps.replaceChildren(panel);
+    });
+    detail.replaceChildren(el("div", { class: "panels" }, left, right), lensOverSteps);
     detail.dataset.step = String(step);
     delete detail.dataset.loading;
   }
@@ -270,10 +279,10 @@ window.lmtraceView = (() => {
       if (overHeads === undefined) {
         gridBox.replaceChildren(el("p", { class: "note", text: "loading…" }));
         try {
-          overHeads = await v.source(`sequences/${v.seq}/steps/${d.step}/over_heads`);
+          overHeads = await window.lmtracePatterns.overHeads(v, d.step);
         } catch (e) { if (view === gridView) showError(e, gridBox); return; }
       }
-      if (view === gridView) gridBox.replaceChildren(overHeadsGrid(v, overHeads, view));
+      if (view === gridView) put(gridBox, window.lmtracePatterns.overHeadsImage(v, overHeads, view), overHeads ? weightLegend() : null);
     };
     views.addEventListener("change", () => { gridView = views.value; draw(); v.emit(); });
     logBox.addEventListener("change", () => {
@@ -290,6 +299,17 @@ window.lmtraceView = (() => {
     draw();
     box.appendChild(patterns);
     for (const [layer, head] of v.pickedHeads) if (headAvailable(v, layer)) loadPattern(v, d.step, layer, head, patterns);
+    // every head of a layer as small multiples (patterns.js), of the layers whose heads the data source
+    // has; clicking one picks that head
+    const withHeads = { ...d, attention: { ...a, layers: a.layers.filter((l) => headAvailable(v, l)) } };
+    box.appendChild(window.lmtracePatterns.layerControls(v, withHeads, (layer, head) => {
+      if (!v.pickedHeads.some(([l, x]) => l === layer && x === head)) {
+        v.pickedHeads.push([layer, head]);
+        loadPattern(v, d.step, layer, head, patterns);
+      }
+      v.emit();
+      if (v.grid) v.grid.redraw();
+    }));
     // its CSV: the view shown (every head's most-attended key, or the mean / max over heads per key)
     box._csvRows = () => {
       if (gridView === "heads") {
@@ -299,19 +319,23 @@ window.lmtraceView = (() => {
             ...(labels ? [labels[li][h] ?? ""] : [])]))];
       }
       if (!overHeads) return [["not loaded"]];
-      return [["layer", ...overHeads.keys.map((k, i) => `${i}:${k}`)], ...overHeads[gridView].map((row, li) => [overHeads.layers[li], ...row.map((w) => w ?? "")])];
+      // patterns.js keeps them packed: a Float32Array per view, layers x keys, NaN for no value
+      const o = overHeads, values = o[gridView];
+      return [["layer", ...o.keys.map((k, i) => `${i}:${k}`)], ...o.layers.map((layer, li) =>
+        [layer, ...Array.from(values.subarray(li * o.cols, (li + 1) * o.cols), (w) => (Number.isFinite(w) ? w : ""))])];
     };
     return box;
   }
 
-  function overHeadsGrid(v, o, which) {
-    if (!o) return el("p", { class: "note", text: "not available" });
-    const head = el("tr", {}, el("th", { text: "layer \\ key" }), ...o.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shownToken(k) })));
-    const rows = o[which].map((row, li) => el("tr", {}, el("th", { text: `L${o.layers[li]}` }),
-      ...row.map((w, k) => el("td", { class: "cell", data: { layer: o.layers[li], key: k, w: w ?? "" },
-        title: `layer ${o.layers[li]}, key ${k} ${JSON.stringify(o.keys[k])}: ${which} over heads ${fmt(w, 4)}`,
-        style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
-    return el("div", {}, weightLegend(), el("div", { class: "scroll" }, el("table", { class: "grid over-heads", id: v.id(`attention-${which}`) }, el("thead", {}, head), el("tbody", {}, ...rows))));
+  // the logit lens over the steps' CSV: a row per layer and step (patterns.js's answer, kept on its canvas)
+  function lensCsv(g) {
+    const rows = [["layer", "step", "chosen", "top1_id", "top1", "top1_prob"]];
+    g.layers.forEach((layer, li) => {
+      for (let s = 0; s < g.steps; s++) {
+        rows.push([layer, s, g.chosen[s] ?? "", g.top1_id ? g.top1_id[li][s] ?? "" : "", g.top1[li][s] ?? "", g.prob[li][s] ?? ""]);
+      }
+    });
+    return rows;
   }
 
   // the attention weight's legend, on the scale in use (linear 0 – 1, or log 0.001 – 1)
@@ -411,28 +435,32 @@ window.lmtraceView = (() => {
     return wrap;
   }
 
-  async function loadPattern(v, step, layer, head, patterns) {
-    const holder = el("div", { class: "pattern", data: { layer, head } }, el("p", { class: "note", text: "loading…" }));
+  // a picked head's whole pattern (query × key), drawn by patterns.js
+  function loadPattern(v, step, layer, head, patterns) {
+    const holder = el("div", { class: "pattern", data: { layer, head } });
     patterns.appendChild(holder);
-    let p;
-    try { p = await v.source(`sequences/${v.seq}/attention/${layer}/${head}`); } catch (e) { showError(e, holder); return; }
-    const close = el("button", { class: "close", title: "stop showing this head", text: "×" });
-    close.addEventListener("click", () => {
+    window.lmtracePatterns.headPattern(v, step, layer, head, holder, () => {
       const i = v.pickedHeads.findIndex(([l, x]) => l === layer && x === head);
       if (i >= 0) v.pickedHeads.splice(i, 1);
       holder.remove();
       v.emit();
       if (v.grid) v.grid.redraw();
+    }).then((m) => {
+      // its CSV: the matrix drawn, a row per query (or per block of `stride` queries), a column per key
+      if (!m || !holder.parentElement) return;
+      window.lmtraceGrid.exportBar(holder, `seq${v.seq}-pattern-L${layer}-H${head}`, () => patternCsv(m));
     });
-    const headRow = el("tr", {}, el("th", { text: "step \\ key" }), ...p.keys.map((k, i) => el("th", { class: "key", title: `key ${i}`, text: shownToken(k) })));
-    const rows = p.rows.map((row, s) => el("tr", { class: s === step ? "current" : null, data: { step: s } },
-      el("th", { class: "mono", title: `step ${s} chose ${JSON.stringify(p.chosen[s])}`, text: `${s}:${shownToken(p.chosen[s])}` }),
-      ...row.map((w, k) => w === null ? el("td", { class: "cell void" })
-        : el("td", { class: "cell", data: { key: k, w }, title: `step ${s}, key ${k} ${JSON.stringify(p.keys[k])}: ${fmt(w, 4)}`,
-          style: { background: weightColour(w), color: weightText(w) } }, el("span", { class: "w", text: fmt(w, 2) })))));
-    holder.replaceChildren(el("h3", {}, `Layer ${layer}, head ${head}: attention over steps ${p.dense ? "" : "(top-k keys; others 0)"}`, close),
-      el("div", { class: "scroll" }, el("table", { class: "grid pattern-grid" }, el("thead", {}, headRow), el("tbody", {}, ...rows))));
-    window.lmtraceGrid.exportBar(holder, `seq${v.seq}-pattern-L${layer}-H${head}`);
+  }
+
+  function patternCsv(m) {
+    const s = m.stride;
+    const keyName = (k) => (s > 1 ? `${k * s}-${Math.min(m.keys.length, (k + 1) * s) - 1}` : `${k}:${m.keys[k] ?? ""}`);
+    const out = [["query_position", "step", ...Array.from({ length: m.cols }, (_, k) => keyName(k))]];
+    for (let r = 0; r < m.rows; r++) {
+      const query = m.queryStart + r * s, step = query - (m.promptLen - 1);
+      out.push([query, step >= 0 ? step : "", ...Array.from(m.values.subarray(r * m.cols, (r + 1) * m.cols), (w) => (Number.isFinite(w) ? w : ""))]);
+    }
+    return out;
   }
 
   function attributionPanel(v, groups) {
@@ -490,40 +518,55 @@ window.lmtraceView = (() => {
     return box;
   }
 
+  const LONG_ROW = 512; // keys of a head's row drawn as tokens at most
   async function loadHeadRow(v, step, layer, head, box) {
     box.replaceChildren(el("p", { class: "note", text: "loading…" }));
     let r;
     try { r = await v.source(`sequences/${v.seq}/steps/${step}/attention/${layer}/${head}`); } catch (e) { showError(e, box); return; }
-    box.replaceChildren(el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
-      el("div", { class: "row-keys", data: { layer, head } }, ...r.keys.map((k) => el("span", {
+    // a long context: its LONG_ROW heaviest keys as tokens (in key order); the head's pattern image shows every key
+    const keys = r.keys.length <= LONG_ROW ? r.keys
+      : r.keys.slice().sort((x, y) => (y.weight ?? -1) - (x.weight ?? -1)).slice(0, LONG_ROW).sort((x, y) => x.key - y.key);
+    put(box, el("h2", { text: `Layer ${layer}, head ${head}: attention over ${r.dense ? "every key" : "its top-k keys"}` }),
+      keys.length < r.keys.length ? el("p", { class: "note", text: `the ${keys.length} keys with the largest weights of ${r.keys.length}, in order; the pattern below draws every key` }) : null,
+      el("div", { class: "row-keys", data: { layer, head } }, ...keys.map((k) => el("span", {
         class: "tok key", data: { key: k.key, weight: k.weight, w: k.weight ?? "" }, title: `key ${k.key}: ${fmt(k.weight, 4)}`,
         style: { background: weightColour(k.weight), color: weightText(k.weight) } },
       shownToken(k.text), el("small", { text: fmt(k.weight) })))));
   }
 
   // Per-head direct logit attribution: a signed heatmap on a canvas (headgrid.js) with its legend and
-  // hover card, and under it on demand the same values as a table of numbers.
-  function dlaPanel(v, dla) {
+  // hover card, and under it on demand the same values as a table of numbers. A cell (of either) opens
+  // that head's DLA over every step below them (patterns.js).
+  function dlaPanel(v, dla, step) {
     const max = Math.max(1e-9, ...dla.values.flat().map((x) => Math.abs(x || 0)));
     const heads = dla.values[0].length;
+    const overSteps = el("div", { id: v.id("dla-over-steps") });
+    v.layers = dla.layers;
+    const open = (layer, head) => { v.dlaHead = [layer, head]; window.lmtracePatterns.headDla(v, step, layer, head, overSteps); };
+    const li0 = v.dlaHead ? dla.layers.indexOf(v.dlaHead[0]) : -1;
     const hm = window.lmtraceGrid.heatmap({ id: v.id("dla-heatmap"), label: "direct logit attribution: layers × heads",
       rows: dla.layers.map((l) => `L${l}`), cols: Array.from({ length: heads }, (_, h) => `H${h}`),
       value: (i, j) => dla.values[i][j], colour: (x) => signedColour(x, max),
       textColour: (x) => (Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24"), numbers: (x) => fmt(x, 2),
-      card: (i, j) => [["layer", String(dla.layers[i])], ["head", String(j)], ["DLA", fmt(dla.values[i][j], 4)]] });
+      card: (i, j) => [["layer", String(dla.layers[i])], ["head", String(j)], ["DLA", fmt(dla.values[i][j], 4)], ["", "click: its DLA over the steps"]],
+      cursor: li0 >= 0 && v.dlaHead[1] < heads ? [li0, v.dlaHead[1]] : null, onPick: (i, j) => open(dla.layers[i], j) });
     const numbersBox = el("input", { type: "checkbox", id: v.id("dla-numbers") });
     numbersBox.checked = showNumbers === null ? dla.layers.length * heads <= NUMBERS_AUTO_CELLS : showNumbers;
     const tableBox = el("div", { class: "scroll" });
     const drawTable = () => tableBox.replaceChildren(...(!numbersBox.checked ? [] : [el("table", { class: "grid", id: v.id("dla-grid") },
       el("thead", {}, el("tr", {}, el("th", { text: "layer \\ head" }), ...dla.values[0].map((_, h) => el("th", { text: `H${h}` })))),
       el("tbody", {}, ...dla.values.map((row, li) => el("tr", {}, el("th", { text: `L${dla.layers[li]}` }),
-        ...row.map((x, h) => el("td", { class: "cell inert", data: { layer: dla.layers[li], head: h, value: x ?? "" }, text: fmt(x),
+        ...row.map((x, h) => el("td", { class: "cell", data: { layer: dla.layers[li], head: h, value: x ?? "" }, text: fmt(x),
+          title: `layer ${dla.layers[li]} head ${h}: ${fmt(x, 4)}; click for its DLA over the steps`,
+          onclick: () => { hm.setCursor(li, h, false); open(dla.layers[li], h); },
           style: { background: signedColour(x, max), color: Math.abs(x || 0) / max > 0.6 ? "#fff" : "#1b1f24" } }))))))]));
     numbersBox.addEventListener("change", () => { showNumbers = numbersBox.checked; drawTable(); v.emit(); });
     drawTable();
+    if (v.dlaHead) open(...v.dlaHead);
     const box = el("div", { class: "panel", id: v.id("dla-panel") }, el("h2", { text: `Direct logit attribution per head (${dla.target})` }),
+      el("p", { class: "note", text: "Click a cell for that head's DLA over every step." }),
       hm.node, window.lmtraceGrid.signedLegend("logit difference", signedColour, max),
-      el("label", { class: "numbers-toggle" }, numbersBox, " numbers (a table of the cells)"), tableBox);
+      el("label", { class: "numbers-toggle" }, numbersBox, " numbers (a table of the cells)"), tableBox, overSteps);
     box._csvRows = () => [["layer", "head", "dla"], ...dla.values.flatMap((row, li) => row.map((x, h) => [dla.layers[li], h, x ?? ""]))];
     return box;
   }
