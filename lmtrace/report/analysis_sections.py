@@ -28,40 +28,43 @@ def _discrete_scale(colours: list[str]) -> list[list]:
     return scale
 
 
-def heads_section(data: RunData, blobs: Blobs) -> Section:
-    sec = Section("heads", "What each head does (lmtrace heads)")
-    path = data.run.path / ANALYSIS_DIR / HEADS_FILE
-    if not path.is_file():
-        sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
-        return sec
-    t = current_names(parquet_io.read_table(path), "heads").to_pylist()  # `head` in an older archive
-    layers = sorted({r["layer"] for r in t})
-    n_heads = max(r["q_head"] for r in t) + 1
-    row = {layer: i for i, layer in enumerate(layers)}
-    label = np.full((len(layers), n_heads), np.nan, dtype=np.float32)
+_HEAD_SCORES = (
+    "sink_score",
+    "prev_token_score",
+    "local_score",
+    "induction_score",
+    "duplicate_score",
+    "entropy",
+    "concentration",
+    "importance",
+)
+
+
+def _is_number(v) -> bool:
+    """A score heads.parquet holds for this head: a number, not None and not NaN."""
+    return isinstance(v, (int, float)) and v == v
+
+
+def _head_cells(rows: list[dict], row: dict[int, int], n_heads: int):
+    """The label grid of heads.parquet's rows, as (label [layer row, q_head] float32: the label's
+    index in HEAD_LABELS, NaN where none; text: its first four letters; custom: the hover's label
+    and scores)."""
+    label = np.full((len(row), n_heads), np.nan, dtype=np.float32)
     text = np.full(label.shape, "", dtype=object)
     custom = np.full(label.shape, "", dtype=object)
-    scores = (
-        "sink_score",
-        "prev_token_score",
-        "local_score",
-        "induction_score",
-        "duplicate_score",
-        "entropy",
-        "concentration",
-        "importance",
-    )
-    for r in t:
+    for r in rows:
         i, h = row[r["layer"]], r["q_head"]
         label[i, h] = HEAD_LABELS.index(r["label"]) if r["label"] in HEAD_LABELS else np.nan
         text[i, h] = (r["label"] or "")[:4]
         custom[i, h] = f"<b>{esc(r['label'])}</b><br>" + "<br>".join(
-            f"{k}: {r[k]:.3f}" for k in scores if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k)
+            f"{k}: {r[k]:.3f}" for k in _HEAD_SCORES if _is_number(r.get(k))
         )
-    ylabels = blobs.add_texts("heads_layers", [f"L{layer}" for layer in layers])
-    xlabels = blobs.add_texts("heads_heads", [f"H{h}" for h in range(n_heads)])
-    z = blobs.add("heads_label", label, "float32")
-    sec.html = (
+    return label, text, custom
+
+
+def _heads_legend() -> str:
+    """The colour of each head label, above the figure."""
+    return (
         "<p class='legend'>colour = label: "
         + ", ".join(
             f"<span class='tok' style='background:{c}'>&nbsp;{esc(n)}&nbsp;</span>"
@@ -69,22 +72,17 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
         )
         + "; hover a cell for its scores (docs/heads.md).</p>"
     )
-    variants = [
-        {
-            "label": "label",
-            "z": z,
-            "text": blobs.add("heads_text", text),
-            "colorscale": _discrete_scale(F.CATEGORICAL[: len(HEAD_LABELS)]),
-            "zmin": 0,
-            "zmax": len(HEAD_LABELS) - 1,
-        }
-    ]
-    for key in scores:
-        values = [r.get(key) for r in t]
-        if not any(isinstance(v, (int, float)) and v == v for v in values):
+
+
+def _score_variants(rows: list[dict], row: dict[int, int], shape: tuple[int, int], blobs: Blobs) -> list[dict]:
+    """One view per score some head holds: its [layer row, q_head] grid (NaN where absent), from 0 to
+    the largest value, each cell written with two decimals."""
+    variants = []
+    for key in _HEAD_SCORES:
+        if not any(_is_number(r.get(key)) for r in rows):
             continue
-        grid = np.full(label.shape, np.nan, dtype=np.float32)
-        for r in t:
+        grid = np.full(shape, np.nan, dtype=np.float32)
+        for r in rows:
             if isinstance(r.get(key), (int, float)):
                 grid[row[r["layer"]], r["q_head"]] = r[key]
         top = float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.0
@@ -100,6 +98,37 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
                 "zmax": max(top, 1e-9),
             }
         )
+    return variants
+
+
+def heads_section(data: RunData, blobs: Blobs) -> Section:
+    """analysis/heads.parquet as a layer × head heatmap coloured by label, one view per score; a note
+    naming `lmtrace heads` when the run has none yet."""
+    sec = Section("heads", "What each head does (lmtrace heads)")
+    path = data.run.path / ANALYSIS_DIR / HEADS_FILE
+    if not path.is_file():
+        sec.notes.append(f"no head classification yet: `lmtrace heads {data.run.id}` computes it from the archive")
+        return sec
+    t = current_names(parquet_io.read_table(path), "heads").to_pylist()  # `head` in an older archive
+    layers = sorted({r["layer"] for r in t})
+    n_heads = max(r["q_head"] for r in t) + 1
+    row = {layer: i for i, layer in enumerate(layers)}
+    label, text, custom = _head_cells(t, row, n_heads)
+    ylabels = blobs.add_texts("heads_layers", [f"L{layer}" for layer in layers])
+    xlabels = blobs.add_texts("heads_heads", [f"H{h}" for h in range(n_heads)])
+    z = blobs.add("heads_label", label, "float32")
+    sec.html = _heads_legend()
+    variants = [
+        {
+            "label": "label",
+            "z": z,
+            "text": blobs.add("heads_text", text),
+            "colorscale": _discrete_scale(F.CATEGORICAL[: len(HEAD_LABELS)]),
+            "zmin": 0,
+            "zmax": len(HEAD_LABELS) - 1,
+        }
+    ]
+    variants += _score_variants(t, row, label.shape, blobs)
     fig = F.heatmap(
         "heads",
         "heads by label (and each score as a view)",
