@@ -123,14 +123,32 @@ def _write_files(
     sequence: int,
     explanations: list[StepExplanation],
 ) -> list[dict]:
+    """scores.zarr and explain.json of an invocation in `tmp`; returns the manifest entries (one per method)."""
     import zarr
 
     created = now_iso()
     rel = f"{EXPLAIN_DIR}/{explain_id}"
     table_rel = f"{EXPLAIN_DIR}/{SCORES_PARTS}/{explain_id}.parquet"
-    # arrays: one per method, [step, position], NaN beyond each step's context
-    max_n = max(len(e.scores) for e in explanations)
     group = zarr.open_group(str(tmp / "scores.zarr"), mode="w", zarr_format=3)
+    _write_score_arrays(group, methods, steps, explanations)
+    components = _write_components(group, methods, steps, explanations)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(tmp / "scores.zarr"))
+    entries = [
+        _method_entry(m, explain_id, sequence, steps, created, rel, table_rel, components, explanations)
+        for m in methods
+    ]
+    _atomic_json(
+        tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created, "entries": entries})
+    )
+    return entries
+
+
+def _write_score_arrays(group, methods: list[MethodRecord], steps: list[int], explanations: list[StepExplanation]):
+    """scores.zarr's `step` and `position` axes and one array per method, [step, position], NaN beyond each step's
+    context."""
+    max_n = max(len(e.scores) for e in explanations)
     st = group.create_array(
         "step",
         shape=(len(steps),),
@@ -158,53 +176,57 @@ def _write_files(
             fill_value=np.nan,
         )
         arr[...] = data
-    components = _write_components(group, methods, steps, explanations)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(str(tmp / "scores.zarr"))
-    entries = []
-    for m in methods:
-        entries.append(
+
+
+def _method_entry(
+    m: MethodRecord,
+    explain_id: str,
+    sequence: int,
+    steps: list[int],
+    created: str,
+    rel: str,
+    table_rel: str,
+    components: dict[str, dict[str, str]],
+    explanations: list[StepExplanation],
+) -> dict:
+    """The manifest entry of one method of an invocation: its settings, where its scores are, its per-step
+    results and, when its steps report them, whether all converged (integrated gradients) or conserved (lrp)."""
+    entry = {
+        "id": explain_id,
+        "method": m.name,
+        "settings": m.settings,
+        "sequence": sequence,
+        "steps": steps,
+        "target": m.target,
+        "quantity": m.quantity,
+        "created": created,
+        "path": rel,
+        "table": table_rel,
+        "array": f"{rel}/scores.zarr/{m.name}",
+        "model": m.model,
+        **(
+            {"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
+            if components.get(m.name)
+            else {}
+        ),
+        "results": [
             {
-                "id": explain_id,
-                "method": m.name,
-                "settings": m.settings,
-                "sequence": sequence,
-                "steps": steps,
-                "target": m.target,
-                "quantity": m.quantity,
-                "created": created,
-                "path": rel,
-                "table": table_rel,
-                "array": f"{rel}/scores.zarr/{m.name}",
-                "model": m.model,
-                **(
-                    {"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
-                    if components.get(m.name)
-                    else {}
-                ),
-                "results": [
-                    {
-                        "step": e.step,
-                        "target_token_id": e.chosen_id,
-                        "runner_up_token_id": e.runner_up_id,
-                        **{k: strict(v) for k, v in e.info.items()},
-                    }
-                    for e in explanations
-                    if e.method == m.name
-                ],
+                "step": e.step,
+                "target_token_id": e.chosen_id,
+                "runner_up_token_id": e.runner_up_id,
+                **{k: strict(v) for k, v in e.info.items()},
             }
-        )
-        flags = [e.info["converged"] for e in explanations if e.method == m.name and "converged" in e.info]
-        if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
-            entries[-1]["converged"] = all(flags)
-        flags = [e.info["conserved"] for e in explanations if e.method == m.name and "conserved" in e.info]
-        if flags:  # lrp: did every step conserve f (relative error within its tolerance)?
-            entries[-1]["conserved"] = all(flags)
-    _atomic_json(
-        tmp / "explain.json", strict({"id": explain_id, "run_id": run.id, "created": created, "entries": entries})
-    )
-    return entries
+            for e in explanations
+            if e.method == m.name
+        ],
+    }
+    flags = [e.info["converged"] for e in explanations if e.method == m.name and "converged" in e.info]
+    if flags:  # integrated gradients: did every step meet completeness within --ig-tolerance?
+        entry["converged"] = all(flags)
+    flags = [e.info["conserved"] for e in explanations if e.method == m.name and "conserved" in e.info]
+    if flags:  # lrp: did every step conserve f (relative error within its tolerance)?
+        entry["conserved"] = all(flags)
+    return entry
 
 
 COMPONENT_DIMS = {1: ("layer",), 2: ("layer", "head")}  # the axes of a component array after its step axis

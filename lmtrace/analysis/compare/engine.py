@@ -107,6 +107,29 @@ def _first_divergence(A: Side, B: Side, sa: int, sb: int) -> tuple[bool, int | N
     return True, None, None, na, None
 
 
+def _walk_pairs(A: Side, B: Side, pairing: dict, layers) -> tuple[list, list, list, list]:
+    """(pair summaries, per-step rows, per-layer column parts, per-head column parts) of every sequence pair:
+    each pair's first divergence, its step rows and, over its paired steps, its layer and head figures."""
+    pair_summaries, step_rows, layer_parts, head_parts = [], [], [], []
+    for k, (sa, sb) in enumerate(pairing["pairs"]):
+        ga, gb = A.gen.get(sa), B.gen.get(sb)
+        na, nb = A.n_steps(sa), B.n_steps(sb)
+        same_prompt, first, kind, n_paired, pair_note = _first_divergence(A, B, sa, sb)
+        rows = pair_step_rows(k, sa, sb, ga, gb, na, nb, same_prompt, first, kind)
+        step_rows.extend(rows)
+        if n_paired and layers:
+            same_top2 = np.asarray(
+                [bool(np.array_equal(ga["alt_ids"][s][:2], gb["alt_ids"][s][:2])) for s in range(n_paired)]
+            )
+            cols, heads = pair_layer_figures(k, A, B, sa, sb, n_paired, layers, same_top2)
+            layer_parts.append(cols)
+            head_parts.append(heads)
+        pair_summaries.append(
+            summarise_pair(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired, same_prompt, pair_note)
+        )
+    return pair_summaries, step_rows, layer_parts, head_parts
+
+
 def compare_runs(
     run_a: Run | str | Path,
     run_b: Run | str | Path,
@@ -132,24 +155,7 @@ def compare_runs(
         if side.run.status != "complete":
             notes.append(f"run {side.label} is {side.run.status}: only its committed steps are compared")
     pairing = pair_sequences(A.prompt_text, B.prompt_text, pair)
-    layers = compat["common_layers"]
-    pair_summaries, step_rows, layer_parts, head_parts = [], [], [], []
-    for k, (sa, sb) in enumerate(pairing["pairs"]):
-        ga, gb = A.gen.get(sa), B.gen.get(sb)
-        na, nb = A.n_steps(sa), B.n_steps(sb)
-        same_prompt, first, kind, n_paired, pair_note = _first_divergence(A, B, sa, sb)
-        rows = pair_step_rows(k, sa, sb, ga, gb, na, nb, same_prompt, first, kind)
-        step_rows.extend(rows)
-        if n_paired and layers:
-            same_top2 = np.asarray(
-                [bool(np.array_equal(ga["alt_ids"][s][:2], gb["alt_ids"][s][:2])) for s in range(n_paired)]
-            )
-            cols, heads = pair_layer_figures(k, A, B, sa, sb, n_paired, layers, same_top2)
-            layer_parts.append(cols)
-            head_parts.append(heads)
-        pair_summaries.append(
-            summarise_pair(k, A, B, sa, sb, pairing["method"], rows, first, kind, n_paired, same_prompt, pair_note)
-        )
+    pair_summaries, step_rows, layer_parts, head_parts = _walk_pairs(A, B, pairing, compat["common_layers"])
 
     if exact:
         from .exact import exact_figures

@@ -55,16 +55,18 @@ def list_matrix(table: pa.Table, name: str) -> np.ndarray:
     return flat.reshape(n, len(flat) // n if n else 0)
 
 
-def load_side(label: str, run: Run) -> Side:
-    """Read what the comparison needs of `run` (a reader): every committed step of every sequence."""
-    m = run.manifest
-    n_seq = int(m.get("n_prompts") or m["shape"]["n_sequences"])
+def _read_optional(read):
+    """`read()`, or None when the archive lacks that file (a damaged archive still raises)."""
     try:
-        seq_rows = {int(r["sequence"]): r for r in run.sequences().to_pylist()}
+        return read()
     except ArchiveDamaged:
         raise
     except ArchiveError:
-        seq_rows = {}
+        return None
+
+
+def _prompt_texts(m: dict, seq_rows: dict[int, dict], n_seq: int) -> list[str | None]:
+    """Each sequence's prompt text: from sequences.parquet, else the spec's inline texts, else None."""
     spec_prompts = (m.get("spec_resolved") or {}).get("prompts") or {}
     inline = spec_prompts.get("texts") if isinstance(spec_prompts.get("texts"), list) else None
     prompt_text = []
@@ -75,8 +77,12 @@ def load_side(label: str, run: Run) -> Side:
             prompt_text.append(inline[s])
         else:
             prompt_text.append(None)
+    return prompt_text
 
-    # steps an unfinished run committed; everything of a complete run
+
+def _committed_limits(run: Run, seq_rows: dict[int, dict], n_seq: int) -> dict[int, int]:
+    """sequence -> number of steps an unfinished run committed; empty (everything) for a complete run."""
+    m = run.manifest
     limit = {}
     if run.status != "complete" and hasattr(run, "committed_steps"):
         limit = {int(s): int(n) for s, n in run.committed_steps().items()}
@@ -86,58 +92,66 @@ def load_side(label: str, run: Run) -> Side:
         for s in range(n_seq):
             batch = seq_rows[s]["batch"] if s in seq_rows else s // batch_size
             limit[s] = int(batches.get(str(batch), {}).get("committed_steps", 0))
+    return limit
 
-    try:
-        tokens = run.tokens()
-    except ArchiveDamaged:
-        raise
-    except ArchiveError:
-        tokens = None
+
+def _generated_columns(run: Run, tokens: pa.Table, limit: dict[int, int]) -> dict[int, dict]:
+    """sequence -> its generated steps' columns, cut to the committed steps in `limit`."""
+    is_prompt = tokens.column("is_prompt")
+    g = tokens.filter(pc.invert(is_prompt)).sort_by([("sequence", "ascending"), ("step", "ascending")])
+    cols = {
+        c: column_array(g, c)
+        for c in (
+            "sequence",
+            "step",
+            "token_id",
+            "logprob",
+            "sampling_logprob",
+            "entropy",
+            "margin",
+            "greedy_id",
+            "is_eos",
+        )
+    }
+    cols["token_text"] = np.asarray(g.column("token_text").to_pylist(), dtype=object)
+    cols["alt_ids"] = list_matrix(g, "alt_ids")
+    cols["alt_logprobs"] = list_matrix(g, "alt_logprobs")
+    seqs = cols.pop("sequence")
+    gen: dict[int, dict] = {}
+    for s in np.unique(seqs):
+        sel = seqs == s
+        if int(s) in limit:
+            sel &= cols["step"] < limit[int(s)]
+        d = {k: v[sel] for k, v in cols.items()}
+        n = len(d["step"])
+        if n and not np.array_equal(d["step"], np.arange(n)):
+            raise ArchiveError(
+                f"run {run.id}: sequence {int(s)} has non-contiguous steps in tokens.parquet; the archive is damaged"
+            )
+        gen[int(s)] = d
+    return gen
+
+
+def load_side(label: str, run: Run) -> Side:
+    """Read what the comparison needs of `run` (a reader): every committed step of every sequence."""
+    m = run.manifest
+    n_seq = int(m.get("n_prompts") or m["shape"]["n_sequences"])
+    seq_rows = _read_optional(run.sequences)
+    seq_rows = {} if seq_rows is None else {int(r["sequence"]): r for r in seq_rows.to_pylist()}
+    prompt_text = _prompt_texts(m, seq_rows, n_seq)
+    limit = _committed_limits(run, seq_rows, n_seq)  # steps an unfinished run committed; all of a complete run
+    tokens = _read_optional(run.tokens)
     prompt_ids: dict[int, tuple[int, ...]] = {}
     gen: dict[int, dict] = {}
     token_text: dict[int, str] = {}
     if tokens is not None and tokens.num_rows:
         token_text = dict(zip(column_array(tokens, "token_id").tolist(), tokens.column("token_text").to_pylist()))
-        is_prompt = tokens.column("is_prompt")
-        prompt = tokens.filter(is_prompt).sort_by([("sequence", "ascending"), ("position", "ascending")])
+        prompt = tokens.filter(tokens.column("is_prompt")).sort_by(
+            [("sequence", "ascending"), ("position", "ascending")]
+        )
         pseq, pid = column_array(prompt, "sequence"), column_array(prompt, "token_id")
         for s in np.unique(pseq):
             prompt_ids[int(s)] = tuple(int(x) for x in pid[pseq == s])
-        g = tokens.filter(pc.invert(is_prompt)).sort_by([("sequence", "ascending"), ("step", "ascending")])
-        cols = {
-            c: column_array(g, c)
-            for c in (
-                "sequence",
-                "step",
-                "token_id",
-                "logprob",
-                "sampling_logprob",
-                "entropy",
-                "margin",
-                "greedy_id",
-                "is_eos",
-            )
-        }
-        cols["token_text"] = np.asarray(g.column("token_text").to_pylist(), dtype=object)
-        cols["alt_ids"] = list_matrix(g, "alt_ids")
-        cols["alt_logprobs"] = list_matrix(g, "alt_logprobs")
-        seqs = cols.pop("sequence")
-        for s in np.unique(seqs):
-            sel = seqs == s
-            if int(s) in limit:
-                sel &= cols["step"] < limit[int(s)]
-            d = {k: v[sel] for k, v in cols.items()}
-            n = len(d["step"])
-            if n and not np.array_equal(d["step"], np.arange(n)):
-                raise ArchiveError(
-                    f"run {run.id}: sequence {int(s)} has non-contiguous steps in tokens.parquet; "
-                    f"the archive is damaged"
-                )
-            gen[int(s)] = d
-    try:
-        steps = run.steps()
-    except ArchiveDamaged:
-        raise
-    except ArchiveError:  # capture: none, or no committed block yet
-        steps = None
+        gen = _generated_columns(run, tokens, limit)
+    steps = _read_optional(run.steps)  # capture: none, or no committed block yet
     return Side(label, run, n_seq, prompt_text, prompt_ids, gen, seq_rows, steps, token_text)

@@ -45,51 +45,13 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
     if n == 0:
         parts.append("no sequences could be paired")
     if same_ctx:
-        what = "pair(s)" if not other_ctx else "pair(s) with the same prompt"
-        if diverged:
-            first = min(diverged, key=lambda p: p["first_divergence"]["step"])
-            parts.append(
-                f"{len(diverged)} of {len(same_ctx)} {what} diverge (earliest: pair {first['pair']} at step "
-                f"{first['first_divergence']['step']})"
-            )
-        else:
-            parts.append(f"all {len(same_ctx)} {what} generated the same tokens")
+        parts.append(_same_prompt_part(same_ctx, other_ctx, diverged))
     if other_ctx:
-        differ = [p for p in other_ctx if not p["same_text"]]
-        line = f"{len(other_ctx)} pair(s) have different prompt tokens"
-        if differ:
-            p = differ[0]
-            line += (
-                f", {len(differ)} of them generated different text (pair {p['pair']}: "
-                f"{_clip(p['text']['a'])!r} vs {_clip(p['text']['b'])!r})"
-            )
-        else:
-            line += ", all of them generated the same text"
-        parts.append(line)
+        parts.append(_other_prompt_part(other_ctx))
     if paired:
-        if first_changed is not None:
-            parts.append(
-                f"internal figures change from layer {first_changed} on"
-                + (
-                    f" (output distributions equal up to float noise: KL < {FLOAT_NOISE_KL:g})"
-                    if noise_only or figures_zero
-                    else ""
-                )
-            )
-        elif noise_only:
-            parts.append(
-                f"same next-token distributions up to float noise (max KL over the stored top-k "
-                f"{max_kl:.1e} < {FLOAT_NOISE_KL:g} nats)"
-            )
-        elif figures_zero and diverged:
-            parts.append(
-                "the stored next-token distributions are identical at every paired step: the tokens differ "
-                "by sampling, not by the model"
-            )
-        elif not figures_zero:
-            parts.append(
-                f"next-token distributions differ (max KL over the stored top-k {max_kl:.3g} nats, a lower bound)"
-            )
+        part = _distribution_part(first_changed, noise_only, figures_zero, diverged, max_kl)
+        if part is not None:
+            parts.append(part)
     if unpaired:
         parts.append(f"{unpaired} sequence(s) unpaired")
     return False, "; ".join(parts)
@@ -97,3 +59,54 @@ def verdict_line(pairing, pairs, step_rows, first_changed) -> tuple[bool, str]:
 
 def _clip(text: str, n: int = 40) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _same_prompt_part(same_ctx, other_ctx, diverged) -> str:
+    """The verdict's part on the pairs with the same prompt ids: how many diverge, and the earliest."""
+    what = "pair(s)" if not other_ctx else "pair(s) with the same prompt"
+    if diverged:
+        first = min(diverged, key=lambda p: p["first_divergence"]["step"])
+        return (
+            f"{len(diverged)} of {len(same_ctx)} {what} diverge (earliest: pair {first['pair']} at step "
+            f"{first['first_divergence']['step']})"
+        )
+    return f"all {len(same_ctx)} {what} generated the same tokens"
+
+
+def _other_prompt_part(other_ctx) -> str:
+    """The verdict's part on the pairs with different prompt ids: whether they generated the same text."""
+    differ = [p for p in other_ctx if not p["same_text"]]
+    line = f"{len(other_ctx)} pair(s) have different prompt tokens"
+    if differ:
+        p = differ[0]
+        line += (
+            f", {len(differ)} of them generated different text (pair {p['pair']}: "
+            f"{_clip(p['text']['a'])!r} vs {_clip(p['text']['b'])!r})"
+        )
+    else:
+        line += ", all of them generated the same text"
+    return line
+
+
+def _distribution_part(first_changed, noise_only, figures_zero, diverged, max_kl) -> str | None:
+    """The verdict's part on the paired steps' figures (first changed layer, next-token distributions), or None
+    when there is nothing to say."""
+    if first_changed is not None:
+        return f"internal figures change from layer {first_changed} on" + (
+            f" (output distributions equal up to float noise: KL < {FLOAT_NOISE_KL:g})"
+            if noise_only or figures_zero
+            else ""
+        )
+    if noise_only:
+        return (
+            f"same next-token distributions up to float noise (max KL over the stored top-k "
+            f"{max_kl:.1e} < {FLOAT_NOISE_KL:g} nats)"
+        )
+    if figures_zero and diverged:
+        return (
+            "the stored next-token distributions are identical at every paired step: the tokens differ "
+            "by sampling, not by the model"
+        )
+    if not figures_zero:
+        return f"next-token distributions differ (max KL over the stored top-k {max_kl:.3g} nats, a lower bound)"
+    return None

@@ -70,6 +70,54 @@ def _batch_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     return kept, float(positive.min()) if len(positive) else 0.0
 
 
+def _initial_params(d_sae: int, d: int, mean: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The trainable weights at the start: unit-norm random decoder rows, the encoder their transpose, the decoder
+    bias the (scaled) input mean."""
+    W_dec = torch.randn(d_sae, d, generator=gen)
+    W_dec /= W_dec.norm(dim=-1, keepdim=True)
+    params = {"W_enc": W_dec.t().clone(), "b_enc": torch.zeros(d_sae), "W_dec": W_dec, "b_dec": mean.clone()}
+    for p in params.values():
+        p.requires_grad_(True)
+    return params
+
+
+def _loss(x, pre, acts, params, variance, dead, n_dead, k_aux, aux_coefficient) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training loss, reconstruction mse over variance) of a batch: the mse plus, when latents are dead, the
+    auxiliary loss of the dead latents' top-k reconstructing the error."""
+    recon = acts @ params["W_dec"] + params["b_dec"]
+    error = x - recon
+    mse = (error**2).sum(-1).mean() / variance
+    loss = mse
+    if n_dead:
+        aux_pre = torch.where(dead, pre, torch.tensor(-math.inf))
+        aux_acts = _topk(aux_pre, min(k_aux, n_dead))
+        aux_recon = aux_acts @ params["W_dec"]
+        aux = ((aux_recon - error.detach()) ** 2).sum(-1).mean() / variance
+        loss = loss + aux_coefficient * min(n_dead / k_aux, 1.0) * aux
+    return loss, mse
+
+
+def _trained_sae(params, scale: float, settings: TrainSettings, d: int, hook_name: str, model_name, threshold) -> Sae:
+    """The trained weights as an `Sae` that reads raw activations (the input scale folded into the weights);
+    batchtopk training gives a jumprelu SAE with its running threshold."""
+    with torch.no_grad():  # fold the input scale into the weights: the SAE reads raw activations
+        W_enc = params["W_enc"] * scale
+        W_dec = params["W_dec"] / scale
+        b_dec = params["b_dec"] / scale
+        b_enc = params["b_enc"].clone()
+    arch = "jumprelu" if settings.architecture == "batchtopk" else "topk"
+    cfg = SaeConfig(
+        architecture=arch,
+        d_in=d,
+        d_sae=settings.d_sae,
+        hook_name=hook_name,
+        k=settings.k if arch == "topk" else None,
+        model_name=model_name,
+    )
+    thr = torch.full((settings.d_sae,), float(threshold or 0.0)) if arch == "jumprelu" else None
+    return Sae(cfg, W_enc, b_enc, W_dec, b_dec, thr)
+
+
 def train_sae(
     store: ActivationStore,
     settings: TrainSettings,
@@ -89,11 +137,7 @@ def train_sae(
     mean = sample.mean(0)
     variance = float(((sample - mean) ** 2).sum(-1).mean())  # per token, of scaled inputs
 
-    W_dec = torch.randn(settings.d_sae, d, generator=gen)
-    W_dec /= W_dec.norm(dim=-1, keepdim=True)
-    params = {"W_enc": W_dec.t().clone(), "b_enc": torch.zeros(settings.d_sae), "W_dec": W_dec, "b_dec": mean.clone()}
-    for p in params.values():
-        p.requires_grad_(True)
+    params = _initial_params(settings.d_sae, d, mean, gen)
     opt = torch.optim.Adam(params.values(), lr=settings.lr)
     since_fired = torch.zeros(settings.d_sae, dtype=torch.long)
     k_aux = d // 2
@@ -113,18 +157,9 @@ def train_sae(
                 threshold = smallest if threshold is None else 0.99 * threshold + 0.01 * smallest
             else:
                 acts = _topk(pre, settings.k)
-            recon = acts @ params["W_dec"] + params["b_dec"]
-            error = x - recon
-            mse = (error**2).sum(-1).mean() / variance
-            loss = mse
             dead = since_fired > dead_after
             n_dead = int(dead.sum())
-            if n_dead:
-                aux_pre = torch.where(dead, pre, torch.tensor(-math.inf))
-                aux_acts = _topk(aux_pre, min(k_aux, n_dead))
-                aux_recon = aux_acts @ params["W_dec"]
-                aux = ((aux_recon - error.detach()) ** 2).sum(-1).mean() / variance
-                loss = loss + settings.aux_coefficient * min(n_dead / k_aux, 1.0) * aux
+            loss, mse = _loss(x, pre, acts, params, variance, dead, n_dead, k_aux, settings.aux_coefficient)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -137,22 +172,7 @@ def train_sae(
             seen += len(x)
             last = {"mse_over_variance": float(mse.detach()), "dead_in_training": n_dead / settings.d_sae}
             progress(steps, total_steps)
-    with torch.no_grad():  # fold the input scale into the weights: the SAE reads raw activations
-        W_enc = params["W_enc"] * scale
-        W_dec = params["W_dec"] / scale
-        b_dec = params["b_dec"] / scale
-        b_enc = params["b_enc"].clone()
-    arch = "jumprelu" if settings.architecture == "batchtopk" else "topk"
-    cfg = SaeConfig(
-        architecture=arch,
-        d_in=d,
-        d_sae=settings.d_sae,
-        hook_name=hook_name,
-        k=settings.k if arch == "topk" else None,
-        model_name=model_name,
-    )
-    thr = torch.full((settings.d_sae,), float(threshold or 0.0)) if arch == "jumprelu" else None
-    sae = Sae(cfg, W_enc, b_enc, W_dec, b_dec, thr)
+    sae = _trained_sae(params, scale, settings, d, hook_name, model_name, threshold)
     log = {
         "steps": steps,
         "tokens_seen": seen,

@@ -102,60 +102,14 @@ def estimate(
     n_layers = len(adapter.layers)
     saved: dict = {}
     layer_inputs: dict = {}
-    patterns: list = []
     state: dict = {}
     with ExitStack() as stack, torch.enable_grad():
-        emb = model.get_input_embeddings()
-        stack.callback(
-            emb.register_forward_hook(
-                lambda m, a, o: None if o.requires_grad else o.detach().requires_grad_(True)
-            ).remove
-        )
-        for kind, layer in kinds:
-            if kind == "layer":
-                block = adapter.layers[layer]
-                stack.callback(
-                    block.register_forward_pre_hook(
-                        lambda m, a, k, layer=layer: layer_inputs.__setitem__(layer, a[0] if a else k["hidden_states"]),
-                        with_kwargs=True,
-                    ).remove
-                )
-                stack.callback(
-                    read_component(
-                        adapter, "resid", layer, lambda x, layer=layer: saved.__setitem__(("layer", layer), x)
-                    ).remove
-                )
-            else:
-                stack.callback(
-                    read_component(adapter, kind, layer, lambda x, key=(kind, layer): saved.__setitem__(key, x)).remove
-                )
-        if graddrop:
-            for layer in range(n_layers):
-                for kind in ("attn", "mlp"):
-                    stack.callback(
-                        edit_component(adapter, kind, layer, lambda x, layer=layer: _Drop.apply(x, layer, state)).remove
-                    )
+        _hook_components(stack, adapter, kinds, saved, layer_inputs, state if graddrop else None)
         want_patterns = any(c.component == "position" for c in cells)
         if want_patterns and K != 1:
             raise ValueError("position cells are estimated one sequence at a time")
         x = torch.tensor([row[:T] for row in ids], dtype=torch.long, device=device)
-        out = model(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            use_cache=False,
-            logits_to_keep=last + 1,
-            output_attentions=want_patterns,
-        )
-        logits = out.logits.float()  # [K, steps 0..last, V]
-        if want_patterns:
-            patterns = list(out.attentions or [])
-            if len(patterns) != n_layers or any(p is None for p in patterns):
-                from ...exits.errors import SpecError
-
-                raise SpecError(
-                    "--over positions --method attribution needs the attention pattern: load the model "
-                    "with eager attention"
-                )
+        logits, patterns = _forward(model, x, last, want_patterns, n_layers)
         deltas = _deltas(cells, saved, layer_inputs, edit, means or {}, sources, edit_start, T)
         tensors = list(saved) + (["pattern"] if patterns else [])
         inputs = [saved[k] for k in saved] + patterns
@@ -184,6 +138,65 @@ def estimate(
         )
         for q in range(K)
     ]
+
+
+def _hook_components(stack: ExitStack, adapter, kinds, saved: dict, layer_inputs: dict, drop_state) -> None:
+    """Hooks (removed by `stack`) that make the input embeddings a leaf needing grad and read every component
+    in `kinds` into `saved` ((kind, layer) -> tensor; a `layer` cell its block's output, its input into
+    `layer_inputs`); with `drop_state` (GradDrop) every layer's attention and MLP output pass through `_Drop`."""
+    emb = adapter.model.get_input_embeddings()
+    stack.callback(
+        emb.register_forward_hook(lambda m, a, o: None if o.requires_grad else o.detach().requires_grad_(True)).remove
+    )
+    for kind, layer in kinds:
+        if kind == "layer":
+            block = adapter.layers[layer]
+            stack.callback(
+                block.register_forward_pre_hook(
+                    lambda m, a, k, layer=layer: layer_inputs.__setitem__(layer, a[0] if a else k["hidden_states"]),
+                    with_kwargs=True,
+                ).remove
+            )
+            stack.callback(
+                read_component(
+                    adapter, "resid", layer, lambda x, layer=layer: saved.__setitem__(("layer", layer), x)
+                ).remove
+            )
+        else:
+            stack.callback(
+                read_component(adapter, kind, layer, lambda x, key=(kind, layer): saved.__setitem__(key, x)).remove
+            )
+    if drop_state is not None:
+        for layer in range(len(adapter.layers)):
+            for kind in ("attn", "mlp"):
+                stack.callback(
+                    edit_component(
+                        adapter, kind, layer, lambda x, layer=layer: _Drop.apply(x, layer, drop_state)
+                    ).remove
+                )
+
+
+def _forward(model, x: torch.Tensor, last: int, want_patterns: bool, n_layers: int) -> tuple[torch.Tensor, list]:
+    """(logits [K, steps 0..last, V] as float, every layer's attention pattern when `want_patterns` else [])
+    of the unedited forward over `x`."""
+    out = model(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        use_cache=False,
+        logits_to_keep=last + 1,
+        output_attentions=want_patterns,
+    )
+    logits = out.logits.float()  # [K, steps 0..last, V]
+    patterns: list = []
+    if want_patterns:
+        patterns = list(out.attentions or [])
+        if len(patterns) != n_layers or any(p is None for p in patterns):
+            from ...exits.errors import SpecError
+
+            raise SpecError(
+                "--over positions --method attribution needs the attention pattern: load the model with eager attention"
+            )
+    return logits, patterns
 
 
 def _graddrop(tensors, inputs, scalar, est, deltas, position_delta, cells, adapter, state, n_layers, q) -> np.ndarray:

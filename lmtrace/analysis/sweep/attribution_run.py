@@ -50,49 +50,23 @@ def check(spec, metrics) -> None:
 
 def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: str, note) -> dict:
     """Estimate and commit this shard's blocks (one per sequence) not committed yet."""
-    from .attribution import COMPONENT_KIND, estimate
-    from .engine import capture_source
+    from .attribution import estimate
 
     view = inp.view
     tol = 1e-3 if inp.parent.manifest.get("dtype") == "float32" else 5e-2
     stop = StopFlag()
     baseline_check, source_baseline, n_done = {}, {}, 0
     pending = [(s, j, cells) for s, j, cells in mine if not _path(partial, s, j).exists()]
-    wanted = {
-        ("layer" if c.component == "layer" else COMPONENT_KIND[c.component], c.layer)
-        for c in inp.cells
-        if c.component != "position"
-    }
-    wanted = {("resid", layer) if kind == "layer" else (kind, layer) for kind, layer in wanted}
-    positions = any(c.component == "position" for c in inp.cells)
-    packs: list[list] = []  # sequences of one layout (prompt length, steps), estimated in one forward
-    for blk in pending:
-        s = blk[0]
-        layout = (len(view.prompt_ids[s]), inp.seq_steps[s])
-        last = packs[-1] if packs else None
-        limit = 1 if positions else max(1, min(MAX_PACK, PACK_TOKENS // (layout[0] + max(layout[1]))))
-        if last and len(last) < limit and last[0][0] == layout:
-            last.append((layout, blk))
-        else:
-            packs.append([(layout, blk)])
+    wanted = _source_components(inp.cells)
+    packs = _layout_packs(inp, pending)
     with stop.installed():
         for pack in packs:
             (P, steps), cells = pack[0][0], pack[0][1][2]
             seqs = [blk[0] for _, blk in pack]
             T = P + max(steps)
-            sources, src_logits = None, None
+            sids, sources, src_logits = {}, None, None
             if spec.edit == "patch":
-                sids = {
-                    s: inp.source_view.prompt_ids[inp.pairs[s][0]] + inp.source_view.generated[inp.pairs[s][0]]
-                    for s in seqs
-                }
-                found = (
-                    [capture_source(adapter, [sids[s][:T]], wanted, max(steps) + 1) for s in seqs]
-                    if any(len(sids[s]) < T for s in seqs)
-                    else [capture_source(adapter, [sids[s][:T] for s in seqs], wanted, max(steps) + 1)]
-                )
-                sources = [src for srcs, _ in found for src in srcs]
-                src_logits = torch.cat([lg for _, lg in found])
+                sids, sources, src_logits = _patch_sources(inp, adapter, seqs, T, wanted, steps)
             ests = estimate(
                 adapter,
                 [view.prompt_ids[s] + view.generated[s] for s in seqs],
@@ -108,40 +82,10 @@ def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: 
                 graddrop=spec.graddrop,
             )
             for k, (s, est) in enumerate(zip(seqs, ests)):
-                tokens = view.generated[s]
-                base = est.base_logits  # row st: step st
-                lp = base.log_softmax(-1)
-                diff = max(abs(float(lp[st, tokens[st]]) - view.logprob[s][st]) for st in steps)
-                if diff > tol:
-                    raise SweepError(
-                        f"sequence {s}: the unedited forward's log-probs differ from the archived ones by "
-                        f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run "
-                        f"{inp.parent.id}"
-                    )
-                baseline_check[s] = diff
-                base_metrics = {key: v[0] for key, v in engine.measure(base[None], base, steps, tokens, 0).items()}
-                pair = normalised = None
-                if sources is not None:
-                    t, pair_id = inp.pairs[s]
-                    if len(sids[s]) >= T:
-                        own = {
-                            key: v[0] for key, v in engine.measure(src_logits[k][None], base, steps, tokens, 0).items()
-                        }
-                        source_baseline[str(s)] = {m.key: own[m.key].tolist() for m in inp.metrics if m.tokens}
-                    else:
-                        own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
-                    pair = PairColumns(pair_id, t, own)
-                    normalised = {
-                        key: normalised_effect(v, base_metrics[key][None], own[key][None])
-                        for key, v in est.values.items()
-                    }
-                table = block_table(cells, s, steps, est.values, base_metrics, pair, normalised)
-                drop = (
-                    np.concatenate([est.graddrop[m.key].reshape(-1) for m in inp.metrics])
-                    if est.graddrop is not None
-                    else np.full(table.num_rows, np.nan)
-                )
-                write_block(with_extra(table, drop), _path(partial, s, pack[k][1][1]))
+                baseline_check[s] = _baseline_diff(inp, s, est.base_logits, steps, tol)
+                source = None if src_logits is None else (src_logits, k, len(sids[s]) >= T)
+                table = _block_table(inp, engine, s, steps, cells, est, source, source_baseline)
+                write_block(table, _path(partial, s, pack[k][1][1]))
                 n_done += 1
             note(
                 f"block {n_done}/{len(pending)} ({len(cells)} cells estimated on {len(seqs)} sequence(s) from "
@@ -153,6 +97,94 @@ def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: 
                     f"with the same command and --run-id {sweep_id} --resume"
                 )
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
+
+
+def _source_components(cells) -> set:
+    """The (kind, layer) components a patch source is captured at for `cells` (a `layer` cell: its residual)."""
+    from .attribution import COMPONENT_KIND
+
+    wanted = {
+        ("layer" if c.component == "layer" else COMPONENT_KIND[c.component], c.layer)
+        for c in cells
+        if c.component != "position"
+    }
+    return {("resid", layer) if kind == "layer" else (kind, layer) for kind, layer in wanted}
+
+
+def _layout_packs(inp, pending: list) -> list[list]:
+    """The pending blocks grouped into packs of consecutive sequences of one layout (prompt length, steps),
+    each estimated in one forward: at most MAX_PACK sequences and PACK_TOKENS positions (one with positions)."""
+    positions = any(c.component == "position" for c in inp.cells)
+    packs: list[list] = []
+    for blk in pending:
+        s = blk[0]
+        layout = (len(inp.view.prompt_ids[s]), inp.seq_steps[s])
+        last = packs[-1] if packs else None
+        limit = 1 if positions else max(1, min(MAX_PACK, PACK_TOKENS // (layout[0] + max(layout[1]))))
+        if last and len(last) < limit and last[0][0] == layout:
+            last.append((layout, blk))
+        else:
+            packs.append([(layout, blk)])
+    return packs
+
+
+def _patch_sources(inp, adapter, seqs: list[int], T: int, wanted: set, steps) -> tuple[dict, list, torch.Tensor]:
+    """(sequence -> its source's token ids, each sequence's SourceValues, the sources' logits) of a pack: the
+    pair sources captured together, or one at a time when a source is shorter than T."""
+    from .engine import capture_source
+
+    sids = {s: inp.source_view.prompt_ids[inp.pairs[s][0]] + inp.source_view.generated[inp.pairs[s][0]] for s in seqs}
+    found = (
+        [capture_source(adapter, [sids[s][:T]], wanted, max(steps) + 1) for s in seqs]
+        if any(len(sids[s]) < T for s in seqs)
+        else [capture_source(adapter, [sids[s][:T] for s in seqs], wanted, max(steps) + 1)]
+    )
+    sources = [src for srcs, _ in found for src in srcs]
+    return sids, sources, torch.cat([lg for _, lg in found])
+
+
+def _baseline_diff(inp, s: int, base: torch.Tensor, steps, tol: float) -> float:
+    """The largest difference between the unedited forward's log-probs (`base`, row st: step st) of sequence s's
+    tokens and the archived ones; a SweepError when over `tol`."""
+    tokens = inp.view.generated[s]
+    lp = base.log_softmax(-1)
+    diff = max(abs(float(lp[st, tokens[st]]) - inp.view.logprob[s][st]) for st in steps)
+    if diff > tol:
+        raise SweepError(
+            f"sequence {s}: the unedited forward's log-probs differ from the archived ones by "
+            f"{diff:.2e} (> {tol}); the model or its settings do not reproduce run "
+            f"{inp.parent.id}"
+        )
+    return diff
+
+
+def _block_table(inp, engine, s: int, steps, cells, est, source, source_baseline: dict) -> pa.Table:
+    """Sequence s's block with the attribution columns. source: None without --edit patch, else (the pack's
+    source logits, s's row in them, whether s's source covers every position); a full source's own metrics go
+    into `source_baseline`."""
+    tokens = inp.view.generated[s]
+    base = est.base_logits  # row st: step st
+    base_metrics = {key: v[0] for key, v in engine.measure(base[None], base, steps, tokens, 0).items()}
+    pair = normalised = None
+    if source is not None:
+        src_logits, k, full = source
+        t, pair_id = inp.pairs[s]
+        if full:
+            own = {key: v[0] for key, v in engine.measure(src_logits[k][None], base, steps, tokens, 0).items()}
+            source_baseline[str(s)] = {m.key: own[m.key].tolist() for m in inp.metrics if m.tokens}
+        else:
+            own = {m.key: np.full(len(steps), np.nan) for m in inp.metrics}
+        pair = PairColumns(pair_id, t, own)
+        normalised = {
+            key: normalised_effect(v, base_metrics[key][None], own[key][None]) for key, v in est.values.items()
+        }
+    table = block_table(cells, s, steps, est.values, base_metrics, pair, normalised)
+    drop = (
+        np.concatenate([est.graddrop[m.key].reshape(-1) for m in inp.metrics])
+        if est.graddrop is not None
+        else np.full(table.num_rows, np.nan)
+    )
+    return with_extra(table, drop)
 
 
 def _path(partial: Path, s: int, j: int) -> Path:

@@ -65,70 +65,12 @@ def build_cells(
         bad = [p for p in positions if p < 0]
         if bad:
             raise SpecError(f"positions: {bad} are negative")
-
-    def layer_ok(layer: int) -> int:
-        if not 0 <= layer < n_layers:
-            raise SpecError(f"--over {over}: layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
-        return layer
-
-    cells: list[Cell] = []
     if over in OVER_SIMPLE:
-        comp = OVER_SIMPLE[over]
-        if comp == "position":
-            if edit != "zero":
-                raise SpecError(
-                    "--over positions hides one position at a time from every query (intervene's "
-                    "mask_positions); it takes --edit zero. To patch positions use --over resid:A-B"
-                )
-            for p in positions if positions is not None else range(prompt_len):
-                cells.append(Cell("position", position=p))
-        else:
-            if comp == "layer" and edit == "patch":
-                raise SpecError(
-                    "--over layers --edit patch would replace the whole residual stream; patch it at "
-                    "single positions with --over resid:A-B"
-                )
-            base = (
-                [Cell("head", layer, h) for layer in range(n_layers) for h in range(n_heads)]
-                if comp == "head"
-                else [Cell(comp, layer) for layer in range(n_layers)]
-            )
-            cells = (
-                base
-                if positions is None
-                else [Cell(c.component, c.layer, c.head, c.neuron, p) for c in base for p in positions]
-            )
+        cells = _simple_cells(OVER_SIMPLE[over], edit, positions, n_layers, n_heads, prompt_len)
     elif over.startswith("neurons:"):
-        try:
-            layer = int(over.split(":", 1)[1])
-        except ValueError:
-            raise SpecError(f"--over {over!r}: expected neurons:LAYER, e.g. neurons:7") from None
-        layer_ok(layer)
-        if not d_ffn:
-            raise SpecError(f"--over {over}: this model has no single MLP down-projection (d_ffn unknown)")
-        if edit == "patch":
-            raise SpecError("--over neurons: takes --edit zero or mean")
-        base = [Cell("neuron", layer, neuron=n) for n in range(d_ffn)]
-        cells = (
-            base
-            if positions is None
-            else [Cell("neuron", layer, neuron=c.neuron, position=p) for c in base for p in positions]
-        )
+        cells = _neuron_cells(over, edit, positions, n_layers, d_ffn)
     elif over.startswith("resid:"):
-        if edit != "patch":
-            raise SpecError(
-                "--over resid:A-B patches the residual stream at one position at a time; it takes "
-                "--edit patch --source RUN_B"
-            )
-        layers = _range_list(over.split(":", 1)[1], f"--over {over}")
-        if not layers:
-            raise SpecError(f"--over {over!r}: expected resid:A-B, e.g. resid:0-29")
-        for layer in layers:
-            layer_ok(layer)
-        default = edited if edited is not None else range(prompt_len)
-        for layer in sorted(set(layers)):
-            for p in positions if positions is not None else default:
-                cells.append(Cell("resid", layer, position=p))
+        cells = _resid_cells(over, edit, positions, n_layers, edited if edited is not None else range(prompt_len))
     else:
         raise SpecError(f"--over {over!r}: expected heads, attn, mlp, layers, neurons:LAYER, positions or resid:A-B")
     if not cells:
@@ -136,3 +78,71 @@ def build_cells(
     return sorted(
         cells, key=lambda c: (c.start_layer(), c.head or 0, c.neuron or 0, -1 if c.position is None else c.position)
     )
+
+
+def _layer_ok(over: str, layer: int, n_layers: int) -> int:
+    if not 0 <= layer < n_layers:
+        raise SpecError(f"--over {over}: layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
+    return layer
+
+
+def _simple_cells(comp: str, edit: str, positions, n_layers: int, n_heads: int, prompt_len: int) -> list[Cell]:
+    """The cells of `--over heads | attn | mlp | layers | positions` (component `comp`), each at every position or,
+    with `positions`, once per listed position; positions default to the prompt's."""
+    if comp == "position":
+        if edit != "zero":
+            raise SpecError(
+                "--over positions hides one position at a time from every query (intervene's "
+                "mask_positions); it takes --edit zero. To patch positions use --over resid:A-B"
+            )
+        return [Cell("position", position=p) for p in (positions if positions is not None else range(prompt_len))]
+    if comp == "layer" and edit == "patch":
+        raise SpecError(
+            "--over layers --edit patch would replace the whole residual stream; patch it at "
+            "single positions with --over resid:A-B"
+        )
+    base = (
+        [Cell("head", layer, h) for layer in range(n_layers) for h in range(n_heads)]
+        if comp == "head"
+        else [Cell(comp, layer) for layer in range(n_layers)]
+    )
+    if positions is None:
+        return base
+    return [Cell(c.component, c.layer, c.head, c.neuron, p) for c in base for p in positions]
+
+
+def _neuron_cells(over: str, edit: str, positions, n_layers: int, d_ffn: int) -> list[Cell]:
+    """The cells of `--over neurons:LAYER`: every MLP neuron of the layer (per position with `positions`)."""
+    try:
+        layer = int(over.split(":", 1)[1])
+    except ValueError:
+        raise SpecError(f"--over {over!r}: expected neurons:LAYER, e.g. neurons:7") from None
+    _layer_ok(over, layer, n_layers)
+    if not d_ffn:
+        raise SpecError(f"--over {over}: this model has no single MLP down-projection (d_ffn unknown)")
+    if edit == "patch":
+        raise SpecError("--over neurons: takes --edit zero or mean")
+    base = [Cell("neuron", layer, neuron=n) for n in range(d_ffn)]
+    if positions is None:
+        return base
+    return [Cell("neuron", layer, neuron=c.neuron, position=p) for c in base for p in positions]
+
+
+def _resid_cells(over: str, edit: str, positions, n_layers: int, default) -> list[Cell]:
+    """The cells of `--over resid:A-B`: the residual stream after each listed layer at each position (`positions`,
+    else `default`)."""
+    if edit != "patch":
+        raise SpecError(
+            "--over resid:A-B patches the residual stream at one position at a time; it takes "
+            "--edit patch --source RUN_B"
+        )
+    layers = _range_list(over.split(":", 1)[1], f"--over {over}")
+    if not layers:
+        raise SpecError(f"--over {over!r}: expected resid:A-B, e.g. resid:0-29")
+    for layer in layers:
+        _layer_ok(over, layer, n_layers)
+    return [
+        Cell("resid", layer, position=p)
+        for layer in sorted(set(layers))
+        for p in (positions if positions is not None else default)
+    ]
