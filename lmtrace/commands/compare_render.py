@@ -308,21 +308,32 @@ def _print_after_divergence(cmp, console: Console) -> None:
         )
 
 
-def comparison_markdown(cmp, top: int = 10) -> str:
-    """A small markdown report of a `Comparison` (lmtrace.analysis.compare) (written as report.md by --out)."""
+def _md_cell(x) -> str:
+    """`x` as text safe inside a markdown table cell (pipes escaped, newlines shown as ⏎)."""
+    return str(x).replace("|", "\\|").replace("\n", "⏎")
 
-    def cell(x) -> str:
-        return str(x).replace("|", "\\|").replace("\n", "⏎")
 
-    lines = ["# lmtrace compare", "", f"- {cell(_cmp_run_line('A', cmp.a))}", f"- {cell(_cmp_run_line('B', cmp.b))}"]
+def _md_header(cmp) -> list[str]:
+    """The report's title, the two runs, their spec differences, the pairing, the verdict and the notes."""
+    lines = [
+        "# lmtrace compare",
+        "",
+        f"- {_md_cell(_cmp_run_line('A', cmp.a))}",
+        f"- {_md_cell(_cmp_run_line('B', cmp.b))}",
+    ]
     if cmp.spec_differences:
         lines.append(
             "- differences: "
-            + "; ".join(f"`{d['key']}`: {cell(d['a'])} → {cell(d['b'])}" for d in cmp.spec_differences)
+            + "; ".join(f"`{d['key']}`: {_md_cell(d['a'])} → {_md_cell(d['b'])}" for d in cmp.spec_differences)
         )
-    lines += [f"- {cell(_cmp_pairing_line(cmp))}", "", f"**{cell(cmp.verdict)}**", ""]
-    lines += [f"> note: {cell(n)}" for n in cmp.notes]
-    lines += [
+    lines += [f"- {_md_cell(_cmp_pairing_line(cmp))}", "", f"**{_md_cell(cmp.verdict)}**", ""]
+    lines += [f"> note: {_md_cell(n)}" for n in cmp.notes]
+    return lines
+
+
+def _md_pairs(cmp) -> list[str]:
+    """The sequence-pairs table, then the text of every pair that diverges or was prompted differently."""
+    lines = [
         "",
         "## Sequence pairs",
         "",
@@ -334,7 +345,7 @@ def comparison_markdown(cmp, top: int = 10) -> str:
         where, ta, tb = _cmp_divergence_cells(p)
         agree = "–" if f.get("top1_agreement") is None else f"{f['top1_agreement']:.0%}"
         lines.append(
-            f"| {p['pair']} | {p['seq_a']}↔{p['seq_b']} | {cell(where)} | {cell(ta)} | {cell(tb)} | "
+            f"| {p['pair']} | {p['seq_a']}↔{p['seq_b']} | {_md_cell(where)} | {_md_cell(ta)} | {_md_cell(tb)} | "
             f"{p['paired_steps']} | {_cmp_num(f.get('mean_kl_ab'))} | {_cmp_num(f.get('max_js'))} | {agree} |"
         )
     for p in cmp.pairs:
@@ -343,48 +354,64 @@ def comparison_markdown(cmp, top: int = 10) -> str:
         d = p["first_divergence"]
         lines += ["", f"### Pair {p['pair']}" + (f" — diverges at step {d['step']}" if d else ""), ""]
         if d and d.get("explanation"):
-            lines += [cell(d["explanation"]), ""]
+            lines += [_md_cell(d["explanation"]), ""]
         lines += [
             "| | text |",
             "|---|---|",
-            f"| shared | {cell(p['text']['common'])} |",
-            f"| A | {cell(p['text']['a'])} |",
-            f"| B | {cell(p['text']['b'])} |",
+            f"| shared | {_md_cell(p['text']['common'])} |",
+            f"| A | {_md_cell(p['text']['a'])} |",
+            f"| B | {_md_cell(p['text']['b'])} |",
         ]
+    return lines
+
+
+def _md_steps(cmp, top: int) -> list[str]:
+    """The table of the `top` steps whose next-token distribution changed most (nothing when none)."""
     steps = _cmp_top_steps(cmp, top)
-    if steps:
-        lines += [
-            "",
-            "## Steps whose next-token distribution changed most",
-            "",
-            "| pair | step | chosen (A / B) | JS | KL(A‖B) | Δ entropy | Δ margin | top-1 agree |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in steps:
-            lines.append(
-                f"| {r['pair']} | {r['step']} | {cell(_cmp_chosen(r))} | {_cmp_num(r['js'])} | {_cmp_num(r['kl_ab'])} | "
-                f"{_cmp_num(r['entropy_delta'])} | {_cmp_num(r['margin_delta'])} | {'yes' if r['top1_agree'] else 'no'} |"
-            )
-    if cmp.layers:
-        start = (
-            "no layer changed"
-            if cmp.first_changed_layer is None
-            else f"changes start at layer {cmp.first_changed_layer}"
+    if not steps:
+        return []
+    lines = [
+        "",
+        "## Steps whose next-token distribution changed most",
+        "",
+        "| pair | step | chosen (A / B) | JS | KL(A‖B) | Δ entropy | Δ margin | top-1 agree |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in steps:
+        lines.append(
+            f"| {r['pair']} | {r['step']} | {_md_cell(_cmp_chosen(r))} | {_cmp_num(r['js'])} | {_cmp_num(r['kl_ab'])} | "
+            f"{_cmp_num(r['entropy_delta'])} | {_cmp_num(r['margin_delta'])} | {'yes' if r['top1_agree'] else 'no'} |"
         )
-        lines += [
-            "",
-            f"## Layers (paired steps; {start})",
-            "",
-            "| layer | Δ layer-output norm (rel) | Δ resid norm (rel) | attn JS mean | lens winner changes | Δ margin contrib |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in cmp.layers[:top]:
-            lines.append(
-                f"| {r['layer']} | {_cmp_num(r['delta_norm_rel_change'])} | {_cmp_num(r['resid_norm_rel_change'])} | "
-                f"{_cmp_num(r['attn_js_mean'])} | {_cmp_num(r['lens_changes'])} | "
-                f"{_cmp_num(r['margin_contrib_abs_delta'])} |"
-            )
+    return lines
+
+
+def _md_layers(cmp, top: int) -> list[str]:
+    """The per-layer table of the first `top` layers, headed by where changes start (nothing without layers)."""
+    if not cmp.layers:
+        return []
+    start = (
+        "no layer changed" if cmp.first_changed_layer is None else f"changes start at layer {cmp.first_changed_layer}"
+    )
+    lines = [
+        "",
+        f"## Layers (paired steps; {start})",
+        "",
+        "| layer | Δ layer-output norm (rel) | Δ resid norm (rel) | attn JS mean | lens winner changes | Δ margin contrib |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in cmp.layers[:top]:
+        lines.append(
+            f"| {r['layer']} | {_cmp_num(r['delta_norm_rel_change'])} | {_cmp_num(r['resid_norm_rel_change'])} | "
+            f"{_cmp_num(r['attn_js_mean'])} | {_cmp_num(r['lens_changes'])} | "
+            f"{_cmp_num(r['margin_contrib_abs_delta'])} |"
+        )
+    return lines
+
+
+def _md_heads(cmp, top: int) -> list[str]:
+    """The `top` heads whose attention rows differ, or a line saying none does (nothing without heads)."""
     heads = [r for r in cmp.heads if r["attn_js_mean"] > 0]
+    lines = []
     if cmp.heads and not heads:
         lines += ["", "## Heads", "", f"No attention row differs at any paired step ({len(cmp.heads)} heads)."]
     if heads:
@@ -393,6 +420,12 @@ def comparison_markdown(cmp, top: int = 10) -> str:
             lines.append(
                 f"| {r['layer']}.{r['q_head']} | {_cmp_num(r['attn_js_mean'])} | {_cmp_num(r['attn_js_max'])} |"
             )
+    return lines
+
+
+def comparison_markdown(cmp, top: int = 10) -> str:
+    """A small markdown report of a `Comparison` (lmtrace.analysis.compare) (written as report.md by --out)."""
+    lines = _md_header(cmp) + _md_pairs(cmp) + _md_steps(cmp, top) + _md_layers(cmp, top) + _md_heads(cmp, top)
     lines += [
         "",
         "KL/JS are in nats over the tokens stored on both sides plus one tail bucket (lower bounds of the "

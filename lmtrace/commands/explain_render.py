@@ -34,107 +34,136 @@ def _top(scores: np.ndarray, top: int) -> np.ndarray:
     return np.argsort(-np.nan_to_num(np.abs(scores), nan=-1.0), kind="stable")[:top]
 
 
-def render(result: "ExplainResult", console=None, top: int = 10) -> None:
-    from rich.console import Console
+def _print_heading(console, e, s) -> None:
+    """The rule naming the sequence, step and method, then the target token, runner-up and what is scored."""
+    from rich.text import Text
+
+    m = METHODS[e.method]
+    what = f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position"
+    console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
+    head = Text("target token ")
+    head.append(repr(e.target_text), style="bold")
+    head.append(f" (id {e.chosen_id})")
+    if m.needs_model:
+        head.append("; runner-up ")
+        head.append(repr(e.runner_up_text), style="bold")
+        head.append(f" (id {e.runner_up_id})")
+    head.append(f"; scoring {what}")
+    console.print(head)
+
+
+def _print_facts(console, e) -> None:
+    """The explanation's numbers (f(x), sums, errors, log-probabilities) that it has, on one dim line."""
+    from rich.text import Text
+
+    facts = []
+    for key in (
+        "f_x",
+        "f_baseline",
+        "sum_scores",
+        "completeness_error",
+        "bias_relevance",
+        "conservation_error",
+        "recomputed_logprob",
+        "archived_logprob",
+    ):
+        if key in e.info and e.info[key] is not None:
+            facts.append(f"{key}={e.info[key]:.4g}")
+    if facts:
+        console.print(Text("  ".join(facts), style="dim"))
+
+
+def _print_checks(console, e, s) -> None:
+    """Whether integrated gradients converged / the method conserved, and the top heads where scored."""
+    from rich.text import Text
+
+    if "converged" in e.info:
+        rel = e.info.get("completeness_error_relative")
+        if e.info["converged"]:
+            console.print(
+                Text(
+                    f"converged: completeness error {percent(rel)} ≤ {s.ig_tolerance:.0%} of "
+                    f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)",
+                    style="dim",
+                )
+            )
+        else:
+            console.print(
+                Text(
+                    f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
+                    f"'When a result did not converge'",
+                    style="bold yellow",
+                )
+            )
+    if "conserved" in e.info:
+        rel, tol = e.info.get("conservation_error_relative"), e.info.get("conservation_tolerance")
+        if e.info["conserved"]:
+            console.print(
+                Text(
+                    f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} ≤ {tol:g}", style="dim"
+                )
+            )
+        else:
+            why = METHODS[e.method].failed_check(e.info, s) or ""
+            console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
+    if "heads" in e.components:
+        tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
+        console.print(Text(f"top heads by |relevance|: {tops}", style="dim"))
+
+
+def _print_context(console, e) -> None:
+    """The context coloured by score (generated tokens underlined), then the target token."""
+    from rich.text import Text
+
+    finite = np.abs(e.scores[np.isfinite(e.scores)])
+    scale = float(finite.max()) if finite.size else 0.0
+    text = Text()
+    for i, (tok, sc) in enumerate(zip(e.token_texts, e.scores)):
+        style = _background(float(sc), scale)
+        if not e.is_prompt[i]:
+            style += " underline"
+        text.append(_show_token(tok), style=style)
+    text.append(" → ", style="dim")
+    text.append(_show_token(e.target_text), style="bold reverse")
+    console.print(text)
+
+
+def _print_top_positions(console, e, top: int) -> None:
+    """The table of the `top` positions by |score| with each one's share of the total |score|."""
     from rich.table import Table
+    from rich.text import Text
+
+    order = _top(e.scores, top)
+    table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
+    for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"), ("share", "right")):
+        table.add_column(col, justify=just)
+    denom = float(np.nansum(np.abs(e.scores))) or 1.0
+    for rank, i in enumerate(order):
+        sc = float(e.scores[i])
+        table.add_row(
+            str(rank + 1),
+            str(int(i)) + ("" if e.is_prompt[i] else "*"),
+            repr(e.token_texts[i]),
+            Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"),
+            f"{abs(sc) / denom:.0%}",
+        )
+    console.print(table)
+
+
+def render(result: "ExplainResult", console=None, top: int = 10) -> None:
+    """Print an `ExplainResult`: per explanation its heading, figures, checks, coloured context and top positions."""
+    from rich.console import Console
     from rich.text import Text
 
     console = console or Console()
     s = result.settings
     console.print(f"[bold]explain {result.explain_id}[/bold] of run {result.run_id} -> {result.path}")
     for e in result.explanations:
-        m = METHODS[e.method]
-        what = f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position"
-        console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
-        head = Text("target token ")
-        head.append(repr(e.target_text), style="bold")
-        head.append(f" (id {e.chosen_id})")
-        if m.needs_model:
-            head.append("; runner-up ")
-            head.append(repr(e.runner_up_text), style="bold")
-            head.append(f" (id {e.runner_up_id})")
-        head.append(f"; scoring {what}")
-        console.print(head)
-        facts = []
-        for key in (
-            "f_x",
-            "f_baseline",
-            "sum_scores",
-            "completeness_error",
-            "bias_relevance",
-            "conservation_error",
-            "recomputed_logprob",
-            "archived_logprob",
-        ):
-            if key in e.info and e.info[key] is not None:
-                facts.append(f"{key}={e.info[key]:.4g}")
-        if facts:
-            console.print(Text("  ".join(facts), style="dim"))
-        if "converged" in e.info:
-            rel = e.info.get("completeness_error_relative")
-            if e.info["converged"]:
-                console.print(
-                    Text(
-                        f"converged: completeness error {percent(rel)} ≤ {s.ig_tolerance:.0%} of "
-                        f"|f(x) − f(baseline)| ({e.info.get('gradient_points')} gradient points)",
-                        style="dim",
-                    )
-                )
-            else:
-                console.print(
-                    Text(
-                        f"NOT CONVERGED: {ig_shortfall(e.info, s.ig_tolerance)}; see docs/explain.md, "
-                        f"'When a result did not converge'",
-                        style="bold yellow",
-                    )
-                )
-        if "conserved" in e.info:
-            rel, tol = e.info.get("conservation_error_relative"), e.info.get("conservation_tolerance")
-            if e.info["conserved"]:
-                console.print(
-                    Text(
-                        f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} ≤ {tol:g}",
-                        style="dim",
-                    )
-                )
-            else:
-                why = METHODS[e.method].failed_check(e.info, s) or ""
-                console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
-        if "heads" in e.components:
-            tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
-            console.print(Text(f"top heads by |relevance|: {tops}", style="dim"))
-        finite = np.abs(e.scores[np.isfinite(e.scores)])
-        scale = float(finite.max()) if finite.size else 0.0
-        text = Text()
-        for i, (tok, sc) in enumerate(zip(e.token_texts, e.scores)):
-            style = _background(float(sc), scale)
-            if not e.is_prompt[i]:
-                style += " underline"
-            text.append(_show_token(tok), style=style)
-        text.append(" → ", style="dim")
-        text.append(_show_token(e.target_text), style="bold reverse")
-        console.print(text)
-        order = _top(e.scores, top)
-        table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
-        for col, just in (
-            ("#", "right"),
-            ("position", "right"),
-            ("token", "left"),
-            ("score", "right"),
-            ("share", "right"),
-        ):
-            table.add_column(col, justify=just)
-        denom = float(np.nansum(np.abs(e.scores))) or 1.0
-        for rank, i in enumerate(order):
-            sc = float(e.scores[i])
-            table.add_row(
-                str(rank + 1),
-                str(int(i)) + ("" if e.is_prompt[i] else "*"),
-                repr(e.token_texts[i]),
-                Text(f"{sc:+.4g}", style="green" if sc >= 0 else "red"),
-                f"{abs(sc) / denom:.0%}",
-            )
-        console.print(table)
+        _print_heading(console, e, s)
+        _print_facts(console, e)
+        _print_checks(console, e, s)
+        _print_context(console, e)
+        _print_top_positions(console, e, top)
     console.print(Text(legend(console.color_system is not None), style="dim"))
 
 

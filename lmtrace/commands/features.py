@@ -100,6 +100,69 @@ def compute_features(
         owner.release()
 
 
+def _verify_inputs(run: Run, manifest: dict, use_archive: bool) -> None:
+    """Check the checksums of what the computation reads (resid vectors or the token tables); ArchiveError if damaged."""
+    from ..archive.damage import damaged_message
+    from ..archive.integrity import verify
+
+    reads = (
+        (f"{layout.TENSORS}/resid/",) if use_archive else tuple(layout.table_file(t) for t in ("tokens", "sequences"))
+    ) + (f"{layout.TENSORS}/generated_len/",)
+    problems, _, _ = verify(run.path, manifest, prefix=reads)
+    if problems:
+        raise ArchiveError(damaged_message(run.id, problems[0]))
+
+
+def _open_arrays(run: Run, manifest: dict, name: str, top_k: int, width: int, prompt: bool):
+    """The `FeatureArrays` that take SAE `name`'s latents, shaped like the run's other arrays."""
+    from ..archive.feature_arrays import FeatureArrays
+    from ..archive.layout import FeatureShape
+
+    shape = manifest["shape"]
+    sizes = {
+        "sequence": shape["n_sequences"],
+        "step": shape["n_steps"],
+        "prompt_pos": shape["max_prompt"],
+        "k_feat": width,
+    }
+    return FeatureArrays(
+        run.path,
+        _like_array(run, manifest),
+        FeatureShape(name, top_k, prompt),
+        sizes,
+        manifest["spec_resolved"]["output"],
+    )
+
+
+def _feature_entry(
+    path: Path, sae, site, sha: str, name: str, top_k: int, prompt: bool, where: dict, seconds, load_s
+) -> dict:
+    """The manifest's `features` entry for SAE `name`: what it is, where it reads, and how it was computed."""
+    from ..archive.runs import now_iso
+
+    return {
+        "name": name,
+        "path": str(path.resolve()),
+        "sha256": sha,
+        "hook_name": sae.cfg.hook_name,
+        "site": site.kind,
+        "layer": site.layer,
+        "d_in": sae.cfg.d_in,
+        "d_sae": sae.cfg.d_sae,
+        "architecture": sae.cfg.architecture,
+        "top_k": top_k,
+        "prompt": prompt,
+        "computed": {
+            "by": "lmtrace features",
+            "at": now_iso(),
+            "source": where["source"],
+            "tokens": where["tokens"],
+            "seconds": seconds,
+            "model_load_s": load_s,
+        },
+    }
+
+
 def _compute_owned(
     run: Run,
     path: Path,
@@ -114,12 +177,10 @@ def _compute_owned(
     device: str | None,
     note,
 ) -> dict:
-    from ..archive.damage import damaged_message
-    from ..archive.feature_arrays import FeatureArrays
-    from ..archive.integrity import record_update, verify
-    from ..archive.layout import FeatureShape
+    """Compute and record SAE `name`'s features while the caller holds the run's owner lock."""
+    from ..archive.integrity import record_update
     from ..archive.rundir import RunDir, Shard
-    from ..archive.runs import now_iso, read_manifest, write_manifest
+    from ..archive.runs import read_manifest, write_manifest
     from ..archive.writer import consolidate
     from ..exits.faults import kill_point
     from ..exits.interrupts import work_recorded, work_started
@@ -127,31 +188,11 @@ def _compute_owned(
     work_started()
     with RunDir(run.path, Shard()).lock():
         manifest = read_manifest(run.path)
-        reads = (
-            (f"{layout.TENSORS}/resid/",)
-            if use_archive
-            else tuple(layout.table_file(t) for t in ("tokens", "sequences"))
-        ) + (f"{layout.TENSORS}/generated_len/",)
-        problems, _, _ = verify(run.path, manifest, prefix=reads)
-        if problems:
-            raise ArchiveError(damaged_message(run.id, problems[0]))
+        _verify_inputs(run, manifest, use_archive)
         note(f"computing the features of SAE {name} for {run.id} ({'archive' if use_archive else 'replay'})")
         t0 = time.time()
         run = Run(run.path, consolidated=False)
-        shape = manifest["shape"]
-        sizes = {
-            "sequence": shape["n_sequences"],
-            "step": shape["n_steps"],
-            "prompt_pos": shape["max_prompt"],
-            "k_feat": width,
-        }
-        arrays = FeatureArrays(
-            run.path,
-            _like_array(run, manifest),
-            FeatureShape(name, top_k, prompt),
-            sizes,
-            manifest["spec_resolved"]["output"],
-        )
+        arrays = _open_arrays(run, manifest, name, top_k, width, prompt)
         group = int(manifest["spec_resolved"]["output"].get("chunk_sequences") or 32)
         load_s, where = _write_values(
             run, manifest, sae, site, top_k, width, prompt, use_archive, device, group, arrays.write, note
@@ -166,27 +207,7 @@ def _compute_owned(
             lambda m: write_manifest(run.path, m),
         )
         seconds = round(time.time() - t0, 3)
-        entry = {
-            "name": name,
-            "path": str(path.resolve()),
-            "sha256": sha,
-            "hook_name": sae.cfg.hook_name,
-            "site": site.kind,
-            "layer": site.layer,
-            "d_in": sae.cfg.d_in,
-            "d_sae": sae.cfg.d_sae,
-            "architecture": sae.cfg.architecture,
-            "top_k": top_k,
-            "prompt": prompt,
-            "computed": {
-                "by": "lmtrace features",
-                "at": now_iso(),
-                "source": where["source"],
-                "tokens": where["tokens"],
-                "seconds": seconds,
-                "model_load_s": load_s,
-            },
-        }
+        entry = _feature_entry(path, sae, site, sha, name, top_k, prompt, where, seconds, load_s)
         manifest["features"] = [f for f in manifest.get("features") or [] if f["name"] != name] + [entry]
         for spec in arrays.specs:
             manifest.setdefault("arrays", {})[spec.name] = {"dims": list(spec.dims), "dtype": spec.dtype}

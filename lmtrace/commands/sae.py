@@ -112,9 +112,8 @@ def sae_train_command(
     quiet: bool = False,
     note=lambda text: None,
 ) -> dict:
-    from ..capture.arch import adapter_for
-    from ..runner.models import load_run_model
-
+    """Train an SAE on run `ref`'s activations at (`layer`, `site`), measure it on held-out sequences,
+    save it with its training card in `out`, and report the card."""
     out_dir = Path(out)
     _check_args(latents, k, arch, source, heldout, epochs, max_tokens, batch, lr, out_dir)
     the_site = site_of(layer, site)
@@ -125,6 +124,38 @@ def sae_train_command(
     view = ParentView.read(run)
     sequences = [p + g for p, g in zip(view.prompt_ids, view.generated)]
     train_ids, held_ids = split_sequences(len(sequences), heldout, seed)
+    model, adapter, d_in, pad_id = _load_model(run, the_site, device, note)
+
+    def activations(ids: list[int]):
+        if use_archive:
+            return archived(run, resid_layers.index(the_site.archived_resid_layer), ids)
+        return replay(model, adapter, the_site, [sequences[i] for i in ids], pad_id=pad_id, batch_tokens=batch_tokens)
+
+    settings = TrainSettings(d_sae=latents, k=k, architecture=arch, epochs=epochs, batch=batch, lr=lr, seed=seed)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    sae, log, n, collect_s = _collect_and_train(
+        run, the_site, lambda: activations(train_ids), use_archive, settings, d_in, max_tokens, out_dir, t0, note
+    )
+    note("measuring on held-out sequences")
+    recon = reconstruction_metrics(sae, activations(held_ids))
+    ce = ce_loss_recovered(
+        model, adapter, sae, the_site, [sequences[i] for i in held_ids], pad_id=pad_id, batch_tokens=batch_tokens
+    )
+    data = _data_section(use_archive, train_ids, held_ids, n, max_tokens, collect_s)
+    card = _card(run, the_site, layer, site, settings, sae, d_in, data, log, recon, ce, t0)
+    _save(sae, card, out_dir)
+    work_recorded()
+    card["path"] = str(out_dir)
+    _report(card, json_out, quiet)
+    return card
+
+
+def _load_model(run: Run, the_site, device: str | None, note):
+    """The run's model (for the held-out cross-entropy, and the replay): (model, adapter, d_in, pad id); a
+    layer the model lacks or a site its family lacks is refused in one line."""
+    from ..capture.arch import adapter_for
+    from ..runner.models import load_run_model
 
     loaded = load_run_model(
         run.manifest, run.id, purpose="sae train (the held-out cross-entropy)", overrides={"device": device}, note=note
@@ -135,40 +166,55 @@ def sae_train_command(
     d_in = the_site.width(adapter)
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    return model, adapter, d_in, pad_id
 
-    def activations(ids: list[int]):
-        if use_archive:
-            return archived(run, resid_layers.index(the_site.archived_resid_layer), ids)
-        return replay(model, adapter, the_site, [sequences[i] for i in ids], pad_id=pad_id, batch_tokens=batch_tokens)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+def _collect_and_train(
+    run: Run, the_site, training_activations, use_archive: bool, settings, d_in, max_tokens, out_dir, t0, note
+):
+    """Stream the training activations (`training_activations()`) into a scratch store beside `out_dir` and
+    train the SAE on them: (sae, training log, tokens, seconds spent collecting)."""
     with tempfile.TemporaryDirectory(prefix=".sae-train-", dir=out_dir.parent) as scratch:
         store = ActivationStore(Path(scratch), d_in, max_tokens)
         try:
             note(f"collecting activations at {the_site.hook_name} ({'archive' if use_archive else 'replay'})")
-            n = store.fill(activations(train_ids))
-            if n < k:
+            n = store.fill(training_activations())
+            if n < settings.k:
                 raise SpecError(
                     f"run {run.id} gives only {n} training activations at {the_site.hook_name}; "
                     f"use a run with more tokens (or --source replay)"
                 )
             collect_s = time.time() - t0
             note(f"training on {n} activations")
-            settings = TrainSettings(
-                d_sae=latents, k=k, architecture=arch, epochs=epochs, batch=batch, lr=lr, seed=seed
-            )
             sae, log = train_sae(
                 store, settings, the_site.hook_name, model_name=run.manifest["spec_resolved"]["model"].get("ref")
             )
         finally:
             store.close()
-    note("measuring on held-out sequences")
-    recon = reconstruction_metrics(sae, activations(held_ids))
-    ce = ce_loss_recovered(
-        model, adapter, sae, the_site, [sequences[i] for i in held_ids], pad_id=pad_id, batch_tokens=batch_tokens
-    )
-    card = {
+    return sae, log, n, collect_s
+
+
+def _data_section(use_archive: bool, train_ids, held_ids, n: int, max_tokens: int, collect_s: float) -> dict:
+    """The training card's `data`: where the activations came from and how many there were."""
+    return {
+        "source": "archive" if use_archive else "replay",
+        "positions": (
+            "the run's archived vectors: each generated token's query position"
+            if use_archive
+            else "every position of prompt + generated tokens but the first"
+        ),
+        "training_sequences": len(train_ids),
+        "heldout_sequences": held_ids,
+        "tokens": n,
+        "max_tokens": max_tokens,
+        "collect_seconds": round(collect_s, 2),
+    }
+
+
+def _card(run: Run, the_site, layer, site, settings, sae, d_in, data, log, recon, ce, t0) -> dict:
+    """The training card (training_card.json): the run, the site, the SAE's shape, its data, training and
+    held-out metrics, and the seconds since `t0`."""
+    return {
         "format": "lmtrace SAE training card 1",
         "run_id": run.id,
         "model": run.manifest["spec_resolved"]["model"].get("ref"),
@@ -176,24 +222,12 @@ def sae_train_command(
         "hook_name": the_site.hook_name,
         "layer": layer,
         "site": site,
-        "architecture": arch,
+        "architecture": settings.architecture,
         "saved_architecture": sae.cfg.architecture,
         "d_in": d_in,
-        "latents": latents,
-        "k": k,
-        "data": {
-            "source": "archive" if use_archive else "replay",
-            "positions": (
-                "the run's archived vectors: each generated token's query position"
-                if use_archive
-                else "every position of prompt + generated tokens but the first"
-            ),
-            "training_sequences": len(train_ids),
-            "heldout_sequences": held_ids,
-            "tokens": n,
-            "max_tokens": max_tokens,
-            "collect_seconds": round(collect_s, 2),
-        },
+        "latents": settings.d_sae,
+        "k": settings.k,
+        "data": data,
         "training": log,
         "heldout": {
             "tokens": recon["tokens"],
@@ -208,11 +242,6 @@ def sae_train_command(
         },
         "seconds": round(time.time() - t0, 2),
     }
-    _save(sae, card, out_dir)
-    work_recorded()
-    card["path"] = str(out_dir)
-    _report(card, json_out, quiet)
-    return card
 
 
 def _report(card: dict, json_out: bool, quiet: bool) -> None:

@@ -167,11 +167,9 @@ def _check_sequence(run, sequence: int) -> None:
         raise SpecError(f"--sequence {sequence}: run {run.id} has sequences 0..{n - 1}")
 
 
-def step_detail(run, sequence: int, step: int) -> dict:
-    """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
-    import numpy as np
-
-    _check_sequence(run, sequence)
+def _step_row(run, sequence: int, step: int):
+    """(the sequence's token rows by position, the row of its generated step `step`); a step the archive
+    does not hold is refused in one line naming the steps it does."""
     try:
         t = run.tokens().to_pandas()
     except ArchiveDamaged:
@@ -189,20 +187,18 @@ def step_detail(run, sequence: int, step: int) -> dict:
             else "no generated token archived yet"
         )
         raise SpecError(f"--step {step}: sequence {sequence} of run {run.id} has {have}")
-    r = rows.iloc[0]
-    before = t[t.position < r.position].token_text.tolist()
-    alt_ids = [int(i) for i in r.alt_ids]
-    alternatives = [
-        {"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
-        for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)
-    ]
+    return t, rows.iloc[0]
+
+
+def _token_facts(run, r, alternatives: list[dict]) -> dict:
+    """The chosen token of row `r`: its id, text, probabilities, rank, margins, entropy and sampling facts."""
     rank = int(r["token_rank"])
     # the chosen token's logprob minus the best other token's: the model's margin when it chose its top-1,
     # else minus the top-1's logprob (the first alternative); unknown when no alternative was stored
     chosen_margin = (
         float(r.margin) if rank == 0 else float(r.logprob) - alternatives[0]["logprob"] if alternatives else None
     )
-    token = {
+    return {
         "id": int(r.token_id),
         "text": r.token_text,
         "prob": float(r.prob),
@@ -218,6 +214,12 @@ def step_detail(run, sequence: int, step: int) -> dict:
         "greedy_text": run.text([int(r.greedy_id)])[0],
         "is_eos": bool(r.is_eos),
     }
+
+
+def _step_lens(run, sequence: int, step: int) -> dict:
+    """The logit lens at the step: its state, and per layer the top tokens once computed."""
+    import numpy as np
+
     state = lens_state(run.manifest)
     lens: dict = {"state": state}
     if state == "pending":
@@ -237,6 +239,21 @@ def step_detail(run, sequence: int, step: int) -> dict:
             }
             for li, layer in enumerate(run.layers)
         ]
+    return lens
+
+
+def step_detail(run, sequence: int, step: int) -> dict:
+    """One generated token in full: its statistics, alternatives and logit lens, ids as text (run.text)."""
+    _check_sequence(run, sequence)
+    t, r = _step_row(run, sequence, step)
+    before = t[t.position < r.position].token_text.tolist()
+    alt_ids = [int(i) for i in r.alt_ids]
+    alternatives = [
+        {"id": i, "text": x, "prob": math.exp(float(lp)), "logprob": float(lp)}
+        for i, x, lp in zip(alt_ids, run.text(alt_ids), r.alt_logprobs)
+    ]
+    token = _token_facts(run, r, alternatives)
+    lens = _step_lens(run, sequence, step)
     out = {
         "run_id": run.id,
         "sequence": sequence,

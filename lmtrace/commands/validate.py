@@ -48,7 +48,58 @@ def planned_placement(model: ModelSpec) -> dict | None:
     }
 
 
+def _run_shape(spec: RunSpec, cfg: dict, n_prompts: int, max_prompt: int, layers, resid_layers, sizes, n_steps: int):
+    """The `RunShape` a run of `spec` would have with `n_steps` new tokens per prompt, from the model's
+    config (`sizes` = (n_heads, d_model))."""
+    from ..archive.layout import FeatureShape, RunShape
+
+    n_heads, d_model = sizes
+    cap = spec.capture
+    return RunShape(
+        n_sequences=n_prompts,
+        n_steps=n_steps,
+        max_prompt=max_prompt,
+        layers=tuple(layers),
+        resid_layers=tuple(resid_layers),
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or d_model // n_heads,
+        d_model=d_model,
+        d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model,
+        kv_head_of_head=(),
+        k_attn=cap.attention.top_k,
+        k_ffn=cap.ffn.top_k,
+        k_lens=cap.lens.top_k,
+        attention=cap.attention.enabled and bool(layers),
+        prefill_attention=cap.prefill_attention,
+        qkv=cap.qkv and bool(layers),
+        ffn=cap.ffn.enabled and bool(layers),
+        lens=cap.lens_inline and bool(layers),
+        float_dtype=spec.output.float_dtype,
+        resid_dtype=cap.residual.dtype,
+        head_dla=cap.head_dla and bool(layers),
+        # capture.features: the arrays' sizes need only top_k (the SAEs are read by generate)
+        features=tuple(FeatureShape(f"sae{i}", f.top_k, f.prompt) for i, f in enumerate(cap.features)),
+    )
+
+
+def _space_warnings(spec: RunSpec, n_steps: int, total: int) -> list[str]:
+    """A warning when the largest archive (`total` bytes) exceeds the free space under the runs directory."""
+    warnings = []
+    free = _free_bytes(runs_root(None, spec.output.runs_dir))
+    if free is not None and total > free:
+        warnings.append(
+            f"if every prompt runs to max_new_tokens={n_steps}, the archive (~{human_bytes(total)}) "
+            f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
+            f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
+            f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner"
+        )
+    return warnings
+
+
 def validate_spec(path: Path, overrides: list[str]) -> dict:
+    """Check and resolve the spec at `path` (with `overrides`), read the model's sizes from its config,
+    and estimate the archive's size: what `lmtrace validate` reports."""
     spec, _, _ = load_spec(path, overrides)
     prompts = load_prompts(spec.prompts)
     kind, source, cfg = model_config(spec.model)
@@ -57,46 +108,20 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         raise SpecError(f"model {spec.model.ref}: cannot read layer/head sizes from its config")
     layers, resid_layers = check_layers(spec, n_layers)
     check_generation(spec, cfg)
-    from ..archive.layout import FeatureShape, RunShape
 
     # Prompt lengths are estimated from characters (3 per token) so no tokenizer is loaded.
     max_prompt = max(len(p) for p in prompts) // 3 + (32 if spec.prompts.chat else 1)
     cap = spec.capture
 
-    def shape_for(n_steps: int) -> RunShape:
-        return RunShape(
-            n_sequences=len(prompts),
-            n_steps=n_steps,
-            max_prompt=max_prompt,
-            layers=tuple(layers),
-            resid_layers=tuple(resid_layers),
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=cfg.get("head_dim") or d_model // n_heads,
-            d_model=d_model,
-            d_ffn=cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * d_model,
-            kv_head_of_head=(),
-            k_attn=cap.attention.top_k,
-            k_ffn=cap.ffn.top_k,
-            k_lens=cap.lens.top_k,
-            attention=cap.attention.enabled and bool(layers),
-            prefill_attention=cap.prefill_attention,
-            qkv=cap.qkv and bool(layers),
-            ffn=cap.ffn.enabled and bool(layers),
-            lens=cap.lens_inline and bool(layers),
-            float_dtype=spec.output.float_dtype,
-            resid_dtype=cap.residual.dtype,
-            head_dla=cap.head_dla and bool(layers),
-            # capture.features: the arrays' sizes need only top_k (the SAEs are read by generate)
-            features=tuple(FeatureShape(f"sae{i}", f.top_k, f.prompt) for i, f in enumerate(cap.features)),
-        )
+    def shape_for(n_steps: int):
+        return _run_shape(spec, cfg, len(prompts), max_prompt, layers, resid_layers, (n_heads, d_model), n_steps)
 
     table_bytes_per_token = 120 + 12 * cap.alternatives + (40 * len(layers))
     # per run: vocab.parquet (~7.5 bytes a token id, measured 369 KB for SmolLM2's 49,152) and the
     # arrays' metadata and coordinates (~4 KB each)
     fixed = int(7.5 * (cfg.get("vocab_size") or 0)) + 4096 * (len(shape_for(1).arrays()) + 16)
 
-    def size(shape: RunShape) -> tuple[int, int, int]:
+    def size(shape) -> tuple[int, int, int]:
         per_step = shape.estimate_bytes_per_step(spec.output.chunk_steps, spec.output.chunk_keys)
         tensors = per_step * shape.n_sequences * shape.n_steps
         tables = table_bytes_per_token * shape.n_sequences * (shape.n_steps + max_prompt) + fixed
@@ -113,21 +138,13 @@ def validate_spec(path: Path, overrides: list[str]) -> dict:
         f"archive at most ~{human_bytes(tensors + tables)} before compression "
         f"({human_bytes(per_step)} of tensors per sequence-step)"
     )
-    warnings = []
     if first < spec.generation.max_new_tokens:
         summary += (
             f"; it grows with the tokens actually generated: ~{human_bytes(first_tensors + first_tables)} "
             f"if every prompt stops after {first} new tokens (at an eos token or a stop string), "
             f"the maximum only if every prompt runs to max_new_tokens={shape.n_steps}"
         )
-    free = _free_bytes(runs_root(None, spec.output.runs_dir))
-    if free is not None and tensors + tables > free:
-        warnings.append(
-            f"if every prompt runs to max_new_tokens={shape.n_steps}, the archive (~{human_bytes(tensors + tables)}) "
-            f"exceeds the {human_bytes(free)} free under the runs directory: the run would fail for lack of "
-            f"space; capture less (capture.preset: light, capture.attention.top_k, capture.layers) or lower "
-            f"generation.max_new_tokens, unless an eos token or a stop string ends it sooner"
-        )
+    warnings = _space_warnings(spec, shape.n_steps, tensors + tables)
     budget = auto_budget_note(spec)
     if budget is not None:
         summary += f"; {budget['text']}"
