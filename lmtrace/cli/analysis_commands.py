@@ -12,7 +12,7 @@ from . import help_format
 from .app import Reporter, app, fail, lens_line, run_dir_or_root
 
 
-@app.command()
+@app.command(help="Attribute archived generated tokens to their context positions; results go into the run.")
 def explain(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory."),
     steps: str = typer.Option(..., "--steps", help="Generated steps to explain: 0,4,9 or 2-5 or all."),
@@ -71,7 +71,8 @@ def explain(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Write the results, print nothing."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ):
-    """Attribute archived generated tokens to their context positions; results go into the run."""
+    """Long because typer declares its twenty-odd options in the signature; the body only bundles them into
+    commands.explain's Settings and call (the help text is the decorator's)."""
     Reporter(quiet or json_out).starting()
     from ..commands.explain import Settings, explain_command
 
@@ -263,7 +264,7 @@ def compare(
         fail(err, lambda: out or html_out or run_dir_or_root(run_a, runs_dir))
 
 
-@app.command()
+@app.command(help="Write a self-contained HTML report of a run (or of two runs compared); works offline.")
 def report(
     runs: list[str] = typer.Argument(
         ...,
@@ -318,42 +319,24 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     json_out: bool = typer.Option(False, "--json", help='Print {"path": ...} and sizes as JSON.'),
 ):
-    """Write a self-contained HTML report of a run (or of two runs compared); works offline."""
+    """Long because typer declares its options in the signature; the body only passes them on to
+    report.report_runs and prints the page's path (the help text is the decorator's)."""
     try:
-        from ..report import report_compare, report_run
+        from ..report import report_runs
 
-        if png is not None and svg is not None:
-            from ..exits.errors import SpecError
-
-            raise SpecError("give --png DIR or --svg DIR, not both")
-        images, fmt = (svg, "svg") if svg is not None else (png, "png")
-        if len(runs) == 1:
-            result = report_run(
-                runs[0],
-                runs_dir=runs_dir,
-                out=out,
-                sequences=sequence or None,
-                steps=steps,
-                layers=layer or None,
-                attention_step=attention_step,
-                png_dir=images,
-                image_format=fmt,
-            )
-        elif len(runs) == 2:
-            result = report_compare(
-                runs[0],
-                runs[1],
-                runs_dir=runs_dir,
-                out=out,
-                pair=pair,
-                allow_incomplete=allow_incomplete,
-                png_dir=images,
-                image_format=fmt,
-            )
-        else:
-            from ..exits.errors import SpecError
-
-            raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")
+        result = report_runs(
+            runs,
+            runs_dir=runs_dir,
+            out=out,
+            sequences=sequence or None,
+            steps=steps,
+            layers=layer or None,
+            attention_step=attention_step,
+            png=png,
+            svg=svg,
+            pair=pair,
+            allow_incomplete=allow_incomplete,
+        )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: out or run_dir_or_root(runs[0], runs_dir))
     if json_out:

@@ -92,7 +92,7 @@ def intervene(
         typer.echo(json_line(summary))
 
 
-@app.command()
+@app.command(help="Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/.")
 def sweep(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
     over: Optional[str] = typer.Option(
@@ -166,7 +166,8 @@ def sweep(
         "interval over the group's sequences (1000 resamples, seed 0).",
     ),
 ):
-    """Ablate or patch every head, block, layer, neuron or position in turn; results go into RUN/sweeps/."""
+    """Long because typer declares its twenty-odd options in the signature; the body only passes them on to
+    cli/sweep.py's sweep_command (the help text is the decorator's)."""
     reporter = Reporter(quiet or json_out)
     reporter.starting()
     from .sweep import sweep_command

@@ -54,6 +54,38 @@ def intervene_command(
     quiet: bool,
     lens: bool = False,
 ) -> dict:
+    """Make the child run(s) (one per --temperatures value, else one) and print their effects (with
+    --quiet only their ids); returns the --json summary."""
+    entries, mode, from_step = _edits(flags, spec_path, mode, from_step, temperatures)
+    if temperatures:
+        children = _temperature_children(
+            run_ref, entries, _temperature_list(temperatures, run_id), from_step, runs_dir, progress, lens
+        )
+    else:
+        result, effects = run_intervene(
+            run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir, run_id=run_id, progress=progress
+        )
+        children = [
+            {
+                "run_id": result.run_id,
+                "mode": mode,
+                "run_dir": str(result.run_dir),
+                **summarize(effects.to_pandas()),
+                **_with_lens(result, lens, progress),
+            }
+        ]
+    if quiet and not json_out:  # the child ids alone, one per line, for scripts
+        for child in children:
+            print(child["run_id"])
+    elif not json_out:
+        _print(children)
+    return {"parent": run_ref, "children": children}
+
+
+def _edits(flags: dict, spec_path, mode, from_step, temperatures) -> tuple[list, str, int | None]:
+    """The edits (--spec's `interventions:` then the shorthand flags), the mode (flag, then the spec's,
+    then rescore) and --from-step (flag, then the spec's); raises SpecError for a child that would be
+    a copy of its parent or a temperature sweep in rescore mode."""
     entries = shorthand_entries(**flags)
     file_mode = None
     if spec_path is not None:
@@ -72,54 +104,44 @@ def intervene_command(
             "--temperatures regenerates one child per temperature; it cannot be combined with --mode "
             "rescore (which forces the parent's tokens, so a temperature changes nothing)"
         )
-    mode = mode or file_mode or "rescore"
+    return entries, mode or file_mode or "rescore", from_step
+
+
+def _temperature_list(temperatures: str, run_id) -> list[float]:
+    """--temperatures 0.5,1.0 as numbers (at least one; no --run-id, the children are several)."""
+    try:
+        temps = [float(t) for t in temperatures.split(",") if t.strip()]
+    except ValueError:
+        raise SpecError(f"--temperatures {temperatures!r}: expected numbers like 0.5,1.0") from None
+    if not temps:
+        raise SpecError(f"--temperatures {temperatures!r}: give at least one temperature, e.g. 0.5,1.0")
+    if run_id:
+        raise SpecError("--run-id cannot name several children of a temperature sweep")
+    return temps
+
+
+def _temperature_children(run_ref, entries: list, temps: list[float], from_step, runs_dir, progress, lens) -> list:
+    """One regenerated child per temperature, each with its effects' summary (and --lens)."""
     children = []
-    if temperatures:
-        try:
-            temps = [float(t) for t in temperatures.split(",") if t.strip()]
-        except ValueError:
-            raise SpecError(f"--temperatures {temperatures!r}: expected numbers like 0.5,1.0") from None
-        if not temps:
-            raise SpecError(f"--temperatures {temperatures!r}: give at least one temperature, e.g. 0.5,1.0")
-        if run_id:
-            raise SpecError("--run-id cannot name several children of a temperature sweep")
-        for t in temps:
-            result, effects = run_intervene(
-                run_ref,
-                entries,
-                mode="regenerate",
-                from_step=from_step or 0,
-                runs_dir=runs_dir,
-                temperature=t,
-                progress=progress,
-            )
-            children.append(
-                {
-                    "run_id": result.run_id,
-                    "temperature": t,
-                    **summarize(effects.to_pandas()),
-                    **_with_lens(result, lens, progress),
-                }
-            )
-    else:
+    for t in temps:
         result, effects = run_intervene(
-            run_ref, entries, mode=mode, from_step=from_step, runs_dir=runs_dir, run_id=run_id, progress=progress
+            run_ref,
+            entries,
+            mode="regenerate",
+            from_step=from_step or 0,
+            runs_dir=runs_dir,
+            temperature=t,
+            progress=progress,
         )
         children.append(
             {
                 "run_id": result.run_id,
-                "mode": mode,
-                "run_dir": str(result.run_dir),
+                "temperature": t,
                 **summarize(effects.to_pandas()),
                 **_with_lens(result, lens, progress),
             }
         )
-    if quiet and not json_out:  # the child ids alone, one per line, for scripts
-        for child in children:
-            print(child["run_id"])
-    elif not json_out:
-        _print(children)
-    return {"parent": run_ref, "children": children}
+    return children
 
 
 def _print(children: list[dict]) -> None:

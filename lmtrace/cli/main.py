@@ -73,21 +73,7 @@ def generate(
         job.prepare(
             spec_path, set_, shard=shard, memory_budget=memory_budget, lens=lens, note=reporter.message, saes=sae
         )
-        if job.shard.count > 1:
-            reporter.shard = job.shard.key
-        progress = reporter.progress()
-        if job.child:  # an intervene child: the intervene command replays its edits from its parent
-            from ..commands.intervene import resume_child
-
-            result, _ = resume_child(resume, runs_dir, progress=progress)
-        else:
-            result = job.run(progress)
-        reporter.stop()
-        lens_summary = None
-        if job.lens:  # the lens command's own step, with the model still in memory
-            from ..commands.lens import lens_after
-
-            lens_summary = lens_after(result, note=reporter.message)
+        result, lens_summary = _run_job(job, reporter, resume, runs_dir)
     except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
         reporter.stop()
         fail(err, lambda: run_dir_or_root(job.run_ref, runs_dir))
@@ -104,6 +90,27 @@ def generate(
     )
     if code:
         raise typer.Exit(code)
+
+
+def _run_job(job, reporter: Reporter, resume: str | None, runs_dir: str | None) -> tuple:
+    """Run a prepared generate job (an intervene child's resume through the intervene command) and its
+    `--lens`; returns (result, the lens summary or None)."""
+    if job.shard.count > 1:
+        reporter.shard = job.shard.key
+    progress = reporter.progress()
+    if job.child:  # an intervene child: the intervene command replays its edits from its parent
+        from ..commands.intervene import resume_child
+
+        result, _ = resume_child(resume, runs_dir, progress=progress)
+    else:
+        result = job.run(progress)
+    reporter.stop()
+    lens_summary = None
+    if job.lens:  # the lens command's own step, with the model still in memory
+        from ..commands.lens import lens_after
+
+        lens_summary = lens_after(result, note=reporter.message)
+    return result, lens_summary
 
 
 @app.command()

@@ -10,9 +10,9 @@ figures.py             Plotly figure specifications whose numbers are blob refer
 blobs.py               the numbers embedded in a page (base64 typed arrays) and their reference decoder
 page.py                the HTML page, with the vendored plotly.js inlined
 static.py              the same figures as PNG / SVG with matplotlib
-build.py               report_run / report_compare
+build.py               report_run / report_compare, and report_runs (`lmtrace report`: one run or two)
 """
 
-from .build import ReportResult, report_compare, report_run
+from .build import ReportResult, report_compare, report_run, report_runs
 
-__all__ = ["ReportResult", "report_compare", "report_run"]
+__all__ = ["ReportResult", "report_compare", "report_run", "report_runs"]

@@ -209,3 +209,48 @@ def report_compare(
         t0=t0,
         image_format=image_format,
     )
+
+
+def report_runs(
+    runs: list[str],
+    *,
+    runs_dir=None,
+    out: Path | None = None,
+    sequences: list[int | str] | None = None,
+    steps: str | None = None,
+    layers: list[int] | None = None,
+    attention_step: int | None = None,
+    png: Path | None = None,
+    svg: Path | None = None,
+    pair: str = "auto",
+    allow_incomplete: bool = False,
+) -> ReportResult:
+    """`lmtrace report RUN [RUN_B]`: one run's report, or two runs' comparison (pair, allow_incomplete);
+    the figures also as PNG or SVG files into png or svg (one of them). Raises SpecError."""
+    if png is not None and svg is not None:
+        raise SpecError("give --png DIR or --svg DIR, not both")
+    images, fmt = (svg, "svg") if svg is not None else (png, "png")
+    if len(runs) == 1:
+        return report_run(
+            runs[0],
+            runs_dir=runs_dir,
+            out=out,
+            sequences=sequences,
+            steps=steps,
+            layers=layers,
+            attention_step=attention_step,
+            png_dir=images,
+            image_format=fmt,
+        )
+    if len(runs) == 2:
+        return report_compare(
+            runs[0],
+            runs[1],
+            runs_dir=runs_dir,
+            out=out,
+            pair=pair,
+            allow_incomplete=allow_incomplete,
+            png_dir=images,
+            image_format=fmt,
+        )
+    raise SpecError(f"give one run (a run report) or two (a comparison), not {len(runs)}")

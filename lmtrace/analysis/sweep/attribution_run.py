@@ -216,7 +216,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float | None:
 def verify(inp, spec, engine, adapter, table: pa.Table, n: int, note, exact_sweep) -> tuple[pa.Table, dict]:
     """Patch the top n cells (by |mean estimated effect| on the first metric) exactly, with the exact
     sweep's engine; fill their rows' exact_value / exact_effect and return the per-metric comparison.
-    exact_sweep: the exact sweep's (_packs, _plan_sequences, _prepare_pack) of commands/sweep.py."""
+    exact_sweep: the exact sweep's (pack_sequences, plan_sequences, prepare_pack) of analysis/sweep/packs.py."""
     import pandas as pd
 
     from .cells import Cell
