@@ -1,4 +1,5 @@
-"""Table part files of a run being written: which are live, and their merging while the run runs.
+"""Table part files of a run being written: which are live, their merging while the run runs, and
+their compaction into `<table>.parquet` when it completes.
 
 A run's tables are written a block at a time, one part file per block (`<table>.parts/b…-s….parquet`,
 writer.ArchiveWriter). So that the number of files grows with the bytes stored and not with
@@ -20,6 +21,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,3 +239,41 @@ class PartMerger:
                     self.next_n += 1
                     self._keep(table, merge_parts(sources[0].parent, sources, target), level + 1)
                 level += 1
+
+
+def compact_tables(run_dir: Path) -> dict[str, int]:
+    """Merge each table's live parts into `<table>.parquet` and drop the parts: rows in the order
+    of their blocks' names (`sequences`: in sequence order), whatever merges happened on the way."""
+    rows = {}
+    for table in layout.TABLES:
+        parts = run_dir / layout.table_parts_dir(table)
+        if not parts.is_dir():
+            continue
+        target = run_dir / layout.table_file(table)
+        if target.is_file():
+            # The target only ever appears, by rename, once every part is in it: parts still
+            # here are what a kill during their deletion left. Compacting them again would
+            # replace the full table with the survivors.
+            shutil.rmtree(parts)
+            rows[table] = pq.read_metadata(target).num_rows
+            continue
+        files = live_parts(parts)
+        if not files:
+            continue
+        tmp = run_dir / f".{table}.parquet.tmp"
+        schema = plain_schema(files[0])
+        try:
+            with parquet_io.writer(tmp, schema) as out:
+                if table == "sequences":  # one row per sequence: in sequence order, whatever the shards' batches
+                    t = pa.concat_tables([parquet_io.read_table(f).cast(schema) for f in files]).sort_by("sequence")
+                    out.write_table(t, row_group_size=65536)
+                    n = t.num_rows
+                else:
+                    n = sum(rows for _, rows in write_units(files, out, schema, group_blocks=False))
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        shutil.rmtree(parts)
+        rows[table] = n
+    return rows

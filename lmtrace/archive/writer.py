@@ -1,4 +1,5 @@
 """Streaming archive writer: Zarr v3 arrays in step blocks, Parquet part files, manifest, progress.
+The arrays are created by zarr_arrays.py; the parts are merged, and compacted at the end, by parts.py.
 
 Crash-safety protocol (see docs/archive.md):
   1. arrays have their final shape from the start (fill = NaN / -1), so a kill never leaves arrays
@@ -18,26 +19,23 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from ..exits.errors import LmtraceError
 from ..exits.faults import kill_point
 from . import layout, parquet_io
 from .files import atomic_write_json, space_note
 from .layout import RunShape
-from .parts import PartMerger, live_parts, plain_schema, write_units
+from .parts import PartMerger, compact_tables
 from .runs import locked
 from .shards import ShardFiles
+from .zarr_arrays import compressors_for, consolidate, create_array, create_coordinates
 
 # prompt_len and generated_len are one zarr chunk over every sequence, which each writer updates by
 # read-modify-write of the whole chunk. Every writer of a run (the tasks of a sharded run, a resumed
@@ -46,104 +44,6 @@ from .shards import ShardFiles
 # the first one's lengths would be lost (-1, the fill value) for good, since a resumed batch does not
 # write its prompt again.
 LENGTHS_LOCK = ".lengths.lock"
-
-
-def write_vocab(run_dir: Path, texts: list[str], special_ids) -> bool:
-    """Write `vocab.parquet` (id, text, is_special) unless the run has it. Returns whether it wrote.
-
-    `texts[i]` is the text of id i alone. Shards of one run may all get here at once: each writes
-    its own temporary file and renames it into place, so a reader sees one whole file or none."""
-    path = Path(run_dir) / layout.VOCAB
-    if path.is_file():
-        return False
-    ids = np.arange(len(texts), dtype=np.int32)
-    special = np.zeros(len(texts), dtype=bool)
-    special[[i for i in special_ids if 0 <= i < len(texts)]] = True
-    table = pa.table(
-        {"id": ids, "text": pa.array(texts, pa.string()), "is_special": special}, schema=layout.vocab_schema()
-    )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with tmp.open("wb") as fh:
-        # every text is distinct, so a dictionary only costs: zstd without one was the smallest and
-        # fastest (SmolLM2's 49,152 tokens: 369 KB in 8 ms, against 742 KB / 13 ms with the defaults)
-        parquet_io.write_table(table, fh, compression="zstd", use_dictionary=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    return True
-
-
-def compressors_for(codec: str, level: int, spec: layout.ArraySpec, checksum: bool = True):
-    """The compressors of one array; `auto` is the layout's choice for it (`ArraySpec.auto_codec`).
-    `checksum` (format 4): each chunk ends in its crc32c (zarr's `crc32c` codec), so a reader that
-    decodes a damaged chunk fails instead of returning its bytes."""
-    if codec == "auto":
-        codec = spec.auto_codec
-    if codec == "zstd":
-        out = [ZstdCodec(level=level)]
-    elif codec == "blosc":
-        out = [BloscCodec(cname="zstd", clevel=min(level, 9), shuffle="shuffle")]
-    else:
-        out = []
-    return out + [Crc32cCodec()] if checksum else (out or None)
-
-
-# Coordinates, prompt_len and generated_len: zarr's default compressor, then each chunk's crc32c
-SMALL_ARRAY_COMPRESSORS = (ZstdCodec(level=0), Crc32cCodec())
-
-
-def consolidate(run_dir: Path) -> None:
-    """Consolidate the run's Zarr metadata (after the last array is created)."""
-    with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(str(run_dir / layout.TENSORS))
-
-
-def create_array(
-    group: zarr.Group,
-    spec: layout.ArraySpec,
-    shape: tuple[int, ...],
-    chunk_steps: int,
-    compressors,
-    chunk_keys: int | None = None,
-    chunk_sequences: int | None = None,
-) -> zarr.Array:
-    """An archive array (or the existing one of that name), chunked as every writer chunks it.
-
-    With `chunk_sequences` (format 3) an array over `sequence` is sharded: one shard file per
-    `chunk_sequences` sequences (and block of steps), one inner chunk per sequence in it (docs/archive.md,
-    "Files"); without it (format 2) every inner chunk is its own file."""
-    if spec.name in group:
-        return group[spec.name]
-    # One chunk per block of steps and sequence, all layers in it. Per-layer inner chunks made a
-    # layer slice cheaper to read, but cost ~7 ms of CPU per step to write on the default capture,
-    # a sixth of a decode step (docs/archive.md, "Cost").
-    chunks = [1, chunk_steps] + list(shape[2:]) if spec.per_step else [1] + list(shape[1:])
-    chunks = [max(1, c) for c in chunks]
-    if spec.key_chunked:
-        # Attention rows, padded to the longest context of the run, are also split along their
-        # keys: a block writes only the key chunks its context reaches (ShardFiles.write) and a
-        # chunk never written reads as the fill value (NaN), so the padding costs neither bytes
-        # nor compression.
-        chunks[-1] = layout.key_chunk_width(chunk_keys, shape[-1])
-    shards = None
-    if chunk_sequences is not None:
-        shards = list(chunks)
-        shards[0] = max(1, min(chunk_sequences, shape[0]))
-        if spec.key_chunked:  # the whole row in one shard, in whole key chunks
-            shards[-1] = -(-shape[-1] // chunks[-1]) * chunks[-1]
-    return group.create_array(
-        spec.name,
-        shape=shape,
-        chunks=tuple(chunks),
-        shards=tuple(shards) if shards else None,
-        dtype=spec.dtype,
-        fill_value=spec.fill,
-        compressors=compressors,
-        dimension_names=spec.dims,
-        # every chunk is written once, whole: skip zarr's is-it-all-fill scan (NaN-aware, slow)
-        config={"write_empty_chunks": True},
-    )
 
 
 class ArchiveWriter:
@@ -191,7 +91,9 @@ class ArchiveWriter:
             direct = ShardFiles.for_array(run_dir / layout.TENSORS / spec.name, self.arrays[spec.name], spec.per_step)
             if direct is not None:
                 self.shard_files[spec.name] = direct
-        self._coordinates()
+        create_coordinates(self.group, shape)
+        self.arrays["prompt_len"] = self.group["prompt_len"]
+        self.arrays["generated_len"] = self.group["generated_len"]
 
     @property
     def sequence_group(self) -> int | None:
@@ -205,50 +107,6 @@ class ArchiveWriter:
         if self._progress_path.is_file():
             return json.loads(self._progress_path.read_text())
         return {"batches": {}}
-
-    def _coordinates(self) -> None:
-        s = self.shape
-        coords = {
-            "layer": np.asarray(s.layers, dtype=np.int32),
-            "q_head": np.arange(s.n_heads, dtype=np.int32),
-            "kv_head": np.arange(s.n_kv_heads, dtype=np.int32),
-            "kv_head_of_head": np.asarray(s.kv_head_of_head, dtype=np.int32),
-            "step": np.arange(s.n_steps, dtype=np.int32),
-            "sequence": np.arange(s.n_sequences, dtype=np.int32),
-            # token positions (left-aligned: position p is the p-th token of the sequence)
-            "key": np.arange(s.max_len, dtype=np.int32),
-        }
-        if s.prefill_attention or s.qkv:
-            for name in ("prompt_pos", "query_pos", "key_pos"):
-                coords[name] = np.arange(s.max_prompt, dtype=np.int32)
-        dims = {"kv_head_of_head": ("q_head",)}
-        if s.resid_layers:
-            coords["resid_layer"] = np.asarray(s.resid_layers, dtype=np.int32)
-        for name, values in coords.items():
-            if name not in self.group:
-                arr = self.group.create_array(
-                    name,
-                    shape=values.shape,
-                    dtype=values.dtype,
-                    chunks=values.shape or (1,),
-                    dimension_names=dims.get(name, (name,)),
-                    fill_value=-1,
-                    compressors=SMALL_ARRAY_COMPRESSORS,
-                )
-                arr[...] = values
-        for name in ("prompt_len", "generated_len"):
-            if name not in self.group:
-                self.group.create_array(
-                    name,
-                    shape=(s.n_sequences,),
-                    dtype="int32",
-                    chunks=(max(1, min(s.n_sequences, 4096)),),
-                    dimension_names=("sequence",),
-                    fill_value=-1,
-                    compressors=SMALL_ARRAY_COMPRESSORS,
-                )
-        self.arrays["prompt_len"] = self.group["prompt_len"]
-        self.arrays["generated_len"] = self.group["generated_len"]
 
     # ---- writing -----------------------------------------------------------------------------
     @staticmethod
@@ -383,41 +241,8 @@ class ArchiveWriter:
 
     # ---- completion --------------------------------------------------------------------------
     def compact_tables(self) -> dict[str, int]:
-        """Merge each table's live parts into `<table>.parquet` and drop the parts: rows in the order
-        of their blocks' names (`sequences`: in sequence order), whatever merges happened on the way."""
-        rows = {}
-        for table in layout.TABLES:
-            parts = self.dir / layout.table_parts_dir(table)
-            if not parts.is_dir():
-                continue
-            target = self.dir / layout.table_file(table)
-            if target.is_file():
-                # The target only ever appears, by rename, once every part is in it: parts still
-                # here are what a kill during their deletion left. Compacting them again would
-                # replace the full table with the survivors.
-                shutil.rmtree(parts)
-                rows[table] = pq.read_metadata(target).num_rows
-                continue
-            files = live_parts(parts)
-            if not files:
-                continue
-            tmp = self.dir / f".{table}.parquet.tmp"
-            schema = plain_schema(files[0])
-            try:
-                with parquet_io.writer(tmp, schema) as out:
-                    if table == "sequences":  # one row per sequence: in sequence order, whatever the shards' batches
-                        t = pa.concat_tables([parquet_io.read_table(f).cast(schema) for f in files]).sort_by("sequence")
-                        out.write_table(t, row_group_size=65536)
-                        n = t.num_rows
-                    else:
-                        n = sum(rows for _, rows in write_units(files, out, schema, group_blocks=False))
-                os.replace(tmp, target)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            shutil.rmtree(parts)
-            rows[table] = n
-        return rows
+        """Merge each table's live parts into `<table>.parquet` and drop the parts (parts.compact_tables)."""
+        return compact_tables(self.dir)
 
     def consolidate(self) -> None:
         consolidate(self.dir)

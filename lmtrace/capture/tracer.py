@@ -8,7 +8,7 @@ The cache is lmtrace's `StackedCache` (lmtrace/capture/kv_cache.py): DynamicCach
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -76,6 +76,11 @@ class BatchOutcome:
     stop_reason: list[str]
     interrupted: bool = False
 
+    @classmethod
+    def interrupted_at(cls, generated: list[list[int]], stop_reason: list[str], active: np.ndarray) -> BatchOutcome:
+        """The outcome of a batch stopped on request: rows still active [B] stop as "interrupted"."""
+        return cls(generated, ["interrupted" if a else r for a, r in zip(active, stop_reason)], True)
+
 
 class Tracer:
     def __init__(
@@ -109,6 +114,32 @@ class Tracer:
         self.layer_devices = layer_devices  # each layer's attention device, for a model spread over several
         self.generator = torch.Generator(device="cpu")
 
+    def _prefill_inputs(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], StackedCache]:
+        """The prefill's inputs on the input device: ids, attention mask and position ids [B, T] of the
+        prompts left-padded to the longest (T), each row's padding, and the batch's empty KV cache."""
+        B = len(prompts)
+        T = max(len(p) for p in prompts)
+        pads = [T - len(p) for p in prompts]
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, pads[b] :] = torch.tensor(p, dtype=torch.long)
+            mask[b, pads[b] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device, self.layer_devices)
+        return ids, mask, positions, pads, cache
+
+    @contextmanager
+    def _hooks(self, edits: Edits | None):
+        """The probes' taps and the edits' hooks, attached for one batch (each only when there is one)."""
+        context = self.probes.attached() if self.probes is not None else nullcontext()
+        edit_context = edits.attached() if edits is not None else nullcontext()
+        with context, edit_context:
+            yield
+
     def _hit_stop_string(self, tokens: list[int]) -> bool:
         if not self.stop_strings:
             return False
@@ -132,25 +163,14 @@ class Tracer:
         pauses inside it: BackgroundWriter.forward_running).
         """
         B = len(prompts)
-        T = max(len(p) for p in prompts)
-        pads = [T - len(p) for p in prompts]
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, pads[b] :] = torch.tensor(p, dtype=torch.long)
-            mask[b, pads[b] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        cache = StackedCache.for_generation(self.model.config, T, self.max_new_tokens, ids.device, self.layer_devices)
+        ids, mask, positions, pads, cache = self._prefill_inputs(prompts)
+        total = ids.shape[1]  # the padded context length
         generated: list[list[int]] = [[] for _ in range(B)]
         stop_reason = ["max_new_tokens"] * B
         active = np.ones(B, dtype=bool)
-        total = T
         probes = self.probes
-        context = probes.attached() if probes is not None else nullcontext()
-        edit_context = edits.attached() if edits is not None else nullcontext()
         in_forward = forward_running if forward_running is not None else nullcontext()
-        with context, edit_context:
+        with self._hooks(edits):
             for step in range(self.max_new_tokens):
                 if probes is not None:
                     probes.begin(ForwardContext(pads=pads, total_len=total, prefill=step == 0, kv=cache.stack))
@@ -196,9 +216,7 @@ class Tracer:
                 if not active.any() or step + 1 == self.max_new_tokens:
                     break
                 if should_stop():
-                    return BatchOutcome(
-                        generated, ["interrupted" if a else r for a, r in zip(active, stop_reason)], True
-                    )
+                    return BatchOutcome.interrupted_at(generated, stop_reason, active)
                 # Finished rows keep decoding a pad token (their results are discarded); rows are
                 # independent, so this changes nothing for the others.
                 next_ids = torch.tensor([t if a else self.pad_id for t, a in zip(tokens, active)], dtype=torch.long)
