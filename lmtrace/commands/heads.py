@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..analysis.heads import LABELS, RANK_ORDER, compute_heads, grouped_rows
+from ..analysis.heads import LABELS, RANK_ORDER, SCORES, compute_heads, grouped_rows
 from ..archive.files import atomic_write_parquet
 from ..archive.groups import GROUP_VALUE, group_header, group_text, sequence_groups
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE, PER_SEQUENCE_FILE, by_file, write_heads
@@ -190,24 +190,7 @@ def _print(
         headers.append(f"Δ{sweep['metric']}")
     rows = []
     for r in shown[:top]:
-        cells = [
-            str(r["head_rank"]),
-            str(r["layer"]),
-            str(r["q_head"]),
-            r["label"],
-            *(
-                _score(r[k])
-                for k in (
-                    "sink_score",
-                    "prev_token_score",
-                    "local_score",
-                    "induction_score",
-                    "duplicate_score",
-                    "entropy",
-                    "concentration",
-                )
-            ),
-        ]
+        cells = [str(r["head_rank"]), str(r["layer"]), str(r["q_head"]), r["label"], *(_score(r[k]) for k in SCORES)]
         if result["dla"]:
             cells.append(_score(r["importance"]) + (f" #{r['dla_rank']}" if sweep and r["dla_rank"] else ""))
         if sweep:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..analysis.heads import LABELS as HEAD_LABELS
+from ..analysis.heads import SCORES
 from ..analysis.sweep.cells import OVER_SIMPLE
 from ..archive import parquet_io
 from ..archive.columns import current_names
@@ -28,16 +29,7 @@ def _discrete_scale(colours: list[str]) -> list[list]:
     return scale
 
 
-_HEAD_SCORES = (
-    "sink_score",
-    "prev_token_score",
-    "local_score",
-    "induction_score",
-    "duplicate_score",
-    "entropy",
-    "concentration",
-    "importance",
-)
+_HEAD_SCORES = (*SCORES, "importance")
 
 
 def _is_number(v) -> bool:
