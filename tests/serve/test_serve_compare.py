@@ -205,6 +205,14 @@ def test_compare_page_draws_each_pairs_figures_and_links_the_first_divergence_to
         ]
         assert_no_placeholder_text(page)
         assert_fits(page, "#pair-internals")
+        # every panel exports PNG and CSV; a figure's CSV holds its layer x step values as the route gives them
+        panels = "#pair-internals .panel.figure, #pair-internals .head-multiples"
+        has_bars = "ps => ps.length > 0 && ps.every(p => p.querySelector('.export-bar .png') && p.querySelector('.export-bar .csv'))"
+        assert page.eval_on_selector_all(panels, has_bars)
+        csv = page.eval_on_selector("#pair-internals .panel.figure[data-figure='attn_js_mean']", "p => p._csv()")
+        rows = [line.split(",") for line in csv.strip().splitlines()]
+        for row, want in zip(rows[1:], d["figures"]["attn_js_mean"], strict=True):
+            assert [float(x) if x else None for x in row[1:]] == pytest.approx(want, rel=1e-9)
         shot(page, "#pair-internals", f"compare-{width}.png", tmp_path)
         # the pairs table links the divergence to this view; the link to B's token view opens that step
         page.click("#first-divergence a.link-b")

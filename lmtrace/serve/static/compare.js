@@ -120,9 +120,14 @@ window.lmtraceCompare = (() => {
     const figs = shownFigures.map((name) => {
       const signed = !["attn_js_mean", "resid_dist", "lens_changed"].includes(name);
       const h = heatmap(d.figures[name], layerLabels, { signed, width, mark: fd ? fd.step : null, onPick: pick(name, (i) => `layer ${d.layers[i]}`) });
-      return el("div", { class: "panel figure", data: { figure: name } },
+      const panel = el("div", { class: "panel figure", data: { figure: name } },
         el("h4", { text: name }), el("p", { class: "note", text: d.meaning[name] }), h.canvas,
         el("div", {}, legend(signed, h.max), el("span", { class: "note", text: " layer (rows) × step (columns)" })));
+      // PNG and CSV like every panel of the token view; the CSV: one row per layer, one column per step
+      window.lmtraceGrid.exportBar(panel, `${d.a}-vs-${d.b}-seq${d.seq_a}-${name}`, () => [
+        ["layer", ...d.figures[name][0].map((_, j) => `step ${j}`)],
+        ...d.figures[name].map((row, i) => [d.layers[i], ...row.map((v) => v ?? "")])]);
+      return panel;
     });
     const missing = Object.keys(d.figures).filter((k) => !d.has[k]);
     // every head of every layer: one head × step heatmap per layer, one colour scale for all
@@ -131,13 +136,17 @@ window.lmtraceCompare = (() => {
       const max = Math.max(1e-12, ...known.map(Math.abs));
       const headLabels = values[0].map((_, h) => `H${h}`);
       const small = Math.max(120, Math.min(260, (box.clientWidth || 900) / Math.min(4, d.layers.length) - 20));
-      return el("div", { class: `head-multiples ${cls}` }, el("h4", { text: title }),
+      const panel = el("div", { class: `head-multiples ${cls}` }, el("h4", { text: title }),
         el("div", {}, known.length ? legend(signed, max) : el("span", { class: "legend", text: "no value at any step" })),
         el("div", { class: "multiples" }, ...d.layers.map((layer, li) => {
           const h = heatmap(values[li], headLabels, { signed, max, width: small, cellH: 10, labelW: 30, mark: fd ? fd.step : null,
             onPick: (i, j) => put(picked, el("b", { text: `${title.split(":")[0]}, layer ${layer} head ${i}, step ${j}: ` }), fmtNum(values[li][i][j]), " — ", stepLinks(d, j)) });
           return el("div", { class: "multiple", data: { layer } }, el("div", { class: "note", text: `layer ${layer}` }), h.canvas);
         })));
+      // the CSV: one row per layer, head and step
+      window.lmtraceGrid.exportBar(panel, `${d.a}-vs-${d.b}-seq${d.seq_a}-${cls}`, () => [["layer", "head", "step", "value"],
+        ...d.layers.flatMap((layer, li) => values[li].flatMap((row, h) => row.map((v, j) => [layer, h, j, v ?? ""])))]);
+      return panel;
     };
     const heads = d.head_js ? multiples(d.head_js, "head-js", "attention JS per head (nats): one head × step heatmap per layer, one colour scale", false)
       : el("p", { class: "note", text: "no per-head attention figures: a run has no attention captured" });
