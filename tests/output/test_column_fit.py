@@ -134,7 +134,7 @@ def test_intervene_and_sweep_tables_fit_80_columns(monkeypatch, capsys):
             "baseline_max_abs_diff": 5e-6,
             "path": "/runs/demo/sweeps/20261205-090624-366b8fff2",
         },
-        SimpleNamespace(over="layers", edit="zero"),
+        SimpleNamespace(over="layers", edit="zero", method="exact"),
     )
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
