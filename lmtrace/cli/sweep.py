@@ -10,6 +10,16 @@ from ..output.jsonout import json_line
 from ..spec.sweep_spec import build_sweep_spec, load_sweep_spec
 
 
+def _cell(v) -> str:
+    """A table cell: '-' for a missing value, else the value as text."""
+    return "-" if v is None else str(v)
+
+
+def _cell4(v) -> str:
+    """A table cell with floats at 4 decimals."""
+    return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
 def sweep_command(
     run_ref: str,
     *,
@@ -74,7 +84,7 @@ def _print_fitted(console, title: str, headers: list[str], rows: list[list[str]]
 def _print_patching(patching: dict, top: int) -> None:
     from rich.console import Console
 
-    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+    fmt = _cell
     rows = [
         [
             c["component"],
@@ -104,7 +114,7 @@ def _print_grouped(by: dict, top: int) -> None:
 
     from ..archive.groups import GROUP_VALUE, group_header, group_text
 
-    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+    fmt = _cell
     groups: dict = {}
     for c in by["cells"]:
         groups.setdefault(group_text(c[GROUP_VALUE]), []).append(c)
@@ -142,7 +152,7 @@ def _print_verify(verify: dict) -> None:
     from rich.console import Console
 
     console = Console()
-    fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
+    fmt = _cell
     for metric, found in verify["metrics"].items():
         rho = found["spearman"]
         if not found["cells"]:
@@ -179,7 +189,7 @@ def _print(summary: dict, spec) -> None:
             f"sweep {summary['sweep_id']}: this shard is complete; the sweep is assembled when the others are"
         )
         return
-    fmt = lambda v: "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    fmt = _cell4
     rows = [
         [r["component"], *(fmt(r[k]) for k in ("layer", "q_head", "neuron", "position", "baseline", "value", "effect"))]
         for r in summary["top"]
