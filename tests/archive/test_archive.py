@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.archives import TABLES_ONLY_SHAPE
 from tests.helpers.cli import start_cli as _cli
 from tests.helpers.cli import wait_committed as _wait_committed
 from tests.helpers.reference import Reference
@@ -288,26 +290,9 @@ def test_compaction_killed_while_deleting_parts_keeps_the_full_table(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from lmtrace.archive.layout import RunShape
     from lmtrace.archive.writer import ArchiveWriter
 
-    shape = RunShape(
-        n_sequences=1,
-        n_steps=4,
-        max_prompt=2,
-        layers=(0,),
-        resid_layers=(),
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=2,
-        d_model=2,
-        d_ffn=2,
-        kv_head_of_head=(0,),
-        attention=False,
-        qkv=False,
-        ffn=False,
-        lens=False,
-    )
+    shape = replace(TABLES_ONLY_SHAPE, n_sequences=1, n_steps=4)
     writer = ArchiveWriter(tmp_path, shape, chunk_steps=2, codec="none", level=0)
     for i in range(3):
         writer._write_part("steps", f"b000000-s{i:08d}", pa.table({"x": [i, i]}))

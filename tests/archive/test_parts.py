@@ -12,29 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from lmtrace.archive.layout import RunShape
 from lmtrace.archive.parts import FANOUT
 from lmtrace.archive.reader import IncompleteRunWarning, Run, table_files
 from lmtrace.archive.writer import ArchiveWriter
+from tests.helpers.archives import TABLES_ONLY_SHAPE
 from tests.helpers.cli import run_cli as _run
-
-SHAPE = RunShape(
-    n_sequences=64,
-    n_steps=64,
-    max_prompt=2,
-    layers=(0,),
-    resid_layers=(),
-    n_heads=1,
-    n_kv_heads=1,
-    head_dim=2,
-    d_model=2,
-    d_ffn=2,
-    kv_head_of_head=(0,),
-    attention=False,
-    qkv=False,
-    ffn=False,
-    lens=False,
-)
 
 
 def _block(batch: int, s0: int) -> pa.Table:
@@ -58,7 +40,7 @@ def _rows(files: list[Path]) -> list[tuple]:
 
 def test_part_files_stay_few_while_blocks_are_committed_and_each_row_is_read_once(tmp_path, monkeypatch):
     monkeypatch.setattr("os.sync", lambda: None)  # durability is not what this counts: 512 syncs took ~100 s
-    writer = ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0)
+    writer = ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0)
     writer.rollback([])
     expected, most = [], 0
     for batch in range(0, 64, 2):  # 32 batches × 16 blocks: 512 block parts
@@ -177,7 +159,7 @@ def test_a_read_that_races_a_merge_lists_the_parts_again(tmp_path, monkeypatch):
     from lmtrace.archive.reader import read_table_files
 
     monkeypatch.setattr("os.sync", lambda: None)
-    writer = ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0)
+    writer = ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0)
     writer.rollback([])
     for s0 in range(0, 2 * (FANOUT - 1), 2):  # one block short of a merge
         writer.write_block(0, [0, 1], s0, s0 + 2, {}, {"steps": _block(0, s0)})
@@ -200,7 +182,7 @@ def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
     holds every row once, in block order."""
     monkeypatch.setattr("os.sync", lambda: None)
     writers = {
-        key: ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
+        key: ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
         for key in ("shard-0-of-2", "shard-1-of-2")
     }
     for w in writers.values():
@@ -234,9 +216,13 @@ def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
         at += n
     assert sorted(f"{name}.parquet" for name, _ in json.loads(meta[b"lmtrace.units"])) == sources
     assert _rows(table_files(tmp_path, "steps")) == sorted(r for b, s0 in blocks for r in _block_keys(b, s0))
-    ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-1-of-2").rollback([])
+    ArchiveWriter(
+        tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-1-of-2"
+    ).rollback([])
     assert all((parts / name).exists() for name in sources)  # another shard's leftovers are not its to clear
-    ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-0-of-2").rollback([])
+    ArchiveWriter(
+        tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key="shard-0-of-2"
+    ).rollback([])
     assert not any((parts / name).exists() for name in sources)
     rows = writers["shard-0-of-2"].compact_tables()
     assert rows == {"steps": 4 * len(blocks)}
@@ -262,7 +248,7 @@ def test_two_shards_updating_prompt_and_generated_lengths_at_once_lose_neither(t
 
     monkeypatch.setattr("os.sync", lambda: None)
     writers = [
-        ArchiveWriter(tmp_path, SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
+        ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
         for i in (0, 1)
     ]
     barriers = {name: threading.Barrier(2, timeout=2.0) for name in ("prompt_len", "generated_len")}

@@ -80,6 +80,25 @@ def batch_of_one(tmp_path_factory, tiny_llama_dir) -> Run:
     return _run(tmp_path_factory.mktemp("one"), tiny_llama_dir, "one", batch_size=1)
 
 
+def _footprint_shape(n_sequences: int):
+    """A run of 4-head layers (2 KV heads), prompts of 5 and 10 new tokens: what the footprint tests size."""
+    from lmtrace.archive.layout import RunShape
+
+    return RunShape(
+        n_sequences=n_sequences,
+        n_steps=10,
+        max_prompt=5,
+        layers=(),
+        resid_layers=(),
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_model=64,
+        d_ffn=128,
+        kv_head_of_head=(0, 0, 1, 1),
+    )
+
+
 def test_auto_batching_under_injected_oom_equals_batch_size_one(tmp_path, tiny_llama_dir, batch_of_one, monkeypatch):
     # a budget every prompt fits in at once; then an out-of-memory error at step 3 in every batch of
     # more than one sequence (blocks of 2 steps: steps 0-3 are committed): 5 -> 2 + 3 -> 1 + 1, 1 + 2 -> 1 + 1,
@@ -287,23 +306,10 @@ def test_a_cpu_footprint_starts_at_a_quarter_of_the_budget_and_is_calibrated_by_
     computed footprint would let in (to HEADROOM of the budget); a growth RSS cannot resolve changes
     nothing; RSS still held from earlier batches is taken off the budget; a batch grows at most
     GROWTH times past the largest measured one."""
-    from lmtrace.archive.layout import RunShape
     from lmtrace.runner.batching import GROWTH, HEADROOM, MAX_BATCH, RSS_RESOLUTION, BatchQueue, Footprint
 
     (tmp_path / "progress").mkdir()
-    shape = RunShape(
-        n_sequences=20_000,
-        n_steps=10,
-        max_prompt=5,
-        layers=(),
-        resid_layers=(),
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        d_model=64,
-        d_ffn=128,
-        kv_head_of_head=(0, 0, 1, 1),
-    )
+    shape = _footprint_shape(20_000)
 
     def cpu_queue():
         footprint = Footprint(
@@ -355,22 +361,9 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
     """A measured growth under the computed footprint leaves the computed one (the larger is used);
     budgets under 4x the RSS resolution are sized by the computed footprint alone, from the first batch
     to the last."""
-    from lmtrace.archive.layout import RunShape
     from lmtrace.runner.batching import HEADROOM, RSS_RESOLUTION, Footprint
 
-    shape = RunShape(
-        n_sequences=1,
-        n_steps=10,
-        max_prompt=5,
-        layers=(),
-        resid_layers=(),
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        d_model=64,
-        d_ffn=128,
-        kv_head_of_head=(0, 0, 1, 1),
-    )
+    shape = _footprint_shape(1)
     footprint = Footprint(
         shape, n_layers=4, dtype_bytes=4, vocab=1000, max_new=10, chunk_steps=2, chunk_keys=None, measured=False
     )
