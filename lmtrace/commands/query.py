@@ -14,7 +14,7 @@ from ..archive.reader import RELIST_TRIES
 from ..archive.runs import runs_root
 from ..archive.sql_views import connect, named_views
 from ..archive.table_catalog import VIEWS, Catalog, read_catalog
-from ..exits.errors import SpecError
+from ..exits.errors import ArchiveDamaged, SpecError
 from ..query.check import damaged_runs, failing_file, first_line, printable
 from ..query.guard import check_out, check_read_only, lock
 from ..query.output import FORMATS, write_result
@@ -70,6 +70,19 @@ def skip(catalog: Catalog, run_id: str, why: str) -> None:
     warn_line(f"run {run_id} is damaged ({why}); skipped (`lmtrace verify {run_id}`)")
 
 
+def refuse_named_damaged(sql: str, catalog: Catalog) -> None:
+    """A run the SQL names by its id and that was left out as damaged: the answer (printed) lacks what
+    was asked for, so the command fails (exit 2) after it, naming the run; a damaged run the SQL does not
+    name leaves the other runs' answer standing (exit 0, its warning line)."""
+    named = [run_id for run_id, _ in catalog.skipped if run_id in sql]
+    if named:
+        runs = ", ".join(named)
+        raise ArchiveDamaged(
+            f"the query names run {runs}, which is damaged and left out of the answer "
+            f"(`lmtrace verify {named[0]}` says which file)"
+        )
+
+
 def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = None, out: Path | None = None) -> None:
     """`lmtrace query`: check the flags and that the SQL only reads, read the catalog, check the bytes
     of the files the SQL's views read (damaged runs are left out, each in a warning line), build
@@ -103,6 +116,7 @@ def query_command(sql: str, *, runs_dir: str | None = None, fmt: str | None = No
                         if out is None:
                             raise
                         raise SpecError(f"cannot write --out {out} ({err.strerror or err})") from None
+                refuse_named_damaged(sql, catalog)
                 return
             except duckdb.Error as err:  # a bad query, or a file that fails to read (checked by reading it)
                 if relists < RELIST_TRIES and catalog.vanished():  # a running writer merged the parts it read

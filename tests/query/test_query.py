@@ -133,6 +133,19 @@ def test_tokens_view_equals_the_parquet_files_and_skips_the_damaged_run(runs_dir
     assert "tokens.parquet" in warnings[0]
 
 
+def test_a_query_that_names_a_damaged_run_prints_what_it_has_and_fails_naming_the_run(runs_dir):
+    """Asked for a damaged run by its id, the answer lacks what was asked: exit 2 after the (here empty)
+    answer, the warning and one error line; the other runs' answer standing alone is not a failure."""
+    damaged = "20260101-000004-000eeeeee"
+    proc = _query(runs_dir, f"SELECT count(*) AS n FROM tokens WHERE run_id = '{damaged}'", "-f", "json")
+    assert proc.returncode == 2, proc.stderr
+    assert pd.read_json(io.StringIO(proc.stdout), lines=True).n.tolist() == [0]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith(f"warning: run {damaged} is damaged"), proc.stderr
+    assert lines[1].startswith(f"error: the query names run {damaged}, which is damaged"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_runs_view_has_the_manifest_fields_and_the_shown_status(runs_dir):
     got = _frame(_query(runs_dir, "SELECT * FROM runs ORDER BY run_id", "-f", "json")).set_index("run_id")
     for run in sorted(runs_dir.iterdir()):
