@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..exits.errors import ArchiveError
+from ..exits.errors import ArchiveDamaged, ArchiveError
 from ..output.jsonout import strict
 from . import layout, parquet_io
+from .damage import Problem, damaged_message
 from .reader import Run
 from .runs import locked, now_iso, read_manifest
 
@@ -148,8 +149,11 @@ def _write_files(
 def _write_score_arrays(group, methods: list[MethodRecord], steps: list[int], explanations: list[StepExplanation]):
     """scores.zarr's `step` and `position` axes and one array per method, [step, position], NaN beyond each step's
     context."""
+    from .zarr_arrays import checked_array
+
     max_n = max(len(e.scores) for e in explanations)
-    st = group.create_array(
+    st = checked_array(
+        group,
         "step",
         shape=(len(steps),),
         dtype="int32",
@@ -158,8 +162,8 @@ def _write_score_arrays(group, methods: list[MethodRecord], steps: list[int], ex
         fill_value=-1,
     )
     st[...] = np.asarray(steps, dtype=np.int32)
-    pos = group.create_array(
-        "position", shape=(max_n,), dtype="int32", chunks=(max_n,), dimension_names=("position",), fill_value=-1
+    pos = checked_array(
+        group, "position", shape=(max_n,), dtype="int32", chunks=(max_n,), dimension_names=("position",), fill_value=-1
     )
     pos[...] = np.arange(max_n, dtype=np.int32)
     for m in methods:
@@ -167,7 +171,8 @@ def _write_score_arrays(group, methods: list[MethodRecord], steps: list[int], ex
         for e in explanations:
             if e.method == m.name:
                 data[steps.index(e.step), : len(e.scores)] = e.scores
-        arr = group.create_array(
+        arr = checked_array(
+            group,
             m.name,
             shape=data.shape,
             dtype="float32",
@@ -237,6 +242,8 @@ def _write_components(
 ) -> dict[str, dict[str, str]]:
     """scores.zarr/<method>_<component> [step, layer(, head)] per component a method returned (lrp: attention,
     mlp, heads, attention_bias); returns {method: {component: array name}}."""
+    from .zarr_arrays import checked_array
+
     out: dict[str, dict[str, str]] = {}
     for m in methods:
         mine = [e for e in explanations if e.method == m.name and e.components]
@@ -245,7 +252,8 @@ def _write_components(
             data = np.full((len(steps), *shape), np.nan, dtype=np.float32)
             for e in mine:
                 data[steps.index(e.step)] = e.components[name]
-            arr = group.create_array(
+            arr = checked_array(
+                group,
                 f"{m.name}_{name}",
                 shape=data.shape,
                 dtype="float32",
@@ -340,6 +348,12 @@ def read_component(run: Run, entry: dict, name: str, step: int | None = None) ->
     `step` (one of them) that step's [layer(, head)]. `lmtrace serve` and the report both read them here."""
     import zarr
 
-    array = zarr.open_array(str(run.path / entry["components"][name]), mode="r")
-    values = array[...] if step is None else array[entry["steps"].index(step)]
+    rel = entry["components"][name]
+    row = None if step is None else entry["steps"].index(step)
+    try:
+        array = zarr.open_array(str(run.path / rel), mode="r")
+        values = array[...] if row is None else array[row]
+    except (OSError, ValueError, LookupError, RuntimeError) as err:  # zarr's ways to say missing or damaged
+        kind = "changed" if "checksum" in str(err) else "unreadable"
+        raise ArchiveDamaged(damaged_message(run.id, Problem(rel, kind)), path=rel, run_dir=run.path) from None
     return np.asarray(values, dtype=np.float32)

@@ -162,6 +162,8 @@ def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects:
     directory and rename it into place."""
     import zarr
 
+    from .zarr_arrays import checked_array
+
     tmp = final.with_name(f".final-{final.name}")
     tmp.mkdir()
     parquet_io.write_table(table, tmp / "sweep.parquet")
@@ -173,10 +175,11 @@ def write_sweep(final: Path, table: pa.Table, sequence_means: pa.Table, effects:
         for dim in e.dims:
             if dim not in group:
                 c = np.asarray(e.coords[dim], dtype=np.int32)
-                ca = group.create_array(dim, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(dim,))
+                ca = checked_array(group, dim, shape=c.shape, dtype="int32", chunks=c.shape, dimension_names=(dim,))
                 ca[...] = c
         name = effect_array_name(e.metric, bases)
-        a = group.create_array(
+        a = checked_array(
+            group,
             name,
             shape=e.values.shape,
             dtype="float32",

@@ -33,6 +33,13 @@ def compressors_for(codec: str, level: int, spec: layout.ArraySpec, checksum: bo
 SMALL_ARRAY_COMPRESSORS = (ZstdCodec(level=0), Crc32cCodec())
 
 
+def checked_array(group, name: str, **kwargs):
+    """`group.create_array` for an analysis output written whole (a sweep's effects, explain's scores):
+    each chunk zstd-compressed and ending in its crc32c, so a changed byte fails the read instead of
+    reaching a view as a number."""
+    return group.create_array(name, compressors=SMALL_ARRAY_COMPRESSORS, **kwargs)
+
+
 def consolidate(run_dir: Path) -> None:
     """Consolidate the run's Zarr metadata (after the last array is created)."""
     with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec": known, wanted
