@@ -80,19 +80,10 @@ def _prompt_texts(m: dict, seq_rows: dict[int, dict], n_seq: int) -> list[str | 
     return prompt_text
 
 
-def _committed_limits(run: Run, seq_rows: dict[int, dict], n_seq: int) -> dict[int, int]:
-    """sequence -> number of steps an unfinished run committed; empty (everything) for a complete run."""
-    m = run.manifest
-    limit = {}
-    if run.status != "complete" and hasattr(run, "committed_steps"):
-        limit = {int(s): int(n) for s, n in run.committed_steps().items()}
-    elif run.status != "complete":  # single-writer archives: progress.json, batches numbered 0, 1, ...
-        batch_size = int(m["spec_resolved"]["generation"]["batch_size"])
-        batches = run.progress.get("batches", {})
-        for s in range(n_seq):
-            batch = seq_rows[s]["batch"] if s in seq_rows else s // batch_size
-            limit[s] = int(batches.get(str(batch), {}).get("committed_steps", 0))
-    return limit
+def _committed_limits(run: Run) -> dict[int, int]:
+    """sequence -> number of steps an unfinished run committed (the reader's one count, `Run.ready_steps`);
+    empty (everything) for a complete run."""
+    return {} if run.status == "complete" else run.ready_steps()
 
 
 def _generated_columns(run: Run, tokens: pa.Table, limit: dict[int, int]) -> dict[int, dict]:
@@ -139,7 +130,7 @@ def load_side(label: str, run: Run) -> Side:
     seq_rows = _read_optional(run.sequences)
     seq_rows = {} if seq_rows is None else {int(r["sequence"]): r for r in seq_rows.to_pylist()}
     prompt_text = _prompt_texts(m, seq_rows, n_seq)
-    limit = _committed_limits(run, seq_rows, n_seq)  # steps an unfinished run committed; all of a complete run
+    limit = _committed_limits(run)  # steps an unfinished run committed; all of a complete run
     tokens = _read_optional(run.tokens)
     prompt_ids: dict[int, tuple[int, ...]] = {}
     gen: dict[int, dict] = {}
