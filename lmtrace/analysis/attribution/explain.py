@@ -15,6 +15,7 @@ import torch
 from ...archive.explanations import StepExplanation
 from ...archive.reader import Run
 from ...exits.errors import ArchiveError, LmtraceError, SpecError
+from .feature_nodes import FEATURE_METHODS, SaeAtSite, attribute_to_features, result_name, result_shortfall
 from .registry import METHODS, StepContext
 from .replay import REPLAY_TOLERANCE, ContextEdits
 from .settings import Settings
@@ -53,12 +54,14 @@ def explain_steps(
     edits: ContextEdits | None,
     note: Callable[[str], None] = lambda text: None,
     progress: Callable[[str], None] = lambda text: None,
+    saes: tuple[SaeAtSite, ...] | list[SaeAtSite] = (),
 ) -> list[StepExplanation]:
     """Every method of `names` on every step of `steps` of `sequence` (`prompt`, `gen` from `sequence_tokens`).
 
     `scorer` is the run's model (None when no method needs one); `edits` an intervention child's edits, installed
     on it for the duration. `note` receives what the user should read (mismatches, non-convergence), `progress`
-    what is being done."""
+    what is being done. Each of `saes` adds, per method that can (FEATURE_METHODS), a result attributing to the SAE's
+    latents and error node (`feature_nodes`), named `result_name(method, sae.name)`."""
     prompt_ids = [int(x) for x in prompt.token_id]
     prompt_texts = list(prompt.token_text)
     gen_ids = [int(x) for x in gen.token_id]
@@ -98,24 +101,37 @@ def explain_steps(
                     failed = METHODS[name].failed_check(res.info, settings)
                     if failed is not None:  # the method's own check (IG completeness, lrp conservation)
                         note(f"sequence {sequence} step {step}: {name} {failed}")
-                    explanations.append(
-                        StepExplanation(
-                            name,
-                            sequence,
-                            step,
-                            chosen,
-                            ctx.runner_up_id,
-                            np.arange(ctx.n),
-                            ctx.ids,
-                            prompt_texts + gen_texts[:step],
-                            [True] * len(prompt_ids) + [False] * step,
-                            res.scores,
-                            info,
-                            target_text=str(row.token_text),
-                            runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else "",
-                            components=res.components,
+                    results = [(name, res, info)]
+                    for sae in saes if name in FEATURE_METHODS else ():
+                        label = result_name(name, sae.name)
+                        progress(f"sequence {sequence} step {step}: {label}")
+                        sres = attribute_to_features(ctx, name, sae, settings.sae_top)
+                        failed = result_shortfall(label, sres.info, settings)
+                        if failed is not None:
+                            note(f"sequence {sequence} step {step}: {label} {failed}")
+                        results.append((label, sres, {**sres.info, **check}))
+                    for label, r, r_info in results:
+                        explanations.append(
+                            StepExplanation(
+                                label,
+                                sequence,
+                                step,
+                                chosen,
+                                ctx.runner_up_id,
+                                np.arange(ctx.n),
+                                ctx.ids,
+                                prompt_texts + gen_texts[:step],
+                                [True] * len(prompt_ids) + [False] * step,
+                                r.scores,
+                                r_info,
+                                target_text=str(row.token_text),
+                                runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id])
+                                if scorer is not None
+                                else "",
+                                components=r.components,
+                                latents=r.latents,
+                            )
                         )
-                    )
         finally:
             if scorer is not None:
                 scorer.edits = None
