@@ -134,7 +134,8 @@ def _print_top_positions(console, e, top: int) -> None:
     from rich.text import Text
 
     order = _top(e.scores, top)
-    table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
+    what = " (latents + error node at the position)" if e.latents else ""
+    table = Table(title=f"top {len(order)} positions by |score|{what}", show_edge=False, title_justify="left")
     for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"), ("share", "right")):
         table.add_column(col, justify=just)
     denom = float(np.nansum(np.abs(e.scores))) or 1.0

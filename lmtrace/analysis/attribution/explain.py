@@ -92,25 +92,9 @@ def explain_steps(
                     scorer=scorer,
                 )
                 check = _reproduction_check(ctx, edits, run_dtype, note) if scorer is not None else {}
+                texts = prompt_texts + gen_texts[:step]
                 for name in names:
-                    progress(f"sequence {sequence} step {step}: {name}")
-                    res = METHODS[name].fn(ctx)
-                    if res.scores.shape != (ctx.n,):
-                        raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
-                    info = {**res.info, **(check if METHODS[name].needs_model else {})}
-                    failed = METHODS[name].failed_check(res.info, settings)
-                    if failed is not None:  # the method's own check (IG completeness, lrp conservation)
-                        note(f"sequence {sequence} step {step}: {name} {failed}")
-                    results = [(name, res, info)]
-                    for sae in saes if name in FEATURE_METHODS else ():
-                        label = result_name(name, sae.name)
-                        progress(f"sequence {sequence} step {step}: {label}")
-                        sres = attribute_to_features(ctx, name, sae, settings.sae_top)
-                        failed = result_shortfall(label, sres.info, settings)
-                        if failed is not None:
-                            note(f"sequence {sequence} step {step}: {label} {failed}")
-                        results.append((label, sres, {**sres.info, **check}))
-                    for label, r, r_info in results:
+                    for label, r, r_info in _method_results(ctx, name, saes, check, note, progress):
                         explanations.append(
                             StepExplanation(
                                 label,
@@ -120,7 +104,7 @@ def explain_steps(
                                 ctx.runner_up_id,
                                 np.arange(ctx.n),
                                 ctx.ids,
-                                prompt_texts + gen_texts[:step],
+                                texts,
                                 [True] * len(prompt_ids) + [False] * step,
                                 r.scores,
                                 r_info,
@@ -136,6 +120,29 @@ def explain_steps(
             if scorer is not None:
                 scorer.edits = None
     return explanations
+
+
+def _method_results(ctx: StepContext, name: str, saes, check: dict, note, progress) -> list[tuple]:
+    """(result name, MethodResult, info) of one method on one step, then one per SAE it attributes to; a result
+    that fails its own check is noted."""
+    where = f"sequence {ctx.sequence} step {ctx.step}"
+    progress(f"{where}: {name}")
+    res = METHODS[name].fn(ctx)
+    if res.scores.shape != (ctx.n,):
+        raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
+    failed = METHODS[name].failed_check(res.info, ctx.settings)
+    if failed is not None:  # the method's own check (IG completeness, lrp conservation)
+        note(f"{where}: {name} {failed}")
+    out = [(name, res, {**res.info, **(check if METHODS[name].needs_model else {})})]
+    for sae in saes if name in FEATURE_METHODS else ():
+        label = result_name(name, sae.name)
+        progress(f"{where}: {label}")
+        sres = attribute_to_features(ctx, name, sae, ctx.settings.sae_top)
+        failed = result_shortfall(label, sres.info, ctx.settings)
+        if failed is not None:
+            note(f"{where}: {label} {failed}")
+        out.append((label, sres, {**sres.info, **check}))
+    return out
 
 
 def _reproduction_check(ctx: StepContext, edits: ContextEdits | None, run_dtype: str, note) -> dict:
