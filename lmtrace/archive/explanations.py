@@ -47,6 +47,8 @@ class StepExplanation:
     target_text: str = ""
     runner_up_text: str = ""
     components: dict = field(default_factory=dict)  # name -> array (lrp: attention/mlp [layer], heads [layer, head])
+    latents: dict = field(default_factory=dict)  # attribution to an SAE: ids, scores [position, top], error, inputs
+    #                                              [position] (LATENT_ARRAYS)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class MethodRecord:
     target: str | None  # None for methods without a target quantity (attention rollout)
     quantity: str | None
     model: dict | None  # the model it ran (None when it needs none)
+    sae: dict | None = None  # attribution to an SAE's latents: the SAE (name, path, sha256, hook, ...)
 
 
 def scores_schema() -> pa.Schema:
@@ -133,11 +136,12 @@ def _write_files(
     group = zarr.open_group(str(tmp / "scores.zarr"), mode="w", zarr_format=3)
     _write_score_arrays(group, methods, steps, explanations)
     components = _write_components(group, methods, steps, explanations)
+    latents = _write_latents(group, methods, steps, explanations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.consolidate_metadata(str(tmp / "scores.zarr"))
     entries = [
-        _method_entry(m, explain_id, sequence, steps, created, rel, table_rel, components, explanations)
+        _method_entry(m, explain_id, sequence, steps, created, rel, table_rel, components, explanations, latents)
         for m in methods
     ]
     _atomic_json(
@@ -193,6 +197,7 @@ def _method_entry(
     table_rel: str,
     components: dict[str, dict[str, str]],
     explanations: list[StepExplanation],
+    latents: dict[str, dict[str, str]] | None = None,
 ) -> dict:
     """The manifest entry of one method of an invocation: its settings, where its scores are, its per-step
     results and, when its steps report them, whether all converged (integrated gradients) or conserved (lrp)."""
@@ -212,6 +217,11 @@ def _method_entry(
         **(
             {"components": {c: f"{rel}/scores.zarr/{path}" for c, path in components[m.name].items()}}
             if components.get(m.name)
+            else {}
+        ),
+        **(
+            {"sae": {**m.sae, "arrays": {k: f"{rel}/scores.zarr/{path}" for k, path in latents[m.name].items()}}}
+            if m.sae is not None and (latents or {}).get(m.name)
             else {}
         ),
         "results": [
@@ -264,6 +274,58 @@ def _write_components(
             arr[...] = data
             out.setdefault(m.name, {})[name] = f"{m.name}_{name}"
     return out
+
+
+# an SAE result's arrays: name -> (axes after the step axis, dtype, fill)
+LATENT_ARRAYS = {
+    "ids": (("position", "latent"), "int32", -1),
+    "scores": (("position", "latent"), "float32", np.nan),
+    "error": (("position",), "float32", np.nan),
+    "inputs": (("position",), "float32", np.nan),
+}
+
+
+def _write_latents(
+    group, methods: list[MethodRecord], steps: list[int], explanations: list[StepExplanation]
+) -> dict[str, dict[str, str]]:
+    """scores.zarr/<method>_latent_ids, _latent_scores [step, position, latent] (the top latents per position,
+    −1 / NaN past a position's count and beyond each step's context), <method>_error and <method>_inputs
+    [step, position] of every SAE result; returns {method: {ids|scores|error|inputs: array name}}."""
+    out: dict[str, dict[str, str]] = {}
+    for m in methods:
+        mine = [e for e in explanations if e.method == m.name and e.latents]
+        if not mine:
+            continue
+        max_n = max(len(e.scores) for e in mine)
+        top = max(np.asarray(e.latents["ids"]).shape[1] for e in mine)
+        for key, (dims, dtype, fill) in LATENT_ARRAYS.items():
+            shape = (len(steps), max_n, top) if len(dims) == 2 else (len(steps), max_n)
+            data = np.full(shape, fill, dtype=dtype)
+            for e in mine:
+                values = np.asarray(e.latents[key], dtype=dtype)
+                data[(steps.index(e.step),) + tuple(slice(0, d) for d in values.shape)] = values
+            name = f"{m.name}_latent_{key}" if len(dims) == 2 else f"{m.name}_{key}"
+            arr = group.create_array(
+                name, shape=shape, dtype=dtype, chunks=shape, dimension_names=("step", *dims), fill_value=fill
+            )
+            arr[...] = data
+            out.setdefault(m.name, {})[key] = name
+    return out
+
+
+def read_latents(run: Run, entry: dict, step: int) -> dict[str, np.ndarray]:
+    """An SAE result's arrays (a manifest `explain` entry with `sae`) at one of its steps: ids, scores
+    [position, latent] and error, inputs [position], cut to that step's context."""
+    import zarr
+
+    out = {}
+    n = None
+    for key, path in entry["sae"]["arrays"].items():
+        values = np.asarray(zarr.open_array(str(run.path / path), mode="r")[entry["steps"].index(step)])
+        out[key] = values
+        if key == "error":
+            n = int(np.isfinite(values).sum())
+    return {k: v[:n] for k, v in out.items()}
 
 
 def _table(explain_id: str, methods: list[MethodRecord], explanations: list[StepExplanation]) -> pa.Table:

@@ -65,6 +65,13 @@ def explain(
         "--rollout-exclude",
         help="Attention rollout: leave out these key positions and renormalise: `sink` (position 0) or 0,3,...",
     ),
+    sae: list[str] = typer.Option(
+        [],
+        "--sae",
+        help="grad_x_input and lrp also attribute to this SAE's latents and an error node at its hook: a "
+        "SAELens directory or the name of an SAE the run recorded (repeatable).",
+    ),
+    sae_top: int = typer.Option(16, "--sae-top", help="With --sae: latents kept per position, by |attribution|."),
     device: Optional[str] = typer.Option(None, "--device", help="Device for the model (default: the run's)."),
     top: int = typer.Option(10, "--top", help="Top contributing positions to list per step and method."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir"),
@@ -96,11 +103,13 @@ def explain(
                 ig_keep=ig_keep,
                 ig_dtype=ig_dtype,
                 rollout_exclude=rollout_exclude,
+                sae_top=sae_top,
             ),
             json_out=json_out,
             quiet=quiet,
             top=top,
             strict=strict,
+            saes=sae,
         )
     except BaseException as err:  # noqa: BLE001
         fail(err, lambda: run_dir_or_root(run, runs_dir))

@@ -18,6 +18,8 @@ that step. Definitions (docs/explain.md has the full text):
                         (archived attention only, no model)
   lrp                   score_i = Σ_d e_{i,d} · ĝ_{i,d}, ĝ the gradient under AttnLRP's rules (CP-LRP attention);
                         f = Σ_i score_i + bias relevance; also relevance per layer's attention/MLP and per head
+  --sae DIR|NAME        grad_x_input and lrp also attribute to the SAE's latents at its hook and an error node
+                        (the reconstruction error): a result named METHOD@SAE per SAE
 
 This module orchestrates: resolve the run, take its explain writer key, load the model, call the
 analysis (`lmtrace/analysis/attribution/`: the METHODS registry, one module per method), write
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..analysis.attribution import (
+    FEATURE_METHODS,
     METHODS,
     NOT_REPLAYABLE,
     Scorer,
@@ -40,6 +43,7 @@ from ..analysis.attribution import (
     child_edits,
     explain_steps,
     parse_methods,
+    result_name,
     sequence_tokens,
     unreplayable_edit,
 )
@@ -109,6 +113,63 @@ def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda te
     return Scorer.of(loaded), info
 
 
+def resolve_saes(run: Run, refs: list[str]) -> list[tuple[str, Path, str]]:
+    """`--sae` values -> (short name, directory, weights' sha256): a directory (named as the run names it when
+    the run recorded it, else after the directory), or the short name of an SAE in the run's manifest
+    `features`. Refused in one line (exit 2) before any weights are loaded."""
+    from ..capture.feature_probe import file_sha256, short_names
+    from ..features.format import WEIGHTS
+
+    recorded = run.manifest.get("features") or []
+    out: list[tuple[str, Path, str]] = []
+    for ref in refs:
+        path = Path(ref).expanduser()
+        entry = next((f for f in recorded if f.get("name") == ref), None)
+        if entry is not None and not path.is_dir():
+            path = Path(entry["path"])
+            if not (path / WEIGHTS).is_file():
+                raise SpecError(
+                    f"--sae {ref}: run {run.id} recorded this SAE at {path}, which is no longer there; "
+                    f"give its directory instead"
+                )
+        elif not path.is_dir():
+            names = ", ".join(f["name"] for f in recorded) or "none"
+            raise SpecError(
+                f"--sae {ref!r}: not an SAE directory, nor the name of an SAE run {run.id} recorded (its SAEs: {names})"
+            )
+        sha = file_sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else ""
+        if entry is not None and sha != entry.get("sha256"):
+            raise SpecError(
+                f"--sae {ref}: the weights at {path} are not the ones run {run.id} recorded (sha256 differs); "
+                f"give the SAE's directory"
+            )
+        known = next((f["name"] for f in recorded if sha and f.get("sha256") == sha), None)
+        name = known or short_names([p for _, p, _ in out] + [path])[-1]
+        if any(n == name for n, _, _ in out):
+            if any(s_ == sha for _, _, s_ in out):
+                continue  # the same SAE twice
+            name = f"{name}_{len(out) + 1}"
+        out.append((name, path, sha))
+    return out
+
+
+def load_saes(refs: list[tuple[str, Path, str]], scorer: Scorer):
+    """Each resolved SAE read and placed at its site of the loaded model; a bad directory, an unsupported hook,
+    a layer the model lacks or a d_in that does not match the site is refused in one line (exit 2)."""
+    from ..analysis.attribution import SaeAtSite
+    from ..capture.arch import adapter_for
+    from ..features import parse_hook_name, read_sae
+
+    adapter = adapter_for(scorer.model)
+    out = []
+    for name, path, sha in refs:
+        sae = read_sae(path, device=scorer.device)
+        site = parse_hook_name(sae.cfg.hook_name, f"SAE {path}")
+        site.check(adapter, sae.cfg.d_in, f"SAE {path}")
+        out.append(SaeAtSite(name, path.resolve(), sha, sae, site))
+    return out
+
+
 def explain_run(
     run_ref: str | Path,
     steps: str | list[int],
@@ -119,8 +180,10 @@ def explain_run(
     device: str | None = None,
     runs_dir: str | None = None,
     note=lambda text: None,
+    saes: list[str] | tuple[str, ...] = (),
 ) -> ExplainResult:
-    """Explain generated steps of an archived run; write the results into the run and return them."""
+    """Explain generated steps of an archived run; write the results into the run and return them. `saes`:
+    SAE directories or recorded names that grad_x_input and lrp also attribute to (`--sae`)."""
     settings = (settings or Settings()).check()
     names = parse_methods(list(methods) if not isinstance(methods, str) else methods)
     check_device_option(device)
@@ -138,7 +201,7 @@ def explain_run(
     owner = OwnerLock(run.path, "explain", run.id).acquire()
     try:
         pause_after_owning()
-        return _explain_owned(run, notes, note_, note, steps, sequence, settings, names, device)
+        return _explain_owned(run, notes, note_, note, steps, sequence, settings, names, device, list(saes))
     finally:
         owner.release()
 
@@ -153,6 +216,7 @@ def _explain_owned(
     settings: Settings,
     names: list[str],
     device: str | None,
+    sae_refs: list[str],
 ) -> ExplainResult:
     """explain_run's work once this process owns the run's explain writer key."""
     prompt, gen = sequence_tokens(run, sequence)
@@ -170,6 +234,12 @@ def _explain_owned(
     for name in names:  # what a method cannot explain (a quantity, a family) is refused before loading weights
         if METHODS[name].check is not None:
             METHODS[name].check(run, settings)
+    if sae_refs and not any(m in FEATURE_METHODS for m in names):
+        raise SpecError(
+            f"--sae: attribution to an SAE's latents is made by {' and '.join(FEATURE_METHODS)}; "
+            f"add -m {FEATURE_METHODS[0]} or -m {FEATURE_METHODS[1]}"
+        )
+    sae_found = resolve_saes(run, sae_refs)
     bad = unreplayable_edit(run)  # refuse edit kinds that cannot be replayed before loading any weights
     if bad is not None:
         i, kind = bad
@@ -181,11 +251,12 @@ def _explain_owned(
     if any(METHODS[m].needs_model for m in names):
         progress(f"loading model {run.manifest.get('model', {}).get('reference')} (float32, eager attention)")
         scorer, model_info = load_scorer(run, device, names, progress)
+    saes = load_saes(sae_found, scorer) if sae_found else []
     edits = child_edits(run, scorer, sequence, len(prompt)) if scorer is not None else None
     if edits is not None:
         model_info = {**model_info, "interventions_replayed": run.manifest["interventions"]}
     explanations = explain_steps(
-        run, sequence, prompt, gen, step_list, names, settings, scorer, edits, note=note_, progress=progress
+        run, sequence, prompt, gen, step_list, names, settings, scorer, edits, note=note_, progress=progress, saes=saes
     )
     explain_id = new_run_id()
     records = [
@@ -197,6 +268,19 @@ def _explain_owned(
             model_info if METHODS[name].needs_model else None,
         )
         for name in names
+    ]
+    records += [
+        MethodRecord(
+            result_name(name, sae.name),
+            {**METHODS[name].settings(settings), "sae_top": settings.sae_top},
+            settings.target,
+            settings.quantity,
+            model_info,
+            sae=sae.record(settings.sae_top),
+        )
+        for name in names
+        if name in FEATURE_METHODS
+        for sae in saes
     ]
     entries = write_explanation(run, explain_id, records, step_list, sequence, explanations)
     return ExplainResult(
@@ -217,6 +301,7 @@ def explain_command(
     quiet: bool,
     top: int,
     strict: bool = False,
+    saes: list[str] | tuple[str, ...] = (),
 ) -> ExplainResult:
     """What `lmtrace explain` does: explain, then print a rich view (or a JSON summary)."""
 
@@ -233,6 +318,7 @@ def explain_command(
         device=device,
         runs_dir=runs_dir,
         note=note,
+        saes=saes,
     )
     if json_out:
         print(json_line(summary(result, top)))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..analysis.attribution import METHODS, ig_shortfall
+from ..analysis.attribution import METHODS, ig_shortfall, method_of, result_shortfall
 from ..analysis.attribution.integrated_gradients import percent
 from ..output.jsonout import strict
 
@@ -38,7 +38,7 @@ def _print_heading(console, e, s) -> None:
     """The rule naming the sequence, step and method, then the target token, runner-up and what is scored."""
     from rich.text import Text
 
-    m = METHODS[e.method]
+    m = METHODS[method_of(e.method)]
     what = f"{s.target} ({s.quantity})" if m.needs_model else "rollout share of the last position"
     console.rule(f"sequence {e.sequence} step {e.step}: {e.method}")
     head = Text("target token ")
@@ -63,6 +63,9 @@ def _print_facts(console, e) -> None:
         "sum_scores",
         "completeness_error",
         "bias_relevance",
+        "sum_latents",
+        "sum_error",
+        "sum_inputs",
         "conservation_error",
         "recomputed_logprob",
         "archived_logprob",
@@ -97,14 +100,11 @@ def _print_checks(console, e, s) -> None:
             )
     if "conserved" in e.info:
         rel, tol = e.info.get("conservation_error_relative"), e.info.get("conservation_tolerance")
+        what = "latents + error node + inputs + bias relevance" if e.latents else "Σ scores + bias relevance"
         if e.info["conserved"]:
-            console.print(
-                Text(
-                    f"conserved: f = Σ scores + bias relevance to a relative error of {rel:.1e} ≤ {tol:g}", style="dim"
-                )
-            )
+            console.print(Text(f"conserved: f = {what} to a relative error of {rel:.1e} ≤ {tol:g}", style="dim"))
         else:
-            why = METHODS[e.method].failed_check(e.info, s) or ""
+            why = result_shortfall(e.method, e.info, s) or ""
             console.print(Text(f"NOT CONSERVED: {why.removeprefix('does not conserve: ')}", style="bold yellow"))
     if "heads" in e.components:
         tops = ", ".join(f"L{h['layer']}.H{h['head']} {h['relevance']:+.3g}" for h in top_heads(e.components, 5))
@@ -134,7 +134,8 @@ def _print_top_positions(console, e, top: int) -> None:
     from rich.text import Text
 
     order = _top(e.scores, top)
-    table = Table(title=f"top {len(order)} positions by |score|", show_edge=False, title_justify="left")
+    what = " (latents + error node at the position)" if e.latents else ""
+    table = Table(title=f"top {len(order)} positions by |score|{what}", show_edge=False, title_justify="left")
     for col, just in (("#", "right"), ("position", "right"), ("token", "left"), ("score", "right"), ("share", "right")):
         table.add_column(col, justify=just)
     denom = float(np.nansum(np.abs(e.scores))) or 1.0
@@ -148,6 +149,57 @@ def _print_top_positions(console, e, top: int) -> None:
             f"{abs(sc) / denom:.0%}",
         )
     console.print(table)
+
+
+def top_latents(e, top: int) -> list[dict]:
+    """The `top` (position, latent) pairs of an SAE result by |attribution|, and each position's error node."""
+    ids = np.asarray(e.latents["ids"])
+    scores = np.asarray(e.latents["scores"], dtype=np.float64)
+    flat = np.argsort(-np.nan_to_num(np.abs(scores), nan=-1.0), axis=None, kind="stable")[:top]
+    out = []
+    for k in flat:
+        p, j = divmod(int(k), ids.shape[1])
+        if ids[p, j] < 0:
+            break
+        out.append({"feature": int(ids[p, j]), "position": p, "token": e.token_texts[p], "score": float(scores[p, j])})
+    return out
+
+
+def _print_latents(console, e, top: int) -> None:
+    """An SAE result's table: its top latents by |attribution| (feature id, position, token), then the error
+    node's share."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = top_latents(e, top)
+    table = Table(title=f"top {len(rows)} SAE latents by |attribution|", show_edge=False, title_justify="left")
+    for col, just in (
+        ("#", "right"),
+        ("feature", "right"),
+        ("position", "right"),
+        ("token", "left"),
+        ("score", "right"),
+    ):
+        table.add_column(col, justify=just)
+    for rank, r in enumerate(rows):
+        p = r["position"]
+        table.add_row(
+            str(rank + 1),
+            str(r["feature"]),
+            str(p) + ("" if e.is_prompt[p] else "*"),
+            repr(r["token"]),
+            Text(f"{r['score']:+.4g}", style="green" if r["score"] >= 0 else "red"),
+        )
+    console.print(table)
+    error = np.asarray(e.latents["error"], dtype=np.float64)
+    worst = int(np.argmax(np.abs(error))) if error.size else 0
+    console.print(
+        Text(
+            f"error node: Σ {float(error.sum()):+.4g} over positions (largest at position {worst}, "
+            f"{float(error[worst]) if error.size else 0.0:+.4g}); latents Σ {e.info.get('sum_latents', 0.0):+.4g}",
+            style="dim",
+        )
+    )
 
 
 def render(result: "ExplainResult", console=None, top: int = 10) -> None:
@@ -164,6 +216,8 @@ def render(result: "ExplainResult", console=None, top: int = 10) -> None:
         _print_checks(console, e, s)
         _print_context(console, e)
         _print_top_positions(console, e, top)
+        if e.latents:
+            _print_latents(console, e, top)
     console.print(Text(legend(console.color_system is not None), style="dim"))
 
 
@@ -204,11 +258,16 @@ def summary(result: "ExplainResult", top: int = 10) -> dict:
             "conservation_error",
             "conservation_error_relative",
             "conserved",
+            "sum_latents",
+            "sum_error",
+            "sum_inputs",
         ):
             if key in e.info:
                 item[key] = e.info[key]
-        if METHODS[e.method].shortfall is not None:  # the method's own check: passed, or what failed
-            failed = METHODS[e.method].failed_check(e.info, result.settings)
+        if e.latents:  # attribution to an SAE: its top latents
+            item["latents"] = top_latents(e, top)
+        if METHODS[method_of(e.method)].shortfall is not None:  # the method's own check: passed, or what failed
+            failed = result_shortfall(e.method, e.info, result.settings)
             item["check_passed"] = failed is None
             if failed is not None:
                 item["check_failed"] = f"{e.method} {failed}"
@@ -236,7 +295,7 @@ def failed_checks(result: "ExplainResult") -> list[str]:
     """`sequence S step T: METHOD <what failed>` for every result whose method's own check failed."""
     out = []
     for e in result.explanations:
-        failed = METHODS[e.method].failed_check(e.info, result.settings)
+        failed = result_shortfall(e.method, e.info, result.settings)
         if failed is not None:
             out.append(f"sequence {e.sequence} step {e.step}: {e.method} {failed}")
     return out
@@ -245,7 +304,7 @@ def failed_checks(result: "ExplainResult") -> list[str]:
 def checks_passed(result: "ExplainResult") -> bool | None:
     """False if any result failed its method's own check (IG completeness, lrp conservation); None if no
     method run has a check."""
-    if not any(METHODS[e.method].shortfall is not None for e in result.explanations):
+    if not any(METHODS[method_of(e.method)].shortfall is not None for e in result.explanations):
         return None
     return not failed_checks(result)
 

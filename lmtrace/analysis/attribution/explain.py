@@ -15,6 +15,7 @@ import torch
 from ...archive.explanations import StepExplanation
 from ...archive.reader import Run
 from ...exits.errors import ArchiveError, LmtraceError, SpecError
+from .feature_nodes import FEATURE_METHODS, SaeAtSite, attribute_to_features, result_name, result_shortfall
 from .registry import METHODS, StepContext
 from .replay import REPLAY_TOLERANCE, ContextEdits
 from .settings import Settings
@@ -53,12 +54,14 @@ def explain_steps(
     edits: ContextEdits | None,
     note: Callable[[str], None] = lambda text: None,
     progress: Callable[[str], None] = lambda text: None,
+    saes: tuple[SaeAtSite, ...] | list[SaeAtSite] = (),
 ) -> list[StepExplanation]:
     """Every method of `names` on every step of `steps` of `sequence` (`prompt`, `gen` from `sequence_tokens`).
 
     `scorer` is the run's model (None when no method needs one); `edits` an intervention child's edits, installed
     on it for the duration. `note` receives what the user should read (mismatches, non-convergence), `progress`
-    what is being done."""
+    what is being done. Each of `saes` adds, per method that can (FEATURE_METHODS), a result attributing to the SAE's
+    latents and error node (`feature_nodes`), named `result_name(method, sae.name)`."""
     prompt_ids = [int(x) for x in prompt.token_id]
     prompt_texts = list(prompt.token_text)
     gen_ids = [int(x) for x in gen.token_id]
@@ -89,37 +92,57 @@ def explain_steps(
                     scorer=scorer,
                 )
                 check = _reproduction_check(ctx, edits, run_dtype, note) if scorer is not None else {}
+                texts = prompt_texts + gen_texts[:step]
                 for name in names:
-                    progress(f"sequence {sequence} step {step}: {name}")
-                    res = METHODS[name].fn(ctx)
-                    if res.scores.shape != (ctx.n,):
-                        raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
-                    info = {**res.info, **(check if METHODS[name].needs_model else {})}
-                    failed = METHODS[name].failed_check(res.info, settings)
-                    if failed is not None:  # the method's own check (IG completeness, lrp conservation)
-                        note(f"sequence {sequence} step {step}: {name} {failed}")
-                    explanations.append(
-                        StepExplanation(
-                            name,
-                            sequence,
-                            step,
-                            chosen,
-                            ctx.runner_up_id,
-                            np.arange(ctx.n),
-                            ctx.ids,
-                            prompt_texts + gen_texts[:step],
-                            [True] * len(prompt_ids) + [False] * step,
-                            res.scores,
-                            info,
-                            target_text=str(row.token_text),
-                            runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id]) if scorer is not None else "",
-                            components=res.components,
+                    for label, r, r_info in _method_results(ctx, name, saes, check, note, progress):
+                        explanations.append(
+                            StepExplanation(
+                                label,
+                                sequence,
+                                step,
+                                chosen,
+                                ctx.runner_up_id,
+                                np.arange(ctx.n),
+                                ctx.ids,
+                                texts,
+                                [True] * len(prompt_ids) + [False] * step,
+                                r.scores,
+                                r_info,
+                                target_text=str(row.token_text),
+                                runner_up_text=scorer.tokenizer.decode([ctx.runner_up_id])
+                                if scorer is not None
+                                else "",
+                                components=r.components,
+                                latents=r.latents,
+                            )
                         )
-                    )
         finally:
             if scorer is not None:
                 scorer.edits = None
     return explanations
+
+
+def _method_results(ctx: StepContext, name: str, saes, check: dict, note, progress) -> list[tuple]:
+    """(result name, MethodResult, info) of one method on one step, then one per SAE it attributes to; a result
+    that fails its own check is noted."""
+    where = f"sequence {ctx.sequence} step {ctx.step}"
+    progress(f"{where}: {name}")
+    res = METHODS[name].fn(ctx)
+    if res.scores.shape != (ctx.n,):
+        raise LmtraceError(f"method {name} returned {res.scores.shape} scores for a context of {ctx.n}")
+    failed = METHODS[name].failed_check(res.info, ctx.settings)
+    if failed is not None:  # the method's own check (IG completeness, lrp conservation)
+        note(f"{where}: {name} {failed}")
+    out = [(name, res, {**res.info, **(check if METHODS[name].needs_model else {})})]
+    for sae in saes if name in FEATURE_METHODS else ():
+        label = result_name(name, sae.name)
+        progress(f"{where}: {label}")
+        sres = attribute_to_features(ctx, name, sae, ctx.settings.sae_top)
+        failed = result_shortfall(label, sres.info, ctx.settings)
+        if failed is not None:
+            note(f"{where}: {label} {failed}")
+        out.append((label, sres, {**sres.info, **check}))
+    return out
 
 
 def _reproduction_check(ctx: StepContext, edits: ContextEdits | None, run_dtype: str, note) -> dict:

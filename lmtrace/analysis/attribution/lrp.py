@@ -18,6 +18,7 @@ attention[l] = Σ_h heads[l, h] + attention_bias[l]."""
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -67,8 +68,12 @@ def _leak_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return out
 
 
-def relevance(ctx: StepContext) -> dict:
-    """One relevance pass of the step: {"scores" [n], "components" {...}, f, bias relevance} (float64 sums)."""
+def relevance(ctx: StepContext, extra=None) -> dict:
+    """One relevance pass of the step: {"scores" [n], "components" {...}, f, bias relevance} (float64 sums).
+
+    `extra(adapter)`: a context manager, installed between the rules and the pass's own hooks, that yields an object whose
+    `leaves()` (after the forward) are more tensors to read relevance at (an SAE's nodes, `feature_nodes`);
+    their (leaf, gradient) pairs are returned as "extra"."""
     sc, s = ctx.scorer, ctx.settings
     adapter = adapter_for(sc.model)
     if is_spread(sc.model):
@@ -78,10 +83,8 @@ def relevance(ctx: StepContext) -> dict:
             f"--method lrp: the model's weights are {sc.embed.weight.dtype}, gradients are unavailable; "
             f"explain needs a float model"
         )
-    L, H, hd = adapter.n_layers, adapter.n_heads, adapter.head_dim
-    attn_out: list = [None] * L
-    mlp_out: list = [None] * L
-    heads_in: list = [None] * L
+    L = adapter.n_layers
+    saved: dict[str, list] = {"attn": [None] * L, "mlp": [None] * L, "heads": [None] * L}
 
     def keep(store, i, pre=False):
         if pre:
@@ -89,55 +92,65 @@ def relevance(ctx: StepContext) -> dict:
         return lambda m, args, out: store.__setitem__(i, out[0] if isinstance(out, tuple) else out)
 
     leak = _leak_parameters(sc.model)
-    was = [p.requires_grad for p in leak]
-    handles = []
     e = sc.embeddings(ctx.ids).requires_grad_(True)
-    try:
+    with ExitStack() as stack:
+        probe = stack.enter_context(installed(adapter))
+        # after the rules (an SAE's nodes at a gated MLP's down projection replace its halved input), before the
+        # pass's own hooks (which then read the spliced tensors)
+        nodes = stack.enter_context(extra(adapter)) if extra is not None else None
         for p in leak:
+            stack.callback(p.requires_grad_, p.requires_grad)
             p.requires_grad_(True)
         for i in range(L):
-            handles.append(adapter.attn(i).register_forward_hook(keep(attn_out, i)))
-            handles.append(adapter.mlp(i).register_forward_hook(keep(mlp_out, i)))
-            handles.append(adapter.o_proj(i).register_forward_pre_hook(keep(heads_in, i, pre=True)))
-        with torch.enable_grad(), installed(adapter) as probe:
-            cap = adapter.final_softcap
-            logits = soft_capped(sc.logits(e[None]), cap)
+            for handle in (
+                adapter.attn(i).register_forward_hook(keep(saved["attn"], i)),
+                adapter.mlp(i).register_forward_hook(keep(saved["mlp"], i)),
+                adapter.o_proj(i).register_forward_pre_hook(keep(saved["heads"], i, pre=True)),
+            ):
+                stack.callback(handle.remove)
+        with torch.enable_grad():
+            logits = soft_capped(sc.logits(e[None]), adapter.final_softcap)
             y = target_values(logits, ctx.chosen_id, ctx.runner_up_id, s.target, "logit")
             offsets = list(probe.offsets)  # the LayerNorm-form rule's constant offsets, one per call
+            more = nodes.leaves() if nodes is not None else []
             grads = torch.autograd.grad(
-                y.sum(), [e, *attn_out, *mlp_out, *heads_in, *leak, *offsets], allow_unused=True
+                y.sum(), [e, *saved["attn"], *saved["mlp"], *saved["heads"], *leak, *offsets, *more], allow_unused=True
             )
-    finally:
-        for h in handles:
-            h.remove()
-        for p, w in zip(leak, was):
-            p.requires_grad_(w)
+    out = _collect(adapter, e, grads[: len(grads) - len(more)], leak, offsets, saved)
+    return {**out, "f": float(y.item()), "extra": list(zip(more, grads[len(grads) - len(more) :]))}
+
+
+def _rel(x, g) -> float:
+    return 0.0 if g is None else float((x.detach().double() * g.double()).sum())
+
+
+def _collect(adapter, e, grads, leak, offsets, saved) -> dict:
+    """Scores per position, bias relevance and the components from the pass's gradients."""
+    L, H, hd = adapter.n_layers, adapter.n_heads, adapter.head_dim
     g_e, rest = grads[0], grads[1:]
     g_attn, g_mlp, g_heads = rest[:L], rest[L : 2 * L], rest[2 * L : 3 * L]
     g_leak, g_offsets = rest[3 * L : 3 * L + len(leak)], rest[3 * L + len(leak) :]
-
-    def rel(x, g) -> float:
-        return 0.0 if g is None else float((x.detach().double() * g.double()).sum())
-
-    scores = (e.detach().double() * g_e.double()).sum(-1)
-    bias_rel = sum(rel(p, g) for p, g in zip(leak, g_leak)) + sum(rel(b, g) for b, g in zip(offsets, g_offsets))
+    scores = (
+        torch.zeros(e.shape[0], dtype=torch.float64) if g_e is None else (e.detach().double() * g_e.double()).sum(-1)
+    )
+    bias_rel = sum(_rel(p, g) for p, g in zip(leak, g_leak)) + sum(_rel(b, g) for b, g in zip(offsets, g_offsets))
     heads = np.zeros((L, H))
     attn_bias = np.zeros(L)
     for i in range(L):
         if g_heads[i] is not None:
             heads[i] = (
-                (heads_in[i].detach().double() * g_heads[i].double()).reshape(-1, H, hd).sum((0, 2)).cpu().numpy()
+                (saved["heads"][i].detach().double() * g_heads[i].double()).reshape(-1, H, hd).sum((0, 2)).cpu().numpy()
             )
         b = getattr(adapter.o_proj(i), "bias", None)
         if b is not None and g_attn[i] is not None:
             attn_bias[i] = float((b.detach().double() * g_attn[i].double().reshape(-1, b.shape[0]).sum(0)).sum())
     components = {
-        "attention": np.array([rel(attn_out[i], g_attn[i]) for i in range(L)]),
-        "mlp": np.array([rel(mlp_out[i], g_mlp[i]) for i in range(L)]),
+        "attention": np.array([_rel(saved["attn"][i], g_attn[i]) for i in range(L)]),
+        "mlp": np.array([_rel(saved["mlp"][i], g_mlp[i]) for i in range(L)]),
         "heads": heads,
         "attention_bias": attn_bias,
     }
-    return {"scores": scores.cpu().numpy(), "components": components, "f": float(y.item()), "bias_relevance": bias_rel}
+    return {"scores": scores.cpu().numpy(), "components": components, "bias_relevance": bias_rel}
 
 
 @register(

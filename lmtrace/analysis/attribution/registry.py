@@ -43,6 +43,8 @@ class MethodResult:
     info: dict = field(default_factory=dict)  # scalars recorded in the manifest (f values, errors, ...)
     components: dict[str, np.ndarray] = field(default_factory=dict)  # per-component relevance (lrp: [layer],
     #                                                                  [layer, head]), archived beside the scores
+    latents: dict[str, np.ndarray] = field(default_factory=dict)  # attribution to an SAE (`feature_nodes`): ids,
+    #                                            scores [n, top] of the top latents per position, error, inputs [n]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Settings:
     #                        "special" = position 0 and every special token of the context, "0,3", or a mix)
     ig_dtype: str = "float32"  # integrated gradients: precision of the path's forwards and gradients
     rollout_exclude: str = ""  # attention rollout: "sink" (position 0) or positions "0,3" left out
+    sae_top: int = 16  # attribution to SAE latents (--sae): latents kept per position, by |attribution|
 
     @property
     def rollout_excluded(self) -> tuple[int, ...]:
@@ -71,6 +72,8 @@ class Settings:
             raise SpecError(f"--batch-size {self.batch_size}: must be at least 1")
         if not (math.isfinite(self.ig_tolerance) and 0 < self.ig_tolerance < 1):
             raise SpecError(f"--ig-tolerance {self.ig_tolerance}: must be a fraction between 0 and 1 (e.g. 0.01 = 1 %)")
+        if self.sae_top < 1:
+            raise SpecError(f"--sae-top {self.sae_top}: must be at least 1")
         if self.ig_max_points < 4:
             raise SpecError(f"--ig-max-points {self.ig_max_points}: must be at least 4")
         return self
