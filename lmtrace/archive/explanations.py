@@ -291,6 +291,8 @@ def _write_latents(
     """scores.zarr/<method>_latent_ids, _latent_scores [step, position, latent] (the top latents per position,
     −1 / NaN past a position's count and beyond each step's context), <method>_error and <method>_inputs
     [step, position] of every SAE result; returns {method: {ids|scores|error|inputs: array name}}."""
+    from .zarr_arrays import checked_array
+
     out: dict[str, dict[str, str]] = {}
     for m in methods:
         mine = [e for e in explanations if e.method == m.name and e.latents]
@@ -305,8 +307,8 @@ def _write_latents(
                 values = np.asarray(e.latents[key], dtype=dtype)
                 data[(steps.index(e.step),) + tuple(slice(0, d) for d in values.shape)] = values
             name = f"{m.name}_latent_{key}" if len(dims) == 2 else f"{m.name}_{key}"
-            arr = group.create_array(
-                name, shape=shape, dtype=dtype, chunks=shape, dimension_names=("step", *dims), fill_value=fill
+            arr = checked_array(
+                group, name, shape=shape, dtype=dtype, chunks=shape, dimension_names=("step", *dims), fill_value=fill
             )
             arr[...] = data
             out.setdefault(m.name, {})[key] = name
@@ -316,12 +318,11 @@ def _write_latents(
 def read_latents(run: Run, entry: dict, step: int) -> dict[str, np.ndarray]:
     """An SAE result's arrays (a manifest `explain` entry with `sae`) at one of its steps: ids, scores
     [position, latent] and error, inputs [position], cut to that step's context."""
-    import zarr
-
     out = {}
     n = None
+    row = entry["steps"].index(step)
     for key, path in entry["sae"]["arrays"].items():
-        values = np.asarray(zarr.open_array(str(run.path / path), mode="r")[entry["steps"].index(step)])
+        values = _read_row(run, path, row)
         out[key] = values
         if key == "error":
             n = int(np.isfinite(values).sum())
@@ -408,14 +409,18 @@ def read_component(run: Run, entry: dict, name: str, step: int | None = None) ->
     """One component array of a manifest `explain` entry that archived some (lrp: `entry["components"]`,
     name -> its path in the run), as float32: [step, layer(, head)] over the entry's `steps`, or with
     `step` (one of them) that step's [layer(, head)]. `lmtrace serve` and the report both read them here."""
+    row = None if step is None else entry["steps"].index(step)
+    return np.asarray(_read_row(run, entry["components"][name], row), dtype=np.float32)
+
+
+def _read_row(run: Run, rel: str, row: int | None) -> np.ndarray:
+    """An explain array of the run (`rel`: its path in the run), whole or one step's row; a chunk that fails
+    its checksum, or an array that does not read, is a damaged run, named."""
     import zarr
 
-    rel = entry["components"][name]
-    row = None if step is None else entry["steps"].index(step)
     try:
         array = zarr.open_array(str(run.path / rel), mode="r")
-        values = array[...] if row is None else array[row]
+        return np.asarray(array[...] if row is None else array[row])
     except (OSError, ValueError, LookupError, RuntimeError) as err:  # zarr's ways to say missing or damaged
         kind = "changed" if "checksum" in str(err) else "unreadable"
         raise ArchiveDamaged(damaged_message(run.id, Problem(rel, kind)), path=rel, run_dir=run.path) from None
-    return np.asarray(values, dtype=np.float32)
