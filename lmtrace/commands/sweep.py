@@ -249,7 +249,7 @@ def _summary(inp: SweepInputs, sweep_id: str, final: Path, info: dict, t0: float
         "sweep_s": info["timings"]["sweep_s"],
         "top": info["top"],
     }
-    for key in ("patching", "method", "verify"):
+    for key in ("patching", "method", "verify", "features"):
         if key in info:
             summary[key] = info[key]
     return summary

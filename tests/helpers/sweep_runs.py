@@ -4,6 +4,8 @@ prompt and generated token ids."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.helpers.runs import run_spec
@@ -41,3 +43,18 @@ def sequence_ids(run, seq):
         t[t.is_prompt].sort_values("position").token_id.tolist(),
         t[~t.is_prompt].sort_values("step").token_id.tolist(),
     )
+
+
+def feature_sweep_run(tmp, model_dir, features: str = "1,4,9"):
+    """A run of CLEAN with one finished feature sweep (`--over features --features ...`, zero, logprob) of a
+    random SAE named `sae-l1` at blocks.1.hook_resid_post: (run, sweep directory)."""
+    from lmtrace.commands.sweep import run_sweep
+    from lmtrace.spec.sweep_spec import SweepSpec
+    from tests.helpers.saes import random_sae
+
+    run = sweep_run(tmp, model_dir, CLEAN, "features")
+    sae = tmp / "sae-l1"
+    width = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    random_sae(sae, "blocks.1.hook_resid_post", width, 16)
+    spec = SweepSpec(over="features", sae=str(sae), features=features, metrics=["logprob"])
+    return run, run_sweep(str(run.path), spec).path
