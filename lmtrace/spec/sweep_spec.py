@@ -39,7 +39,7 @@ class SweepSpec(BaseModel):
     # --over features: the SAE (a SAELens directory or the run's short name for one), the swept features
     # (an explicit list, or the top N active ones at the measured steps), and --edit clamp's value
     sae: str | None = None
-    features: str | None = None
+    features: str | list[int] | None = None  # "12,40,7" / "0-9", or a YAML list
     top_features: int | None = Field(None, ge=1)
     value: float | None = None
 

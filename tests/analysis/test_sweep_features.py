@@ -290,3 +290,14 @@ def test_bad_feature_sweeps_exit_2_with_one_line(runs, sae, far_sae, args, fragm
     assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (
         result.stderr
     )
+
+
+def test_a_yaml_sweep_spec_lists_the_features(runs, sae, tmp_path):
+    from lmtrace.spec.sweep_spec import build_sweep_spec, load_sweep_spec
+
+    clean, _ = runs
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"over: features\nsae: {sae[0]}\nfeatures: [40, 3]\nmetrics: [logprob]\nsequences: '0'\n")
+    spec = build_sweep_spec(load_sweep_spec(path), str(path))
+    df = read_sweep(clean, run_sweep(str(clean.path), spec).sweep_id).to_pandas()
+    assert sorted(set(df.neuron)) == [3, 40] and set(df.sequence) == {0}

@@ -115,7 +115,8 @@ def check_feature_spec(spec, d_sae: int, sae_name: str) -> list[int] | None:
         raise SpecError("give --features F,G,... or --top-features N, not both")
     if spec.features is None:
         return None
-    ids = sorted(set(parse_range_list(spec.features, "--features")))
+    given = spec.features
+    ids = sorted(set(given if isinstance(given, list) else parse_range_list(given, "--features")))
     bad = [f for f in ids if not 0 <= f < d_sae]
     if bad:
         raise SpecError(f"--features: {bad} not in SAE {sae_name} (latents 0..{d_sae - 1})")
