@@ -152,9 +152,11 @@ def test_attribution_estimates_equal_the_tests_own_gradient_times_decoder_change
             metrics=METRICS,
             method="attribution",
             source=str(corrupt.path) if edit == "patch" else None,
+            graddrop=edit == "zero",
         )
         df = read_sweep(clean, run_sweep(str(clean.path), spec).sweep_id).to_pandas()
         assert set(df.method) == {"attribution"} and df[df.metric == "kl"].value.isna().all()
+        assert df[df.metric == "logprob"].graddrop.notna().all() == (edit == "zero")
         for s in range(2):
             P, gen = len(sequence_ids(clean, s)[0]), sequence_ids(clean, s)[1]
             ids = sum(sequence_ids(clean, s), [])

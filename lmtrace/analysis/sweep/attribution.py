@@ -308,6 +308,7 @@ def _contract(keys, grads, deltas, position_delta, cells, adapter, q: int = 0) -
             prod = prod.sum(-1, keepdim=True)
         per[key] = prod.double().cpu().numpy()
     out = np.zeros(len(cells))
+    feature_key = {k[2]: k for k in per if k[0] == "feature"}  # feature id -> its key
     for i, c in enumerate(cells):
         if c.component == "position":
             out[i] = float(
@@ -318,11 +319,7 @@ def _contract(keys, grads, deltas, position_delta, cells, adapter, q: int = 0) -
                 )
             )
             continue
-        prod = (
-            per[next(k for k in per if k[0] == "feature" and k[2] == c.neuron)]
-            if c.component == "feature"
-            else per[(COMPONENT_KIND[c.component], c.layer)]
-        )
+        prod = per[feature_key[c.neuron]] if c.component == "feature" else per[(COMPONENT_KIND[c.component], c.layer)]
         col = c.head if c.component == "head" else c.neuron if c.component == "neuron" else 0
         column = prod[:, col]
         out[i] = float(

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from ...features.edits import FeatureEdit, apply_feature_edits, latent_delta, set_latent
+from ...features.sae import InputNorm
 from ...features.sites import at_site
 from .cells import Cell
 
@@ -77,10 +78,26 @@ class FeatureEdits:
             yield
 
 
+class _FeatureDelta:
+    """One feature's change of the hook's activation, per sequence on demand (`delta[q]`: [T, d_in]
+    float32): the decoder direction times the latent's change (`features/edits.latent_delta`), zero
+    before `edit_start`. Only the latent's change [K, T] is kept, not K x T x d_in per feature."""
+
+    def __init__(self, sae, feature: int, change: torch.Tensor, norm, edit_start: int):
+        self.sae, self.feature, self.change, self.norm, self.edit_start = sae, feature, change, norm, edit_start
+
+    def __getitem__(self, q: int) -> torch.Tensor:
+        n = self.norm
+        norm = InputNorm(None if n.scale is None else n.scale[q], None if n.shift is None else n.shift[q])
+        d = latent_delta(self.sae, self.feature, self.change[q], norm)
+        d[: self.edit_start] = 0
+        return d
+
+
 def feature_deltas(features, saved: dict, cells, edit: str, value, sources, T: int, edit_start: int) -> dict:
-    """(feature, Site, id) -> the change [K, T, d_in] (float32) the edit of feature `id` makes to the hook's
-    activation (saved[source_key(features)], [K, T, d_in]): the decoder direction times the latent's change
-    (`features/edits.latent_delta`); zero before `edit_start` and where a patch source has no position."""
+    """(feature, Site, id) -> the change the edit of feature `id` makes to the hook's activation
+    (saved[source_key(features)], [K, T, d_in]), indexed by sequence (`_FeatureDelta`); zero before
+    `edit_start` and where a patch source has no position."""
     x = saved[source_key(features)]
     sae = features.sae
     acts, norm = sae.encode_with_norm(x.detach().float())
@@ -94,9 +111,7 @@ def feature_deltas(features, saved: dict, cells, edit: str, value, sources, T: i
     for f in sorted({c.neuron for c in cells}):
         now = acts[..., f]
         target = src_acts[..., f] if edit == "patch" else torch.full_like(now, 0.0 if edit == "zero" else float(value))
-        d = latent_delta(sae, f, target - now, norm)
-        d[:, :edit_start] = 0
-        out[(*source_key(features), f)] = d
+        out[(*source_key(features), f)] = _FeatureDelta(sae, f, target - now, norm, edit_start)
     return out
 
 
