@@ -96,9 +96,21 @@ def intervene(
 def sweep(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Run id (or unique prefix) or run directory."),
     over: Optional[str] = typer.Option(
-        None, "--over", help="heads | attn | mlp | layers | neurons:LAYER | positions | resid:A-B"
+        None, "--over", help="heads | attn | mlp | layers | neurons:LAYER | positions | resid:A-B | features"
     ),
-    edit: Optional[str] = typer.Option(None, "--edit", help="zero | mean | patch (default zero)."),
+    edit: Optional[str] = typer.Option(
+        None, "--edit", help="zero | mean | patch (default zero); features: zero | clamp --value V | patch."
+    ),
+    sae: Optional[str] = typer.Option(
+        None, "--sae", help="--over features: a SAELens directory, or the run's short name for one."
+    ),
+    features: Optional[str] = typer.Option(
+        None, "--features", help="--over features: the features swept, 12,40,7 or 0-9 (default: the top 20 active)."
+    ),
+    top_features: Optional[int] = typer.Option(
+        None, "--top-features", metavar="N", help="--over features: the N most active at the measured steps."
+    ),
+    value: Optional[float] = typer.Option(None, "--value", help="--edit clamp: the value the latent is set to."),
     source: Optional[str] = typer.Option(None, "--source", help="Patch: the run whose activations are patched in."),
     pair_by: Optional[str] = typer.Option(
         None,
@@ -190,6 +202,10 @@ def sweep(
                 method=method,
                 verify=verify,
                 graddrop=graddrop,
+                sae=sae,
+                features=features,
+                top_features=top_features,
+                value=value,
             ),
             runs_dir=runs_dir,
             run_id=run_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..analysis.sweep.feature_cells import feature_label
 from ..commands.sweep import grouped_cells, run_sweep, sweep_groups
 from ..exits.errors import SpecError
 from ..output.jsonout import json_line
@@ -18,6 +19,18 @@ def _cell(v) -> str:
 def _cell4(v) -> str:
     """A table cell with floats at 4 decimals."""
     return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _named(cells: list[dict], summary: dict) -> list[dict]:
+    """Feature cells named as serve and the report name them, 'feature 123 (sae-l10)', in `component` (their
+    id is not repeated under `neuron`); other cells unchanged."""
+    sae = (summary.get("features") or {}).get("sae")
+    if sae is None:
+        return cells
+    return [
+        {**c, "component": feature_label(c["neuron"], sae), "neuron": None} if c["component"] == "feature" else c
+        for c in cells
+    ]
 
 
 def sweep_command(
@@ -40,7 +53,9 @@ def sweep_command(
         if value is not None and value != []:
             data[key] = value
     if "over" not in data:
-        raise SpecError("give --over (heads, attn, mlp, layers, neurons:LAYER, positions, resid:A-B) or --spec FILE")
+        raise SpecError(
+            "give --over (heads, attn, mlp, layers, neurons:LAYER, positions, resid:A-B, features) or --spec FILE"
+        )
     where = str(spec_path) if spec_path is not None else "sweep"
     spec = build_sweep_spec(data, where)
     index, count = 0, 1
@@ -62,13 +77,15 @@ def sweep_command(
     elif quiet:  # the id alone, for scripts
         print(summary["sweep_id"])
     else:
-        _print(summary, spec)
+        _print({**summary, "top": _named(summary.get("top") or [], summary)}, spec)
         if "patching" in summary:
-            _print_patching(summary["patching"], top)
+            _print_patching({**summary["patching"], "cells": _named(summary["patching"]["cells"], summary)}, top)
         if "by" in summary:
-            _print_grouped(summary["by"], top)
+            _print_grouped({**summary["by"], "cells": _named(summary["by"]["cells"], summary)}, top)
         if "verify" in summary:
-            _print_verify(summary["verify"])
+            verify = summary["verify"]
+            metrics = {k: {**v, "cells": _named(v["cells"], summary)} for k, v in verify["metrics"].items()}
+            _print_verify({**verify, "metrics": metrics})
     return summary
 
 
@@ -196,7 +213,8 @@ def _print(summary: dict, spec) -> None:
     ]
     _print_fitted(
         console,
-        f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}, {spec.edit}"
+        f"sweep {summary['sweep_id']} of run {summary['run_id']}: {spec.over}"
+        f"{' of ' + summary['features']['sae'] if 'features' in summary else ''}, {spec.edit}"
         f"{'' if spec.method == 'exact' else ', estimated by attribution patching'}; "
         f"top {len(summary['top'])} by |mean effect| on {summary['metric']}",
         ["component", "layer", "q_head", "neuron", "position", "baseline", "value", "effect"],

@@ -37,6 +37,7 @@ from ..analysis.sweep.effects import (
     ranking,
     sequence_means,
 )
+from ..analysis.sweep.feature_cells import feature_effect_array
 from ..analysis.sweep.inputs import SweepInputs, sweep_inputs
 from ..analysis.sweep.packs import MAX_PACK, PACK_CONTEXT, pack_sequences, plan_sequences, prepare_pack
 from ..archive.files import atomic_write_json
@@ -83,19 +84,9 @@ def run_sweep(
 
     t0 = time.time()
     inp = sweep_inputs(parent_ref, spec, runs_dir)
-    parent, cells = inp.parent, inp.cells
+    parent = inp.parent
 
-    # the plan: blocks of cells, per sequence; a shard takes every N-th block
-    blocks = (
-        [(s, j, cells[i : i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))]
-        if spec.method == "exact"
-        else [(s, 0, cells) for s in inp.seqs]
-    )  # attribution: a sequence a block
-    given = {
-        "parent": parent.id,
-        "source": inp.source_run.id if inp.source_run else None,
-        **spec.model_dump(mode="json"),
-    }
+    given = {"parent": parent.id, "source": inp.source_run.id if inp.source_run else None, **spec.given()}
     index, count = shard
     if resume and sweep_id is None:
         raise SpecError("--resume needs --run-id ID: the id of the unfinished sweep (sweeps/.partial-ID)")
@@ -107,15 +98,22 @@ def run_sweep(
     owner = OwnerLock(parent.path, writer_key(sweep_id, index, count), parent.id).acquire()
     try:
         pause_after_owning()
-        return _sweep_owned(inp, spec, blocks, given, sweep_id, shard, resume, top, note, t0)
+        return _sweep_owned(inp, spec, given, sweep_id, shard, resume, top, note, t0)
     finally:
         owner.release()
+
+
+def _plan_blocks(inp: SweepInputs, spec: SweepSpec) -> list:
+    """The plan: blocks of cells, per sequence (attribution: a sequence a block); a shard takes every N-th."""
+    cells = inp.cells
+    if spec.method != "exact":
+        return [(s, 0, cells) for s in inp.seqs]
+    return [(s, j, cells[i : i + spec.batch]) for s in inp.seqs for j, i in enumerate(range(0, len(cells), spec.batch))]
 
 
 def _sweep_owned(
     inp: SweepInputs,
     spec: SweepSpec,
-    blocks: list,
     given: dict,
     sweep_id: str,
     shard: tuple[int, int],
@@ -128,7 +126,7 @@ def _sweep_owned(
     model, run this shard's blocks, and assemble when every block is committed."""
     from ..archive.runs import now_iso
 
-    parent, cells = inp.parent, inp.cells
+    parent = inp.parent
     index, count = shard
     root = parent.path / SWEEPS_DIR
     final = root / sweep_id
@@ -141,14 +139,23 @@ def _sweep_owned(
     elif resume:
         raise SpecError(f"no unfinished sweep {sweep_id} of run {parent.id} to resume")
     loaded, adapter, engine = _load_engine(inp, spec, note)
+    if inp.top_features is not None:  # --over features, not archived: the top features of a forward each
+        choose_features(inp, adapter, partial, note)
 
     # only now is anything written into sweeps/
     root.mkdir(exist_ok=True)
     with locked(root / ".lock"):
         if partial.exists():  # another shard created it meanwhile: it must be this sweep
             _check_plan(partial, plan, sweep_id)
+            if inp.top_features is not None:
+                choose_features(inp, adapter, partial, note)  # the features it chose
         else:
-            create_partial(partial, {**plan, "n_blocks": len(blocks), "n_cells": len(cells), "created": now_iso()})
+            chosen = {"features": [c.neuron for c in inp.cells]} if inp.top_features is not None else {}
+            n_blocks = len(_plan_blocks(inp, spec))
+            create_partial(
+                partial, {**plan, "n_blocks": n_blocks, "n_cells": len(inp.cells), **chosen, "created": now_iso()}
+            )
+    blocks = _plan_blocks(inp, spec)
     t_model = time.time()
     mine = [blk for k, blk in enumerate(blocks) if k % count == index]
     done = (_run_blocks if spec.method == "exact" else sweep_attribution.run_blocks)(
@@ -176,6 +183,16 @@ def _sweep_owned(
     return SweepResult(sweep_id, final, "complete", _summary(inp, sweep_id, final, info, t0), time.time() - t0)
 
 
+def choose_features(inp: SweepInputs, adapter, partial: Path, note) -> None:
+    """--over features without --features, the SAE's latents not archived: the top features of a forward
+    of each swept sequence, or those the unfinished sweep (plan.json) chose."""
+    from ..analysis.sweep.feature_cells import chosen_cells
+
+    plan = partial / "plan.json"
+    recorded = json.loads(plan.read_text()).get("features") if plan.exists() else None
+    inp.cells = chosen_cells(inp, adapter, recorded, inp.feature_positions, note)
+
+
 def _load_engine(inp: SweepInputs, spec: SweepSpec, note) -> tuple:
     """The model, loaded once, its adapter, and the engine that runs the cells (with the parent's mean
     values for --edit mean)."""
@@ -194,7 +211,10 @@ def _load_engine(inp: SweepInputs, spec: SweepSpec, note) -> tuple:
         wanted = {(MEAN_KIND[c.component], c.layer) for c in cells}
         note(f"mean values: one forward over each of the parent's {n_seq} sequences")
         means = component_means(adapter, [view.prompt_ids[s] + view.generated[s] for s in range(n_seq)], wanted)
-    engine = Engine(adapter, spec.edit, means, inp.metrics, inp.from_step)
+    if inp.features is not None:
+        inp.features.site.check(adapter, inp.features.sae.cfg.d_in, f"SAE {inp.features.path}")
+        inp.features.sae.to(next(loaded.model.parameters()).device)
+    engine = Engine(adapter, spec.edit, means, inp.metrics, inp.from_step, features=inp.features, value=spec.value)
     if spec.method == "attribution" and any(c.component == "position" for c in cells):
         loaded.model.set_attn_implementation("eager")  # the QK fix reads the attention patterns
     return loaded, adapter, engine
@@ -229,7 +249,7 @@ def _summary(inp: SweepInputs, sweep_id: str, final: Path, info: dict, t0: float
         "sweep_s": info["timings"]["sweep_s"],
         "top": info["top"],
     }
-    for key in ("patching", "method", "verify"):
+    for key in ("patching", "method", "verify", "features"):
         if key in info:
             summary[key] = info[key]
     return summary
@@ -341,11 +361,14 @@ def _assemble(
         info["patching"] = patching_summary(
             table, inp.source_run.id, inp.parent.id, len(inp.seqs), inp.pairs, metric_keys[0], spec.pair_by
         )
+    if inp.features is not None:
+        info["features"] = {**inp.features.record(), "features": sorted({c.neuron for c in inp.cells})}
     effects = []
     for metric in metric_keys:
         names, coords, values = effect_array(cell_effects(table, metric))
-        dims = names
-        effects.append(EffectArray(metric, dims, {d: coords[n] for n, d in zip(names, dims)}, values))
+        if inp.features is not None:  # [feature(, position)]: the SAE's one layer dropped
+            names, coords, values = feature_effect_array(names, coords, values)
+        effects.append(EffectArray(metric, names, coords, values))
     write_sweep(final, table, sequence_means(table), effects, info)
     shutil.rmtree(partial, ignore_errors=True)
     record_sweep(

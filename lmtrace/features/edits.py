@@ -102,3 +102,23 @@ def apply_feature_edits(x: torch.Tensor, sae: Sae, edits: list[FeatureEdit]) -> 
         if e.kind == "steer":
             out = out + e.value * sae.W_dec[e.feature]
     return out.to(x.dtype)
+
+
+def latent_delta(sae: Sae, feature: int, change: torch.Tensor, norm=None) -> torch.Tensor:
+    """decode(f') − decode(f) where f' is f with latent `feature` changed by `change` [...] (float32):
+    the change's decoder direction, `change[..., None] · W_dec[feature]`, through the SAE's output
+    de-normalisation (`norm` from `Sae.encode_with_norm`; its shift cancels). [..., d_in] float32."""
+    y = change.float()[..., None] * sae.W_dec[feature]
+    how = sae.cfg.normalize_activations
+    if how == "constant_norm_rescale":
+        return y / norm.scale
+    if how == "layer_norm":
+        return y * norm.scale
+    return y
+
+
+def set_latent(x: torch.Tensor, sae: Sae, feature: int, target: torch.Tensor) -> torch.Tensor:
+    """x [..., d_in] with latent `feature` set to `target` [...] (one value per row: a patch from another
+    run's latents), the reconstruction error kept: x + decode(f') − decode(f). In x's dtype."""
+    acts, norm = sae.encode_with_norm(x.float())
+    return (x.float() + latent_delta(sae, feature, target.float() - acts[..., feature], norm)).to(x.dtype)

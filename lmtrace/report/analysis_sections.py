@@ -10,6 +10,7 @@ import numpy as np
 from ..analysis.heads import LABELS as HEAD_LABELS
 from ..analysis.heads import SCORES
 from ..analysis.sweep.cells import OVER_SIMPLE
+from ..analysis.sweep.feature_cells import feature_label
 from ..archive import parquet_io
 from ..archive.columns import current_names
 from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
@@ -140,16 +141,20 @@ def heads_section(data: RunData, blobs: Blobs) -> Section:
     return sec
 
 
-def _sweep_grid(effect: EffectArray, component: str):
+def _sweep_grid(effect: EffectArray, component: str, sae: str | None = None):
     """One metric's effects.zarr array as a 2-D grid: (grid [rows, cols], row labels, col labels).
 
     [layer, q_head | neuron | position] -> layers × the other coordinate; [layer] or [position] ->
-    one row; [layer, q_head | neuron, position] -> one row per (layer, head or neuron) × positions."""
+    one row; [layer, q_head | neuron, position] -> one row per (layer, head or neuron) × positions;
+    a feature sweep's [feature] -> one row (the SAE), [feature, position] -> a row per feature, each
+    feature named 'feature 123 (sae-l10)'."""
     dims, values = effect.dims, effect.values
     prefix = {"q_head": "H", "neuron": "N", "position": "pos ", "layer": "L"}
-    labels = {d: [f"{prefix[d]}{v}" for v in effect.coords[d]] for d in dims}
+    labels = {
+        d: [feature_label(v, sae) if d == "feature" else f"{prefix[d]}{v}" for v in effect.coords[d]] for d in dims
+    }
     if len(dims) == 1:
-        return values[None, :], [component], labels[dims[0]]
+        return values[None, :], [sae or component], labels[dims[0]]
     if len(dims) == 2:
         return values, labels[dims[0]], labels[dims[1]]
     rows = [f"{a} {b}" for a in labels[dims[0]] for b in labels[dims[1]]]
@@ -171,7 +176,7 @@ def sweeps_section(data: RunData, blobs: Blobs) -> Section | None:
         variants = []
         first = None
         for effect in read_effects(d, info):  # the sweep's metric order: the first ranks
-            z, ylab, xlab = _sweep_grid(effect, component)
+            z, ylab, xlab = _sweep_grid(effect, component, (info.get("features") or {}).get("sae"))
             lim = float(np.nanmax(np.abs(z))) if np.isfinite(z).any() else 1.0
             ref = blobs.add(f"sweep_{n}_{effect.metric}", z, "float32")
             variants.append(

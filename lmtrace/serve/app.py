@@ -22,7 +22,7 @@ Routes (all GET; `{run}` is a run directory's name as the runs directory lists i
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
   /api/runs/{run}/sequences/{seq}/parent/internals   its per-layer and per-head divergence from its parent
   /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
-  /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=   one cell's rows
+  /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=&feature=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
   /api/compare/pair?a=RUN&b=RUN&pair=K         one pair's per-layer and per-head figures over its steps
 Every handler is a plain function, run by Starlette in its thread pool: the reads block, not the loop.
@@ -230,7 +230,9 @@ class _Api:
 
     def cell(self, request: Request):
         p, q = _numbers(request), request.query_params
-        coords = {k: _int_param(request, k) for k in ("layer", "head", "neuron", "position") if q.get(k, "") != ""}
+        coords = {
+            k: _int_param(request, k) for k in ("layer", "head", "neuron", "position", "feature") if q.get(k, "") != ""
+        }
         return cell_rows(self.catalog.open(p["run"]), p["sweep"], q.get("metric", ""), coords)
 
     def compare(self, request: Request):

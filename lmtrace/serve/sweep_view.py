@@ -8,6 +8,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 
 from ..analysis.sweep.cells import CELL_KEYS
+from ..analysis.sweep.feature_cells import feature_label
 from ..archive import parquet_io
 from ..archive.columns import RENAMED, stored_name
 from ..archive.reader import Run
@@ -55,6 +56,7 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
     d = _sweep_dir(run, sweep_id)
     info = read_sweep_info(d)
     metrics = []
+    sae = (info.get("features") or {}).get("sae")
     for e in read_effects(d, info):
         metrics.append(
             {
@@ -62,6 +64,8 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
                 "dims": [API_DIM.get(x, x) for x in e.dims],
                 "coords": {API_DIM.get(k, k): v for k, v in e.coords.items()},
                 "values": _nested(e.values),
+                # a feature sweep's cells by name: "feature 123 (sae-l10)"
+                **({"labels": {"feature": [feature_label(f, sae) for f in e.coords["feature"]]}} if sae else {}),
             }
         )
     spec = info.get("spec") or {}
@@ -72,6 +76,7 @@ def sweep_heatmaps(run: Run, sweep_id: str) -> dict:
         "semantics": info.get("semantics"),
         "sequences": info.get("sequences"),
         "n_cells": info.get("n_cells"),
+        **({"sae": sae} if sae else {}),
         "metrics": metrics,
         "meaning": "mean over every measured (sequence, step) of the metric's value with the cell edited "
         "minus its unedited baseline",
@@ -89,16 +94,21 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
     with the token the parent chose at that step. `coords` names the cell's layer/head/neuron/position;
     the cell keys it does not name are null in the table (a head cell has no neuron)."""
     d = _sweep_dir(run, sweep_id)
-    names = [API_DIM.get(k, k) for k in CELL_KEYS]
+    names = [API_DIM.get(k, k) for k in CELL_KEYS] + ["feature"]  # a feature cell: its id in the neuron column
     unknown = set(coords) - set(names)
     if unknown:
         raise NotFound(f"a sweep cell has coordinates {', '.join(names[1:])}, not {', '.join(sorted(unknown))}")
     try:
         dataset = parquet_io.dataset(d / "sweep.parquet")
         where = pc.field("metric") == metric
+        feature = coords.get("feature")
+        if feature is not None:  # the SAE's layer is the same for every feature cell
+            where = where & (pc.field("component") == "feature")
         for key in CELL_KEYS[1:]:
             column = pc.field(stored_name(dataset.schema.names, key, "sweeps"))  # `head` in a sweep of an older archive
-            given = coords.get(API_DIM.get(key, key))
+            given = feature if key == "neuron" and feature is not None else coords.get(API_DIM.get(key, key))
+            if key == "layer" and feature is not None:
+                continue
             where = where & ((column == given) if given is not None else column.is_null())
         t = parquet_io.read_dataset(
             dataset, columns=["component", "sequence", "step", "value", "baseline", "effect"], filter=where
@@ -127,10 +137,12 @@ def cell_rows(run: Run, sweep_id: str, metric: str, coords: dict[str, int]) -> d
         }
         for r in t.slice(0, CELL_ROW_LIMIT).to_pylist()
     ]
+    sae = (read_sweep_info(d).get("features") or {}).get("sae")
     return {
         "sweep": sweep_id,
         "metric": metric,
         "component": t.column("component")[0].as_py(),
+        **({"label": feature_label(feature, sae)} if feature is not None and sae else {}),
         "coords": coords,
         "n_rows": t.num_rows,
         "rows": rows,

@@ -19,8 +19,8 @@ DEFAULT_METRICS = ("logprob", "prob", "kl", "rank")
 
 class SweepSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    over: str  # heads | attn | mlp | layers | neurons:L | positions | resid:A-B
-    edit: Literal["zero", "mean", "patch"] = "zero"
+    over: str  # heads | attn | mlp | layers | neurons:L | positions | resid:A-B | features
+    edit: Literal["zero", "mean", "patch", "clamp"] = "zero"  # clamp: --over features only
     source: str | None = None  # patch: the source run
     pair_by: str | None = (
         None  # patch: pair sequences by this id column of both runs' sequences.parquet (else by index)
@@ -36,6 +36,24 @@ class SweepSpec(BaseModel):
     method: Literal["exact", "attribution"] = "exact"
     verify: int | None = Field(None, ge=1)  # attribution: patch the estimate's top N cells exactly
     graddrop: bool = False  # attribution: AtP*'s GradDrop (one more backward per layer)
+    # --over features: the SAE (a SAELens directory or the run's short name for one), the swept features
+    # (an explicit list, or the top N active ones at the measured steps), and --edit clamp's value
+    sae: str | None = None
+    features: str | list[int] | None = None  # "12,40,7" / "0-9", or a YAML list
+    top_features: int | None = Field(None, ge=1)
+    value: float | None = None
+
+    def given(self) -> dict:
+        """The spec as plan.json and sweep.json record it; the feature keys only where set (the files of a
+        sweep of another kind are unchanged by them)."""
+        data = self.model_dump(mode="json")
+        for key in FEATURE_KEYS:
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+FEATURE_KEYS = ("sae", "features", "top_features", "value")
 
 
 def load_sweep_spec(path: Path) -> dict:
@@ -50,7 +68,7 @@ def load_sweep_spec(path: Path) -> dict:
     if not isinstance(data, dict):
         raise SpecError(
             f"{path}: expected a mapping (over, edit, source, pair_by, metrics, steps, sequences, positions, batch, "
-            f"from_step, method, verify, graddrop)"
+            f"from_step, method, verify, graddrop, sae, features, top_features, value)"
         )
     return data
 

@@ -12,24 +12,12 @@ import torch
 from lmtrace.archive.sweeps import read_sweep
 from lmtrace.commands.sweep import run_sweep
 from lmtrace.spec.sweep_spec import SweepSpec
-from tests.helpers.runs import run_spec
+from tests.helpers.sweep_runs import CLEAN, CORRUPT, eager_model, sequence_ids, sweep_run
 
-CLEAN = ["The quick brown fox", "Paris is the capital of"]
-CORRUPT = ["The slow brown cat", "Rome is the capital of"]
 METRICS = ["logprob", "prob", "kl", "logit_diff:42,7"]
 
 
-def _run(tmp, model_dir, prompts, run_id):
-    return run_spec(
-        tmp,
-        {
-            "model": str(model_dir),
-            "prompts": prompts,
-            "capture": "none",
-            "generation": {"max_new_tokens": 4, "batch_size": 2, "temperature": 0.9, "seed": 5},
-            "output": {"run_id": run_id},
-        },
-    )
+_run = sweep_run
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +28,10 @@ def runs(tmp_path_factory, sharp_llama_dir):
 
 @pytest.fixture(scope="module")
 def model(sharp_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        sharp_llama_dir, attn_implementation="eager", dtype=torch.float32
-    ).eval()
+    return eager_model(sharp_llama_dir)
 
 
-def _seq(run, seq):
-    t = run.tokens().to_pandas()
-    t = t[t.sequence == seq]
-    return (
-        t[t.is_prompt].sort_values("position").token_id.tolist(),
-        t[~t.is_prompt].sort_values("step").token_id.tolist(),
-    )
+_seq = sequence_ids
 
 
 def _module(model, kind, L):

@@ -708,3 +708,22 @@ def test_token_view_steps_are_a_stride_with_the_first_selected_step():
     assert view_steps(list(range(10)), 4) == list(range(10))
     assert rounded({"a": [0.123456, 1234.5678], "b": "x"}) == {"a": [0.1235, 1235.0], "b": "x"}
     assert rounded([0.000041, 0.5], decimals=4) == [0.0, 0.5]
+
+
+def test_a_feature_sweeps_heatmap_names_each_feature_and_its_sae(tmp_path, sharp_llama_dir):
+    """The report's heatmap of a feature sweep: one row (the SAE), a column per feature named 'feature F
+    (sae)', each the mean of the feature's rows of sweep.parquet (pandas here)."""
+    import pandas as pd
+
+    from lmtrace.report import report_run
+    from tests.helpers.sweep_runs import feature_sweep_run
+
+    run, d = feature_sweep_run(tmp_path, sharp_llama_dir)
+    long = pd.read_parquet(d / "sweep.parquet")
+    page = report_run(str(run.path), out=tmp_path / "r.html").path.read_text()
+    blobs = page_json(page, "lmtrace-blobs")
+    assert blob(blobs, "sweep_0_x").tolist() == ["feature 1 (sae-l1)", "feature 4 (sae-l1)", "feature 9 (sae-l1)"]
+    assert blob(blobs, "sweep_0_y").tolist() == ["sae-l1"]
+    grid = blob(blobs, "sweep_0_logprob")
+    for i, f in enumerate([1, 4, 9]):
+        assert grid[0, i] == pytest.approx(long[long.neuron == f].effect.mean(), rel=1e-5)

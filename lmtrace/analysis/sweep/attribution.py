@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from ...capture.component_hooks import edit_component, read_component
+from ...features.sites import at_site
 from .cells import Cell
+from .feature_engine import feature_deltas, source_key
 from .metrics import Metric
 
 DIFFERENTIABLE = ("logprob", "prob", "logit_diff")
@@ -85,32 +87,42 @@ def estimate(
     sources=None,
     from_step: int = 0,
     graddrop: bool = False,
+    features=None,
+    value: float | None = None,
 ) -> list[Estimates]:
     """The attribution estimate of every cell on K sequences of one layout (`ids[q]`: prompt + generated
     tokens; the same prompt length and measured `steps`; step s is read at position prompt_len - 1 + s),
     in one forward and one backward per (step, metric): the K metrics are summed, and a sequence's
     metric depends on its own row only. sources[q]: sequence q's patch source (SourceValues from
     position 0). The edits apply at positions prompt_len - 1 + from_step and later (every position
-    without from_step). `--over positions` cells take one sequence at a time (K = 1)."""
+    without from_step). `--over positions` cells take one sequence at a time (K = 1). Feature cells
+    (`features`: the SweepSae): the gradient at the SAE's hook dotted with the edit's change of the
+    activation, the decoder direction times the latent's change (`feature_engine.feature_deltas`)."""
     model = adapter.model
     device = next(model.parameters()).device
     last = max(steps)
     T = prompt_len + last
     K = len(ids)
     edit_start = prompt_len - 1 + from_step if from_step else 0
-    kinds = sorted({(COMPONENT_KIND[c.component], c.layer) for c in cells if c.component != "position"})
+    kinds = sorted(
+        {(COMPONENT_KIND[c.component], c.layer) for c in cells if c.component not in ("position", "feature")}
+    )
     n_layers = len(adapter.layers)
     saved: dict = {}
     layer_inputs: dict = {}
     state: dict = {}
     with ExitStack() as stack, torch.enable_grad():
         _hook_components(stack, adapter, kinds, saved, layer_inputs, state if graddrop else None)
+        if features is not None:
+            stack.enter_context(at_site(adapter, features.site, lambda x: saved.__setitem__(source_key(features), x)))
         want_patterns = any(c.component == "position" for c in cells)
         if want_patterns and K != 1:
             raise ValueError("position cells are estimated one sequence at a time")
         x = torch.tensor([row[:T] for row in ids], dtype=torch.long, device=device)
         logits, patterns = _forward(model, x, last, want_patterns, n_layers)
         deltas = _deltas(cells, saved, layer_inputs, edit, means or {}, sources, edit_start, T)
+        if features is not None:  # (feature, Site, id) -> its change of the hook's activation
+            deltas.update(feature_deltas(features, saved, cells, edit, value, sources, T, edit_start))
         tensors = list(saved) + (["pattern"] if patterns else [])
         inputs = [saved[k] for k in saved] + patterns
         position_delta = _pattern_deltas(patterns, cells, from_step, prompt_len) if patterns else None
@@ -234,6 +246,8 @@ def _deltas(cells, saved, layer_inputs, edit, means, sources, edit_start, T) -> 
     out = {}
     for key, value in saved.items():
         kind, layer = key
+        if kind == "feature":  # feature cells: feature_engine.feature_deltas
+            continue
         x = value.detach()
         if edit == "zero":
             target = torch.zeros_like(x) if kind != "layer" else layer_inputs[layer].detach()
@@ -286,7 +300,7 @@ def _contract(keys, grads, deltas, position_delta, cells, adapter, q: int = 0) -
     pattern_grads = grads[n:]
     per: dict = {}  # (kind, layer) -> [T, columns] contributions
     for key, d in deltas.items():
-        grad = g.get(key)
+        grad = g.get(key[:2])  # a feature's delta: (feature, Site, id), its gradient the Site's
         prod = torch.zeros_like(d[q]) if grad is None else grad[q].float() * d[q]
         if key[0] == "head":
             prod = prod.unflatten(-1, (-1, adapter.head_dim)).sum(-1)
@@ -294,6 +308,7 @@ def _contract(keys, grads, deltas, position_delta, cells, adapter, q: int = 0) -
             prod = prod.sum(-1, keepdim=True)
         per[key] = prod.double().cpu().numpy()
     out = np.zeros(len(cells))
+    feature_key = {k[2]: k for k in per if k[0] == "feature"}  # feature id -> its key
     for i, c in enumerate(cells):
         if c.component == "position":
             out[i] = float(
@@ -304,7 +319,7 @@ def _contract(keys, grads, deltas, position_delta, cells, adapter, q: int = 0) -
                 )
             )
             continue
-        prod = per[(COMPONENT_KIND[c.component], c.layer)]
+        prod = per[feature_key[c.neuron]] if c.component == "feature" else per[(COMPONENT_KIND[c.component], c.layer)]
         col = c.head if c.component == "head" else c.neuron if c.component == "neuron" else 0
         column = prod[:, col]
         out[i] = float(

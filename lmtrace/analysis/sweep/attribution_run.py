@@ -57,7 +57,7 @@ def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: 
     stop = StopFlag()
     baseline_check, source_baseline, n_done = {}, {}, 0
     pending = [(s, j, cells) for s, j, cells in mine if not _path(partial, s, j).exists()]
-    wanted = _source_components(inp.cells)
+    wanted = _source_components(inp.cells, inp.features)
     packs = _layout_packs(inp, pending)
     with stop.installed():
         for pack in packs:
@@ -80,6 +80,8 @@ def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: 
                 sources=sources,
                 from_step=inp.from_step,
                 graddrop=spec.graddrop,
+                features=inp.features,
+                value=spec.value,
             )
             for k, (s, est) in enumerate(zip(seqs, ests)):
                 baseline_check[s] = _baseline_diff(inp, s, est.base_logits, steps, tol)
@@ -99,10 +101,13 @@ def run_blocks(inp, spec, engine, adapter, mine: list, partial: Path, sweep_id: 
     return {"n_done": n_done, "baseline_check": baseline_check, "source_baseline": source_baseline}
 
 
-def _source_components(cells) -> set:
-    """The (kind, layer) components a patch source is captured at for `cells` (a `layer` cell: its residual)."""
+def _source_components(cells, features=None) -> set:
+    """The (kind, layer) components a patch source is captured at for `cells` (a `layer` cell: its residual;
+    feature cells: ("feature", the SAE's Site))."""
     from .attribution import COMPONENT_KIND
 
+    if features is not None:
+        return {("feature", features.site)}
     wanted = {
         ("layer" if c.component == "layer" else COMPONENT_KIND[c.component], c.layer)
         for c in cells

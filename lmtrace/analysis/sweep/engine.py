@@ -31,6 +31,7 @@ from ...capture.component_hooks import edit_component, read_component
 from ...capture.interventions import EditSet, parse_entries
 from ...capture.kv_cache import repeat_prefix, repeat_rows
 from .cells import Cell
+from .feature_engine import FeatureEdits, site_reader
 from .metrics import Metric, measure
 
 ENTRY_KIND = {
@@ -165,6 +166,11 @@ def capture_source(
     a = adapter
     try:
         for kind, layer in wanted:
+            if kind == "feature":  # ("feature", the SAE's Site): its hook's activation
+                handles.append(
+                    site_reader(a, layer, lambda x, key=(kind, layer): out.__setitem__(key, x.detach().clone()))
+                )
+                continue
             handles.append(
                 read_component(a, kind, layer, lambda x, key=(kind, layer): out.__setitem__(key, x.detach().clone()))
             )
@@ -261,7 +267,16 @@ class Engine:
     unedited prefix, run once per pack; every batch continues its KV cache (repeated for the
     batch's rows, `kv_cache.repeat_prefix`) and computes only the edited suffix."""
 
-    def __init__(self, adapter, edit: str, means: dict | None, metrics: list[Metric], from_step: int = 0):
+    def __init__(
+        self,
+        adapter,
+        edit: str,
+        means: dict | None,
+        metrics: list[Metric],
+        from_step: int = 0,
+        features=None,
+        value: float | None = None,
+    ):
         self.adapter = adapter
         self.model = adapter.model
         self.device = next(self.model.parameters()).device
@@ -272,6 +287,7 @@ class Engine:
         self.skip = _PrefixSkip(adapter.layers)
         self.skip_ok = True
         self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
+        self.features, self.value = features, value  # --over features: the SweepSae, --edit clamp's value
 
     def prefix_end(self, prompt_len: int, first_measured: int = 0, shared: int = 0) -> int:
         """The first position a forward computes for a sequence. The positions before it are the ones no
@@ -405,6 +421,10 @@ class Engine:
     def _run_group(self, seq: SequenceInput, cells: list[Cell], sources: list[SourceValues] | None) -> torch.Tensor:
         start = min(c.start_layer() for c in cells)
         row_cells = [c for _ in range(seq.size) for c in cells]
+        if cells[0].component == "feature":
+            row_sources = None if sources is None else [src for src in sources for _ in cells]
+            edits = FeatureEdits(self.adapter, self.features, row_cells, self.edit, self.value, row_sources, seq.start)
+            return self._forward(seq, len(cells), start, patches=edits)
         if self.edit == "patch":
             row_sources = [src for src in sources for _ in cells]
             return self._forward(

@@ -107,7 +107,7 @@ def prepare_pack(
         q.base_metrics = {key: v[0] for key, v in engine.measure(q.base[None], q.base, q.steps, tokens, first).items()}
     if spec.edit != "patch":
         return seq_in
-    wanted = {(c.component, c.layer) for c in inp.cells}
+    wanted = {("feature", inp.features.site) if c.component == "feature" else (c.component, c.layer) for c in inp.cells}
     if seq_in.prefix is not None and all(seq_in.start <= q.shared and len(q.source_ids) >= T for q in pack):
         # every source shares its sequence's prefix: one forward continues the pack's KV cache
         sources, src_logits = capture_source(

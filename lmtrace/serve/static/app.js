@@ -213,7 +213,7 @@
   function sweepView(runId, d, box) {
     const cellBox = el("div", { class: "sweep-cell" });
     const figs = d.metrics.map((m) => sweepMetric(runId, d, m, box, cellBox));
-    box.replaceChildren(el("h2", { text: `Sweep ${d.id}: ${d.over || "?"}, edit ${d.edit || "?"}` }),
+    box.replaceChildren(el("h2", { text: `Sweep ${d.id}: ${d.over || "?"}${d.sae ? ` of ${d.sae}` : ""}, edit ${d.edit || "?"}` }),
       el("p", { class: "note", text: `Each cell: its ${d.meaning} (effects.zarr; the terminal's ranking). Click a cell for its rows.` }),
       el("div", { class: "sweep-figs" }, ...figs), cellBox);
   }
@@ -257,14 +257,15 @@
       const grid = rowIdx.map((i) => m.coords[colDim].map((_, j) => at(m.values, dims.length === 1 ? [j] : index(i, j))));
       const fixedCoords = Object.fromEntries(dims.filter((x) => x !== rowDim && x !== colDim).map((x) => [x, m.coords[x][state.fixed[x]]]));
       const max = absMax(grid.flat());
+      const label = (dim, i) => (m.labels && m.labels[dim] ? m.labels[dim][i] : null); // "feature 12 (sae-l2)"
       const head = el("tr", {}, el("th", { text: rowDim ? `${rowDim} \\ ${colDim}` : colDim }),
-        ...m.coords[colDim].map((c) => el("th", { text: String(c) })));
-      const rows = grid.map((row, i) => el("tr", {}, el("th", { text: rowDim ? `${rowDim} ${m.coords[rowDim][i]}` : "" }),
+        ...m.coords[colDim].map((c, j) => el("th", { text: label(colDim, j) || String(c) })));
+      const rows = grid.map((row, i) => el("tr", {}, el("th", { text: rowDim ? label(rowDim, i) || `${rowDim} ${m.coords[rowDim][i]}` : "" }),
         ...row.map((v, j) => {
           const coords = { ...fixedCoords, [colDim]: m.coords[colDim][j] };
           if (rowDim) coords[rowDim] = m.coords[rowDim][i];
           const td = el("td", { class: "cell", data: { value: v === null ? "" : v, ...coords },
-            title: `${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")}: mean effect ${v === null ? "not measured" : v}`,
+            title: `${Object.entries(coords).map(([k, x]) => (k === colDim && label(k, j)) || (k === rowDim && label(k, i)) || `${k} ${x}`).join(", ")}: mean effect ${v === null ? "not measured" : v}`,
             style: { background: v === null ? "#eaeef2" : signedColour(v, max), color: Math.abs(v || 0) / max > 0.6 ? "#fff" : "#1b1f24" } },
           v === null ? MISSING : Number(v).toPrecision(3));
           if (v !== null) td.addEventListener("click", () => {
@@ -292,7 +293,7 @@
       c = await api(`${runUrl(runId)}/sweeps/${enc(sweepId)}/cell?${new URLSearchParams({ metric, ...coords })}`);
     } catch (e) { showError(e, box); return; }
     const max = absMax(c.rows.map((r) => r.effect));
-    box.replaceChildren(el("h3", { text: `cell (${c.component}) ${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")} · ${metric}: ${c.n_rows} (sequence, step) rows${c.rows.length < c.n_rows ? `, first ${c.rows.length} shown` : ""}` }),
+    box.replaceChildren(el("h3", { text: `cell ${c.label || `(${c.component}) ${Object.entries(coords).map(([k, x]) => `${k} ${x}`).join(", ")}`} · ${metric}: ${c.n_rows} (sequence, step) rows${c.rows.length < c.n_rows ? `, first ${c.rows.length} shown` : ""}` }),
       el("table", { class: "list sweep-rows", data: { metric, ...coords } },
         el("thead", {}, el("tr", {}, ...["sequence", "step", "token", "value", "baseline", "effect"].map((h) =>
           el("th", { text: h, class: h === "token" ? null : "num" })))),
