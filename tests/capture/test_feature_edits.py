@@ -235,3 +235,18 @@ def test_bad_feature_edits_are_one_line_and_leave_no_child(parent, sae, tmp_path
         proc = lmtrace(tmp_path, "intervene", str(parent.path), flag, text)
         assert_one_line_error(proc, 2, fragment)
     assert sorted(p.name for p in parent.path.parent.iterdir()) == before
+
+
+def test_explain_replays_a_feature_edit_childs_edits(parent, sae):
+    """explain rebuilds a child's forward with its recorded edits: the replayed log-prob of each explained
+    step equals the one the child archived."""
+    from lmtrace.commands.explain import explain_run
+
+    path, _ = sae
+    clamp = [{"kind": "clamp_feature", "sae": str(path), "feature": _most_active(parent), "value": 6.0}]
+    child, effects = _child(parent, clamp, from_step=2)
+    assert effects.logprob_shift.abs().max() > 1e-3
+    result = explain_run(child.path, "1,3", sequence=1, methods=["grad_x_input"])
+    for e in result.explanations:
+        assert e.info["recomputed_logprob"] == pytest.approx(e.info["archived_logprob"], abs=1e-4), e.step
+    assert result.entries[0]["model"]["interventions_replayed"][0]["kind"] == "clamp_feature"
