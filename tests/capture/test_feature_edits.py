@@ -250,3 +250,31 @@ def test_explain_replays_a_feature_edit_childs_edits(parent, sae):
     for e in result.explanations:
         assert e.info["recomputed_logprob"] == pytest.approx(e.info["archived_logprob"], abs=1e-4), e.step
     assert result.entries[0]["model"]["interventions_replayed"][0]["kind"] == "clamp_feature"
+
+
+def test_a_feature_edit_at_an_input_site_equals_the_tests_own_pre_hook(parent, sharp_llama_dir, tmp_path):
+    """An SAE read at a module's input (resid_pre: the input of block 2) is edited there."""
+    cfg, w = random_sae(tmp_path / "l2-pre", "blocks.2.hook_resid_pre", 64, 16, seed=5, scale=3.0)
+    child, effects = _child(
+        parent, [{"kind": "clamp_feature", "sae": str(tmp_path / "l2-pre"), "feature": 4, "value": 5.0}]
+    )
+    assert effects.logprob_shift.abs().max() > 1e-3
+    edit = _own_edit(w, "clamp", 4, 5.0)
+    model = load_model(ModelSpec(ref=str(sharp_llama_dir), attn_implementation="eager")).model
+
+    def pre(module, args, kwargs):
+        if args:
+            return (edit(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": edit(kwargs["hidden_states"])}
+
+    handle = model.model.layers[2].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        for seq in range(3):
+            ids = _sequence_ids(parent, seq)
+            P = int(parent.prompt_len()[seq])
+            with torch.inference_mode():
+                ref = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            for _, row in effects[effects.sequence == seq].iterrows():
+                assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
+    finally:
+        handle.remove()
