@@ -72,14 +72,27 @@ def read_component(adapter, kind: str, layer: int, fn: Callable[[torch.Tensor], 
 def edit_component(adapter, kind: str, layer: int, fn: Callable[[torch.Tensor], torch.Tensor | None]):
     """Replace the component's value x by fn(x) at every forward (None: leave it); the edit runs before
     any other hook or tap on the module. Returns the hook's handle."""
-    return edit_module(component_module(adapter, kind, layer), "input" if kind in INPUTS else "output", fn)
+    module = component_module(adapter, kind, layer)
+    if kind in INPUTS:
+
+        def edit_input(module, args):
+            value = fn(args[0])
+            return None if value is None else (value, *args[1:])
+
+        return module.register_forward_pre_hook(edit_input, prepend=True)
+
+    def edit_output(module, args, kwargs, output):
+        value = fn(first(output))
+        return None if value is None else replace_first(output, value)
+
+    return tap(module, edit_output, prepend=True)
 
 
 def edit_module(module: torch.nn.Module, where: str, fn: Callable[[torch.Tensor], torch.Tensor | None]):
     """Replace the module's input (`where="input"`: its first positional argument, or `hidden_states`
     when passed by keyword) or output value x by fn(x) at every forward (None: leave it), before any
-    other hook or tap on the module. Returns the hook's handle. Feature edits use it at an SAE's site
-    (`features.Site.locate` gives the module and where)."""
+    other hook or tap on the module, as `edit_component` does for a component. Returns the hook's
+    handle. Feature edits use it at an SAE's site (`features.Site.locate` gives the module and where)."""
     if where == "input":
 
         def edit_input(module, args, kwargs):
