@@ -124,6 +124,9 @@ FLAGS = {
     "ablate_attention": "ablate-attn",
     "ablate_neurons": "ablate-neurons",
     "mask_positions": "mask-positions",
+    "ablate_feature": "feature-ablate",
+    "clamp_feature": "feature-clamp",
+    "steer_feature": "feature-steer",
 }
 
 
@@ -142,7 +145,8 @@ def ranges(values) -> str:
 
 def edit_label(e: dict, run_from_step: int | None = None) -> str:
     """One stored intervention entry in the CLI's words: `ablate-head 12.3:mean`, `mask-positions 3-9`,
-    `ablate-neurons 7:120,455 steps 0-3`; a `from N` equal to the run's --from-step is left to the run's label."""
+    `ablate-neurons 7:120,455 steps 0-3`, `feature-clamp l6_topk:12=4.0`; a `from N` equal to the run's
+    --from-step is left to the run's label."""
     kind = str(e.get("kind", "?"))
     words = [FLAGS.get(kind, kind.replace("_", "-"))]
     mean = ":mean" if e.get("mode") == "mean" else ""
@@ -155,6 +159,10 @@ def edit_label(e: dict, run_from_step: int | None = None) -> str:
         words.append(f"{layer}:{ranges(e.get('experts') or [])}")
     elif kind == "mask_positions":
         words.append(str(e["span"]) if e.get("span") else ranges(e.get("mask") or []))
+    elif kind in ("ablate_feature", "clamp_feature", "steer_feature"):  # the SAE by its directory's name
+        sae = str(e.get("sae", "?")).rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+        value = {"clamp_feature": f"={e.get('value')}", "steer_feature": f"*{e.get('coefficient')}"}.get(kind, "")
+        words.append(f"{sae}:{e.get('feature')}{value}")
     elif layer is not None:
         words.append(f"{layer}{mean}")
     if kind in ("patch_residual", "patch_head"):

@@ -86,3 +86,26 @@ def edit_component(adapter, kind: str, layer: int, fn: Callable[[torch.Tensor], 
         return None if value is None else replace_first(output, value)
 
     return tap(module, edit_output, prepend=True)
+
+
+def edit_module(module: torch.nn.Module, where: str, fn: Callable[[torch.Tensor], torch.Tensor | None]):
+    """Replace the module's input (`where="input"`: its first positional argument, or `hidden_states`
+    when passed by keyword) or output value x by fn(x) at every forward (None: leave it), before any
+    other hook or tap on the module, as `edit_component` does for a component. Returns the hook's
+    handle. Feature edits use it at an SAE's site (`features.Site.locate` gives the module and where)."""
+    if where == "input":
+
+        def edit_input(module, args, kwargs):
+            if args:
+                value = fn(args[0])
+                return None if value is None else ((value, *args[1:]), kwargs)
+            value = fn(kwargs["hidden_states"])
+            return None if value is None else (args, {**kwargs, "hidden_states": value})
+
+        return module.register_forward_pre_hook(edit_input, prepend=True, with_kwargs=True)
+
+    def edit_output(module, args, kwargs, output):
+        value = fn(first(output))
+        return None if value is None else replace_first(output, value)
+
+    return tap(module, edit_output, prepend=True)

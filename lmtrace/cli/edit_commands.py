@@ -11,7 +11,7 @@ from ..output.jsonout import json_line
 from .app import Reporter, app, fail, run_dir_or_root
 
 
-@app.command()
+@app.command(help="Re-run an archived run under real interventions; writes a child run linked to its parent.")
 def intervene(
     run_ref: str = typer.Argument(..., metavar="RUN", help="Parent run id (or unique prefix) or directory."),
     spec_path: Optional[Path] = typer.Option(
@@ -35,6 +35,13 @@ def intervene(
         "--mask-positions",
         help="Token positions to hide, e.g. 3-9 or 1,4, or a span: prompt, generated, system, user",
     ),
+    feature_ablate: list[str] = typer.Option(
+        [], "--feature-ablate", help="SAE:F: set feature F of an SAE (directory or the run's SAE name) to 0."
+    ),
+    feature_clamp: list[str] = typer.Option([], "--feature-clamp", help="SAE:F=V: set feature F of an SAE to V."),
+    feature_steer: list[str] = typer.Option(
+        [], "--feature-steer", help="SAE:F*C: add C times feature F's decoder direction at the SAE's hook."
+    ),
     from_step: Optional[int] = typer.Option(None, "--from-step", help="Edits apply from this step on."),
     mode: Optional[str] = typer.Option(
         None, "--mode", help="rescore (teacher-force the parent's tokens) or regenerate."
@@ -55,7 +62,8 @@ def intervene(
     ),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Re-run an archived run under real interventions; writes a child run linked to its parent."""
+    """Long because typer declares its options in the signature; the body only passes them on to
+    cli/intervene.py's intervene_command (the help text is the decorator's)."""
     reporter = Reporter(quiet or json_out)
     reporter.starting()
     from .intervene import intervene_command
@@ -71,6 +79,9 @@ def intervene(
                 ablate_attn=ablate_attn,
                 ablate_neurons=ablate_neurons,
                 mask_positions=mask_positions,
+                feature_ablate=feature_ablate,
+                feature_clamp=feature_clamp,
+                feature_steer=feature_steer,
             ),
             from_step=from_step,
             mode=mode,

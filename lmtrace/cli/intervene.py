@@ -97,7 +97,7 @@ def _edits(flags: dict, spec_path, mode, from_step, temperatures) -> tuple[list,
         raise SpecError(
             "no interventions given: the child would be a copy of the parent; pass --ablate-head, "
             "--ablate-layer, --ablate-mlp, --ablate-attn, --ablate-neurons, --mask-positions, "
-            "--temperatures or --spec edits.yaml"
+            "--feature-ablate, --feature-clamp, --feature-steer, --temperatures or --spec edits.yaml"
         )
     if temperatures and (mode or file_mode) == "rescore":
         raise SpecError(

@@ -10,10 +10,12 @@ The child's effects.parquet (one row per sequence and child step: what the edits
 recorded by `analysis/intervention_effects.EffectsRecorder` while the child runs.
 
 What an edit needs beyond the parent's archive is prepared before the child's run directory is
-created, so a bad request leaves nothing behind: chat spans (from the tokenizer), and, once the
-model is loaded, mean values (`component_means` over the parent's final sequences), a head's values
-in a source run (`head_patch_source`: the source's own KV-cached loop replayed with its tokens
-forced) and each MoE router's routing rule (`routing_rule`).
+created, so a bad request leaves nothing behind: the SAEs of feature edits (`load_edit_saes`: read,
+their features and checksums checked), chat spans (from the tokenizer), and, once the model is
+loaded, the SAEs' hook points and widths (`check_edit_sites`), mean values (`component_means` over
+the parent's final sequences), a head's values in a source run (`head_patch_source`: the source's
+own KV-cached loop replayed with its tokens forced) and each MoE router's routing rule
+(`routing_rule`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from ..capture.interventions import (
     PatchHead,
     PatchResidual,
     Steer,
+    check_edit_sites,
+    load_edit_saes,
     load_steer_vector,
     mean_ablation_values,
     parse_entries,
@@ -346,7 +350,10 @@ def _plan(parent: Run, entries_data: list[dict], mode: str, from_step: int | Non
     _check_against_parent(entries, parent)
     view = ParentView.read(parent)
     check_edits_reach(entries, view, from_step)
+    entries, saes = load_edit_saes(entries, parent.manifest.get("features") or [])
     edits = _LazyEdits(entries, view, progress)
+    edits.saes = saes
+    edits.resources.update(saes)
     edits.read_archives(parent)
 
     first_edit = min((e.first_step() for e in entries), default=from_step or 0)
@@ -416,6 +423,7 @@ class _LazyEdits:
         self.resources: dict[int, object] = {}
         self.sources: dict[int, Run] = {}
         self.tokenizer = None
+        self.saes: dict = {}  # entry index -> the SAE of a feature edit (`load_edit_saes`)
         self.edits: EditSet | None = None
 
     def read_archives(self, parent: Run) -> None:
@@ -439,6 +447,7 @@ class _LazyEdits:
     def prepare(self, adapter) -> None:
         """Runs once the child's model is loaded, before its run directory exists: what needs the model."""
         view, n_seq, progress = self.view, self.n_seq, self.progress
+        check_edit_sites(self.saes, adapter)
         self.resources.update(
             mean_ablation_values(
                 self.entries,

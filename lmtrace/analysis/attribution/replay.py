@@ -18,6 +18,8 @@ from ...capture.interventions import (
     MaskExperts,
     MaskPositions,
     Steer,
+    check_edit_sites,
+    load_edit_saes,
     load_steer_vector,
     mean_ablation_values,
     parse_entries,
@@ -145,9 +147,12 @@ def child_edits(run: Run, scorer: "Scorer", sequence: int, prompt_len: int) -> C
     resources: dict[int, object] = mean_ablation_values(
         entries, adapter, lambda: [view().prompt_ids[s] + view().generated[s] for s in range(len(view().prompt_ids))]
     )
+    entries, saes = load_edit_saes(entries, [])  # feature edits: the recorded directory, its checksum checked
+    check_edit_sites(saes, adapter)
+    resources.update(saes)
     for i, e in enumerate(entries):
         where = f"run {run.id} interventions[{i}] ({e.kind})"
-        if i in resources:  # a mean value
+        if i in resources:  # a mean value or an SAE
             continue
         if isinstance(e, Steer):
             resources[i] = load_steer_vector(

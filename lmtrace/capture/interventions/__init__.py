@@ -23,6 +23,9 @@ Kinds (registry `KINDS`, each writable in YAML and stored in the child's manifes
   steer             add alpha * v to the residual after a layer
   mask_experts      remove experts from a MoE router's choice (their router logits -inf before the
                     family's own top-k and normalisation)
+  ablate_feature    an SAE latent set to 0 at the SAE's hook, the SAE's reconstruction error kept
+  clamp_feature     an SAE latent set to a value there (x' = x + decode(f') - decode(f))
+  steer_feature     the latent's decoder direction times a coefficient added there
 
 Mean values (`mode: mean`) are the component's mean over every token position of every final
 sequence (prompt + generated tokens) of the parent, each run alone in one teacher-forced forward of
@@ -35,6 +38,7 @@ Modules, one job each:
   means       the mean values of `mode: mean` ablations
   routing     the MoE routing rules `mask_experts` re-applies
   sources     steering vectors and patch_residual values read from other runs
+  feature_saes  the SAEs of feature edits: resolved, read, checked, recorded in the entry
 """
 
 from .edits import EditSet
@@ -43,21 +47,26 @@ from .entries import (
     KINDS,
     SPANS,
     AblateAttention,
+    AblateFeature,
     AblateHead,
     AblateLayer,
     AblateMlp,
     AblateNeurons,
     Ablation,
+    ClampFeature,
     Entry,
     EntryBase,
+    FeatureEntry,
     MaskExperts,
     MaskPositions,
     PatchHead,
     PatchResidual,
     Steer,
+    SteerFeature,
     parse_entries,
     validate_against,
 )
+from .feature_saes import check_edit_sites, load_edit_saes
 from .means import MEAN_COMPONENT, component_means, mean_ablation_values
 from .routing import ROUTING_RULES, routing_rule
 from .shorthand import parse_range_list, shorthand_entries
@@ -71,19 +80,25 @@ __all__ = [
     "SPANS",
     "Ablation",
     "AblateAttention",
+    "AblateFeature",
     "AblateHead",
     "AblateLayer",
     "AblateMlp",
     "AblateNeurons",
+    "ClampFeature",
     "EditSet",
     "Entry",
     "EntryBase",
+    "FeatureEntry",
     "MaskExperts",
     "MaskPositions",
     "PatchHead",
     "PatchResidual",
     "Steer",
+    "SteerFeature",
+    "check_edit_sites",
     "component_means",
+    "load_edit_saes",
     "load_steer_vector",
     "mean_ablation_values",
     "parse_entries",

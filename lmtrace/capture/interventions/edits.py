@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import torch
 
 from ...exits.errors import SpecError
-from ..component_hooks import edit_component, first, replace_first, row_mask
+from ...features.edits import apply_feature_edits
+from ..component_hooks import edit_component, edit_module, first, replace_first, row_mask
 from ..taps import tap
 from .entries import (
     CHAT_SPANS,
@@ -19,6 +20,7 @@ from .entries import (
     AblateNeurons,
     Ablation,
     EntryBase,
+    FeatureEntry,
     MaskExperts,
     MaskPositions,
     PatchHead,
@@ -90,6 +92,12 @@ class EditSet:
         try:
             for i, e in enumerate(self.entries):
                 handles += self._install(i, e)
+            by_sae: dict[str, list[int]] = {}  # the feature edits of one SAE share one hook
+            for i, e in enumerate(self.entries):
+                if isinstance(e, FeatureEntry):
+                    by_sae.setdefault(str(self.resources[i].path), []).append(i)
+            for indices in by_sae.values():
+                handles.append(self._features(indices))
             yield self
         finally:
             for h in handles:
@@ -198,6 +206,33 @@ class EditSet:
             return x
 
         return edit_component(self.adapter, "head", e.layer, patch_head)
+
+    def _features(self, indices: list[int]):
+        """Entries `indices` (feature edits of one SAE) at its site: at each position the edits active there
+        applied together (`features.edits.apply_feature_edits`: the SAE's reconstruction error kept);
+        positions no edit selects are left as they are."""
+        loaded = self.resources[indices[0]]
+        module, where = loaded.site.locate(self.adapter)
+        entries = [self.entries[i] for i in indices]
+        edits = [e.feature_edit() for e in entries]
+
+        def edit_features(x):
+            active = [(k, sel) for k, sel in enumerate(self._selected(e) for e in entries) if sel is not None]
+            if not active:
+                return None
+            if loaded.sae.W_dec.device != x.device:
+                loaded.sae.to(x.device)
+            rows = x.reshape(len(self.seq_ids), -1, x.shape[-1])  # [B, q, w]; OPT's fc2 sees [B*q, w]
+            code = sum(sel.long() << n for n, (_, sel) in enumerate(active))  # which edits apply, per position
+            out = rows.clone()
+            for c in code.unique().tolist():
+                if c:
+                    at = code == c
+                    chosen = [edits[k] for n, (k, _) in enumerate(active) if c >> n & 1]
+                    out[at] = apply_feature_edits(rows[at], loaded.sae, chosen)
+            return out.reshape(x.shape)
+
+        return edit_module(module, where, edit_features)
 
     def _mask_experts(self, i: int, e: MaskExperts):
         """The masked experts' router logits set to -inf, then the router's own rule re-applied."""

@@ -9,6 +9,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from ...exits.errors import SpecError
+from ...features.edits import FeatureEdit
 
 
 class EntryBase(BaseModel):
@@ -118,6 +119,36 @@ class Steer(EntryBase):
         return self
 
 
+class FeatureEntry(EntryBase):
+    """A feature edit at an SAE's hook (`lmtrace/features/edits.py`: the reconstruction error kept).
+
+    `sae` is a SAELens directory or the short name of an SAE the parent recorded (manifest `features`);
+    the child records the directory it resolved to and the sha256 of its weights (`sae_sha256`), and a
+    recorded checksum is checked again when the entry is replayed (a resumed child)."""
+
+    sae: str = Field(min_length=1)
+    feature: int = Field(ge=0)
+    sae_sha256: str | None = None
+
+    def feature_edit(self) -> FeatureEdit:
+        kind = self.kind.removesuffix("_feature")
+        return FeatureEdit(kind, self.feature, getattr(self, "value", getattr(self, "coefficient", 0.0)))
+
+
+class AblateFeature(FeatureEntry):
+    kind: Literal["ablate_feature"]
+
+
+class ClampFeature(FeatureEntry):
+    kind: Literal["clamp_feature"]
+    value: float = Field(allow_inf_nan=False)
+
+
+class SteerFeature(FeatureEntry):
+    kind: Literal["steer_feature"]
+    coefficient: float = Field(allow_inf_nan=False)  # the decoder direction W_dec[feature] times this is added
+
+
 Entry = Annotated[
     Union[
         AblateHead,
@@ -130,6 +161,9 @@ Entry = Annotated[
         PatchHead,
         Steer,
         MaskExperts,
+        AblateFeature,
+        ClampFeature,
+        SteerFeature,
     ],
     Field(discriminator="kind"),
 ]
@@ -144,6 +178,9 @@ KINDS = (
     "patch_head",
     "steer",
     "mask_experts",
+    "ablate_feature",
+    "clamp_feature",
+    "steer_feature",
 )
 _ENTRIES = TypeAdapter(list[Entry])
 

@@ -4,6 +4,7 @@ turned into the entry dicts `entries.parse_entries` reads."""
 from __future__ import annotations
 
 from ...exits.errors import SpecError
+from ...features.edits import parse_feature_edit
 from ...spec.steps import parse_range_list
 from .entries import SPANS
 
@@ -26,13 +27,17 @@ def shorthand_entries(
     ablate_attn: list,
     ablate_neurons: list[str],
     mask_positions: list[str],
+    feature_ablate: list[str] = (),
+    feature_clamp: list[str] = (),
+    feature_steer: list[str] = (),
 ) -> list[dict]:
     """Turn the CLI's shorthand flags into entry dicts.
 
     Every ablation flag takes an optional `:mean` suffix (default zero): `--ablate-head 12.3:mean`,
     `--ablate-layer 7:mean`, `--ablate-mlp 7:mean`, `--ablate-attn 4:mean`, `--ablate-neurons 7:120,455:mean`.
     `--mask-positions` takes positions and ranges (`3-9`, `1,4`) or a span name (prompt, generated,
-    system, user).
+    system, user). `--feature-ablate SAE:F`, `--feature-clamp SAE:F=V` and `--feature-steer SAE:F*C` edit
+    feature F of an SAE (a directory, or the short name of one the parent recorded).
     """
     out: list[dict] = []
     for item in ablate_head:
@@ -74,4 +79,17 @@ def shorthand_entries(
             out.append({"kind": "mask_positions", "span": item.strip()})
         else:
             out.append({"kind": "mask_positions", "mask": parse_range_list(item, "--mask-positions")})
+    return out + _feature_entries(feature_ablate, feature_clamp, feature_steer)
+
+
+def _feature_entries(ablate: list[str], clamp: list[str], steer: list[str]) -> list[dict]:
+    """--feature-ablate SAE:F, --feature-clamp SAE:F=V, --feature-steer SAE:F*C -> entry dicts."""
+    out = []
+    for kind, items in (("ablate", ablate), ("clamp", clamp), ("steer", steer)):
+        for item in items:
+            sae, edit = parse_feature_edit(kind, str(item).strip())
+            entry = {"kind": f"{kind}_feature", "sae": sae, "feature": edit.feature}
+            if kind != "ablate":
+                entry["value" if kind == "clamp" else "coefficient"] = edit.value
+            out.append(entry)
     return out
