@@ -11,8 +11,6 @@ active latents) and values [B, k_feat] float32 (NaN there), largest first.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 from ..exits.errors import SpecError
 from ..features import Sae, Site, parse_hook_name, read_sae
 from ..features.format import WEIGHTS
+from ..features.refs import file_sha256, short_names
 from .taps import tap
 
 
@@ -51,26 +50,6 @@ class LoadedSae:
             "top_k": self.top_k,
             "prompt": self.prompt,
         }
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def short_names(paths: list[Path]) -> list[str]:
-    """Each SAE directory's name, reduced to letters, digits, `_` and `-`, made unique with _2, _3..."""
-    out: list[str] = []
-    for path in paths:
-        base = re.sub(r"[^A-Za-z0-9_-]+", "_", path.resolve().name).strip("_") or "sae"
-        name, n = base, 2
-        while name in out:
-            name, n = f"{base}_{n}", n + 1
-        out.append(name)
-    return out
 
 
 def load_feature_saes(features) -> list[LoadedSae]:

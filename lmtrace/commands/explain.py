@@ -114,42 +114,21 @@ def load_scorer(run: Run, device: str | None, methods: list[str], note=lambda te
 
 
 def resolve_saes(run: Run, refs: list[str]) -> list[tuple[str, Path, str]]:
-    """`--sae` values -> (short name, directory, weights' sha256): a directory (named as the run names it when
-    the run recorded it, else after the directory), or the short name of an SAE in the run's manifest
-    `features`. Refused in one line (exit 2) before any weights are loaded."""
-    from ..capture.feature_probe import file_sha256, short_names
-    from ..features.format import WEIGHTS
+    """`--sae` values -> (short name, directory, weights' sha256), by `features.refs.resolve_sae_ref`; the
+    same SAE named twice counts once, two SAEs of one short name are told apart (_2, _3...). Refused in one
+    line (exit 2) before any weights are loaded."""
+    from ..features.refs import resolve_sae_ref
 
     recorded = run.manifest.get("features") or []
     out: list[tuple[str, Path, str]] = []
     for ref in refs:
-        path = Path(ref).expanduser()
-        entry = next((f for f in recorded if f.get("name") == ref), None)
-        if entry is not None and not path.is_dir():
-            path = Path(entry["path"])
-            if not (path / WEIGHTS).is_file():
-                raise SpecError(
-                    f"--sae {ref}: run {run.id} recorded this SAE at {path}, which is no longer there; "
-                    f"give its directory instead"
-                )
-        elif not path.is_dir():
-            names = ", ".join(f["name"] for f in recorded) or "none"
-            raise SpecError(
-                f"--sae {ref!r}: not an SAE directory, nor the name of an SAE run {run.id} recorded (its SAEs: {names})"
-            )
-        sha = file_sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else ""
-        if entry is not None and sha != entry.get("sha256"):
-            raise SpecError(
-                f"--sae {ref}: the weights at {path} are not the ones run {run.id} recorded (sha256 differs); "
-                f"give the SAE's directory"
-            )
-        known = next((f["name"] for f in recorded if sha and f.get("sha256") == sha), None)
-        name = known or short_names([p for _, p, _ in out] + [path])[-1]
+        found = resolve_sae_ref(ref, recorded, f"--sae {ref}", f"run {run.id}")
+        name = found.name
         if any(n == name for n, _, _ in out):
-            if any(s_ == sha for _, _, s_ in out):
+            if any(s_ == found.sha256 for _, _, s_ in out):
                 continue  # the same SAE twice
             name = f"{name}_{len(out) + 1}"
-        out.append((name, path, sha))
+        out.append((name, found.path, found.sha256))
     return out
 
 

@@ -59,24 +59,15 @@ def is_features(over: str) -> bool:
 def resolve_sae(run, ref: str) -> SweepSae:
     """`--sae`: one of the run's SAE names (manifest `features`) or a SAELens directory; read, its hook
     point and width checked against the run's model (SpecError, one line)."""
-    from ...capture.feature_probe import file_sha256, short_names
     from ...features import parse_hook_name, read_sae
-    from ...features.format import WEIGHTS
+    from ...features.refs import resolve_sae_ref
 
-    entries = run.manifest.get("features") or []
-    named = next((f for f in entries if f["name"] == ref), None)
-    path = Path(named["path"] if named else ref).expanduser()
-    if named is None and not path.is_dir():
-        known = ", ".join(f["name"] for f in entries) or "none"
-        raise SpecError(f"--sae {ref!r}: not a SAELens directory nor an SAE of run {run.id} (its SAEs: {known})")
-    sae = read_sae(path)
-    sha = file_sha256(path / WEIGHTS)
-    site = parse_hook_name(sae.cfg.hook_name, f"SAE {path}")
-    _check_site(run, site, sae.cfg.d_in, path)
-    entry = named or next((f for f in entries if f["sha256"] == sha), None)
-    archived = entry is not None and entry["sha256"] == sha and f"feat_{entry['name']}_idx" in run.array_names()
-    name = entry["name"] if entry is not None else short_names([path])[0]
-    return SweepSae(name, path.resolve(), sha, sae, site, archived)
+    found = resolve_sae_ref(ref, run.manifest.get("features") or [], "--sae", f"run {run.id}")
+    sae = read_sae(found.path)
+    site = parse_hook_name(sae.cfg.hook_name, f"SAE {found.path}")
+    _check_site(run, site, sae.cfg.d_in, found.path)
+    archived = found.recorded is not None and f"feat_{found.recorded['name']}_idx" in run.array_names()
+    return SweepSae(found.name, found.path, found.sha256, sae, site, archived)
 
 
 def _check_site(run, site, d_in: int, path: Path) -> None:

@@ -12,29 +12,9 @@ from ...exits.errors import SpecError
 from ...features import parse_hook_name, read_sae
 from ...features.edits import check_features
 from ...features.format import WEIGHTS
-from ..feature_probe import LoadedSae, file_sha256
+from ...features.refs import file_sha256, resolve_sae_ref
+from ..feature_probe import LoadedSae
 from .entries import EntryBase, FeatureEntry
-
-
-def _directory(ref: str, recorded: list[dict], where: str) -> Path:
-    """An SAE reference -> its directory: a name the parent recorded first, then a directory."""
-    named = {f.get("name"): f for f in recorded}
-    if ref in named and named[ref].get("path"):
-        path = Path(named[ref]["path"])
-        if not (path / "cfg.json").is_file():
-            raise SpecError(
-                f"{where}: SAE {ref!r} of the parent run was read from {path}, which is no longer an SAE "
-                f"directory; name the directory instead"
-            )
-        return path
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        return path
-    names = ", ".join(sorted(n for n in named if n)) or "none"
-    raise SpecError(
-        f"{where}: unknown SAE {ref!r}: not a directory and not an SAE the parent run recorded "
-        f"(its SAEs: {names}); give a SAELens directory (cfg.json + {WEIGHTS})"
-    )
 
 
 def load_edit_saes(entries: list[EntryBase], recorded: list[dict]) -> tuple[list[EntryBase], dict[int, LoadedSae]]:
@@ -48,7 +28,7 @@ def load_edit_saes(entries: list[EntryBase], recorded: list[dict]) -> tuple[list
         if not isinstance(e, FeatureEntry):
             continue
         where = f"interventions[{i}] ({e.kind})"
-        path = _directory(e.sae, recorded, where).resolve()
+        path = resolve_sae_ref(e.sae, recorded, where, "the parent run").path
         if path not in by_path:
             sae = read_sae(path)
             site = parse_hook_name(sae.cfg.hook_name, f"{where}: SAE {path}")

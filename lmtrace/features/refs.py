@@ -1,0 +1,78 @@
+"""What a command's SAE argument names: `--sae DIR|NAME` (explain, sweep), an edit's `SAE:F` (intervene).
+
+A NAME is the short name a run recorded for an SAE in its manifest `features` (`generate --sae`,
+`lmtrace features`); it stands for the directory recorded there, whose weights must still be the ones
+recorded. Anything else must be a SAELens directory. Either way the SAE is named as the run names these
+weights where it recorded them, else after its directory (`short_names`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..exits.errors import SpecError
+from .format import WEIGHTS
+
+
+@dataclass(frozen=True)
+class SaeRef:
+    name: str  # the run's short name for these weights, else the directory's
+    path: Path  # the SAE's directory, resolved
+    sha256: str  # of its weights file
+    recorded: dict | None  # the run's manifest `features` entry for these weights, if it has one
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def short_names(paths: list[Path]) -> list[str]:
+    """Each SAE directory's name, reduced to letters, digits, `_` and `-`, made unique with _2, _3..."""
+    out: list[str] = []
+    for path in paths:
+        base = re.sub(r"[^A-Za-z0-9_-]+", "_", path.resolve().name).strip("_") or "sae"
+        name, n = base, 2
+        while name in out:
+            name, n = f"{base}_{n}", n + 1
+        out.append(name)
+    return out
+
+
+def resolve_sae_ref(ref: str, recorded: list[dict], where: str, owner: str) -> SaeRef:
+    """`ref` -> its SAE directory (the module docstring's rules); one line (SpecError, prefixed by `where`)
+    for a name whose recorded directory is gone or whose weights changed, or a path that is not an SAE
+    directory. `owner` names the run whose manifest `recorded` is ("run X", "the parent run"). The weights are
+    hashed, not read: callers read the SAE when they need it."""
+    entry = next((f for f in recorded if f.get("name") == ref), None)
+    if entry is not None:
+        path = Path(entry["path"])
+        if not (path / WEIGHTS).is_file():
+            raise SpecError(
+                f"{where}: {owner} recorded SAE {ref!r} at {path}, which is no longer there; "
+                f"give the SAE's directory instead"
+            )
+        sha = file_sha256(path / WEIGHTS)
+        if sha != entry.get("sha256"):
+            raise SpecError(
+                f"{where}: the weights at {path} are not the ones {owner} recorded as {ref!r} "
+                f"(sha256 differs); give the SAE's directory"
+            )
+        return SaeRef(ref, path.resolve(), sha, entry)
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        names = ", ".join(sorted(f["name"] for f in recorded if f.get("name"))) or "none"
+        raise SpecError(
+            f"{where}: unknown SAE {ref!r}: not an SAE directory, nor the name of an SAE {owner} recorded "
+            f"(its SAEs: {names}); give a SAELens directory (cfg.json + {WEIGHTS})"
+        )
+    sha = file_sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else ""
+    same = next((f for f in recorded if sha and f.get("sha256") == sha), None)
+    name = same["name"] if same is not None else short_names([path])[0]
+    return SaeRef(name, path.resolve(), sha, same)
