@@ -104,19 +104,20 @@ def test_selected_token_lists_each_saes_archived_latents_largest_first(feat):
 
 
 @pytest.mark.parametrize(
-    "path, status",
+    "path, status, says",
     [
-        (f"/api/runs/feat/features/{SAE_NAME}/48", 404),
-        (f"/api/runs/feat/features/{SAE_NAME}/x", 404),
-        ("/api/runs/feat/features/other-sae/0", 404),
-        (f"/api/runs/feat/features/{SAE_NAME}/0?top=0", 400),
-        (f"/api/runs/feat/features/{SAE_NAME}/0?window=abc", 400),
+        (f"/api/runs/feat/features/{SAE_NAME}/48", 404, "latents 0-47, not 48"),
+        (f"/api/runs/feat/features/{SAE_NAME}/x", 404, "feature 'x' is not there"),
+        ("/api/runs/feat/features/other-sae/0", 404, f"named 'other-sae' (its SAEs: {SAE_NAME})"),
+        (f"/api/runs/feat/features/{SAE_NAME}/0?top=0", 400, "top=0: expected a whole number from 1 to 200"),
+        (f"/api/runs/feat/features/{SAE_NAME}/0?window=abc", 400, "window='abc' is not a whole number"),
     ],
 )
-def test_bad_feature_addresses_get_one_json_line(feat, path, status):
+def test_bad_feature_addresses_get_one_json_line_saying_what_is_wrong(feat, path, status, says):
     code, _, body = feat["server"].request(path)
     assert code == status, body
-    assert list(json.loads(body)) == ["error"] and "\n" not in json.loads(body)["error"]
+    answer = json.loads(body)
+    assert list(answer) == ["error"] and "\n" not in answer["error"] and says in answer["error"], answer
 
 
 def _shots(tmp_path: Path) -> Path:
