@@ -65,7 +65,7 @@ def features_section(data: RunData, sel: Selection) -> Section | None:
             parts.append("<p class='note'>no latent archived active on the tokens shown</p>")
             continue
         parts.append(
-            "<p class='feature-index'>"
+            "<p class='feature-index'>latents: "
             + " ".join(f"<a href='#{feature_anchor(entry['name'], f)}'>{f}</a>" for f in chosen)
             + "</p>"
         )
