@@ -163,3 +163,77 @@ def test_feature_page_and_token_feature_list_in_chromium(feat, tmp_path, width):
         page.wait_for_selector("table.feature-examples")
         assert page.evaluate("location.hash") == f"#/run/feat/feature/{SAE_NAME}/{f}"
         assert problems == []
+
+
+@pytest.mark.skipif(
+    os.environ.get("LMTRACE_DOC_SCREENSHOTS") != "1", reason="writes docs/img: set LMTRACE_DOC_SCREENSHOTS=1"
+)
+def test_doc_screenshot_of_a_feature_page_of_the_embedded_model(tmp_path):
+    """docs/img/serve-feature.png: a BatchTopK SAE trained on layer 10 of the embedded SmolLM2-135M
+    (the recipe of docs/features.md, smaller: 32 prompts of the Python docs, 768 latents, k = 16), a run
+    of 8 more prompts generating 24 tokens each with it (`generate --sae`), the page of its latent
+    with the largest activation among those active on at least 6 tokens, its logit effects computed."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.helpers.cli import lmtrace
+
+    repo = Path(__file__).resolve().parents[2]
+    text = tmp_path / "sae-text.jsonl"
+    subprocess.run(
+        [sys.executable, str(repo / "scripts" / "sae_text_prompts.py"), str(text), "--limit", "40"], check=True
+    )
+    lines = text.read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(lines[:32]) + "\n")
+    (tmp_path / "show.jsonl").write_text(
+        "\n".join(
+            json.dumps({**json.loads(x), "prompt": " ".join(json.loads(x)["prompt"].split()[:40])}) for x in lines[32:]
+        )
+        + "\n"
+    )
+    base = {
+        "model": "embedded:smollm2-135m",
+        "generation": {"temperature": 0.8, "top_p": 0.95, "seed": 0, "batch_size": 8},
+    }
+    for name, data in (
+        ("train", {"prompts": {"file": "train.jsonl"}, "capture": "none", "max": 1}),
+        ("show", {"prompts": {"file": "show.jsonl"}, "max": 24, "output": {"run_id": "docs"}}),
+    ):
+        spec = {**base, "prompts": data["prompts"], "generation": {**base["generation"], "max_new_tokens": data["max"]}}
+        if "capture" in data:
+            spec["capture"] = data["capture"]
+        if "output" in data:
+            spec["output"] = data["output"]
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    proc = lmtrace(tmp_path, "generate", str(tmp_path / "train.yaml"), "--run-id", "train", "-q", timeout=1200)
+    assert proc.returncode == 0, proc.stderr
+    proc = lmtrace(
+        tmp_path, "sae", "train", "train", "--layer", "10", "--latents", "768", "--k", "16", "--arch", "batchtopk",
+        "--source", "replay", "--epochs", "8", "--batch", "256", "--out", str(tmp_path / "l10-docs"), timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    proc = lmtrace(
+        tmp_path, "generate", str(tmp_path / "show.yaml"), "--sae", str(tmp_path / "l10-docs"), "-q", timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr
+    import zarr
+
+    store = zarr.open_group(str(tmp_path / "runs" / "docs" / "tensors.zarr"), mode="r")
+    idx, val = np.asarray(store["feat_l10-docs_idx"][:]), np.asarray(store["feat_l10-docs_val"][:])
+    counts = np.bincount(idx[idx >= 0], minlength=768)
+    peak = np.full(768, -np.inf)
+    np.maximum.at(peak, idx[idx >= 0], val[idx >= 0])
+    feature = int(np.argmax(np.where((counts >= 6) & (counts <= idx.shape[0] * idx.shape[1] // 4), peak, -np.inf)))
+    proc = lmtrace(tmp_path, "features", "docs", "--sae", "l10-docs", "--feature", str(feature), "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    server = LiveServer(tmp_path / "runs")
+    try:
+        with served_page(1280, 900) as (page, problems):
+            page.goto(f"{server.base}/#/run/docs/feature/l10-docs/{feature}?top=12")
+            page.wait_for_selector("table.feature-examples tbody tr")
+            page.screenshot(path=str(repo / "docs" / "img" / "serve-feature.png"))
+            assert problems == []
+    finally:
+        server.stop()
