@@ -52,12 +52,11 @@ def _token_texts(run: Run) -> dict[int, list[str]]:
 def feature_report(
     run: Run, entry: dict, feature: int, *, top: int, window: int, n_tokens: int, device: str | None
 ) -> dict:
-    from ..analysis.features.find import FeatureArrays, context, density, examples
+    from ..analysis.features.find import context, scan
 
     if not 0 <= feature < int(entry["d_sae"]):
         raise SpecError(f"--feature {feature}: SAE {entry['name']} has latents 0..{int(entry['d_sae']) - 1}")
-    arrays = FeatureArrays.read(run, entry["name"])
-    found = examples(arrays, feature, top)
+    found, n_active, n_tokens_run, _ = scan(run, entry["name"], feature, top)
     texts = _token_texts(run)
     prompt_len = run.prompt_len()
     rows = []
@@ -73,15 +72,14 @@ def feature_report(
                 "context": context(texts[seq], position, window),
             }
         )
-    n_active, share = density(arrays, feature)
     return {
         "run_id": run.id,
         "sae": entry["name"],
         "hook_name": entry["hook_name"],
         "feature": feature,
-        "tokens": arrays.n_tokens,
+        "tokens": n_tokens_run,
         "active_tokens": n_active,
-        "density": share,
+        "density": n_active / max(n_tokens_run, 1),
         "examples": rows,
         "logit_effects": _logit_effects(run, entry, feature, n_tokens, device),
     }
@@ -95,7 +93,7 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
             "suppressed": None,
             "note": f"{entry['site']} is not written into the residual stream as it is: no logit effects",
         }
-    from ..analysis.features.find import logit_effects
+    from ..analysis.features.find import logit_effects, store_logit_effects
     from ..capture.arch import adapter_for
     from ..capture.dla import FrozenFinalNorm
     from ..features import read_sae
@@ -119,11 +117,13 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
     def text(pairs):
         return [{"id": i, "text": t, "effect": e} for (i, e), t in zip(pairs, run.text([i for i, _ in pairs]))]
 
-    return {
+    effects = {
         "promoted": text(up),
         "suppressed": text(down),
         "method": "W_dec[F], centred for a LayerNorm, times the final norm's gain, through the unembedding",
     }
+    store_logit_effects(run.path, entry, feature, effects)  # for serve and report, which load no model
+    return effects
 
 
 def by_report(run: Run, entry: dict, column: str, top: int) -> dict:

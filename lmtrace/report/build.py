@@ -17,6 +17,7 @@ from .analysis_sections import dla_section, heads_section, sweeps_section
 from .attention_sections import attention_section
 from .blobs import Blobs
 from .explain_sections import explain_section
+from .feature_sections import features_section
 from .page import render_page
 from .run_data import RunData
 from .sections import (
@@ -139,6 +140,7 @@ def report_run(
     else:
         sections += [
             token_view_section(data, sel),
+            *filter(None, [features_section(data, sel)]),  # None: the run has no feature arrays
             attention_section(data, sel, blobs),
             lens_section(data, sel, blobs),
             layers_section(data, sel, blobs),

@@ -5,6 +5,29 @@
 "use strict";
 
 (() => {
+  // the features section (report/feature_sections.py): serve's feature pages, drawn by features.js
+  const views = {};
+  const featureNode = document.getElementById("lmtrace-features");
+  const featureIds = new Map();
+  if (featureNode) {
+    const fa = JSON.parse(featureNode.textContent).answers;
+    for (const box of document.querySelectorAll(".feature-snap[data-sae][data-feature]")) {
+      const d = fa[`features/${box.dataset.sae}/${box.dataset.feature}`];
+      if (!d) continue;
+      featureIds.set(`${box.dataset.sae}\n${box.dataset.feature}`, box.id);
+      box.appendChild(window.lmtraceFeatures.page(d, { prefix: `${box.id}-`, exampleHref: (seq) => `#tv-${seq}` }));
+      // an example's link selects its step in its sequence's token view
+      box.addEventListener("click", (e) => {
+        const a = e.target.closest && e.target.closest("td.where a");
+        const row = a && a.closest("tr[data-sequence]");
+        const v = row && views[row.dataset.sequence];
+        if (!v) return;
+        e.preventDefault();
+        v.view.select(Number(row.dataset.step));
+        v.box.scrollIntoView({ block: "start" });
+      });
+    }
+  }
   const node = document.getElementById("lmtrace-tokenview");
   if (!node) return;
   const { answers, missing } = JSON.parse(node.textContent);
@@ -34,7 +57,6 @@
     throw new Error(`${path} is not embedded in this report`);
   }
 
-  const views = {};
   // the keys (← → tokens, Shift + arrows heads) go to the token view last clicked or focused, so they
   // keep working after a click anywhere in it (a grid cell, a panel)
   let active = null;
@@ -48,6 +70,8 @@
       headAvailable: (layer) => layers.has(layer),
       headMissing: (layer, head) => `layer ${layer}, head ${head} is not embedded (this report embeds the heads of layer${layers.size === 1 ? "" : "s"} `
         + `${[...layers].join(", ") || "none"}): ${missing.head}`,
+      featureHref: (sae, f) => (featureIds.has(`${sae}\n${f}`) ? `#${featureIds.get(`${sae}\n${f}`)}` : null),
+      featureMissing: (sae, f) => `feature ${f} of ${sae}: this report embeds the pages of the latents most active on the tokens shown; \`lmtrace serve\` has every latent's page`,
     });
     box.append(view.legend, view.strip, view.detail);
     const entry = { view, box };

@@ -21,6 +21,7 @@ Routes (all GET; `{run}` is a run directory's name as the runs directory lists i
   /api/runs/{run}/sequences/{seq}/head_dla/{layer}/{head}    one head's DLA over the steps
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
   /api/runs/{run}/sequences/{seq}/parent/internals   its per-layer and per-head divergence from its parent
+  /api/runs/{run}/features/{sae}/{feature}?top=&window=   a feature's page (viewdata/features.py)
   /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
   /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=&feature=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
@@ -41,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..exits.errors import ArchiveDamaged, ArchiveError, LmtraceError, RunNotFoundError
-from ..viewdata import patterns, queries, token_extras
+from ..viewdata import features, patterns, queries, token_extras
 from ..viewdata.groups import sequence_groups_view
 from ..viewdata.page_code import token_view_css, token_view_js
 from .catalog import Catalog
@@ -87,7 +88,7 @@ def _int_param(request: Request, name: str, default: int = 0) -> int:
 
 
 # The path parts that name a number, and what they are called in an answer that says one is not there
-NUMBERS = {"seq": "sequence", "step": "step", "layer": "layer", "head": "head"}
+NUMBERS = {"seq": "sequence", "step": "step", "layer": "layer", "head": "head", "feature": "feature"}
 
 
 def _numbers(request: Request) -> dict:
@@ -120,6 +121,7 @@ class _Api:
             Route("/api/runs/{run}/sequences/{seq}/head_dla/{layer}/{head}", answer(self.head_dla)),
             Route("/api/runs/{run}/sequences/{seq}/parent", answer(self.parent)),
             Route("/api/runs/{run}/sequences/{seq}/parent/internals", answer(self.parent_internals)),
+            Route("/api/runs/{run}/features/{sae}/{feature}", answer(self.feature)),
             Route("/api/runs/{run}/sweeps/{sweep}", answer(self.sweep)),
             Route("/api/runs/{run}/sweeps/{sweep}/cell", answer(self.cell)),
             Route("/api/compare", answer(self.compare)),
@@ -223,6 +225,16 @@ class _Api:
         if parent is None:
             raise NotFound(f"the parent of run {child.id} is not in the runs directory")
         return child_figures(parent, child, p["seq"])
+
+    def feature(self, request: Request):
+        p = _numbers(request)
+        return features.feature_page(
+            self.catalog.open(p["run"]),
+            p["sae"],
+            p["feature"],
+            top=_int_param(request, "top", features.PAGE_TOP),
+            window=_int_param(request, "window", features.PAGE_WINDOW),
+        )
 
     def sweep(self, request: Request):
         p = _numbers(request)

@@ -1,5 +1,6 @@
 """The token view's code, as `lmtrace serve` serves it and the report inlines it: static/headgrid.js,
-static/tokenview.js and static/patterns.js (its pictures, drawn on canvases) as one script, and
+static/tokenview.js, static/patterns.js (its pictures, drawn on canvases) and static/features.js (the
+feature page and the token's feature list) as one script, and
 static/tokenview.css then static/patterns.css as one style (both views use them), with the
 probability colour scale of `output/prob_colours.py` written into the script, so that the page colours a probability (and a
 missing one) exactly as the report's text and `lmtrace show` do, from one definition."""
@@ -25,7 +26,7 @@ def _static(name: str) -> str:
 
 def token_view_js() -> str:
     """static/headgrid.js (the canvas heatmap, legends and exports), static/tokenview.js with
-    `prob_scale()` in place of its PROB_SCALE_MARK, then static/patterns.js: one script."""
+    `prob_scale()` in place of its PROB_SCALE_MARK, then static/patterns.js and static/features.js: one script."""
     code = _static("tokenview.js")
     if code.count(PROB_SCALE_MARK) != 1:
         raise RuntimeError(f"tokenview.js must hold {PROB_SCALE_MARK!r} once")  # a broken install, not user input
@@ -35,6 +36,8 @@ def token_view_js() -> str:
         + code.replace(PROB_SCALE_MARK, json.dumps(prob_scale(), separators=(",", ":")))
         + "\n"
         + _static("patterns.js")
+        + "\n"
+        + _static("features.js")
     )
 
 

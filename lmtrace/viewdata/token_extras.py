@@ -17,6 +17,7 @@ from ..archive.heads import ANALYSIS_DIR, HEADS_FILE
 from ..archive.reader import Run
 from ..output.jsonout import strict
 from . import blocks, kept
+from .features import token_features
 from .queries import NotFound, check_sequence, check_step, key_texts, n_keys_of, step_detail, steps_ready
 
 PATTERN_STEPS = 512  # steps of one head's pattern sent at most (rows of the steps x keys view)
@@ -165,14 +166,15 @@ def head_labels(run: Run) -> dict | None:
 
 def selected_token(run: Run, seq: int, step: int) -> dict:
     """The token view's answer for one selected token (serve's steps/STEP route; the report inlines it):
-    queries.step_detail with the attributions of that step, and in its `attention` the heads' labels
+    queries.step_detail with the attributions of that step, each SAE's top latents at it (`features`:
+    features.token_features, None without feature arrays), and in its `attention` the heads' labels
     of `lmtrace heads` (`head_labels`) when the run has them. The attention over heads is its own answer
     (`over_heads`, the steps/STEP/over_heads route): 2 x layers x keys weights, ~400 kB late in a long
     sequence, fetched only when the view shows it."""
     detail = step_detail(run, seq, step)
     if detail["attention"] is not None:
         detail["attention"]["head_labels"] = head_labels(run)
-    return {**detail, "attributions": attributions(run, seq, step)}
+    return {**detail, "attributions": attributions(run, seq, step), "features": token_features(run, seq, step)}
 
 
 def step_over_heads(run: Run, seq: int, step: int) -> dict | None:

@@ -2,7 +2,9 @@
 
 `examples`: a latent's max-activating tokens over the whole run, each with its context; `density`: the
 share of the run's tokens where it is among the archived top-k; `logit_effects`: its decoder direction
-through the final norm and unembedding; `by_groups`: the latents whose mean activation differs most
+through the final norm and unembedding (kept in the run for the views that load no model:
+`store_logit_effects`); `scan`: examples and density in one pass, a block of sequences at a time (the
+views' feature pages, viewdata/features.py); `by_groups`: the latents whose mean activation differs most
 between groups of sequences, with 95 % bootstrap intervals over each group's sequences (the resamples
 of `analysis/sweep/effects.bootstrap_weights`, as `sweep --by` draws them).
 
@@ -12,12 +14,17 @@ means are lower bounds when a token had more than top_k active latents.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-import torch
 
+from ...archive.files import atomic_write_json
 from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weights
+
+SCAN_BLOCK = 256  # sequences of the feature arrays read at a time by `scan`
 
 
 @dataclass
@@ -56,20 +63,97 @@ def density(arrays: FeatureArrays, feature: int) -> tuple[int, float]:
     return n, n / max(arrays.n_tokens, 1)
 
 
+def scan(
+    run, name: str, feature: int, top: int, sequences: list[int] | None = None, block: int = SCAN_BLOCK
+) -> tuple[list[tuple[int, int, float]], int, int, np.ndarray]:
+    """`examples`, `density`'s count and the run's tokens in one pass over the arrays, `block`
+    sequences at a time (memory bounded by a block), restricted to `sequences` when given: (examples,
+    active tokens, archived tokens, every activation of `feature` over those tokens). The examples are
+    `examples`' (each block's `top` candidates, merged in its order)."""
+    idx_a, val_a = run.array(f"feat_{name}_idx"), run.array(f"feat_{name}_val")
+    lengths = np.maximum(np.asarray(run.generated_len(), dtype=np.int64), 0)
+    chosen = np.arange(len(lengths)) if sequences is None else np.asarray(sorted(set(sequences)), dtype=np.int64)
+    found: list[tuple[int, int, float]] = []
+    n_active, values = 0, []
+    for start in range(0, len(chosen), block):
+        seqs = chosen[start : start + block]
+        if sequences is None:  # a contiguous block
+            idx, val = np.asarray(idx_a[seqs[0] : seqs[-1] + 1]), np.asarray(val_a[seqs[0] : seqs[-1] + 1])
+        else:  # only the sequences asked for
+            idx, val = idx_a.get_orthogonal_selection((seqs,)), val_a.get_orthogonal_selection((seqs,))
+        part = FeatureArrays(np.asarray(idx), np.asarray(val), lengths[seqs])
+        found += [(int(seqs[s]), st, v) for s, st, v in examples(part, feature, top)]
+        n_active += density(part, feature)[0]
+        values.append(part.val[part.idx == feature])
+    order = sorted(found, key=lambda e: (-e[2], e[0], e[1]))[:top]
+    n_tokens = int(lengths[chosen].sum())
+    return order, n_active, n_tokens, np.concatenate(values) if values else np.zeros(0, np.float32)
+
+
+def window_bounds(n: int, position: int, window: int, after: int = 2) -> tuple[int, int]:
+    """The positions [lo, hi) of `context`: `window` before `position` to `after` after it, within n tokens."""
+    return max(0, position - window), min(n, position + after + 1)
+
+
 def context(tokens: list[str], position: int, window: int, after: int = 2) -> str:
     """The tokens from `window` before `position` to `after` after it, the token at `position` in [[ ]]."""
-    lo, hi = max(0, position - window), min(len(tokens), position + after + 1)
+    lo, hi = window_bounds(len(tokens), position, window, after)
     return "".join(f"[[{t}]]" if p == position else t for p, t in zip(range(lo, hi), tokens[lo:hi]))
 
 
-@torch.inference_mode()
-def logit_effects(final, direction: torch.Tensor, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def logit_effects_file(name: str) -> str:
+    """Where a run keeps the logit effects `lmtrace features RUN --sae NAME --feature F` computed (relative
+    to the run): analysis/feature_logit_effects_<name>.json, {sha256, features: {F: effects}}."""
+    return f"analysis/feature_logit_effects_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json"
+
+
+def store_logit_effects(run_path: Path, entry: dict, feature: int, effects: dict) -> None:
+    """Keep one latent's logit effects (`commands/feature_find`'s answer) in the run, for the views that
+    load no model (serve, report); a run directory that cannot be written keeps none."""
+    path = Path(run_path) / logit_effects_file(entry["name"])
+    kept = _read_json(path)
+    if kept is None or kept.get("sha256") != entry["sha256"]:
+        kept = {"sae": entry["name"], "sha256": entry["sha256"], "features": {}}
+    kept["features"][str(feature)] = effects
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, kept)
+    except OSError:
+        pass
+
+
+def stored_logit_effects(run_path: Path, entry: dict, feature: int) -> dict | None:
+    """The logit effects kept for `feature` of the SAE `entry` (manifest `features`), or None when
+    none were computed for these weights."""
+    kept = _read_json(Path(run_path) / logit_effects_file(entry["name"]))
+    if kept is None or kept.get("sha256") != entry["sha256"]:
+        return None
+    return (kept.get("features") or {}).get(str(feature))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def logit_effects(final, direction, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """The decoder direction [d_model] through the final norm and unembedding, as SAELens's and
     Neuronpedia's logit tables compute it with the norm folded in: centred (a LayerNorm's mean
     subtraction), times the norm's gain, through any linear map after the norm (OPT's project_out),
     times the unembedding; the norm's 1/σ (one scale for every token) and the biases left out.
     `final`: capture.dla.FrozenFinalNorm. Returns the n most promoted and the n most suppressed
-    (token id, effect), largest |effect| first."""
+    (token id, effect), largest |effect| first. torch is imported here: the views read the rest of this
+    module without it."""
+    import torch
+
+    with torch.inference_mode():
+        return _logit_effects(final, direction, n)
+
+
+def _logit_effects(final, direction, n: int):
     v = direction.float()
     w = final.unembed
     v = v.to(w.device)

@@ -374,6 +374,7 @@
           if (push) history.replaceState(null, "", address());
         },
         state: viewState,
+        featureHref: (sae, f) => `#/run/${enc(runId)}/feature/${enc(sae)}/${f}`,
         onState: (st) => {
           viewState = st;
           if (selected !== null) history.replaceState(null, "", address());
@@ -446,6 +447,17 @@
       .catch((e) => showError(e, inside));
   }
 
+  // ---- a feature of an SAE (features.js draws it, as the report does) ------------------------------
+  async function featureView(runId, sae, feature, params, gen) {
+    setCrumbs({ text: "runs", href: "#/" }, { text: runId, href: `#/run/${enc(runId)}` }, { text: `${sae} · feature ${feature}` });
+    const q = new URLSearchParams();
+    for (const k of ["top", "window"]) if (params.get(k)) q.set(k, params.get(k));
+    const d = await api(`${runUrl(runId)}/features/${enc(sae)}/${enc(feature)}${q.toString() ? `?${q}` : ""}`);
+    if (gen !== generation) return;
+    put(app, el("h1", { text: `${runId} · ${sae} · feature ${d.feature}` }),
+      window.lmtraceFeatures.page(d, { exampleHref: (s, step) => `#/run/${enc(runId)}/seq/${s}/step/${step}` }));
+  }
+
   // ---- routing ---------------------------------------------------------------------------------
   async function route() {
     generation += 1;
@@ -458,7 +470,9 @@
         await compareView(parts[1], parts[2], params, gen);
       } else if (parts[0] === "run" && parts.length >= 2) {
         const runId = parts[1];
-        if (parts[2] === "seq" && parts.length >= 4) {
+        if (parts[2] === "feature" && parts.length >= 5) {
+          await featureView(runId, parts[3], parts[4], params, gen);
+        } else if (parts[2] === "seq" && parts.length >= 4) {
           const step = parts[4] === "step" && parts.length >= 6 ? Number(parts[5]) : null;
           await sequenceView(runId, Number(parts[3]), step, gen, params);
         } else {

@@ -136,7 +136,8 @@ window.lmtraceView = (() => {
   //   opts.state: the view's state to open with ({heads, cell, view, log, nums}, strings as in an address's
   //   query), opts.onState(state): told of every change of it; opts.headAvailable(layer): false for a
   //   layer whose heads' rows the data source lacks (the report: its grid rows hatched, a click gives
-  //   opts.headMissing(layer, head), a note).
+  //   opts.headMissing(layer, head), a note); opts.featureHref(sae, feature): the address of a feature's
+  //   page (null: none), opts.featureMissing(sae, feature): the title of a feature without one.
   function tokenView(source, data, opts = {}) {
     const v = { source, seq: data.sequence, id: (n) => (opts.prefix || "") + n, alive: opts.alive || (() => true),
       pickedHeads: [], stepRequest: 0, cursor: null, grid: null, opts };
@@ -208,7 +209,8 @@ window.lmtraceView = (() => {
       return;
     }
     if (mine !== v.stepRequest || !v.alive()) return;
-    const left = el("div", {}, tokenPanel(v, d), lensPanel(v, d.lens));
+    const left = el("div", {}, tokenPanel(v, d), d.features ? window.lmtraceFeatures.tokenPanel(v.id("features-panel"), d.features, v.opts) : null,
+      lensPanel(v, d.lens));
     const right = el("div", {}, attentionPanel(v, d), d.head_dla ? dlaPanel(v, d.head_dla, d.step) : null,
       d.attributions ? attributionPanel(v, d.attributions) : null);
     // every panel: PNG and CSV (files named sequence-step-panel)

@@ -1,0 +1,164 @@
+"""Features in the views (docs/serve.md, "A feature"; docs/report.md, "Features"): a latent's page and
+the latents active at a selected token, read from the run's archived feature arrays (`feat_<sae>_idx`
+/ `_val`, written by `generate --sae` / `capture.features` or `lmtrace features RUN --sae DIR`).
+
+The numbers are `lmtrace features RUN --sae NAME --feature F`'s (analysis/features/find.py: `scan`,
+`window_bounds`), computed by the same code. Logit effects need the model's final norm and
+unembedding, and the views load no model: a page shows the ones `lmtrace features --feature F`
+computed and kept in the run (`find.stored_logit_effects`), else says which command computes them.
+
+Positions and steps are the token view's: example (sequence, step) is the generated token at position
+prompt_len + step, and its context's generated tokens carry the latent's activation at their step
+(prompt tokens have none: the feature arrays of the steps are what every example is found in).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.compute as pc
+
+from ..analysis.features.find import logit_effects_file, scan, stored_logit_effects, window_bounds
+from ..archive.reader import Run
+from . import kept
+from .errors import BadParameter, NotFound
+from .queries import check_sequence, steps_ready, table_rows
+
+TOKEN_TOP = 10  # latents per SAE listed for a selected token
+PAGE_TOP = 20  # examples on a feature page by default
+PAGE_WINDOW = 8  # tokens of context before an example (two after, as `features --feature`)
+MAX_TOP, MAX_WINDOW = 200, 64
+HISTOGRAM_BINS = 20
+
+
+def sae_entries(run: Run) -> list[dict]:
+    """The run's SAEs (manifest `features`) whose arrays are in the archive."""
+    names = kept.array_names(run)
+    return [f for f in run.manifest.get("features") or [] if f"feat_{f['name']}_idx" in names]
+
+
+def sae_entry(run: Run, sae: str) -> dict:
+    for f in sae_entries(run):
+        if f["name"] == sae:
+            return f
+    known = ", ".join(f["name"] for f in sae_entries(run))
+    raise NotFound(
+        f"run {run.id} has no feature activations of an SAE named {sae!r} "
+        + (f"(its SAEs: {known})" if known else f"(it has none: `lmtrace features {run.id} --sae DIR` computes them)")
+    )
+
+
+def token_features(run: Run, seq: int, step: int, top: int = TOKEN_TOP) -> list[dict] | None:
+    """Per SAE of the run: the selected token's archived active latents, largest first (at most `top`),
+    with the SAE's name, hook and width; None when the run has no feature arrays."""
+    entries = sae_entries(run)
+    if not entries:
+        return None
+    out = []
+    for f in entries:
+        ids = np.asarray(kept.array(run, f"feat_{f['name']}_idx")[seq, step])
+        vals = np.asarray(kept.array(run, f"feat_{f['name']}_val")[seq, step], dtype=np.float64)
+        keep = ids >= 0
+        order = np.lexsort((ids[keep], -vals[keep]))[:top]
+        out.append(
+            {
+                "sae": f["name"],
+                "hook_name": f["hook_name"],
+                "d_sae": int(f["d_sae"]),
+                "active": int(keep.sum()),
+                "features": [{"feature": int(ids[keep][i]), "activation": float(vals[keep][i])} for i in order],
+            }
+        )
+    return out
+
+
+def _bounded(value: int, name: str, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise BadParameter(f"{name}={value}: expected a whole number from {low} to {high}")
+    return value
+
+
+def feature_page(
+    run: Run,
+    sae: str,
+    feature: int,
+    *,
+    top: int = PAGE_TOP,
+    window: int = PAGE_WINDOW,
+    sequences: list[int] | None = None,
+) -> dict:
+    """One latent of one SAE over the run (or over `sequences`): its `top` max-activating examples, each
+    with its context (`window` tokens before, two after: text, position, step and the latent's
+    activation at each generated token), the density, a histogram of its activations where active, and
+    its logit effects where `lmtrace features --feature` kept them (else null and `logit_note`)."""
+    entry = sae_entry(run, sae)
+    if not 0 <= feature < int(entry["d_sae"]):
+        raise NotFound(f"SAE {entry['name']} has latents 0-{int(entry['d_sae']) - 1}, not {feature}")
+    _bounded(top, "top", 1, MAX_TOP)
+    _bounded(window, "window", 0, MAX_WINDOW)
+    for s in sequences or []:
+        check_sequence(run, s)
+    found, n_active, n_tokens, values = scan(run, entry["name"], feature, top, sequences)
+    counts, edges = np.histogram(values.astype(np.float64), bins=HISTOGRAM_BINS) if len(values) else ([], [])
+    effects = stored_logit_effects(run.path, entry, feature)
+    return {
+        "run_id": run.path.name,
+        "sae": entry["name"],
+        "hook_name": entry["hook_name"],
+        "d_sae": int(entry["d_sae"]),
+        "feature": feature,
+        "sequences": None if sequences is None else sorted(set(sequences)),
+        "tokens": n_tokens,
+        "active_tokens": n_active,
+        "density": n_active / max(n_tokens, 1),
+        "max_activation": float(values.max()) if len(values) else None,
+        "histogram": {"counts": [int(c) for c in counts], "edges": [float(e) for e in edges]},
+        "examples": _examples(run, entry, feature, found, window),
+        "logit_effects": effects,
+        "logit_note": None
+        if effects
+        else (
+            f"not computed: `lmtrace features {run.path.name} --sae {entry['name']} --feature {feature}` "
+            f"computes them with the run's model and keeps them in the run ({logit_effects_file(entry['name'])})"
+        ),
+    }
+
+
+def _examples(run: Run, entry: dict, feature: int, found: list, window: int) -> list[dict]:
+    """Each example (sequence, step, activation) with its context window: one read of the tokens table
+    for the examples' sequences, and each window's steps of the feature arrays."""
+    if not found:
+        return []
+    seqs = sorted({s for s, _, _ in found})
+    t = table_rows(run, "tokens", ["sequence", "position", "token_text"], where=pc.field("sequence").isin(seqs))
+    texts: dict[int, list[str]] = {s: [] for s in seqs}
+    for s, _, text in sorted(zip(*(t.column(c).to_pylist() for c in ("sequence", "position", "token_text")))):
+        texts[s].append(text)
+    prompt_len = kept.lengths(run, "prompt_len")
+    idx_a, val_a = kept.array(run, f"feat_{entry['name']}_idx"), kept.array(run, f"feat_{entry['name']}_val")
+    rows = []
+    for seq, step, value in found:
+        p0 = int(prompt_len[seq])
+        position = p0 + step
+        lo, hi = window_bounds(len(texts[seq]), position, window)
+        first, last = max(lo - p0, 0), min(hi - p0, steps_ready(run, seq))
+        ids = np.asarray(idx_a[seq, first:last]) if last > first else np.zeros((0, 1), np.int32)
+        vals = np.asarray(val_a[seq, first:last], dtype=np.float64) if last > first else np.zeros((0, 1))
+        at = {first + i: float(vals[i][ids[i] == feature][0]) for i in range(len(ids)) if (ids[i] == feature).any()}
+        rows.append(
+            {
+                "sequence": seq,
+                "step": step,
+                "position": position,
+                "activation": value,
+                "context": [
+                    {
+                        "position": p,
+                        "step": p - p0 if p >= p0 else None,
+                        "text": texts[seq][p],
+                        "activation": at.get(p - p0, 0.0) if p >= p0 else None,
+                    }
+                    for p in range(lo, hi)
+                ],
+            }
+        )
+    return rows
