@@ -1,0 +1,100 @@
+"""lmtrace's SAE encode/decode against SAELens's: its own `SAE.load_from_disk(...).encode/decode` on the
+same directory where `sae-lens` is installed (the optional extra `saelens`; skipped otherwise), and, in
+every installation, a TopK SAE saved with `rescale_acts_by_decoder_norm` against that formula written out
+here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lmtrace.features import read_sae
+from tests.helpers.saes import write_saelens_dir
+
+D_IN, D_SAE, K = 16, 48, 6
+
+
+def _weights(seed: int, jumprelu: bool) -> dict:
+    """Random weights whose decoder rows are far from unit norm (so a decoder-norm rescale matters)."""
+    rng = np.random.default_rng(seed)
+    w = {
+        "W_enc": rng.normal(size=(D_IN, D_SAE)) / np.sqrt(D_IN),
+        "b_enc": rng.normal(size=D_SAE) * 0.1,
+        "W_dec": rng.normal(size=(D_SAE, D_IN)) * rng.uniform(0.2, 3.0, size=(D_SAE, 1)) / np.sqrt(D_IN),
+        "b_dec": rng.normal(size=D_IN) * 0.3,
+    }
+    if jumprelu:
+        w["threshold"] = rng.uniform(0.0, 0.6, size=D_SAE)
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def _cfg(arch: str, apply_b_dec: bool, rescale: bool = False) -> dict:
+    cfg = {
+        "architecture": arch,
+        "d_in": D_IN,
+        "d_sae": D_SAE,
+        "dtype": "float32",
+        "apply_b_dec_to_input": apply_b_dec,
+        "normalize_activations": "none",
+        "metadata": {"hook_name": "blocks.3.hook_resid_post"},
+    }
+    if arch == "topk":
+        cfg["k"] = K
+        cfg["rescale_acts_by_decoder_norm"] = rescale
+    return cfg
+
+
+def _inputs() -> np.ndarray:
+    return (np.random.default_rng(5).normal(size=(96, D_IN)) * 2.5).astype(np.float32)
+
+
+CASES = [
+    ("standard", False),
+    ("jumprelu", False),
+    ("topk", False),
+    ("topk", True),  # SAELens 6 trains TopK SAEs with rescale_acts_by_decoder_norm
+]
+
+
+@pytest.mark.parametrize("apply_b_dec", [True, False])
+@pytest.mark.parametrize("arch,rescale", CASES)
+def test_encode_and_decode_equal_sae_lens_own_sae(tmp_path, arch, rescale, apply_b_dec):
+    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens not installed (pip install -e '.[saelens]')")
+    cfg = _cfg(arch, apply_b_dec, rescale)
+    path = write_saelens_dir(tmp_path / "sae", cfg, _weights(seed=len(arch) + 3 * rescale, jumprelu=arch == "jumprelu"))
+    theirs = sae_lens.SAE.load_from_disk(str(path), device="cpu")
+    ours = read_sae(path)
+    x = torch.from_numpy(_inputs())
+    with torch.no_grad():
+        acts_ref = theirs.encode(x)
+        out_ref = theirs.decode(acts_ref)
+    acts = ours.encode(x)
+    assert (acts_ref > 0).sum() > 0 and ((acts_ref > 0).sum(-1) < D_SAE).all()  # sparse, not empty
+    torch.testing.assert_close(acts, acts_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.decode(acts_ref), out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.reconstruct(x), theirs(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("apply_b_dec", [True, False])
+def test_topk_sae_with_decoder_norm_rescale_encodes_as_saelens_formula(tmp_path, apply_b_dec):
+    """SAELens's TopKSAE with rescale_acts_by_decoder_norm: pre = ((x − b_dec) W_enc + b_enc) · ‖W_dec[i]‖,
+    acts = ReLU of the k largest pre, x̂ = (acts / ‖W_dec[i]‖) W_dec + b_dec; written out in float64."""
+    cfg = _cfg("topk", apply_b_dec, rescale=True)
+    w = _weights(seed=11, jumprelu=False)
+    sae = read_sae(write_saelens_dir(tmp_path / "sae", cfg, w))
+    x = _inputs()
+    W_enc, b_enc, W_dec, b_dec = (w[n].astype(np.float64) for n in ("W_enc", "b_enc", "W_dec", "b_dec"))
+    norms = np.linalg.norm(W_dec, axis=-1)
+    pre = ((x - b_dec * apply_b_dec) @ W_enc + b_enc) * norms
+    acts_ref = np.zeros_like(pre)
+    for i, row in enumerate(pre):
+        top = np.argsort(-row, kind="stable")[:K]
+        acts_ref[i, top] = np.maximum(row[top], 0)
+    out_ref = (acts_ref / norms) @ W_dec + b_dec
+    # the rescale changes which latents win: without it the top k would differ on some tokens
+    plain = (x - b_dec * apply_b_dec) @ W_enc + b_enc
+    assert any(set(np.argsort(-p)[:K]) != set(np.argsort(-q)[:K]) for p, q in zip(plain, pre))
+    acts = sae.encode(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(acts, acts_ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(sae.reconstruct(torch.from_numpy(x)).numpy(), out_ref, rtol=1e-4, atol=1e-4)
