@@ -106,6 +106,19 @@ def _config(path: Path, raw: dict) -> SaeConfig:
     )
 
 
+def _release_hint(path: Path) -> str:
+    """For a missing path written as SAELens's `release:sae_id`: how to make it a directory (lmtrace does not
+    download SAEs)."""
+    release, colon, sae_id = str(path).partition(":")
+    if not colon or not release or not sae_id:
+        return ""
+    return (
+        f"; SAELens releases are not downloaded by lmtrace: save this one to a directory where the network is, "
+        f"python -c \"from sae_lens import SAE; SAE.from_pretrained('{release}', '{sae_id}').save_model('DIR')\", "
+        f"and pass DIR"
+    )
+
+
 def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
     """An SAE directory -> Sae (float32, on `device`); bad input raises SpecError (one line, exit 2)."""
     from safetensors import SafetensorError
@@ -113,7 +126,11 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
 
     path = Path(path)
     if not path.is_dir():
-        raise _fail(path, "no such directory (an SAE is a directory holding cfg.json and sae_weights.safetensors)")
+        raise _fail(
+            path,
+            "no such directory (an SAE is a directory holding cfg.json and sae_weights.safetensors)"
+            + _release_hint(path),
+        )
     for name in (CFG, WEIGHTS):
         if not (path / name).is_file():
             raise _fail(path, f"{name} is missing (an SAE directory holds {CFG} and {WEIGHTS})")

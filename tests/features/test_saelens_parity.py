@@ -37,7 +37,7 @@ def _cfg(arch: str, apply_b_dec: bool, rescale: bool = False) -> dict:
         "dtype": "float32",
         "apply_b_dec_to_input": apply_b_dec,
         "normalize_activations": "none",
-        "metadata": {"hook_name": "blocks.3.hook_resid_post"},
+        "metadata": {"hook_name": "blocks.3.hook_resid_post", "sae_lens_version": "6.0.0"},  # the SAELens 6 layout
     }
     if arch == "topk":
         cfg["k"] = K
@@ -98,3 +98,32 @@ def test_topk_sae_with_decoder_norm_rescale_encodes_as_saelens_formula(tmp_path,
     acts = sae.encode(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(acts, acts_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(sae.reconstruct(torch.from_numpy(x)).numpy(), out_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["jumprelu", "topk"])
+def test_an_sae_saved_by_sae_lens_reads_back_with_the_same_encode(tmp_path, arch):
+    """What `SAE.from_pretrained(release, id).save_model(DIR)` writes (the way to bring a release here)."""
+    sae_lens = pytest.importorskip("sae_lens", reason="sae-lens not installed (pip install -e '.[saelens]')")
+    cfg = _cfg(arch, True, rescale=arch == "topk")
+    src = write_saelens_dir(tmp_path / "src", cfg, _weights(seed=3, jumprelu=arch == "jumprelu"))
+    theirs = sae_lens.SAE.load_from_disk(str(src), device="cpu")
+    theirs.save_model(str(tmp_path / "saved"))
+    x = torch.from_numpy(_inputs())
+    with torch.no_grad():
+        acts_ref = theirs.encode(x)
+    torch.testing.assert_close(read_sae(tmp_path / "saved").encode(x), acts_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_saelens_release_id_is_refused_in_one_line_saying_how_to_download_it(tmp_path):
+    import subprocess
+    import sys
+
+    ref = "gemma-scope-2b-pt-res-canonical:layer_12/width_16k/canonical"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmtrace.cli", "sae", "show", ref], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "SAE.from_pretrained('gemma-scope-2b-pt-res-canonical', 'layer_12/width_16k/canonical')" in lines[0]
+    assert ".save_model('DIR')" in lines[0]
