@@ -109,7 +109,8 @@ def _config(path: Path, raw: dict) -> SaeConfig:
 def _release_hint(path: Path) -> str:
     """For a missing path written as SAELens's `release:sae_id`: how to make it a directory (lmtrace does not
     download SAEs)."""
-    release, colon, sae_id = str(path).partition(":")
+    head, colon, sae_id = str(path).partition(":")
+    release = head.rsplit("/", 1)[-1]  # a command-line path arrives made absolute
     if not colon or not release or not sae_id:
         return ""
     return (

@@ -114,16 +114,22 @@ def test_an_sae_saved_by_sae_lens_reads_back_with_the_same_encode(tmp_path, arch
     torch.testing.assert_close(read_sae(tmp_path / "saved").encode(x), acts_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_saelens_release_id_is_refused_in_one_line_saying_how_to_download_it(tmp_path):
+@pytest.mark.parametrize("command", ["sae show", "generate"])
+def test_a_saelens_release_id_is_refused_in_one_line_saying_how_to_download_it(tmp_path, command):
     import subprocess
     import sys
 
     ref = "gemma-scope-2b-pt-res-canonical:layer_12/width_16k/canonical"
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmtrace.cli", "sae", "show", ref], capture_output=True, text=True, cwd=tmp_path
-    )
+    if command == "generate":  # the spec's --sae paths are made absolute first
+        (tmp_path / "spec.yaml").write_text(
+            'model: embedded:smollm2-135m\nprompts:\n  texts: ["hi"]\ngeneration:\n  max_new_tokens: 1\n'
+        )
+        args = ["generate", "spec.yaml", "--sae", ref]
+    else:
+        args = ["sae", "show", ref]
+    proc = subprocess.run([sys.executable, "-m", "lmtrace.cli", *args], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ")
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and proc.stderr.strip().endswith(lines[0])
     assert "SAE.from_pretrained('gemma-scope-2b-pt-res-canonical', 'layer_12/width_16k/canonical')" in lines[0]
     assert ".save_model('DIR')" in lines[0]
