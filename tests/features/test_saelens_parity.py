@@ -115,14 +115,14 @@ def test_an_sae_saved_by_sae_lens_reads_back_with_the_same_encode(tmp_path, arch
 
 
 @pytest.mark.parametrize("command", ["sae show", "generate"])
-def test_a_saelens_release_id_is_refused_in_one_line_saying_how_to_download_it(tmp_path, command):
+def test_a_saelens_release_id_is_refused_in_one_line_saying_how_to_download_it(tmp_path, tiny_llama_dir, command):
     import subprocess
     import sys
 
     ref = "gemma-scope-2b-pt-res-canonical:layer_12/width_16k/canonical"
     if command == "generate":  # the spec's --sae paths are made absolute first
         (tmp_path / "spec.yaml").write_text(
-            'model: embedded:smollm2-135m\nprompts:\n  texts: ["hi"]\ngeneration:\n  max_new_tokens: 1\n'
+            f'model: "{tiny_llama_dir}"\nprompts:\n  texts: ["hi"]\ngeneration:\n  max_new_tokens: 1\n'
         )
         args = ["generate", "spec.yaml", "--sae", ref]
     else:
