@@ -5,9 +5,11 @@ Read: SAELens 6 configs (`architecture`, `d_in`, `d_sae`, `k`, `apply_b_dec_to_i
 the top, `activation_fn_str` / `activation_fn` "topk" with `activation_fn_kwargs.k`, a boolean
 `normalize_activations`), with the defaults SAELens gives missing keys (standard, b_dec applied to the
 input, no normalisation). Weights: W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_sae, d_in], b_dec [d_in],
-threshold [d_sae] (JumpReLU; `log_threshold` is read as exp of it). Everything is checked before use:
-a missing directory or file, unreadable JSON, an unknown architecture or normalisation, a transcoder,
-a missing or misshapen tensor, NaN or infinite weights each stop with one line (exit 2).
+threshold [d_sae] (JumpReLU; `log_threshold` is read as exp of it); a TopK SAE saved with
+`rescale_acts_by_decoder_norm` has its decoder row norms folded into the weights as it is read. Everything
+is checked before use: a missing directory or file, unreadable JSON, an unknown architecture or
+normalisation, a transcoder, a missing or misshapen tensor, NaN or infinite weights each stop with one
+line (exit 2).
 
 Write: the SAELens 6 layout (what `SAE.load_from_disk` reads), weights in float32, plus any extra
 files given (lmtrace's training card).
@@ -104,6 +106,20 @@ def _config(path: Path, raw: dict) -> SaeConfig:
     )
 
 
+def _release_hint(path: Path) -> str:
+    """For a missing path written as SAELens's `release:sae_id`: how to make it a directory (lmtrace does not
+    download SAEs)."""
+    head, colon, sae_id = str(path).partition(":")
+    release = head.rsplit("/", 1)[-1]  # a command-line path arrives made absolute
+    if not colon or not release or not sae_id:
+        return ""
+    return (
+        f"; SAELens releases are not downloaded by lmtrace: save this one to a directory where the network is, "
+        f"python -c \"from sae_lens import SAE; SAE.from_pretrained('{release}', '{sae_id}').save_model('DIR')\", "
+        f"and pass DIR"
+    )
+
+
 def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
     """An SAE directory -> Sae (float32, on `device`); bad input raises SpecError (one line, exit 2)."""
     from safetensors import SafetensorError
@@ -111,7 +127,11 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
 
     path = Path(path)
     if not path.is_dir():
-        raise _fail(path, "no such directory (an SAE is a directory holding cfg.json and sae_weights.safetensors)")
+        raise _fail(
+            path,
+            "no such directory (an SAE is a directory holding cfg.json and sae_weights.safetensors)"
+            + _release_hint(path),
+        )
     for name in (CFG, WEIGHTS):
         if not (path / name).is_file():
             raise _fail(path, f"{name} is missing (an SAE directory holds {CFG} and {WEIGHTS})")
@@ -150,7 +170,22 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
             )
         if not torch.isfinite(weights[name].float()).all():
             raise _fail(path, f"{name} holds NaN or infinite values")
+    if cfg.architecture == "topk" and raw.get("rescale_acts_by_decoder_norm") is True:
+        _fold_decoder_norm(path, weights)
     return Sae(cfg, **{name: weights[name] for name in expected})
+
+
+def _fold_decoder_norm(path: Path, weights: dict) -> None:
+    """A TopK SAE saved with `rescale_acts_by_decoder_norm` (SAELens 6 trains TopK SAEs so): its encode multiplies the
+    pre-activations by the decoder rows' norms n and its decode divides the activations by n. The same
+    SAE with n folded in (W_enc·n, b_enc·n, W_dec/n, as SAELens folds it) encodes and decodes the same."""
+    W_dec = weights["W_dec"].float()
+    n = W_dec.norm(dim=-1)
+    if not (n > 0).all():
+        raise _fail(path, "rescale_acts_by_decoder_norm is set but some rows of W_dec are zero")
+    weights["W_enc"] = weights["W_enc"].float() * n
+    weights["b_enc"] = weights["b_enc"].float() * n
+    weights["W_dec"] = W_dec / n[:, None]
 
 
 def config_dict(cfg: SaeConfig) -> dict:
