@@ -47,7 +47,8 @@ def rank_layers(per_layer: pa.Table) -> list[dict]:
                 "resid_dist_mean",
             )
         ]
-        figures.append(abs_mean(c["margin_contrib_delta"][m & same2]))  # only where both margins mean the same
+        # Not the margin contribution: it is the layer's output read through the final norm, whose scale any
+        # later change moves, so it differs at layers whose own values are identical.
         row["changed"] = any(v not in (None, 0, 0.0) for v in figures)
         out.append(row)
     out.sort(
