@@ -23,19 +23,40 @@ from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weigh
 @dataclass
 class FeatureArrays:
     """One SAE's archived arrays of a run, in memory: idx, val [sequence, step, k] and the tokens
-    archived (steps < generated_len)."""
+    archived (steps < generated_len). With `prompt`: the prompt positions' arrays instead, idx, val
+    [sequence, prompt_pos, k], and `generated_len` holds each sequence's prompt length (the positions
+    archived), so every function below reads them the same way, a position where it says step."""
 
     idx: np.ndarray
     val: np.ndarray
     generated_len: np.ndarray
+    prompt: bool = False
 
     @classmethod
-    def read(cls, run, name: str) -> FeatureArrays:
+    def read(cls, run, name: str, prompt: bool = False) -> FeatureArrays:
+        from ...archive.feature_arrays import read_whole
+
+        prefix = "prompt_" if prompt else ""
+        lengths = run.prompt_len() if prompt else run.generated_len()
         return cls(
-            np.asarray(run.array(f"feat_{name}_idx")[:]),
-            np.asarray(run.array(f"feat_{name}_val")[:]),
-            np.maximum(np.asarray(run.generated_len(), dtype=np.int64), 0),
+            read_whole(run.array(f"{prefix}feat_{name}_idx")),
+            read_whole(run.array(f"{prefix}feat_{name}_val")),
+            np.maximum(np.asarray(lengths, dtype=np.int64), 0),
+            prompt,
         )
+
+    @classmethod
+    def read_feature(cls, run, name: str, feature: int, prompt: bool = False) -> FeatureArrays:
+        """What `examples` and `density` of one latent read: every token's ids, and the values of only
+        the sequences where `feature` occurs (the others' values read as NaN, never decoded)."""
+        from ...archive.feature_arrays import read_whole
+
+        prefix = "prompt_" if prompt else ""
+        lengths = run.prompt_len() if prompt else run.generated_len()
+        idx = read_whole(run.array(f"{prefix}feat_{name}_idx"))
+        has = (idx == feature).any(axis=tuple(range(1, idx.ndim)))
+        val = read_whole(run.array(f"{prefix}feat_{name}_val"), has)
+        return cls(idx, val, np.maximum(np.asarray(lengths, dtype=np.int64), 0), prompt)
 
     @property
     def n_tokens(self) -> int:
