@@ -8,8 +8,10 @@ arrays written by `archive/feature_arrays.FeatureArrays` (the writer `lmtrace fe
 token's top 32 latents, drawn at random (distinct per token, largest first) from a random TopK SAE
 with d_sae 16,384 at blocks.15.hook_resid_post (bench.py's `bench_sae`), whose directory the manifest
 names, so the logit effects load the run's model as they do for a real run. Times are of the command
-as a user runs it (a process: Python's start and imports included), best of --repeats; `--profile`
-also prints a cProfile of the command in this process.
+as a user runs it (a process: Python's start and imports included), wall and CPU seconds (user +
+system: less sensitive to other load on a shared machine), best of --repeats after a first call
+reported apart (on a fresh cache it loads the model for the logit effects); `--profile` also prints a
+cProfile of the command in this process.
 
     .venv/bin/python bench/feature_find_bench.py [--sequences 10000] [--repeats 3] [--source RUN_DIR] [--profile]
 Writes bench/results/feature_find.json and prints a summary.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -46,18 +49,23 @@ generation: {max_new_tokens: 32, batch_size: 2, temperature: 0.0}
 capture: none
 """
 D_SAE, TOP_K, NAME = 16384, 32, "bench-sae"
+CPU_S: list[float] = []
 
 
 def lmtrace(runs: Path, *args: str) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, the process); its CPU seconds (user + system) are added to CPU_S."""
     env = {
         **os.environ,
         "LMTRACE_RUNS_DIR": str(runs),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "lmtrace", *args], env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"lmtrace {' '.join(args)} failed: {proc.stderr.strip()}")
     return took, proc
@@ -182,20 +190,27 @@ def main() -> None:
             group = zarr.open_group(str(runs / run_id / "tensors.zarr"), mode="r")
             feature = most_active(np.asarray(group[f"feat_{NAME}_idx"][:256]))
         cmd = ("features", run_id, "--sae", NAME, "--feature", str(feature))
-        times, out = [], None
-        for _ in range(args.repeats):
+        times, cpu, out = [], [], None
+        for _ in range(args.repeats + 1):  # the first may load the model (a fresh cache): reported apart
             took, proc = lmtrace(runs, *cmd)
             times.append(took)
+            cpu.append(CPU_S[-1])
             out = proc.stdout
         start_s = min(lmtrace(runs, "--version")[0] for _ in range(args.repeats))
+        start_cpu = min(CPU_S[-args.repeats :])
         result = {
             "sequences": args.sequences,
             "token_rows": token_rows,
             "feature": feature,
             "build_s": round(build_s, 2),
-            "feature_s": [round(t, 3) for t in times],
-            "feature_best_s": round(min(times), 3),
+            "first_s": round(times[0], 3),
+            "first_cpu_s": round(cpu[0], 3),
+            "feature_s": [round(t, 3) for t in times[1:]],
+            "feature_cpu_s": [round(t, 3) for t in cpu[1:]],
+            "feature_best_s": round(min(times[1:]), 3),
+            "feature_best_cpu_s": round(min(cpu[1:]), 3),
             "version_best_s": round(start_s, 3),
+            "version_best_cpu_s": round(start_cpu, 3),
             "target_s": 2.0,
             "load_avg": os.getloadavg(),
             "cpus": os.cpu_count(),

@@ -125,20 +125,16 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
             "suppressed": None,
             "note": f"{entry['site']} is not written into the residual stream as it is: no logit effects",
         }
-    from ..analysis.features.find import logit_effects
-    from ..analysis.features.unembedding import final_unembedding
-    from ..capture.feature_probe import file_sha256
-    from ..features import read_sae
-    from ..features.format import WEIGHTS
+    from ..analysis.features.find import logit_effects_np
+    from ..analysis.features.unembedding import WEIGHTS, decoder_row, file_sha256, final_unembedding
 
-    sae = read_sae(entry["path"])
     if file_sha256(Path(entry["path"]) / WEIGHTS) != entry["sha256"]:
         raise SpecError(
             f"SAE {entry['path']}: its weights changed since the run's features were computed "
             f"(sha256 differs from manifest `features`); restore them, or compute the features again"
         )
     final = final_unembedding(run.manifest, run.id, device, "the logit effects of a feature")
-    up, down = logit_effects(final, sae.W_dec[feature], n)
+    up, down = logit_effects_np(final, decoder_row(Path(entry["path"]), feature), n)
 
     def text(pairs):
         return [{"id": i, "text": t, "effect": e} for (i, e), t in zip(pairs, run.text([i for i, _ in pairs]))]

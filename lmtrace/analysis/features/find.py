@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weights
 
@@ -83,30 +82,49 @@ def context(tokens: list[str], position: int, window: int, after: int = 2) -> st
     return "".join(f"[[{t}]]" if p == position else t for p, t in zip(range(lo, hi), tokens[lo:hi]))
 
 
-@torch.inference_mode()
-def logit_effects(final, direction: torch.Tensor, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def logit_effects(final, direction, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """The decoder direction [d_model] through the final norm and unembedding, as SAELens's and
     Neuronpedia's logit tables compute it with the norm folded in: centred (a LayerNorm's mean
     subtraction), times the norm's gain, through any linear map after the norm (OPT's project_out),
     times the unembedding; the norm's 1/σ (one scale for every token) and the biases left out.
     `final`: capture.dla.FrozenFinalNorm. Returns the n most promoted and the n most suppressed
     (token id, effect), largest |effect| first."""
-    v = direction.float()
-    w = final.unembed
-    v = v.to(w.device)
-    if final.kind == "layer":
-        v = v - v.mean()
-    if final.gain is not None:
-        v = v * final.gain.to(v.device)
-    for params in final.linear_params:
-        v = params["weight"].float().to(v.device) @ v
-    effects = w.float() @ v  # [vocab]
-    up = effects.topk(min(n, effects.numel()))
-    down = (-effects).topk(min(n, effects.numel()))
+    import torch
+
+    with torch.inference_mode():
+        v = direction.float()
+        w = final.unembed
+        v = v.to(w.device)
+        if final.kind == "layer":
+            v = v - v.mean()
+        if final.gain is not None:
+            v = v * final.gain.to(v.device)
+        for params in final.linear_params:
+            v = params["weight"].float().to(v.device) @ v
+        effects = w.float() @ v  # [vocab]
+        up = effects.topk(min(n, effects.numel()))
+        down = (-effects).topk(min(n, effects.numel()))
     return (
         [(int(i), float(e)) for i, e in zip(up.indices, up.values)],
         [(int(i), float(-e)) for i, e in zip(down.indices, down.values)],
     )
+
+
+def logit_effects_np(final, direction: np.ndarray, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """`logit_effects` in numpy, float32 (no torch: `lmtrace features --feature` answers without
+    importing it), from `unembedding.FinalUnembedding`'s arrays. Ties in the order of the token ids."""
+    v = np.asarray(direction, dtype=np.float32)
+    if final.kind == "layer":
+        v = v - v.mean(dtype=np.float32)
+    if final.gain is not None:
+        v = v * final.gain
+    for params in final.linear_params:
+        v = params["weight"] @ v
+    effects = final.unembed @ v  # [vocab]
+    n = min(n, effects.size)
+    up = np.argsort(-effects, kind="stable")[:n]
+    down = np.argsort(effects, kind="stable")[:n]
+    return ([(int(i), float(effects[i])) for i in up], [(int(i), float(effects[i])) for i in down])
 
 
 def by_groups(
