@@ -143,17 +143,41 @@ def _zarr_read(array, sequences: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def _read_shards(array, folder: Path, decode, read_index, sequences: np.ndarray | None) -> np.ndarray:
+def read_block(array, start: int, stop: int) -> np.ndarray:
+    """Sequences start..stop-1 of a sharded archive array (as `array[start:stop]`), decoded by
+    `read_whole`'s reader: only the shard files holding them are read."""
+    from .shards import read_index, sharding_of
+
+    sharding = sharding_of(array)
+    decode = None if sharding is None else _decoder_of(sharding.codecs)
+    root = getattr(array.store, "root", None)
+    if decode is None or root is None or array.metadata.zarr_format != 3:
+        return np.asarray(array[start:stop])
+    try:
+        rows = int(array.shards[0])
+        first = start // rows
+        block = _read_shards(array, Path(root) / array.path, decode, read_index, None, (first, -(-stop // rows)))
+        return block[start - first * rows : stop - first * rows]
+    except (OSError, ValueError, RuntimeError):
+        return np.asarray(array[start:stop])
+
+
+def _read_shards(
+    array, folder: Path, decode, read_index, sequences: np.ndarray | None, rows: tuple[int, int] | None = None
+) -> np.ndarray:
     """The shards' inner chunks decoded and laid out shard by shard: a shard's chunks stacked as
-    [*chunks per shard, *inner chunk], its axes interleaved into the shard's shape."""
+    [*chunks per shard, *inner chunk], its axes interleaved into the shard's shape. `rows`: only the
+    shards of that range along the first dimension (the result starts at the first's first row)."""
     from .shards import ABSENT
 
     shape, shard, inner = tuple(array.shape), tuple(array.shards), tuple(array.chunks)
     dtype = np.dtype(array.dtype).newbyteorder("<")
     grid = tuple(-(-n // s) for n, s in zip(shape, shard))
+    lo, hi = rows if rows is not None else (0, grid[0])
+    hi = min(hi, grid[0])
     per_shard = tuple(s // c for s, c in zip(shard, inner))
     n_inner, inner_bytes = int(np.prod(per_shard)), int(np.prod(inner)) * dtype.itemsize
-    out = np.full(tuple(g * s for g, s in zip(grid, shard)), array.fill_value, dtype=dtype)
+    out = np.full(((hi - lo) * shard[0],) + tuple(g * s for g, s in zip(grid[1:], shard[1:])), array.fill_value, dtype)
     fill = np.full(inner, array.fill_value, dtype=dtype).tobytes()
     nd = len(shape)
     interleave = [a for d in range(nd) for a in (d, nd + d)]
@@ -161,7 +185,8 @@ def _read_shards(array, folder: Path, decode, read_index, sequences: np.ndarray 
     rel_seq = np.asarray([c[0] * inner[0] for c in np.ndindex(*per_shard)])
     wanted = None if sequences is None else np.asarray(sequences, dtype=bool)
     absent = int(ABSENT)
-    for coords in np.ndindex(*grid):
+    for coords in np.ndindex(hi - lo, *grid[1:]):
+        coords = (coords[0] + lo,) + coords[1:]
         path = folder.joinpath("c", *map(str, coords))
         s0 = coords[0] * shard[0]
         if wanted is not None:
@@ -182,6 +207,7 @@ def _read_shards(array, folder: Path, decode, read_index, sequences: np.ndarray 
                 raise ValueError("inner chunk of unexpected size")
             blobs.append(blob)
         block = np.frombuffer(b"".join(blobs), dtype=dtype).reshape(per_shard + inner)
-        at = tuple(slice(c * s, (c + 1) * s) for c, s in zip(coords, shard))
+        at = tuple(slice(c * s, (c + 1) * s) for c, s in zip((coords[0] - lo,) + coords[1:], shard))
         out[at] = block.transpose(interleave).reshape(shard)
-    return np.ascontiguousarray(out[tuple(slice(0, n) for n in shape)], dtype=np.dtype(array.dtype))
+    size = (min(shape[0], hi * shard[0]) - lo * shard[0],) + shape[1:]
+    return np.ascontiguousarray(out[tuple(slice(0, n) for n in size)], dtype=np.dtype(array.dtype))
