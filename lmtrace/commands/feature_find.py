@@ -128,7 +128,13 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
     from ..analysis.features.find import logit_effects_np
     from ..analysis.features.unembedding import WEIGHTS, decoder_row, file_sha256, final_unembedding
 
-    if file_sha256(Path(entry["path"]) / WEIGHTS) != entry["sha256"]:
+    weights = Path(entry["path"]) / WEIGHTS
+    if not weights.is_file():
+        raise SpecError(
+            f"SAE {entry['path']}: {WEIGHTS} is missing; the logit effects read the SAE's decoder: restore "
+            f"the directory the run's features were computed with"
+        )
+    if file_sha256(weights) != entry["sha256"]:
         raise SpecError(
             f"SAE {entry['path']}: its weights changed since the run's features were computed "
             f"(sha256 differs from manifest `features`); restore them, or compute the features again"
