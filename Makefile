@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test test-fast lint format bench bench-serve bench-scale support-table clean-cache clean
+.PHONY: venv demo features-demo test test-fast lint format bench bench-serve bench-scale support-table clean-cache clean
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,22 @@ demo: venv
 	$(BIN)/lmtrace lens $(DEMO_RUN)
 	$(BIN)/lmtrace ls
 	$(BIN)/lmtrace report $(DEMO_RUN)
+
+# The README's feature path ("Features, from a fresh clone"): a data run of the embedded model reading
+# CPython's documentation, an SAE trained on it (into saes/), its features computed for every token, the
+# most frequent feature's top examples, and the address of its page under `lmtrace serve`.
+# FEATURES_PROMPTS=8 FEATURES_SAE="--latents 256 --k 8 --epochs 1" for a first look in a few minutes.
+FEATURES_PROMPTS ?= 48
+FEATURES_SAE ?= --latents 2304 --k 32 --epochs 8 --batch 256
+
+features-demo: venv
+	$(BIN)/python scripts/sae_text_prompts.py configs/sae-text.jsonl --limit $(FEATURES_PROMPTS)
+	set -e; RUN=$$($(BIN)/lmtrace generate configs/sae-data.yaml -q); SAE=saes/l10-$$RUN; \
+	$(BIN)/lmtrace sae train $$RUN --layer 10 $(FEATURES_SAE) --source replay --out $$SAE; \
+	$(BIN)/lmtrace features $$RUN --sae $$SAE --prompt; \
+	F=$$($(BIN)/lmtrace query "SELECT feature FROM features WHERE run_id = '$$RUN' GROUP BY feature ORDER BY count(*) DESC, feature LIMIT 1" -f csv | tail -n 1); \
+	$(BIN)/lmtrace features $$RUN --sae $$SAE --prompt --feature $$F; \
+	echo "its page: lmtrace serve, then http://127.0.0.1:8765/run/$$RUN/feature/l10-$$RUN/$$F"
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -6,7 +6,8 @@ what the archive source reads) and `capture.features` (the SAE below, top 32), -
 the lighthouse text cut at different lengths, --tokens new tokens each, greedy. Then two copies of
 the same run without the inline arrays' manifest entry get the deferred features, one from the
 archive, one by a replay; both are timed as the command reports them (`seconds`; the replay's model
-load is reported apart). The SAE: a random TopK SAE (d_sae 16384, k 32, seeded) at
+load is reported apart), and by this process's CPU seconds (all threads; less sensitive to other load
+on a shared machine). The SAE: a random TopK SAE (d_sae 16384, k 32, seeded) at
 blocks.15.hook_resid_post. Bytes per token: the feat_* arrays' files over the run's generated tokens.
 
     .venv/bin/python bench/features_bench.py [--prompts 32] [--tokens 32]
@@ -86,19 +87,23 @@ def main(argv=None) -> dict:
         for source in ("archive", "replay"):
             copy = root / f"deferred-{source}" / timings["default"]["run_dir"].name
             shutil.copytree(timings["default"]["run_dir"], copy)
+            cpu0 = time.process_time()
             r = compute_features(str(copy), str(bench_sae()), top_k=32, source=source)
+            cpu = time.process_time() - cpu0
             load = (json.loads((copy / "manifest.json").read_text())["features"][-1]["computed"]["model_load_s"]) or 0.0
             deferred[source] = {
                 "seconds": r["seconds"],
                 "model_load_s": load,
                 "tokens": r["tokens"],
                 "without_load_s": r["seconds"] - load,
+                "cpu_s": round(cpu, 3),  # this process's CPU seconds, all threads, the model load included
             }
         out["deferred"] = deferred
         out["deferred_speedup_vs_replay"] = deferred["replay"]["seconds"] / deferred["archive"]["seconds"]
         out["deferred_speedup_vs_replay_without_load"] = (
             deferred["replay"]["without_load_s"] / deferred["archive"]["seconds"]
         )
+        out["deferred_cpu_ratio_vs_replay"] = deferred["replay"]["cpu_s"] / deferred["archive"]["cpu_s"]
         RESULTS.parent.mkdir(exist_ok=True)
         RESULTS.write_text(json.dumps(out, indent=2) + "\n")
         print(json.dumps(out, indent=2))

@@ -111,7 +111,11 @@ def features(
         help="Features whose mean activation differs most between groups of sequences (a column of sequences.parquet).",
     ),
     top_k: int = typer.Option(32, "--top-k", help="Latents kept per token when computing."),
-    prompt: bool = typer.Option(False, "--prompt", help="Also the prompt positions (computed by a replay)."),
+    prompt: bool = typer.Option(
+        False,
+        "--prompt",
+        help="Computing: also the prompt positions (by a replay). --feature / --by: over the prompt positions.",
+    ),
     source: str = typer.Option("auto", "--source", help="auto | archive (the run's residual vectors) | replay."),
     top: int = typer.Option(10, "--top", help="Examples (--feature) or features (--by) to print."),
     window: int = typer.Option(8, "--window", help="Tokens of context before the activating token (--feature)."),
@@ -138,6 +142,7 @@ def features(
                 device=device,
                 runs_dir=runs_dir,
                 json_out=json_out,
+                prompt=prompt,
             )
         else:
             reporter.starting()

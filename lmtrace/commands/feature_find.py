@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError
 from ..output.jsonout import json_line
@@ -43,29 +45,58 @@ def resolve_sae(run: Run, sae: str) -> dict:
     )
 
 
-def _token_texts(run: Run) -> dict[int, list[str]]:
-    t = run.table("tokens", columns=["sequence", "position", "token_text"]).to_pandas()
-    t = t.sort_values(["sequence", "position"])
-    return {int(s): g.token_text.tolist() for s, g in t.groupby("sequence")}
+def _token_texts(run: Run, sequences: list[int]) -> dict[int, list[str]]:
+    """The token texts of `sequences` (only their rows of tokens.parquet are read), in position order."""
+    if not sequences:
+        return {}
+    t = run.table("tokens", columns=["sequence", "position", "token_text"], sequences=sorted(set(sequences)))
+    seq = t.column("sequence").to_numpy()
+    order = np.lexsort((t.column("position").to_numpy(), seq))
+    texts = t.column("token_text").to_pylist()
+    out: dict[int, list[str]] = {}
+    for i in order.tolist():
+        out.setdefault(int(seq[i]), []).append(texts[i])
+    return out
+
+
+def _check_prompt(run: Run, entry: dict, prompt: bool) -> None:
+    if prompt and not entry.get("prompt"):
+        raise SpecError(
+            f"--prompt: run {run.id} has no prompt-position features of SAE {entry['name']}; compute them "
+            f"with `lmtrace features {run.id} --sae {entry['path']} --prompt`"
+        )
 
 
 def feature_report(
-    run: Run, entry: dict, feature: int, *, top: int, window: int, n_tokens: int, device: str | None
+    run: Run,
+    entry: dict,
+    feature: int,
+    *,
+    top: int,
+    window: int,
+    n_tokens: int,
+    device: str | None,
+    prompt: bool = False,
 ) -> dict:
-    from ..analysis.features.find import context, scan
+    """`prompt`: over the prompt positions (the run's `prompt_feat_*` arrays) instead of the generated
+    tokens; an example is then the token at which the activation was read, its step None."""
+    from ..analysis.features.find import FeatureArrays, context, density, examples
 
     if not 0 <= feature < int(entry["d_sae"]):
         raise SpecError(f"--feature {feature}: SAE {entry['name']} has latents 0..{int(entry['d_sae']) - 1}")
-    found, n_active, n_tokens_run, _ = scan(run, entry["name"], feature, top)
-    texts = _token_texts(run)
+    _check_prompt(run, entry, prompt)
+    arrays = FeatureArrays.read_feature(run, entry["name"], feature, prompt=prompt)
+    found = examples(arrays, feature, top)
+    n_active, share = density(arrays, feature)
+    texts = _token_texts(run, [seq for seq, _, _ in found])
     prompt_len = run.prompt_len()
     rows = []
     for seq, step, value in found:
-        position = int(prompt_len[seq]) + step
+        position = step if prompt else int(prompt_len[seq]) + step
         rows.append(
             {
                 "sequence": seq,
-                "step": step,
+                "step": None if prompt else step,
                 "position": position,
                 "activation": value,
                 "token": texts[seq][position] if position < len(texts[seq]) else "",
@@ -77,9 +108,10 @@ def feature_report(
         "sae": entry["name"],
         "hook_name": entry["hook_name"],
         "feature": feature,
-        "tokens": n_tokens_run,
+        "positions": "prompt" if prompt else "generated",
+        "tokens": arrays.n_tokens,
         "active_tokens": n_active,
-        "density": n_active / max(n_tokens_run, 1),
+        "density": share,
         "examples": rows,
         "logit_effects": _logit_effects(run, entry, feature, n_tokens, device),
     }
@@ -93,26 +125,22 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
             "suppressed": None,
             "note": f"{entry['site']} is not written into the residual stream as it is: no logit effects",
         }
-    from ..analysis.features.find import logit_effects, store_logit_effects
-    from ..capture.arch import adapter_for
-    from ..capture.dla import FrozenFinalNorm
-    from ..features import read_sae
-    from ..runner.models import load_run_model
+    from ..analysis.features.find import logit_effects_np, store_logit_effects
+    from ..analysis.features.unembedding import WEIGHTS, decoder_row, file_sha256, final_unembedding
 
-    sae = read_sae(entry["path"])
-    from ..capture.feature_probe import file_sha256
-    from ..features.format import WEIGHTS
-
-    if file_sha256(Path(entry["path"]) / WEIGHTS) != entry["sha256"]:
+    weights = Path(entry["path"]) / WEIGHTS
+    if not weights.is_file():
+        raise SpecError(
+            f"SAE {entry['path']}: {WEIGHTS} is missing; the logit effects read the SAE's decoder: restore "
+            f"the directory the run's features were computed with"
+        )
+    if file_sha256(weights) != entry["sha256"]:
         raise SpecError(
             f"SAE {entry['path']}: its weights changed since the run's features were computed "
             f"(sha256 differs from manifest `features`); restore them, or compute the features again"
         )
-    loaded = load_run_model(
-        run.manifest, run.id, purpose="the logit effects of a feature", overrides={"device": device}, spread_ok=True
-    )
-    final = FrozenFinalNorm(adapter_for(loaded.model), "feature logit effects")
-    up, down = logit_effects(final, sae.W_dec[feature], n)
+    final = final_unembedding(run.manifest, run.id, device, "the logit effects of a feature")
+    up, down = logit_effects_np(final, decoder_row(Path(entry["path"]), feature), n)
 
     def text(pairs):
         return [{"id": i, "text": t, "effect": e} for (i, e), t in zip(pairs, run.text([i for i, _ in pairs]))]
@@ -126,12 +154,14 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
     return effects
 
 
-def by_report(run: Run, entry: dict, column: str, top: int) -> dict:
+def by_report(run: Run, entry: dict, column: str, top: int, prompt: bool = False) -> dict:
     from ..analysis.features.find import FeatureArrays, by_groups
     from ..archive.groups import plain_value, sequence_groups
 
     groups = sequence_groups(run, column)
-    values, rows = by_groups(FeatureArrays.read(run, entry["name"]), int(entry["d_sae"]), groups.of, top)
+    _check_prompt(run, entry, prompt)
+    arrays = FeatureArrays.read(run, entry["name"], prompt=prompt)
+    values, rows = by_groups(arrays, int(entry["d_sae"]), groups.of, top)
     return {
         "run_id": run.id,
         "sae": entry["name"],
@@ -154,6 +184,7 @@ def features_find_command(
     device: str | None = None,
     runs_dir: str | None = None,
     json_out: bool = False,
+    prompt: bool = False,
 ) -> dict:
     if feature is not None and by is not None:
         raise SpecError("--feature and --by: give one of them")
@@ -167,9 +198,11 @@ def features_find_command(
         run = open_run(ref, runs_dir, require_complete=True)
     entry = resolve_sae(run, sae)
     if feature is not None:
-        out = feature_report(run, entry, feature, top=top, window=window, n_tokens=n_tokens, device=device)
+        out = feature_report(
+            run, entry, feature, top=top, window=window, n_tokens=n_tokens, device=device, prompt=prompt
+        )
     else:
-        out = by_report(run, entry, by, top)
+        out = by_report(run, entry, by, top, prompt)
     if json_out:
         print(json_line(out))
     elif feature is not None:
@@ -184,14 +217,16 @@ def _one_line(text: str) -> str:
 
 
 def _print_feature(out: dict) -> None:
+    where = " prompt" if out.get("positions") == "prompt" else ""
     print(
         f"{out['run_id']}: SAE {out['sae']} ({out['hook_name']}) feature {out['feature']}: active on "
-        f"{out['active_tokens']:,} of {out['tokens']:,} tokens (density {out['density']:.4g})"
+        f"{out['active_tokens']:,} of {out['tokens']:,}{where} tokens (density {out['density']:.4g})"
     )
     if not out["examples"]:
-        print("no token of the run has it among its archived top-k latents")
+        print(f"no{where} token of the run has it among its archived top-k latents")
     for e in out["examples"]:
-        print(f"  {e['activation']:9.4f}  seq {e['sequence']:>5} step {e['step']:>4}  {_one_line(e['context'])}")
+        at = f"pos  {e['position']:>4}" if e["step"] is None else f"step {e['step']:>4}"
+        print(f"  {e['activation']:9.4f}  seq {e['sequence']:>5} {at}  {_one_line(e['context'])}")
     effects = out["logit_effects"]
     if effects.get("promoted") is None:
         print(f"logit effects: {effects['note']}")

@@ -31,13 +31,17 @@ def _groups(n: int, size: int):
 
 @torch.inference_mode()
 def from_archive(run, sae, resid_index: int, top_k: int, width: int, group: int, write: Write) -> int:
-    """Encode the archived `resid` at `resid_index`; returns the tokens encoded."""
+    """Encode the archived `resid` at `resid_index`; returns the tokens encoded. The residual is read a
+    block of sequences at a time by lmtrace's own shard reader (`archive/feature_arrays.read_block`)."""
+    from ...archive.feature_arrays import read_block
+
     resid = run.array("resid")
     lengths = run.generated_len()
     n_seq, n_steps = resid.shape[:2]
     tokens = 0
     for seqs in _groups(n_seq, group):
-        x = torch.from_numpy(np.asarray(resid[seqs, :, resid_index, :], dtype=np.float32))  # [n, steps, d]
+        block = read_block(resid, seqs.start, seqs.stop)[:, :, resid_index, :]
+        x = torch.from_numpy(np.asarray(block, dtype=np.float32))  # [n, steps, d]
         ids, vals = top_features(sae, x, top_k, width)
         ids, vals = ids.numpy(), vals.numpy()
         past = np.arange(n_steps)[None, :] >= np.maximum(lengths[seqs], 0)[:, None]

@@ -1,7 +1,7 @@
 """Finding features in a run's archived feature arrays (docs/features.md, "Finding features").
 
 `examples`: a latent's max-activating tokens over the whole run, each with its context; `density`: the
-share of the run's tokens where it is among the archived top-k; `logit_effects`: its decoder direction
+share of the run's tokens where it is among the archived top-k; `logit_effects_np`: its decoder direction
 through the final norm and unembedding (kept in the run for the views that load no model:
 `store_logit_effects`); `scan`: examples and density in one pass, a block of sequences at a time (the
 views' feature pages, viewdata/features.py); `by_groups`: the latents whose mean activation differs most
@@ -30,19 +30,40 @@ SCAN_BLOCK = 256  # sequences of the feature arrays read at a time by `scan`
 @dataclass
 class FeatureArrays:
     """One SAE's archived arrays of a run, in memory: idx, val [sequence, step, k] and the tokens
-    archived (steps < generated_len)."""
+    archived (steps < generated_len). With `prompt`: the prompt positions' arrays instead, idx, val
+    [sequence, prompt_pos, k], and `generated_len` holds each sequence's prompt length (the positions
+    archived), so every function below reads them the same way, a position where it says step."""
 
     idx: np.ndarray
     val: np.ndarray
     generated_len: np.ndarray
+    prompt: bool = False
 
     @classmethod
-    def read(cls, run, name: str) -> FeatureArrays:
+    def read(cls, run, name: str, prompt: bool = False) -> FeatureArrays:
+        from ...archive.feature_arrays import read_whole
+
+        prefix = "prompt_" if prompt else ""
+        lengths = run.prompt_len() if prompt else run.generated_len()
         return cls(
-            np.asarray(run.array(f"feat_{name}_idx")[:]),
-            np.asarray(run.array(f"feat_{name}_val")[:]),
-            np.maximum(np.asarray(run.generated_len(), dtype=np.int64), 0),
+            read_whole(run.array(f"{prefix}feat_{name}_idx")),
+            read_whole(run.array(f"{prefix}feat_{name}_val")),
+            np.maximum(np.asarray(lengths, dtype=np.int64), 0),
+            prompt,
         )
+
+    @classmethod
+    def read_feature(cls, run, name: str, feature: int, prompt: bool = False) -> FeatureArrays:
+        """What `examples` and `density` of one latent read: every token's ids, and the values of only
+        the sequences where `feature` occurs (the others' values read as NaN, never decoded)."""
+        from ...archive.feature_arrays import read_whole
+
+        prefix = "prompt_" if prompt else ""
+        lengths = run.prompt_len() if prompt else run.generated_len()
+        idx = read_whole(run.array(f"{prefix}feat_{name}_idx"))
+        has = (idx == feature).any(axis=tuple(range(1, idx.ndim)))
+        val = read_whole(run.array(f"{prefix}feat_{name}_val"), has)
+        return cls(idx, val, np.maximum(np.asarray(lengths, dtype=np.int64), 0), prompt)
 
     @property
     def n_tokens(self) -> int:
@@ -139,37 +160,26 @@ def _read_json(path: Path) -> dict | None:
     return out if isinstance(out, dict) else None
 
 
-def logit_effects(final, direction, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def logit_effects_np(final, direction: np.ndarray, n: int) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """The decoder direction [d_model] through the final norm and unembedding, as SAELens's and
     Neuronpedia's logit tables compute it with the norm folded in: centred (a LayerNorm's mean
     subtraction), times the norm's gain, through any linear map after the norm (OPT's project_out),
     times the unembedding; the norm's 1/σ (one scale for every token) and the biases left out.
-    `final`: capture.dla.FrozenFinalNorm. Returns the n most promoted and the n most suppressed
-    (token id, effect), largest |effect| first. torch is imported here: the views read the rest of this
-    module without it."""
-    import torch
-
-    with torch.inference_mode():
-        return _logit_effects(final, direction, n)
-
-
-def _logit_effects(final, direction, n: int):
-    v = direction.float()
-    w = final.unembed
-    v = v.to(w.device)
+    `final`: `unembedding.FinalUnembedding`'s float32 arrays (numpy, no torch: `lmtrace features
+    --feature` answers without importing it). Returns the n most promoted and the n most suppressed
+    (token id, effect), largest |effect| first, ties in the order of the token ids."""
+    v = np.asarray(direction, dtype=np.float32)
     if final.kind == "layer":
-        v = v - v.mean()
+        v = v - v.mean(dtype=np.float32)
     if final.gain is not None:
-        v = v * final.gain.to(v.device)
+        v = v * final.gain
     for params in final.linear_params:
-        v = params["weight"].float().to(v.device) @ v
-    effects = w.float() @ v  # [vocab]
-    up = effects.topk(min(n, effects.numel()))
-    down = (-effects).topk(min(n, effects.numel()))
-    return (
-        [(int(i), float(e)) for i, e in zip(up.indices, up.values)],
-        [(int(i), float(-e)) for i, e in zip(down.indices, down.values)],
-    )
+        v = params["weight"] @ v
+    effects = final.unembed @ v  # [vocab]
+    n = min(n, effects.size)
+    up = np.argsort(-effects, kind="stable")[:n]
+    down = np.argsort(effects, kind="stable")[:n]
+    return ([(int(i), float(effects[i])) for i in up], [(int(i), float(effects[i])) for i in down])
 
 
 def by_groups(

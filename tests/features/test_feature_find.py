@@ -1,0 +1,127 @@
+"""Finding features fast (docs/features.md, "Finding features"): the feature arrays read shard file by
+shard file equal zarr's own reads; `--feature F --prompt` finds over the prompt positions (against the
+test's own top values of the archived prompt arrays, read with zarr); the logit effects come from the
+cache once the model has been loaded, with the model gone, the same numbers, equal to the test's own
+W_dec · gain · W_U."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.cli import assert_one_line_error, lmtrace
+from tests.helpers.runs import PROMPTS, run_spec
+from tests.helpers.saes import random_sae
+
+D_SAE, TOP_K, NAME = 96, 6, "resid-sae"
+
+
+@pytest.fixture(scope="module")
+def prompt_run(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("feature-find")
+    model = shutil.copytree(tiny_llama_dir, root / "model")  # a copy this module may take away
+    cfg, w = random_sae(root / NAME, "blocks.1.hook_resid_post", 64, D_SAE, seed=2, scale=3.0)
+    run = run_spec(
+        root / "runs",
+        {
+            "model": str(model),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 6, "batch_size": 2},
+            "capture": {"features": [{"sae": str(root / NAME), "top_k": TOP_K, "prompt": True}]},
+        },
+    )
+    return {"run": run, "w": w, "model": model, "root": root}
+
+
+def _zarr_arrays(run_dir, prefix: str = ""):
+    import zarr
+
+    group = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    return np.asarray(group[f"{prefix}feat_{NAME}_idx"][:]), np.asarray(group[f"{prefix}feat_{NAME}_val"][:])
+
+
+def test_feature_arrays_read_shard_by_shard_equal_zarrs_own_reads(prompt_run):
+    import zarr
+
+    from lmtrace.archive.feature_arrays import read_whole
+
+    group = zarr.open_group(str(prompt_run["run"].path / "tensors.zarr"), mode="r")
+    for prefix in ("", "prompt_"):
+        for kind in ("idx", "val"):
+            array = group[f"{prefix}feat_{NAME}_{kind}"]
+            want = np.asarray(array[:])
+            np.testing.assert_array_equal(read_whole(array), want)
+            some = np.zeros(want.shape[0], dtype=bool)
+            some[1] = True
+            part = read_whole(array, some)
+            np.testing.assert_array_equal(part[1], want[1])
+            rest = part[~some]
+            assert (np.isnan(rest) if kind == "val" else rest == -1).all()
+
+
+def test_feature_examples_and_density_over_prompt_positions(prompt_run, tmp_path):
+    run = prompt_run["run"]
+    idx, val = _zarr_arrays(run.path, "prompt_")
+    feature = int(np.bincount(idx[idx >= 0]).argmax())
+    args = ("features", str(run.path), "--sae", NAME, "--feature", str(feature), "--top", "3", "--prompt")
+    proc = lmtrace(tmp_path, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    seq, pos, k = np.nonzero(idx == feature)
+    order = np.lexsort((pos, seq, -val[seq, pos, k]))[:3]
+    assert [(e["sequence"], e["position"]) for e in out["examples"]] == [(int(seq[i]), int(pos[i])) for i in order]
+    assert all(e["step"] is None for e in out["examples"])
+    np.testing.assert_allclose([e["activation"] for e in out["examples"]], val[seq, pos, k][order], rtol=1e-6)
+    tokens = run.tokens().to_pandas()
+    first = out["examples"][0]
+    text = tokens[(tokens.sequence == first["sequence"]) & (tokens.position == first["position"])].token_text.item()
+    assert first["token"] == text and f"[[{text}]]" in first["context"]
+    prompt_tokens = int(run.prompt_len().sum())
+    assert (out["positions"], out["tokens"]) == ("prompt", prompt_tokens)
+    assert out["active_tokens"] == len(set(zip(seq.tolist(), pos.tolist())))
+    printed = lmtrace(tmp_path, *args).stdout
+    assert f"of {prompt_tokens:,} prompt tokens" in printed and f"pos {int(pos[order[0]]):>5}" in printed
+
+
+def test_logit_effects_come_from_the_cache_once_read_with_the_model_gone(prompt_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = prompt_run["run"]
+    env = {"LMTRACE_CACHE_DIR": str(tmp_path / "cache")}
+    args = ("features", str(run.path), "--sae", NAME, "--feature", "3", "--tokens", "5", "--json")
+    first = lmtrace(tmp_path, *args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert list((tmp_path / "cache" / "unembedding").glob("*.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(prompt_run["model"], dtype=torch.float32)
+    gone = prompt_run["model"].rename(prompt_run["root"] / "model-gone")
+    try:
+        second = lmtrace(tmp_path, *args, env=env)
+        assert second.returncode == 0, second.stderr
+        assert json.loads(second.stdout) == json.loads(first.stdout)
+        # a fresh cache needs the model, which is gone: one line, exit 1 (the model could not be loaded)
+        fresh = lmtrace(tmp_path, *args, env={"LMTRACE_CACHE_DIR": str(tmp_path / "empty")})
+        assert_one_line_error(fresh, 1, "not available here", "logit effects")
+    finally:
+        gone.rename(prompt_run["model"])
+    effects = model.lm_head.weight.detach().double().numpy() @ (
+        prompt_run["w"]["W_dec"][3].astype(np.float64) * model.model.norm.weight.detach().double().numpy()
+    )
+    out = json.loads(second.stdout)["logit_effects"]
+    assert [t["id"] for t in out["promoted"]] == np.argsort(-effects)[:5].tolist()
+    assert [t["id"] for t in out["suppressed"]] == np.argsort(effects)[:5].tolist()
+    np.testing.assert_allclose([t["effect"] for t in out["promoted"]], np.sort(effects)[::-1][:5], rtol=1e-4)
+
+
+def test_prompt_positions_without_prompt_arrays_are_refused_in_one_line(prompt_run, tmp_path):
+    from lmtrace.archive.runs import read_manifest
+
+    copy = shutil.copytree(prompt_run["run"].path, tmp_path / "runs" / prompt_run["run"].path.name)
+    manifest = read_manifest(copy)
+    manifest["features"][0]["prompt"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    proc = lmtrace(tmp_path, "features", str(copy), "--sae", NAME, "--feature", "1", "--prompt")
+    assert_one_line_error(proc, 2, "no prompt-position features", "--prompt")
