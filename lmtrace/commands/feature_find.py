@@ -5,6 +5,7 @@ run and prints (or `--json`)."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 
@@ -216,23 +217,59 @@ def _one_line(text: str) -> str:
     return text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
 
 
+def _terminal_width() -> int | None:
+    """The terminal's columns when stdout is one, else None (piped output keeps one line per item)."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+
+
+def _fit_context(context: str, room: int) -> str:
+    """A context cut to `room` characters around its [[activating token]], `…` where text was cut."""
+    if len(context) <= room:
+        return context
+    start = context.find("[[")
+    end = context.find("]]", start) + 2
+    lo = max(0, min(start - (room - (end - start)) // 2, len(context) - room))
+    part = context[lo : lo + room]
+    if lo > 0:
+        part = "…" + part[1:]
+    if lo + room < len(context):
+        part = part[:-1] + "…"
+    return part
+
+
 def _print_feature(out: dict) -> None:
+    """On a terminal each line fits its width: the header and the logit effects wrapped between items,
+    each example's context cut around its activating token; piped, one line per item."""
+    import textwrap
+
+    width = _terminal_width()
     where = " prompt" if out.get("positions") == "prompt" else ""
-    print(
+
+    def emit(text: str, indent: str = "") -> None:
+        print(textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False) if width else text)
+
+    emit(
         f"{out['run_id']}: SAE {out['sae']} ({out['hook_name']}) feature {out['feature']}: active on "
         f"{out['active_tokens']:,} of {out['tokens']:,}{where} tokens (density {out['density']:.4g})"
     )
     if not out["examples"]:
-        print(f"no{where} token of the run has it among its archived top-k latents")
+        emit(f"no{where} token of the run has it among its archived top-k latents")
     for e in out["examples"]:
         at = f"pos  {e['position']:>4}" if e["step"] is None else f"step {e['step']:>4}"
-        print(f"  {e['activation']:9.4f}  seq {e['sequence']:>5} {at}  {_one_line(e['context'])}")
+        head = f"  {e['activation']:9.4f}  seq {e['sequence']:>5} {at}  "
+        context = _one_line(e["context"])
+        print(head + (_fit_context(context, max(width - 1 - len(head), 12)) if width else context))
     effects = out["logit_effects"]
     if effects.get("promoted") is None:
-        print(f"logit effects: {effects['note']}")
+        emit(f"logit effects: {effects['note']}")
         return
     for label, key in (("promotes", "promoted"), ("suppresses", "suppressed")):
-        print(f"{label}: " + "  ".join(f"{_one_line(t['text'])!r} {t['effect']:+.3f}" for t in effects[key]))
+        items = [f"{_one_line(t['text'])!r} {t['effect']:+.3f}".replace(" ", "\u00a0") for t in effects[key]]
+        line = f"{label}: " + "  ".join(items)
+        # non-breaking space inside an item: wrapped between items, never inside one
+        print((textwrap.fill(line, width, subsequent_indent="  ") if width else line).replace("\u00a0", " "))
 
 
 def _print_by(out: dict) -> None:

@@ -125,3 +125,37 @@ def test_prompt_positions_without_prompt_arrays_are_refused_in_one_line(prompt_r
     (copy / "manifest.json").write_text(json.dumps(manifest))
     proc = lmtrace(tmp_path, "features", str(copy), "--sae", NAME, "--feature", "1", "--prompt")
     assert_one_line_error(proc, 2, "no prompt-position features", "--prompt")
+
+
+def test_a_feature_s_terminal_view_fits_80_columns_without_splitting_an_item(monkeypatch, capsys):
+    """On an 80-column terminal: the header and the logit effects wrap between items (a token and its
+    effect stay together), each example's context is cut around its activating token; piped, one line each."""
+    from lmtrace.commands import feature_find
+
+    tokens = [{"text": f" token{i} with space", "effect": 1.0 / (i + 1)} for i in range(10)]
+    out = {
+        "run_id": "20260101-000000-000aaaaaa",
+        "sae": "sae-l10",
+        "hook_name": "blocks.10.hook_resid_post",
+        "feature": 5,
+        "positions": "generated",
+        "active_tokens": 1234,
+        "tokens": 56789,
+        "density": 0.0217,
+        "examples": [
+            {"activation": 53.9, "sequence": 1, "step": 22, "position": 40, "context": "x" * 60 + "[[ of]]" + "y" * 60}
+        ],
+        "logit_effects": {"promoted": tokens, "suppressed": tokens},
+    }
+    monkeypatch.setattr(feature_find, "_terminal_width", lambda: 80)
+    feature_find._print_feature(out)
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert "[[ of]]" in lines[2] and "…" in lines[2]
+    text = "\n".join(lines)
+    for t in tokens:  # each item whole on one line
+        assert any(f"{t['text']!r} {t['effect']:+.3f}" in line for line in lines), text
+    monkeypatch.setattr(feature_find, "_terminal_width", lambda: None)
+    feature_find._print_feature(out)
+    piped = capsys.readouterr().out.splitlines()
+    assert len(piped) == 4 and "x" * 60 + "[[ of]]" + "y" * 60 in piped[1]
