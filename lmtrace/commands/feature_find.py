@@ -273,12 +273,33 @@ def _print_feature(out: dict) -> None:
 
 
 def _print_by(out: dict) -> None:
+    """Piped: one line per feature, every group. On a terminal: a table at its width, groups left out
+    from the right where they do not fit (named below it; --json has them)."""
     from ..archive.groups import group_text
 
-    print(
+    title = (
         f"{out['run_id']}: SAE {out['sae']}: features whose mean activation per token differs most by "
         f"{out['group_column']} (95 % bootstrap intervals over sequences)"
     )
+    if _terminal_width() is not None:
+        from rich.console import Console
+
+        from ..output.column_fit import print_fitted
+
+        console = Console()
+        console.print(title, highlight=False)
+        headers = ["feature", "spread", *(group_text(g)[:24] for g in out["groups"])]
+        rows = [
+            [
+                str(r["feature"]),
+                f"{r['spread']:.4f}",
+                *(f"{g['mean']:.4f} [{g['low']:.4f},{g['high']:.4f}]" for g in r["groups"]),
+            ]
+            for r in out["features"]
+        ]
+        print_fitted(console, headers, rows, complete_in="--json has every group", keep=["feature", "spread"])
+        return
+    print(title)
     head = "  ".join(f"{group_text(g)[:24]:>30}" for g in out["groups"])
     print(f"{'feature':>8} {'spread':>9}  {head}")
     for r in out["features"]:

@@ -159,3 +159,24 @@ def test_a_feature_s_terminal_view_fits_80_columns_without_splitting_an_item(mon
     feature_find._print_feature(out)
     piped = capsys.readouterr().out.splitlines()
     assert len(piped) == 4 and "x" * 60 + "[[ of]]" + "y" * 60 in piped[1]
+
+
+def test_the_by_table_on_a_terminal_leaves_out_groups_that_do_not_fit_and_names_them(monkeypatch, capsys):
+    from lmtrace.commands import feature_find
+
+    groups = ["alpha", "beta", "gamma", "delta"]
+    cell = {"mean": 12.3456, "low": 10.1234, "high": 14.5678}
+    out = {
+        "run_id": "20260101-000000-000aaaaaa",
+        "sae": "sae-l10",
+        "group_column": "topic",
+        "groups": groups,
+        "features": [{"feature": f, "spread": 1.5, "groups": [cell] * 4} for f in (7, 123)],
+    }
+    monkeypatch.setattr(feature_find, "_terminal_width", lambda: 80)
+    monkeypatch.setenv("COLUMNS", "80")
+    feature_find._print_by(out)
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    assert any(line.lstrip().startswith("123 ") and "12.3456 [10.1234,14.5678]" in line for line in lines), lines
+    assert "left out to fit 80 columns: " in " ".join(lines) and "delta" in lines[-1] + lines[-2], lines
