@@ -43,7 +43,7 @@ features-demo: venv
 	$(BIN)/lmtrace features $$RUN --sae $$SAE --prompt; \
 	F=$$($(BIN)/lmtrace query "SELECT feature FROM features WHERE run_id = '$$RUN' GROUP BY feature ORDER BY count(*) DESC, feature LIMIT 1" -f csv | tail -n 1); \
 	$(BIN)/lmtrace features $$RUN --sae $$SAE --prompt --feature $$F; \
-	echo "its page: lmtrace serve, then http://127.0.0.1:8765/run/$$RUN/feature/l10-$$RUN/$$F"
+	echo "its page: lmtrace serve, then http://127.0.0.1:8765/#/run/$$RUN/feature/l10-$$RUN/$$F?positions=prompt"
 
 test: venv
 	$(BIN)/python -m pytest -q

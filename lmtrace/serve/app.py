@@ -21,7 +21,7 @@ Routes (all GET; `{run}` is a run directory's name as the runs directory lists i
   /api/runs/{run}/sequences/{seq}/head_dla/{layer}/{head}    one head's DLA over the steps
   /api/runs/{run}/sequences/{seq}/parent       an intervention child's sequence next to its parent's
   /api/runs/{run}/sequences/{seq}/parent/internals   its per-layer and per-head divergence from its parent
-  /api/runs/{run}/features/{sae}/{feature}?top=&window=   a feature's page (viewdata/features.py)
+  /api/runs/{run}/features/{sae}/{feature}?top=&window=&positions=   a feature's page (viewdata/features.py)
   /api/runs/{run}/sweeps/{sweep}               a sweep's effect heatmaps (effects.zarr)
   /api/runs/{run}/sweeps/{sweep}/cell?metric=&layer=&head=&neuron=&position=&feature=   one cell's rows
   /api/compare?a=RUN&b=RUN                     compare_runs of two runs (archives only)
@@ -234,6 +234,7 @@ class _Api:
             p["feature"],
             top=_int_param(request, "top", features.PAGE_TOP),
             window=_int_param(request, "window", features.PAGE_WINDOW),
+            positions=request.query_params.get("positions", "generated"),
         )
 
     def sweep(self, request: Request):

@@ -10,6 +10,9 @@ computed and kept in the run (`find.stored_logit_effects`), else says which comm
 Positions and steps are the token view's: example (sequence, step) is the generated token at position
 prompt_len + step, and its context's generated tokens carry the latent's activation at their step
 (prompt tokens have none: the feature arrays of the steps are what every example is found in).
+`positions="prompt"` reads the prompt positions' arrays instead (`prompt_feat_*`: `generate --sae`
+with `prompt: true`, `lmtrace features RUN --sae DIR --prompt`): an example is then a prompt position
+(its step null), and its context's prompt tokens carry the activations.
 """
 
 from __future__ import annotations
@@ -85,19 +88,22 @@ def feature_page(
     top: int = PAGE_TOP,
     window: int = PAGE_WINDOW,
     sequences: list[int] | None = None,
+    positions: str = "generated",
 ) -> dict:
     """One latent of one SAE over the run (or over `sequences`): its `top` max-activating examples, each
     with its context (`window` tokens before, two after: text, position, step and the latent's
     activation at each generated token), the density, a histogram of its activations where active, and
-    its logit effects where `lmtrace features --feature` kept them (else null and `logit_note`)."""
+    its logit effects where `lmtrace features --feature` kept them (else null and `logit_note`).
+    `positions`: "generated" (the steps' arrays) or "prompt" (the prompt positions')."""
     entry = sae_entry(run, sae)
+    prompt = _prompt_positions(run, entry, positions)
     if not 0 <= feature < int(entry["d_sae"]):
         raise NotFound(f"SAE {entry['name']} has latents 0-{int(entry['d_sae']) - 1}, not {feature}")
     _bounded(top, "top", 1, MAX_TOP)
     _bounded(window, "window", 0, MAX_WINDOW)
     for s in sequences or []:
         check_sequence(run, s)
-    found, n_active, n_tokens, values = scan(run, entry["name"], feature, top, sequences)
+    found, n_active, n_tokens, values = scan(run, entry["name"], feature, top, sequences, prompt=prompt)
     counts, edges = np.histogram(values.astype(np.float64), bins=HISTOGRAM_BINS) if len(values) else ([], [])
     effects = stored_logit_effects(run.path, entry, feature)
     return {
@@ -106,13 +112,15 @@ def feature_page(
         "hook_name": entry["hook_name"],
         "d_sae": int(entry["d_sae"]),
         "feature": feature,
+        "positions": positions,
+        "has_prompt_positions": f"prompt_feat_{entry['name']}_idx" in kept.array_names(run),
         "sequences": None if sequences is None else sorted(set(sequences)),
         "tokens": n_tokens,
         "active_tokens": n_active,
         "density": n_active / max(n_tokens, 1),
         "max_activation": float(values.max()) if len(values) else None,
         "histogram": {"counts": [int(c) for c in counts], "edges": [float(e) for e in edges]},
-        "examples": _examples(run, entry, feature, found, window),
+        "examples": _examples(run, entry, feature, found, window, prompt),
         "logit_effects": effects,
         "logit_note": None
         if effects
@@ -123,9 +131,20 @@ def feature_page(
     }
 
 
-def _examples(run: Run, entry: dict, feature: int, found: list, window: int) -> list[dict]:
-    """Each example (sequence, step, activation) with its context window: one read of the tokens table
-    for the examples' sequences, and each window's steps of the feature arrays."""
+def _prompt_positions(run: Run, entry: dict, positions: str) -> bool:
+    if positions not in ("generated", "prompt"):
+        raise BadParameter(f"positions={positions}: expected generated or prompt")
+    if positions == "prompt" and f"prompt_feat_{entry['name']}_idx" not in kept.array_names(run):
+        raise NotFound(
+            f"run {run.id} has no prompt-position features of SAE {entry['name']} "
+            f"(`lmtrace features {run.id} --sae DIR --prompt` computes them)"
+        )
+    return positions == "prompt"
+
+
+def _examples(run: Run, entry: dict, feature: int, found: list, window: int, prompt: bool = False) -> list[dict]:
+    """Each example (sequence, step or prompt position, activation) with its context window: one read of
+    the tokens table for the examples' sequences, and each window's part of the feature arrays."""
     if not found:
         return []
     seqs = sorted({s for s, _, _ in found})
@@ -134,20 +153,26 @@ def _examples(run: Run, entry: dict, feature: int, found: list, window: int) -> 
     for s, _, text in sorted(zip(*(t.column(c).to_pylist() for c in ("sequence", "position", "token_text")))):
         texts[s].append(text)
     prompt_len = kept.lengths(run, "prompt_len")
-    idx_a, val_a = kept.array(run, f"feat_{entry['name']}_idx"), kept.array(run, f"feat_{entry['name']}_val")
+    prefix = "prompt_" if prompt else ""
+    idx_a = kept.array(run, f"{prefix}feat_{entry['name']}_idx")
+    val_a = kept.array(run, f"{prefix}feat_{entry['name']}_val")
     rows = []
-    for seq, step, value in found:
+    for seq, at_, value in found:
         p0 = int(prompt_len[seq])
-        position = p0 + step
+        base = 0 if prompt else p0  # the position of the arrays' first entry
+        position = base + at_
         lo, hi = window_bounds(len(texts[seq]), position, window)
-        first, last = max(lo - p0, 0), min(hi - p0, steps_ready(run, seq))
+        first = max(lo - base, 0)
+        last = min(hi - base, p0 if prompt else steps_ready(run, seq))
         ids = np.asarray(idx_a[seq, first:last]) if last > first else np.zeros((0, 1), np.int32)
         vals = np.asarray(val_a[seq, first:last], dtype=np.float64) if last > first else np.zeros((0, 1))
-        at = {first + i: float(vals[i][ids[i] == feature][0]) for i in range(len(ids)) if (ids[i] == feature).any()}
+        acts = {first + i: float(vals[i][ids[i] == feature][0]) for i in range(len(ids)) if (ids[i] == feature).any()}
+        in_arrays = range(0, p0) if prompt else range(p0, len(texts[seq]))  # positions the arrays cover
+
         rows.append(
             {
                 "sequence": seq,
-                "step": step,
+                "step": None if prompt else at_,
                 "position": position,
                 "activation": value,
                 "context": [
@@ -155,7 +180,7 @@ def _examples(run: Run, entry: dict, feature: int, found: list, window: int) -> 
                         "position": p,
                         "step": p - p0 if p >= p0 else None,
                         "text": texts[seq][p],
-                        "activation": at.get(p - p0, 0.0) if p >= p0 else None,
+                        "activation": acts.get(p - base, 0.0) if p in in_arrays else None,
                     }
                     for p in range(lo, hi)
                 ],

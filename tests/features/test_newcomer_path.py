@@ -85,8 +85,9 @@ def test_readme_feature_path_runs_as_written(tmp_path):
         args = with_quick([values.get(a.lstrip("$"), a) if a.startswith("$") else a for a in args], quick)
         args = [a.replace("'$RUN'", f"'{values.get('RUN', '')}'") for a in args]
         if args[:2] == ["lmtrace", "serve"]:
-            page = re.search(r"http://127\.0\.0\.1:\d+/run/\$RUN/feature/(\S+)/(\w+)", line)
-            assert page and page.groups() == ("sae-l10", "F"), line
+            page = re.search(r"http://127\.0\.0\.1:\d+/#/run/\$RUN/feature/(\S+)/(\w+)\?positions=(\w+)", line)
+            assert page and page.groups() == ("sae-l10", "F", "prompt"), line
+            check_feature_page(tmp_path / "runs", values["RUN"], int(values["F"]), page.group(3))
             continue
         if args[-2:] == ["--feature", "F"]:
             args[-1] = values["F"]
@@ -122,6 +123,30 @@ def check_line(args: list[str], proc, cwd: Path, values: dict) -> None:
     elif args[1] == "features":
         check_top_example(proc.stdout, cwd / "runs" / values["RUN"], int(values["F"]))
         values["feature"] = proc.stdout
+
+
+def check_feature_page(runs: Path, run_id: str, feature: int, positions: str) -> None:
+    """The page's data, from `lmtrace serve`'s app: the top example is the largest activation over the
+    archived prompt positions, marked in its context."""
+    import zarr
+
+    from tests.helpers.server import LiveServer
+
+    server = LiveServer(runs)
+    try:
+        status, _, body = server.request(f"/api/runs/{run_id}/features/sae-l10/{feature}?positions={positions}")
+    finally:
+        server.stop()
+    assert status == 200, body
+    page = json.loads(body)
+    group = zarr.open_group(str(runs / run_id / "tensors.zarr"), mode="r")
+    idx = np.asarray(group["prompt_feat_sae-l10_idx"][:])
+    val = np.asarray(group["prompt_feat_sae-l10_val"][:])
+    top = page["examples"][0]
+    assert top["step"] is None and top["activation"] == pytest.approx(float(val[idx == feature].max()), abs=1e-4)
+    hit = next(c for c in top["context"] if c["position"] == top["position"])
+    assert hit["activation"] == pytest.approx(top["activation"])
+    assert page["active_tokens"] == int((idx == feature).any(-1).sum())
 
 
 def check_top_example(stdout: str, run_dir: Path, feature: int) -> None:

@@ -85,14 +85,22 @@ def density(arrays: FeatureArrays, feature: int) -> tuple[int, float]:
 
 
 def scan(
-    run, name: str, feature: int, top: int, sequences: list[int] | None = None, block: int = SCAN_BLOCK
+    run,
+    name: str,
+    feature: int,
+    top: int,
+    sequences: list[int] | None = None,
+    block: int = SCAN_BLOCK,
+    prompt: bool = False,
 ) -> tuple[list[tuple[int, int, float]], int, int, np.ndarray]:
     """`examples`, `density`'s count and the run's tokens in one pass over the arrays, `block`
     sequences at a time (memory bounded by a block), restricted to `sequences` when given: (examples,
     active tokens, archived tokens, every activation of `feature` over those tokens). The examples are
-    `examples`' (each block's `top` candidates, merged in its order)."""
-    idx_a, val_a = run.array(f"feat_{name}_idx"), run.array(f"feat_{name}_val")
-    lengths = np.maximum(np.asarray(run.generated_len(), dtype=np.int64), 0)
+    `examples`' (each block's `top` candidates, merged in its order). `prompt`: over the prompt
+    positions' arrays (`prompt_feat_*`), an example's second number its prompt position."""
+    prefix = "prompt_" if prompt else ""
+    idx_a, val_a = run.array(f"{prefix}feat_{name}_idx"), run.array(f"{prefix}feat_{name}_val")
+    lengths = np.maximum(np.asarray(run.prompt_len() if prompt else run.generated_len(), dtype=np.int64), 0)
     chosen = np.arange(len(lengths)) if sequences is None else np.asarray(sorted(set(sequences)), dtype=np.int64)
     found: list[tuple[int, int, float]] = []
     n_active, values = 0, []

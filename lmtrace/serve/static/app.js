@@ -451,11 +451,16 @@
   async function featureView(runId, sae, feature, params, gen) {
     setCrumbs({ text: "runs", href: "#/" }, { text: runId, href: `#/run/${enc(runId)}` }, { text: `${sae} · feature ${feature}` });
     const q = new URLSearchParams();
-    for (const k of ["top", "window"]) if (params.get(k)) q.set(k, params.get(k));
+    for (const k of ["top", "window", "positions"]) if (params.get(k)) q.set(k, params.get(k));
     const d = await api(`${runUrl(runId)}/features/${enc(sae)}/${enc(feature)}${q.toString() ? `?${q}` : ""}`);
     if (gen !== generation) return;
+    const here = `#/run/${enc(runId)}/feature/${enc(sae)}/${enc(feature)}`;
     put(app, el("h1", { text: `${runId} · ${sae} · feature ${d.feature}` }),
-      window.lmtraceFeatures.page(d, { exampleHref: (s, step) => `#/run/${enc(runId)}/seq/${s}/step/${step}` }));
+      window.lmtraceFeatures.page(d, {
+        // a prompt position's example opens its sequence (the token view selects generated steps)
+        exampleHref: (s, step) => (step === null ? `#/run/${enc(runId)}/seq/${s}` : `#/run/${enc(runId)}/seq/${s}/step/${step}`),
+        positionsHref: (positions) => `${here}?positions=${positions}`,
+      }));
   }
 
   // ---- routing ---------------------------------------------------------------------------------

@@ -47,7 +47,11 @@ window.lmtraceFeatures = (() => {
       el("p", { class: "meta" }, el("span", {}, el("b", { text: "SAE " }), el("span", { class: "mono", text: d.sae })),
         el("span", { text: d.hook_name }), el("span", { text: `${d.d_sae} latents` }),
         el("span", { id: "feature-density", text: `active on ${d.active_tokens.toLocaleString("en")} of ${d.tokens.toLocaleString("en")} tokens`
-          + ` (density ${Number(d.density).toPrecision(3)})` + (d.sequences ? ` of the ${d.sequences.length} sequences shown` : "") })));
+          + ` (density ${Number(d.density).toPrecision(3)})` + (d.sequences ? ` of the ${d.sequences.length} sequences shown` : "") }),
+        opts.positionsHref && d.has_prompt_positions
+          ? el("a", { id: "feature-positions", href: opts.positionsHref(d.positions === "prompt" ? "generated" : "prompt"),
+            text: d.positions === "prompt" ? "over prompt positions · show generated tokens" : "over generated tokens · show prompt positions" })
+          : el("span", { text: d.positions === "prompt" ? "over prompt positions" : "over generated tokens" })));
     const hist = el("div", { class: "panel", id: `${opts.prefix || ""}feature-histogram` }, el("h2", { text: "Activation density" }), histogram(d));
     hist._csvRows = () => [["bin_low", "bin_high", "tokens"], ...d.histogram.counts.map((c, i) => [d.histogram.edges[i], d.histogram.edges[i + 1], c])];
     const effects = el("div", { class: "panel", id: `${opts.prefix || ""}feature-logits` }, el("h2", { text: "Logit effects" }), logitEffects(d));
@@ -69,15 +73,16 @@ window.lmtraceFeatures = (() => {
       el("thead", {}, el("tr", {}, ...["activation", "token", "context"].map((h, i) => el("th", { class: i < 1 ? "num" : null, text: h })))),
       el("tbody", {}, ...d.examples.map((e) => {
         const href = opts.exampleHref ? opts.exampleHref(e.sequence, e.step) : null;
-        const where = `seq ${e.sequence} · step ${e.step}`;
+        const where = e.step === null ? `seq ${e.sequence} · pos ${e.position}` : `seq ${e.sequence} · step ${e.step}`;
         return el("tr", { data: { sequence: e.sequence, step: e.step } },
           el("td", { class: "num", data: { value: e.activation }, text: num(e.activation) }),
           el("td", { class: "where" }, href ? el("a", { href, text: where, title: "this token in the token view" }) : where),
           el("td", { class: "context" }, ...e.context.map((c) => el("span", {
-            class: `tok ${c.step === null ? "prompt" : "ctx"}${c.position === e.position ? " hit" : ""}`,
+            // coloured where the arrays read hold an activation (generated tokens, or prompt positions)
+            class: `tok ${c.activation === null ? "prompt" : "ctx"}${c.position === e.position ? " hit" : ""}`,
             text: shown(c.text), data: { activation: c.activation ?? "" },
-            title: c.step === null ? `prompt position ${c.position}` : `step ${c.step} · activation ${num(c.activation)}`,
-            style: c.step === null ? null : { background: actColour(c.activation, max), color: actText(c.activation, max) } }))));
+            title: (c.step === null ? `prompt position ${c.position}` : `step ${c.step}`) + (c.activation === null ? "" : ` · activation ${num(c.activation)}`),
+            style: c.activation === null ? null : { background: actColour(c.activation, max), color: actText(c.activation, max) } }))));
       })));
   }
 
