@@ -11,6 +11,7 @@ import torch
 
 from .devices import stack_on
 from .lens_stats import lens_target_columns, lens_targets
+from .topk import topk_last
 
 if TYPE_CHECKING:
     from .sampling import Choice
@@ -100,11 +101,11 @@ class ProbeArrays:
         if s.qkv:
             for name, t in zip(("q", "k", "v"), self._new_qkv()):  # [L, B, heads, D]
                 arrays[name] = t.transpose(0, 1).to(self.torch_float).cpu().numpy()
-        if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
-            act = self._at_query(self.ffn).transpose(0, 1).float()
-            idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
-            arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
-            arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
+        if s.ffn:  # top-|a| neurons of every layer at once: act [L, B, d_ffn], each row on its own
+            act = self._at_query(self.ffn).float()
+            _, idx = topk_last(act.abs(), min(s.k_ffn, act.shape[-1]))
+            arrays["ffn_idx"] = idx.transpose(0, 1).to(torch.int32).cpu().numpy()
+            arrays["ffn_val"] = act.gather(-1, idx).transpose(0, 1).cpu().numpy()
         if s.k_router:
             idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
             w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
