@@ -131,22 +131,19 @@ class ProbeArrays:
         scalars["lens_margin"] = margin.reshape(B, L)
         scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
 
-    def _direct_logit_attribution(self, choice: Choice, final: torch.Tensor) -> dict[str, np.ndarray]:
+    def _direct_logit_attribution(
+        self, choice: Choice, final: torch.Tensor, outputs: torch.Tensor
+    ) -> dict[str, np.ndarray]:
         """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,
         first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen). final [B, d]: the
-        final residual."""
+        final residual; outputs [2L, B, d] float: the attention outputs of every captured layer, then
+        the MLP outputs."""
         B, prefill = len(self.ctx.pads), self.ctx.prefill
         targets = torch.from_numpy(lens_targets(choice.token.numpy(), choice.alt_ids.numpy()))  # [B, 2]
         embed = at_query([self.ends["embed"]], B, prefill, self.device)[0].float()
         u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
         u = u.to(final.device)
         L = len(self.layers)
-        outputs = at_query(
-            [self.attn_out[layer] for layer in self.layers] + [self.mlp_out[layer] for layer in self.layers],
-            B,
-            prefill,
-            self.device,
-        ).float()  # [2L, B, d]
         # what each output adds to the residual stream (through the block's frozen post-norm, where it has one)
         outputs, attn_factor = self.dla.residual_parts(self.layers, outputs)
         rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)

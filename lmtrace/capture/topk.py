@@ -52,7 +52,9 @@ def _topk_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     packed[at_row, slot] = values[at_row, at]
     in_group = at < size * k
     column = torch.where(
-        in_group, top_groups.indices[at_row, at % k] + groups * torch.div(at, k, rounding_mode="floor"), at - size * k + body
+        in_group,
+        top_groups.indices[at_row, at % k] + groups * torch.div(at, k, rounding_mode="floor"),
+        at - size * k + body,
     )
     packed_columns = torch.zeros((R, width), dtype=torch.long)
     packed_columns[at_row, slot] = column
