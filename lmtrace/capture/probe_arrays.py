@@ -11,6 +11,7 @@ import torch
 
 from .devices import stack_on
 from .lens_stats import lens_target_columns, lens_targets
+from .topk import topk_last
 
 if TYPE_CHECKING:
     from .sampling import Choice
@@ -100,11 +101,11 @@ class ProbeArrays:
         if s.qkv:
             for name, t in zip(("q", "k", "v"), self._new_qkv()):  # [L, B, heads, D]
                 arrays[name] = t.transpose(0, 1).to(self.torch_float).cpu().numpy()
-        if s.ffn:  # top-|a| neurons of every layer at once: act [B, L, d_ffn]
-            act = self._at_query(self.ffn).transpose(0, 1).float()
-            idx = act.abs().topk(min(s.k_ffn, act.shape[-1]), dim=-1).indices
-            arrays["ffn_idx"] = idx.cpu().numpy().astype(np.int32)
-            arrays["ffn_val"] = act.gather(-1, idx).cpu().numpy()
+        if s.ffn:  # top-|a| neurons of every layer at once: act [L, B, d_ffn], each row on its own
+            act = self._at_query(self.ffn).float()
+            _, idx = topk_last(act.abs(), min(s.k_ffn, act.shape[-1]))
+            arrays["ffn_idx"] = idx.transpose(0, 1).to(torch.int32).cpu().numpy()
+            arrays["ffn_val"] = act.gather(-1, idx).transpose(0, 1).cpu().numpy()
         if s.k_router:
             idx_out = np.full((B, L, s.k_router), -1, dtype=np.int32)
             w_out = np.full((B, L, s.k_router), np.nan, dtype=np.float32)
@@ -130,22 +131,19 @@ class ProbeArrays:
         scalars["lens_margin"] = margin.reshape(B, L)
         scalars.update(lens_target_columns(t_rank.reshape(B, L, 2), t_prob.reshape(B, L, 2), self.layers))
 
-    def _direct_logit_attribution(self, choice: Choice, final: torch.Tensor) -> dict[str, np.ndarray]:
+    def _direct_logit_attribution(
+        self, choice: Choice, final: torch.Tensor, outputs: torch.Tensor
+    ) -> dict[str, np.ndarray]:
         """head_dla and its companions (docs/archive.md, "Direct logit attribution"), each [B, ...] float32,
         first for logit(chosen) − logit(runner-up), then (`_logit`) for logit(chosen). final [B, d]: the
-        final residual."""
+        final residual; outputs [2L, B, d] float: the attention outputs of every captured layer, then
+        the MLP outputs."""
         B, prefill = len(self.ctx.pads), self.ctx.prefill
         targets = torch.from_numpy(lens_targets(choice.token.numpy(), choice.alt_ids.numpy()))  # [B, 2]
         embed = at_query([self.ends["embed"]], B, prefill, self.device)[0].float()
         u, const = self.dla.directions(final, targets)  # [B, 2, d], [B, 2]
         u = u.to(final.device)
         L = len(self.layers)
-        outputs = at_query(
-            [self.attn_out[layer] for layer in self.layers] + [self.mlp_out[layer] for layer in self.layers],
-            B,
-            prefill,
-            self.device,
-        ).float()  # [2L, B, d]
         # what each output adds to the residual stream (through the block's frozen post-norm, where it has one)
         outputs, attn_factor = self.dla.residual_parts(self.layers, outputs)
         rest = final - embed - outputs.sum(0)  # the layers not captured (and float rounding)

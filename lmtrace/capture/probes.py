@@ -291,14 +291,16 @@ class Probes(ProbeArrays):
         delta = resid_out - resid_in
         norms = torch.stack([resid_out, delta], 0).norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
-        if self.component_norms:  # attention and MLP outputs of every layer, one stack and one norm
+        outputs = None  # attention and MLP outputs of every layer [2L, B, d]: one stack for the norms and the DLA
+        if self.component_norms or self.dla is not None:
             outputs = at_query(
                 [self.attn_out[layer] for layer in self.layers] + [self.mlp_out[layer] for layer in self.layers],
                 B,
                 self.ctx.prefill,
                 self.device,
-            )  # [2L, B, d]
-            norms = outputs.float().norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
+            ).float()
+        if self.component_norms:  # one norm for all of them
+            norms = outputs.norm(dim=-1).reshape(2, L, B).transpose(1, 2).cpu().numpy()  # [2, B, L]
             scalars["attn_norm"], scalars["mlp_norm"] = norms[0], norms[1]
         # the final residual, read before the inline lens, whose call of the final norm would pass its tap
         final = (
@@ -307,7 +309,7 @@ class Probes(ProbeArrays):
             else None
         )  # [B, d]
         if self.dla is not None:
-            arrays.update(self._direct_logit_attribution(choice, final))
+            arrays.update(self._direct_logit_attribution(choice, final, outputs))
         if self.margin_contributions:
             # logit(top-1) − logit(top-2) through the final norm frozen at the final residual's scale,
             # so each layer's share is in logits and, with the embedding's and the biases', sums to `margin`
