@@ -20,7 +20,7 @@ import torch
 from ..exits.errors import SpecError
 from ..features import Sae, Site, parse_hook_name, read_sae
 from ..features.format import WEIGHTS
-from ..features.refs import file_sha256, short_names
+from ..features.refs import file_sha256, sae_record, short_names
 from .taps import tap
 
 
@@ -36,17 +36,8 @@ class LoadedSae:
 
     def record(self) -> dict:
         """The manifest's entry for this SAE (manifest `features`)."""
-        cfg = self.sae.cfg
         return {
-            "name": self.name,
-            "path": str(self.path),
-            "sha256": self.sha256,
-            "hook_name": cfg.hook_name,
-            "site": self.site.kind,
-            "layer": self.site.layer,
-            "d_in": cfg.d_in,
-            "d_sae": cfg.d_sae,
-            "architecture": cfg.architecture,
+            **sae_record(self.name, self.path, self.sha256, self.sae, self.site),
             "top_k": self.top_k,
             "prompt": self.prompt,
         }

@@ -25,6 +25,23 @@ class SaeRef:
     recorded: dict | None  # the run's manifest `features` entry for these weights, if it has one
 
 
+def sae_record(name: str, path: Path, sha256: str, sae, site) -> dict:
+    """What the archive records of an SAE wherever a run uses one (manifest `features`, an explain
+    result's `sae`, a sweep's `features`): its name, directory, weights' sha256, hook, site and sizes."""
+    cfg = sae.cfg
+    return {
+        "name": name,
+        "path": str(path),
+        "sha256": sha256,
+        "hook_name": cfg.hook_name,
+        "site": site.kind,
+        "layer": site.layer,
+        "d_in": cfg.d_in,
+        "d_sae": cfg.d_sae,
+        "architecture": cfg.architecture,
+    }
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:

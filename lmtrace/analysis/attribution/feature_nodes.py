@@ -50,19 +50,9 @@ class SaeAtSite:
     site: Site
 
     def record(self, top: int) -> dict:
-        cfg = self.sae.cfg
-        return {
-            "name": self.name,
-            "path": str(self.path),
-            "sha256": self.sha256,
-            "hook_name": cfg.hook_name,
-            "site": self.site.kind,
-            "layer": self.site.layer,
-            "d_in": cfg.d_in,
-            "d_sae": cfg.d_sae,
-            "architecture": cfg.architecture,
-            "top": top,
-        }
+        from ...features.refs import sae_record
+
+        return {**sae_record(self.name, self.path, self.sha256, self.sae, self.site), "top": top}
 
 
 def result_name(method: str, sae_name: str) -> str:

@@ -39,17 +39,11 @@ class SweepSae:
     archived: bool
 
     def record(self) -> dict:
-        """sweep.json's `features`."""
-        cfg = self.sae.cfg
-        return {
-            "sae": self.name,
-            "path": str(self.path),
-            "sha256": self.sha256,
-            "hook_name": cfg.hook_name,
-            "site": self.site.kind,
-            "layer": self.site.layer,
-            "d_sae": cfg.d_sae,
-        }
+        """sweep.json's `features`: the SAE as every record names it, its name under `sae`."""
+        from ...features.refs import sae_record
+
+        record = sae_record(self.name, self.path, self.sha256, self.sae, self.site)
+        return {"sae": record.pop("name"), **record}
 
 
 def is_features(over: str) -> bool:
