@@ -108,13 +108,7 @@ def latent_delta(sae: Sae, feature: int, change: torch.Tensor, norm=None) -> tor
     """decode(f') − decode(f) where f' is f with latent `feature` changed by `change` [...] (float32):
     the change's decoder direction, `change[..., None] · W_dec[feature]`, through the SAE's output
     de-normalisation (`norm` from `Sae.encode_with_norm`; its shift cancels). [..., d_in] float32."""
-    y = change.float()[..., None] * sae.W_dec[feature]
-    how = sae.cfg.normalize_activations
-    if how == "constant_norm_rescale":
-        return y / norm.scale
-    if how == "layer_norm":
-        return y * norm.scale
-    return y
+    return sae.rescale_out(change.float()[..., None] * sae.W_dec[feature], norm)
 
 
 def set_latent(x: torch.Tensor, sae: Sae, feature: int, target: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,9 @@ class Sae(torch.nn.Module):
             return centred / (std + 1e-5), InputNorm(scale=std, shift=mu)
         return x, InputNorm()
 
-    def _denormalise(self, y: torch.Tensor, norm: InputNorm | None) -> torch.Tensor:
+    def rescale_out(self, y: torch.Tensor, norm: InputNorm | None) -> torch.Tensor:
+        """The input normalisation's scale undone on y [..., d_in] (not its shift): a difference of two
+        decodes of one input, such as a feature edit's, needs only this."""
         how = self.cfg.normalize_activations
         if how in ("constant_norm_rescale", "layer_norm"):
             if norm is None or norm.scale is None:
@@ -96,10 +98,12 @@ class Sae(torch.nn.Module):
                     f"decode of an SAE with normalize_activations={how} needs the InputNorm of its input "
                     f"(use encode_with_norm or reconstruct)"
                 )
-            if how == "constant_norm_rescale":
-                return y / norm.scale
-            return y * norm.scale + norm.shift
+            return y / norm.scale if how == "constant_norm_rescale" else y * norm.scale
         return y
+
+    def _denormalise(self, y: torch.Tensor, norm: InputNorm | None) -> torch.Tensor:
+        y = self.rescale_out(y, norm)
+        return y + norm.shift if self.cfg.normalize_activations == "layer_norm" else y
 
     # --- encode / decode -----------------------------------------------------------------------
     def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, InputNorm]:
