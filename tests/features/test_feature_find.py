@@ -105,6 +105,13 @@ def test_logit_effects_come_from_the_cache_once_read_with_the_model_gone(prompt_
         # a fresh cache needs the model, which is gone: one line, exit 1 (the model could not be loaded)
         fresh = lmtrace(tmp_path, *args, env={"LMTRACE_CACHE_DIR": str(tmp_path / "empty")})
         assert_one_line_error(fresh, 1, "not available here", "logit effects")
+        # a changed byte in the cache's data is a cache miss, never an effect shown: the model is needed again
+        (cached,) = (tmp_path / "cache" / "unembedding").glob("*.safetensors")
+        data = bytearray(cached.read_bytes())
+        data[-3] ^= 0x40
+        cached.write_bytes(bytes(data))
+        damaged = lmtrace(tmp_path, *args, env=env)
+        assert_one_line_error(damaged, 1, "not available here", "logit effects")
     finally:
         gone.rename(prompt_run["model"])
     effects = model.lm_head.weight.detach().double().numpy() @ (

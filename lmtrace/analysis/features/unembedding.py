@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +85,19 @@ def read_cached(path: Path | None) -> FinalUnembedding | None:
         with safe_open(str(path), "np") as f:
             meta = f.metadata() or {}
             arrays = {k: f.get_tensor(k) for k in f.keys()}
+        if meta.get("crc32") != _crc32(arrays):  # a changed byte: recomputed, never shown as an effect
+            return None
         return FinalUnembedding.from_arrays(meta.get("kind") or None, int(meta.get("linear", "0")), arrays)
     except Exception:  # noqa: BLE001 - an unreadable cache file is only a cache miss
         return None
+
+
+def _crc32(arrays: dict[str, np.ndarray]) -> str:
+    """The crc32 of the arrays' bytes, in name order: what the cache file's metadata records of its data."""
+    crc = 0
+    for name in sorted(arrays):
+        crc = zlib.crc32(np.ascontiguousarray(arrays[name]).tobytes(), crc)
+    return f"{crc:08x}"
 
 
 def write_cached(path: Path | None, final: FinalUnembedding) -> None:
@@ -95,11 +106,12 @@ def write_cached(path: Path | None, final: FinalUnembedding) -> None:
         return
     from safetensors.numpy import save_file
 
-    meta = {"kind": final.kind or "", "linear": str(len(final.linear_params))}
+    arrays = final.arrays()
+    meta = {"kind": final.kind or "", "linear": str(len(final.linear_params)), "crc32": _crc32(arrays)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(final.arrays(), str(tmp), metadata=meta)
+        save_file(arrays, str(tmp), metadata=meta)
         os.replace(tmp, path)
     except OSError:
         pass
