@@ -1,5 +1,6 @@
 """Feature capture (`capture.features`, docs/features.md): sparse autoencoders applied at their hook
-point in the generation's own forward, each token's top-k active latents archived.
+point in the generation's own forward, each token's top-k active latents archived (a transcoder's
+latents are read at its input site, the MLP's input).
 
 `load_feature_saes` reads and checks every SAE of the spec before the model is loaded (a missing
 directory, NaN weights, an unknown architecture: one line, exit 2), `check_sites` refuses a hook point
@@ -21,6 +22,7 @@ from ..exits.errors import SpecError
 from ..features import Sae, Site, parse_hook_name, read_sae
 from ..features.format import WEIGHTS
 from ..features.refs import file_sha256, sae_record, short_names
+from ..features.sites import check_sae_sites
 from .taps import tap
 
 
@@ -55,9 +57,10 @@ def load_feature_saes(features) -> list[LoadedSae]:
 
 
 def check_sites(saes: list[LoadedSae], adapter) -> None:
-    """Refuse an SAE whose hook point the model lacks or whose d_in does not match it."""
+    """Refuse an SAE whose hook point the model lacks or whose d_in does not match it (a transcoder: its
+    output hook point and d_out too)."""
     for s in saes:
-        s.site.check(adapter, s.sae.cfg.d_in, f"SAE {s.path}")
+        check_sae_sites(adapter, s.sae.cfg, f"SAE {s.path}")
 
 
 def check_unchanged(existing: dict, saes: list[LoadedSae], run_id: str) -> None:

@@ -143,6 +143,11 @@ def load_saes(refs: list[tuple[str, Path, str]], scorer: Scorer):
     out = []
     for name, path, sha in refs:
         sae = read_sae(path, device=scorer.device)
+        if sae.cfg.transcoder:
+            raise SpecError(
+                f"--sae {path}: explain does not support transcoders ({sae.cfg.architecture}) as attribution "
+                f"nodes yet; use an SAE (standard, jumprelu, topk)"
+            )
         site = parse_hook_name(sae.cfg.hook_name, f"SAE {path}")
         site.check(adapter, sae.cfg.d_in, f"SAE {path}")
         out.append(SaeAtSite(name, path.resolve(), sha, sae, site))

@@ -119,12 +119,14 @@ def feature_report(
 
 
 def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | None) -> dict:
-    """The decoder row through the final norm and unembedding of the run's model (loaded for it)."""
-    if entry["site"] not in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
+    """The decoder row through the final norm and unembedding of the run's model (loaded for it); a
+    transcoder's decoder row writes its output site (the MLP's output, added to the residual stream)."""
+    writes = entry.get("site_out") or entry["site"]  # a transcoder's decoder writes its output site
+    if writes not in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
         return {
             "promoted": None,
             "suppressed": None,
-            "note": f"{entry['site']} is not written into the residual stream as it is: no logit effects",
+            "note": f"{writes} is not written into the residual stream as it is: no logit effects",
         }
     from ..analysis.features.find import logit_effects_np, store_logit_effects
     from ..analysis.features.unembedding import WEIGHTS, decoder_row, file_sha256, final_unembedding

@@ -139,6 +139,7 @@ def _feature_entry(
 ) -> dict:
     """The manifest's `features` entry for SAE `name`: what it is, where it reads, and how it was computed."""
     from ..archive.runs import now_iso
+    from ..features.refs import transcoder_record
 
     return {
         "name": name,
@@ -150,6 +151,7 @@ def _feature_entry(
         "d_in": sae.cfg.d_in,
         "d_sae": sae.cfg.d_sae,
         "architecture": sae.cfg.architecture,
+        **transcoder_record(sae.cfg),
         "top_k": top_k,
         "prompt": prompt,
         "computed": {
@@ -222,6 +224,7 @@ def _write_values(
 ) -> tuple[float | None, dict]:
     """The values, from the archive or a replay: (model load seconds or None, {source, tokens})."""
     from ..analysis.features.deferred import from_archive, from_replay
+    from ..features.sites import check_sae_sites
 
     if use_archive:
         index = list(manifest["shape"]["resid_layers"]).index(site.archived_resid_layer)
@@ -241,7 +244,7 @@ def _write_values(
     load_s = round(time.time() - t0, 3)
     model = loaded.model.eval()
     adapter = adapter_for(model)
-    site.check(adapter, sae.cfg.d_in, "SAE")
+    check_sae_sites(adapter, sae.cfg, "SAE")
     view = ParentView.read(run)
     tok = loaded.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

@@ -304,6 +304,7 @@ def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) 
     """`lmtrace sae show DIR`: an SAE directory read and checked as every command reads it; its
     configuration, its site, and the held-out metrics of its training card when it has one."""
     from ..features.format import read_sae
+    from ..features.refs import transcoder_record
     from ..features.sites import parse_hook_name
 
     sae = read_sae(path)
@@ -323,6 +324,7 @@ def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) 
         "apply_b_dec_to_input": cfg.apply_b_dec_to_input,
         "normalize_activations": cfg.normalize_activations,
         "model_name": cfg.model_name,
+        **transcoder_record(cfg),
         "training_card": card,
     }
     if json_out:
@@ -331,8 +333,10 @@ def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) 
         return info
     k = f", k {cfg.k}" if cfg.k is not None else ""
     print(
-        f"{path}: {cfg.architecture} SAE, d_in {cfg.d_in}, {cfg.d_sae} latents{k}, at {cfg.hook_name} "
-        f"(lmtrace site {site.kind}, layer {site.layer}); b_dec applied to the input: "
+        f"{path}: {cfg.architecture} {'' if cfg.transcoder else 'SAE, '}d_in {cfg.d_in}, {cfg.d_sae} latents{k}, "
+        f"at {cfg.hook_name} (lmtrace site {site.kind}, layer {site.layer})"
+        + (f", writing {cfg.hook_name_out} (d_out {cfg.d_out})" if cfg.transcoder else "")
+        + "; b_dec applied to the input: "
         f"{'yes' if cfg.apply_b_dec_to_input else 'no'}; input normalisation: {cfg.normalize_activations}"
         + (f"; model {cfg.model_name}" if cfg.model_name else "")
     )

@@ -13,6 +13,14 @@ all), and the reconstruction error the SAE misses stays in the stream. Kinds:
   steer   x' = x + C · W_dec[F]  (the decoder direction added with coefficient C, in the activation's own
           space, as Neuronpedia and SAELens steer; the latents are not re-encoded)
 
+A transcoder (lmtrace/features/sae.py) reads its latents at its input site (the MLP's input) and writes
+to its output site (the MLP's output): there the edited output is
+
+    out' = out + x̂(f') − x̂(f)        (steer: out + C · W_dec[F])
+
+with out the MLP's own output, f = encode(MLP input): the MLP's output kept, plus the change the edit
+makes to the transcoder's output (its skip term, if any, cancels).
+
 Text forms (`intervene --feature-ablate SAE:F`, `--feature-clamp SAE:F=V`, `--feature-steer SAE:F*C`):
 SAE is a directory or a run's short name for one; the last ':' separates it from the feature.
 """
@@ -83,25 +91,32 @@ def check_features(sae: Sae, edits: list[FeatureEdit], name: str) -> None:
             )
 
 
-def apply_feature_edits(x: torch.Tensor, sae: Sae, edits: list[FeatureEdit]) -> torch.Tensor:
+def apply_feature_edits(
+    x: torch.Tensor, sae: Sae, edits: list[FeatureEdit], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., d_in] -> the edited activation [..., d_in] in x's dtype (the formula in the module's docstring).
 
-    Every row of x is edited; callers select rows and positions before calling.
+    A transcoder reads x (its input site) and writes `out` [..., d_out] (the output site's own value,
+    required): the result is out + decode(f') − decode(f) (steer: out + C · W_dec[F]) in out's dtype.
+    Every row is edited; callers select rows and positions before calling.
     """
+    if sae.cfg.transcoder and out is None:
+        raise ValueError("a transcoder's feature edit needs the output site's value (out)")
+    base = x if out is None else out
     if not edits:
-        return x
-    out = x.float()
+        return base
+    y = base.float()
     latent_edits = [e for e in edits if e.kind in ("ablate", "clamp")]
     if latent_edits:
-        acts, norm = sae.encode_with_norm(out)
+        acts, norm = sae.encode_with_norm(x.float())
         edited = acts.clone()
         for e in latent_edits:
             edited[..., e.feature] = 0.0 if e.kind == "ablate" else e.value
-        out = out + (sae.decode(edited, norm) - sae.decode(acts, norm))
+        y = y + (sae.decode(edited, norm) - sae.decode(acts, norm))
     for e in edits:
         if e.kind == "steer":
-            out = out + e.value * sae.W_dec[e.feature]
-    return out.to(x.dtype)
+            y = y + e.value * sae.W_dec[e.feature]
+    return y.to(base.dtype)
 
 
 def latent_delta(sae: Sae, feature: int, change: torch.Tensor, norm=None) -> torch.Tensor:

@@ -8,8 +8,15 @@ input, no normalisation). Weights: W_enc [d_in, d_sae], b_enc [d_sae], W_dec [d_
 threshold [d_sae] (JumpReLU; `log_threshold` is read as exp of it); a TopK SAE saved with
 `rescale_acts_by_decoder_norm` has its decoder row norms folded into the weights as it is read. Everything
 is checked before use: a missing directory or file, unreadable JSON, an unknown architecture or
-normalisation, a transcoder, a missing or misshapen tensor, NaN or infinite weights each stop with one
-line (exit 2).
+normalisation, a missing or misshapen tensor, NaN or infinite weights each stop with one line (exit 2).
+
+Transcoders (`architecture` transcoder, skip_transcoder, jumprelu_transcoder, jumprelu_skip_transcoder) are
+read the same way, plus `d_out` and the output hook point (`metadata.hook_name_out` or `hook_name_out`);
+W_dec [d_sae, d_out], b_dec [d_out], W_skip [d_out, d_in] (skip transcoders). Refused in one line: a
+missing d_out or output hook, a hook pair lmtrace cannot serve (`sites.transcoder_sites`),
+apply_b_dec_to_input true (SAELens refuses it too: b_dec is d_out wide), and an input normalisation that
+decode would have to undo (constant_norm_rescale, layer_norm: SAELens normalises a transcoder's input
+but never undoes it on the output, which then is not in the model's units).
 
 Write: the SAELens 6 layout (what `SAE.load_from_disk` reads), weights in float32, plus any extra
 files given (lmtrace's training card).
@@ -23,8 +30,8 @@ from pathlib import Path
 import torch
 
 from ..exits.errors import SpecError
-from .sae import ARCHITECTURES, NORMALISATIONS, Sae, SaeConfig
-from .sites import parse_hook_name
+from .sae import ARCHITECTURES, NORMALISATIONS, TRANSCODERS, Sae, SaeConfig
+from .sites import parse_hook_name, transcoder_sites
 
 CFG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -50,12 +57,8 @@ def _config(path: Path, raw: dict) -> SaeConfig:
     arch = raw.get("architecture", "standard")
     act = raw.get("activation_fn") or raw.get("activation_fn_str") or "relu"
     k = raw.get("k", (raw.get("activation_fn_kwargs") or {}).get("k"))
-    if "transcoder" in str(arch) or raw.get("hook_name_out") or meta.get("hook_name_out") or raw.get("d_out"):
-        raise _fail(
-            path,
-            f"transcoders ({arch}) are not supported yet; supported architectures: "
-            f"{', '.join(ARCHITECTURES)} (BatchTopK as saved for inference, i.e. jumprelu)",
-        )
+    if arch in TRANSCODERS:
+        return _transcoder_config(path, raw, meta, arch, hook)
     if arch == "standard" and act == "topk":
         arch = "topk"
     elif arch == "standard" and act != "relu":
@@ -69,7 +72,7 @@ def _config(path: Path, raw: dict) -> SaeConfig:
     if arch not in ARCHITECTURES:
         raise _fail(
             path,
-            f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)} "
+            f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES + TRANSCODERS)} "
             f"(BatchTopK as saved for inference is jumprelu)",
         )
     norm = raw.get("normalize_activations", "none")
@@ -81,10 +84,7 @@ def _config(path: Path, raw: dict) -> SaeConfig:
         raise _fail(
             path, f"reshape_activations {raw.get('reshape_activations')!r} is not supported; supported: none, hook_z"
         )
-    try:
-        d_in, d_sae = int(raw["d_in"]), int(raw["d_sae"])
-    except (KeyError, TypeError, ValueError):
-        raise _fail(path, f"{CFG} needs whole numbers d_in and d_sae") from None
+    d_in, d_sae = _sizes(path, raw, ("d_in", "d_sae"))
     if arch == "topk":
         if not isinstance(k, int) or isinstance(k, bool) or not 0 < k <= d_sae:
             raise _fail(path, f"a topk SAE needs k, a whole number in 1..d_sae ({d_sae}); got {k!r}")
@@ -104,6 +104,66 @@ def _config(path: Path, raw: dict) -> SaeConfig:
         model_name=meta.pop("model_name", raw.get("model_name")),
         metadata=meta,
     )
+
+
+def _sizes(path: Path, raw: dict, names: tuple[str, ...]) -> tuple[int, ...]:
+    try:
+        out = tuple(int(raw[n]) for n in names)
+    except (KeyError, TypeError, ValueError):
+        raise _fail(path, f"{CFG} needs whole numbers {' and '.join(names)}") from None
+    if any(v <= 0 for v in out):
+        raise _fail(path, f"{CFG}: {' and '.join(names)} must be positive")
+    return out
+
+
+def _transcoder_config(path: Path, raw: dict, meta: dict, arch: str, hook: str) -> SaeConfig:
+    """A transcoder's cfg.json -> SaeConfig (the module docstring's checks, one line each)."""
+    hook_out = meta.get("hook_name_out") or raw.get("hook_name_out")
+    if not hook_out:
+        raise _fail(path, f"a {arch} needs its output hook point in {CFG} (metadata.hook_name_out or hook_name_out)")
+    if raw.get("apply_b_dec_to_input") is True:
+        raise _fail(
+            path,
+            "apply_b_dec_to_input is true, which a transcoder cannot apply (b_dec is d_out wide; SAELens "
+            "refuses it too); set it to false",
+        )
+    norm = raw.get("normalize_activations", "none")
+    if isinstance(norm, bool):
+        norm = "expected_average_only_in" if norm else "none"
+    if norm not in ("none", "expected_average_only_in"):
+        raise _fail(
+            path,
+            f"normalize_activations {norm!r} is not supported for a transcoder (SAELens normalises its input "
+            f"and never undoes it on the output); supported: none, expected_average_only_in",
+        )
+    d_in, d_sae, d_out = _sizes(path, raw, ("d_in", "d_sae", "d_out"))
+    transcoder_sites(hook, hook_out, f"SAE {path}")  # refuse a pair lmtrace cannot serve now, in one line
+    for key in ("hook_name", "hook_name_out"):
+        meta.pop(key, None)
+    return SaeConfig(
+        architecture=arch,
+        d_in=d_in,
+        d_sae=d_sae,
+        hook_name=hook,
+        apply_b_dec_to_input=False,
+        normalize_activations=norm,
+        dtype=str(raw.get("dtype", "float32")),
+        model_name=meta.pop("model_name", raw.get("model_name")),
+        metadata=meta,
+        d_out=d_out,
+        hook_name_out=hook_out,
+    )
+
+
+def _expected(cfg: SaeConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors an SAE directory must hold, and their shapes."""
+    out_w = cfg.width_out
+    expected = {"W_enc": (cfg.d_in, cfg.d_sae), "b_enc": (cfg.d_sae,), "W_dec": (cfg.d_sae, out_w), "b_dec": (out_w,)}
+    if cfg.activation == "jumprelu":
+        expected["threshold"] = (cfg.d_sae,)
+    if cfg.skip:
+        expected["W_skip"] = (out_w, cfg.d_in)
+    return expected
 
 
 def _release_hint(path: Path) -> str:
@@ -146,16 +206,10 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
         weights = load_file(str(path / WEIGHTS), device=str(device))
     except (SafetensorError, OSError, ValueError) as err:
         raise _fail(path, f"{WEIGHTS} is not readable safetensors ({str(err).splitlines()[0]})") from None
-    if cfg.architecture == "jumprelu" and "threshold" not in weights and "log_threshold" in weights:
+    if cfg.activation == "jumprelu" and "threshold" not in weights and "log_threshold" in weights:
         weights["threshold"] = weights.pop("log_threshold").float().exp()
-    expected = {
-        "W_enc": (cfg.d_in, cfg.d_sae),
-        "b_enc": (cfg.d_sae,),
-        "W_dec": (cfg.d_sae, cfg.d_in),
-        "b_dec": (cfg.d_in,),
-    }
-    if cfg.architecture == "jumprelu":
-        expected["threshold"] = (cfg.d_sae,)
+    expected = _expected(cfg)
+    sizes = f"d_in {cfg.d_in} and d_sae {cfg.d_sae}" + (f" and d_out {cfg.d_out}" if cfg.transcoder else "")
     for name, shape in expected.items():
         if name not in weights:
             raise _fail(
@@ -165,9 +219,7 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
             )
         got = tuple(weights[name].shape)
         if got != shape:
-            raise _fail(
-                path, f"{name} has shape {list(got)}, expected {list(shape)} from d_in {cfg.d_in} and d_sae {cfg.d_sae}"
-            )
+            raise _fail(path, f"{name} has shape {list(got)}, expected {list(shape)} from {sizes}")
         if not torch.isfinite(weights[name].float()).all():
             raise _fail(path, f"{name} holds NaN or infinite values")
     if cfg.architecture == "topk" and raw.get("rescale_acts_by_decoder_norm") is True:
@@ -202,6 +254,8 @@ def config_dict(cfg: SaeConfig) -> dict:
     }
     if cfg.architecture == "topk":
         out["k"] = cfg.k
+    if cfg.transcoder:
+        out["d_out"] = cfg.d_out
     site = parse_hook_name(cfg.hook_name)
     meta = {
         "model_name": cfg.model_name,
@@ -212,6 +266,8 @@ def config_dict(cfg: SaeConfig) -> dict:
         **cfg.metadata,
     }
     meta["hook_name"] = cfg.hook_name
+    if cfg.transcoder:
+        meta["hook_name_out"] = cfg.hook_name_out
     out["metadata"] = meta
     return out
 
@@ -225,6 +281,8 @@ def write_sae(sae: Sae, path: str | Path, extra_files: dict[str, str] | None = N
     tensors = {"W_enc": sae.W_enc, "b_enc": sae.b_enc, "W_dec": sae.W_dec, "b_dec": sae.b_dec}
     if sae.threshold is not None:
         tensors["threshold"] = sae.threshold
+    if sae.W_skip is not None:
+        tensors["W_skip"] = sae.W_skip
     save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, str(path / WEIGHTS))
     (path / CFG).write_text(json.dumps(config_dict(sae.cfg), indent=2, allow_nan=False) + "\n")
     for name, text in (extra_files or {}).items():

@@ -25,9 +25,21 @@ class SaeRef:
     recorded: dict | None  # the run's manifest `features` entry for these weights, if it has one
 
 
+def transcoder_record(cfg) -> dict:
+    """A transcoder's output side as the archive records it beside its input side (`hook_name_out`,
+    `site_out`, `layer_out`, `d_out`); {} for an SAE, whose record stays as it was."""
+    if not getattr(cfg, "hook_name_out", None):
+        return {}
+    from .sites import parse_hook_name
+
+    out = parse_hook_name(cfg.hook_name_out)
+    return {"hook_name_out": cfg.hook_name_out, "site_out": out.kind, "layer_out": out.layer, "d_out": cfg.d_out}
+
+
 def sae_record(name: str, path: Path, sha256: str, sae, site) -> dict:
     """What the archive records of an SAE wherever a run uses one (manifest `features`, an explain
-    result's `sae`, a sweep's `features`): its name, directory, weights' sha256, hook, site and sizes."""
+    result's `sae`, a sweep's `features`): its name, directory, weights' sha256, hook, site and sizes (a
+    transcoder's output side too, `transcoder_record`)."""
     cfg = sae.cfg
     return {
         "name": name,
@@ -39,6 +51,7 @@ def sae_record(name: str, path: Path, sha256: str, sae, site) -> dict:
         "d_in": cfg.d_in,
         "d_sae": cfg.d_sae,
         "architecture": cfg.architecture,
+        **transcoder_record(cfg),
     }
 
 

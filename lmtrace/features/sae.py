@@ -13,6 +13,16 @@ Architectures (cfg.json `architecture`):
   topk      the k largest entries of pre, each ReLU'd; the others 0
 with pre = (norm_in(x) - b_dec·apply_b_dec_to_input) @ W_enc + b_enc.
 
+Transcoders (SAELens's Transcoder classes): encode the input site, decode to another (d_out wide), so
+W_dec [d_sae, d_out], b_dec [d_out], and b_dec is never subtracted from the input (apply_b_dec_to_input
+is false, as SAELens requires):
+  transcoder                ReLU, output acts @ W_dec + b_dec
+  jumprelu_transcoder       JumpReLU (threshold [d_sae]), output as transcoder
+  skip_transcoder           ReLU, output acts @ W_dec + b_dec + x @ W_skip.T  (W_skip [d_out, d_in])
+  jumprelu_skip_transcoder  JumpReLU, output as skip_transcoder
+`forward(x)` is that output; `decode(acts)` is acts @ W_dec + b_dec, without the skip term (as SAELens's
+decode), so a difference of two decodes, a feature edit's, is the same with or without it.
+
 Input normalisation (`normalize_activations`), as SAELens's SAE applies it:
   none                      identity
   expected_average_only_in  identity at inference: SAELens folds the training-time scale into the
@@ -28,12 +38,19 @@ from dataclasses import dataclass, field
 import torch
 
 ARCHITECTURES = ("standard", "jumprelu", "topk")
+TRANSCODERS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu_skip_transcoder")
+_ACTIVATION = {
+    "transcoder": "standard",
+    "skip_transcoder": "standard",
+    "jumprelu_transcoder": "jumprelu",
+    "jumprelu_skip_transcoder": "jumprelu",
+}
 NORMALISATIONS = ("none", "expected_average_only_in", "constant_norm_rescale", "layer_norm")
 
 
 @dataclass
 class SaeConfig:
-    architecture: str  # one of ARCHITECTURES
+    architecture: str  # one of ARCHITECTURES or TRANSCODERS
     d_in: int
     d_sae: int
     hook_name: str  # SAELens / TransformerLens hook point, e.g. blocks.6.hook_resid_post
@@ -43,6 +60,27 @@ class SaeConfig:
     dtype: str = "float32"
     model_name: str | None = None
     metadata: dict = field(default_factory=dict)  # cfg.json's other metadata, written back unchanged
+    d_out: int | None = None  # transcoders: the width of the output site
+    hook_name_out: str | None = None  # transcoders: the output hook point, e.g. blocks.6.hook_mlp_out
+
+    @property
+    def transcoder(self) -> bool:
+        return self.architecture in TRANSCODERS
+
+    @property
+    def skip(self) -> bool:
+        """A skip transcoder: its output adds x @ W_skip.T."""
+        return self.architecture in ("skip_transcoder", "jumprelu_skip_transcoder")
+
+    @property
+    def activation(self) -> str:
+        """standard | jumprelu | topk: the activation the architecture applies."""
+        return _ACTIVATION.get(self.architecture, self.architecture)
+
+    @property
+    def width_out(self) -> int:
+        """The width decode writes: d_out for a transcoder, d_in for an SAE."""
+        return self.d_out if self.transcoder and self.d_out is not None else self.d_in
 
 
 @dataclass
@@ -63,6 +101,7 @@ class Sae(torch.nn.Module):
         W_dec: torch.Tensor,
         b_dec: torch.Tensor,
         threshold: torch.Tensor | None = None,
+        W_skip: torch.Tensor | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -73,6 +112,7 @@ class Sae(torch.nn.Module):
         self.threshold = (
             torch.nn.Parameter(threshold.detach().float(), requires_grad=False) if threshold is not None else None
         )
+        self.W_skip = torch.nn.Parameter(W_skip.detach().float(), requires_grad=False) if W_skip is not None else None
 
     # --- input normalisation -------------------------------------------------------------------
     def normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, InputNorm]:
@@ -115,7 +155,7 @@ class Sae(torch.nn.Module):
 
     def activate(self, pre: torch.Tensor) -> torch.Tensor:
         """pre [..., d_sae] -> acts [..., d_sae]: the architecture's activation."""
-        arch = self.cfg.architecture
+        arch = self.cfg.activation
         if arch == "standard":
             return torch.relu(pre)
         if arch == "jumprelu":
@@ -139,9 +179,20 @@ class Sae(torch.nn.Module):
         return self._denormalise(acts.float() @ self.W_dec + self.b_dec, norm)
 
     def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., d_in] -> its reconstruction, in x's dtype."""
+        """x [..., d_in] -> its reconstruction, in x's dtype (a transcoder: its output, `forward`)."""
+        if self.cfg.transcoder:
+            return self.forward(x).to(x.dtype)
         acts, norm = self.encode_with_norm(x)
         return self.decode(acts, norm).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d_in] -> an SAE's reconstruction [..., d_in], a transcoder's output [..., d_out] (float32):
+        decode(encode(x)), plus x @ W_skip.T for a skip transcoder."""
+        acts, norm = self.encode_with_norm(x)
+        out = self.decode(acts, norm)
+        if self.W_skip is not None:
+            out = out + x.float() @ self.W_skip.T
+        return out
 
     def top_active(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., d_in] -> (ids [..., k] int64, values [..., k] float32): the k largest activations of each

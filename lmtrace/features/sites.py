@@ -19,6 +19,13 @@ reaches the same tensor through its architecture adapter (lmtrace/capture/arch.p
   mlp_post    blocks.L.mlp.hook_post             input of MLP L's down-projection (the FFN        d_ffn
                                                  activation); not mixture-of-experts models
 
+A transcoder reads one site and writes another; lmtrace serves the pair an MLP transcoder has, one
+layer's MLP read at its input and written at its output:
+
+  blocks.L.ln2.hook_normalized -> blocks.L.hook_mlp_out   (mlp_in L -> mlp_out L)
+
+and refuses any other pair in one line (`transcoder_sites`).
+
 Anything else (resid_mid, hook_q/k/v, hook_pattern, one head's hook_z, ...) is refused in one line
 that names what is supported. The adapter is taken as it is (duck-typed): this module does not
 import the capture package, which sits above it.
@@ -106,13 +113,14 @@ class Site:
             return adapter.d_ffn
         return adapter.d_model
 
-    def check(self, adapter, d_in: int, what: str) -> None:
-        """Refuse (one line, exit 2) a site the model lacks or an SAE whose d_in does not match it."""
+    def check(self, adapter, d_in: int, what: str, dim: str = "d_in") -> None:
+        """Refuse (one line, exit 2) a site the model lacks or an SAE whose d_in (a transcoder's output
+        site: d_out, `dim`) does not match it."""
         self.check_family(adapter)
         width = self.width(adapter)
         if d_in != width:
             raise SpecError(
-                f"{what}: d_in {d_in} does not match {self.hook_name} of this model, which has width "
+                f"{what}: {dim} {d_in} does not match {self.hook_name} of this model, which has width "
                 f"{width} ({self.kind}); use an SAE trained on this model"
             )
 
@@ -126,6 +134,38 @@ def parse_hook_name(name: str, what: str = "SAE") -> Site:
     raise SpecError(
         f"{what}: hook point {name!r} is not supported; supported hook points (L a layer): {supported_hooks()}"
     )
+
+
+TRANSCODER_PAIRS = (("mlp_in", "mlp_out"),)  # (input site, output site), one layer
+
+
+def transcoder_sites(hook_in: str, hook_out: str, what: str = "SAE") -> tuple[Site, Site]:
+    """A transcoder's (input hook, output hook) -> (input Site, output Site); a pair lmtrace cannot
+    serve is refused in one line."""
+    site_in = parse_hook_name(hook_in, what)
+    site_out = parse_hook_name(hook_out, f"{what} (output hook point)")
+    if (site_in.kind, site_out.kind) not in TRANSCODER_PAIRS or site_in.layer != site_out.layer:
+        pairs = ", ".join(f"{SITES[a][0]} -> {SITES[b][0]}".replace("{L}", "L") for a, b in TRANSCODER_PAIRS)
+        raise SpecError(
+            f"{what}: a transcoder from {hook_in} to {hook_out} is not supported; supported (L one layer): {pairs}"
+        )
+    return site_in, site_out
+
+
+def sae_sites(cfg, what: str = "SAE") -> tuple[Site, Site | None]:
+    """An SAE's config -> (where it reads, where a transcoder writes; None for an SAE)."""
+    if getattr(cfg, "hook_name_out", None):
+        return transcoder_sites(cfg.hook_name, cfg.hook_name_out, what)
+    return parse_hook_name(cfg.hook_name, what), None
+
+
+def check_sae_sites(adapter, cfg, what: str) -> None:
+    """Refuse (one line, exit 2) an SAE's or a transcoder's sites the model lacks, or widths (d_in, d_out)
+    that do not match them."""
+    site_in, site_out = sae_sites(cfg, what)
+    site_in.check(adapter, cfg.d_in, what)
+    if site_out is not None:
+        site_out.check(adapter, cfg.d_out, what, "d_out")
 
 
 def site_of(layer: int, kind: str) -> Site:

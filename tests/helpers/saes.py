@@ -90,3 +90,61 @@ def top_of(acts: np.ndarray, k: int) -> np.ndarray:
         top = top[row[top] > 0]
         flat_o[r, top] = row[top]
     return out
+
+
+def random_transcoder(
+    path: Path,
+    layer: int,
+    d_in: int,
+    d_sae: int,
+    d_out: int,
+    *,
+    arch: str = "transcoder",
+    seed: int = 0,
+    scale: float = 1.0,
+    cfg_extra: dict | None = None,
+) -> tuple[dict, dict]:
+    """Write a random MLP transcoder (blocks.L.ln2.hook_normalized -> blocks.L.hook_mlp_out) as SAELens
+    writes one; returns (cfg, weights)."""
+    rng = np.random.default_rng(seed)
+    w = {
+        "W_enc": rng.normal(size=(d_in, d_sae)) * scale / np.sqrt(d_in),
+        "b_enc": rng.normal(size=d_sae) * 0.05,
+        "W_dec": rng.normal(size=(d_sae, d_out)) / np.sqrt(d_out),
+        "b_dec": rng.normal(size=d_out) * 0.1,
+    }
+    if "jumprelu" in arch:
+        w["threshold"] = rng.uniform(0.0, 0.2, size=d_sae)
+    if "skip" in arch:
+        w["W_skip"] = rng.normal(size=(d_out, d_in)) / np.sqrt(d_in)
+    cfg = {
+        "architecture": arch,
+        "d_in": d_in,
+        "d_sae": d_sae,
+        "d_out": d_out,
+        "dtype": "float32",
+        "apply_b_dec_to_input": False,
+        "normalize_activations": "none",
+        "metadata": {
+            "hook_name": f"blocks.{layer}.ln2.hook_normalized",
+            "hook_name_out": f"blocks.{layer}.hook_mlp_out",
+        },
+        **(cfg_extra or {}),
+    }
+    write_saelens_dir(path, cfg, w)
+    return cfg, {n: v.astype(np.float32) for n, v in w.items()}
+
+
+def transcode(cfg: dict, w: dict, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, d_in] -> (activations [n, d_sae], output [n, d_out]) (float64), as SAELens's transcoders compute
+    them: pre = x W_enc + b_enc (b_dec never subtracted), ReLU (JumpReLU: 0 where pre <= threshold),
+    output acts W_dec + b_dec (+ x W_skip^T for a skip transcoder)."""
+    x = x.astype(np.float64)
+    pre = x @ w["W_enc"].astype(np.float64) + w["b_enc"]
+    acts = np.maximum(pre, 0)
+    if "jumprelu" in cfg["architecture"]:
+        acts = acts * (pre > w["threshold"])
+    out = acts @ w["W_dec"].astype(np.float64) + w["b_dec"]
+    if "skip" in cfg["architecture"]:
+        out = out + x @ w["W_skip"].astype(np.float64).T
+    return acts, out

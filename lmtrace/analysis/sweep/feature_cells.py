@@ -58,6 +58,11 @@ def resolve_sae(run, ref: str) -> SweepSae:
 
     found = resolve_sae_ref(ref, run.manifest.get("features") or [], "--sae", f"run {run.id}")
     sae = read_sae(found.path)
+    if sae.cfg.transcoder:
+        raise SpecError(
+            f"--sae {ref}: sweep --over features does not support transcoders ({sae.cfg.architecture}) yet; "
+            f"use an SAE (standard, jumprelu, topk)"
+        )
     site = parse_hook_name(sae.cfg.hook_name, f"SAE {found.path}")
     _check_site(run, site, sae.cfg.d_in, found.path)
     archived = found.recorded is not None and f"feat_{found.recorded['name']}_idx" in run.array_names()

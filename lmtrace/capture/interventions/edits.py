@@ -210,29 +210,39 @@ class EditSet:
     def _features(self, indices: list[int]):
         """Entries `indices` (feature edits of one SAE) at its site: at each position the edits active there
         applied together (`features.edits.apply_feature_edits`: the SAE's reconstruction error kept);
-        positions no edit selects are left as they are."""
+        positions no edit selects are left as they are. A transcoder's latents are read at the MLP's input
+        and the change is added to the MLP's output (the same module's forward: one tap sees both)."""
         loaded = self.resources[indices[0]]
         module, where = loaded.site.locate(self.adapter)
         entries = [self.entries[i] for i in indices]
         edits = [e.feature_edit() for e in entries]
+        B = len(self.seq_ids)
 
-        def edit_features(x):
+        def edited(x, out=None):
             active = [(k, sel) for k, sel in enumerate(self._selected(e) for e in entries) if sel is not None]
             if not active:
                 return None
             if loaded.sae.W_dec.device != x.device:
                 loaded.sae.to(x.device)
-            rows = x.reshape(len(self.seq_ids), -1, x.shape[-1])  # [B, q, w]; OPT's fc2 sees [B*q, w]
+            rows = x.reshape(B, -1, x.shape[-1])  # [B, q, w]; OPT's fc2 sees [B*q, w]
+            target = rows if out is None else out.reshape(B, -1, out.shape[-1])
             code = sum(sel.long() << n for n, (_, sel) in enumerate(active))  # which edits apply, per position
-            out = rows.clone()
+            new = target.clone()
             for c in code.unique().tolist():
                 if c:
                     at = code == c
                     chosen = [edits[k] for n, (k, _) in enumerate(active) if c >> n & 1]
-                    out[at] = apply_feature_edits(rows[at], loaded.sae, chosen)
-            return out.reshape(x.shape)
+                    new[at] = apply_feature_edits(rows[at], loaded.sae, chosen, None if out is None else target[at])
+            return new.reshape((x if out is None else out).shape)
 
-        return edit_module(module, where, edit_features)
+        if not loaded.sae.cfg.transcoder:
+            return edit_module(module, where, edited)
+
+        def edit_mlp_out(module, args, kwargs, output):
+            value = edited(args[0] if args else kwargs["hidden_states"], first(output))
+            return None if value is None else replace_first(output, value)
+
+        return tap(module, edit_mlp_out, prepend=True)
 
     def _mask_experts(self, i: int, e: MaskExperts):
         """The masked experts' router logits set to -inf, then the router's own rule re-applied."""

@@ -13,6 +13,7 @@ from ...features import parse_hook_name, read_sae
 from ...features.edits import check_features
 from ...features.format import WEIGHTS
 from ...features.refs import file_sha256, resolve_sae_ref
+from ...features.sites import check_sae_sites
 from ..feature_probe import LoadedSae
 from .entries import EntryBase, FeatureEntry
 
@@ -46,6 +47,7 @@ def load_edit_saes(entries: list[EntryBase], recorded: list[dict]) -> tuple[list
 
 
 def check_edit_sites(saes: dict[int, LoadedSae], adapter) -> None:
-    """Refuse an SAE whose hook point the model lacks or whose d_in does not match the model (one line)."""
+    """Refuse an SAE whose hook point the model lacks or whose d_in does not match the model (a transcoder:
+    its output hook point and d_out too), one line."""
     for i, s in sorted(saes.items()):
-        s.site.check(adapter, s.sae.cfg.d_in, f"interventions[{i}]: SAE {s.path}")
+        check_sae_sites(adapter, s.sae.cfg, f"interventions[{i}]: SAE {s.path}")
