@@ -216,7 +216,6 @@ class EditSet:
         module, where = loaded.site.locate(self.adapter)
         entries = [self.entries[i] for i in indices]
         edits = [e.feature_edit() for e in entries]
-        B = len(self.seq_ids)
 
         def edited(x, out=None):
             active = [(k, sel) for k, sel in enumerate(self._selected(e) for e in entries) if sel is not None]
@@ -224,6 +223,7 @@ class EditSet:
                 return None
             if loaded.sae.W_dec.device != x.device:
                 loaded.sae.to(x.device)
+            B = len(self.seq_ids)
             rows = x.reshape(B, -1, x.shape[-1])  # [B, q, w]; OPT's fc2 sees [B*q, w]
             target = rows if out is None else out.reshape(B, -1, out.shape[-1])
             code = sum(sel.long() << n for n, (_, sel) in enumerate(active))  # which edits apply, per position
