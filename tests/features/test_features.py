@@ -346,7 +346,7 @@ def test_bad_sae_directories_get_one_line_and_exit_2(tmp_path):
     )
     cases["transcoder"] = (
         write_saelens_dir(tmp_path / "tc", {**good_cfg, "architecture": "transcoder"}, w),
-        "transcoders (transcoder) are not supported yet",
+        "a transcoder needs its output hook point",
     )
     for what, (path, text) in cases.items():
         with pytest.raises(SpecError) as err:
