@@ -162,6 +162,28 @@ def most_active(ids: np.ndarray) -> int:
     return int(np.argmax(counts))
 
 
+RUN_ID = "20270101-000000-000wide00"  # the id `widen` gives the copy
+
+
+def build(
+    runs: Path, sequences: int, source: Path | None, tmp: Path, feature: int | None = None
+) -> tuple[str, int | None, int]:
+    """The wide run under `runs` (reused when an earlier call built it there: its token rows then None)
+    and the latent to ask for (`feature`, else the most active in its first 256 sequences):
+    (run id, token rows, latent). `tmp` holds the source run generated when `source` is None."""
+    import zarr
+
+    if (runs / RUN_ID / "manifest.json").is_file():  # --keep DIR from an earlier run: reused
+        token_rows = None
+    else:
+        token_rows = widen(source or make_source(tmp), runs / RUN_ID, sequences)
+        add_features(runs / RUN_ID, sequences)
+    if feature is None:
+        group = zarr.open_group(str(runs / RUN_ID / "tensors.zarr"), mode="r")
+        feature = most_active(np.asarray(group[f"feat_{NAME}_idx"][:256]))
+    return RUN_ID, token_rows, feature
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", type=Path, help="a small complete run to copy (default: generate one)")
@@ -175,20 +197,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="lmtrace-feature-find-bench-"))
     try:
         runs = args.keep or (tmp / "wide")
-        run_id = "20270101-000000-000wide00"  # the id `widen` gives the copy
         t0 = time.perf_counter()
-        if (runs / run_id / "manifest.json").is_file():  # --keep DIR from an earlier run: reused
-            token_rows = None
-        else:
-            token_rows = widen(args.source or make_source(tmp), runs / run_id, args.sequences)
-            add_features(runs / run_id, args.sequences)
+        run_id, token_rows, feature = build(runs, args.sequences, args.source, tmp, args.feature)
         build_s = time.perf_counter() - t0
-        import zarr
-
-        feature = args.feature
-        if feature is None:
-            group = zarr.open_group(str(runs / run_id / "tensors.zarr"), mode="r")
-            feature = most_active(np.asarray(group[f"feat_{NAME}_idx"][:256]))
         cmd = ("features", run_id, "--sae", NAME, "--feature", str(feature))
         times, cpu, out = [], [], None
         for _ in range(args.repeats + 1):  # the first may load the model (a fresh cache): reported apart

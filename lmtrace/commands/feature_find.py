@@ -81,14 +81,13 @@ def feature_report(
 ) -> dict:
     """`prompt`: over the prompt positions (the run's `prompt_feat_*` arrays) instead of the generated
     tokens; an example is then the token at which the activation was read, its step None."""
-    from ..analysis.features.find import FeatureArrays, context, density, examples
+    from ..analysis.features.find import context, occurrences
 
     if not 0 <= feature < int(entry["d_sae"]):
         raise SpecError(f"--feature {feature}: SAE {entry['name']} has latents 0..{int(entry['d_sae']) - 1}")
     _check_prompt(run, entry, prompt)
-    arrays = FeatureArrays.read_feature(run, entry["name"], feature, prompt=prompt)
-    found = examples(arrays, feature, top)
-    n_active, share = density(arrays, feature)
+    occ = occurrences(run, entry["name"], feature, prompt=prompt)
+    found = occ.top(top)
     texts = _token_texts(run, [seq for seq, _, _ in found])
     prompt_len = run.prompt_len()
     rows = []
@@ -110,9 +109,9 @@ def feature_report(
         "hook_name": entry["hook_name"],
         "feature": feature,
         "positions": "prompt" if prompt else "generated",
-        "tokens": arrays.n_tokens,
-        "active_tokens": n_active,
-        "density": share,
+        "tokens": occ.n_tokens,
+        "active_tokens": occ.n_active,
+        "density": occ.density,
         "examples": rows,
         "logit_effects": _logit_effects(run, entry, feature, n_tokens, device),
     }

@@ -270,24 +270,14 @@ def step_detail(run, sequence: int, step: int) -> dict:
 
 
 def step_features(run, sequence: int, step: int) -> list[dict]:
-    """Per SAE of the run: the token's archived active latents, largest first."""
-    import numpy as np
+    """Per SAE of the run: the token's archived active latents, largest first (ties: the smaller latent
+    first): every one of them, read by the token view's own `viewdata.features.token_features`."""
+    from ..viewdata.features import token_features
 
-    out = []
-    names = set(run.array_names())
-    for f in run.manifest["features"]:
-        if f"feat_{f['name']}_idx" not in names:
-            continue
-        ids = np.asarray(run.array(f"feat_{f['name']}_idx")[sequence, step])
-        vals = np.asarray(run.array(f"feat_{f['name']}_val")[sequence, step])
-        out.append(
-            {
-                "sae": f["name"],
-                "hook_name": f["hook_name"],
-                "active": [{"feature": int(i), "activation": float(v)} for i, v in zip(ids, vals) if i >= 0],
-            }
-        )
-    return out
+    return [
+        {"sae": f["sae"], "hook_name": f["hook_name"], "active": f["features"]}
+        for f in token_features(run, sequence, step, top=None) or []
+    ]
 
 
 def _packed(head: str, cells: list[str], width: int) -> list[str]:
@@ -331,7 +321,11 @@ def _print_step(d: dict, console: Console) -> None:
         out(f"  {n:2d}. {repr(a['text']).ljust(width)}  {a['prob']:.4g}  (id {a['id']})")
     for f in d.get("features", []):
         cells = [f"{a['feature']} {a['activation']:.3g}" for a in f["active"]] or ["(none active)"]
-        for line in _packed(f"features of SAE {f['sae']} ({f['hook_name']}): ", cells, console.width):
+        head = f"features of SAE {f['sae']} ({f['hook_name']}): "
+        if len(head) > console.width // 2:  # the cells under a long head, not in a narrow column beside it
+            out(head.rstrip())
+            head = "  "
+        for line in _packed(head, cells, console.width):
             out(line)
     lens = d["lens"]
     if lens["state"] == "none":

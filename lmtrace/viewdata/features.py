@@ -2,8 +2,11 @@
 the latents active at a selected token, read from the run's archived feature arrays (`feat_<sae>_idx`
 / `_val`, written by `generate --sae` / `capture.features` or `lmtrace features RUN --sae DIR`).
 
-The numbers are `lmtrace features RUN --sae NAME --feature F`'s (analysis/features/find.py: `scan`,
-`window_bounds`), computed by the same code. Logit effects need the model's final norm and
+The numbers are `lmtrace features RUN --sae NAME --feature F`'s (analysis/features/find.py:
+`occurrences`, `window_bounds`), computed by the same code. A long-lived reader (the server) keeps a
+latent's occurrences per complete run (its Run object: one per manifest version, so a run that is
+resumed or gets features computed again is read afresh) and SAE weights (sha256): asking again with
+another `top` or `window` reads no feature array; a run still being written is read on every request. Logit effects need the model's final norm and
 unembedding, and the views load no model: a page shows the ones `lmtrace features --feature F`
 computed and kept in the run (`find.stored_logit_effects`), else says which command computes them.
 
@@ -17,10 +20,14 @@ with `prompt: true`, `lmtrace features RUN --sae DIR --prompt`): an example is t
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
+
 import numpy as np
 import pyarrow.compute as pc
 
-from ..analysis.features.find import logit_effects_file, scan, stored_logit_effects, window_bounds
+from ..analysis.features.find import Occurrences, logit_effects_file, occurrences, stored_logit_effects, window_bounds
 from ..archive.reader import Run
 from . import kept
 from .errors import BadParameter, NotFound
@@ -31,6 +38,10 @@ PAGE_TOP = 20  # examples on a feature page by default
 PAGE_WINDOW = 8  # tokens of context before an example (two after, as `features --feature`)
 MAX_TOP, MAX_WINDOW = 200, 64
 HISTOGRAM_BINS = 20
+KEPT_PER_RUN = 32  # latents' occurrences kept per complete run (the server keeps at most 16 runs open)
+
+_kept: weakref.WeakKeyDictionary[Run, OrderedDict] = weakref.WeakKeyDictionary()
+_kept_lock = threading.Lock()
 
 
 def sae_entries(run: Run) -> list[dict]:
@@ -50,9 +61,10 @@ def sae_entry(run: Run, sae: str) -> dict:
     )
 
 
-def token_features(run: Run, seq: int, step: int, top: int = TOKEN_TOP) -> list[dict] | None:
-    """Per SAE of the run: the selected token's archived active latents, largest first (at most `top`),
-    with the SAE's name, hook and width; None when the run has no feature arrays."""
+def token_features(run: Run, seq: int, step: int, top: int | None = TOKEN_TOP) -> list[dict] | None:
+    """Per SAE of the run: the selected token's archived active latents, largest first (ties: the
+    smaller latent first; at most `top`, every one with None: `lmtrace show --step`), with the SAE's
+    name, hook and width and how many were active; None when the run has no feature arrays."""
     entries = sae_entries(run)
     if not entries:
         return None
@@ -103,7 +115,8 @@ def feature_page(
     _bounded(window, "window", 0, MAX_WINDOW)
     for s in sequences or []:
         check_sequence(run, s)
-    found, n_active, n_tokens, values = scan(run, entry["name"], feature, top, sequences, prompt=prompt)
+    occ = kept_occurrences(run, entry, feature, sequences, prompt)
+    values = occ.value
     counts, edges = np.histogram(values.astype(np.float64), bins=HISTOGRAM_BINS) if len(values) else ([], [])
     effects = stored_logit_effects(run.path, entry, feature)
     return {
@@ -115,12 +128,12 @@ def feature_page(
         "positions": positions,
         "has_prompt_positions": f"prompt_feat_{entry['name']}_idx" in kept.array_names(run),
         "sequences": None if sequences is None else sorted(set(sequences)),
-        "tokens": n_tokens,
-        "active_tokens": n_active,
-        "density": n_active / max(n_tokens, 1),
+        "tokens": occ.n_tokens,
+        "active_tokens": occ.n_active,
+        "density": occ.density,
         "max_activation": float(values.max()) if len(values) else None,
         "histogram": {"counts": [int(c) for c in counts], "edges": [float(e) for e in edges]},
-        "examples": _examples(run, entry, feature, found, window, prompt),
+        "examples": _examples(run, entry, feature, occ.top(top), window, prompt),
         "logit_effects": effects,
         "logit_note": None
         if effects
@@ -129,6 +142,38 @@ def feature_page(
             f"computes them with the run's model and keeps them in the run ({logit_effects_file(entry['name'])})"
         ),
     }
+
+
+def kept_occurrences(
+    run: Run, entry: dict, feature: int, sequences: list[int] | None = None, prompt: bool = False
+) -> Occurrences:
+    """`find.occurrences` of latent `feature` of the SAE `entry` (manifest `features`), kept per complete
+    Run object and (SAE name, weights sha256, latent, sequences, positions), the latest KEPT_PER_RUN;
+    read every time for a run still being written (its arrays grow)."""
+
+    def read() -> Occurrences:
+        return occurrences(run, entry["name"], feature, sequences, prompt=prompt)
+
+    if run.status != "complete":
+        return read()
+    key = (
+        entry["name"],
+        entry["sha256"],
+        feature,
+        prompt,
+        None if sequences is None else tuple(sorted(set(sequences))),
+    )
+    with _kept_lock:
+        store = _kept.setdefault(run, OrderedDict())
+        if key in store:
+            store.move_to_end(key)
+            return store[key]
+    found = read()
+    with _kept_lock:
+        store[key] = found
+        while len(store) > KEPT_PER_RUN:
+            store.popitem(last=False)
+    return found
 
 
 def _prompt_positions(run: Run, entry: dict, positions: str) -> bool:

@@ -332,16 +332,43 @@ def test_features_by_a_prompt_column_give_the_group_means(tmp_path, feature_runs
             assert stats["low"] <= stats["mean"] + 1e-9 and stats["mean"] <= stats["high"] + 1e-9
 
 
-def test_show_step_lists_the_tokens_active_features(feature_runs, tmp_path):
-    run = feature_runs["inline"]
-    proc = lmtrace(tmp_path, "show", str(run.path), "--step", "1", "--sequence", "2", "--json")
+def _own_active(run_dir: Path, name: str, seq: int, step: int) -> list[tuple[int, float]]:
+    """The token's archived latents read here with zarr: (latent, activation), largest first, ties by id."""
+    import zarr
+
+    store = zarr.open_group(str(run_dir / "tensors.zarr"), mode="r")
+    ids, vals = np.asarray(store[f"feat_{name}_idx"][seq, step]), np.asarray(store[f"feat_{name}_val"][seq, step])
+    return sorted(((int(i), float(v)) for i, v in zip(ids, vals) if i >= 0), key=lambda x: (-x[1], x[0]))
+
+
+def test_show_step_lists_every_archived_latent_of_the_token_in_json_and_at_80_columns(feature_runs, tmp_path):
+    """All of them (16 here, more than the token view's 10), in --json and in the terminal's cells."""
+    run = tmp_path / "runs" / "wide-k"
+    shutil.copytree(feature_runs["plain"].path, run)
+    proc = lmtrace(tmp_path, "features", str(run), "--sae", str(feature_runs["sae"]), "--top-k", "16")
     assert proc.returncode == 0, proc.stderr
-    (entry,) = json.loads(proc.stdout)["features"]
-    idx, val = _arrays(run.path, "resid-sae")
-    assert [a["feature"] for a in entry["active"]] == [int(i) for i in idx[2, 1] if i >= 0]
-    np.testing.assert_allclose([a["activation"] for a in entry["active"]], val[2, 1][idx[2, 1] >= 0], rtol=1e-6)
-    text = lmtrace(tmp_path, "show", str(run.path), "--step", "1", "--sequence", "2").stdout
-    assert "features of SAE resid-sae (blocks.1.hook_resid_post):" in text
+    for path, seq, step in ((feature_runs["inline"].path, 2, 1), (run, 0, 0), (run, 1, 3)):
+        want = _own_active(path, "resid-sae", seq, step)
+        assert path == feature_runs["inline"].path or len(want) == 16
+        args = ("show", str(path), "--step", str(step), "--sequence", str(seq))
+        proc = lmtrace(tmp_path, *args, "--json")
+        assert proc.returncode == 0, proc.stderr
+        (entry,) = json.loads(proc.stdout)["features"]
+        assert (entry["sae"], entry["hook_name"]) == ("resid-sae", "blocks.1.hook_resid_post")
+        assert [a["feature"] for a in entry["active"]] == [i for i, _ in want]
+        np.testing.assert_allclose([a["activation"] for a in entry["active"]], [v for _, v in want], rtol=1e-6)
+        # at 80 columns the 55-column head is a line of its own, the cells packed under it
+        lines = lmtrace(tmp_path, *args, env={"COLUMNS": "80"}).stdout.splitlines()
+        first = lines.index("features of SAE resid-sae (blocks.1.hook_resid_post):")
+        block = []
+        for line in lines[first + 1 :]:
+            if not line.startswith("  "):
+                break
+            block.append(line)
+        assert all(len(line) <= 80 for line in block) and len(block) < len(want)
+        cells = [c.split() for line in block for c in line[2:].split("  ")]
+        assert [int(f) for f, _ in cells] == [i for i, _ in want]
+        np.testing.assert_allclose([float(v) for _, v in cells], [v for _, v in want], rtol=1e-2)
 
 
 def _bad_saes(tmp_path: Path) -> dict[str, tuple[Path, str]]:

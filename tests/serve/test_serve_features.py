@@ -91,6 +91,51 @@ def test_feature_route_has_the_logit_effects_features_find_kept_and_names_the_co
     assert f"lmtrace features feat --sae {SAE_NAME} --feature {other}" in page["logit_note"]
 
 
+def test_a_latents_page_reads_the_feature_arrays_once_per_manifest_version(feat, tmp_path, monkeypatch):
+    """Asking again (other top / window) reads no feature array; a run directory replaced by another run
+    (a new manifest) is read afresh, its own numbers."""
+    import shutil
+
+    import lmtrace.archive.feature_arrays as feature_arrays
+    from tests.helpers.runs import PROMPTS, run_spec
+
+    reads: list[str] = []
+    read_whole = feature_arrays.read_whole
+
+    def counted(array, *args, **kwargs):
+        reads.append(array.path)
+        return read_whole(array, *args, **kwargs)
+
+    monkeypatch.setattr(feature_arrays, "read_whole", counted)
+    runs, f = tmp_path / "runs", feat["feature"]
+    shutil.copytree(feat["run"].path, runs / "r")
+    server = LiveServer(runs)
+    try:
+        for top, window in ((7, 3), (4, 1), (7, 3)):
+            got = server.json(f"/api/runs/r/features/{SAE_NAME}/{f}?top={top}&window={window}")
+            want = _own_page(runs / "r", f, top, window)
+            assert [(e["sequence"], e["step"]) for e in got["examples"]] == [(s, t) for s, t, *_ in want["examples"]]
+        assert len(reads) == 2  # the latent's ids and values, read once
+        other = run_spec(
+            tmp_path / "other",
+            {
+                "model": str(feat["model"]),
+                "prompts": PROMPTS[::-1],
+                "generation": {"max_new_tokens": 8, "batch_size": 3},
+                "capture": {"features": [{"sae": str(feat["sae"]), "top_k": 5}]},
+            },
+        )
+        shutil.rmtree(runs / "r")
+        shutil.copytree(other.path, runs / "r")
+        got = server.json(f"/api/runs/r/features/{SAE_NAME}/{f}?top=7&window=3")
+        want = _own_page(runs / "r", f, 7, 3)
+        assert len(reads) == 4
+        assert [(e["sequence"], e["step"]) for e in got["examples"]] == [(s, t) for s, t, *_ in want["examples"]]
+        assert (got["active_tokens"], got["histogram"]["counts"]) == (want["active"], want["counts"].tolist())
+    finally:
+        server.stop()
+
+
 def test_selected_token_lists_each_saes_archived_latents_largest_first(feat):
     idx, val = arrays(feat["run"].path)
     for seq, step in ((0, 0), (1, 4), (2, 7)):

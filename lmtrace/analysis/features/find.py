@@ -1,12 +1,13 @@
 """Finding features in a run's archived feature arrays (docs/features.md, "Finding features").
 
-`examples`: a latent's max-activating tokens over the whole run, each with its context; `density`: the
-share of the run's tokens where it is among the archived top-k; `logit_effects_np`: its decoder direction
-through the final norm and unembedding (kept in the run for the views that load no model:
-`store_logit_effects`); `scan`: examples and density in one pass, a block of sequences at a time (the
-views' feature pages, viewdata/features.py); `by_groups`: the latents whose mean activation differs most
-between groups of sequences, with 95 % bootstrap intervals over each group's sequences (the resamples
-of `analysis/sweep/effects.bootstrap_weights`, as `sweep --by` draws them).
+`occurrences`: every archived activation of a latent over the run (or some of its sequences), read
+shard by shard, the values only of the sequences that hold it: its max-activating tokens (`top`) and
+its density (the share of the run's tokens where it is among the archived top-k), the one answer
+under `lmtrace features --feature` and the views' feature pages (viewdata/features.py);
+`logit_effects_np`: its decoder direction through the final norm and unembedding (kept in the run for
+the views that load no model: `store_logit_effects`); `by_groups`: the latents whose mean activation
+differs most between groups of sequences, with 95 % bootstrap intervals over each group's sequences
+(the resamples of `analysis/sweep/effects.bootstrap_weights`, as `sweep --by` draws them).
 
 Activations are the archived ones: a latent outside a token's top-k counts as 0 there, so density and
 means are lower bounds when a token had more than top_k active latents.
@@ -23,8 +24,6 @@ import numpy as np
 
 from ...archive.files import atomic_write_json
 from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weights
-
-SCAN_BLOCK = 256  # sequences of the feature arrays read at a time by `scan`
 
 
 @dataclass
@@ -52,71 +51,61 @@ class FeatureArrays:
             prompt,
         )
 
-    @classmethod
-    def read_feature(cls, run, name: str, feature: int, prompt: bool = False) -> FeatureArrays:
-        """What `examples` and `density` of one latent read: every token's ids, and the values of only
-        the sequences where `feature` occurs (the others' values read as NaN, never decoded)."""
-        from ...archive.feature_arrays import read_whole
-
-        prefix = "prompt_" if prompt else ""
-        lengths = run.prompt_len() if prompt else run.generated_len()
-        idx = read_whole(run.array(f"{prefix}feat_{name}_idx"))
-        has = (idx == feature).any(axis=tuple(range(1, idx.ndim)))
-        val = read_whole(run.array(f"{prefix}feat_{name}_val"), has)
-        return cls(idx, val, np.maximum(np.asarray(lengths, dtype=np.int64), 0), prompt)
-
     @property
     def n_tokens(self) -> int:
         return int(self.generated_len.sum())
 
 
-def examples(arrays: FeatureArrays, feature: int, top: int) -> list[tuple[int, int, float]]:
-    """(sequence, step, activation) of the `top` largest activations of `feature`, largest first."""
-    seq, step, k = np.nonzero(arrays.idx == feature)
-    vals = arrays.val[seq, step, k]
-    order = np.lexsort((step, seq, -vals))[:top]
-    return [(int(seq[i]), int(step[i]), float(vals[i])) for i in order]
+@dataclass(frozen=True)
+class Occurrences:
+    """Every archived activation of one latent over a run's tokens (or over the sequences asked for):
+    sequence, step (a prompt position over the prompt arrays) and value of each, in (sequence, step)
+    order, and the number of archived tokens they were found among."""
+
+    sequence: np.ndarray
+    step: np.ndarray
+    value: np.ndarray
+    n_tokens: int
+    n_active: int  # tokens where the latent is among the archived top-k
+
+    @property
+    def density(self) -> float:
+        return self.n_active / max(self.n_tokens, 1)
+
+    def top(self, n: int) -> list[tuple[int, int, float]]:
+        """(sequence, step, activation) of the `n` largest activations, largest first (ties: the
+        smaller sequence, then step, first)."""
+        order = np.lexsort((self.step, self.sequence, -self.value))[:n]
+        return [(int(self.sequence[i]), int(self.step[i]), float(self.value[i])) for i in order]
 
 
-def density(arrays: FeatureArrays, feature: int) -> tuple[int, float]:
-    """(tokens where `feature` is active, that share of the run's archived tokens)."""
-    n = int((arrays.idx == feature).any(-1).sum())
-    return n, n / max(arrays.n_tokens, 1)
+def occurrences(run, name: str, feature: int, sequences: list[int] | None = None, prompt: bool = False) -> Occurrences:
+    """Where latent `feature` of the run's SAE `name` is among a token's archived top-k, and its values
+    there: what `lmtrace features --feature` and the views' feature pages answer from. The arrays are
+    read shard file by shard file (`archive/feature_arrays.read_whole`): every token's ids (of
+    `sequences` only, when given), and the values of only the sequences where `feature` occurs.
+    `prompt`: over the prompt positions' arrays (`prompt_feat_*`)."""
+    from ...archive.feature_arrays import read_whole
 
-
-def scan(
-    run,
-    name: str,
-    feature: int,
-    top: int,
-    sequences: list[int] | None = None,
-    block: int = SCAN_BLOCK,
-    prompt: bool = False,
-) -> tuple[list[tuple[int, int, float]], int, int, np.ndarray]:
-    """`examples`, `density`'s count and the run's tokens in one pass over the arrays, `block`
-    sequences at a time (memory bounded by a block), restricted to `sequences` when given: (examples,
-    active tokens, archived tokens, every activation of `feature` over those tokens). The examples are
-    `examples`' (each block's `top` candidates, merged in its order). `prompt`: over the prompt
-    positions' arrays (`prompt_feat_*`), an example's second number its prompt position."""
     prefix = "prompt_" if prompt else ""
-    idx_a, val_a = run.array(f"{prefix}feat_{name}_idx"), run.array(f"{prefix}feat_{name}_val")
     lengths = np.maximum(np.asarray(run.prompt_len() if prompt else run.generated_len(), dtype=np.int64), 0)
-    chosen = np.arange(len(lengths)) if sequences is None else np.asarray(sorted(set(sequences)), dtype=np.int64)
-    found: list[tuple[int, int, float]] = []
-    n_active, values = 0, []
-    for start in range(0, len(chosen), block):
-        seqs = chosen[start : start + block]
-        if sequences is None:  # a contiguous block
-            idx, val = np.asarray(idx_a[seqs[0] : seqs[-1] + 1]), np.asarray(val_a[seqs[0] : seqs[-1] + 1])
-        else:  # only the sequences asked for
-            idx, val = idx_a.get_orthogonal_selection((seqs,)), val_a.get_orthogonal_selection((seqs,))
-        part = FeatureArrays(np.asarray(idx), np.asarray(val), lengths[seqs])
-        found += [(int(seqs[s]), st, v) for s, st, v in examples(part, feature, top)]
-        n_active += density(part, feature)[0]
-        values.append(part.val[part.idx == feature])
-    order = sorted(found, key=lambda e: (-e[2], e[0], e[1]))[:top]
-    n_tokens = int(lengths[chosen].sum())
-    return order, n_active, n_tokens, np.concatenate(values) if values else np.zeros(0, np.float32)
+    chosen = None
+    if sequences is not None:
+        chosen = np.zeros(len(lengths), dtype=bool)
+        chosen[np.asarray(sorted(set(sequences)), dtype=np.int64)] = True
+    idx = read_whole(run.array(f"{prefix}feat_{name}_idx"), chosen)
+    hits = idx == feature
+    seq, step, k = np.nonzero(hits)
+    has = np.zeros(idx.shape[0], dtype=bool)
+    has[seq] = True
+    val = read_whole(run.array(f"{prefix}feat_{name}_val"), has)
+    return Occurrences(
+        seq.astype(np.int64),
+        step.astype(np.int64),
+        val[seq, step, k],
+        int(lengths.sum() if chosen is None else lengths[chosen].sum()),
+        int(hits.any(-1).sum()),
+    )
 
 
 def window_bounds(n: int, position: int, window: int, after: int = 2) -> tuple[int, int]:
