@@ -275,7 +275,12 @@ def step_features(run, sequence: int, step: int) -> list[dict]:
     from ..viewdata.features import token_features
 
     return [
-        {"sae": f["sae"], "hook_name": f["hook_name"], "active": f["features"]}
+        {
+            "sae": f["sae"],
+            "hook_name": f["hook_name"],
+            **({"hook_name_out": f["hook_name_out"]} if "hook_name_out" in f else {}),
+            "active": f["features"],
+        }
         for f in token_features(run, sequence, step, top=None) or []
     ]
 
@@ -321,7 +326,8 @@ def _print_step(d: dict, console: Console) -> None:
         out(f"  {n:2d}. {repr(a['text']).ljust(width)}  {a['prob']:.4g}  (id {a['id']})")
     for f in d.get("features", []):
         cells = [f"{a['feature']} {a['activation']:.3g}" for a in f["active"]] or ["(none active)"]
-        head = f"features of SAE {f['sae']} ({f['hook_name']}): "
+        hook = f"{f['hook_name']} → {f['hook_name_out']}" if "hook_name_out" in f else f["hook_name"]
+        head = f"features of SAE {f['sae']} ({hook}): "
         if len(head) > console.width // 2:  # the cells under a long head, not in a narrow column beside it
             out(head.rstrip())
             head = "  "

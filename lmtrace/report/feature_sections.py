@@ -16,7 +16,7 @@ import json
 import numpy as np
 
 from ..viewdata.features import feature_page as page_answer
-from ..viewdata.features import sae_entries
+from ..viewdata.features import hook_label, sae_entries
 from ..viewdata.queries import steps_ready
 from .run_data import RunData
 from .sections import Section, esc
@@ -60,7 +60,7 @@ def features_section(data: RunData, sel: Selection) -> Section | None:
     ]
     for entry in entries:
         chosen = shown_top_features(data, sel, entry)
-        parts.append(f"<h3>SAE <code>{esc(entry['name'])}</code> · {esc(entry['hook_name'])}</h3>")
+        parts.append(f"<h3>SAE <code>{esc(entry['name'])}</code> · {esc(hook_label(entry))}</h3>")
         if not chosen:
             parts.append("<p class='note'>no latent archived active on the tokens shown</p>")
             continue

@@ -61,6 +61,13 @@ def sae_entry(run: Run, sae: str) -> dict:
     )
 
 
+def hook_label(entry: dict) -> str:
+    """The hook point an SAE reads, or a transcoder's two ("input → output": it reads the MLP's input and
+    writes the MLP's output)."""
+    out = entry.get("hook_name_out")
+    return f"{entry['hook_name']} → {out}" if out else entry["hook_name"]
+
+
 def token_features(run: Run, seq: int, step: int, top: int | None = TOKEN_TOP) -> list[dict] | None:
     """Per SAE of the run: the selected token's archived active latents, largest first (ties: the
     smaller latent first; at most `top`, every one with None: `lmtrace show --step`), with the SAE's
@@ -78,6 +85,8 @@ def token_features(run: Run, seq: int, step: int, top: int | None = TOKEN_TOP) -
             {
                 "sae": f["name"],
                 "hook_name": f["hook_name"],
+                **({"hook_name_out": f["hook_name_out"]} if f.get("hook_name_out") else {}),
+                "hook": hook_label(f),
                 "d_sae": int(f["d_sae"]),
                 "active": int(keep.sum()),
                 "features": [{"feature": int(ids[keep][i]), "activation": float(vals[keep][i])} for i in order],
@@ -123,6 +132,8 @@ def feature_page(
         "run_id": run.path.name,
         "sae": entry["name"],
         "hook_name": entry["hook_name"],
+        **({"hook_name_out": entry["hook_name_out"]} if entry.get("hook_name_out") else {}),
+        "hook": hook_label(entry),
         "d_sae": int(entry["d_sae"]),
         "feature": feature,
         "positions": positions,

@@ -255,3 +255,19 @@ def test_transcoders_the_model_cannot_serve_and_commands_without_transcoders_are
         run_sweep(str(parent.path), SweepSpec(over="features", sae=sae, features="1", metrics=["logprob"]))
     with pytest.raises(SpecError, match="explain does not support transcoders"):
         explain_run(parent.path, "1", sequence=0, methods=["grad_x_input"], saes=[sae])
+
+
+def test_the_views_name_a_transcoders_input_and_output_hook_points(runs, tmp_path):
+    from lmtrace.commands.show import step_features
+    from lmtrace.viewdata.features import feature_page, token_features
+
+    run, name = runs["llama"]["run"], runs["llama"]["sae"].name
+    both = "blocks.1.ln2.hook_normalized → blocks.1.hook_mlp_out"
+    (tok,) = token_features(run, 0, 0)
+    assert (tok["hook"], tok["hook_name_out"]) == (both, "blocks.1.hook_mlp_out")
+    feature = tok["features"][0]["feature"]
+    assert feature_page(run, name, feature)["hook"] == both
+    (listed,) = step_features(run, 0, 0)
+    assert listed["hook_name_out"] == "blocks.1.hook_mlp_out"
+    out = lmtrace(tmp_path, "show", str(run.path), "--step", "0", env={"COLUMNS": "200"})
+    assert f"features of SAE {name} ({both}): " in out.stdout

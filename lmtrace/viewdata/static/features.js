@@ -24,7 +24,7 @@ window.lmtraceFeatures = (() => {
         return href ? el("a", { href, text: String(f.feature), title: `feature ${f.feature} of ${g.sae}: its page` })
           : el("span", { text: String(f.feature), title: opts.featureMissing ? opts.featureMissing(g.sae, f.feature) : null });
       };
-      box.appendChild(el("h3", {}, el("span", { class: "mono", text: g.sae }), ` · ${g.hook_name} · ${g.active} active`
+      box.appendChild(el("h3", {}, el("span", { class: "mono", text: g.sae }), ` · ${g.hook} · ${g.active} active`
         + (g.active > g.features.length ? `, top ${g.features.length}` : "")));
       box.appendChild(g.features.length
         ? el("table", { class: "list feature-list", data: { sae: g.sae } },
@@ -45,7 +45,7 @@ window.lmtraceFeatures = (() => {
     const max = d.max_activation || 1e-12;
     const head = el("div", { class: "feature-head" },
       el("p", { class: "meta" }, el("span", {}, el("b", { text: "SAE " }), el("span", { class: "mono", text: d.sae })),
-        el("span", { text: d.hook_name }), el("span", { text: `${d.d_sae} latents` }),
+        el("span", { text: d.hook }), el("span", { text: `${d.d_sae} latents` }),
         el("span", { id: "feature-density", text: `active on ${d.active_tokens.toLocaleString("en")} of ${d.tokens.toLocaleString("en")} tokens`
           + ` (density ${Number(d.density).toPrecision(3)})` + (d.sequences ? ` of the ${d.sequences.length} sequences shown` : "") }),
         opts.positionsHref && d.has_prompt_positions
