@@ -143,31 +143,49 @@ def _zarr_read(array, sequences: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def read_block(array, start: int, stop: int) -> np.ndarray:
+def read_block(array, start: int, stop: int, pick: tuple[int, int] | None = None) -> np.ndarray:
     """Sequences start..stop-1 of a sharded archive array (as `array[start:stop]`), decoded by
-    `read_whole`'s reader: only the shard files holding them are read."""
+    `read_whole`'s reader: only the shard files holding them are read. `pick` (axis, index): only that
+    index of an axis every inner chunk holds whole (a layer of `resid`), the axis dropped (as
+    `array[start:stop, ..., index]` on that axis); each inner chunk is still decoded and checked whole,
+    but only the picked values are laid out."""
     from .shards import read_index, sharding_of
 
     sharding = sharding_of(array)
     decode = None if sharding is None else _decoder_of(sharding.codecs)
     root = getattr(array.store, "root", None)
     if decode is None or root is None or array.metadata.zarr_format != 3:
-        return np.asarray(array[start:stop])
+        return _zarr_block(array, start, stop, pick)
     try:
         rows = int(array.shards[0])
         first = start // rows
-        block = _read_shards(array, Path(root) / array.path, decode, read_index, None, (first, -(-stop // rows)))
+        block = _read_shards(array, Path(root) / array.path, decode, read_index, None, (first, -(-stop // rows)), pick)
         return block[start - first * rows : stop - first * rows]
     except (OSError, ValueError, RuntimeError):
+        return _zarr_block(array, start, stop, pick)
+
+
+def _zarr_block(array, start: int, stop: int, pick: tuple[int, int] | None) -> np.ndarray:
+    if pick is None:
         return np.asarray(array[start:stop])
+    axis, index = pick
+    return np.asarray(array[(slice(start, stop),) + (slice(None),) * (axis - 1) + (index,)])
 
 
 def _read_shards(
-    array, folder: Path, decode, read_index, sequences: np.ndarray | None, rows: tuple[int, int] | None = None
+    array,
+    folder: Path,
+    decode,
+    read_index,
+    sequences: np.ndarray | None,
+    rows: tuple[int, int] | None = None,
+    pick: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """The shards' inner chunks decoded and laid out shard by shard: a shard's chunks stacked as
     [*chunks per shard, *inner chunk], its axes interleaved into the shard's shape. `rows`: only the
-    shards of that range along the first dimension (the result starts at the first's first row)."""
+    shards of that range along the first dimension (the result starts at the first's first row);
+    `pick` (axis, index): that axis dropped, only `index` of it kept (ValueError unless each inner
+    chunk holds the axis whole)."""
     from .shards import ABSENT
 
     shape, shard, inner = tuple(array.shape), tuple(array.shards), tuple(array.chunks)
@@ -177,8 +195,16 @@ def _read_shards(
     hi = min(hi, grid[0])
     per_shard = tuple(s // c for s, c in zip(shard, inner))
     n_inner, inner_bytes = int(np.prod(per_shard)), int(np.prod(inner)) * dtype.itemsize
-    out = np.full(((hi - lo) * shard[0],) + tuple(g * s for g, s in zip(grid[1:], shard[1:])), array.fill_value, dtype)
     fill = np.full(inner, array.fill_value, dtype=dtype).tobytes()
+    grid_rest, inner_whole, select = grid[1:], inner, None
+    if pick is not None:
+        axis, kept = pick
+        if not 0 < axis < len(shape) or not inner[axis] == shard[axis] == shape[axis] or not 0 <= kept < shape[axis]:
+            raise ValueError(f"cannot pick index {kept} of axis {axis} from inner chunks {inner}")
+        select = (slice(None),) * axis + (kept,)
+        shape, shard, inner, per_shard = (t[:axis] + t[axis + 1 :] for t in (shape, shard, inner, per_shard))
+        grid_rest = grid[1:axis] + grid[axis + 1 :]
+    out = np.full(((hi - lo) * shard[0],) + tuple(g * s for g, s in zip(grid_rest, shard[1:])), array.fill_value, dtype)
     nd = len(shape)
     interleave = [a for d in range(nd) for a in (d, nd + d)]
     # the sequence of each inner chunk of a shard, relative to the shard's first (C order, as indexed)
@@ -205,8 +231,12 @@ def _read_shards(
             blob = fill if offset == absent or not keep else decode(data[offset : offset + nbytes])
             if len(blob) != inner_bytes:
                 raise ValueError("inner chunk of unexpected size")
-            blobs.append(blob)
-        block = np.frombuffer(b"".join(blobs), dtype=dtype).reshape(per_shard + inner)
+            blobs.append(blob if select is None else np.frombuffer(blob, dtype=dtype).reshape(inner_whole)[select])
+        if select is None:
+            block = np.frombuffer(b"".join(blobs), dtype=dtype).reshape(per_shard + inner)
+        else:
+            block = np.stack(blobs).reshape(per_shard + inner)
+            coords = coords[: pick[0]] + coords[pick[0] + 1 :]
         at = tuple(slice(c * s, (c + 1) * s) for c, s in zip((coords[0] - lo,) + coords[1:], shard))
         out[at] = block.transpose(interleave).reshape(shard)
     size = (min(shape[0], hi * shard[0]) - lo * shard[0],) + shape[1:]

@@ -11,18 +11,19 @@ applies to pages that carry a checksum.
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from ..exits.errors import ArchiveDamaged
 from . import layout
 
-FORMAT = ds.ParquetFileFormat(
-    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-)
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
+
 READ_ERRORS = (OSError, pa.ArrowException)
 
 
@@ -52,10 +53,24 @@ def parquet_file(path) -> pq.ParquetFile:
         raise damage_of([Path(path)], err) from None
 
 
+@cache
+def _checked_format() -> ds.ParquetFileFormat:
+    """The Parquet format whose scans check every page. pyarrow.dataset is imported here, on the first
+    table read, not with this module: it costs ~0.3 s of CPU (it imports pandas), which a command that
+    reads arrays only (`lmtrace features RUN --sae DIR` from the archive) need not pay."""
+    import pyarrow.dataset as ds
+
+    return ds.ParquetFileFormat(
+        default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+    )
+
+
 def dataset(files) -> ds.Dataset:
     """A dataset over one or several Parquet files whose scans check each page they read."""
+    import pyarrow.dataset as ds
+
     paths = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
-    return ds.dataset(paths if len(paths) != 1 else paths[0], format=FORMAT)
+    return ds.dataset(paths if len(paths) != 1 else paths[0], format=_checked_format())
 
 
 def read_dataset(dataset: ds.Dataset, **to_table) -> pa.Table:

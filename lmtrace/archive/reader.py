@@ -6,10 +6,10 @@ import json
 import warnings
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import zarr
 
 from ..exits.errors import ArchiveDamaged, ArchiveError
@@ -19,6 +19,9 @@ from .damage import Problem, damaged_message
 from .integrity import quick_problem, verify
 from .parts import live_parts
 from .runs import lens_state  # noqa: F401  (re-exported: readers ask a run for its lens state)
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as ds
 
 RELIST_TRIES = 5  # listings of a running run's parts a read tries (read_table_files)
 
@@ -264,6 +267,8 @@ class Run:
 
     @staticmethod
     def _read(dataset: ds.Dataset, name: str, columns: list[str] | None, sequences: list[int] | None) -> pa.Table:
+        import pyarrow.dataset as ds  # on the first table read (archive/parquet_io.py says why)
+
         stored = dataset.schema.names
         return parquet_io.read_dataset(
             dataset,

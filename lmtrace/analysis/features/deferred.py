@@ -32,7 +32,9 @@ def _groups(n: int, size: int):
 @torch.inference_mode()
 def from_archive(run, sae, resid_index: int, top_k: int, width: int, group: int, write: Write) -> int:
     """Encode the archived `resid` at `resid_index`; returns the tokens encoded. The residual is read a
-    block of sequences at a time by lmtrace's own shard reader (`archive/feature_arrays.read_block`)."""
+    block of sequences at a time by lmtrace's own shard reader (`archive/feature_arrays.read_block`),
+    that layer only laid out (each inner chunk, every layer of a sequence's block of steps, is still
+    decoded and its checksum checked)."""
     from ...archive.feature_arrays import read_block
 
     resid = run.array("resid")
@@ -40,7 +42,7 @@ def from_archive(run, sae, resid_index: int, top_k: int, width: int, group: int,
     n_seq, n_steps = resid.shape[:2]
     tokens = 0
     for seqs in _groups(n_seq, group):
-        block = read_block(resid, seqs.start, seqs.stop)[:, :, resid_index, :]
+        block = read_block(resid, seqs.start, seqs.stop, pick=(2, resid_index))  # [n, steps, d]
         x = torch.from_numpy(np.asarray(block, dtype=np.float32))  # [n, steps, d]
         ids, vals = top_features(sae, x, top_k, width)
         ids, vals = ids.numpy(), vals.numpy()
