@@ -23,6 +23,7 @@ import json
 import os
 from pathlib import Path
 
+from ..digest import file_sha256
 from ..exits.errors import ArchiveError
 from . import layout
 from .damage import Problem, damaged_message
@@ -45,16 +46,8 @@ def committed_files(run_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _size_and_sha(path: Path) -> list:
-    return [os.path.getsize(path), _sha256(path)]
+    return [os.path.getsize(path), file_sha256(path)]
 
 
 def _checksums_text(files: dict) -> str:
@@ -111,7 +104,7 @@ def record_update(
     from .files import atomic_write_text
 
     files, problem = _recorded(run_dir, manifest)
-    if problem is None and files is not None and _sha256(run_dir / CHECKSUMS) not in _checksums_accepted(manifest):
+    if problem is None and files is not None and file_sha256(run_dir / CHECKSUMS) not in _checksums_accepted(manifest):
         problem = Problem(CHECKSUMS, "changed")  # its entries would be kept: they must be the recorded ones
     if problem is not None:
         raise ArchiveError(damaged_message(manifest.get("run_id", run_dir.name), problem))
@@ -224,7 +217,7 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
     if files is None:
         return _tables_listed(run_dir, manifest), 0, False
     accepted = _checksums_accepted(manifest)
-    if accepted and _sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
+    if accepted and file_sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
         return [Problem(CHECKSUMS, "changed")], 0, True
     problems, n = [], 0
     skip = _skipped(manifest)
@@ -237,7 +230,7 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
             actual = os.stat(path).st_size
             if all(actual != size for size, _ in versions):
                 problems.append(Problem(rel, "truncated" if actual < versions[0][0] else "changed"))
-            elif _sha256(path) not in {digest for size, digest in versions if size == actual}:
+            elif file_sha256(path) not in {digest for size, digest in versions if size == actual}:
                 problems.append(Problem(rel, "changed"))
         except FileNotFoundError:
             problems.append(Problem(rel, "missing"))
