@@ -4,7 +4,8 @@ At completion the writer records the size and sha256 of every committed file —
 top-level `*.parquet` table, every file under `tensors.zarr/` (chunk files and metadata) — in
 `checksums.json`, and the manifest records that file's own sha256 under `checksums`. Files that
 change after completion by design (manifest, log, progress, shard status, heartbeats, locks,
-`explain/`, `sweeps/`, `analysis/`) are not covered.
+`explain/`, `sweeps/`, `analysis/`) are not covered, except the files `recorded_files.py` keeps
+recorded (`lmtrace features --feature`'s logit effects): `bytes_problem` checks one as read.
 
 - `verify` (`lmtrace verify RUN`) hashes everything (or the files under some prefixes: what a
   command is about to read): missing, truncated (another size) and changed (same size, another
@@ -159,6 +160,29 @@ def _checksums_accepted(manifest: dict) -> set[str]:
     return {
         h for h in ((manifest.get("checksums") or {}).get("sha256"), (manifest.get(RECORDING) or {}).get("sha256")) if h
     }
+
+
+def bytes_problem(run_dir: Path, manifest: dict, rel: str, data: bytes | None) -> Problem | None:
+    """What is wrong with `data`, the bytes of the run's file `rel` read whole (None: missing), against its
+    recorded size and sha256 in a complete run, or None (also for a file never recorded)."""
+    if manifest.get("status") != "complete":
+        return None
+    files, problem = _recorded(run_dir, manifest)
+    if problem is not None:
+        return problem
+    if files is None or rel not in files:
+        return None  # never recorded: nothing to check it against
+    accepted = _checksums_accepted(manifest)
+    if accepted and file_sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
+        return Problem(CHECKSUMS, "changed")
+    if data is None:
+        return Problem(rel, "missing")
+    versions = files[rel]
+    if all(len(data) != size for size, _ in versions):
+        return Problem(rel, "truncated" if len(data) < versions[0][0] else "changed")
+    if hashlib.sha256(data).hexdigest() not in {digest for _, digest in versions}:
+        return Problem(rel, "changed")
+    return None
 
 
 # While a deferred lens is pending, an interrupted `lmtrace lens` may have left its arrays and
