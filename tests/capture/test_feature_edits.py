@@ -143,7 +143,7 @@ def test_the_child_records_the_edit_with_the_saes_path_and_checksum_and_compare_
     sha = hashlib.sha256((path / "sae_weights.safetensors").read_bytes()).hexdigest()
     assert entry["sae"] == str(path.resolve()) and entry["sae_sha256"] == sha
     assert (entry["kind"], entry["feature"], entry["value"], entry["steps"]) == ("clamp_feature", 3, 2.5, {"from": 1})
-    label = "feature-clamp l1-resid:3=2.5"
+    label = f"feature-clamp l1-resid@{sha[:8]}:3=2.5"
     assert edits(child)["label"] == f"{label} from 1 (rescore)"
     differences = {d["key"]: d for d in compare_runs(parent, child).spec_differences}
     assert differences["interventions"]["b"] == f"{label} from 1"
@@ -278,3 +278,18 @@ def test_a_feature_edit_at_an_input_site_equals_the_tests_own_pre_hook(parent, s
                 assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
     finally:
         handle.remove()
+
+
+def test_feature_edits_of_same_named_sae_directories_are_labelled_apart_by_their_weights_sha256():
+    """`compare`, `ls` and serve name a feature edit's SAE by directory name @ 8 hex of its weights' sha256:
+    two SAEs in directories named alike (or one directory retrained) never read alike."""
+    from lmtrace.archive.summary import edit_label, edits_label
+
+    a, b = hashlib.sha256(b"weights a").hexdigest(), hashlib.sha256(b"weights b").hexdigest()
+    one = {"kind": "steer_feature", "sae": "/x/a/l6", "sae_sha256": a, "feature": 3, "coefficient": 4.0}
+    two = {**one, "sae": "/x/b/l6/", "sae_sha256": b}
+    assert edit_label(one) == f"feature-steer l6@{a[:8]}:3*4.0"
+    assert edit_label(two) == f"feature-steer l6@{b[:8]}:3*4.0"
+    both = edits_label({"kind": "intervene", "interventions": [one, {**two, "kind": "ablate_feature"}]})
+    assert f"l6@{a[:8]}:3*4.0" in both and f"feature-ablate l6@{b[:8]}:3" in both
+    assert edit_label({k: v for k, v in one.items() if k != "sae_sha256"}) == "feature-steer l6:3*4.0"
