@@ -103,7 +103,7 @@ def add_features(run_dir: Path, n_seq: int) -> None:
     from lmtrace.archive.feature_arrays import FeatureArrays
     from lmtrace.archive.layout import FeatureShape
     from lmtrace.archive.zarr_arrays import consolidate
-    from lmtrace.capture.feature_probe import file_sha256
+    from lmtrace.digest import file_sha256
     from lmtrace.features.format import WEIGHTS
 
     manifest = json.loads((run_dir / "manifest.json").read_text())

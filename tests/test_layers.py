@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lmtrace"
 
 # bottom to top; packages on one line are siblings that must not import each other
 LAYERS = [
-    ["exits"],
+    ["exits", "digest"],
     ["output"],
     ["spec"],
     ["features"],

@@ -4,7 +4,8 @@ At completion the writer records the size and sha256 of every committed file —
 top-level `*.parquet` table, every file under `tensors.zarr/` (chunk files and metadata) — in
 `checksums.json`, and the manifest records that file's own sha256 under `checksums`. Files that
 change after completion by design (manifest, log, progress, shard status, heartbeats, locks,
-`explain/`, `sweeps/`, `analysis/`) are not covered.
+`explain/`, `sweeps/`, `analysis/`) are not covered, except the files `recorded_files.py` keeps
+recorded (`lmtrace features --feature`'s logit effects): `bytes_problem` checks one as read.
 
 - `verify` (`lmtrace verify RUN`) hashes everything (or the files under some prefixes: what a
   command is about to read): missing, truncated (another size) and changed (same size, another
@@ -23,6 +24,7 @@ import json
 import os
 from pathlib import Path
 
+from ..digest import file_sha256
 from ..exits.errors import ArchiveError
 from . import layout
 from .damage import Problem, damaged_message
@@ -45,16 +47,8 @@ def committed_files(run_dir: Path) -> list[str]:
     return sorted(out)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _size_and_sha(path: Path) -> list:
-    return [os.path.getsize(path), _sha256(path)]
+    return [os.path.getsize(path), file_sha256(path)]
 
 
 def _checksums_text(files: dict) -> str:
@@ -111,7 +105,7 @@ def record_update(
     from .files import atomic_write_text
 
     files, problem = _recorded(run_dir, manifest)
-    if problem is None and files is not None and _sha256(run_dir / CHECKSUMS) not in _checksums_accepted(manifest):
+    if problem is None and files is not None and file_sha256(run_dir / CHECKSUMS) not in _checksums_accepted(manifest):
         problem = Problem(CHECKSUMS, "changed")  # its entries would be kept: they must be the recorded ones
     if problem is not None:
         raise ArchiveError(damaged_message(manifest.get("run_id", run_dir.name), problem))
@@ -166,6 +160,29 @@ def _checksums_accepted(manifest: dict) -> set[str]:
     return {
         h for h in ((manifest.get("checksums") or {}).get("sha256"), (manifest.get(RECORDING) or {}).get("sha256")) if h
     }
+
+
+def bytes_problem(run_dir: Path, manifest: dict, rel: str, data: bytes | None) -> Problem | None:
+    """What is wrong with `data`, the bytes of the run's file `rel` read whole (None: missing), against its
+    recorded size and sha256 in a complete run, or None (also for a file never recorded)."""
+    if manifest.get("status") != "complete":
+        return None
+    files, problem = _recorded(run_dir, manifest)
+    if problem is not None:
+        return problem
+    if files is None or rel not in files:
+        return None  # never recorded: nothing to check it against
+    accepted = _checksums_accepted(manifest)
+    if accepted and file_sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
+        return Problem(CHECKSUMS, "changed")
+    if data is None:
+        return Problem(rel, "missing")
+    versions = files[rel]
+    if all(len(data) != size for size, _ in versions):
+        return Problem(rel, "truncated" if len(data) < versions[0][0] else "changed")
+    if hashlib.sha256(data).hexdigest() not in {digest for _, digest in versions}:
+        return Problem(rel, "changed")
+    return None
 
 
 # While a deferred lens is pending, an interrupted `lmtrace lens` may have left its arrays and
@@ -224,7 +241,7 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
     if files is None:
         return _tables_listed(run_dir, manifest), 0, False
     accepted = _checksums_accepted(manifest)
-    if accepted and _sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
+    if accepted and file_sha256(run_dir / manifest["checksums"].get("file", CHECKSUMS)) not in accepted:
         return [Problem(CHECKSUMS, "changed")], 0, True
     problems, n = [], 0
     skip = _skipped(manifest)
@@ -237,7 +254,7 @@ def verify(run_dir: Path, manifest: dict, prefix: str | tuple[str, ...] = "") ->
             actual = os.stat(path).st_size
             if all(actual != size for size, _ in versions):
                 problems.append(Problem(rel, "truncated" if actual < versions[0][0] else "changed"))
-            elif _sha256(path) not in {digest for size, digest in versions if size == actual}:
+            elif file_sha256(path) not in {digest for size, digest in versions if size == actual}:
                 problems.append(Problem(rel, "changed"))
         except FileNotFoundError:
             problems.append(Problem(rel, "missing"))

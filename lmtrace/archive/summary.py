@@ -145,8 +145,9 @@ def ranges(values) -> str:
 
 def edit_label(e: dict, run_from_step: int | None = None) -> str:
     """One stored intervention entry in the CLI's words: `ablate-head 12.3:mean`, `mask-positions 3-9`,
-    `ablate-neurons 7:120,455 steps 0-3`, `feature-clamp l6_topk:12=4.0`; a `from N` equal to the run's
-    --from-step is left to the run's label."""
+    `ablate-neurons 7:120,455 steps 0-3`, `feature-clamp l6_topk@1a2b3c4d:12=4.0` (a feature edit's SAE
+    by its directory's name @ the first 8 hex digits of its weights' sha256, so same-named directories
+    read apart); a `from N` equal to the run's --from-step is left to the run's label."""
     kind = str(e.get("kind", "?"))
     words = [FLAGS.get(kind, kind.replace("_", "-"))]
     mean = ":mean" if e.get("mode") == "mean" else ""
@@ -161,6 +162,7 @@ def edit_label(e: dict, run_from_step: int | None = None) -> str:
         words.append(str(e["span"]) if e.get("span") else ranges(e.get("mask") or []))
     elif kind in ("ablate_feature", "clamp_feature", "steer_feature"):  # the SAE by its directory's name
         sae = str(e.get("sae", "?")).rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+        sae += f"@{e['sae_sha256'][:8]}" if e.get("sae_sha256") else ""
         value = {"clamp_feature": f"={e.get('value')}", "steer_feature": f"*{e.get('coefficient')}"}.get(kind, "")
         words.append(f"{sae}:{e.get('feature')}{value}")
     elif layer is not None:

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..digest import file_sha256
 from ..exits.errors import SpecError
 from ..features import Sae, Site, parse_hook_name, read_sae
 from ..features.format import WEIGHTS
-from ..features.refs import file_sha256, sae_record, short_names
+from ..features.refs import sae_record, short_names
 from ..features.sites import check_sae_sites
 from .taps import tap
 

@@ -30,7 +30,7 @@ def resolve_sae(run: Run, sae: str) -> dict:
             return f
     path = Path(sae).expanduser()
     if path.is_dir():
-        from ..capture.feature_probe import file_sha256
+        from ..digest import file_sha256
         from ..features.format import WEIGHTS
 
         sha = file_sha256(path / WEIGHTS) if (path / WEIGHTS).is_file() else None
@@ -128,7 +128,8 @@ def _logit_effects(run: Run, entry: dict, feature: int, n: int, device: str | No
             "note": f"{writes} is not written into the residual stream as it is: no logit effects",
         }
     from ..analysis.features.find import logit_effects_np, store_logit_effects
-    from ..analysis.features.unembedding import WEIGHTS, decoder_row, file_sha256, final_unembedding
+    from ..analysis.features.unembedding import WEIGHTS, decoder_row, final_unembedding
+    from ..digest import file_sha256
 
     weights = Path(entry["path"]) / WEIGHTS
     if not weights.is_file():

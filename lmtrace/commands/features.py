@@ -54,7 +54,8 @@ def compute_features(
 ) -> dict:
     """Compute and archive one SAE's features for a complete run; a no-op when the run has them."""
     from ..archive.liveness import OwnerLock
-    from ..capture.feature_probe import file_sha256, short_names
+    from ..capture.feature_probe import short_names
+    from ..digest import file_sha256
     from ..features import parse_hook_name, read_sae
     from ..features.format import WEIGHTS
 

@@ -8,11 +8,11 @@ weights where it recorded them, else after its directory (`short_names`).
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..digest import file_sha256
 from ..exits.errors import SpecError
 from .format import WEIGHTS
 
@@ -53,14 +53,6 @@ def sae_record(name: str, path: Path, sha256: str, sae, site) -> dict:
         "architecture": cfg.architecture,
         **transcoder_record(cfg),
     }
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def short_names(paths: list[Path]) -> list[str]:

@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..digest import file_sha256
 from ..exits.errors import LmtraceError, ModelLoadError, SpecError
 from ..spec.run_spec import ModelSpec, check_device_option
 
@@ -61,14 +62,6 @@ class LoadedModel:
     def tokenizer_sha256(self) -> str:
         """`tokenizer_sha256(self.tokenizer)`, computed once (the manifest and `check_run_model` both need it)."""
         return tokenizer_sha256(self.tokenizer)
-
-
-def file_sha256(path: Path, block: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_sha256(tokenizer) -> str:

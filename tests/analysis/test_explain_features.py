@@ -23,6 +23,7 @@ CONSERVATION_TOL = 1e-4  # relative, as the issue asks (lrp's own tolerance)
 IDS = [5, 17, 33, 9, 70, 3, 44, 12]
 CHOSEN, RUNNER = 5, 7
 D_SAE = 48
+TOPK_K = 6  # a TopK SAE's k
 
 
 def tiny(case_id: str, seed: int = 0) -> torch.nn.Module:
@@ -52,10 +53,10 @@ def own_f(model) -> float:
     return (z[CHOSEN] - z[RUNNER]).item()
 
 
-def sae_at(tmp_path, hook, d_in, *, zero_decoder=False, seed=0):
+def sae_at(tmp_path, hook, d_in, *, zero_decoder=False, seed=0, arch="standard"):
     """(lmtrace's SaeAtSite read from a SAELens directory written here, the test's own weights as tensors)."""
-    path = tmp_path / f"sae-{hook}-{zero_decoder}-{seed}"
-    cfg, w = random_sae(path, hook, d_in, D_SAE, seed=seed, scale=3.0)
+    path = tmp_path / f"sae-{hook}-{zero_decoder}-{seed}-{arch}"
+    cfg, w = random_sae(path, hook, d_in, D_SAE, seed=seed, scale=3.0, arch=arch, k=TOPK_K)
     if zero_decoder:
         w["W_dec"], w["b_dec"] = np.zeros_like(w["W_dec"]), np.zeros_like(w["b_dec"])
         write_saelens_dir(path, cfg, w)
@@ -76,17 +77,29 @@ def hooked_module(model, hook: str):
     raise AssertionError(hook)
 
 
-def own_grad_x_input(model, hook, w, *, with_sae=True):
-    """The test's own computation: at the hook, x = decode(f) + err with f = ReLU((x − b_dec) W_enc + b_enc) and
-    err = x − decode(f) a leaf (or, with_sae False, x itself as a leaf); f, the gradients by plain autograd.
-    Returns (f · ∂f/∂f [n, d_sae], Σ_d err · ∂f/∂err [n]) or x · ∂f/∂x summed over d [n]."""
+def own_latents(pre: torch.Tensor, w: dict, arch: str) -> torch.Tensor:
+    """The test's own activation of the pre-activations: ReLU; JumpReLU (ReLU where pre > threshold);
+    TopK (the TOPK_K largest pre-activations of each token, ReLU'd, the rest 0, as SAELens's TopK)."""
+    if arch == "jumprelu":
+        return torch.relu(pre) * (pre > w["threshold"])
+    if arch == "topk":
+        top = torch.topk(pre, TOPK_K, dim=-1)
+        return torch.zeros_like(pre).scatter(-1, top.indices, torch.relu(top.values))
+    return torch.relu(pre)
+
+
+def own_grad_x_input(model, hook, w, *, with_sae=True, arch="standard"):
+    """The test's own computation: at the hook, x = decode(f) + err with f = act((x − b_dec) W_enc + b_enc)
+    (`own_latents`) and err = x − decode(f) a leaf (or, with_sae False, x itself as a leaf); f, the
+    gradients by plain autograd. Returns (f · ∂f/∂f [n, d_sae], Σ_d err · ∂f/∂err [n]) or x · ∂f/∂x
+    summed over d [n]."""
     saved = {}
 
     def hook_fn(mod, args, out):
         x = out[0] if isinstance(out, tuple) else out
         x = x.detach()
         if with_sae:
-            f = torch.relu((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"]).requires_grad_(True)
+            f = own_latents((x - w["b_dec"]) @ w["W_enc"] + w["b_enc"], w, arch).requires_grad_(True)
             rec = f @ w["W_dec"] + w["b_dec"]
             err = (x - rec).detach().requires_grad_(True)
             saved.update(f=f, err=err)
@@ -132,6 +145,25 @@ def test_grad_x_input_to_latents_equals_the_tests_own_autograd_through_its_own_s
     assert abs(r.info["f_x"] - own_f(model)) < 1e-5  # the splice leaves the forward's value as it was
 
 
+@pytest.mark.parametrize("arch", ["topk", "jumprelu"])
+def test_grad_x_input_to_the_latents_of_topk_and_jumprelu_saes_equals_the_tests_own_autograd(tmp_path, arch):
+    model = tiny("llama")
+    hook = "blocks.1.hook_resid_post"
+    target, w = sae_at(tmp_path, hook, model.config.hidden_size, arch=arch)
+    r = grad_x_input_to_features(context(model), target, top=D_SAE)
+    lat, err = own_grad_x_input(model, hook, w, arch=arch)
+    active = (lat != 0).sum(1)
+    assert active.sum() > 10  # the SAE is active: the comparison is not between zeros
+    if arch == "topk":
+        assert active.max() <= TOPK_K
+    else:  # the thresholds matter: some latent ReLU would keep is off
+        assert ((own_grad_x_input(model, hook, w, arch="standard")[0] != 0) & (lat == 0)).any()
+    np.testing.assert_allclose(dense(r.latents, len(IDS)), lat, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(r.latents["error"], err, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(r.scores, lat.sum(1) + err, rtol=1e-4, atol=1e-5)
+    assert abs(r.info["f_x"] - own_f(model)) < 1e-5
+
+
 def test_top_latents_are_kept_sparsely_largest_first(tmp_path):
     model = tiny("llama")
     target, w = sae_at(tmp_path, "blocks.1.hook_resid_post", model.config.hidden_size)
@@ -156,11 +188,16 @@ def test_top_latents_are_kept_sparsely_largest_first(tmp_path):
     ],
 )
 def test_lrp_to_features_conserves_latents_plus_error_plus_the_rest(tmp_path, case_id, hook):
+    assert_lrp_conserves(tmp_path, case_id, hook, "standard")
+
+
+def assert_lrp_conserves(tmp_path, case_id: str, hook: str, arch: str) -> None:
+    """lrp to the latents of an `arch` SAE at `hook`: latents + error + inputs + biases = f, each part non-trivial."""
     model = tiny(case_id)
     site = parse_hook_name(hook)
     from lmtrace.capture.arch import adapter_for
 
-    target, _ = sae_at(tmp_path, hook, site.width(adapter_for(model)))
+    target, _ = sae_at(tmp_path, hook, site.width(adapter_for(model)), arch=arch)
     r = lrp_to_features(context(model), target, top=D_SAE)
     f = own_f(model)
     latents = dense(r.latents, len(IDS)).sum()
@@ -173,6 +210,21 @@ def test_lrp_to_features_conserves_latents_plus_error_plus_the_rest(tmp_path, ca
     np.testing.assert_allclose(r.scores, dense(r.latents, len(IDS)).sum(1) + r.latents["error"], atol=1e-5)
     if hook.endswith("resid_post"):  # every path from the inputs runs through the residual stream there
         assert abs(inputs) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "case_id,hook,arch",
+    [
+        ("llama", "blocks.1.hook_resid_post", "topk"),
+        ("llama", "blocks.1.hook_resid_post", "jumprelu"),
+        ("gpt2", "blocks.0.hook_mlp_out", "topk"),
+        ("gpt2", "blocks.0.hook_mlp_out", "jumprelu"),
+    ],
+)
+def test_lrp_to_the_latents_of_topk_and_jumprelu_saes_conserves_latents_plus_error_plus_the_rest(
+    tmp_path, case_id, hook, arch
+):
+    assert_lrp_conserves(tmp_path, case_id, hook, arch)
 
 
 @pytest.mark.parametrize("case_id", ["llama", "gpt2"])

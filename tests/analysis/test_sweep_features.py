@@ -303,3 +303,29 @@ def test_a_yaml_sweep_spec_lists_the_features(runs, sae, tmp_path):
     spec = build_sweep_spec(load_sweep_spec(path), str(path))
     df = read_sweep(clean, run_sweep(str(clean.path), spec).sweep_id).to_pandas()
     assert sorted(set(df.neuron)) == [3, 40] and set(df.sequence) == {0}
+
+
+def test_an_sae_on_a_flattened_opt_site_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    """OPT computes fc2 over flattened tokens ([batch*pos, width]): a sweep of an SAE at its mlp_post (fc2's
+    input) or mlp_out (its output) exits 2 in one line naming the hook, and writes nothing into sweeps/;
+    the other feature commands take that SAE (intervene's edit, explain --sae)."""
+    from lmtrace.runner.models import load_model
+    from lmtrace.spec.run_spec import ModelSpec
+    from tests.helpers.architectures import BY_ID, build_tiny
+    from tests.helpers.cli import assert_one_line_error, lmtrace
+    from tests.helpers.runs import PROMPTS, run_spec
+
+    model = build_tiny(BY_ID["opt"], load_model(ModelSpec()).tokenizer, tmp_path / "opt")
+    spec = {"model": str(model), "prompts": PROMPTS[:2], "generation": {"max_new_tokens": 3, "batch_size": 2}}
+    run = run_spec(tmp_path, spec)
+    for name, hook, width in (("post", "blocks.1.mlp.hook_post", 128), ("out", "blocks.1.hook_mlp_out", 64)):
+        random_sae(tmp_path / name, hook, width, 16, seed=1)
+        args = ("sweep", str(run.path), "--over", "features", "--sae", str(tmp_path / name), "--top-features", "2")
+        assert_one_line_error(lmtrace(tmp_path, *args), 2, f"does not support {hook} on opt models", "flattened tokens")
+    assert not (run.path / "sweeps").exists() or not list((run.path / "sweeps").iterdir())
+    child = lmtrace(tmp_path, "intervene", str(run.path), "--feature-clamp", f"{tmp_path / 'post'}:3=2.0")
+    assert child.returncode == 0 and "Traceback" not in child.stderr, child.stderr
+    explained = lmtrace(
+        tmp_path, "explain", str(run.path), "--sae", str(tmp_path / "post"), "--sequence", "0", "--steps", "1"
+    )
+    assert explained.returncode == 0 and "Traceback" not in explained.stderr, explained.stderr

@@ -6,6 +6,7 @@ and leave no child behind."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ def test_the_child_records_the_edit_with_the_saes_path_and_checksum_and_compare_
     sha = hashlib.sha256((path / "sae_weights.safetensors").read_bytes()).hexdigest()
     assert entry["sae"] == str(path.resolve()) and entry["sae_sha256"] == sha
     assert (entry["kind"], entry["feature"], entry["value"], entry["steps"]) == ("clamp_feature", 3, 2.5, {"from": 1})
-    label = "feature-clamp l1-resid:3=2.5"
+    label = f"feature-clamp l1-resid@{sha[:8]}:3=2.5"
     assert edits(child)["label"] == f"{label} from 1 (rescore)"
     differences = {d["key"]: d for d in compare_runs(parent, child).spec_differences}
     assert differences["interventions"]["b"] == f"{label} from 1"
@@ -278,3 +279,69 @@ def test_a_feature_edit_at_an_input_site_equals_the_tests_own_pre_hook(parent, s
                 assert abs(row.child_logprob_of_parent_token - ref[P - 1 + row.step, row.parent_token].item()) < 1e-4
     finally:
         handle.remove()
+
+
+def test_feature_edits_of_same_named_sae_directories_are_labelled_apart_by_their_weights_sha256():
+    """`compare`, `ls` and serve name a feature edit's SAE by directory name @ 8 hex of its weights' sha256:
+    two SAEs in directories named alike (or one directory retrained) never read alike."""
+    from lmtrace.archive.summary import edit_label, edits_label
+
+    a, b = hashlib.sha256(b"weights a").hexdigest(), hashlib.sha256(b"weights b").hexdigest()
+    one = {"kind": "steer_feature", "sae": "/x/a/l6", "sae_sha256": a, "feature": 3, "coefficient": 4.0}
+    two = {**one, "sae": "/x/b/l6/", "sae_sha256": b}
+    assert edit_label(one) == f"feature-steer l6@{a[:8]}:3*4.0"
+    assert edit_label(two) == f"feature-steer l6@{b[:8]}:3*4.0"
+    both = edits_label({"kind": "intervene", "interventions": [one, {**two, "kind": "ablate_feature"}]})
+    assert f"l6@{a[:8]}:3*4.0" in both and f"feature-ablate l6@{b[:8]}:3" in both
+    assert edit_label({k: v for k, v in one.items() if k != "sae_sha256"}) == "feature-steer l6:3*4.0"
+
+
+def test_a_killed_feature_steer_child_resumes_to_the_archive_of_an_uninterrupted_child(tmp_path, sharp_llama_dir, sae):
+    """SIGKILL an `intervene --feature-steer` child (regenerating, the parent's features archived too) after
+    its third committed block, `generate --resume` it: its tables, every array byte for byte and its
+    effects equal those of the same child written without interruption; verify passes."""
+    import pandas as pd
+
+    from tests.helpers.archives import assert_same_archive
+
+    parent = run_spec(
+        tmp_path,
+        {
+            "model": str(sharp_llama_dir),
+            "prompts": PROMPTS,
+            "generation": {"max_new_tokens": 8, "batch_size": 2, "temperature": 0.9, "seed": 4},
+            "output": {"float_dtype": "float32", "chunk_steps": 2, "run_id": "parent"},
+            "capture": {"features": [{"sae": str(sae[0]), "top_k": 4}]},
+        },
+    )
+    edit = ("--feature-steer", "l1-resid:3*6.0", "--mode", "regenerate", "--from-step", "2")
+    killed = lmtrace(
+        tmp_path,
+        "intervene",
+        str(parent.path),
+        *edit,
+        "--run-id",
+        "kid",
+        env={"LMTRACE_TEST_KILL_AT": "block-committed@3"},
+    )
+    assert killed.returncode != 0
+    assert json.loads((tmp_path / "runs" / "kid" / "manifest.json").read_text())["status"] != "complete"
+    resumed = lmtrace(tmp_path, "generate", "--resume", "kid")
+    assert resumed.returncode == 0, resumed.stderr
+    log = [json.loads(line) for line in (tmp_path / "runs" / "kid" / "log.jsonl").read_text().splitlines()]
+    assert [e["from_step"] for e in log if e["event"] == "resume_batch"] == [6]  # batch 0 continued, not redone
+    ref = lmtrace(tmp_path, "intervene", str(parent.path), *edit, "--run-id", "ref")
+    assert ref.returncode == 0, ref.stderr
+    kid, uninterrupted = Run(tmp_path / "runs" / "kid"), Run(tmp_path / "runs" / "ref")
+    assert kid.status == "complete" and kid.manifest["interventions"] == uninterrupted.manifest["interventions"]
+    assert "feat_l1-resid_idx" in kid.array_names()
+    assert_same_archive(uninterrupted, kid)
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(kid.path / "effects.parquet"),
+        pd.read_parquet(uninterrupted.path / "effects.parquet"),
+        check_exact=True,
+    )
+    assert (
+        not kid.tokens().to_pandas().token_id.equals(parent.tokens().to_pandas().token_id)
+    )  # the edit changed the text
+    assert lmtrace(tmp_path, "verify", "kid").returncode == 0

@@ -6,8 +6,10 @@ W_dec · gain · W_U."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import torch
 from tests.helpers.cli import assert_one_line_error, lmtrace
 from tests.helpers.runs import PROMPTS, run_spec
 from tests.helpers.saes import random_sae
+from tests.helpers.server import LiveServer
 
 D_SAE, TOP_K, NAME = 96, 6, "resid-sae"
 
@@ -187,3 +190,86 @@ def test_the_by_table_on_a_terminal_leaves_out_groups_that_do_not_fit_and_names_
     assert all(len(line) <= 80 for line in lines), lines
     assert any(line.lstrip().startswith("123 ") and "12.3456 [10.1234,14.5678]" in line for line in lines), lines
     assert "left out to fit 80 columns: " in " ".join(lines) and "delta" in lines[-1] + lines[-2], lines
+
+
+STORE_SCRIPT = """
+import sys, time
+from pathlib import Path
+from lmtrace.analysis.features.find import store_logit_effects
+run, go, sha, first, count = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+while not go.exists():
+    time.sleep(0.001)
+for f in range(first, first + count):
+    store_logit_effects(run, {"name": "resid-sae", "sha256": sha}, f, {"promoted": [[f, f / 2]], "by": first})
+"""
+
+
+def _effects_of(f: int, first: int) -> dict:
+    return {"promoted": [[f, f / 2]], "by": first}
+
+
+def test_concurrent_feature_effects_stores_all_end_up_in_the_file_and_recorded(prompt_run, tmp_path):
+    import subprocess
+    import sys
+
+    from lmtrace.analysis.features.find import logit_effects_file
+    from lmtrace.archive.runs import read_manifest
+
+    run = shutil.copytree(prompt_run["run"].path, tmp_path / "runs" / prompt_run["run"].path.name)
+    sae = next(f for f in read_manifest(run)["features"] if f["name"] == NAME)
+    rel = logit_effects_file(NAME)
+    before = set(json.loads((run / rel).read_text())["features"]) if (run / rel).is_file() else set()
+    per, rounds = 12, 3
+    for r in range(rounds):
+        go = tmp_path / f"go{r}"
+        starts = (10000 + 1000 * r, 10500 + 1000 * r)
+        procs = [
+            subprocess.Popen([sys.executable, "-c", STORE_SCRIPT, str(run), str(go), sae["sha256"], str(s), str(per)])
+            for s in starts
+        ]
+        time.sleep(1.5)  # both imported and waiting
+        go.touch()
+        assert all(p.wait(timeout=120) == 0 for p in procs)
+    kept = json.loads((run / rel).read_text())
+    want = {
+        str(f): _effects_of(f, s)
+        for r in range(rounds)
+        for s in (10000 + 1000 * r, 10500 + 1000 * r)
+        for f in range(s, s + per)
+    }
+    assert {f: e for f, e in kept["features"].items() if f not in before} == want
+    recorded = json.loads((run / "checksums.json").read_text())["files"]
+    assert recorded[rel][1] == hashlib.sha256((run / rel).read_bytes()).hexdigest()
+    assert lmtrace(tmp_path, "verify", str(run)).returncode == 0
+
+
+def test_a_changed_byte_in_the_kept_logit_effects_is_damage_readers_report_and_verify_names(prompt_run, tmp_path):
+    from lmtrace.analysis.features.find import logit_effects_file, store_logit_effects, stored_logit_effects
+    from lmtrace.archive.reader import Run
+    from lmtrace.archive.runs import read_manifest
+    from lmtrace.exits.errors import ArchiveDamaged
+    from lmtrace.viewdata.features import feature_page
+
+    run = shutil.copytree(prompt_run["run"].path, tmp_path / "runs" / prompt_run["run"].path.name)
+    sae = next(f for f in read_manifest(run)["features"] if f["name"] == NAME)
+    store_logit_effects(run, sae, 5, _effects_of(5, 0))
+    assert stored_logit_effects(run, sae, 5) == _effects_of(5, 0)
+    rel = logit_effects_file(NAME)
+    data = bytearray((run / rel).read_bytes())
+    at = data.index(b"2.5")
+    data[at] = ord("7")  # 2.5 -> 7.5: still valid JSON, a wrong effect
+    (run / rel).write_bytes(bytes(data))
+    with pytest.raises(ArchiveDamaged, match=f"{rel} is changed"):
+        stored_logit_effects(run, sae, 5)
+    with pytest.raises(ArchiveDamaged, match=f"{rel} is changed"):
+        feature_page(Run(run), NAME, 5)
+    store_logit_effects(run, sae, 6, _effects_of(6, 0))  # a writer leaves the damage as it is
+    assert (run / rel).read_bytes() == bytes(data)
+    proc = lmtrace(tmp_path, "verify", str(run))
+    assert_one_line_error(proc, 2, f"{rel} is changed")
+    server = LiveServer(tmp_path / "runs")
+    try:
+        status, _, body = server.request(f"/api/runs/{run.name}/features/{NAME}/5")
+    finally:
+        server.stop()
+    assert status == 409 and f"{rel} is changed" in body.decode()

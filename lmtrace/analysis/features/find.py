@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ...archive.files import atomic_write_json
 from ..sweep.effects import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, bootstrap_weights
 
 
@@ -127,32 +126,41 @@ def logit_effects_file(name: str) -> str:
 
 def store_logit_effects(run_path: Path, entry: dict, feature: int, effects: dict) -> None:
     """Keep one latent's logit effects (`commands/feature_find`'s answer) in the run, for the views that
-    load no model (serve, report); a run directory that cannot be written keeps none."""
-    path = Path(run_path) / logit_effects_file(entry["name"])
-    kept = _read_json(path)
-    if kept is None or kept.get("sha256") != entry["sha256"]:
-        kept = {"sae": entry["name"], "sha256": entry["sha256"], "features": {}}
-    kept["features"][str(feature)] = effects
+    load no model (serve, report): merged into the SAE's file under the run's lock and recorded in the
+    run's checksums (archive/recorded_files.py). A run directory that cannot be written, or whose file
+    is damaged (left as it is, for `lmtrace verify`), keeps none."""
+    from ...archive.recorded_files import update_recorded
+    from ...exits.errors import ArchiveError
+
+    def merged(data: bytes | None) -> str:
+        kept = _parsed(data)
+        if kept is None or kept.get("sha256") != entry["sha256"]:
+            kept = {"sae": entry["name"], "sha256": entry["sha256"], "features": {}}
+        kept["features"][str(feature)] = effects
+        return json.dumps(kept, indent=2, default=str) + "\n"
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, kept)
-    except OSError:
+        update_recorded(Path(run_path), logit_effects_file(entry["name"]), merged)
+    except (OSError, ArchiveError):
         pass
 
 
 def stored_logit_effects(run_path: Path, entry: dict, feature: int) -> dict | None:
     """The logit effects kept for `feature` of the SAE `entry` (manifest `features`), or None when
-    none were computed for these weights."""
-    kept = _read_json(Path(run_path) / logit_effects_file(entry["name"]))
+    none were computed for these weights. A file that fails its recorded checksum raises ArchiveDamaged
+    naming it: damaged effects are never shown."""
+    from ...archive.recorded_files import read_recorded
+
+    kept = _parsed(read_recorded(Path(run_path), logit_effects_file(entry["name"])))
     if kept is None or kept.get("sha256") != entry["sha256"]:
         return None
     return (kept.get("features") or {}).get(str(feature))
 
 
-def _read_json(path: Path) -> dict | None:
+def _parsed(data: bytes | None) -> dict | None:
     try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
+        out = json.loads(data) if data is not None else None
+    except ValueError:
         return None
     return out if isinstance(out, dict) else None
 

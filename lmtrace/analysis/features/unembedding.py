@@ -7,7 +7,7 @@ multiplies — the norm's kind and gain, the linear maps after it, the unembeddi
 effects are the same numbers from the cache or the model. The file is named by the run's recorded
 weights sha256 and dtype, the model the run was made with: a run whose manifest has no weights sha256
 always loads the model. `$LMTRACE_CACHE_DIR/unembedding/` (`make clean-cache` clears it with the
-converted weights). Also the SAE's decoder row and the weights' sha256, read without torch.
+converted weights). Also the SAE's decoder row, read without torch (its weights' sha256: `lmtrace.digest`).
 """
 
 from __future__ import annotations
@@ -132,15 +132,6 @@ def final_unembedding(manifest: dict, run_id: str, device: str | None, purpose: 
     final = FinalUnembedding.of(FrozenFinalNorm(adapter_for(loaded.model), "feature logit effects"))
     write_cached(path, final)
     return final
-
-
-def file_sha256(path: Path) -> str:
-    """`features.refs.file_sha256`, here because importing the features package imports torch."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def decoder_row(sae_dir: Path, feature: int) -> np.ndarray:

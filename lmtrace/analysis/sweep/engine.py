@@ -288,6 +288,10 @@ class Engine:
         self.skip_ok = True
         self.skip_checked = False  # the shortcut's self-check runs on the first sequence's baseline
         self.features, self.value = features, value  # --over features: the SweepSae, --edit clamp's value
+        if features is not None:
+            from .feature_engine import check_site_shape
+
+            check_site_shape(adapter, features)
 
     def prefix_end(self, prompt_len: int, first_measured: int = 0, shared: int = 0) -> int:
         """The first position a forward computes for a sequence. The positions before it are the ones no

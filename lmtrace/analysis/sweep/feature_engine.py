@@ -29,6 +29,24 @@ def source_key(features) -> tuple:
     return (SOURCE_KIND, features.site)
 
 
+def check_site_shape(adapter, features) -> None:
+    """Refuse (one line, exit 2) an SAE whose hook the model computes over flattened tokens ([batch*pos,
+    width]: OPT's fc2, so its mlp_post and mlp_out): a sweep's rows are edited per sequence. Found by a
+    forward of two tokens with the hook watching, before anything is written."""
+    from ...exits.errors import SpecError
+
+    dims = []
+    with torch.inference_mode(), at_site(adapter, features.site, lambda x: dims.append(x.dim())):
+        adapter.model(torch.zeros((1, 2), dtype=torch.long, device=next(adapter.model.parameters()).device))
+    if dims and dims[0] != 3:
+        raise SpecError(
+            f"SAE {features.path}: sweep --over features does not support {features.site.hook_name} on "
+            f"{adapter.family.name} models, which compute it over flattened tokens; an SAE at another "
+            f"site (resid_pre, resid_post, attn_out, attn_z) can be swept, and `lmtrace intervene "
+            f"--feature-*` edits this one"
+        )
+
+
 class FeatureEdits:
     """Row b's feature edit (cells[b]) at the SAE's hook; `sources[b]`: its patch source's SourceValues.
     The forward computes positions `offset`.. (after the unedited prefix)."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...digest import file_sha256
 from ...exits.errors import SpecError
 from ...features import parse_hook_name, read_sae
 from ...features.edits import check_features
 from ...features.format import WEIGHTS
-from ...features.refs import file_sha256, resolve_sae_ref
+from ...features.refs import resolve_sae_ref
 from ...features.sites import check_sae_sites
 from ..feature_probe import LoadedSae
 from .entries import EntryBase, FeatureEntry
