@@ -20,15 +20,24 @@ app.add_typer(sae_app, name="sae")
 def train(
     run: str = typer.Argument(..., help="Run id (or unique prefix) or run directory, complete."),
     layer: int = typer.Option(..., "--layer", help="Layer of the site."),
-    site: str = typer.Option(
-        "resid_post",
+    site: Optional[str] = typer.Option(
+        None,
         "--site",
-        help='resid_post, resid_pre, attn_out, mlp_out, mlp_in, attn_z or mlp_post (docs/features.md, "Sites").',
+        help='resid_post (default), resid_pre, attn_out, mlp_out, mlp_in, attn_z or mlp_post (docs/features.md, "Sites").',
+    ),
+    transcoder: bool = typer.Option(
+        False,
+        "--transcoder",
+        help="Train a transcoder of layer L's MLP: from its input (mlp_in) to its output (mlp_out), by replay.",
     ),
     latents: int = typer.Option(..., "--latents", help="Number of latents (d_sae)."),
     k: int = typer.Option(32, "--k", help="Active latents per token (TopK), or on average (BatchTopK)."),
     out: str = typer.Option(..., "--out", help="New directory to write the SAE to (SAELens format)."),
-    arch: str = typer.Option("topk", "--arch", help="topk | batchtopk (saved as jumprelu, as SAELens does)."),
+    arch: Optional[str] = typer.Option(
+        None,
+        "--arch",
+        help="topk (default) | batchtopk (saved as jumprelu, as SAELens does); a transcoder: batchtopk only.",
+    ),
     source: str = typer.Option(
         "auto",
         "--source",
@@ -45,7 +54,8 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
     json_out: bool = typer.Option(False, "--json", help="Print the training card as JSON on stdout."),
 ):
-    """Train a TopK SAE on a run's activations; save it in the SAELens format with a training card."""
+    """Train a TopK SAE (or an MLP transcoder) on a run's activations; save it in the SAELens format with a
+    training card."""
     reporter = Reporter(quiet or json_out)
     reporter.starting()
     from ..commands.sae import sae_train_command
@@ -59,6 +69,7 @@ def train(
             k=k,
             out=out,
             arch=arch,
+            transcoder=transcoder,
             source=source,
             heldout=heldout,
             epochs=epochs,

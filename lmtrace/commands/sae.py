@@ -9,6 +9,13 @@ collects every position but the first; `auto` (default) takes the archive where 
 the replay. Either way the activations stream into a float16 file beside DIR (deleted at the end), so
 memory stays bounded by `--max-tokens` × d_in × 2 bytes on disk and one batch in memory. The model is
 loaded in any case: the held-out cross-entropy is measured in its forward.
+
+`--transcoder` trains a transcoder of layer L's MLP instead: it reads the MLP's input (mlp_in,
+blocks.L.ln2.hook_normalized, never archived, so always replayed) and is trained to write the MLP's output
+(mlp_out, blocks.L.hook_mlp_out), both collected in the same forward into one row per position. It is
+trained BatchTopK and saved as SAELens's jumprelu_transcoder (SAELens has no TopK transcoder); its held-out
+metrics are the MLP output's explained variance and the loss recovered with its output in place of the
+MLP's.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ import torch
 
 from ..analysis.features.activations import ActivationStore, replay
 from ..analysis.features.metrics import ce_loss_recovered, reconstruction_metrics
-from ..analysis.features.train import TrainSettings, train_sae
+from ..analysis.features.train import Target, TrainSettings, train_sae
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError
 from ..exits.interrupts import work_recorded
 from ..features.format import CFG, WEIGHTS, write_sae
-from ..features.sites import site_of
+from ..features.sites import Site, site_of
 from ..output.jsonout import json_line
 from ..runner.parent import ParentView
 
@@ -70,6 +77,26 @@ def _check_args(
         raise SpecError(f"--out {out} exists and is not an empty directory; name a new directory")
 
 
+def _resolve_kind(transcoder: bool, site: str | None, arch: str | None, source: str) -> tuple[str, str]:
+    """(site, architecture) with their defaults: resid_post and topk, or for a transcoder mlp_in and
+    batchtopk; what a transcoder cannot be is refused in one line."""
+    if not transcoder:
+        return site or "resid_post", arch or "topk"
+    if site not in (None, "mlp_in"):
+        raise SpecError(
+            f"--transcoder reads the MLP's input (mlp_in) and writes its output (mlp_out); drop --site {site} "
+            f"(or pass --site mlp_in)"
+        )
+    if arch not in (None, "batchtopk"):
+        raise SpecError(
+            f"--transcoder is trained BatchTopK and saved as SAELens's jumprelu_transcoder (SAELens has no TopK "
+            f"transcoder); drop --arch {arch} (or pass --arch batchtopk)"
+        )
+    if source == "archive":
+        raise SpecError("--transcoder reads the MLP's input, which runs never archive; drop --source archive")
+    return "mlp_in", "batchtopk"
+
+
 def split_sequences(n: int, heldout: float, seed: int) -> tuple[list[int], list[int]]:
     """(training, held-out) sequence indices, each sorted: a seeded random `heldout` share (≥ 1) held out."""
     if n < 2:
@@ -93,11 +120,12 @@ def sae_train_command(
     ref: str,
     *,
     layer: int,
-    site: str,
+    site: str | None,
     latents: int,
     k: int,
     out: str,
-    arch: str = "topk",
+    arch: str | None = None,
+    transcoder: bool = False,
     source: str = "auto",
     heldout: float = 0.1,
     epochs: int = 1,
@@ -113,10 +141,13 @@ def sae_train_command(
     note=lambda text: None,
 ) -> dict:
     """Train an SAE on run `ref`'s activations at (`layer`, `site`), measure it on held-out sequences,
-    save it with its training card in `out`, and report the card."""
+    save it with its training card in `out`, and report the card (`transcoder`: a transcoder of layer
+    `layer`'s MLP)."""
     out_dir = Path(out)
+    site, arch = _resolve_kind(transcoder, site, arch, source)
     _check_args(latents, k, arch, source, heldout, epochs, max_tokens, batch, lr, out_dir)
     the_site = site_of(layer, site)
+    site_out = Site(layer, "mlp_out") if transcoder else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IncompleteRunWarning)
         run = open_run(ref, runs_dir, require_complete=True)
@@ -125,25 +156,39 @@ def sae_train_command(
     sequences = [p + g for p, g in zip(view.prompt_ids, view.generated)]
     train_ids, held_ids = split_sequences(len(sequences), heldout, seed)
     model, adapter, d_in, pad_id = _load_model(run, the_site, device, note)
+    target = Target(site_out.hook_name, site_out.width(adapter)) if site_out else Target()
+    sites = (the_site, site_out) if site_out else the_site
 
     def activations(ids: list[int]):
         if use_archive:
             return archived(run, resid_layers.index(the_site.archived_resid_layer), ids)
-        return replay(model, adapter, the_site, [sequences[i] for i in ids], pad_id=pad_id, batch_tokens=batch_tokens)
+        return replay(model, adapter, sites, [sequences[i] for i in ids], pad_id=pad_id, batch_tokens=batch_tokens)
 
     settings = TrainSettings(d_sae=latents, k=k, architecture=arch, epochs=epochs, batch=batch, lr=lr, seed=seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     sae, log, n, collect_s = _collect_and_train(
-        run, the_site, lambda: activations(train_ids), use_archive, settings, d_in, max_tokens, out_dir, t0, note
+        run,
+        the_site,
+        lambda: activations(train_ids),
+        use_archive,
+        settings,
+        (d_in, target),
+        max_tokens,
+        out_dir,
+        t0,
+        note,
     )
     note("measuring on held-out sequences")
     recon = reconstruction_metrics(sae, activations(held_ids))
+    held = [sequences[i] for i in held_ids]
     ce = ce_loss_recovered(
-        model, adapter, sae, the_site, [sequences[i] for i in held_ids], pad_id=pad_id, batch_tokens=batch_tokens
+        model, adapter, sae, the_site, held, pad_id=pad_id, batch_tokens=batch_tokens, site_out=site_out
     )
     data = _data_section(use_archive, train_ids, held_ids, n, max_tokens, collect_s)
     card = _card(run, the_site, layer, site, settings, sae, d_in, data, log, recon, ce, t0)
+    if site_out is not None:
+        card = _transcoder_card(card, site_out, sae.cfg.d_out)
     _save(sae, card, out_dir)
     work_recorded()
     card["path"] = str(out_dir)
@@ -170,14 +215,16 @@ def _load_model(run: Run, the_site, device: str | None, note):
 
 
 def _collect_and_train(
-    run: Run, the_site, training_activations, use_archive: bool, settings, d_in, max_tokens, out_dir, t0, note
+    run: Run, the_site, training_activations, use_archive: bool, settings, shape, max_tokens, out_dir, t0, note
 ):
     """Stream the training activations (`training_activations()`) into a scratch store beside `out_dir` and
-    train the SAE on them: (sae, training log, tokens, seconds spent collecting)."""
+    train the SAE on them (`shape`: (d_in, Target)): (sae, training log, tokens, seconds spent collecting)."""
+    d_in, target = shape
     with tempfile.TemporaryDirectory(prefix=".sae-train-", dir=out_dir.parent) as scratch:
-        store = ActivationStore(Path(scratch), d_in, max_tokens)
+        store = ActivationStore(Path(scratch), d_in + (target.d_out or 0), max_tokens)
         try:
-            note(f"collecting activations at {the_site.hook_name} ({'archive' if use_archive else 'replay'})")
+            where = the_site.hook_name + (f" and {target.hook_name_out}" if target.transcoder else "")
+            note(f"collecting activations at {where} ({'archive' if use_archive else 'replay'})")
             n = store.fill(training_activations())
             if n < settings.k:
                 raise SpecError(
@@ -187,7 +234,11 @@ def _collect_and_train(
             collect_s = time.time() - t0
             note(f"training on {n} activations")
             sae, log = train_sae(
-                store, settings, the_site.hook_name, model_name=run.manifest["spec_resolved"]["model"].get("ref")
+                store,
+                settings,
+                the_site.hook_name,
+                model_name=run.manifest["spec_resolved"]["model"].get("ref"),
+                target=target,
             )
         finally:
             store.close()
@@ -244,6 +295,26 @@ def _card(run: Run, the_site, layer, site, settings, sae, d_in, data, log, recon
     }
 
 
+def _transcoder_card(card: dict, site_out: Site, d_out: int) -> dict:
+    """An SAE card made a transcoder's: both hook points, the output's width, and what the held-out
+    metrics measure."""
+    out = {}
+    for key, value in card.items():
+        out[key] = value
+        if key == "hook_name":
+            out["hook_name_out"] = site_out.hook_name
+            out["site_out"] = site_out.kind
+        if key == "d_in":
+            out["d_out"] = d_out
+    out["transcoder"] = True
+    out["heldout"] = {
+        **card["heldout"],
+        "measured": "explained variance of the MLP's output; CE with the transcoder's output in place of the "
+        "MLP's output, and with the MLP's output zeroed",
+    }
+    return out
+
+
 def _report(card: dict, json_out: bool, quiet: bool) -> None:
     if json_out:
         print(json_line(card))
@@ -285,17 +356,22 @@ def _num(x, fmt: str) -> str:
 def _print(card: dict) -> None:
     d, t, h = card["data"], card["training"], card["heldout"]
     kind = "BatchTopK (saved as jumprelu)" if card["architecture"] == "batchtopk" else "TopK"
+    what, where, sae = f"{kind} SAE", card["hook_name"], "the SAE"
+    if card.get("transcoder"):
+        what, sae = "BatchTopK transcoder (saved as jumprelu_transcoder)", "the transcoder"
+        where = f"{where} -> {card['hook_name_out']}"
     print(
-        f"trained a {kind} SAE, {card['latents']} latents, k {card['k']}, at {card['hook_name']} of run "
+        f"trained a {what}, {card['latents']} latents, k {card['k']}, at {where} of run "
         f"{card['run_id']}: {d['tokens']:,} tokens ({d['source']}), {t['epochs']} epoch(s), {t['steps']} steps, "
         f"{card['seconds']:.0f} s"
     )
     print(
         f"held out ({len(d['heldout_sequences'])} sequences, {h['tokens']:,} tokens): explained variance "
-        f"{_num(h['explained_variance'], '.3f')}, mean L0 {_num(h['mean_l0'], '.1f')}, dead latents "
+        + ("of the MLP output " if card.get("transcoder") else "")
+        + f"{_num(h['explained_variance'], '.3f')}, mean L0 {_num(h['mean_l0'], '.1f')}, dead latents "
         f"{_num(None if h['dead_fraction'] is None else 100 * h['dead_fraction'], '.1f')} %, CE loss recovered "
         f"{_num(h['loss_recovered'], '.3f')} (CE {_num(h['ce_orig'], '.3f')} original, {_num(h['ce_sae'], '.3f')} "
-        f"with the SAE, {_num(h['ce_zero_ablation'], '.3f')} zero-ablated)"
+        f"with {sae}, {_num(h['ce_zero_ablation'], '.3f')} zero-ablated)"
     )
     print(f"wrote {card['path']} ({CFG}, {WEIGHTS}, {CARD})")
 

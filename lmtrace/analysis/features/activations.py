@@ -4,12 +4,14 @@
 batches of at most `batch_tokens` tokens, and yields each batch's activations at the site, every real
 position but the first (position 0 is the attention sink, whose norm is tens of times the others';
 SAELens's evaluations leave out BOS the same way); the forward stops at the site, so a site at layer L
-costs the layers up to L only. `ActivationStore` keeps what a source yields in a
+costs the layers up to L only. Given several sites (a transcoder's MLP input and output), it yields their
+activations side by side in one row per position, from one forward. `ActivationStore` keeps what a source yields in a
 float16 memory-mapped file, so training can make several passes over more tokens than fit in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -58,24 +60,31 @@ def kept_positions(mask: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def replay(
-    model, adapter, site: Site, sequences: list[list[int]], *, pad_id: int, batch_tokens: int = 2048
+    model, adapter, site: Site | tuple[Site, ...], sequences: list[list[int]], *, pad_id: int, batch_tokens: int = 2048
 ) -> Iterator[torch.Tensor]:
-    """Yield [n, width] float32 CPU activations at `site`, batch by batch, for every kept position."""
+    """Yield [n, width] float32 CPU activations at `site`, batch by batch, for every kept position. `site` a
+    tuple of sites (a transcoder's input and output): each row is their activations side by side, in that
+    order, [n, width_1 + width_2 + ...]; the forward stops once every site has been seen."""
+    sites = site if isinstance(site, tuple) else (site,)
     device = next(model.parameters()).device
     for group in batches_of(sequences, batch_tokens):
         ids, mask = padded(group, pad_id, device)
-        seen: list[torch.Tensor] = []
+        seen: dict[int, torch.Tensor] = {}
 
-        def grab(tensor, b=ids.shape[0], t=ids.shape[1]):
-            seen.append(as_positions(tensor, b, t).detach())  # noqa: B023 (runs in this iteration's forward)
-            raise _Enough  # the layers above the site are not needed
+        def grab(tensor, i, b=ids.shape[0], t=ids.shape[1]):
+            seen[i] = as_positions(tensor, b, t).detach()  # noqa: B023 (runs in this iteration's forward)
+            if len(seen) == len(sites):  # noqa: B023
+                raise _Enough  # the layers above the sites are not needed
 
         try:
-            with at_site(adapter, site, grab):
+            with contextlib.ExitStack() as hooks:
+                for i, one in enumerate(sites):
+                    hooks.enter_context(at_site(adapter, one, lambda tensor, i=i: grab(tensor, i)))
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
         except _Enough:
             pass
-        yield seen[0][kept_positions(mask)].float().cpu()
+        keep = kept_positions(mask)
+        yield torch.cat([seen[i][keep].float().cpu() for i in range(len(sites))], dim=-1)
 
 
 class _Enough(Exception):

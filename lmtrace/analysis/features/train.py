@@ -14,6 +14,14 @@ BatchTopK), sized for a CPU:
 BatchTopK keeps the k × batch largest activations of a batch instead of k per token; at inference it is
 a JumpReLU whose threshold is the running mean of the smallest activation kept (saved as `jumprelu`, the
 way SAELens saves a BatchTopK SAE for inference).
+
+A transcoder (`Target.d_out`) is trained the same way on rows holding its input and the output it is to
+produce side by side ([x | y], d_in + d_out): the input and the output each scaled by their own constant
+(both folded into the saved weights), pre = (x − mean input) @ W_enc + b_enc (b_dec is d_out wide, never
+subtracted from the input; the mean is folded into the saved b_enc), W_enc starting as random unit-norm
+columns, b_dec at the mean output, the loss the squared error of the output over the output's variance, the
+dead latents' auxiliary loss reconstructing the output's error (k_aux = d_out / 2). Trained BatchTopK, it is
+saved as SAELens's `jumprelu_transcoder` with the BatchTopK threshold (SAELens has no TopK transcoder).
 """
 
 from __future__ import annotations
@@ -70,22 +78,42 @@ def _batch_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     return kept, float(positive.min()) if len(positive) else 0.0
 
 
-def _initial_params(d_sae: int, d: int, mean: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """The trainable weights at the start: unit-norm random decoder rows, the encoder their transpose, the decoder
-    bias the (scaled) input mean."""
-    W_dec = torch.randn(d_sae, d, generator=gen)
+@dataclass
+class Target:
+    """What the trained latents write: the input itself (an SAE) or, for a transcoder, another site whose
+    values follow the input's in each stored row (`d_out` wide, at `hook_name_out`)."""
+
+    hook_name_out: str | None = None
+    d_out: int | None = None
+
+    @property
+    def transcoder(self) -> bool:
+        return self.d_out is not None
+
+
+def _initial_params(
+    d_sae: int, d_in: int, mean: torch.Tensor, gen: torch.Generator, transcoder: bool
+) -> dict[str, torch.Tensor]:
+    """The trainable weights at the start: unit-norm random decoder rows, the encoder their transpose (a
+    transcoder's: its own random unit-norm columns, d_in wide), the decoder bias the (scaled) mean output."""
+    W_dec = torch.randn(d_sae, len(mean), generator=gen)
     W_dec /= W_dec.norm(dim=-1, keepdim=True)
-    params = {"W_enc": W_dec.t().clone(), "b_enc": torch.zeros(d_sae), "W_dec": W_dec, "b_dec": mean.clone()}
+    if transcoder:
+        W_enc = torch.randn(d_in, d_sae, generator=gen)
+        W_enc /= W_enc.norm(dim=0, keepdim=True)
+    else:
+        W_enc = W_dec.t().clone()
+    params = {"W_enc": W_enc, "b_enc": torch.zeros(d_sae), "W_dec": W_dec, "b_dec": mean.clone()}
     for p in params.values():
         p.requires_grad_(True)
     return params
 
 
-def _loss(x, pre, acts, params, variance, dead, n_dead, k_aux, aux_coefficient) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training loss, reconstruction mse over variance) of a batch: the mse plus, when latents are dead, the
-    auxiliary loss of the dead latents' top-k reconstructing the error."""
+def _loss(y, pre, acts, params, variance, dead, n_dead, k_aux, aux_coefficient) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training loss, reconstruction mse over variance) of a batch whose target is y (an SAE: its input): the
+    mse plus, when latents are dead, the auxiliary loss of the dead latents' top-k reconstructing the error."""
     recon = acts @ params["W_dec"] + params["b_dec"]
-    error = x - recon
+    error = y - recon
     mse = (error**2).sum(-1).mean() / variance
     loss = mse
     if n_dead:
@@ -97,25 +125,59 @@ def _loss(x, pre, acts, params, variance, dead, n_dead, k_aux, aux_coefficient) 
     return loss, mse
 
 
-def _trained_sae(params, scale: float, settings: TrainSettings, d: int, hook_name: str, model_name, threshold) -> Sae:
-    """The trained weights as an `Sae` that reads raw activations (the input scale folded into the weights);
-    batchtopk training gives a jumprelu SAE with its running threshold."""
-    with torch.no_grad():  # fold the input scale into the weights: the SAE reads raw activations
-        W_enc = params["W_enc"] * scale
-        W_dec = params["W_dec"] / scale
-        b_dec = params["b_dec"] / scale
+def _trained_sae(params, scales, settings: TrainSettings, d_in: int, hook_name: str, model_name, threshold, target):
+    """The trained weights as an `Sae` that reads raw activations (the input and output scales folded into the
+    weights); batchtopk training gives a jumprelu SAE (a transcoder: jumprelu_transcoder) with its running
+    threshold."""
+    scale_in, scale_out = scales
+    with torch.no_grad():  # fold the scales into the weights: the SAE reads and writes raw activations
+        W_enc = params["W_enc"] * scale_in
+        W_dec = params["W_dec"] / scale_out
+        b_dec = params["b_dec"] / scale_out
         b_enc = params["b_enc"].clone()
     arch = "jumprelu" if settings.architecture == "batchtopk" else "topk"
+    if target.transcoder:
+        arch = f"{arch}_transcoder"
     cfg = SaeConfig(
         architecture=arch,
-        d_in=d,
+        d_in=d_in,
         d_sae=settings.d_sae,
         hook_name=hook_name,
         k=settings.k if arch == "topk" else None,
         model_name=model_name,
+        apply_b_dec_to_input=not target.transcoder,
+        d_out=target.d_out,
+        hook_name_out=target.hook_name_out,
     )
-    thr = torch.full((settings.d_sae,), float(threshold or 0.0)) if arch == "jumprelu" else None
+    thr = torch.full((settings.d_sae,), float(threshold or 0.0)) if arch.startswith("jumprelu") else None
     return Sae(cfg, W_enc, b_enc, W_dec, b_dec, thr)
+
+
+def _scales(
+    store: ActivationStore, d_in: int, gen: torch.Generator
+) -> tuple[float, float, torch.Tensor, float, torch.Tensor]:
+    """(input scale, output scale, the scaled output's mean, its variance per token, the scaled input's mean)
+    from a sample of up to 16,384 rows; an SAE's output is its input."""
+    idx = torch.randperm(store.n, generator=gen)[: min(store.n, 16384)].sort().values
+    sample = torch.from_numpy(store.data[idx.numpy()].astype("float32"))
+    x, y = sample[:, :d_in], sample[:, d_in:]
+    scale_in = math.sqrt(d_in / float((x**2).sum(-1).mean()))
+    if y.shape[1] == 0:
+        y, scale_out = x, scale_in
+    else:
+        scale_out = math.sqrt(y.shape[1] / float((y**2).sum(-1).mean()))
+    y = y * scale_out
+    mean = y.mean(0)
+    return scale_in, scale_out, mean, float(((y - mean) ** 2).sum(-1).mean()), (x * scale_in).mean(0)
+
+
+def _forward(batch, d_in: int, scales, centre, params, transcoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of stored rows -> (the scaled target, the pre-activations): an SAE's target is its input, which
+    it reads less b_dec; a transcoder's is the output beside its input, which it reads centred."""
+    x = batch[:, :d_in] * scales[0]
+    if transcoder:
+        return batch[:, d_in:] * scales[1], (x - centre) @ params["W_enc"] + params["b_enc"]
+    return x, (x - params["b_dec"]) @ params["W_enc"] + params["b_enc"]
 
 
 def train_sae(
@@ -124,23 +186,24 @@ def train_sae(
     hook_name: str,
     *,
     model_name: str | None = None,
+    target: Target | None = None,
     progress=lambda done, total: None,
 ) -> tuple[Sae, dict]:
-    """Train on store's rows [n, d_in] -> (the SAE for raw activations, a log of the training)."""
+    """Train on store's rows [n, d_in] (a transcoder, `target`: [n, d_in + d_out], input then output) -> (the
+    SAE for raw activations, a log of the training)."""
+    target = target or Target()
+    if target.transcoder and settings.architecture != "batchtopk":
+        raise ValueError("a transcoder is trained BatchTopK (SAELens has no TopK transcoder to save it as)")
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
-    n, d = store.n, store.d
-    idx = torch.randperm(n, generator=gen)[: min(n, 16384)].sort().values
-    sample = torch.from_numpy(store.data[idx.numpy()].astype("float32"))
-    scale = math.sqrt(d / float((sample**2).sum(-1).mean()))
-    sample = sample * scale
-    mean = sample.mean(0)
-    variance = float(((sample - mean) ** 2).sum(-1).mean())  # per token, of scaled inputs
+    n = store.n
+    d_in = store.d - (target.d_out or 0)
+    scale_in, scale_out, mean, variance, centre = _scales(store, d_in, gen)
 
-    params = _initial_params(settings.d_sae, d, mean, gen)
+    params = _initial_params(settings.d_sae, d_in, mean, gen, target.transcoder)
     opt = torch.optim.Adam(params.values(), lr=settings.lr)
     since_fired = torch.zeros(settings.d_sae, dtype=torch.long)
-    k_aux = d // 2
+    k_aux = len(mean) // 2
     dead_after = min(settings.dead_after, max(n // 2, settings.batch))
     threshold = None
     steps, seen, t0 = 0, 0, time.time()
@@ -150,8 +213,8 @@ def train_sae(
         order = _order(n, gen)
         for start in range(0, n, settings.batch):
             rows = order[start : start + settings.batch]
-            x = torch.from_numpy(store.data[rows.sort().values.numpy()].astype("float32")) * scale
-            pre = (x - params["b_dec"]) @ params["W_enc"] + params["b_enc"]
+            batch = torch.from_numpy(store.data[rows.sort().values.numpy()].astype("float32"))
+            y, pre = _forward(batch, d_in, (scale_in, scale_out), centre, params, target.transcoder)
             if settings.architecture == "batchtopk":
                 acts, smallest = _batch_topk(pre, settings.k)
                 threshold = smallest if threshold is None else 0.99 * threshold + 0.01 * smallest
@@ -159,20 +222,23 @@ def train_sae(
                 acts = _topk(pre, settings.k)
             dead = since_fired > dead_after
             n_dead = int(dead.sum())
-            loss, mse = _loss(x, pre, acts, params, variance, dead, n_dead, k_aux, settings.aux_coefficient)
+            loss, mse = _loss(y, pre, acts, params, variance, dead, n_dead, k_aux, settings.aux_coefficient)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             with torch.no_grad():
                 params["W_dec"] /= params["W_dec"].norm(dim=-1, keepdim=True)
                 fired = (acts > 0).any(0)
-                since_fired += len(x)
+                since_fired += len(y)
                 since_fired[fired] = 0
             steps += 1
-            seen += len(x)
+            seen += len(y)
             last = {"mse_over_variance": float(mse.detach()), "dead_in_training": n_dead / settings.d_sae}
             progress(steps, total_steps)
-    sae = _trained_sae(params, scale, settings, d, hook_name, model_name, threshold)
+    if target.transcoder:  # the input centring folded into b_enc: pre = x @ W_enc + b_enc reads uncentred input
+        with torch.no_grad():
+            params["b_enc"] -= centre @ params["W_enc"]
+    sae = _trained_sae(params, (scale_in, scale_out), settings, d_in, hook_name, model_name, threshold, target)
     log = {
         "steps": steps,
         "tokens_seen": seen,
@@ -180,10 +246,12 @@ def train_sae(
         "batch": settings.batch,
         "lr": settings.lr,
         "seed": settings.seed,
-        "activation_scale": scale,
+        "activation_scale": scale_in,
         "seconds": round(time.time() - t0, 2),
         **last,
     }
+    if target.transcoder:
+        log["output_scale"] = scale_out
     if threshold is not None:
         log["batchtopk_threshold"] = threshold
     return sae, log
