@@ -5,7 +5,7 @@ The prompts and spec are bench/scale_bench.py's (N short prompts, --tokens new t
 end-of-sequence token, the embedded model). In one process: the lmtrace run (`lmtrace.cli`, its
 model load included in "main thread" but not in "run_batch"), then the floor on that run's batches
 (`scale_bench.Floor`, the model loaded once and warmed on one batch of 2 tokens, not counted).
-Each phase is `time.thread_time` around the call: the model's forward (both), `choose`, the probes'
+Each phase is `time.thread_time` (and `perf_counter`, "_wall") around the call: the model's forward (both), `choose`, the probes'
 `collect`, the block sink (lmtrace). CPU time of the calling thread, so other work on the machine
 changes it less than wall-clock time; with torch's default threads it still counts the main
 thread's spinning at parallel regions, which grows with the machine's load. `--threads 1` (torch's
@@ -31,16 +31,18 @@ from scale_bench import REPO, Floor, plan_batches, write_prompts, write_spec
 sys.path.insert(0, str(REPO))
 
 CPU: dict[str, float] = collections.defaultdict(float)
+WALL: dict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter = collections.Counter()
 
 
 def timed(name: str, fn):
     def wrapper(*args, **kwargs):
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             CPU[name] += time.thread_time() - t0
+            WALL[name] += time.perf_counter() - w0
             CALLS[name] += 1
 
     return wrapper
@@ -63,7 +65,9 @@ def instrument() -> None:
 
 def phases() -> dict:
     out = {name: round(CPU[name], 3) for name in CPU}
+    out.update({name + "_wall": round(WALL[name], 3) for name in WALL})
     CPU.clear()
+    WALL.clear()
     CALLS.clear()
     return out
 
@@ -104,8 +108,8 @@ def main() -> None:
         floor.seconds(spec, batches[:1], 2)  # the model loaded and warm
         phases()
         t0 = time.thread_time()
-        floor.seconds(spec, batches, args.tokens)
-        result["floor"] = {"main_thread": round(time.thread_time() - t0, 3), **phases()}
+        seconds = floor.seconds(spec, batches, args.tokens)["seconds"]
+        result["floor"] = {"main_thread": round(time.thread_time() - t0, 3), "generate_wall": seconds, **phases()}
     result["load_average"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))
 
