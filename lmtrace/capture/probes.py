@@ -271,6 +271,27 @@ class Probes(ProbeArrays):
                 self.prompt_kv[layer] = (key, value)
 
     # ---- assembly (the per-kind arrays and collect_prefill: probe_arrays.ProbeArrays) ----------------
+    def _with_deltas(self, resid_out: torch.Tensor) -> torch.Tensor:
+        """resid_out [L, B, d] float -> [2, L, B, d]: resid_out, then each captured layer's output
+        minus its input. At a decode step a layer's input is the tensor the layer before returned
+        (the taps keep references), so for consecutive layers the inputs are resid_out shifted by
+        one: only the first layer's is stacked, and the differences are written in place."""
+        layers, kept_in = self.layers, self.resid_in
+        shared = (
+            bool(layers)
+            and not self.ctx.prefill
+            and all(
+                layer == prev + 1 and kept_in[layer] is self.resid_out[prev] for prev, layer in zip(layers, layers[1:])
+            )
+        )
+        if not shared:
+            return torch.stack([resid_out, resid_out - self._at_query(kept_in).float()], 0)
+        both = torch.empty((2, *resid_out.shape), dtype=resid_out.dtype, device=resid_out.device)
+        both[0].copy_(resid_out)
+        torch.sub(resid_out[1:], resid_out[:-1], out=both[1, 1:])
+        torch.sub(resid_out[0], self._at_query(kept_in, layers[:1])[0], out=both[1, 0])
+        return both
+
     def collect(self, logits: torch.Tensor, choice: Choice) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Return (zarr arrays per step [B, ...], per-layer scalars [B, layer]) for this forward call."""
         s = self.shape
@@ -287,9 +308,9 @@ class Probes(ProbeArrays):
                 else self._at_query(self.resid_out, s.resid_layers).float()
             )
             arrays["resid"] = resid.transpose(0, 1).to(self.torch_resid).cpu().numpy()
-        resid_in = self._at_query(self.resid_in).float()
-        delta = resid_out - resid_in
-        norms = torch.stack([resid_out, delta], 0).norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
+        both = self._with_deltas(resid_out)  # [2, L, B, d]: resid_out, what each layer added
+        delta = both[1]
+        norms = both.norm(dim=-1).transpose(1, 2).cpu().numpy()  # [2, B, L]
         scalars["resid_norm"], scalars["delta_norm"] = norms[0], norms[1]
         outputs = None  # attention and MLP outputs of every layer [2L, B, d]: one stack for the norms and the DLA
         if self.component_norms or self.dla is not None:

@@ -117,6 +117,15 @@ class Choice:
     ref_logprobs: torch.Tensor | None = None  # [B, r] T=1 logprobs of caller-given reference ids
 
 
+def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """-Σ p·log p of each row [B, V] -> [B] (a token of probability 0 adds 0, not NaN): p·max(log p,
+    float min), computed in place in p's buffer; the clamp, a full pass over [B, V], is left out where
+    no log p is -inf (it would change nothing then)."""
+    p = logprobs.exp()
+    low = torch.finfo(logprobs.dtype).min
+    return -p.mul_(logprobs if bool(logprobs.amin() > low) else logprobs.clamp_min(low)).sum(-1)
+
+
 def choose(
     logits: torch.Tensor,
     sampler: Sampler,
@@ -166,8 +175,7 @@ def choose(
         rank = torch.zeros(logits.shape[0], dtype=torch.int64)
     else:
         rank = (logits > logits.gather(-1, token[:, None])).sum(-1)
-    p = logprobs.exp()
-    entropy = -(p * logprobs.clamp_min(torch.finfo(logprobs.dtype).min)).sum(-1)
+    entropy = _entropy(logprobs)
     top_logprobs = logprobs.gather(-1, top_ids)
     return Choice(
         token=token.cpu(),

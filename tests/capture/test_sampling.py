@@ -79,3 +79,22 @@ def test_stability_classes():
     assert stability_class(0.6, 1.5) == "stable"
     assert stability_class(0.4, 0.5) == "fragile"
     assert stability_class(0.3, 0.01) == "tie"
+
+
+def test_entropy_counts_impossible_tokens_as_zero_and_equals_the_float64_formula():
+    # rows with no, some and nearly all logits at -inf (probability 0, log p = -inf): each entropy is
+    # -Σ p·log p over the possible tokens only, as numpy computes it in float64
+    import numpy as np
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 400) * 4
+    logits[1, ::3] = float("-inf")
+    logits[2, 2:] = float("-inf")
+    c = choose(logits, Sampler(0.0, 0, 1.0), None, 2)
+    x = logits.double().numpy()
+    for row, entropy in zip(x, c.entropy.tolist()):
+        finite = row[np.isfinite(row)]
+        p = np.exp(finite - finite.max())
+        p /= p.sum()
+        assert abs(entropy - float(-(p * np.log(p)).sum())) < 1e-5
+    assert c.entropy.isfinite().all()

@@ -1,0 +1,118 @@
+"""Where a batched dataset run's time goes: the main thread's CPU seconds per phase of one
+`lmtrace generate` (default capture) and of the batched floor (`model.generate`) on the same batches.
+
+The prompts and spec are bench/scale_bench.py's (N short prompts, --tokens new tokens, greedy, no
+end-of-sequence token, the embedded model). In one process: the lmtrace run (`lmtrace.cli`, its
+model load included in "main thread" but not in "run_batch"), then the floor on that run's batches
+(`scale_bench.Floor`, the model loaded once and warmed on one batch of 2 tokens, not counted).
+Each phase is `time.thread_time` (and `perf_counter`, "_wall") around the call: the model's forward (both), `choose`, the probes'
+`collect`, the block sink (lmtrace). CPU time of the calling thread, so other work on the machine
+changes it less than wall-clock time; with torch's default threads it still counts the main
+thread's spinning at parallel regions, which grows with the machine's load. `--threads 1` (torch's
+intra-op threads) measures the work itself: the numbers that compare across loads.
+
+    .venv/bin/python bench/batch_phases.py [--prompts 128] [--tokens 16] [--batch 32] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale_bench import REPO, Floor, plan_batches, write_prompts, write_spec
+
+sys.path.insert(0, str(REPO))
+
+CPU: dict[str, float] = collections.defaultdict(float)
+WALL: dict[str, float] = collections.defaultdict(float)
+CALLS: collections.Counter = collections.Counter()
+
+
+def timed(name: str, fn):
+    def wrapper(*args, **kwargs):
+        t0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CPU[name] += time.thread_time() - t0
+            WALL[name] += time.perf_counter() - w0
+            CALLS[name] += 1
+
+    return wrapper
+
+
+def instrument() -> None:
+    """Phase timers on the forward (the model class's __call__), choose, collect and the sink."""
+    import torch
+    import transformers.models.llama.modeling_llama as llama
+
+    from lmtrace.archive import sink
+    from lmtrace.capture import probes, tracer
+
+    llama.LlamaForCausalLM.__call__ = timed("forward", torch.nn.Module.__call__)
+    tracer.choose = timed("choose", tracer.choose)
+    probes.Probes.collect = timed("collect", probes.Probes.collect)
+    sink.BlockSink.on_step = timed("sink", sink.BlockSink.on_step)
+    tracer.Tracer.run_batch = timed("run_batch", tracer.Tracer.run_batch)
+
+
+def phases() -> dict:
+    out = {name: round(CPU[name], 3) for name in CPU}
+    out.update({name + "_wall": round(WALL[name], 3) for name in WALL})
+    CPU.clear()
+    WALL.clear()
+    CALLS.clear()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own)")
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    instrument()
+    from lmtrace.cli.main import run
+
+    with tempfile.TemporaryDirectory(prefix="lmtrace-phases-") as tmp:
+        tmp = Path(tmp)
+        spec = write_spec(
+            tmp / "spec.json", write_prompts(tmp / "prompts.jsonl", args.prompts), args.tokens, args.batch, None
+        )
+        sys.argv = ["lmtrace", "generate", str(spec), "--run-id", "phases", "--runs-dir", str(tmp / "runs"), "-q"]
+        t0 = time.thread_time()
+        try:
+            run()
+        except SystemExit as done:
+            if done.code:
+                raise
+        result = {
+            "torch_threads": torch.get_num_threads(),
+            "lmtrace": {"main_thread": round(time.thread_time() - t0, 3)},
+        }
+        result["lmtrace"].update(phases())
+        floor, batches = Floor(), plan_batches(tmp / "runs" / "phases")
+        floor.seconds(spec, batches[:1], 2)  # the model loaded and warm
+        phases()
+        t0 = time.thread_time()
+        seconds = floor.seconds(spec, batches, args.tokens)["seconds"]
+        result["floor"] = {"main_thread": round(time.thread_time() - t0, 3), "generate_wall": seconds, **phases()}
+    result["load_average"] = os.getloadavg()[0]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
