@@ -11,7 +11,7 @@ changes it less than wall-clock time; with torch's default threads it still coun
 thread's spinning at parallel regions, which grows with the machine's load. `--threads 1` (torch's
 intra-op threads) measures the work itself: the numbers that compare across loads.
 
-    .venv/bin/python bench/batch_phases.py [--prompts 128] [--tokens 16] [--batch 32] [--threads 1]
+    .venv/bin/python bench/batch_phases.py [--prompts 128] [--tokens 16] [--batch 32] [--threads 1] [--capture-none]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch's intra-op threads (default: torch's own)")
+    ap.add_argument("--capture-none", action="store_true", help="`capture: none` (forward-only) instead of the default")
     args = ap.parse_args()
     import torch
 
@@ -92,6 +93,8 @@ def main() -> None:
         spec = write_spec(
             tmp / "spec.json", write_prompts(tmp / "prompts.jsonl", args.prompts), args.tokens, args.batch, None
         )
+        if args.capture_none:
+            spec.write_text(json.dumps({**json.loads(spec.read_text()), "capture": "none"}))
         sys.argv = ["lmtrace", "generate", str(spec), "--run-id", "phases", "--runs-dir", str(tmp / "runs"), "-q"]
         t0 = time.thread_time()
         try:
