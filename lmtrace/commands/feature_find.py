@@ -5,7 +5,6 @@ run and prints (or `--json`)."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 from ..archive.reader import IncompleteRunWarning, Run, open_run
 from ..exits.errors import SpecError
 from ..output.jsonout import json_line
+from ..output.terminal import fitted, terminal_width
 
 
 def resolve_sae(run: Run, sae: str) -> dict:
@@ -107,6 +107,7 @@ def feature_report(
         "run_id": run.id,
         "sae": entry["name"],
         "hook_name": entry["hook_name"],
+        **({"hook_name_out": entry["hook_name_out"]} if entry.get("hook_name_out") else {}),
         "feature": feature,
         "positions": "prompt" if prompt else "generated",
         "tokens": occ.n_tokens,
@@ -219,13 +220,6 @@ def _one_line(text: str) -> str:
     return text.replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
 
 
-def _terminal_width() -> int | None:
-    """The terminal's columns when stdout is one, else None (piped output keeps one line per item)."""
-    import shutil
-
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-
-
 def _fit_context(context: str, room: int) -> str:
     """A context cut to `room` characters around its [[activating token]], `…` where text was cut."""
     if len(context) <= room:
@@ -246,14 +240,15 @@ def _print_feature(out: dict) -> None:
     each example's context cut around its activating token; piped, one line per item."""
     import textwrap
 
-    width = _terminal_width()
+    width = terminal_width()
     where = " prompt" if out.get("positions") == "prompt" else ""
+    hook = out["hook_name"] + (f" → {out['hook_name_out']}" if out.get("hook_name_out") else "")
 
     def emit(text: str, indent: str = "") -> None:
-        print(textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False) if width else text)
+        print(fitted(text, indent, width) if width else text)
 
     emit(
-        f"{out['run_id']}: SAE {out['sae']} ({out['hook_name']}) feature {out['feature']}: active on "
+        f"{out['run_id']}: SAE {out['sae']} ({hook}) feature {out['feature']}: active on "
         f"{out['active_tokens']:,} of {out['tokens']:,}{where} tokens (density {out['density']:.4g})"
     )
     if not out["examples"]:
@@ -283,7 +278,7 @@ def _print_by(out: dict) -> None:
         f"{out['run_id']}: SAE {out['sae']}: features whose mean activation per token differs most by "
         f"{out['group_column']} (95 % bootstrap intervals over sequences)"
     )
-    if _terminal_width() is not None:
+    if terminal_width() is not None:
         from rich.console import Console
 
         from ..output.column_fit import print_fitted

@@ -39,6 +39,7 @@ from ..exits.interrupts import work_recorded
 from ..features.format import CFG, WEIGHTS, write_sae
 from ..features.sites import Site, site_of
 from ..output.jsonout import json_line
+from ..output.terminal import fitted
 from ..runner.parent import ParentView
 
 CARD = "training_card.json"
@@ -409,20 +410,24 @@ def sae_show_command(path: str, *, json_out: bool = False, quiet: bool = False) 
         return info
     k = f", k {cfg.k}" if cfg.k is not None else ""
     print(
-        f"{path}: {cfg.architecture} {'' if cfg.transcoder else 'SAE, '}d_in {cfg.d_in}, {cfg.d_sae} latents{k}, "
-        f"at {cfg.hook_name} (lmtrace site {site.kind}, layer {site.layer})"
-        + (f", writing {cfg.hook_name_out} (d_out {cfg.d_out})" if cfg.transcoder else "")
-        + "; b_dec applied to the input: "
-        f"{'yes' if cfg.apply_b_dec_to_input else 'no'}; input normalisation: {cfg.normalize_activations}"
-        + (f"; model {cfg.model_name}" if cfg.model_name else "")
+        fitted(
+            f"{path}: {cfg.architecture} {'' if cfg.transcoder else 'SAE, '}d_in {cfg.d_in}, {cfg.d_sae} latents{k}, "
+            f"at {cfg.hook_name} (lmtrace site {site.kind}, layer {site.layer})"
+            + (f", writing {cfg.hook_name_out} (d_out {cfg.d_out})" if cfg.transcoder else "")
+            + "; b_dec applied to the input: "
+            f"{'yes' if cfg.apply_b_dec_to_input else 'no'}; input normalisation: {cfg.normalize_activations}"
+            + (f"; model {cfg.model_name}" if cfg.model_name else "")
+        )
     )
     if card is not None:
         h = card.get("heldout", {})
         print(
-            f"trained on run {card.get('run_id')} ({card.get('data', {}).get('tokens')} tokens, "
-            f"{card.get('data', {}).get('source')}); held out: explained variance "
-            f"{_num(h.get('explained_variance'), '.3f')}, mean L0 {_num(h.get('mean_l0'), '.1f')}, dead "
-            f"{_num(None if h.get('dead_fraction') is None else 100 * h['dead_fraction'], '.1f')} %, "
-            f"CE loss recovered {_num(h.get('loss_recovered'), '.3f')}"
+            fitted(
+                f"trained on run {card.get('run_id')} ({card.get('data', {}).get('tokens')} tokens, "
+                f"{card.get('data', {}).get('source')}); held out: explained variance "
+                f"{_num(h.get('explained_variance'), '.3f')}, mean L0 {_num(h.get('mean_l0'), '.1f')}, dead "
+                f"{_num(None if h.get('dead_fraction') is None else 100 * h['dead_fraction'], '.1f')} %, "
+                f"CE loss recovered {_num(h.get('loss_recovered'), '.3f')}"
+            )
         )
     return info

@@ -157,7 +157,7 @@ def test_a_feature_s_terminal_view_fits_80_columns_without_splitting_an_item(mon
         ],
         "logit_effects": {"promoted": tokens, "suppressed": tokens},
     }
-    monkeypatch.setattr(feature_find, "_terminal_width", lambda: 80)
+    monkeypatch.setattr(feature_find, "terminal_width", lambda: 80)
     feature_find._print_feature(out)
     lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), lines
@@ -165,7 +165,7 @@ def test_a_feature_s_terminal_view_fits_80_columns_without_splitting_an_item(mon
     text = "\n".join(lines)
     for t in tokens:  # each item whole on one line
         assert any(f"{t['text']!r} {t['effect']:+.3f}" in line for line in lines), text
-    monkeypatch.setattr(feature_find, "_terminal_width", lambda: None)
+    monkeypatch.setattr(feature_find, "terminal_width", lambda: None)
     feature_find._print_feature(out)
     piped = capsys.readouterr().out.splitlines()
     assert len(piped) == 4 and "x" * 60 + "[[ of]]" + "y" * 60 in piped[1]
@@ -183,7 +183,7 @@ def test_the_by_table_on_a_terminal_leaves_out_groups_that_do_not_fit_and_names_
         "groups": groups,
         "features": [{"feature": f, "spread": 1.5, "groups": [cell] * 4} for f in (7, 123)],
     }
-    monkeypatch.setattr(feature_find, "_terminal_width", lambda: 80)
+    monkeypatch.setattr(feature_find, "terminal_width", lambda: 80)
     monkeypatch.setenv("COLUMNS", "80")
     feature_find._print_by(out)
     lines = capsys.readouterr().out.splitlines()

@@ -271,3 +271,6 @@ def test_the_views_name_a_transcoders_input_and_output_hook_points(runs, tmp_pat
     assert listed["hook_name_out"] == "blocks.1.hook_mlp_out"
     out = lmtrace(tmp_path, "show", str(run.path), "--step", "0", env={"COLUMNS": "200"})
     assert f"features of SAE {name} ({both}): " in out.stdout
+    out = lmtrace(tmp_path, "features", str(run.path), "--sae", name, "--feature", str(feature))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{run.path.name}: SAE {name} ({both}) feature {feature}: "), out.stdout
