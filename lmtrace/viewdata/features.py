@@ -20,14 +20,17 @@ with `prompt: true`, `lmtrace features RUN --sae DIR --prompt`): an example is t
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections import OrderedDict
-
 import numpy as np
 import pyarrow.compute as pc
 
-from ..analysis.features.find import Occurrences, logit_effects_file, occurrences, stored_logit_effects, window_bounds
+from ..analysis.features.find import (
+    Occurrences,
+    hook_label,
+    logit_effects_file,
+    occurrences,
+    stored_logit_effects,
+    window_bounds,
+)
 from ..archive.reader import Run
 from . import kept
 from .errors import BadParameter, NotFound
@@ -39,9 +42,6 @@ PAGE_WINDOW = 8  # tokens of context before an example (two after, as `features 
 MAX_TOP, MAX_WINDOW = 200, 64
 HISTOGRAM_BINS = 20
 KEPT_PER_RUN = 32  # latents' occurrences kept per complete run (the server keeps at most 16 runs open)
-
-_kept: weakref.WeakKeyDictionary[Run, OrderedDict] = weakref.WeakKeyDictionary()
-_kept_lock = threading.Lock()
 
 
 def sae_entries(run: Run) -> list[dict]:
@@ -59,13 +59,6 @@ def sae_entry(run: Run, sae: str) -> dict:
         f"run {run.id} has no feature activations of an SAE named {sae!r} "
         + (f"(its SAEs: {known})" if known else f"(it has none: `lmtrace features {run.id} --sae DIR` computes them)")
     )
-
-
-def hook_label(entry: dict) -> str:
-    """The hook point an SAE reads, or a transcoder's two ("input → output": it reads the MLP's input and
-    writes the MLP's output)."""
-    out = entry.get("hook_name_out")
-    return f"{entry['hook_name']} → {out}" if out else entry["hook_name"]
 
 
 def token_features(run: Run, seq: int, step: int, top: int | None = TOKEN_TOP) -> list[dict] | None:
@@ -159,14 +152,8 @@ def kept_occurrences(
     run: Run, entry: dict, feature: int, sequences: list[int] | None = None, prompt: bool = False
 ) -> Occurrences:
     """`find.occurrences` of latent `feature` of the SAE `entry` (manifest `features`), kept per complete
-    Run object and (SAE name, weights sha256, latent, sequences, positions), the latest KEPT_PER_RUN;
-    read every time for a run still being written (its arrays grow)."""
-
-    def read() -> Occurrences:
-        return occurrences(run, entry["name"], feature, sequences, prompt=prompt)
-
-    if run.status != "complete":
-        return read()
+    Run object and (SAE name, weights sha256, latent, sequences, positions), the latest KEPT_PER_RUN
+    (`kept.latest`); read every time for a run still being written (its arrays grow)."""
     key = (
         entry["name"],
         entry["sha256"],
@@ -174,17 +161,13 @@ def kept_occurrences(
         prompt,
         None if sequences is None else tuple(sorted(set(sequences))),
     )
-    with _kept_lock:
-        store = _kept.setdefault(run, OrderedDict())
-        if key in store:
-            store.move_to_end(key)
-            return store[key]
-    found = read()
-    with _kept_lock:
-        store[key] = found
-        while len(store) > KEPT_PER_RUN:
-            store.popitem(last=False)
-    return found
+    return kept.latest(
+        run,
+        "occurrences",
+        key,
+        lambda: occurrences(run, entry["name"], feature, sequences, prompt=prompt),
+        KEPT_PER_RUN,
+    )
 
 
 def _prompt_positions(run: Run, entry: dict, positions: str) -> bool:

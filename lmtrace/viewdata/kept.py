@@ -6,7 +6,8 @@ selected token). A complete run's archive no longer changes (a new manifest, e.g
 lens`, opens a new Run in the Catalog), so these are kept per Run object, dropped with it; a
 running run's are read every time. Its quick integrity check is repeated at most every RECHECK_S
 seconds instead of on every run header. Parquet datasets are kept by their files' (path, mtime,
-size), so a new part file or a rewritten table is a new key. None of this holds array data.
+size), so a new part file or a rewritten table is a new key. None of this holds array data but
+`latest`'s values (a latent's occurrences), of which only a bounded number are kept per run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ def _once(run: Run, key, compute):
     value = compute()
     with _lock:
         store[key] = value
+    return value
+
+
+def latest(run: Run, group: str, key, compute, limit: int):
+    """compute() once per complete run and key, keeping only the `limit` keys of `group` last asked for
+    (values that hold array data); every time for a run still being written."""
+    if run.status != "complete":
+        return compute()
+    with _lock:
+        store = _per_run.setdefault(run, {}).setdefault(("latest", group), OrderedDict())
+        if key in store:
+            store.move_to_end(key)
+            return store[key]
+    value = compute()
+    with _lock:
+        store[key] = value
+        while len(store) > limit:
+            store.popitem(last=False)
     return value
 
 
