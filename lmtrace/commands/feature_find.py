@@ -240,15 +240,16 @@ def _print_feature(out: dict) -> None:
     each example's context cut around its activating token; piped, one line per item."""
     import textwrap
 
+    from ..analysis.features.find import hook_label
+
     width = terminal_width()
     where = " prompt" if out.get("positions") == "prompt" else ""
-    hook = out["hook_name"] + (f" → {out['hook_name_out']}" if out.get("hook_name_out") else "")
 
     def emit(text: str, indent: str = "") -> None:
         print(fitted(text, indent, width) if width else text)
 
     emit(
-        f"{out['run_id']}: SAE {out['sae']} ({hook}) feature {out['feature']}: active on "
+        f"{out['run_id']}: SAE {out['sae']} ({hook_label(out)}) feature {out['feature']}: active on "
         f"{out['active_tokens']:,} of {out['tokens']:,}{where} tokens (density {out['density']:.4g})"
     )
     if not out["examples"]:

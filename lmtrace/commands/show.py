@@ -324,10 +324,11 @@ def _print_step(d: dict, console: Console) -> None:
     width = max((len(repr(a["text"])) for a in d["alternatives"]), default=0)
     for n, a in enumerate(d["alternatives"], 1):
         out(f"  {n:2d}. {repr(a['text']).ljust(width)}  {a['prob']:.4g}  (id {a['id']})")
+    if d.get("features"):
+        from ..analysis.features.find import hook_label
     for f in d.get("features", []):
         cells = [f"{a['feature']} {a['activation']:.3g}" for a in f["active"]] or ["(none active)"]
-        hook = f"{f['hook_name']} → {f['hook_name_out']}" if "hook_name_out" in f else f["hook_name"]
-        head = f"features of SAE {f['sae']} ({hook}): "
+        head = f"features of SAE {f['sae']} ({hook_label(f)}): "
         if len(head) > console.width // 2:  # the cells under a long head, not in a narrow column beside it
             out(head.rstrip())
             head = "  "

@@ -118,6 +118,13 @@ def context(tokens: list[str], position: int, window: int, after: int = 2) -> st
     return "".join(f"[[{t}]]" if p == position else t for p, t in zip(range(lo, hi), tokens[lo:hi]))
 
 
+def hook_label(entry: dict) -> str:
+    """The hook point an SAE reads (`entry`: its manifest record, or a view's answer with the same
+    keys), or a transcoder's two, "input → output" (it reads the MLP's input and writes its output)."""
+    out = entry.get("hook_name_out")
+    return f"{entry['hook_name']} → {out}" if out else entry["hook_name"]
+
+
 def logit_effects_file(name: str) -> str:
     """Where a run keeps the logit effects `lmtrace features RUN --sae NAME --feature F` computed (relative
     to the run): analysis/feature_logit_effects_<name>.json, {sha256, features: {F: effects}}."""
