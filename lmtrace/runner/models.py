@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ..digest import file_sha256
 from ..exits.errors import LmtraceError, ModelLoadError, SpecError
 from ..spec.run_spec import ModelSpec, check_device_option
+from .allocator import keep_freed_memory
 
 if TYPE_CHECKING:
     import torch
@@ -340,6 +341,7 @@ def load_model(spec: ModelSpec, note=lambda text: None) -> LoadedModel:
     With `spec.device_map` the model is spread by transformers/accelerate (docs/devices.md): the
     loaded model's `device` is then where its inputs go (the input embedding's execution device)."""
     _quiet_transformers()
+    keep_freed_memory()  # a command that runs a model reuses its freed step buffers (runner/allocator.py)
     from transformers import AutoModelForCausalLM
 
     from ..capture.devices import execution_device

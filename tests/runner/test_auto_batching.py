@@ -396,18 +396,25 @@ def test_a_small_cpu_footprint_never_calibrates_below_the_computed_one_nor_below
 def test_peak_rss_sees_a_transient_allocation_freed_before_the_end():
     """The peak over a stretch includes memory allocated and freed within it (a batch's prefill
     transients): a 128 MiB buffer touched, held until the sampler has read RSS twice, and freed."""
+    import mmap
+
     from lmtrace.runner.peak_rss import PeakRss, rss_bytes
 
     size = 128 << 20
     before = rss_bytes()
     with PeakRss() as p:
-        buffer = np.ones(size, dtype=np.uint8)
+        # mapped and unmapped here, not through malloc, which (runner/allocator.py, once a model was
+        # loaded in this process) keeps freed memory for reuse
+        buffer = mmap.mmap(-1, size)
+        pages = np.frombuffer(buffer, dtype=np.uint8)
+        pages[:] = 1  # every page touched, no temporary of that size
+        del pages
         seen = p.samples
         for _ in range(10_000):  # the sampler reads every 5 ms; wait for two readings (not a timing check)
             if p.samples >= seen + 2:
                 break
             time.sleep(0.001)
-        del buffer
+        buffer.close()
     assert rss_bytes() - before < size / 2  # freed: the end of the stretch alone would not show it
     assert p.peak - before >= size * 0.9
 
