@@ -190,9 +190,9 @@ class ShardFiles:
         for row, seq in enumerate(seqs):
             groups.setdefault(seq // self.sequences, []).append(row)
         for group, rows in groups.items():
-            pace()
             chunks = {}
             for row in rows:
+                pace()  # a sequence's chunks at a time: the writer waits out a forward within ~1 ms
                 for c, blob in self._inner_chunks(data[row]):
                     chunks[(seqs[row] % self.sequences,) + (0,) * (len(self.per_shard) - 2) + (c,)] = blob
             self._replace(self.shard_path(group, s0), chunks, {seqs[r] % self.sequences for r in rows})

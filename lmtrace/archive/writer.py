@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -256,14 +257,15 @@ class BackgroundWriter:
 
     The worker works only while the generation loop is outside the model's forward: the loop wraps
     each forward in `forward_running()`, and the worker waits at its next pause point (before each
-    job, chunk file, table part and commit: `ArchiveWriter.pace`). torch runs the forward on both
-    cores of a small CPU, so a writer running alongside takes a core from one of torch's threads
-    and the whole forward waits for it. Measured on the embedded model, 256 tokens: the forwards
-    after a block was handed over took 12–19 ms more per 16-step block than the others; with the
-    pause, ~3 ms (docs/archive.md, "Cost"). Between forwards (token statistics, probes, the sink:
-    a few ms a step) only the loop's own thread is busy, and the writer uses the other core. A job
-    started just before a forward finishes its current file first; a loop that waits for the
-    writer (a full queue, `drain`) is outside the forward, so the writer is never held up for good.
+    job, each sequence's chunks of a shard file, each table part and the commit:
+    `ArchiveWriter.pace`). torch runs the forward on both cores of a small CPU, so a writer running
+    alongside takes a core from one of torch's threads and the whole forward waits for it. A job
+    started just before a forward finishes the chunks of its current sequence first (at most ~13 ms
+    at batch 32, against ~65 ms when the pause points were whole shard files: the writer then
+    overlapped the forwards for ~0.2 s of a 10 s run, and they took ~10 % longer than plain
+    generation's; docs/performance.md). Between forwards the writer runs at a lower priority
+    (`_yield_to_the_loop`). A loop that waits for the writer (a full queue, `drain`) is outside the
+    forward, so the writer is never held up for good.
     """
 
     def __init__(self, writer: ArchiveWriter, depth: int = 2):
@@ -282,6 +284,7 @@ class BackgroundWriter:
         return self._forward
 
     def _run(self) -> None:
+        _yield_to_the_loop()
         while True:
             item = self._queue.get()
             if item is None:
@@ -317,6 +320,26 @@ class BackgroundWriter:
         self._queue.put(None)
         self._thread.join()
         self._check()
+
+
+WRITER_NICE = 10  # added to the writer thread's nice value (Linux)
+
+
+def _yield_to_the_loop() -> None:
+    """Lower the calling thread's scheduling priority (Linux: a thread has its own nice value).
+
+    Between forwards the generation loop runs torch ops on both cores too (the token statistics,
+    the probes), and a writer at the same priority shares the second core with torch's other thread,
+    so those ops wait for it. At nice +10 the scheduler gives torch's threads the core whenever they want it,
+    and the writer the time they leave (docs/performance.md). Elsewhere, or where it is not
+    permitted, nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except OSError:
+        pass
 
 
 class _ForwardRunning:

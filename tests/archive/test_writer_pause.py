@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -15,26 +17,28 @@ STEPS, PROMPT, CHUNK_KEYS = 4, 2, 2  # attention rows of 6 keys: 3 key chunks pe
 # one sequence per shard file: a block of the two sequences is two files, and the writer may pause between them
 
 
+_SHAPE = dict(
+    n_sequences=2,
+    n_steps=STEPS,
+    max_prompt=PROMPT,
+    layers=(0, 1),
+    resid_layers=(),
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=2,
+    d_model=2,
+    d_ffn=2,
+    kv_head_of_head=(0, 0),
+    qkv=False,
+    ffn=False,
+    lens=False,
+)
+
+
 @pytest.fixture
 def core(tmp_path):
-    shape = RunShape(
-        n_sequences=2,
-        n_steps=STEPS,
-        max_prompt=PROMPT,
-        layers=(0, 1),
-        resid_layers=(),
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=2,
-        d_model=2,
-        d_ffn=2,
-        kv_head_of_head=(0, 0),
-        qkv=False,
-        ffn=False,
-        lens=False,
-    )
     return ArchiveWriter(
-        tmp_path, shape, chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS, chunk_sequences=1
+        tmp_path, RunShape(**_SHAPE), chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS, chunk_sequences=1
     )
 
 
@@ -170,3 +174,56 @@ def test_generate_runs_every_forward_with_the_writer_paused(tmp_path, tiny_llama
     )
     assert run.manifest["status"] == "complete"
     assert len(forwards) == 2 * 5 and all(forwards) and pause.entered == len(forwards)
+
+
+def test_a_forward_starting_mid_file_stops_the_writer_at_its_next_sequence(tmp_path):
+    # two sequences in one shard file: the writer pauses between their chunks, not only between files
+    core = ArchiveWriter(
+        tmp_path,
+        RunShape(**{**_SHAPE, "n_sequences": 2}),
+        chunk_steps=STEPS,
+        codec="none",
+        level=0,
+        chunk_keys=CHUNK_KEYS,
+        chunk_sequences=2,
+    )
+    files = core.shard_files["attn"]
+    encoded: list[int] = []
+    encode = files.encode
+    files.encode = lambda chunk: (encoded.append(1), encode(chunk))[1]
+    writer = BackgroundWriter(core)
+    forward = writer.forward_running()
+    paused_after: list[int] = []
+    wait = core.pace
+
+    def pace():  # a forward starts once the first sequence's chunks are encoded
+        if not paused_after and encoded:
+            forward.__enter__()
+            paused_after.append(len(encoded))
+        wait()
+
+    core.pace = pace
+    try:
+        writer.submit(core.write_block, 0, [0, 1], 0, STEPS, _block(), {})
+        _wait_for(lambda: bool(paused_after))
+        time.sleep(0.2)  # were the writer not held, it would encode the second sequence meanwhile
+        assert paused_after == [3] and len(encoded) == 3  # one sequence: its 3 key chunks
+        assert _chunk_files(core) == 0
+        forward.__exit__(None, None, None)
+        writer.drain()
+        assert len(encoded) == 6 and _chunk_files(core) == 1
+        assert (core.arrays["attn"][:] == np.float16(0.5)).all()
+    finally:
+        writer.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_thread_runs_at_a_lower_priority_than_the_loop(core):
+    writer = BackgroundWriter(core)
+    try:
+        tid = writer._thread.native_id
+        _wait_for(lambda: os.getpriority(os.PRIO_PROCESS, tid) != os.getpriority(os.PRIO_PROCESS, 0))
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + 10)
+    finally:
+        writer.close()
