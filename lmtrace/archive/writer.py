@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
@@ -263,9 +262,8 @@ class BackgroundWriter:
     started just before a forward finishes the chunks of its current sequence first (at most ~13 ms
     at batch 32, against ~65 ms when the pause points were whole shard files: the writer then
     overlapped the forwards for ~0.2 s of a 10 s run, and they took ~10 % longer than plain
-    generation's; docs/performance.md). Between forwards the writer runs at a lower priority
-    (`_yield_to_the_loop`). A loop that waits for the writer (a full queue, `drain`) is outside the
-    forward, so the writer is never held up for good.
+    generation's; docs/performance.md). A loop that waits for the writer (a full queue, `drain`)
+    is outside the forward, so the writer is never held up for good.
     """
 
     def __init__(self, writer: ArchiveWriter, depth: int = 2):
@@ -284,7 +282,6 @@ class BackgroundWriter:
         return self._forward
 
     def _run(self) -> None:
-        _yield_to_the_loop()
         while True:
             item = self._queue.get()
             if item is None:
@@ -320,26 +317,6 @@ class BackgroundWriter:
         self._queue.put(None)
         self._thread.join()
         self._check()
-
-
-WRITER_NICE = 10  # added to the writer thread's nice value (Linux)
-
-
-def _yield_to_the_loop() -> None:
-    """Lower the calling thread's scheduling priority (Linux: a thread has its own nice value).
-
-    Between forwards the generation loop runs torch ops on both cores too (the token statistics,
-    the probes), and a writer at the same priority shares the second core with torch's other thread,
-    so those ops wait for it. At nice +10 the scheduler gives torch's threads the core whenever they want it,
-    and the writer the time they leave (docs/performance.md). Elsewhere, or where it is not
-    permitted, nothing changes."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
-    except OSError:
-        pass
 
 
 class _ForwardRunning:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
@@ -213,17 +211,5 @@ def test_a_forward_starting_mid_file_stops_the_writer_at_its_next_sequence(tmp_p
         writer.drain()
         assert len(encoded) == 6 and _chunk_files(core) == 1
         assert (core.arrays["attn"][:] == np.float16(0.5)).all()
-    finally:
-        writer.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
-def test_the_writer_thread_runs_at_a_lower_priority_than_the_loop(core):
-    writer = BackgroundWriter(core)
-    try:
-        tid = writer._thread.native_id
-        _wait_for(lambda: os.getpriority(os.PRIO_PROCESS, tid) != os.getpriority(os.PRIO_PROCESS, 0))
-        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + 10)
     finally:
         writer.close()
