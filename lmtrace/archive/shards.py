@@ -192,7 +192,7 @@ class ShardFiles:
         for group, rows in groups.items():
             chunks = {}
             for row in rows:
-                pace()  # a sequence's chunks at a time: the writer waits out a forward within ~1 ms
+                pace()  # between sequences: a forward that starts waits at most for one sequence's chunks
                 for c, blob in self._inner_chunks(data[row]):
                     chunks[(seqs[row] % self.sequences,) + (0,) * (len(self.per_shard) - 2) + (c,)] = blob
             self._replace(self.shard_path(group, s0), chunks, {seqs[r] % self.sequences for r in rows})

@@ -6,12 +6,13 @@ step's arrays, a block's buffers. glibc serves a block above its mmap threshold 
 raised as such blocks are freed) with a fresh mapping and unmaps it when freed, and gives the top of
 its heap back once more than its trim threshold is free there. Either way the next step's buffer is
 new memory: every 4 KiB page of it faults and is zeroed by the kernel before torch writes it. At batch
-32 on the embedded model that was ~400,000 page faults in a 2,048-token run, and `exp` of a step's
-logits took 1.5 ms into a new buffer against 0.3 ms into a reused one (docs/performance.md).
+32 on the embedded model that was ~1.7 million page faults in a 128-prompt run (~180,000 with this),
+and `exp` of a step's logits took 1.5 ms into a new buffer against 0.3 ms into a reused one
+(docs/performance.md).
 
-With both thresholds raised, freed blocks stay in the heap and are reused. The process's peak memory
-is unchanged; what it does not do any more is give memory back between steps (its resident size stays
-at its peak until it exits, which a batch process reaches anyway). Commands that run a model call
+With both thresholds raised, freed blocks stay in the heap and are reused, and up to TRIM_THRESHOLD
+of freed memory stays with the process instead of going back between steps: its peak RSS is higher
+(1280 against 1147 MiB at batch 32; flat in the number of prompts). Commands that run a model call
 this once (runner/models.py); `serve` and the readers do not. glibc's own settings win: with any of
 MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or a malloc tunable in GLIBC_TUNABLES in the
 environment nothing is changed, and on another C library (macOS, musl) neither.

@@ -177,13 +177,7 @@ def test_generate_runs_every_forward_with_the_writer_paused(tmp_path, tiny_llama
 def test_a_forward_starting_mid_file_stops_the_writer_at_its_next_sequence(tmp_path):
     # two sequences in one shard file: the writer pauses between their chunks, not only between files
     core = ArchiveWriter(
-        tmp_path,
-        RunShape(**{**_SHAPE, "n_sequences": 2}),
-        chunk_steps=STEPS,
-        codec="none",
-        level=0,
-        chunk_keys=CHUNK_KEYS,
-        chunk_sequences=2,
+        tmp_path, RunShape(**_SHAPE), chunk_steps=STEPS, codec="none", level=0, chunk_keys=CHUNK_KEYS, chunk_sequences=2
     )
     files = core.shard_files["attn"]
     encoded: list[int] = []
