@@ -13,6 +13,9 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     manifest's own `timings.tokens_per_s`, model load and finalising excluded) and of the whole process,
     files in the run (`find -type f | wc -l`), bytes on disk per generated token, and the generate
     process's peak RSS (its own `ru_maxrss`, from wait4);
+  - batch 32 as two `lmtrace generate --shard I/2` processes of one run started together, one torch
+    thread each (OMP_NUM_THREADS=1), paired with the floor like the single-process runs (the run's
+    time: the slower shard's `generate_s`; peak RSS: both processes');
   - batch 8 again on N / 5 prompts: peak RSS at two N (flat in the number of prompts);
   - the batch-8 run as a 4-task SLURM array (`sbatch --array=0-3`, `lmtrace generate --shard auto`,
     one torch thread a task) on the one-node local cluster (scripts/slurm-cluster.sh), from submission
@@ -26,7 +29,7 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     .venv/bin/python bench/scale_bench.py [--prompts 1000] [--tokens 16] [--repeats 3] [--runs-dir DIR]
                                           [--only PART ...] [--out bench/results/scale.json]
 
-PART: batch8, tools, batch1, batch32, batch64, auto, small, slurm, run in this order (slurm needs the batch-8
+PART: batch8, tools, batch1, batch32, batch64, auto, shards2, small, slurm, run in this order (slurm needs the batch-8
 run, tools the run --tools-run names: made by its part, or found in --runs-dir). The JSON is written
 after every part. At 10,000 prompts: `--prompts 10000 --only batch32 --only tools --tools-run batch32`
 (tools then run after batch32).
@@ -52,7 +55,7 @@ from serve_bench import MODEL, REPO, Server, browse, run_facts
 
 sys.path.insert(0, str(REPO))  # the floor loads the model with this tree's lmtrace
 
-PARTS = ("batch8", "tools", "batch1", "batch32", "batch64", "auto", "small", "slurm")
+PARTS = ("batch8", "tools", "batch1", "batch32", "batch64", "auto", "shards2", "small", "slurm")
 
 # ---- the prompts --------------------------------------------------------------------------------
 # Short prompts of a few kinds, each kind a template filled from word lists; `label` is the kind,
@@ -251,6 +254,55 @@ def generate_spec(runs: Path, spec: Path, name: str, prompts: Path, batch, budge
     }
 
 
+def generate_sharded(runs: Path, spec: Path, name: str, prompts: Path, batch, shards: int) -> dict:
+    """One run as `shards` `lmtrace generate --shard I/N` processes started together on this machine,
+    each with one torch thread (OMP_NUM_THREADS=1): the run's generation time is the slower shard's
+    `generate_s` (shards/<shard>.json; model load and finalising excluded, as for one process); peak
+    RSS is the shards' together (each its own ru_maxrss)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if (runs / name).exists():
+        shutil.rmtree(runs / name)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] generate {name} (batch {batch}, {shards} shard processes)",
+        file=sys.stderr,
+        flush=True,
+    )
+    env = bench_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmds = [
+        lmtrace_cmd("generate", str(spec), "--run-id", name, "--runs-dir", str(runs), "--shard", f"{i}/{shards}", "-q")
+        for i in range(shards)
+    ]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(shards) as pool:
+        measured = list(pool.map(lambda cmd: run_measured(cmd, env), cmds))
+    seconds = time.perf_counter() - t0
+    for i, m in enumerate(measured):
+        if m["rc"] != 0:
+            raise SystemExit(
+                f"lmtrace generate {name} --shard {i}/{shards} failed (exit {m['rc']}): {m['stderr_tail']}"
+            )
+    facts = archive_facts(runs / name)
+    shard_s = [
+        json.loads((runs / name / "shards" / f"shard-{i}-of-{shards}.json").read_text())["generate_s"]
+        for i in range(shards)
+    ]
+    generate_s = max(shard_s)
+    return {
+        "run_id": name,
+        "batch_size": batch,
+        "shards": shards,
+        "prompts": sum(1 for _ in prompts.open()),
+        "process_s": round(seconds, 2),
+        "peak_rss_mib": round(sum(m["peak_rss_mib"] for m in measured), 1),
+        "tok_s_generation": round(facts["generated_tokens"] / generate_s, 3),
+        "tok_s_process": round(facts["generated_tokens"] / seconds, 2),
+        **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches")},
+        "shard_generate_s": shard_s,
+        "generate_s": generate_s,
+    }
+
+
 # ---- the batched floor, paired with lmtrace ---------------------------------------------------------
 class Floor:
     """Plain batched generation: the same model as lmtrace loads it (lmtrace's own loader, so the
@@ -326,12 +378,23 @@ def plan_batches(run_dir: Path) -> list[list[int]]:
 
 
 def paired(
-    runs: Path, specs: Path, name: str, prompts: Path, tokens: int, batch, floor: Floor, repeats: int, budget=None
+    runs: Path,
+    specs: Path,
+    name: str,
+    prompts: Path,
+    tokens: int,
+    batch,
+    floor: Floor,
+    repeats: int,
+    budget=None,
+    shards: int = 1,
 ) -> dict:
     """`repeats` pairs of (lmtrace generate, the batched floor) on the same prompts and batches; the
     order alternates per repeat (lmtrace first in the first, whose plan gives the floor its batches).
     Each pair's ratio: lmtrace's tok/s (its manifest's generate_s) / the floor's; the median is reported.
-    The other facts (files, bytes, RSS, pace) are those of the last repeat's run."""
+    The other facts (files, bytes, RSS, pace) are those of the last repeat's run. With `shards` > 1
+    lmtrace is that many one-thread shard processes of the run (`generate_sharded`); the floor is
+    still one process on torch's default threads, on all the shards' batches."""
     spec = write_spec(specs / f"{name}.json", prompts, tokens, batch, budget)
     pairs = []
     run = None
@@ -340,7 +403,11 @@ def paired(
         pair: dict = {"order": list(order), "load_average": round(os.getloadavg()[0], 2)}
         for what in order:
             if what == "lmtrace":
-                run = generate_spec(runs, spec, name, prompts, batch, budget)
+                run = (
+                    generate_sharded(runs, spec, name, prompts, batch, shards)
+                    if shards > 1
+                    else generate_spec(runs, spec, name, prompts, batch, budget)
+                )
                 pair["lmtrace_tok_s"] = run["tok_s_generation"]
                 pair["lmtrace_generate_s"] = run["generate_s"]
             else:
@@ -543,6 +610,7 @@ def main() -> None:
         "auto": lambda: paired(
             runs, specs, "auto", prompts, args.tokens, "auto", floor, args.repeats, args.memory_budget
         ),
+        "shards2": lambda: paired(runs, specs, "shards2", prompts, args.tokens, 32, floor, args.repeats, shards=2),
         "small": lambda: generate(
             runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8
         ),
@@ -588,7 +656,13 @@ def print_table(doc: dict) -> None:
     print(head)
     ratios = [
         (label, p[key])
-        for key, label in (("batch8", "batch 8"), ("batch32", "batch 32"), ("batch64", "batch 64"), ("auto", "auto"))
+        for key, label in (
+            ("batch8", "batch 8"),
+            ("batch32", "batch 32"),
+            ("batch64", "batch 64"),
+            ("auto", "auto"),
+            ("shards2", "batch 32, 2 shards"),
+        )
         if p.get(key, {}).get("pairs")
     ]
     if ratios:
@@ -599,7 +673,7 @@ def print_table(doc: dict) -> None:
         for label, r in ratios:
             each = ", ".join(f"{q['ratio']:.3f}" for q in r["pairs"])
             print(
-                f"    {label:<9} x the floor: median {r['ratio_median']:.3f} ({each}); tok/s median lmtrace "
+                f"    {label:<18} x the floor: median {r['ratio_median']:.3f} ({each}); tok/s median lmtrace "
                 f"{r['lmtrace_tok_s_median']}, floor {r['floor_tok_s_median']}; load "
                 f"{', '.join(str(q['load_average']) for q in r['pairs'])}"
             )
@@ -609,6 +683,7 @@ def print_table(doc: dict) -> None:
         ("batch32", "batch 32"),
         ("batch64", "batch 64"),
         ("auto", "auto"),
+        ("shards2", "batch 32, 2 shards (RSS: both)"),
         ("small", "batch 8, fewer prompts"),
     ):
         r = p.get(key)
