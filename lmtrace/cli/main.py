@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from ..exits.errors import Interrupted
+from ..exits.errors import EXIT_INTERRUPTED, Interrupted
 from ..output.jsonout import json_line
 from .app import Reporter, app, fail, lens_line, one_line, run_dir_or_root
 
@@ -63,10 +63,16 @@ def generate(
         help="Archive each token's top active latents of this "
         "SAE (SAELens directory; repeatable; as capture.features, top_k 32).",
     ),
+    workers: Optional[str] = typer.Option(
+        None, "--workers", metavar="N|auto", help="Run as N shard processes here, CPUs split (auto: one per CPU)."
+    ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..commands.generate import GenerateJob, print_summary
 
+    if workers is not None and workers != "1":  # the run as shard processes (commands/workers.py)
+        flags = {"--shard": shard, "--lens": lens, "--json": json_out, "--log-json": log_json}
+        return _generate_workers(spec_path, set_, workers, runs_dir, run_id, resume, memory_budget, sae, quiet, flags)
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     job = GenerateJob(runs_dir=runs_dir, run_id=run_id, resume=resume)
     try:
@@ -90,6 +96,51 @@ def generate(
     )
     if code:
         raise typer.Exit(code)
+
+
+def _generate_workers(spec_path, set_, workers: str, runs_dir, run_id, resume, memory_budget, saes, quiet, flags):
+    """`generate --workers N`: the run as N `generate --shard I/N` processes (commands/workers.py)."""
+    import time
+
+    from ..commands import workers as w
+
+    try:
+        w.refuse(flags)
+        if resume:
+            plan = w.plan_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
+        else:
+            plan = w.plan_new(
+                spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
+            )
+        count = len(plan.commands)
+        if not quiet:
+            typer.echo(
+                f"run {plan.run_id}: {count} worker processes, {plan.env['OMP_NUM_THREADS']} torch thread(s) each",
+                err=True,
+            )
+        t0 = time.monotonic()
+        report = None if quiet else lambda line: typer.echo(line, err=True)
+        code = w.exit_code(w.run_workers(plan.commands, plan.env, plan.run_dir, report))
+    except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
+        fail(err)
+    rid = plan.run_id
+    if code == EXIT_INTERRUPTED:
+        typer.echo(
+            f"error: run {rid} interrupted; resume it with `lmtrace generate --resume {rid} --workers {plan.shards}`",
+            err=True,
+        )
+    if code:
+        raise typer.Exit(code)  # each worker printed its own error line
+    if quiet:
+        typer.echo(rid)
+        return
+    from ..archive.summary import run_summary
+
+    r = run_summary(plan.run_dir, size=False)
+    typer.echo(
+        f"run {rid}: {r['status']}, {r['prompts']} sequence(s), {r['tokens']} tokens in "
+        f"{time.monotonic() - t0:.1f}s ({count} worker processes) -> {plan.run_dir}"
+    )
 
 
 def _run_job(job, reporter: Reporter, resume: str | None, runs_dir: str | None) -> tuple:
