@@ -137,15 +137,18 @@ def check_spec(spec_path: Path, overrides: list[str], run_id: str | None, runs_d
 def worker_commands(
     spec_path: Path, run_id: str, workers: int, *, overrides: list[str], runs_dir: str | None, memory_budget, saes
 ) -> list[list[str]]:
-    base = [sys.executable, "-m", "lmtrace", "generate", str(spec_path), "--run-id", run_id, "-q"]
-    for item in overrides:
-        base += ["--set", item]
+    """`generate SPEC --run-id R --shard I/N` for each worker, with the caller's options."""
+    base = ["generate", str(spec_path), "--run-id", run_id, *(a for d in saes for a in ("--sae", d))]
+    return _per_shard(base, workers, overrides, runs_dir, memory_budget)
+
+
+def _per_shard(args: list[str], workers: int, overrides, runs_dir, memory_budget) -> list[list[str]]:
+    """`lmtrace ARGS -q` with --set, --runs-dir and --memory-budget as given, and each `--shard I/N`."""
+    base = [sys.executable, "-m", "lmtrace", *args, "-q", *(a for item in overrides for a in ("--set", item))]
     if runs_dir is not None:
         base += ["--runs-dir", runs_dir]
     if memory_budget is not None:
         base += ["--memory-budget", memory_budget]
-    for d in saes:
-        base += ["--sae", d]
     return [base + ["--shard", f"{i}/{workers}"] for i in range(workers)]
 
 
@@ -178,14 +181,7 @@ def resume_commands(
     run_id: str, workers: int, *, overrides: list[str], runs_dir: str | None, memory_budget
 ) -> list[list[str]]:
     """Each shard of run `run_id` resumed (`generate --resume R --shard I/N`), in order."""
-    base = [sys.executable, "-m", "lmtrace", "generate", "--resume", run_id, "-q"]
-    for item in overrides:
-        base += ["--set", item]
-    if runs_dir is not None:
-        base += ["--runs-dir", runs_dir]
-    if memory_budget is not None:
-        base += ["--memory-budget", memory_budget]
-    return [base + ["--shard", f"{i}/{workers}"] for i in range(workers)]
+    return _per_shard(["generate", "--resume", run_id], workers, overrides, runs_dir, memory_budget)
 
 
 def exit_code(codes: list[int]) -> int:

@@ -119,3 +119,18 @@ def wait_committed(runs: Path, at_least: int, timeout: float = 120) -> Path:
                 return progress.parent.parent
         time.sleep(0.05)
     raise AssertionError("the run never committed a block")
+
+
+def sampled_spec(tmp_path: Path, model: str, **gen) -> Path:
+    """tmp_path/spec.yaml: three prompts sampled at temperature 0.9 (seeded per sequence and step, so
+    neither batching by row nor sharding changes a token), batch 2, 8-step chunks, the residual of
+    layer 1 archived; `gen` overrides generation keys."""
+    generation = {"max_new_tokens": 150, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
+    spec = {
+        "model": model,
+        "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
+        "generation": generation,
+        "capture": {"residual": {"vectors_at": [1]}},
+        "output": {"chunk_steps": 8},
+    }
+    return write(tmp_path / "spec.yaml", json.dumps(spec))

@@ -16,23 +16,11 @@ import pytest
 
 from lmtrace.archive.reader import IncompleteRunWarning, Run
 from tests.helpers.archives import assert_same_archive
+from tests.helpers.cli import sampled_spec
 
 
 def _spec(tmp_path: Path, model: str, **gen) -> Path:
-    generation = {"max_new_tokens": 150, "batch_size": 2, "temperature": 0.9, "seed": 11, "eos_token_id": 0, **gen}
-    path = tmp_path / "spec.yaml"
-    path.write_text(
-        json.dumps(
-            {
-                "model": model,
-                "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
-                "generation": generation,
-                "capture": {"residual": {"vectors_at": [1]}},
-                "output": {"chunk_steps": 8},
-            }
-        )
-    )
-    return path
+    return sampled_spec(tmp_path, model, **gen)
 
 
 # One torch thread per process: several processes share the 2 cores in these tests, and

@@ -13,25 +13,11 @@ import pytest
 
 from lmtrace.archive.reader import Run
 from tests.helpers.archives import assert_same_archive
-from tests.helpers.cli import assert_one_line_error, run_cli, start_cli
+from tests.helpers.cli import assert_one_line_error, run_cli, sampled_spec, start_cli
 
 
 def _spec(tmp_path: Path, model: str, max_new_tokens: int) -> Path:
-    """Three prompts, sampled (seeded per sequence and step, so the sharding cannot change a token), batch 1."""
-    generation = {"max_new_tokens": max_new_tokens, "batch_size": 1, "temperature": 0.9, "seed": 11, "eos_token_id": 0}
-    path = tmp_path / "spec.yaml"
-    path.write_text(
-        json.dumps(
-            {
-                "model": model,
-                "prompts": ["Count slowly:", "A long story about a cat and a dog", "Fruits:"],
-                "generation": generation,
-                "capture": {"residual": {"vectors_at": [1]}},
-                "output": {"chunk_steps": 8},
-            }
-        )
-    )
-    return path
+    return sampled_spec(tmp_path, model, max_new_tokens=max_new_tokens, batch_size=1)
 
 
 def _wait_shards_writing(run_dir: Path, workers: int, timeout=180) -> bool:
