@@ -14,8 +14,9 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     files in the run (`find -type f | wc -l`), bytes on disk per generated token, and the generate
     process's peak RSS (its own `ru_maxrss`, from wait4);
   - batch 32 as two `lmtrace generate --shard I/2` processes of one run started together, one torch
-    thread each (OMP_NUM_THREADS=1), paired with the floor like the single-process runs (the run's
-    time: the slower shard's `generate_s`; peak RSS: both processes');
+    thread each (OMP_NUM_THREADS=1: what `generate --workers 2` starts on 2 CPUs), paired with the
+    floor like the single-process runs (the run's time: the slower shard's `generate_s`; peak RSS:
+    both processes');
   - batch 8 again on N / 5 prompts: peak RSS at two N (flat in the number of prompts);
   - the batch-8 run as a 4-task SLURM array (`sbatch --array=0-3`, `lmtrace generate --shard auto`,
     one torch thread a task) on the one-node local cluster (scripts/slurm-cluster.sh), from submission
