@@ -13,10 +13,10 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     manifest's own `timings.tokens_per_s`, model load and finalising excluded) and of the whole process,
     files in the run (`find -type f | wc -l`), bytes on disk per generated token, and the generate
     process's peak RSS (its own `ru_maxrss`, from wait4);
-  - batch 32 as two `lmtrace generate --shard I/2` processes of one run started together, one torch
-    thread each (OMP_NUM_THREADS=1: what `generate --workers 2` starts on 2 CPUs), paired with the
-    floor like the single-process runs (the run's time: the slower shard's `generate_s`; peak RSS:
-    both processes');
+  - batch 32 (--shards-batch) as two `lmtrace generate --shard I/2` processes of one run started
+    together, one torch thread each (OMP_NUM_THREADS=1: what `generate --workers 2` starts on 2
+    CPUs), paired with the floor like the single-process runs (the run's time: the slower shard's
+    `generate_s`; peak RSS: both processes');
   - batch 8 again on N / 5 prompts: peak RSS at two N (flat in the number of prompts);
   - the batch-8 run as a 4-task SLURM array (`sbatch --array=0-3`, `lmtrace generate --shard auto`,
     one torch thread a task) on the one-node local cluster (scripts/slurm-cluster.sh), from submission
@@ -578,6 +578,7 @@ def main() -> None:
         choices=("batch8", "batch32", "auto"),
         help="the run the tools part measures ls, heads, report and serve on (default batch8)",
     )
+    ap.add_argument("--shards-batch", type=int, default=32, help="batch size of the shards2 part (default 32)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     parts = args.only or list(PARTS)
@@ -611,7 +612,9 @@ def main() -> None:
         "auto": lambda: paired(
             runs, specs, "auto", prompts, args.tokens, "auto", floor, args.repeats, args.memory_budget
         ),
-        "shards2": lambda: paired(runs, specs, "shards2", prompts, args.tokens, 32, floor, args.repeats, shards=2),
+        "shards2": lambda: paired(
+            runs, specs, "shards2", prompts, args.tokens, args.shards_batch, floor, args.repeats, shards=2
+        ),
         "small": lambda: generate(
             runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8
         ),
@@ -662,7 +665,7 @@ def print_table(doc: dict) -> None:
             ("batch32", "batch 32"),
             ("batch64", "batch 64"),
             ("auto", "auto"),
-            ("shards2", "batch 32, 2 shards"),
+            ("shards2", f"batch {p.get('shards2', {}).get('batch_size')}, 2 shards"),
         )
         if p.get(key, {}).get("pairs")
     ]
@@ -684,7 +687,7 @@ def print_table(doc: dict) -> None:
         ("batch32", "batch 32"),
         ("batch64", "batch 64"),
         ("auto", "auto"),
-        ("shards2", "batch 32, 2 shards (RSS: both)"),
+        ("shards2", f"batch {p.get('shards2', {}).get('batch_size')}, 2 shards (RSS: both)"),
         ("small", "batch 8, fewer prompts"),
     ):
         r = p.get(key)
