@@ -132,12 +132,16 @@ class RunDir:
                 out[key] = json.loads(f.read_text()).get("status")
         return out
 
-    def all_shards_complete(self) -> bool:
+    def shard_statuses(self) -> dict[int, str | None]:
+        """Every shard's status by index (None where it has written none yet)."""
+        out = {}
         for i in range(self.shard.count):
             f = self.shard_file(Shard(i, self.shard.count).key)
-            if not f.is_file() or json.loads(f.read_text()).get("status") != "complete":
-                return False
-        return True
+            out[i] = json.loads(f.read_text()).get("status") if f.is_file() else None
+        return out
+
+    def all_shards_complete(self) -> bool:
+        return all(status == "complete" for status in self.shard_statuses().values())
 
 
 def check_target(

@@ -154,28 +154,23 @@ def _per_shard(args: list[str], workers: int, overrides, runs_dir, memory_budget
 
 
 def shards_of(run_dir: Path) -> int:
-    """How many shards a run was started with (its shards/shard-I-of-N.json), for `--resume --workers`."""
-    counts = {int(p.stem.rsplit("-of-", 1)[1]) for p in (run_dir / "shards").glob("shard-*-of-*.json")}
-    if len(counts) != 1 or min(counts) < 2:
+    """How many shards a run was started with (its manifest's `shards`), for `--resume --workers`."""
+    from ..archive.runs import read_manifest
+
+    n = read_manifest(run_dir).get("shards", 1)
+    if n < 2:
         raise SpecError(
             f"run {run_dir.name} was not started as shards (--workers or --shard): resume it with "
             f"`lmtrace generate --resume {run_dir.name}`"
         )
-    return counts.pop()
+    return n
 
 
 def unfinished_shards(run_dir: Path, workers: int) -> list[int]:
     """The shards of a run that are not complete (no status yet counts as not complete)."""
-    import json
+    from ..archive.rundir import RunDir, Shard
 
-    def status(i: int) -> str | None:
-        path = run_dir / "shards" / f"shard-{i}-of-{workers}.json"
-        try:
-            return json.loads(path.read_text()).get("status")
-        except (OSError, ValueError):
-            return None
-
-    return [i for i in range(workers) if status(i) != "complete"]
+    return [i for i, status in RunDir(run_dir, Shard(0, workers)).shard_statuses().items() if status != "complete"]
 
 
 def resume_commands(
@@ -226,9 +221,10 @@ def run_workers(commands: list[list[str]], env: dict[str, str], run_dir: Path, r
 
 
 def progress_line(run_dir: Path, workers: int) -> str:
+    from ..archive import layout
     from ..archive.summary import progress_label, run_summary
 
-    if not (run_dir / "manifest.json").is_file():
+    if not (run_dir / layout.MANIFEST).is_file():
         return f"{workers} workers loading the model"
     r = run_summary(run_dir, size=False)
     shards = f", {r['shards_complete']} shards done" if r.get("shards_complete") else ""

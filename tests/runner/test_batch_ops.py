@@ -18,11 +18,6 @@ from lmtrace.archive.reader import IncompleteRunWarning, Run
 from tests.helpers.archives import assert_same_archive
 from tests.helpers.cli import sampled_spec
 
-
-def _spec(tmp_path: Path, model: str, **gen) -> Path:
-    return sampled_spec(tmp_path, model, **gen)
-
-
 # One torch thread per process: several processes share the 2 cores in these tests, and
 # oversubscribed OpenMP threads slow each step ~10x. Every run of a comparison uses the same
 # thread count (it changes float results).
@@ -69,7 +64,7 @@ def _open(path: Path) -> Run:
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=80)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=80)
     runs = tmp_path / "runs"
     ref = _run(["generate", str(spec), "--run-id", "reference"], runs)
     assert ref.returncode == 0, ref.stderr
@@ -123,7 +118,7 @@ def test_sigkill_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_p
 
 @pytest.mark.slow
 def test_sigterm_interrupts_cleanly_and_resume_completes_identically(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=250)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=250)
     runs = tmp_path / "runs"
     proc = _start(["generate", str(spec), "--run-id", "term"], runs)
     assert _wait_writing(runs / "term", proc.pid)
@@ -141,7 +136,7 @@ def test_sigterm_interrupts_cleanly_and_resume_completes_identically(tmp_path, t
 
 
 def test_a_live_writer_is_never_touched_and_changed_specs_are_refused(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=2000, batch_size=3)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=2000, batch_size=3)
     runs = tmp_path / "runs"
     proc = _start(["generate", str(spec), "--run-id", "live"], runs)
     try:
@@ -157,7 +152,7 @@ def test_a_live_writer_is_never_touched_and_changed_specs_are_refused(tmp_path, 
 
 
 def test_concurrent_generates_never_collide(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=5)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=5)
     runs = tmp_path / "runs"
     procs = [_start(["generate", str(spec), "--set", "capture=none", "--json"], runs) for _ in range(3)]
     ids = []
@@ -170,7 +165,7 @@ def test_concurrent_generates_never_collide(tmp_path, tiny_llama_dir):
 
 
 def test_shards_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=12, batch_size=1)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=12, batch_size=1)
     runs = tmp_path / "runs"
     procs = [_start(["generate", str(spec), "--shard", f"{i}/2", "--run-id", "sharded"], runs) for i in range(2)]
     for p in procs:
@@ -188,7 +183,7 @@ def test_shards_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama
 
 
 def test_a_shard_finishing_after_another_failed_exits_4(tmp_path, tiny_llama_dir):
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=400, batch_size=1)
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=400, batch_size=1)
     runs = tmp_path / "runs"
     other = _start(["generate", str(spec), "--shard", "1/2", "--run-id", "partial"], runs)
     beat = runs / "partial" / "heartbeats" / "shard-1-of-2.json"
@@ -210,7 +205,7 @@ def test_a_sigkilled_intervene_child_shows_killed_and_resumes_equal_to_an_uninte
     other from its last block, and the child equals one written without interruption, effects too."""
     import pandas as pd
 
-    spec = _spec(tmp_path, str(tiny_llama_dir), max_new_tokens=64, batch_size=1, eos_token_id=[])
+    spec = sampled_spec(tmp_path, str(tiny_llama_dir), max_new_tokens=64, batch_size=1, eos_token_id=[])
     runs = tmp_path / "runs"
     assert _run(["generate", str(spec), "--run-id", "parent"], runs).returncode == 0
     edits = ["--ablate-head", "1.1", "--mode", "regenerate", "--from-step", "3"]
