@@ -103,11 +103,15 @@ def worker_count(text: str) -> int:
 
 
 def thread_env(workers: int) -> dict[str, str]:
-    """The workers' environment: torch's threads split between them, unless the caller chose a count."""
+    """The workers' environment: torch's threads split between them, unless the caller chose a count,
+    and the run's memory budget split between them (batching.WORKERS_ENV)."""
+    from ..runner.batching import WORKERS_ENV
+
     env = dict(os.environ)
     threads = str(max(1, available_cpus() // workers))
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(name, threads)
+    env[WORKERS_ENV] = str(workers)
     return env
 
 

@@ -12,6 +12,7 @@ the batch had committed, teacher-forced like a resume: no sequence is lost or ru
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,7 +261,40 @@ def memory_budget(generation, gpus: list) -> MemoryBudget | None:
     """The budget of this process's batches: `generation.memory_budget` when given; for `batch_size:
     auto` without one, AUTO_SHARE_CUDA of the free memory of the CUDA devices the model computes on
     (`gpus`, summed: the budget is their allocations' sum), else AUTO_SHARE_RAM of the RAM available;
-    None for a fixed batch size without a budget. Measured when called: once the model is loaded."""
+    None for a fixed batch size without a budget. Measured when called: once the model is loaded.
+    One of the N processes `generate --workers N` starts (WORKERS_ENV) takes 1/N of it."""
+    budget = _whole_budget(generation, gpus)
+    workers = workers_sharing()
+    if budget is None or workers == 1:
+        return budget
+    n = max(1, budget.bytes // workers)
+    from ..archive.runs import human_bytes
+
+    return MemoryBudget(
+        n,
+        f"{budget.text} / {workers} workers: {human_bytes(n)} each",
+        {**budget.record, "bytes": n, "workers": workers},
+    )
+
+
+# Set by `generate --workers N` in each worker's environment: the run's processes on this machine,
+# which share its memory budget (the spec's or the one chosen from the free memory) equally.
+WORKERS_ENV = "LMTRACE_WORKERS"
+
+
+def workers_sharing() -> int:
+    """How many processes of this run share the machine's memory budget (WORKERS_ENV; 1 without it)."""
+    text = os.environ.get(WORKERS_ENV, "1")
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpecError(f"{WORKERS_ENV}={text}: give the number of this run's processes on this machine (1 or more)")
+    return n
+
+
+def _whole_budget(generation, gpus: list) -> MemoryBudget | None:
     from ..archive.runs import human_bytes
 
     if generation.memory_budget is not None:

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from lmtrace.archive.reader import Run
-from lmtrace.exits.errors import LmtraceError
+from lmtrace.exits.errors import LmtraceError, SpecError
 from lmtrace.runner.batching import Batch
 from lmtrace.runner.generation import run_generate
 from lmtrace.spec.run_spec import build_spec
@@ -512,3 +512,23 @@ def test_auto_without_a_budget_on_cuda_sums_the_free_memory_of_each_gpu_once(mon
     given = memory_budget(GenerationSpec(batch_size="auto", memory_budget="8GiB"), [torch.device("cuda", 0)])
     assert (given.bytes, given.record["from"]) == (8 * 2**30, "generation.memory_budget")
     assert memory_budget(GenerationSpec(batch_size=4), [torch.device("cuda", 0)]) is None
+
+
+def test_the_processes_of_generate_workers_share_the_budget_given_or_chosen(monkeypatch):
+    """LMTRACE_WORKERS (set by `generate --workers N`) splits the budget N ways: the one given, and
+    the one chosen from the free memory (torch.cuda's free memory stood in for)."""
+    from lmtrace.runner.batching import memory_budget
+    from lmtrace.spec.run_spec import GenerationSpec
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setenv("LMTRACE_WORKERS", "4")
+    given = memory_budget(GenerationSpec(batch_size="auto", memory_budget="8GiB"), [])
+    assert given.record == {"bytes": 2 * 2**30, "from": "generation.memory_budget", "workers": 4}
+    assert given.bytes == 2 * 2**30 and given.text.startswith("8GiB / 4 workers: "), given.text
+    chosen = memory_budget(GenerationSpec(batch_size="auto"), [torch.device("cuda", 0)])
+    assert chosen.bytes == int(0.8 * 10 * 2**30) // 4
+    assert (chosen.record["share"], chosen.record["free_bytes"], chosen.record["workers"]) == (0.8, 10 * 2**30, 4)
+    assert memory_budget(GenerationSpec(batch_size=4), []) is None
+    monkeypatch.setenv("LMTRACE_WORKERS", "0")
+    with pytest.raises(SpecError, match="LMTRACE_WORKERS=0: give the number of this run's processes"):
+        memory_budget(GenerationSpec(batch_size="auto", memory_budget="8GiB"), [])

@@ -33,13 +33,17 @@ def _wait_shards_writing(run_dir: Path, workers: int, timeout=180) -> bool:
 def test_workers_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llama_dir):
     spec = _spec(tmp_path, str(tiny_llama_dir), 12)
     runs = tmp_path / "runs"
-    out = run_cli(["generate", str(spec), "--workers", "2", "--run-id", "w"], runs)
+    budget = ["--memory-budget", "64MiB"]
+    out = run_cli(["generate", str(spec), "--workers", "2", "--run-id", "w", *budget], runs)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "w\n"  # -q: the run id alone, once
-    single = run_cli(["generate", str(spec), "--run-id", "single"], runs)
+    single = run_cli(["generate", str(spec), "--run-id", "single", *budget], runs)
     assert single.returncode == 0, single.stderr
     run = Run(runs / "w")
     assert run.status == "complete"
+    # the run's budget is shared by its two processes on this machine: 32 MiB each
+    assert run.manifest["memory_budget"] == {"bytes": 32 * 2**20, "from": "generation.memory_budget", "workers": 2}
+    assert Run(runs / "single").manifest["memory_budget"] == {"bytes": 64 * 2**20, "from": "generation.memory_budget"}
     assert {k: v["status"] for k, v in run.shard_status.items()} == {
         "shard-0-of-2": "complete",
         "shard-1-of-2": "complete",
