@@ -38,6 +38,40 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def _syncfs():
+    """libc's syncfs(2) (Linux), or None where the C library has none."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
+
+
+_SYNCFS = _syncfs()
+
+
+def flush_filesystem(path: Path) -> None:
+    """Everything written so far to the filesystem that holds `path` is on disk when this returns.
+
+    syncfs(2) flushes that one filesystem; `os.sync()`, the fallback where there is no syncfs, flushes
+    every filesystem of the machine, which on a node shared with other jobs' I/O can take long."""
+    if _SYNCFS is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _SYNCFS(fd) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(path))
+    finally:
+        os.close(fd)
+
+
 def atomic_write_parquet(table: pa.Table, path: Path) -> None:
     """Write a Parquet file whole or not at all: a temporary name of this process, then a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

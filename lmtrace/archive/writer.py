@@ -7,7 +7,7 @@ Crash-safety protocol (see docs/archive.md):
      and group of `chunk_sequences` sequences, replaced atomically);
   2. Parquet rows of a block go to `<table>.parts/.<name>.tmp` and are renamed to `<name>.parquet`
      once the footer is written, so every visible part is a readable Parquet file;
-  3. only after a block's arrays and parts are on disk (`os.sync`) is `progress.json` updated
+  3. only after a block's arrays and parts are on disk (syncfs of the run's filesystem) is `progress.json` updated
      (write-to-temp + rename) with the committed step count of the batch;
   4. after each commit the writer merges its own committed parts, levelled (archive/parts.py), so
      the parts stay few; a merged part lists the parts it replaces, and readers skip those;
@@ -30,7 +30,7 @@ import zarr
 from ..exits.errors import LmtraceError
 from ..exits.faults import kill_point
 from . import layout, parquet_io
-from .files import atomic_write_json, space_note
+from .files import atomic_write_json, flush_filesystem, space_note
 from .layout import RunShape
 from .parts import PartMerger, compact_tables
 from .runs import locked
@@ -226,7 +226,7 @@ class ArchiveWriter:
         return path
 
     def _commit(self, batch: int, committed_steps: int | None = None, done: bool = False) -> None:
-        os.sync()  # arrays and parts must be durable before progress says they exist
+        flush_filesystem(self.dir)  # arrays and parts must be durable before progress says they exist
         entry = self.progress["batches"].setdefault(str(batch), {"committed_steps": 0, "done": False})
         if committed_steps is not None:
             entry["committed_steps"] = committed_steps

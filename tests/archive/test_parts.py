@@ -39,7 +39,9 @@ def _rows(files: list[Path]) -> list[tuple]:
 
 
 def test_part_files_stay_few_while_blocks_are_committed_and_each_row_is_read_once(tmp_path, monkeypatch):
-    monkeypatch.setattr("os.sync", lambda: None)  # durability is not what this counts: 512 syncs took ~100 s
+    monkeypatch.setattr(
+        "lmtrace.archive.writer.flush_filesystem", lambda path: None
+    )  # durability is not what this counts: 512 syncs took ~100 s
     writer = ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0)
     writer.rollback([])
     expected, most = [], 0
@@ -158,7 +160,7 @@ def test_a_read_that_races_a_merge_lists_the_parts_again(tmp_path, monkeypatch):
     them: the read is tried again over the merged part, not reported as damage."""
     from lmtrace.archive.reader import read_table_files
 
-    monkeypatch.setattr("os.sync", lambda: None)
+    monkeypatch.setattr("lmtrace.archive.writer.flush_filesystem", lambda path: None)
     writer = ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0)
     writer.rollback([])
     for s0 in range(0, 2 * (FANOUT - 1), 2):  # one block short of a merge
@@ -180,7 +182,7 @@ def test_shards_of_one_run_merge_only_their_own_parts(tmp_path, monkeypatch):
     """Two writers (SLURM shards) of one run, interleaved: each merges its own parts, a resumed one
     clears what a kill during its merge left (and nothing of the other's), and the compacted table
     holds every row once, in block order."""
-    monkeypatch.setattr("os.sync", lambda: None)
+    monkeypatch.setattr("lmtrace.archive.writer.flush_filesystem", lambda path: None)
     writers = {
         key: ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key=key)
         for key in ("shard-0-of-2", "shard-1-of-2")
@@ -246,7 +248,7 @@ def test_two_shards_updating_prompt_and_generated_lengths_at_once_lose_neither(t
 
     from zarr.storage import LocalStore
 
-    monkeypatch.setattr("os.sync", lambda: None)
+    monkeypatch.setattr("lmtrace.archive.writer.flush_filesystem", lambda path: None)
     writers = [
         ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0, writer_key=f"shard-{i}-of-2")
         for i in (0, 1)
