@@ -13,10 +13,11 @@ generator, with metadata columns `id`, `label`, `template`), then generates --to
     manifest's own `timings.tokens_per_s`, model load and finalising excluded) and of the whole process,
     files in the run (`find -type f | wc -l`), bytes on disk per generated token, and the generate
     process's peak RSS (its own `ru_maxrss`, from wait4);
-  - batch 32 (--shards-batch) as two `lmtrace generate --shard I/2` processes of one run started
-    together, one torch thread each (OMP_NUM_THREADS=1: what `generate --workers 2` starts on 2
-    CPUs), paired with the floor like the single-process runs (the run's time: the slower shard's
-    `generate_s`; peak RSS: both processes');
+  - batch 32 (--shards-batch: a number, or auto with --memory-budget shared by the two) as two
+    `lmtrace generate --shard I/2` processes of one run started together, one torch thread each
+    (OMP_NUM_THREADS=1 and LMTRACE_WORKERS=2: what `generate --workers 2` starts on 2 CPUs), paired
+    with the floor like the single-process runs (the run's time: the slower shard's `generate_s`;
+    peak RSS: both processes');
   - batch 8 again on N / 5 prompts: peak RSS at two N (flat in the number of prompts);
   - the batch-8 run as a 4-task SLURM array (`sbatch --array=0-3`, `lmtrace generate --shard auto`,
     one torch thread a task) on the one-node local cluster (scripts/slurm-cluster.sh), from submission
@@ -269,7 +270,8 @@ def generate_sharded(runs: Path, spec: Path, name: str, prompts: Path, batch, sh
         file=sys.stderr,
         flush=True,
     )
-    env = bench_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # what `generate --workers N` gives its workers: one thread each on 2 CPUs, the memory budget split N ways
+    env = bench_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", LMTRACE_WORKERS=str(shards))
     cmds = [
         lmtrace_cmd("generate", str(spec), "--run-id", name, "--runs-dir", str(runs), "--shard", f"{i}/{shards}", "-q")
         for i in range(shards)
@@ -578,7 +580,12 @@ def main() -> None:
         choices=("batch8", "batch32", "auto"),
         help="the run the tools part measures ls, heads, report and serve on (default batch8)",
     )
-    ap.add_argument("--shards-batch", type=int, default=32, help="batch size of the shards2 part (default 32)")
+    ap.add_argument(
+        "--shards-batch",
+        type=lambda v: v if v == "auto" else int(v),
+        default=32,
+        help="batch size of the shards2 part: a number (default 32) or auto (--memory-budget shared by the two)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "scale.json")
     args = ap.parse_args()
     parts = args.only or list(PARTS)
@@ -613,7 +620,16 @@ def main() -> None:
             runs, specs, "auto", prompts, args.tokens, "auto", floor, args.repeats, args.memory_budget
         ),
         "shards2": lambda: paired(
-            runs, specs, "shards2", prompts, args.tokens, args.shards_batch, floor, args.repeats, shards=2
+            runs,
+            specs,
+            "shards2",
+            prompts,
+            args.tokens,
+            args.shards_batch,
+            floor,
+            args.repeats,
+            args.memory_budget if args.shards_batch == "auto" else None,
+            shards=2,
         ),
         "small": lambda: generate(
             runs, specs, "batch8-small", write_prompts(specs / f"prompts-{small_n}.jsonl", small_n), args.tokens, 8
