@@ -3,8 +3,8 @@
 One `lmtrace generate` runs torch on every core, but between two forwards its capture work (the
 step's arrays, the token's statistics, the archive writer) runs mostly on one core. N shard
 processes of the same run (`--shard I/N`), each with its share of the cores, overlap one process's
-capture with another's forward: on 2 cores at batch 8 / 32 / 64, 1.10x / 1.05x / 1.00x the speed of
-plain batched generation against 0.86x / 0.86x / 0.87x for one process (docs/batch.md, "Every core
+capture with another's forward: on 2 cores at batch 8 / 32 / 64, 1.10x / 1.12x / 1.00x the speed of
+plain batched generation against 0.90x / 0.90x / 0.86x for one process (docs/batch.md, "Every core
 of one machine").
 
 The workers are ordinary `lmtrace generate --shard I/N` processes: the run's files, locks,
