@@ -64,7 +64,10 @@ def generate(
         "SAE (SAELens directory; repeatable; as capture.features, top_k 32).",
     ),
     workers: Optional[str] = typer.Option(
-        None, "--workers", metavar="N|auto", help="Run as N shard processes here, CPUs split (auto: one per CPU)."
+        None,
+        "--workers",
+        metavar="N|auto",
+        help="Run as N shard processes here, CPUs and memory budget split (auto: one per CPU, as RAM allows).",
     ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
@@ -113,6 +116,8 @@ def _generate_workers(spec_path, set_, workers: str, runs_dir, run_id, resume, m
                 spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
             )
         count = len(plan.commands)
+        if plan.note and not quiet:
+            typer.echo(plan.note, err=True)
         if not quiet:
             typer.echo(
                 f"run {plan.run_id}: {count} worker processes, {plan.env['OMP_NUM_THREADS']} torch thread(s) each",

@@ -31,16 +31,25 @@ POLL_S = 0.2
 REPORT_S = 15.0  # a progress line on stderr this often (not with --quiet)
 
 
+# `--workers auto`: the workers' models may take this share of the RAM available, the rest being for
+# their batches (whose own budget, with batch_size: auto, is half of what is left once they are loaded)
+MODELS_SHARE = 0.5
+# what a worker holds beside its weights before its first batch: Python, torch, transformers and the
+# tokenizer (~500 MiB with SmolLM2-135M on the CPU: 1,014 MiB at generation start, 513 MiB of it weights)
+PROCESS_OVERHEAD = 512 * 2**20
+
+
 @dataclass
 class Plan:
     """What `generate --workers` starts: the run's id and directory, one command per worker, their
-    environment, and the run's shard count."""
+    environment, the run's shard count, and how `--workers auto` chose it (None otherwise)."""
 
     run_id: str
     run_dir: Path
     commands: list[list[str]]
     env: dict[str, str]
     shards: int
+    note: str | None = None
 
 
 def refuse(flags: dict[str, object]) -> None:
@@ -60,13 +69,16 @@ def plan_new(
 
     if spec_path is None:
         raise SpecError("--workers needs a SPEC file (or --resume RUN_ID)")
-    n = worker_count(workers)
+    n = None if workers == "auto" else worker_count(workers)
     spec = check_spec(spec_path, overrides, run_id, runs_dir)
+    note = None
+    if n is None:
+        n, note = auto_workers(spec.model)
     rid = spec.output.run_id or new_run_id()
     commands = worker_commands(
         spec_path, rid, n, overrides=overrides, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
     )
-    return Plan(rid, runs_root(runs_dir, spec.output.runs_dir) / rid, commands, thread_env(n), n)
+    return Plan(rid, runs_root(runs_dir, spec.output.runs_dir) / rid, commands, thread_env(n), n, note)
 
 
 def plan_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -> Plan:
@@ -90,7 +102,8 @@ def available_cpus() -> int:
 
 
 def worker_count(text: str) -> int:
-    """`--workers`: a count, or `auto` (one per CPU this process may run on)."""
+    """`--workers`: a count, or `auto` (one per CPU this process may run on; `auto_workers` also
+    counts the memory, where the spec is known)."""
     if text == "auto":
         return available_cpus()
     try:
@@ -100,6 +113,45 @@ def worker_count(text: str) -> int:
     if n < 1:
         raise SpecError(f"--workers {text}: give a number of processes (1 or more) or `auto` (one per CPU)")
     return n
+
+
+def auto_workers(model) -> tuple[int, str]:
+    """`--workers auto` for a spec's model: one worker per CPU, but no more than the RAM available
+    holds copies of the model in MODELS_SHARE of it; and the line that says which."""
+    from ..archive.runs import human_bytes
+    from ..runner.batching import available_ram
+
+    cpus = available_cpus()
+    each, free = worker_bytes(model), available_ram()
+    if each is None or free is None:
+        return cpus, f"--workers auto: {cpus} (one per CPU; the model's size could not be told beforehand)"
+    fit = max(1, int(free * MODELS_SHARE) // each)
+    if fit >= cpus:
+        return cpus, f"--workers auto: {cpus} (one per CPU)"
+    return fit, (
+        f"--workers auto: {fit} of {cpus} CPUs: {MODELS_SHARE:.0%} of the {human_bytes(free)} of RAM available "
+        f"holds {fit} worker(s) of ~{human_bytes(each)} (the model and the process); --workers N sets another"
+    )
+
+
+def worker_bytes(model) -> int | None:
+    """What one worker holds before its first batch: the model's parameters in the dtype it loads them
+    in (counted on torch's meta device: no weights read) and PROCESS_OVERHEAD; None where the model's
+    class cannot be built from its config here."""
+    import torch
+
+    from ..runner.models import load_config, resolve_dtype
+
+    try:
+        from transformers import AutoModelForCausalLM
+
+        config = load_config(model)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+        dtype = resolve_dtype(model.dtype, torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - any failure: the count falls back to the CPUs, and the run says why it fails
+        return None
+    return sum(p.numel() for p in built.parameters()) * dtype.itemsize + PROCESS_OVERHEAD
 
 
 def thread_env(workers: int) -> dict[str, str]:

@@ -97,3 +97,29 @@ def test_resume_with_workers_of_a_run_not_started_as_shards_is_refused(tmp_path,
     assert run_cli(["generate", str(spec), "--run-id", "one"], runs).returncode == 0
     out = run_cli(["generate", "--resume", "one", "--workers", "2"], runs)
     assert_one_line_error(out, 2, "was not started as shards", "lmtrace generate --resume one")
+
+
+def test_workers_auto_counts_the_cpus_and_as_many_models_as_half_the_ram_available_holds(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """One worker per CPU, capped by the copies of the model (its parameters as transformers loads
+    them, plus a process's own memory) that half the RAM available holds."""
+    from transformers import AutoModelForCausalLM
+
+    from lmtrace.commands import workers
+    from lmtrace.spec.run_spec import load_spec
+
+    model = load_spec(_spec(tmp_path, str(tiny_llama_dir), 4))[0].model
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype="float32")
+    weights = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    each = weights + workers.PROCESS_OVERHEAD
+    assert workers.worker_bytes(model) == each
+    monkeypatch.setattr(workers, "available_cpus", lambda: 64)
+    monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: 7 * each)
+    n, note = workers.auto_workers(model)
+    assert n == 3, note  # half of 7 copies' worth
+    assert note.startswith("--workers auto: 3 of 64 CPUs: 50% of the ") and "--workers N sets another" in note
+    monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: 200 * each)
+    assert workers.auto_workers(model) == (64, "--workers auto: 64 (one per CPU)")
+    monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: each // 4)
+    assert workers.auto_workers(model)[0] == 1  # never fewer than one
