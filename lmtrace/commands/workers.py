@@ -104,13 +104,12 @@ def available_cpus() -> int:
 def worker_count(text: str) -> int:
     """`--workers`: a count, or `auto` (one per CPU this process may run on; `auto_workers` also
     counts the memory, where the spec is known)."""
+    from ..runner.batching import positive_int
+
     if text == "auto":
         return available_cpus()
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
+    n = positive_int(text)
+    if n is None:
         raise SpecError(f"--workers {text}: give a number of processes (1 or more) or `auto` (one per CPU)")
     return n
 

@@ -285,13 +285,19 @@ WORKERS_ENV = "LMTRACE_WORKERS"
 def workers_sharing() -> int:
     """How many processes of this run share the machine's memory budget (WORKERS_ENV; 1 without it)."""
     text = os.environ.get(WORKERS_ENV, "1")
+    n = positive_int(text)
+    if n is None:
+        raise SpecError(f"{WORKERS_ENV}={text}: give the number of this run's processes on this machine (1 or more)")
+    return n
+
+
+def positive_int(text: str) -> int | None:
+    """`text` as a whole number of 1 or more, else None."""
     try:
         n = int(text)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise SpecError(f"{WORKERS_ENV}={text}: give the number of this run's processes on this machine (1 or more)")
-    return n
+        return None
+    return n if n >= 1 else None
 
 
 def _whole_budget(generation, gpus: list) -> MemoryBudget | None:
