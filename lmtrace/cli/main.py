@@ -116,11 +116,10 @@ def _generate_workers(spec_path, set_, workers: str, runs_dir, run_id, resume, m
                 spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
             )
         count = len(plan.commands)
-        if plan.note and not quiet:
-            typer.echo(plan.note, err=True)
         if not quiet:
+            why = f" ({plan.note})" if plan.note else ""
             typer.echo(
-                f"run {plan.run_id}: {count} worker processes, {plan.env['OMP_NUM_THREADS']} torch thread(s) each",
+                f"run {plan.run_id}: {count} workers{why}, {plan.env['OMP_NUM_THREADS']} torch thread(s) each",
                 err=True,
             )
         t0 = time.monotonic()

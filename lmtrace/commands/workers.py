@@ -42,7 +42,7 @@ PROCESS_OVERHEAD = 512 * 2**20
 @dataclass
 class Plan:
     """What `generate --workers` starts: the run's id and directory, one command per worker, their
-    environment, the run's shard count, and how `--workers auto` chose it (None otherwise)."""
+    environment, the run's shard count, and how `--workers auto` chose that count (None for N)."""
 
     run_id: str
     run_dir: Path
@@ -116,20 +116,20 @@ def worker_count(text: str) -> int:
 
 def auto_workers(model) -> tuple[int, str]:
     """`--workers auto` for a spec's model: one worker per CPU, but no more than the RAM available
-    holds copies of the model in MODELS_SHARE of it; and the line that says which."""
+    holds copies of the model in MODELS_SHARE of it; and the words that say which."""
     from ..archive.runs import human_bytes
     from ..runner.batching import available_ram
 
     cpus = available_cpus()
     each, free = worker_bytes(model), available_ram()
     if each is None or free is None:
-        return cpus, f"--workers auto: {cpus} (one per CPU; the model's size could not be told beforehand)"
+        return cpus, "one per CPU; the model's size could not be told beforehand"
     fit = max(1, int(free * MODELS_SHARE) // each)
     if fit >= cpus:
-        return cpus, f"--workers auto: {cpus} (one per CPU)"
+        return cpus, "one per CPU"
     return fit, (
-        f"--workers auto: {fit} of {cpus} CPUs: {MODELS_SHARE:.0%} of the {human_bytes(free)} of RAM available "
-        f"holds {fit} worker(s) of ~{human_bytes(each)} (the model and the process); --workers N sets another"
+        f"{cpus} CPUs, but {MODELS_SHARE:.0%} of the {human_bytes(free)} of RAM available holds {fit} "
+        f"of ~{human_bytes(each)}: the model and a process"
     )
 
 

@@ -118,8 +118,8 @@ def test_workers_auto_counts_the_cpus_and_as_many_models_as_half_the_ram_availab
     monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: 7 * each)
     n, note = workers.auto_workers(model)
     assert n == 3, note  # half of 7 copies' worth
-    assert note.startswith("--workers auto: 3 of 64 CPUs: 50% of the ") and "--workers N sets another" in note
+    assert note.startswith("64 CPUs, but 50% of the ") and " of RAM available holds 3 of ~" in note, note
     monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: 200 * each)
-    assert workers.auto_workers(model) == (64, "--workers auto: 64 (one per CPU)")
+    assert workers.auto_workers(model) == (64, "one per CPU")
     monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: each // 4)
     assert workers.auto_workers(model)[0] == 1  # never fewer than one
