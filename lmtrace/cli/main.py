@@ -119,8 +119,7 @@ def _generate_workers(spec_path, set_, workers: str, runs_dir, run_id, resume, m
         if not quiet:
             why = f" ({plan.note})" if plan.note else ""
             typer.echo(
-                f"run {plan.run_id}: {count} workers{why}, {plan.env['OMP_NUM_THREADS']} torch thread(s) each",
-                err=True,
+                f"run {plan.run_id}: {count} workers{why}, {plan.env['OMP_NUM_THREADS']} torch thread(s) each", err=True
             )
         t0 = time.monotonic()
         report = None if quiet else lambda line: typer.echo(line, err=True)
