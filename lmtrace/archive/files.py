@@ -5,6 +5,7 @@ into a run; it imports neither zarr nor the writer, so `lmtrace ls` can use it."
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -40,8 +41,6 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def _syncfs():
     """libc's syncfs(2) (Linux), or None where the C library has none."""
-    import ctypes
-
     try:
         fn = ctypes.CDLL(None, use_errno=True).syncfs
     except (AttributeError, OSError):
@@ -64,8 +63,6 @@ def flush_filesystem(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         if _SYNCFS(fd) != 0:
-            import ctypes
-
             err = ctypes.get_errno()
             raise OSError(err, f"syncfs failed: {os.strerror(err)}", str(path))
     finally:

@@ -69,11 +69,9 @@ def plan_new(
 
     if spec_path is None:
         raise SpecError("--workers needs a SPEC file (or --resume RUN_ID)")
-    n = None if workers == "auto" else worker_count(workers)
+    n = None if workers == "auto" else worker_count(workers)  # (a bad count is refused before the spec is read)
     spec = check_spec(spec_path, overrides, run_id, runs_dir)
-    note = None
-    if n is None:
-        n, note = auto_workers(spec.model)
+    n, note = (n, None) if n is not None else auto_workers(spec.model)
     rid = spec.output.run_id or new_run_id()
     commands = worker_commands(
         spec_path, rid, n, overrides=overrides, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
@@ -102,12 +100,9 @@ def available_cpus() -> int:
 
 
 def worker_count(text: str) -> int:
-    """`--workers`: a count, or `auto` (one per CPU this process may run on; `auto_workers` also
-    counts the memory, where the spec is known)."""
+    """`--workers N`: the count N (`auto` is `auto_workers`, once the spec is known)."""
     from ..runner.batching import positive_int
 
-    if text == "auto":
-        return available_cpus()
     n = positive_int(text)
     if n is None:
         raise SpecError(f"--workers {text}: give a number of processes (1 or more) or `auto` (one per CPU)")

@@ -39,9 +39,8 @@ def _rows(files: list[Path]) -> list[tuple]:
 
 
 def test_part_files_stay_few_while_blocks_are_committed_and_each_row_is_read_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        "lmtrace.archive.writer.flush_filesystem", lambda path: None
-    )  # durability is not what this counts: 512 syncs took ~100 s
+    # durability is not what this counts: 512 syncs took ~100 s
+    monkeypatch.setattr("lmtrace.archive.writer.flush_filesystem", lambda path: None)
     writer = ArchiveWriter(tmp_path, TABLES_ONLY_SHAPE, chunk_steps=2, codec="none", level=0)
     writer.rollback([])
     expected, most = [], 0
