@@ -102,7 +102,9 @@ def per_step_ms(batches: int) -> dict:
         calls = CALL_WALL.get(name)
         return round(statistics.median(calls) * 1e3, 2) if calls else None
 
-    steps = [sum(parts) for parts in zip(*(CALL_WALL[name] for name in ("choose", "collect", "sink")))]
+    # a step's capture: choose + collect + sink (no collect with `capture: none`)
+    phases_run = [name for name in ("choose", "collect", "sink") if CALL_WALL.get(name)]
+    steps = [sum(parts) for parts in zip(*(CALL_WALL[name] for name in phases_run))]
     typical = statistics.median(steps) if steps else 0.0
     out = {
         name: median(name)
