@@ -43,6 +43,7 @@ WALL: dict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter = collections.Counter()
 CALL_WALL: dict[str, list[float]] = collections.defaultdict(list)  # each call's wall seconds, per phase
 SIDE = ["lmtrace"]  # whose forwards are being timed: "lmtrace", then "floor"
+WRITER_PHASES = ("writer_block", "drain")  # the writer's: in `per_step_ms`, not in the main thread's phases
 
 
 def timed(name: str, fn):
@@ -127,8 +128,8 @@ def per_step_ms(batches: int) -> dict:
 
 
 def phases() -> dict:
-    out = {name: round(CPU[name], 3) for name in CPU if name not in ("writer_block", "drain")}
-    out.update({name + "_wall": round(WALL[name], 3) for name in WALL if name not in ("writer_block", "drain")})
+    out = {name: round(CPU[name], 3) for name in CPU if name not in WRITER_PHASES}
+    out.update({name + "_wall": round(WALL[name], 3) for name in WALL if name not in WRITER_PHASES})
     CPU.clear()
     WALL.clear()
     CALLS.clear()
