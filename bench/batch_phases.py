@@ -159,7 +159,9 @@ def main() -> None:
         )
         if args.capture_none:
             spec.write_text(json.dumps({**json.loads(spec.read_text()), "capture": "none"}))
-        sys.argv = ["lmtrace", "generate", str(spec), "--run-id", "phases", "--runs-dir", str(tmp / "runs"), "-q"]
+        # one process, where its phases are measured (a run this size is split by default: --workers)
+        argv = ["generate", str(spec), "--run-id", "phases", "--runs-dir", str(tmp / "runs"), "--workers", "1", "-q"]
+        sys.argv = ["lmtrace", *argv]
         t0 = time.thread_time()
         try:
             run()

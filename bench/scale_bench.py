@@ -226,7 +226,8 @@ def batch_sizes(run_dir: Path) -> dict:
 
 
 def generate(runs: Path, specs: Path, name: str, prompts: Path, tokens: int, batch, budget=None) -> dict:
-    """One single-process `lmtrace generate` of the bench's own run id `name` (an earlier one removed first)."""
+    """One single-process `lmtrace generate --workers 1` of the bench's own run id `name` (an earlier one
+    removed first)."""
     spec = write_spec(specs / f"{name}.json", prompts, tokens, batch, budget)
     return generate_spec(runs, spec, name, prompts, batch, budget)
 
@@ -235,7 +236,8 @@ def generate_spec(runs: Path, spec: Path, name: str, prompts: Path, batch, budge
     if (runs / name).exists():
         shutil.rmtree(runs / name)
     print(f"[{time.strftime('%H:%M:%S')}] generate {name} (batch {batch})", file=sys.stderr, flush=True)
-    m = run_measured(lmtrace_cmd("generate", str(spec), "--run-id", name, "--runs-dir", str(runs), "-q"))
+    argv = ["generate", str(spec), "--run-id", name, "--runs-dir", str(runs), "--workers", "1", "-q"]
+    m = run_measured(lmtrace_cmd(*argv))
     if m["rc"] != 0:
         raise SystemExit(f"lmtrace generate {name} failed (exit {m['rc']}): {m['stderr_tail']}")
     facts = archive_facts(runs / name)
@@ -303,7 +305,17 @@ def generate_sharded(runs: Path, spec: Path, name: str, prompts: Path, batch, sh
         **{k: facts[k] for k in ("files", "bytes", "generated_tokens", "bytes_per_token", "batches")},
         "shard_generate_s": shard_s,
         "generate_s": generate_s,
+        "default_workers": default_workers(spec),
     }
+
+
+def default_workers(spec: Path) -> int:
+    """The processes `lmtrace generate SPEC` (no --workers) starts for this spec on this machine."""
+    from lmtrace.commands import workers
+    from lmtrace.spec.run_spec import load_spec
+
+    chosen = workers.default_workers(load_spec(spec)[0])
+    return 1 if chosen is None else chosen[0]
 
 
 # ---- the batched floor, paired with lmtrace ---------------------------------------------------------

@@ -183,7 +183,7 @@ def check_target(
     if existing.get("shards", 1) != shard.count:
         raise SpecError(
             f"run {run_id} is written by {existing.get('shards', 1)} shard(s); pass --shard I/"
-            f"{existing.get('shards', 1)}"
+            f"{existing.get('shards', 1)} (or leave out --workers and --shard: each shard is resumed)"
         )
     if existing.get("status") == "complete":
         raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")

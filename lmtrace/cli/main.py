@@ -67,15 +67,20 @@ def generate(
         None,
         "--workers",
         metavar="N|auto",
-        help="Run as N shard processes here, CPUs and memory budget split (auto: one per CPU, as RAM allows).",
+        help="Run as N shard processes here, CPUs and memory budget split (auto: one per CPU, as RAM "
+        "allows). Default: auto for a dataset on the CPU where that is faster; 1 for one process.",
     ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..commands.generate import GenerateJob, print_summary
 
-    if workers is not None and workers != "1":  # the run as shard processes (commands/workers.py)
-        flags = {"--shard": shard, "--lens": lens, "--json": json_out, "--log-json": log_json}
-        return _generate_workers(spec_path, set_, workers, runs_dir, run_id, resume, memory_budget, sae, quiet, flags)
+    if workers != "1":  # the run as shard processes, asked for or chosen (commands/workers.py)
+        try:
+            plan = _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, sae)
+        except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
+            fail(err)
+        if plan is not None:
+            return _generate_workers(plan, quiet=quiet, json_out=json_out, log_json=log_json, lens=lens)
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     job = GenerateJob(runs_dir=runs_dir, run_id=run_id, resume=resume)
     try:
@@ -101,49 +106,83 @@ def generate(
         raise typer.Exit(code)
 
 
-def _generate_workers(spec_path, set_, workers: str, runs_dir, run_id, resume, memory_budget, saes, quiet, flags):
-    """`generate --workers N`: the run as N `generate --shard I/N` processes (commands/workers.py)."""
-    import time
-
+def _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, saes):
+    """The shard processes `generate` starts: those `--workers N|auto` asks for; without it, those
+    `plan_default` chooses for a dataset on the CPU, or a sharded run's own on `--resume`; None: one
+    process (`--shard`, or nothing to gain)."""
     from ..commands import workers as w
 
-    try:
-        w.refuse(flags)
+    if workers is None:
+        if shard is not None:
+            return None
         if resume:
-            plan = w.plan_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
-        else:
-            plan = w.plan_new(
-                spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
-            )
-        count = len(plan.commands)
-        if not quiet:
-            why = f" ({plan.note})" if plan.note else ""
-            typer.echo(
-                f"run {plan.run_id}: {count} workers{why}, {plan.env['OMP_NUM_THREADS']} torch thread(s) each", err=True
-            )
-        t0 = time.monotonic()
-        report = None if quiet else lambda line: typer.echo(line, err=True)
-        code = w.exit_code(w.run_workers(plan.commands, plan.env, plan.run_dir, report))
-    except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
-        fail(err)
-    rid = plan.run_id
-    if code == EXIT_INTERRUPTED:
-        typer.echo(
-            f"error: run {rid} interrupted; resume it with `lmtrace generate --resume {rid} --workers {plan.shards}`",
-            err=True,
+            return w.plan_default_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
+        return w.plan_default(
+            spec_path, list(set_), run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
         )
+    w.refuse_shard(shard)
+    if resume:
+        return w.plan_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
+    return w.plan_new(
+        spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
+    )
+
+
+def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens: bool):
+    """The run as its plan's shard processes (commands/workers.py), reported as a run in one process
+    is: its progress followed from disk, the same summary (text, -q, --json, --log-json) and `--lens`
+    computed here once the run is complete (the workers hold no model by then: one load, as `lmtrace
+    lens RUN`)."""
+    import time
+
+    from ..archive import layout
+    from ..commands import workers as w
+    from ..commands.generate import print_summary
+
+    reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
+    rid, count = plan.run_id, len(plan.commands)
+    threads = plan.env["OMP_NUM_THREADS"]
+    why = f" ({plan.note})" if plan.note else ""
+    reporter.message(
+        f"run {rid}: {count} worker processes{why}, {threads} torch thread(s) each",
+        event="workers",
+        workers=count,
+        torch_threads=int(threads) if threads.isdigit() else threads,
+    )
+    t0 = time.monotonic()
+    follower = w.RunFollower(plan.run_dir, reporter.progress(), fresh=not (plan.run_dir / layout.MANIFEST).exists())
+    try:
+        code = w.exit_code(w.run_workers(plan.commands, plan.env, follower.poll))
+        follower.poll()
+    except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
+        reporter.stop()
+        fail(err)
+    reporter.stop()
+    if code == EXIT_INTERRUPTED:
+        typer.echo(f"error: run {rid} interrupted; resume it with `lmtrace generate --resume {rid}`", err=True)
     if code:
         raise typer.Exit(code)  # each worker printed its own error line
-    if quiet:
-        typer.echo(rid)
-        return
-    from ..archive.summary import run_summary
+    lens_summary = None
+    try:
+        result = w.run_result(plan.run_dir, time.monotonic() - t0)
+        if lens:
+            from ..commands.lens import lens_after
 
-    r = run_summary(plan.run_dir, size=False)
-    typer.echo(
-        f"run {rid}: {r['status']}, {r['prompts']} sequence(s), {r['tokens']} tokens in "
-        f"{time.monotonic() - t0:.1f}s ({count} worker processes) -> {plan.run_dir}"
+            lens_summary = lens_after(result, note=reporter.message)
+    except BaseException as err:  # noqa: BLE001
+        fail(err)
+    code = print_summary(
+        result,
+        lens_summary,
+        None if lens_summary is None else lens_line(lens_summary),
+        lens=lens,
+        quiet=quiet,
+        json_out=json_out,
+        log_json=log_json,
+        message=reporter.message,
     )
+    if code:
+        raise typer.Exit(code)
 
 
 def _run_job(job, reporter: Reporter, resume: str | None, runs_dir: str | None) -> tuple:

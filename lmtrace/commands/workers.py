@@ -7,15 +7,21 @@ capture with another's forward: on 2 cores at batch 8 / 32 / 64, 1.10x / 1.12x /
 plain batched generation against 0.90x / 0.90x / 0.86x for one process (docs/batch.md, "Every core
 of one machine").
 
+Without `--workers`, `generate` runs a dataset this way by itself where that is faster
+(`plan_default`): a model on the CPU, several CPUs, and enough work for every worker; `--workers 1`
+keeps one process. `--resume RUN` of a run made by shard processes resumes each unfinished shard
+the same way (`plan_default_resume`).
+
 The workers are ordinary `lmtrace generate --shard I/N` processes: the run's files, locks,
 completion and resume are the shards' own (docs/batch.md, "Shards and SLURM arrays"). This module
 only checks the spec once, starts them with their thread counts, passes a signal on to each (they
-run in their own process groups, so a terminal's Ctrl-C reaches them through here, once), reports
-the run's progress and returns the exit code the run deserves.
+run in their own process groups, so a terminal's Ctrl-C reaches them through here, once), follows
+the run's progress from its log (`RunFollower`) and returns the exit code the run deserves.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,12 +34,17 @@ from typing import Callable
 from ..exits.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARTIAL_SHARDS, SpecError
 
 POLL_S = 0.2
-REPORT_S = 15.0  # a progress line on stderr this often (not with --quiet)
 
 
 # `--workers auto`: the workers' models may take this share of the RAM available, the rest being for
 # their batches (whose own budget, with batch_size: auto, is half of what is left once they are loaded)
 MODELS_SHARE = 0.5
+# `generate` without --workers splits a run only when its forwards are worth a second process's start
+# (~1.5 s on 2 cores: 16 and 32 prompts of 16 tokens ran 1.4 s slower as two processes, 64 prompts 0.7 s
+# faster): the model's parameters × the tokens to generate, at least SmolLM2-135M's 134.5 M × ~1,000
+DEFAULT_MIN_WORK = 130 * 10**9
+# ... and every worker gets at least this many batches of its own
+DEFAULT_MIN_BATCHES = 2
 # what a worker holds beside its weights before its first batch: Python, torch, transformers and the
 # tokenizer (~500 MiB with SmolLM2-135M on the CPU: 1,014 MiB at generation start, 513 MiB of it weights)
 PROCESS_OVERHEAD = 512 * 2**20
@@ -52,26 +63,34 @@ class Plan:
     note: str | None = None
 
 
-def refuse(flags: dict[str, object]) -> None:
-    given = [flag for flag, value in flags.items() if value]
-    if given:
+def refuse_shard(shard: str | None) -> None:
+    if shard is not None:
         raise SpecError(
-            f"--workers runs the shards itself: drop {', '.join(given)} (one shard by hand: "
+            "--workers runs the shards itself: drop --shard (one shard by hand: "
             "lmtrace generate SPEC --run-id R --shard I/N)"
         )
 
 
 def plan_new(
-    spec_path: Path | None, overrides: list[str], workers: str, *, run_id, runs_dir, memory_budget, saes
+    spec_path: Path | None,
+    overrides: list[str],
+    workers: str,
+    *,
+    run_id,
+    runs_dir,
+    memory_budget,
+    saes,
+    chosen: tuple[int, str] | None = None,
 ) -> Plan:
-    """A new run (or the run `run_id` continued, as `generate --run-id` does) as N shard processes."""
+    """A new run (or the run `run_id` continued, as `generate --run-id` does) as N shard processes;
+    `chosen`: the count `plan_default` chose and why."""
     from ..archive.runs import new_run_id, runs_root
 
     if spec_path is None:
         raise SpecError("--workers needs a SPEC file (or --resume RUN_ID)")
     n = None if workers == "auto" else worker_count(workers)  # (a bad count is refused before the spec is read)
     spec = check_spec(spec_path, overrides, run_id, runs_dir)
-    n, note = (n, None) if n is not None else auto_workers(spec.model)
+    n, note = chosen or ((n, None) if n is not None else auto_workers(spec.model))
     rid = spec.output.run_id or new_run_id()
     commands = worker_commands(
         spec_path, rid, n, overrides=overrides, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
@@ -90,6 +109,82 @@ def plan_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -
         raise SpecError(f"run {rid} is already complete in {run_dir.parent}; nothing to resume")
     every = resume_commands(rid, n, overrides=overrides, runs_dir=runs_dir, memory_budget=memory_budget)
     return Plan(rid, run_dir, [every[i] for i in pending], thread_env(n), n)
+
+
+def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_dir, memory_budget, saes) -> Plan | None:
+    """`generate SPEC` without --workers: the run as shard processes where that is faster
+    (`default_workers`), else None (one process). A run `run_id` names that exists keeps the shards
+    it was started with. A new run stays in one process when the environment sets OMP_NUM_THREADS
+    (the caller chose the threads of one process). Any error is left for the one-process path to
+    report as it always does."""
+    from ..archive.runs import read_manifest, runs_root
+    from ..spec.run_spec import load_spec
+
+    if spec_path is None:
+        return None
+    try:
+        given = list(overrides) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
+        spec, _, _ = load_spec(spec_path, given)
+        rid = spec.output.run_id
+        existing = runs_root(runs_dir, spec.output.runs_dir) / rid if rid else None
+        if existing is not None and existing.is_dir():  # `--run-id R` of a run that exists: its own shards
+            shards = read_manifest(existing).get("shards", 1)
+            chosen = (shards, f"run {rid} was started as {shards} shards") if shards > 1 else None
+        elif os.environ.get("OMP_NUM_THREADS") or model_device(spec.model) != "cpu":
+            chosen = None
+        else:
+            chosen = default_workers(spec)
+        if chosen is None:
+            return None
+        return plan_new(
+            spec_path,
+            overrides,
+            str(chosen[0]),
+            run_id=run_id,
+            runs_dir=runs_dir,
+            memory_budget=memory_budget,
+            saes=saes,
+            chosen=chosen,
+        )
+    except Exception:  # noqa: BLE001 - one process, which reports the problem in its own words
+        return None
+
+
+def default_workers(spec) -> tuple[int, str] | None:
+    """How many workers `generate` starts without --workers: as `--workers auto`, but no more than
+    leaves each DEFAULT_MIN_BATCHES batches (with `batch_size: auto`, batches of a shard file's
+    sequences), and only for a run of DEFAULT_MIN_WORK or more; None for one process."""
+    from ..spec.prompts import load_prompts
+
+    params = model_parameters(spec.model)
+    prompts = len(load_prompts(spec.prompts))
+    if params is None or params[0] * prompts * spec.generation.max_new_tokens < DEFAULT_MIN_WORK:
+        return None
+    n, note = auto_workers(spec.model)
+    size = spec.generation.batch_size
+    batch = size if isinstance(size, int) else spec.output.chunk_sequences  # (auto: cut once loaded)
+    batches = -(-prompts // batch)
+    fit = min(n, batches // DEFAULT_MIN_BATCHES)
+    if fit < 2:
+        return None
+    if fit < n:
+        note = f"{prompts} prompts in {batches} batches: {DEFAULT_MIN_BATCHES} or more for each of {fit}"
+    return fit, f"a dataset on {available_cpus()} CPUs: {note}; --workers 1 for one process"
+
+
+def plan_default_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -> Plan | None:
+    """`generate --resume RUN` without --workers or --shard: a run started as shard processes (its
+    manifest's `shards`) has each unfinished shard resumed, as `--resume RUN --workers N`; None for a
+    run of one process (or one that cannot be read: the one-process path says why)."""
+    from ..archive.runs import find_run, read_manifest, runs_root
+
+    try:
+        shards = read_manifest(find_run(resume, runs_root(runs_dir))).get("shards", 1)
+    except Exception:  # noqa: BLE001
+        return None
+    if shards < 2:
+        return None
+    return plan_resume(resume, overrides, runs_dir=runs_dir, memory_budget=memory_budget)
 
 
 def available_cpus() -> int:
@@ -130,8 +225,14 @@ def auto_workers(model) -> tuple[int, str]:
 
 def worker_bytes(model) -> int | None:
     """What one worker holds before its first batch: the model's parameters in the dtype it loads them
-    in (counted on torch's meta device: no weights read) and PROCESS_OVERHEAD; None where the model's
-    class cannot be built from its config here."""
+    in and PROCESS_OVERHEAD; None where the model's class cannot be built from its config here."""
+    params = model_parameters(model)
+    return None if params is None else params[0] * params[1] + PROCESS_OVERHEAD
+
+
+def model_parameters(model) -> tuple[int, int] | None:
+    """The model's parameter count and the bytes of one in the dtype it loads them in on the CPU
+    (counted on torch's meta device: no weights read); None where its class cannot be built here."""
     import torch
 
     from ..runner.models import load_config, resolve_dtype
@@ -145,7 +246,7 @@ def worker_bytes(model) -> int | None:
         dtype = resolve_dtype(model.dtype, torch.device("cpu"))
     except Exception:  # noqa: BLE001 - any failure: the count falls back to the CPUs, and the run says why it fails
         return None
-    return sum(p.numel() for p in built.parameters()) * dtype.itemsize + PROCESS_OVERHEAD
+    return sum(p.numel() for p in built.parameters()), dtype.itemsize
 
 
 def thread_env(workers: int) -> dict[str, str]:
@@ -164,25 +265,31 @@ def thread_env(workers: int) -> dict[str, str]:
 def check_spec(spec_path: Path, overrides: list[str], run_id: str | None, runs_dir: str | None):
     """The spec as the workers will load it (every check that needs no weights, done once here); a
     CUDA model is refused: the workers would share its GPU memory, and its forward is not the bottleneck."""
-    import json
-
     from ..runner.model_config import preflight
     from ..spec.run_spec import load_spec
 
     given = list(overrides) + ([f"output.run_id={json.dumps(run_id)}"] if run_id else [])
     spec, _, _ = load_spec(spec_path, given)
-    device, device_map = str(spec.model.device), spec.model.device_map
-    if device == "auto" and device_map is None:
-        import torch  # (only here: whether `auto` means a GPU)
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu" or device_map is not None:
+    device = model_device(spec.model)
+    if device != "cpu":
         raise SpecError(
-            f"--workers splits a run over CPU processes; this spec runs the model on {device_map or device}: "
+            f"--workers splits a run over CPU processes; this spec runs the model on {device}: "
             "drop --workers, or set model.device: cpu"
         )
     preflight(spec, runs_dir)
     return spec
+
+
+def model_device(model) -> str:
+    """Where a spec's model runs: `cpu`, another device, or `device_map M` (placed by accelerate)."""
+    device, device_map = str(model.device), model.device_map
+    if device_map is not None:
+        return f"device_map {device_map}"
+    if device == "auto":
+        import torch  # (only here: whether `auto` means a GPU)
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def worker_commands(
@@ -241,8 +348,9 @@ def exit_code(codes: list[int]) -> int:
     return others[0] if others else EXIT_INTERRUPTED
 
 
-def run_workers(commands: list[list[str]], env: dict[str, str], run_dir: Path, report: Callable[[str], None] | None):
-    """Start the workers, wait for all of them, passing SIGINT and SIGTERM on; their exit codes."""
+def run_workers(commands: list[list[str]], env: dict[str, str], poll: Callable[[], None] | None = None):
+    """Start the workers, wait for all of them, passing SIGINT and SIGTERM on; their exit codes.
+    `poll` is called every POLL_S while they run (RunFollower.poll)."""
     procs: list[subprocess.Popen] = []
 
     def pass_on(signum, _frame):
@@ -255,12 +363,10 @@ def run_workers(commands: list[list[str]], env: dict[str, str], run_dir: Path, r
         for cmd in commands:
             # stdout (each prints the run id) discarded; stderr (a worker's error line) as it is
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True))
-        last = time.monotonic()
         while any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
-            if report is not None and time.monotonic() - last >= REPORT_S:
-                last = time.monotonic()
-                report(progress_line(run_dir, len(procs)))
+            if poll is not None:
+                poll()
     finally:
         pass_on(signal.SIGTERM, None)  # an error here (not a signal) leaves no worker behind
         for p in procs:
@@ -270,12 +376,82 @@ def run_workers(commands: list[list[str]], env: dict[str, str], run_dir: Path, r
     return [p.returncode for p in procs]
 
 
-def progress_line(run_dir: Path, workers: int) -> str:
-    from ..archive import layout
-    from ..archive.summary import progress_label, run_summary
+class RunFollower:
+    """A run its workers write, followed from disk for one process's progress callbacks (the CLI's bar
+    or lines, as for a run in one process): `start` once the manifest exists, with the run's sequences
+    and steps, the sequences a resume finds done, then each batch the log gains (`batch_done`: its
+    sequences and tokens). `fresh`: the run did not exist before the workers started, so every batch
+    in its log is theirs."""
 
-    if not (run_dir / layout.MANIFEST).is_file():
-        return f"{workers} workers loading the model"
-    r = run_summary(run_dir, size=False)
-    shards = f", {r['shards_complete']} shards done" if r.get("shards_complete") else ""
-    return f"{run_dir.name}: {progress_label(r) or r['status']}{shards} ({workers} workers)"
+    def __init__(self, run_dir: Path, progress, *, fresh: bool):
+        self.run_dir, self.progress, self.fresh = run_dir, progress, fresh
+        self.offset: int | None = None  # bytes of the log read; None until the run has a manifest
+        self.partial = b""
+
+    def poll(self) -> None:
+        from ..archive import layout
+
+        if self.offset is None and not self._start():
+            return
+        try:
+            with (self.run_dir / layout.LOG).open("rb") as fh:
+                fh.seek(self.offset)
+                data = self.partial + fh.read()
+        except OSError:
+            return
+        self.offset += len(data) - len(self.partial)
+        *lines, self.partial = data.split(b"\n")  # a line being written waits for its end
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "batch_done":
+                tokens = int(event.get("tokens") or 0)
+                self.progress.advance(tokens)
+                self.progress.sequences_done(len(event.get("sequences") or []), tokens)
+
+    def _start(self) -> bool:
+        from ..archive import layout
+        from ..archive.batch_plan import sequences_done
+        from ..archive.runs import read_manifest
+
+        try:
+            m = read_manifest(self.run_dir)
+            done = 0 if self.fresh else sequences_done(self.run_dir, m)
+            log = self.run_dir / layout.LOG
+            self.offset = 0 if self.fresh or not log.exists() else log.stat().st_size
+        except Exception:  # noqa: BLE001 - not written yet (or being replaced): the next poll looks again
+            return False
+        shape = m.get("shape") or {}
+        self.progress.start(shape.get("n_sequences") or m.get("n_prompts") or 0, shape.get("n_steps") or 0)
+        if done:
+            self.progress.sequences_done(done, None)
+        return True
+
+
+def run_result(run_dir: Path, seconds: float):
+    """What a run its workers wrote came to, as one process's `generate` reports it: status,
+    sequences, tokens, the seconds since the workers started, and the generated texts."""
+    import warnings
+
+    from ..archive.reader import IncompleteRunWarning, open_run
+    from ..runner.generation import GenerateResult
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IncompleteRunWarning)
+        run = open_run(run_dir)
+    m = run.manifest
+    texts: list[str] = []
+    if m.get("status") == "complete":
+        rows = run.sequences().select(["sequence", "generated_text"]).to_pylist()
+        texts = [r["generated_text"] for r in sorted(rows, key=lambda r: r["sequence"])]
+    return GenerateResult(
+        run_id=run.id,
+        run_dir=run_dir,
+        status=m.get("status", "unknown"),
+        n_sequences=int(m.get("n_prompts") or 0),
+        n_tokens=int(m.get("n_generated_tokens") or 0),
+        seconds=seconds,
+        texts=texts,
+    )

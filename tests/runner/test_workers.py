@@ -1,6 +1,6 @@
 """`lmtrace generate --workers N`: one run as N shard processes on this machine, equal to a
-single-process run; a signal passed on to every worker, then `--resume --workers` completes it;
-flags it cannot combine with refused in one line."""
+single-process run; a signal passed on to every worker, then `--resume` completes it; chosen by
+`generate` itself for a dataset on the CPU worth it; reported as one process reports a run."""
 
 from __future__ import annotations
 
@@ -63,13 +63,14 @@ def test_a_signal_reaches_every_worker_and_resume_with_workers_completes_the_run
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 3, err
-    assert "lmtrace generate --resume w --workers 2" in err and "Traceback" not in err
+    assert "resume it with `lmtrace generate --resume w`" in err and "Traceback" not in err
     manifest = json.loads((runs / "w" / "manifest.json").read_text())
     assert manifest["status"] == "interrupted"
     shards = {json.loads(p.read_text())["status"] for p in (runs / "w" / "shards").glob("*.json")}
     assert shards == {"interrupted"}  # both workers got the signal and stopped cleanly
-    again = run_cli(["generate", "--resume", "w", "--workers", "2"], runs)
+    again = run_cli(["generate", "--resume", "w"], runs)  # its two shards, each resumed by a worker
     assert again.returncode == 0, again.stderr
+    assert again.stdout == "w\n"
     ref = run_cli(["generate", str(spec), "--run-id", "ref"], runs)
     assert ref.returncode == 0, ref.stderr
     assert_same_archive(Run(runs / "ref"), Run(runs / "w"))
@@ -79,7 +80,6 @@ def test_a_signal_reaches_every_worker_and_resume_with_workers_completes_the_run
     "args, message",
     [
         (["--workers", "2", "--shard", "0/2"], "--workers runs the shards itself: drop --shard"),
-        (["--workers", "2", "--lens"], "drop --lens"),
         (["--workers", "0"], "--workers 0: give a number of processes"),
         (["--workers", "two"], "--workers two: give a number of processes"),
     ],
@@ -123,3 +123,91 @@ def test_workers_auto_counts_the_cpus_and_as_many_models_as_half_the_ram_availab
     assert workers.auto_workers(model) == (64, "one per CPU")
     monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: each // 4)
     assert workers.auto_workers(model)[0] == 1  # never fewer than one
+
+
+def _dataset_spec(tmp_path: Path, model: str, prompts: int, **generation) -> Path:
+    spec = {
+        "model": model,
+        "prompts": [f"Prompt number {i}:" for i in range(prompts)],
+        "generation": {"temperature": 0.9, "seed": 5, "eos_token_id": 0, **generation},
+        "output": {"chunk_steps": 4},
+    }
+    path = tmp_path / "dataset.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_generate_runs_a_dataset_worth_it_as_shard_processes_and_reports_it_as_one_process_would(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """Without --workers, a run of enough work on the CPU is split into one worker per CPU (here the
+    threshold is lowered to the tiny model's run); the user sees what one process shows: the
+    progress lines, the JSON summary, the lens computed after it; the archive equals one process's."""
+    from typer.testing import CliRunner
+
+    from lmtrace.archive.runs import lens_state
+    from lmtrace.cli import app
+    from lmtrace.commands import workers
+
+    spec = _dataset_spec(tmp_path, str(tiny_llama_dir), 4, max_new_tokens=6, batch_size=1)
+    runs = tmp_path / "runs"
+    monkeypatch.setattr(workers, "DEFAULT_MIN_WORK", 1)
+    monkeypatch.setattr(workers, "available_cpus", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LMTRACE_PROGRESS_EVERY", "0")
+    args = ["generate", str(spec), "--run-id", "d", "--runs-dir", str(runs), "--log-json", "--lens"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    events = [json.loads(line) for line in out.stderr.splitlines()]
+    first = events[0]
+    assert first["event"] == "workers" and (first["workers"], first["torch_threads"]) == (2, 1), first
+    assert "(a dataset on 2 CPUs: one per CPU; --workers 1 for one process)" in first["message"], first
+    assert {"event": "start", "prompts": 4, "max_new_tokens": 6}.items() <= events[1].items(), events[1]
+    progress = [e for e in events if e["event"] == "progress"]
+    assert (progress[-1]["sequences_done"], progress[-1]["tokens"]) == (4, 24), progress  # every batch logged
+    finished = events[-1]
+    assert (finished["event"], finished["run_id"], finished["status"], finished["sequences"]) == (
+        "finished",
+        "d",
+        "complete",
+        4,
+    )
+    assert finished["generated_tokens"] == 24 and finished["lens"]["computed"], finished
+    assert out.stdout.startswith("run d: complete, 4 sequence(s), 24 tokens in "), out.stdout
+    assert "logit lens computed" in out.stdout, out.stdout
+    run = Run(runs / "d")
+    assert run.manifest["shards"] == 2 and lens_state(run.manifest) == "ready", run.manifest["lens"]
+    single = run_cli(["generate", str(spec), "--run-id", "single", "--workers", "1"], runs)
+    assert single.returncode == 0, single.stderr
+    assert Run(runs / "single").manifest["shards"] == 1
+    for table in ("tokens", "steps", "sequences"):  # (the lens added its columns to the steps)
+        want = Run(runs / "single").table(table).to_pandas()
+        assert want.equals(run.table(table).to_pandas()[list(want.columns)]), table
+
+
+def test_generate_keeps_one_process_below_the_work_or_the_batches_two_workers_need(tmp_path, monkeypatch):
+    """The default count on the embedded model and 2 CPUs: two workers from 1,024 tokens to generate
+    with two batches each; one process below that, with OMP_NUM_THREADS set, or for a GPU."""
+    from lmtrace.commands import workers
+    from lmtrace.spec.run_spec import load_spec
+
+    monkeypatch.setattr(workers, "available_cpus", lambda: 2)
+    monkeypatch.setattr("lmtrace.runner.batching.available_ram", lambda: 64 * 2**30)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def count(prompts, **generation):
+        spec = load_spec(_dataset_spec(tmp_path, "embedded:smollm2-135m", prompts, **generation))[0]
+        chosen = workers.default_workers(spec)
+        return None if chosen is None else chosen[0]
+
+    assert count(64, max_new_tokens=16, batch_size=8) == 2
+    assert count(256, max_new_tokens=16, batch_size=64) == 2
+    assert count(32, max_new_tokens=16, batch_size=8) is None  # 512 tokens: not worth a second process
+    assert count(256, max_new_tokens=16, batch_size=128) is None  # two batches: one each would idle
+    assert count(256, max_new_tokens=16, batch_size="auto") == 2  # batches of a shard file's 32 sequences
+    plan = dict(run_id=None, runs_dir=str(tmp_path / "runs"), memory_budget=None, saes=[])
+    spec = _dataset_spec(tmp_path, "embedded:smollm2-135m", 64, max_new_tokens=16, batch_size=8)
+    assert workers.plan_default(spec, [], **plan).shards == 2
+    assert workers.plan_default(spec, ["model.device=cuda"], **plan) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert workers.plan_default(spec, [], **plan) is None
