@@ -67,20 +67,15 @@ def generate(
         None,
         "--workers",
         metavar="N|auto",
-        help="Run as N shard processes here, CPUs and memory budget split (auto: one per CPU, as RAM "
-        "allows). Default: auto for a dataset on the CPU where that is faster; 1 for one process.",
+        help="N shard processes here, CPUs and memory split (auto: one per CPU as RAM allows; default where faster).",
     ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
     from ..commands.generate import GenerateJob, print_summary
 
-    if workers != "1":  # the run as shard processes, asked for or chosen (commands/workers.py)
-        try:
-            plan = _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, sae)
-        except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
-            fail(err)
-        if plan is not None:
-            return _generate_workers(plan, quiet=quiet, json_out=json_out, log_json=log_json, lens=lens)
+    plan = _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, sae)
+    if plan is not None:  # the run as shard processes, asked for or chosen (commands/workers.py)
+        return _generate_workers(plan, quiet=quiet, json_out=json_out, log_json=log_json, lens=lens)
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     job = GenerateJob(runs_dir=runs_dir, run_id=run_id, resume=resume)
     try:
@@ -109,23 +104,28 @@ def generate(
 def _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, saes):
     """The shard processes `generate` starts: those `--workers N|auto` asks for; without it, those
     `plan_default` chooses for a dataset on the CPU, or a sharded run's own on `--resume`; None: one
-    process (`--shard`, or nothing to gain)."""
+    process (`--workers 1`, `--shard`, or nothing to gain)."""
     from ..commands import workers as w
 
-    if workers is None:
-        if shard is not None:
-            return None
+    if workers == "1":
+        return None
+    try:
+        if workers is None:
+            if shard is not None:
+                return None
+            if resume:
+                return w.plan_default_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
+            return w.plan_default(
+                spec_path, list(set_), run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
+            )
+        w.refuse_shard(shard)
         if resume:
-            return w.plan_default_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
-        return w.plan_default(
-            spec_path, list(set_), run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
+            return w.plan_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
+        return w.plan_new(
+            spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
         )
-    w.refuse_shard(shard)
-    if resume:
-        return w.plan_resume(resume, list(set_), runs_dir=runs_dir, memory_budget=memory_budget)
-    return w.plan_new(
-        spec_path, list(set_), workers, run_id=run_id, runs_dir=runs_dir, memory_budget=memory_budget, saes=saes
-    )
+    except BaseException as err:  # noqa: BLE001 - mapped to a one-line error and exit code
+        fail(err)
 
 
 def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens: bool):
