@@ -41,7 +41,8 @@ POLL_S = 0.2
 MODELS_SHARE = 0.5
 # `generate` without --workers splits a run only when its forwards are worth a second process's start
 # (~1.5 s on 2 cores: 16 and 32 prompts of 16 tokens ran 1.4 s slower as two processes, 64 prompts 0.7 s
-# faster): the model's parameters × the tokens to generate, at least SmolLM2-135M's 134.5 M × ~1,000
+# faster): the model's parameters (`approx_parameters`) × the tokens to generate, at least SmolLM2-135M
+# generating ~900 tokens (its 147.7 M counted from its config)
 DEFAULT_MIN_WORK = 130 * 10**9
 # ... and every worker gets at least this many batches of its own
 DEFAULT_MIN_BATCHES = 2
@@ -130,10 +131,8 @@ def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_d
         if existing is not None and existing.is_dir():  # `--run-id R` of a run that exists: its own shards
             shards = read_manifest(existing).get("shards", 1)
             chosen = (shards, f"run {rid} was started as {shards} shards") if shards > 1 else None
-        elif os.environ.get("OMP_NUM_THREADS") or model_device(spec.model) != "cpu":
-            chosen = None
         else:
-            chosen = default_workers(spec)
+            chosen = None if os.environ.get("OMP_NUM_THREADS") else default_workers(spec)
         if chosen is None:
             return None
         return plan_new(
@@ -151,14 +150,17 @@ def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_d
 
 
 def default_workers(spec) -> tuple[int, str] | None:
-    """How many workers `generate` starts without --workers: as `--workers auto`, but no more than
-    leaves each DEFAULT_MIN_BATCHES batches (with `batch_size: auto`, batches of a shard file's
-    sequences), and only for a run of DEFAULT_MIN_WORK or more; None for one process."""
+    """How many workers `generate` starts without --workers: for a run of DEFAULT_MIN_WORK or more
+    on the CPU, as `--workers auto`, but no more than leaves each DEFAULT_MIN_BATCHES batches (with
+    `batch_size: auto`, batches of a shard file's sequences); None for one process."""
+    from ..runner.model_config import model_config
     from ..spec.prompts import load_prompts
 
-    params = model_parameters(spec.model)
+    params = approx_parameters(model_config(spec.model)[2] or {})
     prompts = len(load_prompts(spec.prompts))
-    if params is None or params[0] * prompts * spec.generation.max_new_tokens < DEFAULT_MIN_WORK:
+    if params is None or params * prompts * spec.generation.max_new_tokens < DEFAULT_MIN_WORK:
+        return None
+    if model_device(spec.model) != "cpu":  # (after the work: `device: auto` imports torch to tell)
         return None
     n, note = auto_workers(spec.model)
     size = spec.generation.batch_size
@@ -170,6 +172,19 @@ def default_workers(spec) -> tuple[int, str] | None:
     if fit < n:
         note = f"{prompts} prompts in {batches} batches: {DEFAULT_MIN_BATCHES} or more for each of {fit}"
     return fit, f"a dataset on {available_cpus()} CPUs: {note}; --workers 1 for one process"
+
+
+def approx_parameters(cfg: dict) -> int | None:
+    """About the parameters of a model from its config alone (no torch: a run too small to split
+    decides within a second): each layer's attention (4 d²) and gated MLP (3 d d_ffn, or 8 d² without
+    a d_ffn), and the embedding; 147.7 M for SmolLM2-135M's 134.5 M. None without the sizes."""
+    from ..runner.model_config import model_sizes
+
+    n_layers, _, d = model_sizes(cfg)
+    if not (n_layers and d):
+        return None
+    ffn = cfg.get("intermediate_size") or cfg.get("n_inner")
+    return n_layers * (4 * d * d + (3 * d * ffn if ffn else 8 * d * d)) + (cfg.get("vocab_size") or 0) * d
 
 
 def plan_default_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -> Plan | None:
@@ -225,14 +240,8 @@ def auto_workers(model) -> tuple[int, str]:
 
 def worker_bytes(model) -> int | None:
     """What one worker holds before its first batch: the model's parameters in the dtype it loads them
-    in and PROCESS_OVERHEAD; None where the model's class cannot be built from its config here."""
-    params = model_parameters(model)
-    return None if params is None else params[0] * params[1] + PROCESS_OVERHEAD
-
-
-def model_parameters(model) -> tuple[int, int] | None:
-    """The model's parameter count and the bytes of one in the dtype it loads them in on the CPU
-    (counted on torch's meta device: no weights read); None where its class cannot be built here."""
+    in (counted on torch's meta device: no weights read) and PROCESS_OVERHEAD; None where the model's
+    class cannot be built from its config here."""
     import torch
 
     from ..runner.models import load_config, resolve_dtype
@@ -246,7 +255,7 @@ def model_parameters(model) -> tuple[int, int] | None:
         dtype = resolve_dtype(model.dtype, torch.device("cpu"))
     except Exception:  # noqa: BLE001 - any failure: the count falls back to the CPUs, and the run says why it fails
         return None
-    return sum(p.numel() for p in built.parameters()), dtype.itemsize
+    return sum(p.numel() for p in built.parameters()) * dtype.itemsize + PROCESS_OVERHEAD
 
 
 def thread_env(workers: int) -> dict[str, str]:

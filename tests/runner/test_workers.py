@@ -5,7 +5,10 @@ single-process run; a signal passed on to every worker, then `--resume` complete
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -211,3 +214,13 @@ def test_generate_keeps_one_process_below_the_work_or_the_batches_two_workers_ne
     assert workers.plan_default(spec, ["model.device=cuda"], **plan) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert workers.plan_default(spec, [], **plan) is None
+    # a run too small to split is told from the model's config alone: no torch before the run's own import
+    small = _dataset_spec(tmp_path, "embedded:smollm2-135m", 8, max_new_tokens=16, batch_size=2)
+    code = (
+        "import sys\nfrom lmtrace.commands import workers\n"
+        f"assert workers.plan_default({str(small)!r}, [], run_id=None, runs_dir=None, memory_budget=None, saes=[]) is None\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
