@@ -180,13 +180,13 @@ def check_target(
             f"run {run_id} exists with a different spec (differs at {diff}); use another run id, "
             f"or `lmtrace generate --resume {run_id}` to continue it as it was"
         )
+    if existing.get("status") == "complete":
+        raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")
     if existing.get("shards", 1) != shard.count:
         raise SpecError(
             f"run {run_id} is written by {existing.get('shards', 1)} shard(s); pass --shard I/"
             f"{existing.get('shards', 1)} (or leave out --workers and --shard: each shard is resumed)"
         )
-    if existing.get("status") == "complete":
-        raise SpecError(f"run {run_id} is already complete in {root}; nothing to resume")
     shard_file = path / layout.SHARDS_DIR / f"{shard.key}.json"
     if (
         shard_file.is_file()

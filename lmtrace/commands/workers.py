@@ -115,9 +115,9 @@ def plan_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -
 def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_dir, memory_budget, saes) -> Plan | None:
     """`generate SPEC` without --workers: the run as shard processes where that is faster
     (`default_workers`), else None (one process). A run `run_id` names that exists keeps the shards
-    it was started with. A new run stays in one process when the environment sets OMP_NUM_THREADS
-    (the caller chose the threads of one process). Any error is left for the one-process path to
-    report as it always does."""
+    it was started with: those not complete continue, one worker each. A new run stays in one process
+    when the environment sets OMP_NUM_THREADS (the caller chose the threads of one process). Other
+    errors are left for the one-process path to report as it always does."""
     from ..archive.runs import read_manifest, runs_root
     from ..spec.run_spec import load_spec
 
@@ -130,12 +130,15 @@ def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_d
         existing = runs_root(runs_dir, spec.output.runs_dir) / rid if rid else None
         if existing is not None and existing.is_dir():  # `--run-id R` of a run that exists: its own shards
             shards = read_manifest(existing).get("shards", 1)
-            chosen = (shards, f"run {rid} was started as {shards} shards") if shards > 1 else None
+            chosen, pending = (shards, f"run {rid} was started as {shards} shards"), unfinished_shards(existing, shards)
+            if shards < 2:
+                return None
         else:
             chosen = None if os.environ.get("OMP_NUM_THREADS") else default_workers(spec)
-        if chosen is None:
-            return None
-        return plan_new(
+            pending = None if chosen is None else list(range(chosen[0]))
+        if chosen is None or not pending:
+            return None  # (a complete run: the one-process path says so)
+        plan = plan_new(
             spec_path,
             overrides,
             str(chosen[0]),
@@ -147,6 +150,8 @@ def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_d
         )
     except Exception:  # noqa: BLE001 - one process, which reports the problem in its own words
         return None
+    plan.commands = [plan.commands[i] for i in pending]
+    return plan
 
 
 def default_workers(spec) -> tuple[int, str] | None:

@@ -54,6 +54,8 @@ def test_workers_write_one_run_equal_to_a_single_process_run(tmp_path, tiny_llam
     assert_same_archive(Run(runs / "single"), run)
     again = run_cli(["generate", "--resume", "w", "--workers", "2"], runs)
     assert_one_line_error(again, 2, "run w is already complete")
+    again = run_cli(["generate", str(spec), "--run-id", "w", *budget], runs)  # its shards: none left to run
+    assert_one_line_error(again, 2, "run w is already complete")
 
 
 @pytest.mark.slow
