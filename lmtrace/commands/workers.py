@@ -109,7 +109,8 @@ def plan_resume(resume: str, overrides: list[str], *, runs_dir, memory_budget) -
     if not pending:
         raise SpecError(f"run {rid} is already complete in {run_dir.parent}; nothing to resume")
     every = resume_commands(rid, n, overrides=overrides, runs_dir=runs_dir, memory_budget=memory_budget)
-    return Plan(rid, run_dir, [every[i] for i in pending], thread_env(n), n)
+    note = f"shard{'s' if len(pending) > 1 else ''} {', '.join(str(i) for i in pending)} of {n} resumed"
+    return Plan(rid, run_dir, [every[i] for i in pending], thread_env(n), n, note)
 
 
 def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_dir, memory_budget, saes) -> Plan | None:
@@ -364,29 +365,58 @@ def exit_code(codes: list[int]) -> int:
 
 def run_workers(commands: list[list[str]], env: dict[str, str], poll: Callable[[], None] | None = None):
     """Start the workers, wait for all of them, passing SIGINT and SIGTERM on; their exit codes.
-    `poll` is called every POLL_S while they run (RunFollower.poll)."""
-    procs: list[subprocess.Popen] = []
+    `poll` is called every POLL_S while they run (RunFollower.poll). Their stderr (a worker's error
+    line) comes through this process's, so a progress bar stays whole; once a signal was passed on, a
+    worker that stops as interrupted has its lines dropped: the caller says it once, for the run."""
+    import threading
 
-    def pass_on(signum, _frame):
+    procs: list[subprocess.Popen] = []
+    signalled = threading.Event()
+    held: dict[int, list[str]] = {}
+
+    def send(signum):
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    def pass_on(signum, _frame):
+        signalled.set()
+        send(signum)
+
+    def relay(i: int, stream) -> None:
+        for line in stream:
+            if signalled.is_set():
+                held.setdefault(i, []).append(line)
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
     old = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    relays: list[threading.Thread] = []
     try:
-        for cmd in commands:
-            # stdout (each prints the run id) discarded; stderr (a worker's error line) as it is
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True))
+        for i, cmd in enumerate(commands):
+            # stdout (each prints the run id) discarded; stderr relayed
+            p = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
+            procs.append(p)
+            relays.append(threading.Thread(target=relay, args=(i, p.stderr), daemon=True))
+            relays[-1].start()
         while any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
             if poll is not None:
                 poll()
     finally:
-        pass_on(signal.SIGTERM, None)  # an error here (not a signal) leaves no worker behind
+        send(signal.SIGTERM)  # an error here (not a signal) leaves no worker behind
         for p in procs:
             p.wait()
+        for t in relays:
+            t.join()
         for s, handler in old.items():
             signal.signal(s, handler)
+    for i, p in enumerate(procs):
+        if p.returncode != EXIT_INTERRUPTED:
+            sys.stderr.writelines(held.get(i, []))
     return [p.returncode for p in procs]
 
 
