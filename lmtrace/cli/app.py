@@ -117,6 +117,7 @@ class Reporter:
         self.task = None
         self.estimate = None
         self.shard = None  # `shard-I-of-N` of a sharded run: named in every progress line
+        self.narrow = False  # the bar's layout for a terminal under 100 columns
         self.t0 = time.time()
         self.last_line = 0.0
         # seconds between plain progress lines (cron, SLURM logs)
@@ -155,14 +156,19 @@ class Reporter:
         if self.quiet:
             return
         if self.tty:
+            import shutil
+
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+            # under 100 columns (an 80-column terminal) the bar is short and shows the count, the rate
+            # and the time left, not the tokens and the time elapsed: the count is never cut
+            self.narrow = shutil.get_terminal_size().columns < 100
             self.bar = Progress(
                 TextColumn(f"generating{f' ({self.shard})' if self.shard else ''}"),
-                BarColumn(),
+                BarColumn(bar_width=10 if self.narrow else 40),
                 MofNCompleteColumn(),
                 TextColumn("sequences, {task.fields[status]}"),
-                TimeElapsedColumn(),
+                *([] if self.narrow else [TimeElapsedColumn()]),
                 transient=True,
             )
             self.bar.start()
@@ -194,8 +200,13 @@ class Reporter:
         if self.bar is not None:
             from ..output.progress import duration
 
-            eta = f", about {duration(left)} left" if left is not None else ""
-            self.bar.update(self.task, advance=sequences, status=f"{e.tokens} tokens, {rate:.1f} tok/s{eta}")
+            if self.narrow:
+                eta = f", ~{duration(left)} left" if left is not None else ""
+                status = f"{rate:.1f} tok/s{eta}"
+            else:
+                eta = f", about {duration(left)} left" if left is not None else ""
+                status = f"{e.tokens} tokens, {rate:.1f} tok/s{eta}"
+            self.bar.update(self.task, advance=sequences, status=status)
         elif now - self.last_line >= self.every:
             self.last_line = now
             self.message(

@@ -177,7 +177,7 @@ def default_workers(spec) -> tuple[int, str] | None:
         return None
     if fit < n:
         note = f"{prompts} prompts in {batches} batches: {DEFAULT_MIN_BATCHES} or more for each of {fit}"
-    return fit, f"a dataset on {available_cpus()} CPUs: {note}; --workers 1 for one process"
+    return fit, f"{note}; --workers 1 for one process"
 
 
 def approx_parameters(cfg: dict) -> int | None:
