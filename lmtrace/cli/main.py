@@ -137,6 +137,7 @@ def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens
 
     from ..archive import layout
     from ..commands import workers as w
+    from ..commands import workers_follow
     from ..commands.generate import print_summary
 
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
@@ -150,7 +151,9 @@ def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens
         torch_threads=int(threads) if threads.isdigit() else threads,
     )
     t0 = time.monotonic()
-    follower = w.RunFollower(plan.run_dir, reporter.progress(), fresh=not (plan.run_dir / layout.MANIFEST).exists())
+    follower = workers_follow.RunFollower(
+        plan.run_dir, reporter.progress(), fresh=not (plan.run_dir / layout.MANIFEST).exists()
+    )
     try:
         code = w.exit_code(w.run_workers(plan.commands, plan.env, follower.poll))
         follower.poll()
@@ -164,7 +167,7 @@ def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens
         raise typer.Exit(code)  # each worker printed its own error line
     lens_summary = None
     try:
-        result = w.run_result(plan.run_dir, time.monotonic() - t0)
+        result = workers_follow.run_result(plan.run_dir, time.monotonic() - t0)
         if lens:
             from ..commands.lens import lens_after
 
