@@ -71,7 +71,7 @@ def generate(
     ),
 ):
     """Run a spec: generate with capture hooks and stream everything to a run archive."""
-    from ..commands.generate import GenerateJob, print_summary
+    from ..commands.generate import GenerateJob
 
     plan = _workers_plan(spec_path, set_, workers, shard, runs_dir, run_id, resume, memory_budget, sae)
     if plan is not None:  # the run as shard processes, asked for or chosen (commands/workers.py)
@@ -87,11 +87,18 @@ def generate(
         reporter.stop()
         fail(err, lambda: run_dir_or_root(job.run_ref, runs_dir))
     reporter.stop()
+    _summarise(result, lens_summary, job.lens, reporter, quiet=quiet, json_out=json_out, log_json=log_json)
+
+
+def _summarise(result, lens_summary, lens: bool, reporter: Reporter, *, quiet: bool, json_out: bool, log_json: bool):
+    """What a run came to, on stdout (commands/generate.print_summary), and the exit code it deserves."""
+    from ..commands.generate import print_summary
+
     code = print_summary(
         result,
         lens_summary,
         None if lens_summary is None else lens_line(lens_summary),
-        lens=job.lens,
+        lens=lens,
         quiet=quiet,
         json_out=json_out,
         log_json=log_json,
@@ -138,7 +145,6 @@ def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens
     from ..archive import layout
     from ..commands import workers as w
     from ..commands import workers_follow
-    from ..commands.generate import print_summary
 
     reporter = Reporter(quiet, log_json) if log_json else Reporter(quiet or json_out)
     rid, count = plan.run_id, len(plan.commands)
@@ -174,18 +180,7 @@ def _generate_workers(plan, *, quiet: bool, json_out: bool, log_json: bool, lens
             lens_summary = lens_after(result, note=reporter.message)
     except BaseException as err:  # noqa: BLE001
         fail(err)
-    code = print_summary(
-        result,
-        lens_summary,
-        None if lens_summary is None else lens_line(lens_summary),
-        lens=lens,
-        quiet=quiet,
-        json_out=json_out,
-        log_json=log_json,
-        message=reporter.message,
-    )
-    if code:
-        raise typer.Exit(code)
+    _summarise(result, lens_summary, lens, reporter, quiet=quiet, json_out=json_out, log_json=log_json)
 
 
 def _run_job(job, reporter: Reporter, resume: str | None, runs_dir: str | None) -> tuple:
