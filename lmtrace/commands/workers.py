@@ -132,9 +132,10 @@ def plan_default(spec_path: Path | None, overrides: list[str], *, run_id, runs_d
         existing = runs_root(runs_dir, spec.output.runs_dir) / rid if rid else None
         if existing is not None and existing.is_dir():  # `--run-id R` of a run that exists: its own shards
             shards = read_manifest(existing).get("shards", 1)
-            chosen, pending = (shards, f"run {rid} was started as {shards} shards"), unfinished_shards(existing, shards)
             if shards < 2:
                 return None
+            chosen = (shards, f"run {rid} was started as {shards} shards")
+            pending = unfinished_shards(existing, shards)
         else:
             chosen = None if os.environ.get("OMP_NUM_THREADS") else default_workers(spec)
             pending = None if chosen is None else list(range(chosen[0]))
