@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from lmtrace.archive.reader import Run
+from lmtrace.commands.workers_follow import RunFollower
+from lmtrace.output.progress import Progress
 from tests.helpers.archives import assert_same_archive
 from tests.helpers.cli import assert_one_line_error, run_cli, sampled_spec, start_cli
 
@@ -73,9 +75,22 @@ def test_a_signal_reaches_every_worker_and_resume_with_workers_completes_the_run
     assert manifest["status"] == "interrupted"
     shards = {json.loads(p.read_text())["status"] for p in (runs / "w" / "shards").glob("*.json")}
     assert shards == {"interrupted"}  # both workers got the signal and stopped cleanly
+    # what the command's progress reads of a resumed run: the sequences found done, then only the
+    # batches the resume adds to the log (the interrupted run's own batch_done lines counted once)
+    seen = {"start": None, "sequences": 0, "tokens": 0}
+    progress = Progress(
+        start=lambda n, steps: seen.update(start=(n, steps)),
+        advance=lambda tokens: seen.update(tokens=seen["tokens"] + tokens),
+        sequences_done=lambda n, tokens: seen.update(sequences=seen["sequences"] + n),
+    )
+    follower = RunFollower(runs / "w", progress, fresh=False)
+    follower.poll()
+    assert seen["start"] == (3, 250) and seen["sequences"] < 3, seen
     again = run_cli(["generate", "--resume", "w"], runs)  # its two shards, each resumed by a worker
     assert again.returncode == 0, again.stderr
     assert again.stdout == "w\n"
+    follower.poll()
+    assert seen["sequences"] == 3 and seen["tokens"] > 0, seen
     ref = run_cli(["generate", str(spec), "--run-id", "ref"], runs)
     assert ref.returncode == 0, ref.stderr
     assert_same_archive(Run(runs / "ref"), Run(runs / "w"))
@@ -226,3 +241,47 @@ def test_generate_keeps_one_process_below_the_work_or_the_batches_two_workers_ne
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_command_follows_the_workers_log_once_per_batch_and_not_the_batches_before_it(tmp_path):
+    """RunFollower against a log written by hand: a resumed run's earlier batch_done lines are not
+    counted again (the sequences found done come from the run's progress files, here none), a line
+    still being written waits for its end, and a new run's log is read from its start."""
+    from lmtrace.archive import layout
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / layout.MANIFEST).write_text(json.dumps({"shape": {"n_sequences": 3, "n_steps": 5}, "n_prompts": 3}))
+    log = run / layout.LOG
+
+    def done(seqs, tokens, end="\n"):
+        with log.open("a") as fh:
+            fh.write(json.dumps({"event": "batch_done", "sequences": seqs, "tokens": tokens}) + end)
+
+    done([0], 5)  # before the command started
+
+    def follow(fresh):
+        seen = {"start": None, "sequences": 0, "tokens": 0}
+        progress = Progress(
+            start=lambda n, steps: seen.update(start=(n, steps)),
+            advance=lambda tokens: seen.update(tokens=seen["tokens"] + tokens),
+            sequences_done=lambda n, tokens: seen.update(sequences=seen["sequences"] + n),
+        )
+        return RunFollower(run, progress, fresh=fresh), seen
+
+    follower, seen = follow(fresh=False)
+    follower.poll()
+    assert seen == {"start": (3, 5), "sequences": 0, "tokens": 0}
+    done([1], 4)
+    with log.open("a") as fh:
+        fh.write('{"event": "batch_done", "seq')  # half a line: the writer is still at it
+    follower.poll()
+    assert (seen["sequences"], seen["tokens"]) == (1, 4)
+    with log.open("a") as fh:
+        fh.write('uences": [2], "tokens": 3}\n')
+    follower.poll()
+    follower.poll()
+    assert (seen["sequences"], seen["tokens"]) == (2, 7)
+    fresh, seen = follow(fresh=True)  # a run the workers created: every batch in its log is theirs
+    fresh.poll()
+    assert (seen["start"], seen["sequences"], seen["tokens"]) == ((3, 5), 3, 12)
